@@ -1,0 +1,1 @@
+"""Compatibility matrices as TOML data; this package only marks where they live."""
