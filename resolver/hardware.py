@@ -1,0 +1,261 @@
+"""What GPU the plan is for: a name the user typed, or this machine's GPUs and driver.
+
+Detection is an ordered list of sources, each a small function that returns what it saw or says why it
+saw nothing: the ENVTOOL_GPU / ENVTOOL_DRIVER_VERSION overrides, NVML (nvidia-ml-py), `nvidia-smi`, and
+/proc/driver/nvidia/version for the driver alone. No GPU found means a CPU plan.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass, field
+
+from .errors import BadInput
+from .matrix import Matrix, cc_tuple, normalize_name
+
+GPU_ENV = "ENVTOOL_GPU"
+DRIVER_ENV = "ENVTOOL_DRIVER_VERSION"
+PROC_DRIVER_VERSION = "/proc/driver/nvidia/version"
+DRIVER_RE = re.compile(r"^\d{2,4}(\.\d{1,3}){1,2}$")
+SM_RE = re.compile(r"^(?:sm_?|cc)?(\d{1,2})\.?(\d)$")
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    """The target the plan is for. `compute_capability` is None for a CPU plan."""
+
+    name: str
+    compute_capability: str | None
+    arch: str
+    memory_gb: float | None
+    source: str  # catalog | compute-capability | nvml | nvidia-smi | ENVTOOL_GPU | none
+    bf16: bool = False
+    fp8: bool = False
+    count: int = 1
+
+    @property
+    def is_cpu(self) -> bool:
+        return self.compute_capability is None
+
+    @property
+    def sm(self) -> str:
+        return "cpu" if self.is_cpu else "sm_" + self.compute_capability.replace(".", "")
+
+    def describe(self) -> str:
+        if self.is_cpu:
+            return "CPU"
+        return f"{self.name} ({self.sm}, {self.arch.capitalize()})"
+
+
+CPU = GpuSpec(name="CPU", compute_capability=None, arch="cpu", memory_gb=None, source="none")
+
+
+@dataclass
+class Detection:
+    """What `--gpu auto` found: the GPU to plan for, the driver, and what each source said."""
+
+    gpu: GpuSpec
+    driver: str | None
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Seen:
+    """One GPU as a detection source reports it."""
+
+    name: str
+    compute_capability: str
+    memory_gb: float | None
+
+
+# ---------------------------------------------------------------------------- named GPUs
+
+
+def lookup(text: str, m: Matrix, source: str = "catalog") -> GpuSpec:
+    """A GPU by alias ("t4"), full name ("Tesla T4"), or compute capability ("sm_75", "7.5"), or "cpu"."""
+    key = normalize_name(text)
+    if key in ("cpu", "none"):
+        return CPU
+    for g in m.gpus:
+        if key in {normalize_name(a) for a in g.aliases} | {normalize_name(g.name)}:
+            return from_cc(g.compute_capability, m, name=g.name, memory_gb=g.memory_gb, source=source)
+    match = SM_RE.match(key)
+    if match:
+        cc = f"{int(match.group(1))}.{match.group(2)}"
+        return from_cc(cc, m, name=f"sm_{cc.replace('.', '')} GPU", memory_gb=None,
+                       source="compute-capability")
+    names = sorted({normalize_name(a) for g in m.gpus for a in g.aliases} | {"cpu"})
+    close = difflib.get_close_matches(key, names, n=3, cutoff=0.5)
+    hint = f"; did you mean {', '.join(close)}?" if close else ""
+    raise BadInput(f"unknown GPU {text!r}{hint} (`envtool gpus` lists the known ones; "
+                   f"`--gpu sm_XY` names any GPU by compute capability)")
+
+
+def from_cc(cc: str, m: Matrix, *, name: str, memory_gb: float | None, source: str,
+            count: int = 1) -> GpuSpec:
+    arch = m.arch_for(cc)
+    if arch is None:
+        known = ", ".join(a.compute_capability for a in m.archs)
+        raise BadInput(f"compute capability {cc} of {name} is not in the matrix (known: {known})")
+    return GpuSpec(name=name, compute_capability=cc, arch=arch.name, memory_gb=memory_gb, source=source,
+                   bf16=arch.bf16, fp8=arch.fp8, count=count)
+
+
+def check_driver(version: str, where: str = "--driver") -> str:
+    version = version.strip()
+    if not DRIVER_RE.match(version):
+        raise BadInput(f"{where} {version!r} is not an NVIDIA driver version like 550.54.14")
+    return version
+
+
+# ---------------------------------------------------------------------------- detection
+
+
+def detect(m: Matrix) -> Detection:
+    """Find this machine's GPUs and driver; plan for the lowest compute capability among several."""
+    notes: list[str] = []
+    driver_override = os.environ.get(DRIVER_ENV)
+    override = os.environ.get(GPU_ENV)
+    if override:
+        gpu = lookup(override, m, source=GPU_ENV)
+        driver = check_driver(driver_override, DRIVER_ENV) if driver_override else None
+        return Detection(gpu, driver, [f"GPU from {GPU_ENV}={override} (detection skipped)"])
+
+    seen: list[Seen] = []
+    driver = None
+    for probe in (probe_nvml, probe_nvidia_smi):
+        gpus, driver, note = probe()
+        notes.append(note)
+        if gpus:
+            seen = gpus
+            source = probe.__name__.removeprefix("probe_").replace("_", "-")
+            break
+    if driver is None:
+        driver, note = probe_proc_driver()
+        notes.append(note)
+    if driver_override:
+        driver = check_driver(driver_override, DRIVER_ENV)
+        notes.append(f"driver from {DRIVER_ENV}={driver}")
+
+    if not seen:
+        notes.append("no NVIDIA GPU found: planning for CPU")
+        return Detection(CPU, driver, notes)
+    lowest = min(seen, key=lambda s: cc_tuple(s.compute_capability))
+    gpu = from_cc(lowest.compute_capability, m, name=lowest.name, memory_gb=lowest.memory_gb,
+                  source=source, count=len(seen))
+    if len({s.compute_capability for s in seen}) > 1:
+        mix = ", ".join(f"{s.name} (sm_{s.compute_capability.replace('.', '')})" for s in seen)
+        notes.append(f"{len(seen)} GPUs of different compute capability ({mix}): planning for the lowest, "
+                     f"{gpu.describe()}, so one environment runs on all of them")
+    elif len(seen) > 1:
+        notes.append(f"{len(seen)} × {gpu.name} detected")
+    return Detection(gpu, driver, notes)
+
+
+def probe_nvml() -> tuple[list[Seen], str | None, str]:
+    try:
+        import pynvml
+    except ImportError:
+        return [], None, "NVML: nvidia-ml-py is not installed"
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as e:
+        return [], None, f"NVML: {e}"
+    try:
+        driver = _text(pynvml.nvmlSystemGetDriverVersion())
+        seen = []
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+            major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(handle)
+            memory = pynvml.nvmlDeviceGetMemoryInfo(handle).total / 2**30
+            seen.append(Seen(_text(pynvml.nvmlDeviceGetName(handle)), f"{major}.{minor}", round(memory, 1)))
+        return seen, driver, f"NVML: {len(seen)} GPU(s), driver {driver}"
+    except pynvml.NVMLError as e:
+        return [], None, f"NVML: {e}"
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except pynvml.NVMLError:
+            pass
+
+
+NVIDIA_SMI_QUERY = ["--query-gpu=name,compute_cap,memory.total,driver_version", "--format=csv,noheader"]
+
+
+def probe_nvidia_smi() -> tuple[list[Seen], str | None, str]:
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return [], None, "nvidia-smi: not on PATH"
+    try:
+        out = subprocess.run([exe, *NVIDIA_SMI_QUERY], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return [], None, f"nvidia-smi: {e}"
+    if out.returncode != 0:
+        first = (out.stderr or out.stdout).strip().splitlines()[:1]
+        return [], None, f"nvidia-smi: exit {out.returncode}: {first[0] if first else ''}".rstrip(": ")
+    seen, driver = parse_nvidia_smi(out.stdout)
+    return seen, driver, f"nvidia-smi: {len(seen)} GPU(s), driver {driver}"
+
+
+def parse_nvidia_smi(text: str) -> tuple[list[Seen], str | None]:
+    """Parse `nvidia-smi --query-gpu=name,compute_cap,memory.total,driver_version --format=csv,noheader`.
+
+    A line looks like `Tesla T4, 7.5, 15360 MiB, 535.104.05`.
+    """
+    seen, driver = [], None
+    for line in text.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) != 4 or not re.match(r"^\d+\.\d+$", parts[1]):
+            continue
+        name, cc, memory, driver = parts
+        mib = re.match(r"^(\d+)\s*MiB$", memory)
+        seen.append(Seen(name, cc, round(int(mib.group(1)) / 1024, 1) if mib else None))
+    return seen, driver
+
+
+def probe_proc_driver(path: str = PROC_DRIVER_VERSION) -> tuple[str | None, str]:
+    """The kernel module's version line: `NVRM version: NVIDIA UNIX x86_64 Kernel Module  535.104.05  ...`."""
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError:
+        return None, f"{path}: not present"
+    match = re.search(r"Kernel Module(?: for \w+)?\s+(\d+\.\d+(?:\.\d+)?)", text)
+    if not match:
+        return None, f"{path}: no driver version in it"
+    return match.group(1), f"{path}: driver {match.group(1)}"
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+@dataclass
+class Target:
+    """One plan to make: what the user typed, the GPU it names, the driver, and how they were found."""
+
+    label: str
+    gpu: GpuSpec
+    driver: str | None
+    notes: list[str]
+
+
+def targets(text: str, m: Matrix, driver: str | None) -> list[Target]:
+    """`--gpu auto`, `--gpu t4` or `--gpu t4,v100,a100` (one plan each)."""
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    if not names:
+        raise BadInput("--gpu needs a GPU name, a compute capability (sm_80), 'cpu' or 'auto'")
+    if driver is not None:
+        driver = check_driver(driver)
+    if "auto" in (n.lower() for n in names):
+        if len(names) > 1:
+            raise BadInput("--gpu auto cannot be combined with other targets")
+        found = detect(m)
+        if driver:
+            found.notes.append(f"driver from --driver {driver}")
+        return [Target("auto", found.gpu, driver or found.driver, found.notes)]
+    return [Target(n, lookup(n, m), driver, []) for n in names]

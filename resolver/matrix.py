@@ -1,0 +1,398 @@
+"""Load the compatibility matrices (matrices/*.toml) into typed rows, rejecting malformed ones.
+
+The dataclasses below are the schema: a row must carry every field without a default, no unknown field,
+and values of the annotated types. `load()` then checks the facts hang together (versions parse, every
+build's CUDA toolkit is known, ...). Code elsewhere only queries the result; facts never live in `if`s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
+from packaging.version import InvalidVersion, Version
+
+from .errors import MatrixError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
+
+MATRIX_DIR_ENV = "ENVTOOL_MATRIX_DIR"
+CC_RE = re.compile(r"^\d+\.\d$")
+
+
+# ---------------------------------------------------------------------------- rows (the schema)
+
+
+@dataclass(frozen=True)
+class Arch:
+    compute_capability: str
+    name: str
+    bf16: bool
+    fp8: bool
+    tensor_cores: bool
+    source: str
+
+
+@dataclass(frozen=True)
+class Gpu:
+    name: str
+    aliases: list[str]
+    compute_capability: str
+    memory_gb: float
+    source: str
+
+
+@dataclass(frozen=True)
+class CudaMajor:
+    major: int
+    compat_min_driver: str
+    source: str
+    min_cc: str | None = None  # the oldest GPU architecture this major still supports
+    min_cc_note: str = ""
+
+
+@dataclass(frozen=True)
+class Toolkit:
+    version: str
+    source: str
+    min_driver: str | None = None
+
+
+@dataclass(frozen=True)
+class TorchBuild:
+    variant: str
+    cuda: str
+    status: str  # "stable" | "experimental"
+    sass: list[str]
+    source: str
+
+
+@dataclass(frozen=True)
+class TorchRelease:
+    version: str
+    python: str  # a PEP 440 specifier, e.g. ">=3.10,<3.15"
+    triton: str | None
+    cxx11abi: bool
+    source: str
+    build: list[TorchBuild] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class FlashAttnImpl:
+    name: str  # "fa2", "fa3"
+    attention: str  # the plan's attention value, e.g. "flash_attention_2"
+    package: str
+    min_cc: str
+    source: str
+    max_cc: str | None = None
+    min_cuda: str | None = None
+
+
+@dataclass(frozen=True)
+class FlashAttnRelease:
+    version: str
+    impl: str
+    filename: str  # template: {version} {cuda} {torch} {abi} {py} {platform}
+    torch: list[str]  # major.minor
+    cuda: dict[str, str]  # CUDA major of the torch build -> its tag in the filename ("12" -> "12")
+    python: list[str]  # "3.11"
+    cxx11abi: list[bool]
+    platforms: list[str]
+    source: str
+    exclude: list[str] = field(default_factory=list)  # "torch2.4-py3.13" combinations without a wheel
+
+
+@dataclass(frozen=True)
+class Xformers:
+    version: str
+    torch: str  # the exact torch release it pins
+    min_cc: str
+    source: str
+
+
+@dataclass(frozen=True)
+class Stack:
+    torch: str  # specifier
+    python: str  # specifier
+    packages: dict[str, str]
+    source: str
+
+
+@dataclass(frozen=True)
+class GpuRequirement:
+    package: str
+    min_cc: str
+    reason: str
+    source: str
+
+
+@dataclass(frozen=True)
+class TritonSupport:
+    triton: str  # specifier over triton versions
+    min_cc: str
+    reason: str
+    source: str
+
+
+@dataclass(frozen=True)
+class Matrix:
+    version: str
+    archs: list[Arch]
+    gpus: list[Gpu]
+    cuda_majors: list[CudaMajor]
+    toolkits: list[Toolkit]
+    torch: list[TorchRelease]
+    torch_index_url: str
+    flash_attn_impls: list[FlashAttnImpl]
+    flash_attn_releases: list[FlashAttnRelease]
+    flash_attn_url: str
+    xformers: list[Xformers]
+    stacks: list[Stack]
+    gpu_requirements: list[GpuRequirement]
+    triton_support: list[TritonSupport]
+
+    # Queries used by the solver; kept here so the data's shape stays in one file.
+    def arch_for(self, cc: str) -> Arch | None:
+        """The row for `cc`, else the nearest lower minor of the same major (sm_XZ runs sm_XY code)."""
+        same_major = [a for a in self.archs if cc_tuple(a.compute_capability)[0] == cc_tuple(cc)[0]]
+        fitting = [a for a in same_major if cc_tuple(a.compute_capability) <= cc_tuple(cc)]
+        return max(fitting, key=lambda a: cc_tuple(a.compute_capability), default=None)
+
+    def toolkit(self, version: str) -> Toolkit:
+        return next(t for t in self.toolkits if t.version == version)
+
+    def cuda_major(self, major: int) -> CudaMajor | None:
+        return next((m for m in self.cuda_majors if m.major == major), None)
+
+    def flash_attn_impl(self, name: str) -> FlashAttnImpl:
+        return next(i for i in self.flash_attn_impls if i.name == name)
+
+
+def cc_tuple(cc: str) -> tuple[int, int]:
+    major, minor = cc.split(".")
+    return int(major), int(minor)
+
+
+def version_key(text: str) -> Version:
+    return Version(text)
+
+
+# ---------------------------------------------------------------------------- loading
+
+
+def matrix_dir() -> Path:
+    """Where the TOML files are: $ENVTOOL_MATRIX_DIR, else the `matrices` package shipped in the wheel."""
+    override = os.environ.get(MATRIX_DIR_ENV)
+    if override:
+        return Path(override)
+    import matrices
+
+    return Path(matrices.__file__).parent
+
+
+@lru_cache(maxsize=4)
+def load(directory: Path | None = None) -> Matrix:
+    directory = Path(directory) if directory else matrix_dir()
+    files = {name: _read(directory / f"{name}.toml") for name in (
+        "meta", "archs", "gpus", "cuda", "torch", "flash_attn", "xformers", "packages")}
+    meta = files["meta"]
+    if not isinstance(meta.get("version"), str):
+        raise MatrixError(f"{directory / 'meta.toml'}: missing string 'version'")
+    m = Matrix(
+        version=meta["version"],
+        archs=_rows(files["archs"], "arch", Arch, directory / "archs.toml"),
+        gpus=_rows(files["gpus"], "gpu", Gpu, directory / "gpus.toml"),
+        cuda_majors=_rows(files["cuda"], "major", CudaMajor, directory / "cuda.toml"),
+        toolkits=_rows(files["cuda"], "toolkit", Toolkit, directory / "cuda.toml"),
+        torch=_rows(files["torch"], "release", TorchRelease, directory / "torch.toml"),
+        torch_index_url=_scalar(files["torch"], "index_url", directory / "torch.toml"),
+        flash_attn_impls=_rows(files["flash_attn"], "impl", FlashAttnImpl, directory / "flash_attn.toml"),
+        flash_attn_releases=_rows(files["flash_attn"], "release", FlashAttnRelease,
+                                  directory / "flash_attn.toml"),
+        flash_attn_url=_scalar(files["flash_attn"], "wheel_url", directory / "flash_attn.toml"),
+        xformers=_rows(files["xformers"], "release", Xformers, directory / "xformers.toml"),
+        stacks=_rows(files["packages"], "stack", Stack, directory / "packages.toml"),
+        gpu_requirements=_rows(files["packages"], "gpu_requirement", GpuRequirement,
+                               directory / "packages.toml"),
+        triton_support=_rows(files["packages"], "triton_support", TritonSupport,
+                             directory / "packages.toml"),
+    )
+    _check_facts(m, directory)
+    return m
+
+
+def _read(path: Path) -> dict:
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise MatrixError(f"{path}: matrix file missing") from None
+    except tomllib.TOMLDecodeError as e:
+        raise MatrixError(f"{path}: not valid TOML: {e}") from None
+
+
+def _scalar(data: dict, key: str, path: Path) -> str:
+    value = data.get(key)
+    if not isinstance(value, str):
+        raise MatrixError(f"{path}: missing string '{key}'")
+    return value
+
+
+def _rows(data: dict, table: str, cls: type, path: Path) -> list:
+    rows = data.get(table)
+    if not isinstance(rows, list) or not rows:
+        raise MatrixError(f"{path}: no [[{table}]] rows")
+    return [_build(cls, row, f"{path.name} [[{table}]] #{i + 1}{_label(row)}", path) for i, row in enumerate(rows)]
+
+
+def _label(row: object) -> str:
+    if isinstance(row, dict):
+        for key in ("version", "name", "variant", "package", "compute_capability", "major", "torch"):
+            if key in row:
+                return f" ({key}={row[key]})"
+    return ""
+
+
+def _build(cls: type, row: object, where: str, path: Path):
+    if not isinstance(row, dict):
+        raise MatrixError(f"{path.parent / where}: a row must be a table")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(row) - set(fields))
+    if unknown:
+        raise MatrixError(f"{path.parent / where}: unknown field {unknown[0]!r}")
+    values = {}
+    for name, f in fields.items():
+        if name not in row:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise MatrixError(f"{path.parent / where}: missing field {name!r}")
+            continue
+        values[name] = _typed(hints[name], row[name], f"{path.parent / where}: field {name!r}", path)
+    return cls(**values)
+
+
+def _typed(hint, value, where: str, path: Path):
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None:
+            return None
+        return _typed(next(a for a in args if a is not type(None)), value, where, path)
+    if origin is list:
+        if not isinstance(value, list):
+            raise MatrixError(f"{where} must be a list")
+        (item,) = args
+        if dataclasses.is_dataclass(item):
+            return [_build(item, v, f"{where.split(': ')[0]}.{i + 1}", path) for i, v in enumerate(value)]
+        return [_typed(item, v, f"{where}[{i}]", path) for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
+            raise MatrixError(f"{where} must be a table of strings")
+        return dict(value)
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint is int and isinstance(value, bool) or not isinstance(value, hint):
+        raise MatrixError(f"{where} must be {hint.__name__}, not {type(value).__name__} ({value!r})")
+    return value
+
+
+def _check_facts(m: Matrix, directory: Path) -> None:
+    """Cross-row checks: what a type alone cannot say."""
+
+    def fail(msg: str):
+        raise MatrixError(f"{directory}/{msg}")
+
+    def cc(value: str, where: str):
+        if not CC_RE.match(value):
+            fail(f"{where}: compute capability {value!r} is not of the form '8.0'")
+
+    def version(value: str, where: str):
+        try:
+            Version(value)
+        except InvalidVersion:
+            fail(f"{where}: {value!r} is not a version")
+
+    def spec(value: str, where: str):
+        try:
+            SpecifierSet(value)
+        except InvalidSpecifier:
+            fail(f"{where}: {value!r} is not a version range")
+
+    for a in m.archs:
+        cc(a.compute_capability, f"archs.toml [[arch]] ({a.name})")
+    aliases: dict[str, str] = {}
+    for g in m.gpus:
+        where = f"gpus.toml [[gpu]] ({g.name})"
+        cc(g.compute_capability, where)
+        if m.arch_for(g.compute_capability) is None:
+            fail(f"{where}: no archs.toml row covers compute capability {g.compute_capability}")
+        for alias in g.aliases:
+            key = normalize_name(alias)
+            if key in aliases:
+                fail(f"{where}: alias {alias!r} also names {aliases[key]}")
+            aliases[key] = g.name
+    toolkits = {t.version for t in m.toolkits}
+    for t in m.toolkits:
+        version(t.version, f"cuda.toml [[toolkit]] ({t.version})")
+        if m.cuda_major(int(t.version.split(".")[0])) is None:
+            fail(f"cuda.toml [[toolkit]] ({t.version}): no [[major]] row for its major")
+    for r in m.torch:
+        where = f"torch.toml [[release]] (version={r.version})"
+        version(r.version, where)
+        spec(r.python, where)
+        if r.triton is not None:
+            version(r.triton, where)
+        for b in r.build:
+            bwhere = f"{where} build {b.variant}"
+            if b.cuda not in toolkits:
+                fail(f"{bwhere}: CUDA {b.cuda} has no cuda.toml [[toolkit]] row")
+            if b.status not in ("stable", "experimental"):
+                fail(f"{bwhere}: status must be 'stable' or 'experimental', not {b.status!r}")
+            if not b.sass:
+                fail(f"{bwhere}: empty sass list")
+            for s in b.sass:
+                cc(s, bwhere)
+    impls = {i.name for i in m.flash_attn_impls}
+    for c in m.cuda_majors:
+        if c.min_cc:
+            cc(c.min_cc, f"cuda.toml [[major]] ({c.major})")
+    for i in m.flash_attn_impls:
+        cc(i.min_cc, f"flash_attn.toml [[impl]] ({i.name})")
+        if i.max_cc:
+            cc(i.max_cc, f"flash_attn.toml [[impl]] ({i.name})")
+    for fa in m.flash_attn_releases:
+        where = f"flash_attn.toml [[release]] (version={fa.version})"
+        version(fa.version, where)
+        if fa.impl not in impls:
+            fail(f"{where}: impl {fa.impl!r} has no [[impl]] row")
+    for x in m.xformers:
+        where = f"xformers.toml [[release]] (version={x.version})"
+        version(x.version, where)
+        version(x.torch, where)
+        cc(x.min_cc, where)
+    for s in m.stacks:
+        where = f"packages.toml [[stack]] (torch={s.torch})"
+        spec(s.torch, where)
+        spec(s.python, where)
+        for name, v in s.packages.items():
+            version(v, f"{where} package {name}")
+    for req in m.gpu_requirements:
+        cc(req.min_cc, f"packages.toml [[gpu_requirement]] ({req.package})")
+    for t in m.triton_support:
+        spec(t.triton, f"packages.toml [[triton_support]] ({t.triton})")
+        cc(t.min_cc, f"packages.toml [[triton_support]] ({t.triton})")
+
+
+def normalize_name(text: str) -> str:
+    """How GPU names and aliases are compared: case, spaces, '-' and '_' do not matter."""
+    return re.sub(r"[\s_\-]+", "", text.strip().lower())

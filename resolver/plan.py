@@ -1,0 +1,71 @@
+"""The Plan: the contract between every stage (lock, docker, ci, trainer). Plain data, JSON-serialisable.
+
+The JSON field names are a public contract documented in the README ("The --json contract").
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class TorchChoice:
+    version: str
+    cuda: str | None  # "12.6"; None for the CPU build
+    variant: str  # "cu126" | "cpu"
+    index_url: str
+    min_driver: str | None  # the driver this build needs at full feature level; None for CPU
+
+
+@dataclass
+class FlashAttnChoice:
+    version: str
+    package: str
+    filename: str
+    wheel_url: str
+
+
+@dataclass
+class Rejected:
+    """A candidate torch build the solver did not take, and the rule that rejected it."""
+
+    torch: str
+    variant: str
+    reason: str
+
+
+@dataclass
+class Plan:
+    gpu: dict  # name, compute_capability, arch, count, memory_gb, source, bf16
+    driver: dict  # version, max_cuda
+    python: str
+    platform: str
+    torch: TorchChoice
+    attention: str
+    flash_attn: FlashAttnChoice | None
+    precision: str
+    triton: str | None
+    features: dict  # torch_compile, liger: whether triton-based kernels may be used
+    packages: dict[str, str]
+    reasons: list[str]
+    matrix_version: str
+    target: str  # what the user asked for: "t4", "auto", "sm_80"
+    rejected: list[Rejected] = field(default_factory=list)
+
+    def to_dict(self, explain: bool = False) -> dict:
+        data = asdict(self)
+        if not explain:
+            data.pop("rejected")
+        return data
+
+    def to_json(self, explain: bool = False) -> str:
+        return json.dumps(self.to_dict(explain), indent=2)
+
+
+def image_tag(plan: Plan, repository: str = "envtool-trainer") -> str:
+    """`envtool-trainer:sm75-cu126-torch2.9-py3.11`: the architecture and the stack, readable at a glance."""
+    cc = plan.gpu["compute_capability"]
+    arch = "cpu" if cc is None else "sm" + cc.replace(".", "")
+    torch_mm = ".".join(plan.torch.version.split(".")[:2])
+    return f"{repository}:{arch}-{plan.torch.variant}-torch{torch_mm}-py{plan.python}"

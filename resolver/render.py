@@ -1,0 +1,59 @@
+"""Human output: rich tables for plans and the GPU catalog. Imported only when a human reads the output."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+from .matrix import Matrix
+from .plan import Plan
+
+
+def plan_table(plan: Plan, explain: bool = False, console: Console | None = None) -> None:
+    console = console or Console()
+    gpu = plan.gpu
+    title = "CPU" if gpu["compute_capability"] is None else (
+        f"{gpu['name']} · sm_{gpu['compute_capability'].replace('.', '')} · {gpu['arch']}")
+    table = Table(title=f"envtool plan for {title}", show_header=False, title_justify="left")
+    table.add_column(style="bold cyan")
+    table.add_column()
+    torch = plan.torch
+    table.add_row("torch", f"{torch.version}+{torch.variant}  ({torch.index_url})")
+    if torch.cuda:
+        table.add_row("CUDA", f"{torch.cuda} (driver ≥ {torch.min_driver or 'see reasons'})")
+    driver = plan.driver
+    table.add_row("driver", f"{driver['version']} (runs CUDA ≤ {driver['max_cuda']})" if driver["version"]
+                  else "unknown (pass --driver)")
+    table.add_row("python", f"{plan.python} · {plan.platform}")
+    table.add_row("attention", plan.attention)
+    if plan.flash_attn:
+        table.add_row("flash-attn", plan.flash_attn.wheel_url)
+    table.add_row("precision", plan.precision)
+    kernels = "on" if plan.features["torch_compile"] else "off"
+    table.add_row("triton", f"{plan.triton or '-'} (torch.compile / liger kernels: {kernels})")
+    table.add_row("packages", ", ".join(f"{k}=={v}" for k, v in plan.packages.items()))
+    table.add_row("matrix", plan.matrix_version)
+    console.print(table)
+    console.print("[bold]Why[/bold]")
+    for reason in plan.reasons:
+        console.print(f"  • {reason}", highlight=False)
+    if explain:
+        rejected = Table(title="Candidates not taken", title_justify="left")
+        rejected.add_column("torch")
+        rejected.add_column("build")
+        rejected.add_column("rejected because")
+        for r in plan.rejected:
+            rejected.add_row(r.torch, r.variant, r.reason)
+        console.print(rejected)
+
+
+def gpus_table(m: Matrix, console: Console | None = None) -> None:
+    console = console or Console()
+    table = Table(title=f"GPUs in the matrix ({m.version}); any other: --gpu sm_XY", title_justify="left")
+    for column in ("name", "aliases", "CC", "arch", "memory", "bf16", "fp8"):
+        table.add_column(column)
+    for g in m.gpus:
+        arch = m.arch_for(g.compute_capability)
+        table.add_row(g.name, ", ".join(g.aliases), g.compute_capability, arch.name, f"{g.memory_gb:g} GB",
+                      "yes" if arch.bf16 else "no", "yes" if arch.fp8 else "no")
+    console.print(table)

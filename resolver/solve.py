@@ -1,0 +1,492 @@
+"""From a target GPU, a driver and the user's pins to a Plan, with a reason for every decision.
+
+Shape (after huggingface/kernels' variants): every torch build in the matrix is a candidate; each rule
+below either lets it through or rejects it with a sentence; the survivors are ordered by an explicit
+preference. When nothing survives, the error names the rule that rejected the closest candidates and,
+where dropping one pin would help, the pin value that works.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, replace
+
+from packaging.specifiers import SpecifierSet
+from packaging.version import InvalidVersion, Version
+
+from .errors import BadInput, Unsatisfiable
+from .hardware import GpuSpec
+from .matrix import FlashAttnImpl, Matrix, TorchBuild, TorchRelease, Xformers, cc_tuple
+from .plan import FlashAttnChoice, Plan, Rejected, TorchChoice
+
+ATTENTIONS = ("flash_attention_2", "flash_attention_3", "sdpa", "xformers", "eager")
+PLATFORMS = ("x86_64", "aarch64")
+PYTHON_RE = re.compile(r"^3\.\d{1,2}$")
+
+
+@dataclass
+class Request:
+    gpu: GpuSpec
+    driver: str | None
+    python: str
+    platform: str = "x86_64"
+    torch: str | None = None  # "2.8" or "2.8.0"
+    cuda: str | None = None  # "12.6" or "12"
+    flash_attn: str | None = None  # exact flash-attn version
+    no_flash_attn: bool = False
+    attention: str | None = None  # one of ATTENTIONS
+    target: str = ""
+    notes: list[str] = field(default_factory=list)  # what detection said, carried into the reasons
+
+    def pins(self) -> list[str]:
+        flags = [("--torch", self.torch), ("--cuda", self.cuda), ("--flash-attn", self.flash_attn),
+                 ("--attention", self.attention)]
+        return [f"{flag} {value}" for flag, value in flags if value]
+
+
+@dataclass
+class Candidate:
+    release: TorchRelease
+    build: TorchBuild | None  # None: the CPU build
+    native_driver: bool = True  # False: runs only through CUDA minor-version compatibility
+    flash_attn: FlashAttnChoice | None = None
+    flash_attn_impl: FlashAttnImpl | None = None
+    flash_attn_missing: str = ""  # why no wheel, when the GPU could run flash-attn
+    xformers: Xformers | None = None
+
+    @property
+    def variant(self) -> str:
+        return self.build.variant if self.build else "cpu"
+
+    @property
+    def cuda(self) -> str | None:
+        return self.build.cuda if self.build else None
+
+    @property
+    def label(self) -> str:
+        return f"torch {self.release.version}+{self.variant}"
+
+
+# ---------------------------------------------------------------------------- input checks
+
+
+def check_request(req: Request, m: Matrix) -> None:
+    if not PYTHON_RE.match(req.python):
+        raise BadInput(f"--python {req.python!r} is not a Python version like 3.11")
+    if req.platform not in PLATFORMS:
+        raise BadInput(f"--platform {req.platform!r}: choose one of {', '.join(PLATFORMS)}")
+    if req.attention and req.attention not in ATTENTIONS:
+        raise BadInput(f"--attention {req.attention!r}: choose one of {', '.join(ATTENTIONS)}")
+    for flag, value in (("--torch", req.torch), ("--cuda", req.cuda), ("--flash-attn", req.flash_attn)):
+        if value is None:
+            continue
+        try:
+            Version(value)
+        except InvalidVersion:
+            raise BadInput(f"{flag} {value!r} is not a version") from None
+    if req.cuda and req.gpu.is_cpu:
+        raise Unsatisfiable(f"--cuda {req.cuda} with a CPU target: CPU plans use torch's CPU build")
+    if req.no_flash_attn and (req.flash_attn or req.attention in ("flash_attention_2", "flash_attention_3")):
+        raise BadInput("--no-flash-attn contradicts --flash-attn / --attention flash_attention_*")
+    wanted = {"flash_attention_2": "fa2", "flash_attention_3": "fa3"}.get(req.attention or "")
+    if req.flash_attn and not wanted:
+        release = next((r for r in m.flash_attn_releases if r.version == req.flash_attn), None)
+        if release is None:
+            known = ", ".join(r.version for r in m.flash_attn_releases)
+            raise Unsatisfiable(f"--flash-attn {req.flash_attn}: no prebuilt wheels recorded for it (known: {known})")
+        wanted = release.impl
+    if wanted:
+        impl = m.flash_attn_impl(wanted)
+        if not gpu_can_run(impl, req.gpu):
+            limit = f"sm_{impl.min_cc.replace('.', '')}" + ("" if impl.max_cc == impl.min_cc else "+")
+            raise Unsatisfiable(f"{' '.join(req.pins())} with {req.gpu.describe()}: {impl.attention} needs "
+                                f"{limit}; use --attention sdpa")
+
+
+def _prefix_match(pin: str, version: str) -> bool:
+    pin_release = Version(pin).release
+    return Version(version).release[: len(pin_release)] == pin_release
+
+
+# ---------------------------------------------------------------------------- the rules
+# Each takes (request, matrix, candidate) and returns None (passes) or the reason it rejects.
+
+
+def rule_python(req: Request, m: Matrix, c: Candidate) -> str | None:
+    if req.python not in SpecifierSet(c.release.python):
+        return f"{c.label} supports Python {c.release.python}, not {req.python}"
+    return None
+
+
+def rule_torch_pin(req: Request, m: Matrix, c: Candidate) -> str | None:
+    if req.torch and not _prefix_match(req.torch, c.release.version):
+        return f"--torch {req.torch} excludes {c.release.version}"
+    return None
+
+
+def rule_cuda_pin(req: Request, m: Matrix, c: Candidate) -> str | None:
+    if req.cuda and not _prefix_match(req.cuda, c.cuda):
+        return f"--cuda {req.cuda} excludes CUDA {c.cuda}"
+    return None
+
+
+def rule_cuda_major_supports_gpu(req: Request, m: Matrix, c: Candidate) -> str | None:
+    major = m.cuda_major(int(c.cuda.split(".")[0]))
+    if major.min_cc and cc_tuple(req.gpu.compute_capability) < cc_tuple(major.min_cc):
+        return (f"CUDA {major.major} torch builds carry no {req.gpu.sm} code: CUDA {major.major} supports "
+                f"sm_{major.min_cc.replace('.', '')}+ only ({major.min_cc_note})")
+    return None
+
+
+def rule_sass(req: Request, m: Matrix, c: Candidate) -> str | None:
+    if not has_sass(c.build, req.gpu.compute_capability):
+        return (f"{c.label} carries no {req.gpu.sm} code (its SASS: {' '.join(c.build.sass)}); it would fail "
+                f"with 'CUDA capability {req.gpu.sm} is not compatible with the current PyTorch installation'")
+    return None
+
+
+def rule_driver(req: Request, m: Matrix, c: Candidate) -> str | None:
+    if req.driver is None:
+        return None
+    toolkit = m.toolkit(c.cuda)
+    major = m.cuda_major(int(c.cuda.split(".")[0]))
+    driver = Version(req.driver)
+    if toolkit.min_driver and driver >= Version(toolkit.min_driver):
+        c.native_driver = True
+        return None
+    if driver >= Version(major.compat_min_driver):
+        c.native_driver = False
+        return None
+    needs = f"≥ {toolkit.min_driver}, or " if toolkit.min_driver else ""
+    return (f"driver {req.driver} cannot run CUDA {c.cuda} (needs {needs}≥ {major.compat_min_driver} "
+            f"through minor-version compatibility)")
+
+
+def rule_training_stack(req: Request, m: Matrix, c: Candidate) -> str | None:
+    if stack_for(m, c.release.version, req.python) is None:
+        return f"no training-stack row in packages.toml covers {c.label} on Python {req.python}"
+    return None
+
+
+def rule_attention_pin(req: Request, m: Matrix, c: Candidate) -> str | None:
+    wants_fa = req.flash_attn or req.attention in ("flash_attention_2", "flash_attention_3")
+    if wants_fa and c.flash_attn is None:
+        return c.flash_attn_missing or "no flash-attn wheel"
+    if req.attention and req.attention.startswith("flash_attention") and c.flash_attn_impl \
+            and c.flash_attn_impl.attention != req.attention:
+        return f"the flash-attn wheel for {c.label} is {c.flash_attn_impl.attention}, not {req.attention}"
+    if req.attention == "xformers" and c.xformers is None:
+        return f"no xformers release pins torch {c.release.version}"
+    return None
+
+
+PIN_RULES = (rule_python, rule_torch_pin, rule_cuda_pin)
+GPU_RULES = (rule_cuda_major_supports_gpu, rule_sass, rule_driver)
+LATE_RULES = (rule_training_stack, rule_attention_pin)
+
+
+def has_sass(build: TorchBuild, cc: str) -> bool:
+    """SASS for X.Y runs on X.Z when Y <= Z (same major); PTX is not counted."""
+    major, minor = cc_tuple(cc)
+    return any(cc_tuple(s)[0] == major and cc_tuple(s)[1] <= minor for s in build.sass)
+
+
+def stack_for(m: Matrix, torch_version: str, python: str):
+    return next((s for s in m.stacks
+                 if torch_version in SpecifierSet(s.torch) and python in SpecifierSet(s.python)), None)
+
+
+# ---------------------------------------------------------------------------- attention kernels
+
+
+def gpu_can_run(impl: FlashAttnImpl, gpu: GpuSpec) -> bool:
+    if gpu.is_cpu:
+        return False
+    cc = cc_tuple(gpu.compute_capability)
+    return cc >= cc_tuple(impl.min_cc) and (impl.max_cc is None or cc <= cc_tuple(impl.max_cc))
+
+
+def find_flash_attn(req: Request, m: Matrix, c: Candidate) -> None:
+    """Attach the newest prebuilt flash-attn wheel that exists for this candidate, or why there is none."""
+    usable = [i for i in m.flash_attn_impls if gpu_can_run(i, req.gpu)]
+    if req.no_flash_attn or not usable or c.build is None:
+        return
+    torch_mm = ".".join(c.release.version.split(".")[:2])
+    cuda_major = c.cuda.split(".")[0]
+    py = req.python
+    found: list[tuple[Version, FlashAttnImpl, object]] = []
+    for impl in usable:
+        if impl.min_cuda and Version(c.cuda) < Version(impl.min_cuda):
+            continue
+        for rel in m.flash_attn_releases:
+            if rel.impl != impl.name or (req.flash_attn and rel.version != req.flash_attn):
+                continue
+            if (torch_mm in rel.torch and cuda_major in rel.cuda and py in rel.python
+                    and c.release.cxx11abi in rel.cxx11abi and req.platform in rel.platforms
+                    and f"torch{torch_mm}-py{py}" not in rel.exclude):
+                found.append((Version(rel.version), impl, rel))
+    if not found:
+        which = f"flash-attn {req.flash_attn}" if req.flash_attn else "flash-attn"
+        c.flash_attn_missing = (f"{which} publishes no prebuilt wheel for torch {torch_mm} + CUDA "
+                                f"{cuda_major} + Python {py} + {req.platform} (never built from source)")
+        return
+    # FA3 before FA2 where both exist (Hopper), then the newest release.
+    _, impl, rel = max(found, key=lambda f: (f[1].name, f[0]))
+    abi = "TRUE" if c.release.cxx11abi else "FALSE"
+    filename = rel.filename.format(version=rel.version, cuda=rel.cuda[cuda_major], torch=torch_mm, abi=abi,
+                                   py=py.replace(".", ""), platform=req.platform)
+    url = m.flash_attn_url.format(version=rel.version, filename=filename)
+    c.flash_attn = FlashAttnChoice(version=rel.version, package=impl.package, filename=filename, wheel_url=url)
+    c.flash_attn_impl = impl
+
+
+def find_xformers(m: Matrix, c: Candidate) -> None:
+    c.xformers = next((x for x in m.xformers if x.torch == c.release.version), None)
+
+
+# ---------------------------------------------------------------------------- solving
+
+
+def candidates(req: Request, m: Matrix) -> list[Candidate]:
+    if req.gpu.is_cpu:
+        return [Candidate(r, None) for r in m.torch]
+    return [Candidate(r, b) for r in m.torch for b in r.build]
+
+
+def evaluate(req: Request, m: Matrix) -> tuple[list[Candidate], list[Rejected]]:
+    survivors, rejected = [], []
+    rules = PIN_RULES + (() if req.gpu.is_cpu else GPU_RULES)
+    for c in candidates(req, m):
+        reason = next((r for rule in rules if (r := rule(req, m, c))), None)
+        if reason is None:
+            find_flash_attn(req, m, c)
+            find_xformers(m, c)
+            reason = next((r for rule in LATE_RULES if (r := rule(req, m, c))), None)
+        if reason:
+            rejected.append(Rejected(c.release.version, c.variant, reason))
+        else:
+            survivors.append(c)
+    return survivors, rejected
+
+
+def preference(req: Request, m: Matrix):
+    """Sort key, best last: a flash-attn wheel, the newest torch, a stable build, a driver that runs the
+    toolkit natively, then the newest CUDA the driver runs — or, driver unknown, the CUDA that runs on
+    the oldest drivers."""
+
+    def key(c: Candidate):
+        if c.build is None:
+            cuda_rank = (0,)
+        elif req.driver is None:
+            cuda_rank = tuple(-x for x in Version(c.cuda).release)
+        else:
+            cuda_rank = Version(c.cuda).release
+        fa_rank = 0 if c.flash_attn_impl is None else (2 if c.flash_attn_impl.name == "fa3" else 1)
+        stable = c.build is None or c.build.status == "stable"
+        return (fa_rank, Version(c.release.version), stable, c.native_driver, cuda_rank)
+
+    return key
+
+
+def solve(req: Request, m: Matrix) -> Plan:
+    check_request(req, m)
+    survivors, rejected = evaluate(req, m)
+    if not survivors:
+        raise Unsatisfiable(unsatisfiable_message(req, m, rejected))
+    best = max(survivors, key=preference(req, m))
+    return build_plan(req, m, best, survivors, rejected)
+
+
+def unsatisfiable_message(req: Request, m: Matrix, rejected: list[Rejected]) -> str:
+    pins = req.pins()
+    pin_words = ("--torch", "--cuda", "--flash-attn", "--attention", "supports Python")
+    beyond_pins = [r for r in rejected if not r.reason.startswith(pin_words) and "supports Python" not in r.reason]
+    head = f"{' '.join(pins)} with {req.gpu.describe()}" if pins else req.gpu.describe()
+    if req.driver:
+        head += f" and driver {req.driver}"
+    if beyond_pins:
+        newest = max(beyond_pins, key=lambda r: Version(r.torch))
+        why = newest.reason
+    elif rejected:
+        why = rejected[0].reason
+        if req.torch and all(r.reason.startswith("--torch") or "supports Python" in r.reason for r in rejected):
+            known = ", ".join(r.version for r in m.torch)
+            why = f"no torch release matches --torch {req.torch} on Python {req.python} (known: {known})"
+    else:
+        why = "the matrix has no torch build for it"
+    return f"{head}: {why}{suggestion(req, m)}"
+
+
+def suggestion(req: Request, m: Matrix) -> str:
+    """Where dropping one pin gives a plan, say which value of that pin works."""
+    relaxations = [
+        ("cuda", lambda p: f"use --cuda {p.torch.cuda}"),
+        ("torch", lambda p: f"use --torch {'.'.join(p.torch.version.split('.')[:2])}"),
+        ("flash_attn", lambda p: f"use --flash-attn {p.flash_attn.version}" if p.flash_attn
+         else "drop --flash-attn"),
+        ("attention", lambda p: f"use --attention {p.attention}"),
+    ]
+    for attr, say in relaxations:
+        if getattr(req, attr) is None:
+            continue
+        try:
+            plan = solve(replace(req, **{attr: None}), m)
+        except Unsatisfiable:
+            continue
+        return f"; {say(plan)}"
+    if req.driver:
+        return "; upgrade the NVIDIA driver or pin an older --torch"
+    return ""
+
+
+# ---------------------------------------------------------------------------- the plan and its reasons
+
+
+def build_plan(req: Request, m: Matrix, best: Candidate, survivors: list[Candidate],
+               rejected: list[Rejected]) -> Plan:
+    gpu = req.gpu
+    reasons = list(req.notes)
+    reasons.append(describe_target(gpu))
+    reasons.append(torch_reason(req, m, best, survivors))
+    if best.build is not None:
+        reasons.append(driver_reason(req, m, best))
+    attention, why = choose_attention(req, m, best)
+    reasons.append(why)
+    precision, why = choose_precision(gpu)
+    reasons.append(why)
+    triton, features, why = choose_triton(req, m, best)
+    reasons.append(why)
+    packages, notes = choose_packages(req, m, best, triton, attention)
+    reasons.extend(notes)
+    toolkit = m.toolkit(best.cuda) if best.build else None
+    return Plan(
+        gpu={"name": gpu.name, "compute_capability": gpu.compute_capability, "arch": gpu.arch,
+             "count": gpu.count, "memory_gb": gpu.memory_gb, "source": gpu.source, "bf16": gpu.bf16},
+        driver={"version": req.driver, "max_cuda": max_cuda(m, req.driver)},
+        python=req.python,
+        platform=req.platform,
+        torch=TorchChoice(version=best.release.version, cuda=best.cuda, variant=best.variant,
+                          index_url=m.torch_index_url.format(variant=best.variant),
+                          min_driver=toolkit.min_driver if toolkit else None),
+        attention=attention,
+        flash_attn=best.flash_attn if attention.startswith("flash_attention") else None,
+        precision=precision,
+        triton=triton,
+        features=features,
+        packages=packages,
+        reasons=reasons,
+        matrix_version=m.version,
+        target=req.target,
+        rejected=rejected,
+    )
+
+
+def describe_target(gpu: GpuSpec) -> str:
+    if gpu.is_cpu:
+        return "target: CPU (no CUDA): torch's CPU build"
+    memory = f", {gpu.memory_gb:g} GB" if gpu.memory_gb else ""
+    count = f"{gpu.count} × " if gpu.count > 1 else ""
+    return f"target: {count}{gpu.describe()}, compute capability {gpu.compute_capability}{memory} (from {gpu.source})"
+
+
+def torch_reason(req: Request, m: Matrix, best: Candidate, survivors: list[Candidate]) -> str:
+    if best.build is None:
+        return f"torch {best.release.version} (cpu): the newest release for Python {req.python}"
+    sass = f"carries {req.gpu.sm} code (SASS {' '.join(best.build.sass)})"
+    newest = max(survivors, key=lambda c: Version(c.release.version))
+    status = "" if best.build.status == "stable" else f" (an experimental build of {best.release.version})"
+    text = f"{best.label}{status}: newest build that {sass}"
+    if best.flash_attn and Version(newest.release.version) > Version(best.release.version):
+        text += (f"; torch {newest.release.version} is newer but flash-attn publishes no prebuilt wheel for it, "
+                 f"so torch {best.release.version} was chosen for flash-attn {best.flash_attn.version} "
+                 f"(--no-flash-attn gives torch {newest.release.version} with SDPA)")
+    return text
+
+
+def driver_reason(req: Request, m: Matrix, best: Candidate) -> str:
+    toolkit = m.toolkit(best.cuda)
+    major = m.cuda_major(int(best.cuda.split(".")[0]))
+    if req.driver is None:
+        needs = toolkit.min_driver or major.compat_min_driver
+        return (f"driver unknown: chose CUDA {best.cuda}, the stable toolkit that runs on the oldest drivers "
+                f"(≥ {needs}, ≥ {major.compat_min_driver} with minor-version compatibility); "
+                f"pass --driver to pick the newest CUDA your driver supports")
+    if best.native_driver:
+        return f"driver {req.driver} runs CUDA {best.cuda} (needs ≥ {toolkit.min_driver})"
+    return (f"driver {req.driver} is older than CUDA {best.cuda}'s {toolkit.min_driver or 'GA driver'}; it runs "
+            f"through minor-version compatibility (≥ {major.compat_min_driver}, no PTX JIT of newer PTX)")
+
+
+def choose_attention(req: Request, m: Matrix, best: Candidate) -> tuple[str, str]:
+    gpu = req.gpu
+    if best.flash_attn and req.attention in (None, best.flash_attn_impl.attention):
+        return best.flash_attn_impl.attention, (
+            f"{best.flash_attn_impl.attention}: {gpu.describe()} runs it (needs sm_"
+            f"{best.flash_attn_impl.min_cc.replace('.', '')}+); exact prebuilt wheel {best.flash_attn.filename}")
+    if req.attention == "xformers":
+        if cc_tuple(gpu.compute_capability or "0.0") < cc_tuple(best.xformers.min_cc):
+            raise Unsatisfiable(f"--attention xformers with {gpu.describe()}: xformers needs "
+                                f"sm_{best.xformers.min_cc.replace('.', '')}+")
+        return "xformers", f"xformers {best.xformers.version} (--attention xformers; pins torch {best.xformers.torch})"
+    if req.attention == "eager":
+        return "eager", "eager attention (--attention eager): the slowest path, for debugging"
+    fa2 = m.flash_attn_impl("fa2")
+    if gpu.is_cpu:
+        return "sdpa", "sdpa: torch's scaled_dot_product_attention (math/CPU kernels); flash-attn needs CUDA"
+    if not gpu_can_run(fa2, gpu):
+        return "sdpa", (f"sdpa (memory-efficient kernel): flash-attn skipped: {gpu.name} is {gpu.sm} "
+                        f"({gpu.arch.capitalize()}); FlashAttention-2 needs sm_{fa2.min_cc.replace('.', '')}+")
+    if req.no_flash_attn:
+        return "sdpa", "sdpa: flash-attn turned off by --no-flash-attn; torch's SDPA flash kernel is used"
+    return "sdpa", f"sdpa: {best.flash_attn_missing}; torch's SDPA flash kernel is used instead"
+
+
+def choose_precision(gpu: GpuSpec) -> tuple[str, str]:
+    if gpu.is_cpu:
+        return "fp32", "fp32: CPU training (no fp16/bf16 speed-up on CPU)"
+    if gpu.bf16:
+        return "bf16", f"bf16: {gpu.describe()} has native bf16 (sm_80+)"
+    return "fp16", (f"fp16 with loss scaling: {gpu.describe()} has no native bf16 (needs sm_80+; "
+                    f"torch.cuda.is_bf16_supported() says True here only through slow emulation)")
+
+
+def choose_triton(req: Request, m: Matrix, best: Candidate) -> tuple[str | None, dict, str]:
+    if best.build is None:
+        return None, {"torch_compile": True, "liger": False}, (
+            "triton: none (CPU build); torch.compile uses its C++ backend; liger kernels need a GPU")
+    version = best.release.triton
+    support = next((t for t in m.triton_support if Version(version) in SpecifierSet(t.triton)), None)
+    ok = support is None or cc_tuple(req.gpu.compute_capability) >= cc_tuple(support.min_cc)
+    features = {"torch_compile": ok, "liger": ok}
+    if ok:
+        return version, features, f"triton {version}: pinned by torch {best.release.version}; triton kernels on"
+    return version, features, (f"triton {version}: pinned by torch {best.release.version}, but triton kernels "
+                               f"(torch.compile, liger) are off: {support.reason}")
+
+
+def choose_packages(req: Request, m: Matrix, best: Candidate, triton: str | None,
+                    attention: str) -> tuple[dict[str, str], list[str]]:
+    stack = stack_for(m, best.release.version, req.python)
+    packages = {"torch": best.release.version}
+    if triton:
+        packages["triton"] = triton
+    if attention.startswith("flash_attention"):
+        packages[best.flash_attn.package] = best.flash_attn.version
+    if attention == "xformers":
+        packages["xformers"] = best.xformers.version
+    notes = [f"training stack: {stack.source}"]
+    for name, version in stack.packages.items():
+        need = next((r for r in m.gpu_requirements if r.package == name), None)
+        if need and (req.gpu.is_cpu or cc_tuple(req.gpu.compute_capability) < cc_tuple(need.min_cc)):
+            notes.append(f"{name} left out: {need.reason}")
+            continue
+        packages[name] = version
+    return packages, notes
+
+
+def max_cuda(m: Matrix, driver: str | None) -> str | None:
+    """The newest CUDA toolkit this driver runs at full feature level."""
+    if driver is None:
+        return None
+    runs = [t.version for t in m.toolkits if t.min_driver and Version(driver) >= Version(t.min_driver)]
+    return max(runs, key=Version, default=None)
