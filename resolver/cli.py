@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import json
-import platform as platform_module
 import sys
 
 import typer
@@ -69,7 +68,9 @@ def _host_python() -> str:
 
 
 def _host_platform() -> str:
-    machine = platform_module.machine().lower()
+    import os
+
+    machine = os.uname().machine.lower()
     return {"amd64": "x86_64", "arm64": "aarch64"}.get(machine, machine)
 
 

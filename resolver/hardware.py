@@ -7,12 +7,9 @@ saw nothing: the ENVTOOL_GPU / ENVTOOL_DRIVER_VERSION overrides, NVML (nvidia-ml
 
 from __future__ import annotations
 
-import difflib
 import os
 import re
-import shutil
-import subprocess
-from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from .errors import BadInput
 from .matrix import Matrix, cc_tuple, normalize_name
@@ -24,8 +21,7 @@ DRIVER_RE = re.compile(r"^\d{2,4}(\.\d{1,3}){1,2}$")
 SM_RE = re.compile(r"^(?:sm_?|cc)?(\d{1,2})\.?(\d)$")
 
 
-@dataclass(frozen=True)
-class GpuSpec:
+class GpuSpec(NamedTuple):
     """The target the plan is for. `compute_capability` is None for a CPU plan."""
 
     name: str
@@ -54,17 +50,15 @@ class GpuSpec:
 CPU = GpuSpec(name="CPU", compute_capability=None, arch="cpu", memory_gb=None, source="none")
 
 
-@dataclass
-class Detection:
+class Detection(NamedTuple):
     """What `--gpu auto` found: the GPU to plan for, the driver, and what each source said."""
 
     gpu: GpuSpec
     driver: str | None
-    notes: list[str] = field(default_factory=list)
+    notes: list[str]
 
 
-@dataclass(frozen=True)
-class Seen:
+class Seen(NamedTuple):
     """One GPU as a detection source reports it."""
 
     name: str
@@ -88,6 +82,8 @@ def lookup(text: str, m: Matrix, source: str = "catalog") -> GpuSpec:
         cc = f"{int(match.group(1))}.{match.group(2)}"
         return from_cc(cc, m, name=f"sm_{cc.replace('.', '')} GPU", memory_gb=None,
                        source="compute-capability")
+    import difflib
+
     names = sorted({normalize_name(a) for g in m.gpus for a in g.aliases} | {"cpu"})
     close = difflib.get_close_matches(key, names, n=3, cutoff=0.5)
     hint = f"; did you mean {', '.join(close)}?" if close else ""
@@ -187,6 +183,9 @@ NVIDIA_SMI_QUERY = ["--query-gpu=name,compute_cap,memory.total,driver_version", 
 
 
 def probe_nvidia_smi() -> tuple[list[Seen], str | None, str]:
+    import shutil
+    import subprocess
+
     exe = shutil.which("nvidia-smi")
     if exe is None:
         return [], None, "nvidia-smi: not on PATH"
@@ -217,8 +216,9 @@ def parse_nvidia_smi(text: str) -> tuple[list[Seen], str | None]:
     return seen, driver
 
 
-def probe_proc_driver(path: str = PROC_DRIVER_VERSION) -> tuple[str | None, str]:
+def probe_proc_driver(path: str | None = None) -> tuple[str | None, str]:
     """The kernel module's version line: `NVRM version: NVIDIA UNIX x86_64 Kernel Module  535.104.05  ...`."""
+    path = path or PROC_DRIVER_VERSION
     try:
         with open(path) as f:
             text = f.read()
@@ -234,8 +234,7 @@ def _text(value) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-@dataclass
-class Target:
+class Target(NamedTuple):
     """One plan to make: what the user typed, the GPU it names, the driver, and how they were found."""
 
     label: str

@@ -1,23 +1,22 @@
 """Load the compatibility matrices (matrices/*.toml) into typed rows, rejecting malformed ones.
 
-The dataclasses below are the schema: a row must carry every field without a default, no unknown field,
+The row classes below (NamedTuples: cheap to define, which keeps `envtool resolve` fast) are the schema: a row must carry every field without a default, no unknown field,
 and values of the annotated types. `load()` then checks the facts hang together (versions parse, every
 build's CUDA toolkit is known, ...). Code elsewhere only queries the result; facts never live in `if`s.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import operator
 import os
 import re
 import sys
 import types
 import typing
-from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
+from typing import NamedTuple
 
-from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 from .errors import MatrixError
@@ -34,8 +33,7 @@ CC_RE = re.compile(r"^\d+\.\d$")
 # ---------------------------------------------------------------------------- rows (the schema)
 
 
-@dataclass(frozen=True)
-class Arch:
+class Arch(NamedTuple):
     compute_capability: str
     name: str
     bf16: bool
@@ -44,8 +42,7 @@ class Arch:
     source: str
 
 
-@dataclass(frozen=True)
-class Gpu:
+class Gpu(NamedTuple):
     name: str
     aliases: list[str]
     compute_capability: str
@@ -53,8 +50,7 @@ class Gpu:
     source: str
 
 
-@dataclass(frozen=True)
-class CudaMajor:
+class CudaMajor(NamedTuple):
     major: int
     compat_min_driver: str
     source: str
@@ -62,34 +58,31 @@ class CudaMajor:
     min_cc_note: str = ""
 
 
-@dataclass(frozen=True)
-class Toolkit:
+class Toolkit(NamedTuple):
     version: str
     source: str
     min_driver: str | None = None
 
 
-@dataclass(frozen=True)
-class TorchBuild:
+class TorchBuild(NamedTuple):
     variant: str
     cuda: str
     status: str  # "stable" | "experimental"
     sass: list[str]
     source: str
+    cxx11abi: bool | None = None  # where it differs from its release's
 
 
-@dataclass(frozen=True)
-class TorchRelease:
+class TorchRelease(NamedTuple):
     version: str
     python: str  # a PEP 440 specifier, e.g. ">=3.10,<3.15"
     triton: str | None
     cxx11abi: bool
     source: str
-    build: list[TorchBuild] = field(default_factory=list)
+    build: list[TorchBuild] = []
 
 
-@dataclass(frozen=True)
-class FlashAttnImpl:
+class FlashAttnImpl(NamedTuple):
     name: str  # "fa2", "fa3"
     attention: str  # the plan's attention value, e.g. "flash_attention_2"
     package: str
@@ -99,8 +92,7 @@ class FlashAttnImpl:
     min_cuda: str | None = None
 
 
-@dataclass(frozen=True)
-class FlashAttnRelease:
+class FlashAttnRelease(NamedTuple):
     version: str
     impl: str
     filename: str  # template: {version} {cuda} {torch} {abi} {py} {platform}
@@ -110,48 +102,44 @@ class FlashAttnRelease:
     cxx11abi: list[bool]
     platforms: list[str]
     source: str
-    exclude: list[str] = field(default_factory=list)  # "torch2.4-py3.13" combinations without a wheel
+    exclude: list[str] = []  # "torch2.4-py3.13" combinations without a wheel
 
 
-@dataclass(frozen=True)
-class Xformers:
+class Xformers(NamedTuple):
     version: str
-    torch: str  # the exact torch release it pins
+    torch: str  # the torch releases it accepts, e.g. "==2.8.0"
     min_cc: str
     source: str
 
 
-@dataclass(frozen=True)
-class Stack:
+class Stack(NamedTuple):
     torch: str  # specifier
     python: str  # specifier
     packages: dict[str, str]
     source: str
 
 
-@dataclass(frozen=True)
-class GpuRequirement:
+class GpuRequirement(NamedTuple):
     package: str
     min_cc: str
     reason: str
     source: str
 
 
-@dataclass(frozen=True)
-class TritonSupport:
+class TritonSupport(NamedTuple):
     triton: str  # specifier over triton versions
     min_cc: str
     reason: str
     source: str
 
 
-@dataclass(frozen=True)
-class Matrix:
+class Matrix(NamedTuple):
     version: str
     archs: list[Arch]
     gpus: list[Gpu]
     cuda_majors: list[CudaMajor]
     toolkits: list[Toolkit]
+    assumed_driver: str  # what plans assume when the run host's driver is unknown
     torch: list[TorchRelease]
     torch_index_url: str
     flash_attn_impls: list[FlashAttnImpl]
@@ -184,8 +172,24 @@ def cc_tuple(cc: str) -> tuple[int, int]:
     return int(major), int(minor)
 
 
-def version_key(text: str) -> Version:
-    return Version(text)
+RANGE_OPS = {">=": operator.ge, "<=": operator.le, ">": operator.gt, "<": operator.lt, "==": operator.eq,
+             "!=": operator.ne}
+RANGE_RE = re.compile(r"^(>=|<=|==|!=|>|<)\s*(\S+)$")
+
+
+def in_range(version: str, spec: str) -> bool:
+    """Whether `version` satisfies a matrix range such as ">=3.10,<3.15".
+
+    Matrix ranges use only these six comparisons (the loader rejects anything else), so this agrees with
+    packaging.specifiers.SpecifierSet on them; importing that module costs ~15 ms of `envtool resolve`'s
+    start-up, which must stay fast.
+    """
+    v = Version(version)
+    for clause in spec.split(","):
+        op, bound = RANGE_RE.match(clause.strip()).groups()
+        if not RANGE_OPS[op](v, Version(bound)):
+            return False
+    return True
 
 
 # ---------------------------------------------------------------------------- loading
@@ -215,6 +219,7 @@ def load(directory: Path | None = None) -> Matrix:
         gpus=_rows(files["gpus"], "gpu", Gpu, directory / "gpus.toml"),
         cuda_majors=_rows(files["cuda"], "major", CudaMajor, directory / "cuda.toml"),
         toolkits=_rows(files["cuda"], "toolkit", Toolkit, directory / "cuda.toml"),
+        assumed_driver=_scalar(files["cuda"], "assumed_driver", directory / "cuda.toml"),
         torch=_rows(files["torch"], "release", TorchRelease, directory / "torch.toml"),
         torch_index_url=_scalar(files["torch"], "index_url", directory / "torch.toml"),
         flash_attn_impls=_rows(files["flash_attn"], "impl", FlashAttnImpl, directory / "flash_attn.toml"),
@@ -264,18 +269,22 @@ def _label(row: object) -> str:
     return ""
 
 
+@lru_cache(maxsize=None)
+def _schema(cls: type) -> tuple[dict, dict]:
+    return typing.get_type_hints(cls), cls._field_defaults
+
+
 def _build(cls: type, row: object, where: str, path: Path):
     if not isinstance(row, dict):
         raise MatrixError(f"{path.parent / where}: a row must be a table")
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(row) - set(fields))
+    hints, defaults = _schema(cls)
+    unknown = sorted(set(row) - set(cls._fields))
     if unknown:
         raise MatrixError(f"{path.parent / where}: unknown field {unknown[0]!r}")
     values = {}
-    for name, f in fields.items():
+    for name in cls._fields:
         if name not in row:
-            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            if name not in defaults:
                 raise MatrixError(f"{path.parent / where}: missing field {name!r}")
             continue
         values[name] = _typed(hints[name], row[name], f"{path.parent / where}: field {name!r}", path)
@@ -292,7 +301,7 @@ def _typed(hint, value, where: str, path: Path):
         if not isinstance(value, list):
             raise MatrixError(f"{where} must be a list")
         (item,) = args
-        if dataclasses.is_dataclass(item):
+        if hasattr(item, "_fields"):
             return [_build(item, v, f"{where.split(': ')[0]}.{i + 1}", path) for i, v in enumerate(value)]
         return [_typed(item, v, f"{where}[{i}]", path) for i, v in enumerate(value)]
     if origin is dict:
@@ -323,10 +332,11 @@ def _check_facts(m: Matrix, directory: Path) -> None:
             fail(f"{where}: {value!r} is not a version")
 
     def spec(value: str, where: str):
-        try:
-            SpecifierSet(value)
-        except InvalidSpecifier:
-            fail(f"{where}: {value!r} is not a version range")
+        clauses = [RANGE_RE.match(c.strip()) for c in value.split(",")]
+        if not all(clauses):
+            fail(f"{where}: {value!r} is not a version range like '>=3.10,<3.15'")
+        for clause in clauses:
+            version(clause.group(2), where)
 
     for a in m.archs:
         cc(a.compute_capability, f"archs.toml [[arch]] ({a.name})")
@@ -341,6 +351,7 @@ def _check_facts(m: Matrix, directory: Path) -> None:
             if key in aliases:
                 fail(f"{where}: alias {alias!r} also names {aliases[key]}")
             aliases[key] = g.name
+    version(m.assumed_driver, "cuda.toml assumed_driver")
     toolkits = {t.version for t in m.toolkits}
     for t in m.toolkits:
         version(t.version, f"cuda.toml [[toolkit]] ({t.version})")
@@ -378,7 +389,7 @@ def _check_facts(m: Matrix, directory: Path) -> None:
     for x in m.xformers:
         where = f"xformers.toml [[release]] (version={x.version})"
         version(x.version, where)
-        version(x.torch, where)
+        spec(x.torch, where)
         cc(x.min_cc, where)
     for s in m.stacks:
         where = f"packages.toml [[stack]] (torch={s.torch})"

@@ -9,14 +9,13 @@ where dropping one pin would help, the pin value that works.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
-from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 from .errors import BadInput, Unsatisfiable
 from .hardware import GpuSpec
-from .matrix import FlashAttnImpl, Matrix, TorchBuild, TorchRelease, Xformers, cc_tuple
+from .matrix import FlashAttnImpl, Matrix, TorchBuild, TorchRelease, Xformers, cc_tuple, in_range
 from .plan import FlashAttnChoice, Plan, Rejected, TorchChoice
 
 ATTENTIONS = ("flash_attention_2", "flash_attention_3", "sdpa", "xformers", "eager")
@@ -24,8 +23,7 @@ PLATFORMS = ("x86_64", "aarch64")
 PYTHON_RE = re.compile(r"^3\.\d{1,2}$")
 
 
-@dataclass
-class Request:
+class Request(NamedTuple):
     gpu: GpuSpec
     driver: str | None
     python: str
@@ -36,7 +34,7 @@ class Request:
     no_flash_attn: bool = False
     attention: str | None = None  # one of ATTENTIONS
     target: str = ""
-    notes: list[str] = field(default_factory=list)  # what detection said, carried into the reasons
+    notes: list[str] = []  # what detection said, carried into the reasons
 
     def pins(self) -> list[str]:
         flags = [("--torch", self.torch), ("--cuda", self.cuda), ("--flash-attn", self.flash_attn),
@@ -44,15 +42,17 @@ class Request:
         return [f"{flag} {value}" for flag, value in flags if value]
 
 
-@dataclass
 class Candidate:
-    release: TorchRelease
-    build: TorchBuild | None  # None: the CPU build
-    native_driver: bool = True  # False: runs only through CUDA minor-version compatibility
-    flash_attn: FlashAttnChoice | None = None
-    flash_attn_impl: FlashAttnImpl | None = None
-    flash_attn_missing: str = ""  # why no wheel, when the GPU could run flash-attn
-    xformers: Xformers | None = None
+    """One torch build under consideration; the rules fill in what they learn about it."""
+
+    def __init__(self, release: TorchRelease, build: TorchBuild | None):
+        self.release = release
+        self.build = build  # None: the CPU build
+        self.native_driver = True  # False: runs only through CUDA minor-version compatibility
+        self.flash_attn: FlashAttnChoice | None = None
+        self.flash_attn_impl: FlashAttnImpl | None = None
+        self.flash_attn_missing = ""  # why no wheel, when the GPU could run flash-attn
+        self.xformers: Xformers | None = None
 
     @property
     def variant(self) -> str:
@@ -61,6 +61,12 @@ class Candidate:
     @property
     def cuda(self) -> str | None:
         return self.build.cuda if self.build else None
+
+    @property
+    def cxx11abi(self) -> bool:
+        if self.build is not None and self.build.cxx11abi is not None:
+            return self.build.cxx11abi
+        return self.release.cxx11abi
 
     @property
     def label(self) -> str:
@@ -113,7 +119,7 @@ def _prefix_match(pin: str, version: str) -> bool:
 
 
 def rule_python(req: Request, m: Matrix, c: Candidate) -> str | None:
-    if req.python not in SpecifierSet(c.release.python):
+    if not in_range(req.python, c.release.python):
         return f"{c.label} supports Python {c.release.python}, not {req.python}"
     return None
 
@@ -193,7 +199,7 @@ def has_sass(build: TorchBuild, cc: str) -> bool:
 
 def stack_for(m: Matrix, torch_version: str, python: str):
     return next((s for s in m.stacks
-                 if torch_version in SpecifierSet(s.torch) and python in SpecifierSet(s.python)), None)
+                 if in_range(torch_version, s.torch) and in_range(python, s.python)), None)
 
 
 # ---------------------------------------------------------------------------- attention kernels
@@ -222,7 +228,7 @@ def find_flash_attn(req: Request, m: Matrix, c: Candidate) -> None:
             if rel.impl != impl.name or (req.flash_attn and rel.version != req.flash_attn):
                 continue
             if (torch_mm in rel.torch and cuda_major in rel.cuda and py in rel.python
-                    and c.release.cxx11abi in rel.cxx11abi and req.platform in rel.platforms
+                    and c.cxx11abi in rel.cxx11abi and req.platform in rel.platforms
                     and f"torch{torch_mm}-py{py}" not in rel.exclude):
                 found.append((Version(rel.version), impl, rel))
     if not found:
@@ -232,7 +238,7 @@ def find_flash_attn(req: Request, m: Matrix, c: Candidate) -> None:
         return
     # FA3 before FA2 where both exist (Hopper), then the newest release.
     _, impl, rel = max(found, key=lambda f: (f[1].name, f[0]))
-    abi = "TRUE" if c.release.cxx11abi else "FALSE"
+    abi = "TRUE" if c.cxx11abi else "FALSE"
     filename = rel.filename.format(version=rel.version, cuda=rel.cuda[cuda_major], torch=torch_mm, abi=abi,
                                    py=py.replace(".", ""), platform=req.platform)
     url = m.flash_attn_url.format(version=rel.version, filename=filename)
@@ -241,7 +247,8 @@ def find_flash_attn(req: Request, m: Matrix, c: Candidate) -> None:
 
 
 def find_xformers(m: Matrix, c: Candidate) -> None:
-    c.xformers = next((x for x in m.xformers if x.torch == c.release.version), None)
+    fits = [x for x in m.xformers if in_range(c.release.version, x.torch)]
+    c.xformers = max(fits, key=lambda x: Version(x.version), default=None)
 
 
 # ---------------------------------------------------------------------------- solving
@@ -270,22 +277,26 @@ def evaluate(req: Request, m: Matrix) -> tuple[list[Candidate], list[Rejected]]:
 
 
 def preference(req: Request, m: Matrix):
-    """Sort key, best last: a flash-attn wheel, the newest torch, a stable build, a driver that runs the
-    toolkit natively, then the newest CUDA the driver runs — or, driver unknown, the CUDA that runs on
-    the oldest drivers."""
+    """Sort key, best last: a flash-attn wheel; with the driver unknown, a build that runs on the driver
+    cuda.toml assumes then; the newest torch; a stable build; a driver that runs the toolkit natively; then
+    the newest CUDA the driver runs, or, driver unknown, the CUDA that runs on the oldest drivers."""
 
     def key(c: Candidate):
-        if c.build is None:
-            cuda_rank = (0,)
-        elif req.driver is None:
-            cuda_rank = tuple(-x for x in Version(c.cuda).release)
-        else:
-            cuda_rank = Version(c.cuda).release
+        cuda = Version(c.cuda).release if c.build else (0, 0)
         fa_rank = 0 if c.flash_attn_impl is None else (2 if c.flash_attn_impl.name == "fa3" else 1)
         stable = c.build is None or c.build.status == "stable"
-        return (fa_rank, Version(c.release.version), stable, c.native_driver, cuda_rank)
+        if req.driver is None:
+            return (fa_rank, c.build is None or runs_on(m, c.cuda, m.assumed_driver), Version(c.release.version),
+                    stable, True, tuple(-x for x in cuda))
+        return (fa_rank, True, Version(c.release.version), stable, c.native_driver, cuda)
 
     return key
+
+
+def runs_on(m: Matrix, cuda: str, driver: str) -> bool:
+    """Whether a driver runs a CUDA toolkit, natively or through minor-version compatibility."""
+    major = m.cuda_major(int(cuda.split(".")[0]))
+    return Version(driver) >= Version(major.compat_min_driver)
 
 
 def solve(req: Request, m: Matrix) -> Plan:
@@ -330,7 +341,7 @@ def suggestion(req: Request, m: Matrix) -> str:
         if getattr(req, attr) is None:
             continue
         try:
-            plan = solve(replace(req, **{attr: None}), m)
+            plan = solve(req._replace(**{attr: None}), m)
         except Unsatisfiable:
             continue
         return f"; {say(plan)}"
@@ -396,10 +407,16 @@ def torch_reason(req: Request, m: Matrix, best: Candidate, survivors: list[Candi
     newest = max(survivors, key=lambda c: Version(c.release.version))
     status = "" if best.build.status == "stable" else f" (an experimental build of {best.release.version})"
     text = f"{best.label}{status}: newest build that {sass}"
-    if best.flash_attn and Version(newest.release.version) > Version(best.release.version):
+    if Version(newest.release.version) <= Version(best.release.version):
+        return text
+    if best.flash_attn:
         text += (f"; torch {newest.release.version} is newer but flash-attn publishes no prebuilt wheel for it, "
                  f"so torch {best.release.version} was chosen for flash-attn {best.flash_attn.version} "
                  f"(--no-flash-attn gives torch {newest.release.version} with SDPA)")
+    elif req.driver is None:
+        floor = m.cuda_major(int(newest.cuda.split(".")[0])).compat_min_driver
+        text += (f"; torch {newest.release.version} is newer but needs CUDA {newest.cuda} (driver ≥ {floor}): "
+                 f"pass --driver to allow it")
     return text
 
 
@@ -408,8 +425,8 @@ def driver_reason(req: Request, m: Matrix, best: Candidate) -> str:
     major = m.cuda_major(int(best.cuda.split(".")[0]))
     if req.driver is None:
         needs = toolkit.min_driver or major.compat_min_driver
-        return (f"driver unknown: chose CUDA {best.cuda}, the stable toolkit that runs on the oldest drivers "
-                f"(≥ {needs}, ≥ {major.compat_min_driver} with minor-version compatibility); "
+        return (f"driver unknown (assumed ≥ {m.assumed_driver}): chose CUDA {best.cuda}, which runs on drivers "
+                f"≥ {needs}, or ≥ {major.compat_min_driver} with minor-version compatibility; "
                 f"pass --driver to pick the newest CUDA your driver supports")
     if best.native_driver:
         return f"driver {req.driver} runs CUDA {best.cuda} (needs ≥ {toolkit.min_driver})"
@@ -427,7 +444,7 @@ def choose_attention(req: Request, m: Matrix, best: Candidate) -> tuple[str, str
         if cc_tuple(gpu.compute_capability or "0.0") < cc_tuple(best.xformers.min_cc):
             raise Unsatisfiable(f"--attention xformers with {gpu.describe()}: xformers needs "
                                 f"sm_{best.xformers.min_cc.replace('.', '')}+")
-        return "xformers", f"xformers {best.xformers.version} (--attention xformers; pins torch {best.xformers.torch})"
+        return "xformers", f"xformers {best.xformers.version} (--attention xformers; needs torch{best.xformers.torch})"
     if req.attention == "eager":
         return "eager", "eager attention (--attention eager): the slowest path, for debugging"
     fa2 = m.flash_attn_impl("fa2")
@@ -455,7 +472,7 @@ def choose_triton(req: Request, m: Matrix, best: Candidate) -> tuple[str | None,
         return None, {"torch_compile": True, "liger": False}, (
             "triton: none (CPU build); torch.compile uses its C++ backend; liger kernels need a GPU")
     version = best.release.triton
-    support = next((t for t in m.triton_support if Version(version) in SpecifierSet(t.triton)), None)
+    support = next((t for t in m.triton_support if in_range(version, t.triton)), None)
     ok = support is None or cc_tuple(req.gpu.compute_capability) >= cc_tuple(support.min_cc)
     features = {"torch_compile": ok, "liger": ok}
     if ok:
