@@ -16,7 +16,7 @@ def plan_table(plan: Plan, explain: bool = False, console: Console | None = None
         f"{gpu['name']} · sm_{gpu['compute_capability'].replace('.', '')} · {gpu['arch']}")
     table = Table(title=f"envtool plan for {title}", show_header=False, title_justify="left")
     table.add_column(style="bold cyan")
-    table.add_column()
+    table.add_column(overflow="fold")
     torch = plan.torch
     table.add_row("torch", f"{torch.version}+{torch.variant}  ({torch.index_url})")
     if torch.cuda:

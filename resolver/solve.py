@@ -8,6 +8,7 @@ where dropping one pin would help, the pin value that works.
 
 from __future__ import annotations
 
+import os
 import re
 from typing import NamedTuple
 
@@ -21,6 +22,9 @@ from .plan import FlashAttnChoice, Plan, Rejected, TorchChoice
 ATTENTIONS = ("flash_attention_2", "flash_attention_3", "sdpa", "xformers", "eager")
 PLATFORMS = ("x86_64", "aarch64")
 PYTHON_RE = re.compile(r"^3\.\d{1,2}$")
+# Mirrors and air-gapped sites: URL templates that replace the matrix's (same placeholders).
+TORCH_INDEX_ENV = "ENVTOOL_TORCH_INDEX_URL"  # {variant}
+FLASH_ATTN_URL_ENV = "ENVTOOL_FLASH_ATTN_URL"  # {version} {filename}
 
 
 class Request(NamedTuple):
@@ -241,7 +245,8 @@ def find_flash_attn(req: Request, m: Matrix, c: Candidate) -> None:
     abi = "TRUE" if c.cxx11abi else "FALSE"
     filename = rel.filename.format(version=rel.version, cuda=rel.cuda[cuda_major], torch=torch_mm, abi=abi,
                                    py=py.replace(".", ""), platform=req.platform)
-    url = m.flash_attn_url.format(version=rel.version, filename=filename)
+    template = os.environ.get(FLASH_ATTN_URL_ENV) or m.flash_attn_url
+    url = template.format(version=rel.version, filename=filename)
     c.flash_attn = FlashAttnChoice(version=rel.version, package=impl.package, filename=filename, wheel_url=url)
     c.flash_attn_impl = impl
 
@@ -377,7 +382,7 @@ def build_plan(req: Request, m: Matrix, best: Candidate, survivors: list[Candida
         python=req.python,
         platform=req.platform,
         torch=TorchChoice(version=best.release.version, cuda=best.cuda, variant=best.variant,
-                          index_url=m.torch_index_url.format(variant=best.variant),
+                          index_url=(os.environ.get(TORCH_INDEX_ENV) or m.torch_index_url).format(variant=best.variant),
                           min_driver=toolkit.min_driver if toolkit else None),
         attention=attention,
         flash_attn=best.flash_attn if attention.startswith("flash_attention") else None,
@@ -404,16 +409,16 @@ def torch_reason(req: Request, m: Matrix, best: Candidate, survivors: list[Candi
     if best.build is None:
         return f"torch {best.release.version} (cpu): the newest release for Python {req.python}"
     sass = f"carries {req.gpu.sm} code (SASS {' '.join(best.build.sass)})"
+    rank = preference(req, m)
+    without_fa = max(survivors, key=lambda c: rank(c)[1:])
     newest = max(survivors, key=lambda c: Version(c.release.version))
     status = "" if best.build.status == "stable" else f" (an experimental build of {best.release.version})"
     text = f"{best.label}{status}: newest build that {sass}"
-    if Version(newest.release.version) <= Version(best.release.version):
-        return text
-    if best.flash_attn:
-        text += (f"; torch {newest.release.version} is newer but flash-attn publishes no prebuilt wheel for it, "
-                 f"so torch {best.release.version} was chosen for flash-attn {best.flash_attn.version} "
-                 f"(--no-flash-attn gives torch {newest.release.version} with SDPA)")
-    elif req.driver is None:
+    if best.flash_attn and Version(without_fa.release.version) > Version(best.release.version):
+        text += (f"; torch {without_fa.release.version} is newer but flash-attn publishes no prebuilt wheel for "
+                 f"it, so torch {best.release.version} was chosen for flash-attn {best.flash_attn.version} "
+                 f"(--no-flash-attn gives torch {without_fa.release.version} with SDPA)")
+    elif req.driver is None and Version(newest.release.version) > Version(best.release.version):
         floor = m.cuda_major(int(newest.cuda.split(".")[0])).compat_min_driver
         text += (f"; torch {newest.release.version} is newer but needs CUDA {newest.cuda} (driver ≥ {floor}): "
                  f"pass --driver to allow it")

@@ -139,3 +139,12 @@ def test_help_explains():
     out = run_envtool("resolve", "--help", COLUMNS="200")
     assert out.returncode == 0
     assert "--gpu" in out.stdout and "compute capability" in out.stdout and "--explain" in out.stdout
+
+
+def test_mirror_urls_replace_the_public_ones():
+    plan = resolve_json("--gpu", "a100", "--python", "3.11",
+                        ENVTOOL_TORCH_INDEX_URL="http://127.0.0.1:8080/torch/{variant}/",
+                        ENVTOOL_FLASH_ATTN_URL="http://127.0.0.1:8080/fa/{version}/{filename}")
+    assert plan["torch"]["index_url"] == f"http://127.0.0.1:8080/torch/{plan['torch']['variant']}/"
+    assert plan["flash_attn"]["wheel_url"] == (f"http://127.0.0.1:8080/fa/{plan['flash_attn']['version']}/"
+                                               f"{plan['flash_attn']['filename']}")
