@@ -147,6 +147,7 @@ class Matrix(NamedTuple):
     flash_attn_url: str
     xformers: list[Xformers]
     stacks: list[Stack]
+    no_build: list[str]
     gpu_requirements: list[GpuRequirement]
     triton_support: list[TritonSupport]
 
@@ -228,6 +229,8 @@ def load(directory: Path | None = None) -> Matrix:
         flash_attn_url=_scalar(files["flash_attn"], "wheel_url", directory / "flash_attn.toml"),
         xformers=_rows(files["xformers"], "release", Xformers, directory / "xformers.toml"),
         stacks=_rows(files["packages"], "stack", Stack, directory / "packages.toml"),
+        no_build=_typed(list[str], files["packages"].get("no_build"), "packages.toml: no_build",
+                        directory / "packages.toml"),
         gpu_requirements=_rows(files["packages"], "gpu_requirement", GpuRequirement,
                                directory / "packages.toml"),
         triton_support=_rows(files["packages"], "triton_support", TritonSupport,

@@ -17,8 +17,8 @@ WHEELHOUSE = ROOT / ".ci-cache" / "wheelhouse"
 def test_wheel_installs_and_resolves_from_a_fresh_venv(tmp_path):
     assert WHEELHOUSE.is_dir(), "run `bash .ci/setup` first: it fills .ci-cache/wheelhouse"
     dist = tmp_path / "dist"
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-                    "-w", str(dist), str(ROOT)], check=True)
+    uv = Path(sys.executable).parent / "uv"
+    subprocess.run([str(uv), "build", "--wheel", "--offline", "-q", "--out-dir", str(dist), str(ROOT)], check=True)
     (wheel,) = dist.glob("envtool-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     shipped = {n for n in names if n.startswith("matrices/") and n.endswith(".toml")}

@@ -1,0 +1,99 @@
+"""Running uv: where its binary is, the environment it gets (cache, CA bundle), progress while it works,
+and its failures turned into envtool's one-line errors."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from .errors import EnvtoolError, Unsatisfiable
+
+
+class UvFailed(EnvtoolError):
+    """uv exited non-zero for a reason envtool could not name more precisely."""
+
+
+def uv_binary() -> str:
+    override = os.environ.get("ENVTOOL_UV")
+    if override:
+        return override
+    try:
+        from uv import find_uv_bin
+
+        return find_uv_bin()
+    except (ImportError, FileNotFoundError):
+        import shutil
+
+        found = shutil.which("uv")
+        if found:
+            return found
+        raise EnvtoolError("uv not found: install envtool with its dependencies (`pip install envtool`) "
+                           "or put uv on PATH") from None
+
+
+def uv_env(ca_bundle: str | None = None, extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    if ca_bundle:
+        if not Path(ca_bundle).is_file():
+            from .errors import BadInput
+
+            raise BadInput(f"--ca-bundle {ca_bundle}: no such file")
+        env["SSL_CERT_FILE"] = ca_bundle
+    env.setdefault("UV_NO_PROGRESS", "1")
+    env.pop("VIRTUAL_ENV", None)  # uv would otherwise warn that it does not match the project environment
+    env.update(extra or {})
+    return env
+
+
+def run_uv(args: list[str], *, what: str, env: dict[str, str], cwd: Path | None = None,
+           quiet: bool = False) -> subprocess.CompletedProcess:
+    """Run `uv ARGS`, showing a spinner with `what` on a terminal; raise a one-line error on failure."""
+    cmd = [uv_binary(), *args]
+    if quiet or not sys.stderr.isatty():
+        result = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True)
+    else:
+        from rich.console import Console
+
+        with Console(stderr=True).status(what):
+            result = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise explain_failure(result.stderr, what)
+    return result
+
+
+MISSING_WHEEL = re.compile(r"Because (?P<name>[\w.\-]+)==(?P<version>[\w.+\-]+) has no (?:usable|.*?-compatible) wheels")
+MISSING_URL = re.compile(r"Failed to download `(?P<name>[\w.\-]+) @ (?P<url>\S+)`")
+HTTP_STATUS = re.compile(r"HTTP status (?:client|server) error \((?P<status>[^)]+)\)")
+
+
+def explain_failure(stderr: str, what: str) -> EnvtoolError:
+    """Name the package and wheel that is missing when that is why uv failed; else uv's own error line."""
+    missing = MISSING_WHEEL.search(stderr)
+    if missing:
+        name, version = missing["name"], missing["version"]
+        return MissingWheel(name, version, None, stderr)
+    url = MISSING_URL.search(stderr)
+    if url:
+        status = HTTP_STATUS.search(stderr)
+        return MissingWheel(url["name"], None, url["url"], stderr, status["status"] if status else None)
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith(("error:", "cause:", "×"))] or lines[-1:]
+    return UvFailed(f"{what} failed: uv says: {' '.join(errors)[:600]}")
+
+
+class MissingWheel(Unsatisfiable):
+    """A package the plan needs has no wheel for the target; envtool never builds those from source."""
+
+    def __init__(self, name: str, version: str | None, url: str | None, stderr: str, status: str | None = None):
+        self.name, self.version, self.url, self.stderr, self.status = name, version, url, stderr, status
+        if url:
+            text = (f"{name}: the prebuilt wheel {url.rsplit('/', 1)[-1]} could not be downloaded from {url}"
+                    f"{f' ({status})' if status else ''}; envtool never builds {name} from source: "
+                    f"`envtool resolve --no-flash-attn` skips it, or ENVTOOL_FLASH_ATTN_URL names a mirror")
+        else:
+            text = (f"no prebuilt wheel of {name}=={version} for the target (Python, platform); "
+                    f"envtool never builds {name} from source")
+        super().__init__(text)

@@ -1,0 +1,94 @@
+"""Stand-ins for the package indexes envtool talks to: small generated wheels and a PEP 503 index
+served on 127.0.0.1, so uv really resolves, locks, hashes and installs without the real gigabytes."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import hashlib
+import html
+import http.server
+import re
+import shutil
+import threading
+import zipfile
+from pathlib import Path
+
+
+def _record_hash(data: bytes) -> str:
+    return "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+
+
+def make_wheel(directory: Path, name: str, version: str, *, tag: str = "py3-none-any",
+               requires: list[str] = (), files: dict[str, str] | None = None) -> Path:
+    """Write a valid wheel `name-version-tag.whl` whose package `name` (import name) holds `files`."""
+    dist = re.sub(r"[-_.]+", "_", name)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{dist}-{version}-{tag}.whl"
+    module = dist.lower()
+    files = files if files is not None else {f"{module}/__init__.py": f'__version__ = "{version}"\n'}
+    info = f"{dist}-{version}.dist-info"
+    metadata = "Metadata-Version: 2.1\n" f"Name: {name}\n" f"Version: {version}\n"
+    metadata += "".join(f"Requires-Dist: {r}\n" for r in requires)
+    wheel = f"Wheel-Version: 1.0\nGenerator: envtool-tests\nRoot-Is-Purelib: true\nTag: {tag}\n"
+    entries = dict(files)
+    entries[f"{info}/METADATA"] = metadata
+    entries[f"{info}/WHEEL"] = wheel
+    record = "".join(f"{p},{_record_hash(c.encode())},{len(c.encode())}\n" for p, c in entries.items())
+    record += f"{info}/RECORD,,\n"
+    entries[f"{info}/RECORD"] = record
+    with zipfile.ZipFile(path, "w") as z:
+        for p, content in entries.items():
+            z.writestr(p, content)
+    return path
+
+
+def normalize(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def project_of(filename: str) -> str:
+    return normalize(filename.split("-")[0])
+
+
+def write_simple_index(root: Path, index: str, wheels: list[Path]) -> None:
+    """A PEP 503 simple index at root/index/: one page per project, links with #sha256= fragments."""
+    base = root / index
+    files = root / "files"
+    files.mkdir(parents=True, exist_ok=True)
+    projects: dict[str, list[Path]] = {}
+    for wheel in wheels:
+        target = files / wheel.name
+        if not target.exists():
+            shutil.copy2(wheel, target)
+        projects.setdefault(project_of(wheel.name), []).append(target)
+    for project, paths in projects.items():
+        page = base / project
+        page.mkdir(parents=True, exist_ok=True)
+        depth = "../" * (len(Path(index).parts) + 1)
+        links = "".join(
+            f'<a href="{depth}files/{html.escape(p.name)}#sha256={hashlib.sha256(p.read_bytes()).hexdigest()}">'
+            f"{html.escape(p.name)}</a><br>\n" for p in paths)
+        (page / "index.html").write_text(f"<!DOCTYPE html><html><body>\n{links}</body></html>\n")
+    names = sorted(p.name for p in base.iterdir() if p.is_dir())
+    (base / "index.html").write_text(
+        "<!DOCTYPE html><html><body>\n" + "".join(f'<a href="{n}/">{n}</a><br>\n' for n in names) + "</body></html>\n")
+
+
+class _Quiet(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+
+@contextlib.contextmanager
+def serve(root: Path):
+    """Serve `root` on 127.0.0.1 (a free port); yields the base URL."""
+    handler = lambda *a, **kw: _Quiet(*a, directory=str(root), **kw)  # noqa: E731
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
