@@ -10,6 +10,8 @@ from __future__ import annotations
 import functools
 import json
 import sys
+from pathlib import Path
+from typing import Annotated, Optional
 
 import typer
 
@@ -74,25 +76,67 @@ def _host_platform() -> str:
     return {"amd64": "x86_64", "arm64": "aarch64"}.get(machine, machine)
 
 
+# Options shared by the commands that make a plan (resolve, lock, install --gpu).
+GpuOpt = Annotated[str, typer.Option(
+    "--gpu", help="'auto' (detect this machine), a GPU name or alias (t4, a100, 'Tesla V100'), a compute "
+    "capability (sm_80, 8.6), 'cpu', or a comma list for one plan per target. `envtool gpus` lists the names.")]
+DriverOpt = Annotated[Optional[str], typer.Option(
+    "--driver", help="NVIDIA driver of the run host, e.g. 550.54.14 (default: detected with --gpu auto, "
+    "unknown otherwise).")]
+PythonOpt = Annotated[Optional[str], typer.Option("--python", help="Python of the environment, e.g. 3.11 "
+                                                   "(default: this one).")]
+TorchOpt = Annotated[Optional[str], typer.Option("--torch", help="Pin torch: 2.8 (newest 2.8.x) or 2.8.0.")]
+CudaOpt = Annotated[Optional[str], typer.Option("--cuda", help="Pin the CUDA variant: 12.6 or 12.")]
+FlashAttnOpt = Annotated[Optional[str], typer.Option("--flash-attn",
+                                                     help="Require this flash-attn release's prebuilt wheel.")]
+NoFlashAttnOpt = Annotated[bool, typer.Option("--no-flash-attn", help="Never use flash-attn (SDPA instead).")]
+AttentionOpt = Annotated[Optional[str], typer.Option(
+    "--attention", help="Force the attention backend: flash_attention_2, flash_attention_3, sdpa, xformers or eager.")]
+PlatformOpt = Annotated[Optional[str], typer.Option("--platform", help="x86_64 or aarch64 (default: this machine).")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print the result as JSON.")]
+CaBundleOpt = Annotated[Optional[str], typer.Option(
+    "--ca-bundle", help="CA certificates for a proxy with its own CA (also honoured: SSL_CERT_FILE).")]
+
+
+def make_plans(gpu, driver, python, torch, cuda, flash_attn, no_flash_attn, attention, platform) -> list:
+    from .hardware import targets
+    from .matrix import load
+    from .solve import Request, solve
+
+    m = load()
+    plans = []
+    for t in targets(gpu, m, driver):
+        req = Request(gpu=t.gpu, driver=t.driver, python=python or _host_python(),
+                      platform=platform or _host_platform(), torch=torch, cuda=cuda, flash_attn=flash_attn,
+                      no_flash_attn=no_flash_attn, attention=attention, target=t.label, notes=t.notes)
+        plans.append(solve(req, m))
+    return plans
+
+
+def one_plan(*args):
+    from .errors import BadInput
+
+    plans = make_plans(*args)
+    if len(plans) != 1:
+        raise BadInput("this command makes one environment: give --gpu a single target")
+    return plans[0]
+
+
 @app.command()
 @reported
 def resolve(
-    gpu: str = typer.Option("auto", "--gpu", help="'auto' (detect this machine), a GPU name or alias (t4, a100, "
-                            "'Tesla V100'), a compute capability (sm_80, 8.6), 'cpu', or a comma list for one plan "
-                            "per target. `envtool gpus` lists the names."),
-    driver: str = typer.Option(None, "--driver", help="NVIDIA driver of the run host, e.g. 550.54.14 "
-                               "(default: detected with --gpu auto, unknown otherwise)."),
-    python: str = typer.Option(None, "--python", help="Python of the environment, e.g. 3.11 (default: this one)."),
-    torch: str = typer.Option(None, "--torch", help="Pin torch: 2.8 (newest 2.8.x) or 2.8.0."),
-    cuda: str = typer.Option(None, "--cuda", help="Pin the CUDA variant: 12.6 or 12."),
-    flash_attn: str = typer.Option(None, "--flash-attn", help="Require this flash-attn release's prebuilt wheel."),
-    no_flash_attn: bool = typer.Option(False, "--no-flash-attn", help="Never use flash-attn (SDPA instead)."),
-    attention: str = typer.Option(None, "--attention", help="Force the attention backend: flash_attention_2, "
-                                  "flash_attention_3, sdpa, xformers or eager."),
-    platform: str = typer.Option(None, "--platform", help="x86_64 or aarch64 (default: this machine)."),
-    json_out: bool = typer.Option(False, "--json", help="Print the plan as JSON (a list for several targets)."),
-    fmt: str = typer.Option("table", "--format", help="table, json, or github (a CI strategy matrix)."),
-    explain: bool = typer.Option(False, "--explain", help="Also show every candidate build not taken, and why."),
+    gpu: GpuOpt = "auto",
+    driver: DriverOpt = None,
+    python: PythonOpt = None,
+    torch: TorchOpt = None,
+    cuda: CudaOpt = None,
+    flash_attn: FlashAttnOpt = None,
+    no_flash_attn: NoFlashAttnOpt = False,
+    attention: AttentionOpt = None,
+    platform: PlatformOpt = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the plan as JSON (a list for several targets).")] = False,
+    fmt: Annotated[str, typer.Option("--format", help="table, json, or github (a CI strategy matrix).")] = "table",
+    explain: Annotated[bool, typer.Option("--explain", help="Also show every candidate build not taken, and why.")] = False,
 ) -> None:
     """Plan the environment for a GPU: torch build and CUDA variant, attention, precision, triton, packages.
 
@@ -107,21 +151,11 @@ def resolve(
       envtool resolve --gpu t4,v100,a100 --format github
     """
     from .errors import BadInput
-    from .hardware import targets
-    from .matrix import load
-    from .solve import Request, solve
 
     fmt = "json" if json_out else fmt
     if fmt not in ("table", "json", "github"):
         raise BadInput(f"--format {fmt!r}: choose table, json or github")
-    m = load()
-    plans = []
-    for t in targets(gpu, m, driver):
-        req = Request(gpu=t.gpu, driver=t.driver, python=python or _host_python(),
-                      platform=platform or _host_platform(), torch=torch, cuda=cuda, flash_attn=flash_attn,
-                      no_flash_attn=no_flash_attn, attention=attention, target=t.label, notes=t.notes)
-        plans.append(solve(req, m))
-
+    plans = make_plans(gpu, driver, python, torch, cuda, flash_attn, no_flash_attn, attention, platform)
     if fmt == "json":
         data = [p.to_dict(explain) for p in plans]
         print(json.dumps(data[0] if len(data) == 1 else data, indent=2))
@@ -134,6 +168,167 @@ def resolve(
 
         for plan in plans:
             plan_table(plan, explain)
+
+
+def _sources(index_url, extra_index_url, torch_index, find_links, ca_bundle):
+    from .lock import Sources
+
+    return Sources(index_url=index_url, extra_index_urls=tuple(extra_index_url or ()), torch_index=torch_index,
+                   find_links=tuple(find_links or ()), ca_bundle=ca_bundle or None)
+
+
+IndexUrlOpt = Annotated[Optional[str], typer.Option("--index-url", help="Replace PyPI with this index (a mirror).")]
+ExtraIndexOpt = Annotated[Optional[list[str]], typer.Option("--extra-index-url", help="Another index; repeatable.")]
+TorchIndexOpt = Annotated[Optional[str], typer.Option(
+    "--torch-index", help="Replace the PyTorch index: a URL, '{variant}' is replaced by cu126, cpu, ...")]
+FindLinksOpt = Annotated[Optional[list[str]], typer.Option("--find-links", help="A directory of wheels; repeatable.")]
+
+
+@app.command()
+@reported
+def lock(
+    out: Annotated[Path, typer.Option("--out", help="The directory to write: pyproject.toml, uv.lock, plan.json.")],
+    gpu: GpuOpt = "auto",
+    driver: DriverOpt = None,
+    python: PythonOpt = None,
+    torch: TorchOpt = None,
+    cuda: CudaOpt = None,
+    flash_attn: FlashAttnOpt = None,
+    no_flash_attn: NoFlashAttnOpt = False,
+    attention: AttentionOpt = None,
+    platform: PlatformOpt = None,
+    index_url: IndexUrlOpt = None,
+    extra_index_url: ExtraIndexOpt = None,
+    torch_index: TorchIndexOpt = None,
+    find_links: FindLinksOpt = None,
+    wheelhouse: Annotated[Optional[Path], typer.Option(
+        "--wheelhouse", help="Also download every locked wheel here (hash-checked) for `install --offline`.")] = None,
+    ca_bundle: CaBundleOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Write a locked environment for a GPU: pyproject.toml + uv.lock (with hashes) + plan.json.
+
+      envtool lock --gpu a100 --out envs/a100
+
+      envtool lock --gpu t4 --out envs/t4 --wheelhouse wheels/t4   # then: envtool install --offline
+    """
+    from .lock import lock as do_lock
+    from .matrix import load
+
+    plan = one_plan(gpu, driver, python, torch, cuda, flash_attn, no_flash_attn, attention, platform)
+    sources = _sources(index_url, extra_index_url, torch_index, find_links, ca_bundle)
+    env_dir = do_lock(plan, out, sources, load(), quiet=json_out)
+    result = {"out": str(env_dir), "plan": plan.to_dict()}
+    if wheelhouse:
+        from .wheelhouse import fill
+
+        wheels = fill(env_dir, wheelhouse, plan.python, plan.platform, ca_bundle, quiet=json_out)
+        result["wheelhouse"] = {"path": str(wheelhouse.resolve()), "wheels": len(wheels)}
+    if json_out:
+        print(json.dumps(result, indent=2))
+        return
+    print(f"locked {plan.target} (torch {plan.torch.version}+{plan.torch.variant}, {plan.attention}, "
+          f"{plan.precision}) in {env_dir}")
+    if wheelhouse:
+        print(f"wheelhouse: {result['wheelhouse']['wheels']} wheels in {result['wheelhouse']['path']}")
+    print(f"next: envtool install {out} --venv .venv")
+
+
+@app.command()
+@reported
+def install(
+    env_dir: Annotated[Optional[Path], typer.Argument(help="A directory written by `envtool lock`.")] = None,
+    venv: Annotated[Path, typer.Option("--venv", help="The venv to create or replace (a managed symlink).")] = Path(".venv"),
+    gpu: Annotated[Optional[str], typer.Option("--gpu", help="Without ENV_DIR: resolve and lock for this GPU "
+                                               "first ('auto' detects), into <venv>.lock/.")] = None,
+    driver: DriverOpt = None,
+    python: PythonOpt = None,
+    torch: TorchOpt = None,
+    cuda: CudaOpt = None,
+    no_flash_attn: NoFlashAttnOpt = False,
+    index_url: IndexUrlOpt = None,
+    extra_index_url: ExtraIndexOpt = None,
+    torch_index: TorchIndexOpt = None,
+    find_links: FindLinksOpt = None,
+    offline: Annotated[bool, typer.Option("--offline", help="Install from a wheelhouse with no network.")] = False,
+    wheelhouse: Annotated[Optional[Path], typer.Option(
+        "--wheelhouse", help="The wheelhouse for --offline (default: ENV_DIR/wheelhouse).")] = None,
+    ca_bundle: CaBundleOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Install a locked environment into a venv, atomically: the old venv stays until the new one imports.
+
+      envtool install envs/a100 --venv .venv-a100
+
+      envtool install --gpu auto --venv .venv        # resolve + lock + install for this machine
+    """
+    from .errors import BadInput
+    from .install import install as do_install
+
+    if env_dir is None:
+        if gpu is None:
+            raise BadInput("give a lock directory (from `envtool lock`) or --gpu to resolve and lock first")
+        from .lock import lock as do_lock
+        from .matrix import load
+
+        plan = one_plan(gpu, driver, python, torch, cuda, None, no_flash_attn, None, None)
+        sources = _sources(index_url, extra_index_url, torch_index, find_links, ca_bundle)
+        env_dir = do_lock(plan, venv.parent / f"{venv.name}.lock", sources, load(), quiet=json_out)
+    result = do_install(env_dir, venv, offline=offline, wheelhouse=wheelhouse, ca_bundle=ca_bundle, quiet=json_out)
+    if json_out:
+        print(json.dumps(result, indent=2))
+    else:
+        print(f"installed torch {result['torch']}, transformers {result['transformers']} into {result['venv']}")
+
+
+@app.command()
+@reported
+def doctor(
+    venv: Annotated[Optional[Path], typer.Option("--venv", help="The environment to check (default: the "
+                                                 "interpreter running envtool).")] = None,
+    gpu: Annotated[str, typer.Option("--gpu", help="The GPU to check against ('auto': this machine's).")] = "auto",
+    driver: DriverOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Check an environment against this machine: torch's CUDA build and arch list, the driver, flash-attn,
+    triton, bf16. Exits 1 on any error-level finding; each finding names the envtool command that fixes it."""
+    from .doctor import diagnose, probe, report
+    from .hardware import targets
+    from .matrix import load
+
+    m = load()
+    (target,) = targets(gpu, m, driver)[:1]
+    info = probe(venv)
+    findings = diagnose(info, target.gpu, target.driver, m, str(venv or info.get("prefix", ".venv")))
+    result = {**report(findings), "gpu": target.gpu.describe(), "driver": target.driver, "venv": info["prefix"],
+              "packages": info.get("packages", {})}
+    if json_out:
+        print(json.dumps(result, indent=2))
+    else:
+        from .render import doctor_table
+
+        doctor_table(result)
+    if not result["ok"]:
+        raise typer.Exit(1)
+
+
+@app.command()
+@reported
+def export(
+    env_dir: Annotated[Path, typer.Argument(help="A directory written by `envtool lock`.")],
+    fmt: Annotated[str, typer.Option("--format", help="requirements (requirements.txt with hashes) or pylock.")] = "requirements",
+    output: Annotated[Optional[Path], typer.Option("-o", "--output", help="Write here (default: stdout).")] = None,
+) -> None:
+    """Export a locked environment for other installers: requirements.txt with hashes, or pylock.toml."""
+    from .lock import export as do_export
+
+    text = do_export(env_dir, fmt)
+    if output is None:
+        sys.stdout.write(text)
+        return
+    tmp = output.with_name(f".{output.name}.tmp")
+    tmp.write_text(text)
+    tmp.replace(output)
 
 
 @app.command()

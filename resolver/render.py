@@ -57,3 +57,15 @@ def gpus_table(m: Matrix, console: Console | None = None) -> None:
         table.add_row(g.name, ", ".join(g.aliases), g.compute_capability, arch.name, f"{g.memory_gb:g} GB",
                       "yes" if arch.bf16 else "no", "yes" if arch.fp8 else "no")
     console.print(table)
+
+
+def doctor_table(result: dict, console: Console | None = None) -> None:
+    console = console or Console()
+    table = Table(title=f"envtool doctor: {result['venv']} on {result['gpu']}", title_justify="left")
+    for column in ("", "check", "finding", "fix"):
+        table.add_column(column, overflow="fold")
+    marks = {"ok": "[green]✓[/green]", "warning": "[yellow]![/yellow]", "error": "[red]✗[/red]"}
+    for f in result["findings"]:
+        table.add_row(marks[f["level"]], f["check"], f["message"], f["fix"] or "")
+    console.print(table)
+    console.print(f"{result['errors']} error(s), {result['warnings']} warning(s)")

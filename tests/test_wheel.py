@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-WHEELHOUSE = ROOT / ".ci-cache" / "wheelhouse"
+WHEELHOUSE = ROOT / ".ci-cache" / "pypi-mirror"
 
 
 @pytest.mark.slow
 def test_wheel_installs_and_resolves_from_a_fresh_venv(tmp_path):
-    assert WHEELHOUSE.is_dir(), "run `bash .ci/setup` first: it fills .ci-cache/wheelhouse"
+    assert WHEELHOUSE.is_dir(), "run `bash .ci/setup` first: it fills .ci-cache/pypi-mirror"
     dist = tmp_path / "dist"
     uv = Path(sys.executable).parent / "uv"
     subprocess.run([str(uv), "build", "--wheel", "--offline", "-q", "--out-dir", str(dist), str(ROOT)], check=True)

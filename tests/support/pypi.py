@@ -92,3 +92,67 @@ def serve(root: Path):
     finally:
         server.shutdown()
         server.server_close()
+
+
+# ---------------------------------------------------------------------------- the plan's packages as stand-ins
+
+ROOT = Path(__file__).resolve().parents[2]
+MIRROR = ROOT / ".ci-cache" / "pypi-mirror"
+LINUX_CP311 = "cp311-cp311-manylinux_2_28_x86_64"
+
+
+def torch_standin(directory: Path, version: str, variant: str, arch_list: list[str], triton: str | None) -> Path:
+    """A `torch` wheel that answers like a CUDA (or CPU) build: version, CUDA version and compiled arch list."""
+    cuda = None if variant == "cpu" else f"{variant[2:-1]}.{variant[-1]}"
+    files = {
+        "torch/__init__.py": f'__version__ = "{version}+{variant}"\nfrom . import version, _C, cuda\n',
+        "torch/version.py": f"cuda = {cuda!r}\n",
+        "torch/_C.py": f"def _cuda_getArchFlags():\n    return {' '.join(arch_list)!r}\n",
+        "torch/cuda.py": "def is_available():\n    return False\n",
+    }
+    requires = [f"triton=={triton}; platform_machine == 'x86_64' and sys_platform == 'linux'"] if triton else []
+    return make_wheel(directory, "torch", f"{version}+{variant}", tag=LINUX_CP311, requires=requires, files=files)
+
+
+def standins(plan: dict, directory: Path, sass: list[str]) -> dict[str, Path]:
+    """Small wheels for every package of the plan that is big or CUDA-specific, with the plan's versions."""
+    made = {}
+    for name, version in plan["packages"].items():
+        if name == "torch":
+            made[name] = torch_standin(directory, version, plan["torch"]["variant"],
+                                       [f"sm_{s.replace('.', '')}" for s in sass], plan["triton"])
+        elif name == "flash-attn":
+            fa = plan["flash_attn"]
+            made[name] = make_wheel(directory / "fa", "flash_attn", fa["filename"].split("-")[1],
+                                    tag=fa["filename"].split("-", 2)[2].removesuffix(".whl"))
+            assert made[name].name == fa["filename"], made[name].name
+        elif name in ("triton", "bitsandbytes", "deepspeed", "xformers"):
+            made[name] = make_wheel(directory, name, version, tag=LINUX_CP311 if name == "triton" else "py3-none-any")
+        else:
+            made[name] = make_wheel(directory, name, version, files={
+                f"{name.replace('-', '_')}/__init__.py": f'__version__ = "{version}"\n'})
+    return made
+
+
+def build_indexes(root: Path, plan: dict, sass: list[str], *, serve_flash_attn: bool = True,
+                  extra_pypi: list[Path] = (), real_torch: Path | None = None) -> None:
+    """root/pypi: the mirror's real wheels plus stand-ins; root/torch/<variant>: torch; root/gh/...: flash-attn."""
+    made = standins(plan, root.parent / "standins", sass) if real_torch is None else {}
+    if real_torch is not None:
+        made["torch"] = real_torch
+    replaced = {normalize(n) for n in made}
+    mirror = [w for w in sorted(MIRROR.glob("*.whl")) if project_of(w.name) not in replaced]
+    pypi = mirror + [w for n, w in made.items() if n not in ("torch", "flash-attn")] + list(extra_pypi)
+    write_simple_index(root, "pypi", pypi)
+    write_simple_index(root, f"torch/{plan['torch']['variant']}", [made["torch"]])
+    if serve_flash_attn and "flash-attn" in made:
+        fa = plan["flash_attn"]
+        target = root / "gh" / f"v{fa['version']}"
+        target.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(made["flash-attn"], target / fa["filename"])
+
+
+def index_env(url: str) -> dict[str, str]:
+    """Point every URL a plan names at the local server."""
+    return {"ENVTOOL_TORCH_INDEX_URL": f"{url}/torch/{{variant}}/",
+            "ENVTOOL_FLASH_ATTN_URL": f"{url}/gh/v{{version}}/{{filename}}"}

@@ -1,0 +1,133 @@
+"""envtool doctor: check an installed environment against this machine's GPU and driver.
+
+A probe runs inside the environment's interpreter and reports what is installed (torch and the arch list it
+was compiled for, flash-attn, triton, the plan it was installed from); the checks below compare that with the
+machine. Each finding carries its fix as an exact envtool command.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import NamedTuple
+
+from .errors import BadInput
+from .hardware import GpuSpec
+from .matrix import Matrix, cc_tuple
+from .solve import runs_on
+
+PROBE = r"""
+import json, sys, importlib.metadata as md
+from pathlib import Path
+
+def version(name):
+    try:
+        return md.version(name)
+    except md.PackageNotFoundError:
+        return None
+
+info = {"python": "%d.%d" % sys.version_info[:2], "prefix": sys.prefix,
+        "packages": {n: version(n) for n in ("torch", "triton", "flash-attn", "flash-attn-3", "xformers",
+                                              "transformers", "bitsandbytes", "deepspeed", "envtool")}}
+try:
+    import torch
+    info["torch"] = {"version": torch.__version__, "cuda": torch.version.cuda,
+                     "arch_list": torch._C._cuda_getArchFlags().split() if torch.version.cuda else []}
+except Exception as e:  # a broken torch is a finding, not a crash
+    info["torch"] = {"error": f"{type(e).__name__}: {e}"}
+plan = Path(sys.prefix) / "envtool-plan.json"
+info["plan"] = json.loads(plan.read_text()) if plan.is_file() else None
+print(json.dumps(info))
+"""
+
+
+SM = re.compile(r"^sm_(\d+?)(\d)a?$")  # sm_86 -> (8, 6); sm_100 -> (10, 0); sm_90a -> (9, 0)
+
+
+class Finding(NamedTuple):
+    level: str  # "error" | "warning" | "ok"
+    check: str
+    message: str
+    fix: str | None = None
+
+
+def probe(venv: Path | None) -> dict:
+    python = sys.executable if venv is None else str(Path(venv) / "bin" / "python")
+    if venv is not None and not Path(python).exists():
+        raise BadInput(f"{venv}: no bin/python; is it a virtual environment?")
+    out = subprocess.run([python, "-c", PROBE], capture_output=True, text=True, timeout=300)
+    if out.returncode != 0:
+        last = (out.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise BadInput(f"could not inspect {venv or 'this interpreter'}: {last}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def diagnose(info: dict, gpu: GpuSpec, driver: str | None, m: Matrix, venv: str) -> list[Finding]:
+    fix = f"envtool install --gpu auto --venv {venv}"
+    torch = info.get("torch") or {}
+    findings: list[Finding] = []
+    add = findings.append
+    if "error" in torch:
+        add(Finding("error", "torch", f"torch does not import: {torch['error']}", fix))
+        return findings
+    cuda, arch_list = torch.get("cuda"), torch.get("arch_list", [])
+    add(Finding("ok", "torch", f"torch {torch['version']} ({'CUDA ' + cuda if cuda else 'CPU build'})"))
+
+    if gpu.is_cpu:
+        add(Finding("ok", "gpu", "no NVIDIA GPU found: a CPU environment is what this machine can use"))
+    elif cuda is None:
+        add(Finding("error", "torch-cuda", f"torch is the CPU build, but this machine has {gpu.describe()}", fix))
+    else:
+        sms = sorted({a for a in arch_list if SM.match(a)})
+        major, minor = cc_tuple(gpu.compute_capability)
+        runnable = [a for a in sms if int(SM.match(a)[1]) == major and int(SM.match(a)[2]) <= minor]
+        if runnable:
+            add(Finding("ok", "arch", f"torch carries {gpu.sm} code ({' '.join(sms)})"))
+        else:
+            add(Finding("error", "arch", f"torch {torch['version']} has no {gpu.sm} code (built for "
+                        f"{' '.join(sms) or 'nothing'}): 'CUDA capability {gpu.sm} is not compatible with the "
+                        f"current PyTorch installation'", fix))
+        if driver is None:
+            add(Finding("warning", "driver", "NVIDIA driver version unknown: cannot check it runs CUDA " + cuda))
+        elif not runs_on(m, cuda, driver):
+            major_row = m.cuda_major(int(cuda.split(".")[0]))
+            add(Finding("error", "driver", f"driver {driver} is too old for torch's CUDA {cuda} (needs ≥ "
+                        f"{major_row.compat_min_driver}); upgrade the driver or reinstall for it", fix))
+        else:
+            add(Finding("ok", "driver", f"driver {driver} runs CUDA {cuda}"))
+
+    packages = info.get("packages", {})
+    fa = packages.get("flash-attn")
+    fa2 = m.flash_attn_impl("fa2")
+    if fa and (gpu.is_cpu or cc_tuple(gpu.compute_capability) < cc_tuple(fa2.min_cc)):
+        add(Finding("error", "flash-attn", f"flash-attn {fa} is installed but {gpu.describe()} cannot run it "
+                    f"('FlashAttention only supports Ampere GPUs or newer'); the plan for this GPU uses SDPA", fix))
+
+    triton = packages.get("triton")
+    plan = info.get("plan") or {}
+    support = next(iter(m.triton_support), None)
+    if triton and not gpu.is_cpu and support and cc_tuple(gpu.compute_capability) < cc_tuple(support.min_cc):
+        claims = (plan.get("features") or {}).get("torch_compile")
+        level = "error" if claims else "warning"
+        add(Finding(level, "triton", f"triton {triton} is installed (torch pins it) but its kernels do not compile "
+                    f"on {gpu.describe()}: keep torch.compile and liger off", fix if claims else None))
+
+    precision = plan.get("precision")
+    if precision == "bf16" and not gpu.is_cpu and not gpu.bf16:
+        add(Finding("error", "precision", f"the environment's plan trains in bf16, but {gpu.describe()} has no "
+                    f"native bf16 (sm_80+); it would run emulated and slow, or fail", fix))
+    planned_cc = (plan.get("gpu") or {}).get("compute_capability")
+    if plan and planned_cc != gpu.compute_capability:
+        planned = f"sm_{planned_cc.replace('.', '')}" if planned_cc else "CPU"
+        add(Finding("warning", "plan", f"the environment was planned for {planned}, this machine is {gpu.sm}", fix))
+    return findings
+
+
+def report(findings: list[Finding]) -> dict:
+    errors = sum(f.level == "error" for f in findings)
+    warnings = sum(f.level == "warning" for f in findings)
+    return {"ok": errors == 0, "errors": errors, "warnings": warnings,
+            "findings": [f._asdict() for f in findings]}

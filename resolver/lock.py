@@ -1,0 +1,185 @@
+"""envtool lock / export: a self-contained project directory that pins a plan, locked by uv.
+
+The directory holds `pyproject.toml` (the plan's pins and where each package comes from), `uv.lock` (uv's
+resolution, with hashes), `plan.json` and `wheels/envtool-*.whl` (the bundled trainer and `envtool doctor`).
+We choose constraints and sources; uv resolves. Nothing is built from source that must not be: the plan's
+CUDA packages are listed under uv's `no-build-package`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import NamedTuple
+
+from . import selfwheel
+from .errors import BadInput
+from .matrix import Matrix
+from .plan import Plan
+from .uvrun import MissingWheel, run_uv, uv_env
+
+PLAN_FILE = "plan.json"
+
+
+class Sources(NamedTuple):
+    """Where packages come from; every public URL can be replaced (mirrors, air-gapped sites, tests)."""
+
+    index_url: str | None = None  # replaces PyPI
+    extra_index_urls: tuple[str, ...] = ()
+    torch_index: str | None = None  # replaces the PyTorch index of the plan's variant
+    find_links: tuple[str, ...] = ()
+    ca_bundle: str | None = None
+
+
+def target_marker(plan: Plan) -> str:
+    return f"sys_platform == 'linux' and platform_machine == '{plan.platform}'"
+
+
+def requirements(plan: Plan) -> list[str]:
+    """What the environment asks for: envtool itself (trainer, doctor) and every package the plan pins.
+    triton is left to torch's own pin (torch 2.14+ pins it as `~=`)."""
+    pins = [f"{name}=={version}" for name, version in plan.packages.items() if name != "triton"]
+    return ["envtool[train]", *pins]
+
+
+def _toml_list(items: list[str]) -> str:
+    return "[" + ", ".join(json.dumps(i) for i in items) + "]"
+
+
+def with_sources(plan: Plan, sources: Sources) -> Plan:
+    """The plan as this lock will install it: --torch-index replaces the PyTorch index it names."""
+    if not sources.torch_index:
+        return plan
+    return plan._replace(torch=plan.torch._replace(index_url=sources.torch_index.format(variant=plan.torch.variant)))
+
+
+def pyproject_text(plan: Plan, sources: Sources, envtool_wheel: str, no_build: list[str]) -> str:
+    torch_index = plan.torch.index_url
+    gpu = plan.gpu["name"] if plan.gpu["compute_capability"] else "CPU"
+    marker = target_marker(plan)
+    lines = [
+        f"# Written by `envtool lock` for {gpu}: torch {plan.torch.version}+{plan.torch.variant}, "
+        f"{plan.attention}, {plan.precision}.",
+        "# Regenerate it with envtool rather than editing it; plan.json beside it says why each pin is here.",
+        "[project]",
+        f'name = "envtool-env-{plan.torch.variant}-torch{plan.torch.version}"',
+        'version = "0.0.0"',
+        f'requires-python = "=={plan.python}.*"',
+        "dependencies = [",
+        *[f"    {json.dumps(r)}," for r in requirements(plan)],
+        "]",
+        "",
+        "[tool.uv]",
+        "package = false",
+        f"environments = [{json.dumps(marker)}]",
+        f"required-environments = [{json.dumps(marker)}]",
+        f"no-build-package = {_toml_list(sorted(set(no_build)))}",
+    ]
+    if sources.find_links:
+        lines.append(f"find-links = {_toml_list([str(Path(f).resolve()) for f in sources.find_links])}")
+    if "deepspeed" in plan.packages:
+        # DeepSpeed ships an sdist whose setup imports torch: build it against the locked torch.
+        lines += ["", "[tool.uv.extra-build-dependencies]",
+                  'deepspeed = [{ requirement = "torch", match-runtime = true }]']
+    indexes = []
+    if sources.index_url:
+        indexes.append(("default", sources.index_url, "default = true"))
+    indexes += [(f"extra-{i + 1}", url, None) for i, url in enumerate(sources.extra_index_urls)]
+    indexes.append((f"pytorch-{plan.torch.variant}", torch_index, "explicit = true"))
+    for name, url, flag in indexes:
+        lines += ["", "[[tool.uv.index]]", f'name = "{name}"', f"url = {json.dumps(url)}"]
+        if flag:
+            lines.append(flag)
+    lines += ["", "[tool.uv.sources]", f'torch = {{ index = "pytorch-{plan.torch.variant}" }}',
+              f'envtool = {{ path = "wheels/{envtool_wheel}" }}']
+    if plan.flash_attn:
+        lines.append(f"{plan.flash_attn.package} = {{ url = {json.dumps(plan.flash_attn.wheel_url)} }}")
+    return "\n".join(lines) + "\n"
+
+
+def lock(plan: Plan, out: Path, sources: Sources, m: Matrix, quiet: bool = False) -> Path:
+    """Write and lock the project directory `out`; replace a previous one only once the new lock exists."""
+    out = out.resolve()
+    plan = with_sources(plan, sources)
+    if out.exists() and not (out / PLAN_FILE).exists():
+        raise BadInput(f"{out} exists and is not an envtool lock directory (no {PLAN_FILE}); choose another --out")
+    staging = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    try:
+        wheel = selfwheel.build(staging / "wheels")
+        (staging / "pyproject.toml").write_text(pyproject_text(plan, sources, wheel.name, m.no_build))
+        (staging / PLAN_FILE).write_text(plan.to_json() + "\n")
+        env = uv_env(sources.ca_bundle)
+        try:
+            run_uv(["lock", "--project", str(staging)], what="Locking with uv", env=env, quiet=quiet)
+        except MissingWheel as e:
+            nearest = nearest_wheels(plan, sources, e.name, e.version)
+            if nearest:
+                e.args = (f"{e}; nearest published: {', '.join(nearest)}",)
+            raise
+        swap_in(staging, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out
+
+
+def swap_in(new: Path, target: Path) -> None:
+    """Put directory `new` at `target`; the old one is moved aside first and removed last."""
+    old = target.parent / f".{target.name}.old-{os.getpid()}"
+    if target.exists():
+        target.rename(old)
+    new.rename(target)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def nearest_wheels(plan: Plan, sources: Sources, name: str, version: str | None) -> list[str]:
+    """The wheels of `name` that its index does publish: the same version (other tags) first, then the
+    versions nearest to it."""
+    if version is None:
+        return []
+    import re
+
+    import requests
+    from packaging.version import InvalidVersion, Version
+
+    if name == "torch":
+        index = plan.torch.index_url
+    else:
+        index = sources.index_url or "https://pypi.org/simple/"
+    project = re.sub(r"[-_.]+", "-", name).lower()
+    try:
+        page = requests.get(f"{index.rstrip('/')}/{project}/", timeout=10, verify=sources.ca_bundle or True)
+    except requests.RequestException:
+        return []
+    published = {}
+    for filename in set(re.findall(r">([^<>]+\.whl)<", page.text)):
+        try:
+            published[filename] = Version(filename.split("-")[1])
+        except (IndexError, InvalidVersion):
+            continue
+    order = sorted({*published.values(), Version(version)})
+    at = order.index(Version(version))
+    return sorted(published, key=lambda f: (abs(order.index(published[f]) - at), f))[:3]
+
+
+def load_plan(env_dir: Path) -> dict:
+    path = env_dir / PLAN_FILE
+    if not path.is_file():
+        raise BadInput(f"{env_dir}: no {PLAN_FILE} here; make one with `envtool lock --gpu ... --out {env_dir}`")
+    return json.loads(path.read_text())
+
+
+def export(env_dir: Path, fmt: str, quiet: bool = True) -> str:
+    """The locked environment as requirements.txt (with hashes) or pylock.toml, via `uv export`."""
+    formats = {"requirements": "requirements-txt", "pylock": "pylock.toml"}
+    if fmt not in formats:
+        raise BadInput(f"--format {fmt!r}: choose requirements or pylock")
+    load_plan(env_dir)
+    if not (env_dir / "uv.lock").is_file():
+        raise BadInput(f"{env_dir}: no uv.lock; run `envtool lock` first")
+    result = run_uv(["export", "--frozen", "--no-header", "--format", formats[fmt], "--project", str(env_dir)],
+                    what="Exporting the lock", env=uv_env(), quiet=quiet)
+    return result.stdout

@@ -1,0 +1,224 @@
+"""lock / install / export against a PEP 503 index on 127.0.0.1: uv really locks, hashes and installs.
+
+The index serves the real wheels of .ci-cache/pypi-mirror (filled by .ci/setup) plus small stand-ins for the
+plan's CUDA packages (torch+cu126, triton, flash-attn ...) named and versioned as the plan says.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from tests.support.pypi import MIRROR, build_indexes, index_env, make_wheel, serve, write_simple_index
+
+from .conftest import run_envtool
+
+pytestmark = pytest.mark.slow
+A100 = ["--gpu", "a100", "--python", "3.11", "--platform", "x86_64", "--torch", "2.8"]
+
+
+@pytest.fixture(scope="session")
+def uv_cache(tmp_path_factory):
+    assert MIRROR.is_dir(), "run `bash .ci/setup` first: it fills .ci-cache/pypi-mirror"
+    return str(tmp_path_factory.mktemp("uv-cache"))
+
+
+def plan_for(args, env):
+    out = run_envtool("resolve", "--json", *args, env=env)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def sass_of(plan, m):
+    release = next(r for r in m.torch if r.version == plan["torch"]["version"])
+    return next(b for b in release.build if b.variant == plan["torch"]["variant"]).sass
+
+
+@pytest.fixture
+def a100_index(tmp_path, uv_cache, m):
+    """Indexes for the A100 plan, served; yields (index url, env for envtool, plan)."""
+    root = tmp_path / "index"
+    env = {**os.environ, "UV_CACHE_DIR": uv_cache, "UV_PYTHON_DOWNLOADS": "never"}
+
+    def start(**options):
+        plan = plan_for(A100, env)
+        build_indexes(root, plan, sass_of(plan, m), **options)
+        return plan
+
+    return root, env, start
+
+
+def lock_a100(tmp_path, url, env, *extra):
+    return run_envtool("lock", *A100, "--out", str(tmp_path / "envs" / "a100"), "--index-url", f"{url}/pypi/",
+                       *extra, env={**env, **index_env(url)})
+
+
+def test_lock_pins_the_plan_with_hashes_and_routes_each_source(tmp_path, a100_index):
+    root, env, start = a100_index
+    plan = start()
+    with serve(root) as url:
+        out = lock_a100(tmp_path, url, env)
+        assert out.returncode == 0, out.stderr
+    env_dir = tmp_path / "envs" / "a100"
+    assert {p.name for p in env_dir.iterdir()} == {"pyproject.toml", "uv.lock", "plan.json", "wheels"}
+    assert json.loads((env_dir / "plan.json").read_text())["torch"] == {**plan["torch"],
+                                                                        "index_url": f"{url}/torch/cu126/"}
+    project = tomllib.loads((env_dir / "pyproject.toml").read_text())
+    assert "flash-attn" in project["tool"]["uv"]["no-build-package"]
+    lock = {p["name"]: p for p in tomllib.loads((env_dir / "uv.lock").read_text())["package"]}
+    torch = lock["torch"]
+    assert torch["version"] == "2.8.0+cu126"
+    assert torch["source"] == {"registry": f"{url}/torch/cu126/"}  # not the torch stand-in-free PyPI mirror
+    assert lock["flash-attn"]["source"] == {"url": index_env(url)["ENVTOOL_FLASH_ATTN_URL"].format(
+        version=plan["flash_attn"]["version"], filename=plan["flash_attn"]["filename"])}
+    assert lock["transformers"]["version"] == plan["packages"]["transformers"]
+    assert lock["envtool"]["source"] == {"path": f"wheels/{next((env_dir / 'wheels').iterdir()).name}"}
+    for package in lock.values():
+        for wheel in package.get("wheels", []):
+            assert wheel["hash"].startswith("sha256:"), package["name"]
+
+
+def test_missing_flash_attn_wheel_fails_in_seconds_naming_it(tmp_path, a100_index):
+    root, env, start = a100_index
+    plan = start(serve_flash_attn=False)
+    with serve(root) as url:
+        began = time.monotonic()
+        out = lock_a100(tmp_path, url, env)
+    assert out.returncode == 2
+    line = out.stderr.strip()
+    assert len(line.splitlines()) == 1
+    assert plan["flash_attn"]["filename"] in line and "never builds flash-attn from source" in line
+    assert time.monotonic() - began < 120  # not an hour-long compile; generous for a loaded CI machine
+    assert not (tmp_path / "envs" / "a100").exists()  # nothing half-written
+
+
+def test_a_package_with_only_an_sdist_is_never_built_and_the_nearest_wheel_is_named(tmp_path, a100_index):
+    root, env, start = a100_index
+    plan = start()
+    # the index holds bitsandbytes as an sdist only at the plan's version, and a wheel of an older release
+    version = plan["packages"]["bitsandbytes"]
+    older = make_wheel(tmp_path / "other", "bitsandbytes", "0.45.5")
+    (root / "pypi" / "bitsandbytes").mkdir(exist_ok=True)
+    sdist = root / "files" / f"bitsandbytes-{version}.tar.gz"
+    sdist.write_bytes(b"not really an sdist")
+    write_simple_index(root, "pypi", [older])
+    page = root / "pypi" / "bitsandbytes" / "index.html"
+    import hashlib
+    page.write_text(page.read_text().replace(
+        "</body>", f'<a href="../../files/{sdist.name}#sha256={hashlib.sha256(sdist.read_bytes()).hexdigest()}">'
+        f"{sdist.name}</a></body>"))
+    with serve(root) as url:
+        out = lock_a100(tmp_path, url, env)
+    assert out.returncode == 2, out.stderr
+    assert f"no prebuilt wheel of bitsandbytes=={version}" in out.stderr
+    assert "nearest published: bitsandbytes-0.45.5-py3-none-any.whl" in out.stderr
+
+
+def test_install_is_atomic_and_offline_install_needs_no_network(tmp_path, a100_index):
+    root, env, start = a100_index
+    start()
+    env_dir, venv, wheelhouse = tmp_path / "envs" / "a100", tmp_path / ".venv-a100", tmp_path / "wheelhouse"
+    with serve(root) as url:
+        out = lock_a100(tmp_path, url, env, "--wheelhouse", str(wheelhouse))
+        assert out.returncode == 0, out.stderr
+        out = run_envtool("install", str(env_dir), "--venv", str(venv), "--json", env=env)
+        assert out.returncode == 0, out.stderr
+    first = json.loads(out.stdout)
+    assert first["torch"] == "2.8.0+cu126" and venv.is_symlink()
+    python = venv / "bin" / "python"
+    probe = subprocess.run([str(python), "-c", "import torch, flash_attn, trainer; print(torch.version.cuda)"],
+                           capture_output=True, text=True)
+    assert probe.stdout.strip() == "12.6", probe.stderr
+
+    # every locked wheel is in the wheelhouse, hash-checked, with its requirements file
+    requirements = (wheelhouse / "requirements.txt").read_text()
+    assert "torch==2.8.0+cu126 --hash=sha256:" in requirements
+    assert len(list(wheelhouse.glob("*.whl"))) == len([l for l in requirements.splitlines() if "==" in l])
+
+    # the server is gone: an offline install from the wheelhouse still works, and swaps atomically
+    out = run_envtool("install", str(env_dir), "--venv", str(venv), "--offline", "--wheelhouse", str(wheelhouse),
+                      "--json", env=env)
+    assert out.returncode == 0, out.stderr
+    second = json.loads(out.stdout)
+    assert second["previous"] == first["path"] and Path(second["path"]).exists()
+
+    # a wheel that does not match its hash (and no copy in uv's cache to fall back on): the install fails
+    # and the venv in place is untouched
+    victim = next(wheelhouse.glob("transformers-*.whl"))
+    make_wheel(tmp_path / "evil", "transformers", victim.name.split("-")[1]).replace(victim)
+    out = run_envtool("install", str(env_dir), "--venv", str(venv), "--offline", "--wheelhouse", str(wheelhouse),
+                      env={**env, "UV_CACHE_DIR": str(tmp_path / "empty-cache")})
+    assert out.returncode != 0
+    assert "hash" in out.stderr.lower()
+    assert venv.resolve() == Path(second["path"]).resolve()
+    assert subprocess.run([str(python), "-c", "import torch"]).returncode == 0
+
+
+def test_killing_an_install_midway_leaves_the_previous_venv(tmp_path, a100_index):
+    root, env, start = a100_index
+    start()
+    env_dir, venv = tmp_path / "envs" / "a100", tmp_path / ".venv"
+    with serve(root) as url:
+        assert lock_a100(tmp_path, url, env).returncode == 0
+        assert run_envtool("install", str(env_dir), "--venv", str(venv), env=env).returncode == 0
+        before = venv.resolve()
+        # a second install, killed as soon as its new version directory appears
+        store = tmp_path / ".venv.versions"
+        proc = subprocess.Popen([str(Path(sys.executable).parent / "envtool"), "install", str(env_dir),
+                                 "--venv", str(venv)], env=env, start_new_session=True,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 60
+        while len(list(store.iterdir())) < 2 and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.01)
+        assert proc.poll() is None, "the install finished before it could be interrupted"
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert venv.resolve() == before
+    assert subprocess.run([str(venv / "bin" / "python"), "-c", "import torch, trainer"]).returncode == 0
+    with serve(root) as url:  # the next install cleans up what the killed one left
+        out = run_envtool("install", str(env_dir), "--venv", str(venv), "--json", env=env)
+    assert out.returncode == 0, out.stderr
+    assert sorted(store.iterdir()) == sorted({venv.resolve(), before})
+
+
+def test_install_refuses_a_venv_it_did_not_make(tmp_path, a100_index):
+    root, env, start = a100_index
+    start()
+    (tmp_path / "plain").mkdir()
+    with serve(root) as url:
+        assert lock_a100(tmp_path, url, env).returncode == 0
+    out = run_envtool("install", str(tmp_path / "envs" / "a100"), "--venv", str(tmp_path / "plain"), env=env)
+    assert out.returncode == 2 and "was not made by `envtool install`" in out.stderr
+
+
+def test_export_requirements_with_hashes(tmp_path, a100_index):
+    root, env, start = a100_index
+    start()
+    with serve(root) as url:
+        assert lock_a100(tmp_path, url, env).returncode == 0
+    target = tmp_path / "requirements.txt"
+    out = run_envtool("export", str(tmp_path / "envs" / "a100"), "--format", "requirements", "-o", str(target), env=env)
+    assert out.returncode == 0, out.stderr
+    text = target.read_text()
+    assert "torch==2.8.0+cu126" in text and "--hash=sha256:" in text
+    assert "flash-attn @ " in text
+
+
+@pytest.mark.parametrize("args, message", [
+    (["export", "nowhere"], "nowhere: no plan.json here"),
+    (["install", "nowhere"], "nowhere: no plan.json here"),
+    (["install"], "give a lock directory"),
+    (["lock", "--gpu", "t4,a100", "--out", "x"], "give --gpu a single target"),
+    (["lock", "--gpu", "t4", "--out", "x", "--ca-bundle", "/no/such/ca.pem"], "--ca-bundle /no/such/ca.pem: no such file"),
+])
+def test_bad_input(tmp_path, args, message):
+    out = subprocess.run([str(Path(sys.executable).parent / "envtool"), *args], capture_output=True, text=True,
+                         cwd=tmp_path)
+    assert out.returncode == 2, out.stderr
+    assert message in out.stderr and len(out.stderr.strip().splitlines()) == 1
