@@ -42,9 +42,11 @@ def cmd_validate(args) -> int:
     print(f"  batch:      micro_batch_size {cfg.micro_batch_size} x gradient_accumulation_steps "
           f"{cfg.gradient_accumulation_steps} x processes")
     print(f"  adapter:    {cfg.adapter or 'none (full fine-tune)'}")
-    print("changes for this hardware:")
+    print("changes for this hardware:" if runtime.changes else "no changes for this hardware")
     for change in runtime.changes:
         print(f"  - {change}")
+    if notes:
+        print("notes:")
     for note in notes:
         print(f"  - {note}")
     return 0
@@ -67,7 +69,7 @@ def cmd_train(args) -> int:
     from trainer.train import train
 
     cfg, notes, runtime = _setup(args)
-    for line in runtime.changes[1:] + notes:
+    for line in runtime.changes + notes:
         if int(os.environ.get("RANK", 0)) == 0:
             log(f"note: {line}")
     train(cfg, runtime, log=log)

@@ -289,12 +289,13 @@ def parse_config(raw: Any) -> tuple[Config, list[str]]:
             cleaned.append(d)
             problems += p
         kept["datasets"] = cleaned
+    try:
+        cfg = Config.model_validate(kept)
+    except ValidationError as err:  # report key and value problems together, so one run shows them all
+        problems.append(_format_validation_error(err))
     if problems:
         raise ConfigError("; ".join(problems))
-    try:
-        return Config.model_validate(kept), notes
-    except ValidationError as err:
-        raise ConfigError(_format_validation_error(err)) from None
+    return cfg, notes
 
 
 def load_config(path: str | Path) -> tuple[Config, list[str]]:

@@ -168,7 +168,7 @@ def resolve_attention(cfg: Config, gpu: Gpu, plan: dict | None, changes: list[st
         if plan and plan.get("attention"):
             changes.append(f"attention: {plan['attention']} (chosen by the plan)")
             return _usable_attention(plan["attention"], gpu, plan, changes)
-        default = "flash_attention_2" if gpu.cc and gpu.cc >= ATTENTION_MIN_CC["flash_attention_2"] and _has_package("flash_attention_2", plan) else "sdpa"
+        default = "flash_attention_2" if gpu.cc and gpu.cc >= ATTENTION_MIN_CC["flash_attention_2"] and _has_package("flash_attention_2", plan, gpu) else "sdpa"
         changes.append(f"attention: {default} (not set; best available on {gpu.describe()})")
         return default
     if requested == "xformers":
@@ -178,12 +178,16 @@ def resolve_attention(cfg: Config, gpu: Gpu, plan: dict | None, changes: list[st
     return _usable_attention(requested, gpu, plan, changes)
 
 
-def _has_package(backend: str, plan: dict | None) -> bool:
+def _has_package(backend: str, plan: dict | None, gpu: Gpu) -> bool:
+    """Is the backend's package there? The plan says; for `--gpu NAME` (another machine) assume the
+    environment envtool builds for that GPU has it; otherwise look in this environment."""
     package = ATTENTION_PACKAGE.get(backend)
     if package is None:
         return True
     if plan is not None:
         return bool(plan.get("flash_attn")) if backend == "flash_attention_2" else plan.get("attention") == backend
+    if gpu.source == "--gpu":
+        return True
     return importlib.util.find_spec(package) is not None
 
 
@@ -196,7 +200,7 @@ def _usable_attention(backend: str, gpu: Gpu, plan: dict | None, changes: list[s
         changes.append(f"attention: {backend} -> sdpa ({backend} needs {_cc_str(need)}+; "
                        f"{gpu.describe()} is below, and sdpa packs safely with the block-diagonal mask)")
         return "sdpa"
-    if not _has_package(backend, plan):
+    if not _has_package(backend, plan, gpu):
         where = "the plan has no flash-attn wheel" if plan is not None else f"package {ATTENTION_PACKAGE[backend]} is not installed"
         changes.append(f"attention: {backend} -> sdpa ({where})")
         return "sdpa"
@@ -241,7 +245,7 @@ def resolve_tf32(cfg: Config, gpu: Gpu, changes: list[str]) -> bool:
 
 def adapt(cfg: Config, gpu: Gpu, plan: dict | None = None) -> Runtime:
     """Resolve attention, precision and tf32 for this GPU; raise HardwareError for impossible requests."""
-    changes: list[str] = [f"gpu: {gpu.describe()}, from {gpu.source}"]
+    changes: list[str] = []
     attention = resolve_attention(cfg, gpu, plan, changes)
     precision = resolve_precision(cfg, gpu, plan, changes)
     tf32 = resolve_tf32(cfg, gpu, changes)
