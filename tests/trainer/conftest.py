@@ -45,7 +45,7 @@ def make_config(tmp_path, tiny_llama, alpaca_file):
             "datasets": [{"path": str(alpaca_file), "type": "alpaca"}],
             "dataset_prepared_path": str(tmp_path / "prepared"),
             "output_dir": str(tmp_path / "out"),
-            "sequence_len": 128,
+            "sequence_len": 256,
             "micro_batch_size": 2,
             "gradient_accumulation_steps": 1,
             "max_steps": 4,
