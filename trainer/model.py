@@ -29,7 +29,11 @@ def load_model(cfg: Config, runtime: Runtime, tokenizer, source: str | None = No
         model.resize_token_embeddings(len(tokenizer))
     model.config.use_cache = False  # no KV cache in training; the collator's mask keeps packed rows apart
     if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        no_reentrant = {"use_reentrant": False}  # reentrant checkpointing breaks with DDP and frozen weights
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x renamed it
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=no_reentrant)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=no_reentrant)
     if cfg.adapter == "lora":
         model = add_lora(cfg, model)
     return model

@@ -110,8 +110,11 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
     sampler = MultipackBatchSampler(data.train["length"], cfg.micro_batch_size,
                                     cfg.sequence_len if cfg.sample_packing else None, seed=cfg.seed,
                                     rank=rank, world_size=world, drop_last=True)
+    # The loader gets its own generator: starting an iterator must not draw from the global RNG, or a
+    # resumed run (which starts one after restoring the RNG) would see different dropout masks.
     loader = torch.utils.data.DataLoader(Rows(data.train), batch_sampler=sampler, collate_fn=collator,
-                                         num_workers=cfg.dataloader_num_workers)
+                                         num_workers=cfg.dataloader_num_workers,
+                                         generator=torch.Generator().manual_seed(cfg.seed))
     ga = cfg.gradient_accumulation_steps
     steps_per_epoch = len(sampler) // ga
     if steps_per_epoch == 0:
@@ -149,61 +152,63 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
     metrics = MetricsLog(output_dir / "metrics.jsonl", main)
     progress = tqdm(total=total_steps, initial=step, disable=not main, desc="training", unit="step")
     model.train()
-    while step < total_steps:
-        sampler.set_epoch(epoch)
-        consumed = sampler.skip  # micro-batches of this epoch done before a resume
-        batches = iter(loader)
-        for _ in range(steps_per_epoch - consumed // ga):
-            started = time.perf_counter()
-            micro_batches = [next(batches) for _ in range(ga)]
-            consumed += ga
-            # The loss is averaged over every target token of the step, on every rank: count them first.
-            targets = torch.tensor([float(sum(count_targets(b) for b in micro_batches))], device=device)
-            n_targets = reduce_sum(targets, f"step {step + 1} (counting target tokens)", rank, timeout).item()
-            totals = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, real tokens
-            for i, batch in enumerate(micro_batches):
-                batch = {k: v.to(device) for k, v in batch.items()}
-                sync = nullcontext() if i == ga - 1 else accelerator.no_sync(model)
-                with sync, phase(f"step {step + 1} (backward)", rank, timeout):
-                    loss_sum = token_loss_sum(model, batch)
-                    # DDP averages gradients over ranks, hence * world
-                    accelerator.backward(loss_sum * world / max(n_targets, 1))
-                totals[0] += loss_sum.detach().double()
-                totals[1] += int(batch["num_tokens"])
-            totals = reduce_sum(totals, f"step {step + 1} (summing the loss)", rank, timeout)
-            loss = totals[0].item() / max(n_targets, 1)
-            if not math.isfinite(loss):
-                raise TrainingError(f"loss is {loss} at step {step + 1}; lower learning_rate, check the data, "
-                                    "or use bf16 instead of fp16")
-            grad_norm = None
-            if cfg.max_grad_norm:
-                grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
-            lr = scheduler.get_last_lr()[0]
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            step += 1
-            progress.update(1)
-            elapsed = time.perf_counter() - started
-            if step % cfg.logging_steps == 0 or step == total_steps:
-                tokens = int(totals[1].item())
-                row = {"step": step, "epoch": round(epoch + consumed / (steps_per_epoch * ga), 4), "loss": loss,
-                       "lr": lr, "grad_norm": grad_norm, "tokens": tokens, "target_tokens": int(n_targets),
-                       "tokens_per_s": tokens / elapsed, "step_time_s": elapsed}
-                metrics.write(row)
-                progress.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}")
-            if eval_every and step % eval_every == 0 and step < total_steps:
-                run_eval(cfg, unwrapped, data.validation, collator, step, rank, world, device, metrics, say)
-            if save_every and step % save_every == 0:
-                state = {"step": step, "world_size": world, "sampler": sampler.state_dict(consumed)}
-                path = checkpoint.save(output_dir, step, unwrapped, optimizer, scheduler, accelerator.scaler,
-                                       state, rank, timeout, keep=cfg.save_total_limit)
-                say(f"saved {path}")
-            if step >= total_steps:
-                break
-        else:
-            epoch += 1
-    progress.close()
+    try:  # close the progress bar on errors too, so the error is a line of its own
+        while step < total_steps:
+            sampler.set_epoch(epoch)
+            consumed = sampler.skip  # micro-batches of this epoch done before a resume
+            batches = iter(loader)
+            for _ in range(steps_per_epoch - consumed // ga):
+                started = time.perf_counter()
+                micro_batches = [next(batches) for _ in range(ga)]
+                consumed += ga
+                # The loss is averaged over every target token of the step, on every rank: count them first.
+                targets = torch.tensor([float(sum(count_targets(b) for b in micro_batches))], device=device)
+                n_targets = reduce_sum(targets, f"step {step + 1} (counting target tokens)", rank, timeout).item()
+                totals = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, real tokens
+                for i, batch in enumerate(micro_batches):
+                    batch = {k: v.to(device) for k, v in batch.items()}
+                    sync = nullcontext() if i == ga - 1 else accelerator.no_sync(model)
+                    with sync, phase(f"step {step + 1} (backward)", rank, timeout):
+                        loss_sum = token_loss_sum(model, batch)
+                        # DDP averages gradients over ranks, hence * world
+                        accelerator.backward(loss_sum * world / max(n_targets, 1))
+                    totals[0] += loss_sum.detach().double()
+                    totals[1] += int(batch["num_tokens"])
+                totals = reduce_sum(totals, f"step {step + 1} (summing the loss)", rank, timeout)
+                loss = totals[0].item() / max(n_targets, 1)
+                if not math.isfinite(loss):
+                    raise TrainingError(f"loss is {loss} at step {step + 1}; lower learning_rate, check the data, "
+                                        "or use bf16 instead of fp16")
+                grad_norm = None
+                if cfg.max_grad_norm:
+                    grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
+                lr = scheduler.get_last_lr()[0]
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                step += 1
+                progress.update(1)
+                elapsed = time.perf_counter() - started
+                if step % cfg.logging_steps == 0 or step == total_steps:
+                    tokens = int(totals[1].item())
+                    row = {"step": step, "epoch": round(epoch + consumed / (steps_per_epoch * ga), 4), "loss": loss,
+                           "lr": lr, "grad_norm": grad_norm, "tokens": tokens, "target_tokens": int(n_targets),
+                           "tokens_per_s": tokens / elapsed, "step_time_s": elapsed}
+                    metrics.write(row)
+                    progress.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}")
+                if eval_every and step % eval_every == 0 and step < total_steps:
+                    run_eval(cfg, unwrapped, data.validation, collator, step, rank, world, device, metrics, say)
+                if save_every and step % save_every == 0:
+                    state = {"step": step, "world_size": world, "sampler": sampler.state_dict(consumed)}
+                    path = checkpoint.save(output_dir, step, unwrapped, optimizer, scheduler, accelerator.scaler,
+                                           state, rank, timeout, keep=cfg.save_total_limit)
+                    say(f"saved {path}")
+                if step >= total_steps:
+                    break
+            else:
+                epoch += 1
+    finally:
+        progress.close()
     if data.validation is not None:
         run_eval(cfg, unwrapped, data.validation, collator, step, rank, world, device, metrics, say)
 

@@ -67,6 +67,11 @@ def make_config(tmp_path, tiny_llama, alpaca_file):
 
 
 @pytest.fixture(autouse=True)
+def _no_plan_from_the_environment(monkeypatch):
+    monkeypatch.delenv("ENVTOOL_PLAN", raising=False)
+
+
+@pytest.fixture(autouse=True)
 def _fresh_accelerate_state():
     """Each in-process training run gets a fresh accelerate state (torchrun processes start fresh anyway)."""
     yield
