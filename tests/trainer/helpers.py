@@ -1,0 +1,46 @@
+"""Helpers shared by the trainer tests (fixtures live in conftest.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+WORDS = ("the quick brown fox jumps over the lazy dog while cats sleep and dogs play fetch in the sun "
+         "paris rome berlin water boils two plus four nine").split()
+
+
+def alpaca_rows(n: int, seed: int = 0, long_every: int = 0) -> list[dict]:
+    """Alpaca rows with varied lengths; every `long_every`-th row is very long (skewed lengths)."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        words = 60 if long_every and i % long_every == 0 else rng.randint(1, 12)
+        text = " ".join(rng.choice(WORDS) for _ in range(words))
+        rows.append({"instruction": f"Repeat {i % 7}.", "input": "" if i % 3 else "some input", "output": text})
+    return rows
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def run_cli(*args: str, env: dict | None = None, cwd: Path | None = None, timeout: int = 180) -> subprocess.CompletedProcess:
+    """Run `python -m trainer ...` in a subprocess, as a user would."""
+    base = {k: v for k, v in os.environ.items() if k != "ENVTOOL_PLAN"}
+    full_env = {**base, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "trainer", *args], capture_output=True, text=True,
+                          env=full_env, cwd=cwd or REPO, timeout=timeout)
+
+
+def read_metrics(output_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def train_losses(output_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_metrics(output_dir) if "loss" in r}

@@ -1,0 +1,191 @@
+"""Config validation: unknown keys name the closest key, unsupported Axolotl keys say so, no tracebacks."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from tests.trainer.helpers import run_cli
+from trainer.cli import main
+from trainer.config import parse_config
+from trainer.errors import ConfigError
+
+# examples/llama-3/instruct-lora-8b.yml from axolotl-ai-cloud/axolotl, verbatim apart from the model path
+AXOLOTL_INSTRUCT_LORA = """\
+base_model: {model}
+model_type: LlamaForCausalLM
+tokenizer_type: AutoTokenizer
+
+load_in_8bit: true
+load_in_4bit: false
+strict: false
+
+chat_template: llama3
+datasets:
+  - path: fozziethebeat/alpaca_messages_2k_test
+    type: chat_template
+    field_messages: messages
+    message_field_role: role
+    message_field_content: content
+    roles:
+      user:
+        - user
+      assistant:
+        - assistant
+
+dataset_prepared_path:
+val_set_size: 0.05
+output_dir: ./outputs/lora-out
+
+sequence_len: 4096
+sample_packing: false
+pad_to_sequence_len: true
+
+adapter: lora
+lora_model_dir:
+lora_r: 32
+lora_alpha: 16
+lora_dropout: 0.05
+lora_target_linear: true
+lora_fan_in_fan_out:
+
+wandb_project:
+wandb_entity:
+wandb_watch:
+wandb_name:
+wandb_log_model:
+
+gradient_accumulation_steps: 4
+micro_batch_size: 2
+num_epochs: 4
+optimizer: adamw_bnb_8bit
+lr_scheduler: cosine
+learning_rate: 0.0002
+
+train_on_inputs: false
+group_by_length: false
+bf16: auto
+fp16:
+tf32: false
+
+gradient_checkpointing: true
+early_stopping_patience:
+resume_from_checkpoint:
+local_rank:
+logging_steps: 1
+xformers_attention:
+flash_attention: true
+s2_attention:
+
+warmup_steps: 10
+evals_per_epoch: 4
+eval_table_size:
+eval_max_new_tokens: 128
+saves_per_epoch: 1
+debug:
+deepspeed:
+weight_decay: 0.0
+fsdp:
+fsdp_config:
+special_tokens:
+   pad_token: <|end_of_text|>
+"""
+
+BASE = {"base_model": "org/model", "datasets": [{"path": "org/data", "type": "alpaca"}]}
+
+
+def test_unknown_key_names_the_closest_valid_key():
+    with pytest.raises(ConfigError, match=r"unknown key 'lerning_rate'; did you mean 'learning_rate'\?"):
+        parse_config({**BASE, "lerning_rate": 1e-4})
+
+
+def test_unknown_key_inside_a_dataset_entry():
+    with pytest.raises(ConfigError, match=r"datasets.0.feild_instruction'; did you mean 'field_instruction'"):
+        parse_config({**BASE, "datasets": [{"path": "x/y", "type": "alpaca", "feild_instruction": "q"}]})
+
+
+def test_unsupported_axolotl_key_is_an_error_not_ignored():
+    with pytest.raises(ConfigError, match="load_in_4bit is an Axolotl key this trainer does not support"):
+        parse_config({**BASE, "load_in_4bit": True})
+
+
+def test_empty_unsupported_keys_are_accepted_with_a_note():
+    cfg, notes = parse_config({**BASE, "wandb_project": None, "fsdp": None, "strict": True})
+    assert cfg.base_model == "org/model"
+    assert any("wandb_project" in n for n in notes) and any("strict" in n for n in notes)
+
+
+def test_null_means_default():
+    cfg, _ = parse_config({**BASE, "fp16": None, "micro_batch_size": None, "bf16": "auto"})
+    assert cfg.micro_batch_size == 1 and cfg.fp16 is None
+
+
+def test_bad_values_are_reported_with_their_key():
+    with pytest.raises(ConfigError, match=r"lr_scheduler: got 'cosine_with_restarts'"):
+        parse_config({**BASE, "lr_scheduler": "cosine_with_restarts"})
+    with pytest.raises(ConfigError, match="micro_batch_size"):
+        parse_config({**BASE, "micro_batch_size": 0})
+    with pytest.raises(ConfigError, match="warmup_ratio or warmup_steps"):
+        parse_config({**BASE, "warmup_ratio": 0.1, "warmup_steps": 3})
+    with pytest.raises(ConfigError, match="use_reentrant"):
+        parse_config({**BASE, "gradient_checkpointing_kwargs": {"use_reentrant": True}})
+
+
+def test_legacy_attention_flags_mean_attn_implementation():
+    assert parse_config({**BASE, "flash_attention": True})[0].requested_attention == "flash_attention_2"
+    assert parse_config({**BASE, "sdp_attention": True})[0].requested_attention == "sdpa"
+    with pytest.raises(ConfigError, match="choose one attention"):
+        parse_config({**BASE, "flash_attention": True, "attn_implementation": "eager"})
+
+
+def test_real_axolotl_config_fails_with_one_clear_line(tmp_path, tiny_llama):
+    path = tmp_path / "instruct-lora-8b.yml"
+    path.write_text(AXOLOTL_INSTRUCT_LORA.format(model=tiny_llama))
+    result = run_cli("validate", str(path), "--gpu", "a100")
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert "load_in_8bit is an Axolotl key this trainer does not support" in lines[0]
+    # every problem in one line, so one run shows all that must change
+    assert "chat_template: got 'llama3'" in lines[0] and "optimizer: got 'adamw_bnb_8bit'" in lines[0]
+
+
+def test_real_axolotl_config_validates_once_unsupported_parts_are_changed(tmp_path, tiny_llama, capsys):
+    raw = yaml.safe_load(AXOLOTL_INSTRUCT_LORA.format(model=tiny_llama))
+    raw.update(load_in_8bit=False, chat_template="chatml", optimizer="adamw_torch")
+    raw["datasets"][0]["path"] = str(tmp_path / "messages.jsonl")
+    (tmp_path / "messages.jsonl").write_text('{"messages": []}\n')
+    path = tmp_path / "fixed.yml"
+    path.write_text(yaml.safe_dump(raw))
+    assert main(["validate", str(path), "--gpu", "t4"]) == 0
+    out = capsys.readouterr().out
+    assert "flash_attention_2 -> sdpa" in out  # flash_attention: true on a T4
+    assert "bf16: auto -> fp16" in out
+    assert "model_type: ignored" in out
+
+
+def test_missing_dataset_file_is_bad_input(make_config, tmp_path):
+    path = make_config(datasets=[{"path": str(tmp_path / "nope.jsonl"), "type": "alpaca"}])
+    result = run_cli("validate", str(path), "--gpu", "cpu")
+    assert result.returncode == 2
+    assert result.stderr.strip() == f"error: datasets.0.path: file not found: {tmp_path / 'nope.jsonl'}"
+
+
+def test_missing_config_and_bad_yaml(tmp_path, capsys):
+    assert main(["validate", str(tmp_path / "none.yml")]) == 2
+    bad = tmp_path / "bad.yml"
+    bad.write_text("base_model: [unclosed\n")
+    assert main(["validate", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "config file not found" in err and "is not valid YAML at line" in err
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    result = run_cli("--debug", "validate", str(tmp_path / "none.yml"))
+    assert result.returncode != 0 and "Traceback" in result.stderr
+
+
+def test_version():
+    result = run_cli("--version")
+    assert result.returncode == 0 and result.stdout.strip() == "trainer 0.1.0"

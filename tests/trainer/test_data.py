@@ -1,0 +1,168 @@
+"""Prompt formats, label masking, length filtering, and the preprocessing cache."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+from transformers import AutoTokenizer
+
+import trainer.data as data_mod
+from tests.trainer.helpers import alpaca_rows, run_cli, write_jsonl
+from trainer.config import DatasetConfig, load_config
+from trainer.data import default_workers, load_tokenizer, prepare
+from trainer.errors import DataError, TrainerError
+from trainer.prompts import IGNORE, tokenize_row
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_llama):
+    return AutoTokenizer.from_pretrained(tiny_llama)
+
+
+def trained_text(tokenizer, out) -> str:
+    return tokenizer.decode([t for t, l in zip(out["input_ids"], out["labels"]) if l != IGNORE])
+
+
+def test_alpaca_trains_on_the_response_only(tokenizer):
+    ds = DatasetConfig(path="x.jsonl", type="alpaca")
+    row = {"instruction": "Name the capital.", "input": "France", "output": "The capital is Paris."}
+    out = tokenize_row(row, ds, tokenizer, train_on_inputs=False)
+    assert out["input_ids"][0] == tokenizer.bos_token_id
+    assert trained_text(tokenizer, out) == "The capital is Paris.</s>"
+    assert "### Input:\nFrance" in tokenizer.decode(out["input_ids"])
+    everything = tokenize_row(row, ds, tokenizer, train_on_inputs=True)
+    assert everything["labels"] == everything["input_ids"]
+
+
+def test_alpaca_field_mapping_and_missing_field(tokenizer):
+    ds = DatasetConfig(path="x.jsonl", type="alpaca", field_instruction="q", field_output="a")
+    out = tokenize_row({"q": "Say hi.", "a": "hi"}, ds, tokenizer, False)
+    assert trained_text(tokenizer, out) == "hi</s>"
+    with pytest.raises(DataError, match=r"a row has no 'a' field .*columns are \['q'\]"):
+        tokenize_row({"q": "Say hi."}, ds, tokenizer, False)
+
+
+def test_chat_template_trains_on_assistant_turns_without_their_header(tokenizer):
+    ds = DatasetConfig(path="x.jsonl", type="chat_template", field_messages="conversations",
+                       message_property_mappings={"role": "from", "content": "value"},
+                       roles={"user": ["human"], "assistant": ["gpt"]})
+    row = {"conversations": [
+        {"from": "system", "value": "Be brief."},
+        {"from": "human", "value": "Capital of France?"},
+        {"from": "gpt", "value": "Paris."},
+        {"from": "human", "value": "And Italy?"},
+        {"from": "gpt", "value": "Rome."},
+    ]}
+    out = tokenize_row(row, ds, tokenizer, train_on_inputs=False)
+    assert trained_text(tokenizer, out) == "Paris.<|im_end|>\nRome.<|im_end|>\n"
+    full = tokenizer.decode(out["input_ids"])
+    assert full.startswith("<|im_start|>system\nBe brief.<|im_end|>") and "<|im_start|>user\nAnd Italy?" in full
+
+
+def test_chat_template_needs_a_template(tokenizer):
+    bare = AutoTokenizer.from_pretrained(tokenizer.name_or_path)
+    bare.chat_template = None
+    ds = DatasetConfig(path="x.jsonl", type="chat_template")
+    with pytest.raises(DataError, match="has no chat template; set chat_template: chatml"):
+        tokenize_row({"messages": [{"role": "user", "content": "hi"}]}, ds, bare, False)
+
+
+def test_completion_and_input_output(tokenizer):
+    out = tokenize_row({"text": "the quick fox"}, DatasetConfig(path="x", type="completion"), tokenizer, False)
+    assert trained_text(tokenizer, out) == "the quick fox</s>"
+    segments = [{"text": "Q: two plus two?", "label": False}, {"text": " A: four", "label": True},
+                {"text": " (checked)", "label": False}]
+    out = tokenize_row({"segments": segments}, DatasetConfig(path="x", type="input_output"), tokenizer, False)
+    assert tokenizer.decode(out["input_ids"]) == "Q: two plus two? A: four (checked)"  # no special tokens added
+    assert trained_text(tokenizer, out) == " A: four"
+
+
+def test_default_worker_count_is_capped(monkeypatch, make_config):
+    cfg, _ = load_config(make_config())
+    monkeypatch.setattr(data_mod.os, "cpu_count", lambda: 96)
+    assert default_workers(cfg) == 8
+    monkeypatch.setattr(data_mod.os, "cpu_count", lambda: 2)
+    assert default_workers(cfg) == 2
+    cfg.dataset_processes = 3
+    assert default_workers(cfg) == 3
+
+
+def test_too_long_rows_are_dropped_or_truncated_and_counted(make_config, tmp_path):
+    rows = alpaca_rows(40, long_every=5)  # 8 rows of ~60 words
+    path = write_jsonl(tmp_path / "skewed.jsonl", rows)
+    cfg, _ = load_config(make_config(datasets=[{"path": str(path), "type": "alpaca"}], sequence_len=200))
+    tok = load_tokenizer(cfg)
+    logged = []
+    dropped = prepare(cfg, tok, log=logged.append)
+    assert dropped.stats["dropped_too_long"] == 8 and dropped.stats["train_rows"] == 32
+    assert max(dropped.train["length"]) <= 200
+    assert any("8 of 40 rows are longer than sequence_len 200: dropped" in m for m in logged)
+    cfg.excess_length_strategy = "truncate"
+    truncated = prepare(cfg, tok, log=logged.append)
+    assert truncated.stats["truncated"] == 8 and truncated.stats["train_rows"] == 40
+    assert max(truncated.train["length"]) == 200
+    assert truncated.path != dropped.path  # the strategy is part of the cache key
+
+
+def test_cache_is_reused_and_keyed_by_data_tokenizer_and_config(make_config, alpaca_file, monkeypatch):
+    cfg, _ = load_config(make_config(val_set_size=0.25))
+    tok = load_tokenizer(cfg)
+    first = prepare(cfg, tok)
+    assert (first.stats["train_rows"], first.stats["validation_rows"]) == (36, 12)
+    built = []
+    monkeypatch.setattr(data_mod, "build", lambda *a: built.append(1) or pytest.fail("cache not reused"))
+    again = prepare(cfg, tok)
+    assert again.path == first.path and again.train["input_ids"] == first.train["input_ids"] and not built
+    monkeypatch.undo()
+    cfg.sequence_len = 300
+    assert prepare(cfg, tok).path != first.path
+    write_jsonl(alpaca_file, alpaca_rows(48, seed=1))  # same file name, new content
+    cfg.sequence_len = 256
+    assert prepare(cfg, tok).path != first.path
+    tok.add_tokens(["<new>"])
+    assert prepare(cfg, tok).path != first.path
+
+
+def test_other_ranks_wait_for_rank_zero(make_config, monkeypatch):
+    cfg, _ = load_config(make_config())
+    tok = load_tokenizer(cfg)
+    calls = []
+    real_build = data_mod.build
+    monkeypatch.setattr(data_mod, "build", lambda *a: calls.append(1) or real_build(*a))
+    results = {}
+    waiter = threading.Thread(target=lambda: results.update(rank1=prepare(cfg, tok, rank=1)))
+    waiter.start()  # rank 1 starts first and must not prepare
+    results["rank0"] = prepare(cfg, tok, rank=0)
+    waiter.join(timeout=60)
+    assert calls == [1]
+    assert results["rank1"].train["input_ids"] == results["rank0"].train["input_ids"]
+
+
+def test_waiting_rank_times_out_with_a_clear_message(make_config):
+    cfg, _ = load_config(make_config(dataset_prepare_timeout=1))
+    with pytest.raises(TrainerError, match=r"rank 1 waited 1s for rank 0 to prepare the dataset cache"):
+        prepare(cfg, load_tokenizer(cfg), rank=1)
+
+
+@pytest.mark.parametrize("suffix", ["parquet", "csv"])
+def test_parquet_and_csv_files(make_config, tmp_path, suffix):
+    import pandas as pd
+
+    frame = pd.DataFrame(alpaca_rows(12))
+    path = tmp_path / f"data.{suffix}"
+    frame.to_parquet(path) if suffix == "parquet" else frame.to_csv(path, index=False)
+    cfg, _ = load_config(make_config(datasets=[{"path": str(path), "type": "alpaca"}]))
+    assert prepare(cfg, load_tokenizer(cfg)).stats["train_rows"] == 12
+
+
+def test_preprocess_cli_reports_and_bad_rows_exit_2(make_config, tmp_path):
+    result = run_cli("preprocess", str(make_config()), "--json")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["train_rows"] == 48
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "x", "answer": "y"}])
+    result = run_cli("preprocess", str(make_config("bad.yml", datasets=[{"path": str(bad), "type": "alpaca"}])))
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1].startswith("error: dataset ")
+    assert "has no 'instruction' field" in result.stderr and "Traceback" not in result.stderr

@@ -1,0 +1,73 @@
+"""Several processes (torchrun, gloo on CPU): no hangs, and the same training as one process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from tests.trainer.helpers import REPO, alpaca_rows, read_metrics, train_losses, write_jsonl
+from trainer.cli import main
+
+pytestmark = pytest.mark.distributed
+
+
+def torchrun(*args: str, timeout: int = 180) -> subprocess.CompletedProcess:
+    env = {**{k: v for k, v in os.environ.items() if k != "ENVTOOL_PLAN"},
+           "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *args]
+    # a hang fails the test: subprocess.run raises TimeoutExpired
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=timeout)
+
+
+def test_two_processes_with_uneven_lengths_evaluate_and_checkpoint_midway(make_config, tmp_path):
+    data = write_jsonl(tmp_path / "uneven.jsonl", alpaca_rows(80, seed=3, long_every=4))  # 1 in 4 rows ~3x longer
+    common = dict(datasets=[{"path": str(data), "type": "alpaca"}], sequence_len=400, sample_packing=True,
+                  val_set_size=0.2, micro_batch_size=1, max_steps=5, eval_steps=2, save_steps=2,
+                  lr_scheduler="cosine", warmup_steps=1)
+    two = tmp_path / "two-procs"
+    result = torchrun("-m", "trainer", "train", str(make_config("two.yml", output_dir=str(two),
+                                                                     gradient_accumulation_steps=1, **common)))
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = read_metrics(two)
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4, 5]
+    assert [r["step"] for r in rows if "eval_loss" in r] == [2, 4, 5]
+    assert {p.name for p in (two / "checkpoint-2").iterdir()} >= {"rng_state_0.pt", "rng_state_1.pt", "optimizer.pt"}
+    assert (two / "final" / "model.safetensors").exists()
+
+    # One process accumulating 2 micro-batches sees the same examples per step as two processes with one
+    # each, and the loss is averaged over all target tokens of the step on all ranks: same training.
+    one = tmp_path / "one-proc"
+    assert main(["train", str(make_config("one.yml", output_dir=str(one), gradient_accumulation_steps=2, **common))]) == 0
+    single, double = train_losses(one), train_losses(two)
+    assert single.keys() == double.keys()
+    for step in single:
+        assert double[step] == pytest.approx(single[step], rel=1e-5), step
+    evals = lambda out: [r["eval_loss"] for r in read_metrics(out) if "eval_loss" in r]  # noqa: E731
+    assert evals(two) == pytest.approx(evals(one), rel=1e-5)
+
+
+def test_collective_timeout_names_rank_and_phase(tmp_path):
+    script = tmp_path / "stall.py"
+    script.write_text(textwrap.dedent("""
+        import sys, time
+        from datetime import timedelta
+        import torch, torch.distributed as dist
+        from trainer.collective import reduce_sum
+        from trainer.errors import TrainingError
+        dist.init_process_group("gloo", timeout=timedelta(seconds=2))
+        if dist.get_rank() == 0:
+            try:
+                reduce_sum(torch.ones(1), "evaluation (summing eval loss)", 0, 2)
+            except TrainingError as err:
+                print(err, flush=True)
+                sys.exit(3)
+        else:
+            time.sleep(6)  # never joins: stuck elsewhere
+    """))
+    result = torchrun(str(script), timeout=120)
+    assert "rank 0: a collective timed out after 2s during evaluation (summing eval loss)" in result.stdout, (
+        result.stdout + result.stderr[-2000:])

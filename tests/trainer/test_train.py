@@ -1,0 +1,187 @@
+"""Training end to end on CPU: what is trained, resuming, checkpoints, failures, outputs."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import trainer.checkpoint as checkpoint_mod
+import trainer.train as train_mod
+from tests.trainer.helpers import read_metrics, train_losses
+from trainer.cli import main
+
+
+def train(config: Path) -> int:
+    return main(["train", str(config)])
+
+
+def test_micro_batch_size_and_accumulation_do_not_change_what_is_trained(make_config, tmp_path):
+    """4x1, 2x2 and 1x4 see the same examples per step; with the loss averaged over every target token
+    of the step (not per micro-batch) they take the same steps."""
+    losses = {}
+    for mbs, ga in [(4, 1), (2, 2), (1, 4)]:
+        out = tmp_path / f"out-{mbs}x{ga}"
+        assert train(make_config(f"{mbs}x{ga}.yml", micro_batch_size=mbs, gradient_accumulation_steps=ga,
+                                 output_dir=str(out), max_steps=3)) == 0
+        losses[(mbs, ga)] = train_losses(out)
+    reference = losses[(4, 1)]
+    assert len(reference) == 3
+    for key, got in losses.items():
+        assert got.keys() == reference.keys()
+        for step in reference:
+            assert got[step] == pytest.approx(reference[step], rel=1e-5, abs=1e-6), (key, step)
+
+
+def test_packing_does_not_change_the_gradient(tiny_llama, tmp_path, make_config):
+    """The same examples, packed into rows or one per micro-batch, give the same gradient."""
+    from transformers import AutoModelForCausalLM
+
+    from trainer.collate import Collator, count_targets
+    from trainer.config import load_config
+    from trainer.data import load_tokenizer, prepare
+    from trainer.loss import token_loss_sum
+
+    cfg, _ = load_config(make_config())
+    data = prepare(cfg, load_tokenizer(cfg))
+    examples = [data.train[i] for i in range(6)]
+    collate = Collator(pad_token_id=0, attention="sdpa")
+    layouts = {
+        "one per micro-batch": [collate([[e]]) for e in examples],
+        "padded batch of 6": [collate([[e] for e in examples])],
+        "packed 3+3": [collate([examples[:3], examples[3:]])],
+        "packed, 2 micro-batches": [collate([examples[:4]]), collate([examples[4:]])],
+    }
+    grads = {}
+    for name, micro_batches in layouts.items():
+        model = AutoModelForCausalLM.from_pretrained(tiny_llama, attn_implementation="sdpa")
+        n_targets = sum(count_targets(b) for b in micro_batches)
+        for batch in micro_batches:
+            (token_loss_sum(model, batch) / n_targets).backward()
+        grads[name] = torch.cat([p.grad.flatten() for p in model.parameters()])
+    reference = grads["one per micro-batch"]
+    for name, g in grads.items():
+        assert torch.allclose(g, reference, atol=1e-6, rtol=1e-4), name
+
+
+@pytest.mark.parametrize("adapter", [None, "lora"])
+def test_resumed_run_continues_exactly(make_config, tmp_path, adapter):
+    extra = {"adapter": "lora", "lora_r": 4, "lora_dropout": 0.2} if adapter else {}  # dropout: RNG state matters
+    common = dict(max_steps=7, save_steps=3, sample_packing=True, gradient_accumulation_steps=2,
+                  lr_scheduler="cosine", warmup_steps=2, **extra)
+    full_out, resumed_out = tmp_path / "full", tmp_path / "resumed"
+    assert train(make_config("full.yml", output_dir=str(full_out), **common)) == 0
+    resumed_out.mkdir()
+    shutil.copytree(full_out / "checkpoint-3", resumed_out / "checkpoint-3")  # what an interrupted run leaves
+    assert train(make_config("resumed.yml", output_dir=str(resumed_out), auto_resume_from_checkpoints=True, **common)) == 0
+
+    full, resumed = train_losses(full_out), train_losses(resumed_out)
+    assert sorted(resumed) == [4, 5, 6, 7]
+    assert [resumed[s] for s in range(4, 8)] == [full[s] for s in range(4, 8)]  # exactly, on CPU
+    weights = "adapter_model.safetensors" if adapter else "model.safetensors"
+    a, b = load_file(full_out / "final" / weights), load_file(resumed_out / "final" / weights)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_checkpoint_is_complete_or_absent(make_config, tmp_path, monkeypatch, capsys):
+    real_save = torch.save
+
+    def crash_on_optimizer(obj, path, *args, **kwargs):
+        if str(path).endswith("optimizer.pt"):
+            raise OSError("disk full")
+        return real_save(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint_mod.torch, "save", crash_on_optimizer)
+    out = tmp_path / "out"
+    assert train(make_config(output_dir=str(out), save_steps=2)) == 1
+    assert "disk full" in capsys.readouterr().err
+    assert not list(out.glob("checkpoint-*")) and (out / ".tmp-checkpoint-2").is_dir()
+    assert checkpoint_mod.list_checkpoints(out) == []
+    monkeypatch.undo()
+    # a later run with auto-resume ignores the partial directory and starts from scratch
+    assert train(make_config("again.yml", output_dir=str(out), save_steps=2, auto_resume_from_checkpoints=True)) == 0
+    assert [p.name for p in checkpoint_mod.list_checkpoints(out)] == ["checkpoint-2", "checkpoint-4"]
+    ckpt = out / "checkpoint-4"
+    assert {"optimizer.pt", "scheduler.pt", "rng_state_0.pt", "trainer_state.json", "model.safetensors"} <= {
+        p.name for p in ckpt.iterdir()}
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    assert state["step"] == 4 and state["sampler"]["consumed"] >= 4
+
+
+def test_nan_loss_stops_with_the_step(make_config, monkeypatch, capsys):
+    real = train_mod.token_loss_sum
+    calls = []
+
+    def nan_on_third(model, batch):
+        calls.append(1)
+        loss = real(model, batch)
+        return loss * float("nan") if len(calls) == 3 else loss
+
+    monkeypatch.setattr(train_mod, "token_loss_sum", nan_on_third)
+    assert train(make_config(max_steps=5)) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: loss is nan at step 3;")
+
+
+def test_gradient_checkpointing_trains_the_same(make_config, tmp_path):
+    plain, ckpt = tmp_path / "plain", tmp_path / "ckpt"
+    assert train(make_config("a.yml", output_dir=str(plain), max_steps=2)) == 0
+    assert train(make_config("b.yml", output_dir=str(ckpt), max_steps=2, gradient_checkpointing=True)) == 0
+    a, b = train_losses(plain), train_losses(ckpt)
+    assert a.keys() == b.keys() and all(b[s] == pytest.approx(a[s], rel=1e-5) for s in a)
+
+
+def test_lora_trains_only_the_adapter_and_evaluate_agrees(make_config, tmp_path, capsys):
+    out = tmp_path / "lora"
+    config = make_config(output_dir=str(out), adapter="lora", lora_r=4, lora_target_modules=["q_proj", "v_proj"],
+                         val_set_size=0.25, max_steps=3, learning_rate=0.01)
+    assert train(config) == 0
+    final = out / "final"
+    assert (final / "adapter_config.json").exists() and not (final / "model.safetensors").exists()
+    saved = load_file(final / "adapter_model.safetensors")
+    assert saved and all("lora_" in k for k in saved)
+    last_eval = [r for r in read_metrics(out) if "eval_loss" in r][-1]
+    capsys.readouterr()
+    assert main(["evaluate", str(config), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["eval_loss"] == pytest.approx(last_eval["eval_loss"], rel=1e-5)
+    assert result["eval_tokens"] == last_eval["eval_tokens"] and result["model"] == str(final)
+
+
+def test_eval_loss_is_the_same_with_and_without_eval_packing(make_config, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert train(make_config(output_dir=str(out), val_set_size=0.25, max_steps=2)) == 0
+    results = {}
+    for packing in (True, False):
+        capsys.readouterr()
+        config = make_config(f"eval-{packing}.yml", output_dir=str(out), val_set_size=0.25,
+                             eval_sample_packing=packing, eval_batch_size=3)
+        assert main(["evaluate", str(config), "--json"]) == 0
+        results[packing] = json.loads(capsys.readouterr().out)
+    assert results[True]["eval_tokens"] == results[False]["eval_tokens"] > 0
+    assert results[True]["eval_loss"] == pytest.approx(results[False]["eval_loss"], rel=1e-5)
+
+
+def test_metrics_jsonl_and_final_model(make_config, tmp_path):
+    out = tmp_path / "out"
+    assert train(make_config(output_dir=str(out), max_steps=4, val_set_size=0.25, eval_steps=2, logging_steps=1)) == 0
+    rows = read_metrics(out)
+    steps = [r for r in rows if "loss" in r]
+    evals = [r for r in rows if "eval_loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    assert {"loss", "lr", "grad_norm", "tokens", "tokens_per_s", "step_time_s", "epoch"} <= steps[0].keys()
+    assert all(r["tokens_per_s"] > 0 and r["tokens"] > 0 for r in steps)
+    assert [r["step"] for r in evals] == [2, 4]
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    AutoModelForCausalLM.from_pretrained(out / "final")
+    AutoTokenizer.from_pretrained(out / "final")
+
+
+def test_not_enough_data_is_bad_input(make_config, capsys):
+    assert train(make_config(micro_batch_size=40, gradient_accumulation_steps=4)) == 2
+    assert "fewer than gradient_accumulation_steps=4" in capsys.readouterr().err

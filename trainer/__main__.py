@@ -1,0 +1,5 @@
+import sys
+
+from trainer.cli import main
+
+sys.exit(main())

@@ -1,0 +1,109 @@
+"""Checkpoints: complete or absent.
+
+Every rank writes its RNG state into output_dir/.tmp-checkpoint-N, rank 0 adds the model (HF format:
+full weights, or the LoRA adapter), optimizer, scheduler, loss scaler and trainer state (step, epoch,
+sampler position), then renames the directory to checkpoint-N. A crash leaves only a .tmp-* directory,
+which resuming ignores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from trainer.collective import barrier
+from trainer.errors import TrainingError
+
+STATE_FILE = "trainer_state.json"
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save(output_dir: Path, step: int, model, optimizer, scheduler, scaler, state: dict,
+         rank: int, timeout_s: float, keep: int | None = None) -> Path:
+    final = output_dir / f"checkpoint-{step}"
+    tmp = output_dir / f".tmp-checkpoint-{step}"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    barrier("checkpoint save (start)", rank, timeout_s)
+    torch.save(rng_state(), tmp / f"rng_state_{rank}.pt")
+    barrier("checkpoint save (RNG states)", rank, timeout_s)
+    if rank == 0:
+        model.save_pretrained(tmp)  # a PeftModel saves only its adapter
+        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+        if scaler is not None:
+            torch.save(scaler.state_dict(), tmp / "scaler.pt")
+        (tmp / STATE_FILE).write_text(json.dumps(state, indent=2))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        if keep:
+            for old in list_checkpoints(output_dir)[:-keep]:
+                shutil.rmtree(old, ignore_errors=True)
+    barrier("checkpoint save (rename)", rank, timeout_s)
+    return final
+
+
+def list_checkpoints(output_dir: Path) -> list[Path]:
+    """Complete checkpoints, oldest first."""
+    found = [p for p in Path(output_dir).glob("checkpoint-*") if re.fullmatch(r"checkpoint-\d+", p.name)
+             and (p / STATE_FILE).exists()]
+    return sorted(found, key=lambda p: int(p.name.split("-")[1]))
+
+
+def _load_weights(model, path: Path) -> None:
+    from safetensors.torch import load_file
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise TrainingError(f"checkpoint {path} has no *.safetensors weights")
+    weights = {k: v for f in files for k, v in load_file(str(f)).items()}
+    if hasattr(model, "peft_config"):
+        from peft import set_peft_model_state_dict
+
+        set_peft_model_state_dict(model, weights)
+        return
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    tied = set(getattr(model, "_tied_weights_keys", None) or [])
+    if unexpected or [k for k in missing if k not in tied and not k.endswith("lm_head.weight")]:
+        raise TrainingError(f"checkpoint {path} does not match the model (missing {missing[:3]}, unexpected {unexpected[:3]})")
+
+
+def load(path: Path, model, optimizer, scheduler, scaler, rank: int, world_size: int) -> dict:
+    """Restore everything save() wrote; return the trainer state."""
+    path = Path(path)
+    if not (path / STATE_FILE).exists():
+        raise TrainingError(f"{path} is not a complete checkpoint (no {STATE_FILE})")
+    state = json.loads((path / STATE_FILE).read_text())
+    if state["world_size"] != world_size:
+        raise TrainingError(f"checkpoint {path} was written by {state['world_size']} processes; resume it with "
+                            f"the same number (got {world_size}) so the data order continues exactly")
+    _load_weights(model, path)
+    optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=False))
+    scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
+    if scaler is not None and (path / "scaler.pt").exists():
+        scaler.load_state_dict(torch.load(path / "scaler.pt", weights_only=False))
+    set_rng_state(torch.load(path / f"rng_state_{rank}.pt", weights_only=False))
+    return state
+

@@ -1,0 +1,173 @@
+"""Command line: parse arguments, call the module that does the work, print. No policy here.
+
+Exit codes: 0 ok, 1 failure while doing the work, 2 bad input (config, GPU request, missing file).
+Errors are one line on stderr; --debug shows the traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from trainer import __version__
+from trainer.errors import TrainerError
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _setup(args, gpu: str | None = None):
+    from trainer.config import load_config
+    from trainer.hardware import adapt, detect
+
+    cfg, notes = load_config(args.config)
+    found_gpu, plan = detect(gpu, getattr(args, "plan", None))
+    return cfg, notes, adapt(cfg, found_gpu, plan)
+
+
+def cmd_validate(args) -> int:
+    cfg, notes, runtime = _setup(args, args.gpu)
+    if args.json:
+        print(json.dumps({"config": cfg.model_dump(), "runtime": runtime.to_dict(), "notes": notes}, indent=2))
+        return 0
+    print(f"config {args.config} is valid")
+    print(f"  gpu:        {runtime.gpu.describe()} (from {runtime.gpu.source})")
+    print(f"  attention:  {runtime.attention}")
+    print(f"  precision:  {runtime.precision}{' + tf32' if runtime.tf32 else ''}")
+    print(f"  packing:    {'on' if cfg.sample_packing else 'off'} (sequence_len {cfg.sequence_len}), "
+          f"eval packing {'on' if cfg.packing_for_eval else 'off'}")
+    print(f"  batch:      micro_batch_size {cfg.micro_batch_size} x gradient_accumulation_steps "
+          f"{cfg.gradient_accumulation_steps} x processes")
+    print(f"  adapter:    {cfg.adapter or 'none (full fine-tune)'}")
+    print("changes for this hardware:" if runtime.changes else "no changes for this hardware")
+    for change in runtime.changes:
+        print(f"  - {change}")
+    if notes:
+        print("notes:")
+    for note in notes:
+        print(f"  - {note}")
+    return 0
+
+
+def cmd_preprocess(args) -> int:
+    from trainer.config import load_config
+    from trainer.data import load_tokenizer, prepare
+
+    cfg, _ = load_config(args.config)
+    prepared = prepare(cfg, load_tokenizer(cfg), int(os.environ.get("RANK", 0)), log=log)
+    result = {"path": str(prepared.path), **prepared.stats}
+    print(json.dumps(result, indent=2) if args.json else
+          f"prepared {result['train_rows']} training and {result['validation_rows']} validation rows "
+          f"({result['train_tokens']} tokens) in {result['path']}")
+    return 0
+
+
+def cmd_train(args) -> int:
+    from trainer.train import train
+
+    cfg, notes, runtime = _setup(args)
+    for line in runtime.changes + notes:
+        if int(os.environ.get("RANK", 0)) == 0:
+            log(f"note: {line}")
+    train(cfg, runtime, log=log)
+    return 0
+
+
+def cmd_evaluate(args) -> int:
+    from pathlib import Path
+
+    import torch
+
+    from trainer.collate import Collator
+    from trainer.data import load_tokenizer, prepare
+    from trainer.errors import ConfigError
+    from trainer.evaluate import evaluate
+    from trainer.model import load_trained
+
+    cfg, _, runtime = _setup(args)
+    if not cfg.val_set_size:
+        raise ConfigError("evaluate needs a validation split: set val_set_size")
+    model_dir = Path(args.model) if args.model else Path(cfg.output_dir) / "final"
+    tokenizer = load_tokenizer(cfg)
+    prepared = prepare(cfg, tokenizer, log=log)
+    model = load_trained(cfg, runtime, tokenizer, model_dir if model_dir.is_dir() else None)
+    device = torch.device(runtime.device)
+    model.to(device)
+    collator = Collator(tokenizer.pad_token_id, runtime.attention)
+    result = evaluate(model, prepared.validation, collator, cfg.eval_batch_size or cfg.micro_batch_size,
+                      cfg.sequence_len if cfg.packing_for_eval else None, device)
+    result["model"] = str(model_dir) if model_dir.is_dir() else cfg.base_model
+    print(json.dumps(result) if args.json else
+          f"eval_loss {result['eval_loss']:.6f} over {result['eval_tokens']} tokens ({result['model']})")
+    return 0
+
+
+def cmd_make_tiny_model(args) -> int:
+    from trainer.tiny import make_tiny_model
+
+    path = make_tiny_model(args.dir, family=args.family, seed=args.seed)
+    print(f"wrote a tiny {args.family} model and tokenizer to {path}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m trainer", description="envtool's bundled fine-tuning trainer")
+    parser.add_argument("--version", action="version", version=f"trainer {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("validate", help="show the effective config for this (or another) GPU, each change explained")
+    p.add_argument("config")
+    p.add_argument("--gpu", help="plan for this GPU instead: t4, v100, a100, a10g, l4, h100, cpu, sm_75, 7.5")
+    p.add_argument("--plan", help="read the GPU and choices from this plan.json")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_validate)
+
+    p = sub.add_parser("preprocess", help="tokenize and cache the datasets once")
+    p.add_argument("config")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_preprocess)
+
+    p = sub.add_parser("train", help="train (use torchrun for several processes)")
+    p.add_argument("config")
+    p.add_argument("--plan", help="plan.json to read instead of ENVTOOL_PLAN / ./plan.json")
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("evaluate", help="loss on the validation split")
+    p.add_argument("config")
+    p.add_argument("--model", help="model or adapter directory (default: output_dir/final, else base_model)")
+    p.add_argument("--plan")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_evaluate)
+
+    p = sub.add_parser("make-tiny-model", help="write a tiny local model + tokenizer (no downloads)")
+    p.add_argument("dir")
+    p.add_argument("--family", choices=["llama", "qwen2"], default="llama")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_make_tiny_model)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    rank = os.environ.get("RANK")
+    prefix = f"error (rank {rank}): " if rank not in (None, "0") else "error: "
+    try:
+        return args.func(args)
+    except TrainerError as err:
+        if args.debug:
+            raise
+        print(prefix + str(err), file=sys.stderr)
+        return err.exit_code
+    except KeyboardInterrupt:
+        print(prefix + "interrupted", file=sys.stderr)
+        return 130
+    except Exception as err:  # a bug or an environment problem: still one line unless --debug
+        if args.debug:
+            raise
+        print(f"{prefix}{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''} "
+              "(run with --debug for the traceback)", file=sys.stderr)
+        return 1

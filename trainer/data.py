@@ -1,0 +1,217 @@
+"""Datasets: load, tokenize with the prompt format, filter by length, split, cache.
+
+The tokenized result is cached under dataset_prepared_path/<key>, where the key hashes the data (file
+contents, or the hub dataset's fingerprint), the tokenizer, and every config key that changes the tokens.
+With several processes, rank 0 prepares (under a file lock, so a concurrent `preprocess` or a second job
+does not prepare the same cache twice) and the other ranks wait for the finished cache directory, which
+appears atomically (temp dir + rename).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from trainer.config import Config, DatasetConfig, looks_local
+from trainer.errors import ConfigError, DataError, TrainerError
+from trainer.prompts import CHATML_TEMPLATE, IGNORE, tokenize_row
+
+CACHE_FORMAT = 1  # bump when tokenization changes, so old caches are not reused
+FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+def default_workers(cfg: Config) -> int:
+    """Worker processes for preprocessing: dataset_processes, else min(CPU count, 8)."""
+    return cfg.dataset_processes or min(os.cpu_count() or 1, 8)
+
+
+def load_tokenizer(cfg: Config):
+    from transformers import AutoTokenizer
+
+    source = cfg.tokenizer_config or cfg.base_model
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)
+    except OSError as err:
+        raise ConfigError(f"cannot load the tokenizer from {source}: {str(err).splitlines()[0]}") from None
+    if cfg.special_tokens:
+        tokenizer.add_special_tokens(dict(cfg.special_tokens))
+    if cfg.tokens:
+        tokenizer.add_tokens(list(cfg.tokens))
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token  # padding is masked out of attention and loss
+    if cfg.chat_template == "chatml":
+        tokenizer.chat_template = CHATML_TEMPLATE
+    elif cfg.chat_template == "jinja":
+        tokenizer.chat_template = cfg.chat_template_jinja
+    return tokenizer
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _data_identity(ds: DatasetConfig) -> str:
+    path = Path(ds.path).expanduser()
+    if path.is_file():
+        return _sha256_file(path)
+    if path.is_dir():
+        return hashlib.sha256("".join(_sha256_file(p) for p in sorted(path.rglob("*")) if p.is_file()).encode()).hexdigest()
+    return ""  # hub dataset: identified by its fingerprint once loaded (see load_raw)
+
+
+def tokenizer_identity(tokenizer) -> str:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    vocab = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
+    extra = json.dumps([type(tokenizer).__name__, tokenizer.chat_template, str(tokenizer.special_tokens_map)])
+    return hashlib.sha256((vocab + extra).encode()).hexdigest()
+
+
+def cache_key(cfg: Config, tokenizer, hub_fingerprints: list[str]) -> str:
+    relevant = {
+        "format": CACHE_FORMAT,
+        "datasets": [d.model_dump() for d in cfg.datasets],
+        "data": [_data_identity(d) for d in cfg.datasets] + hub_fingerprints,
+        "tokenizer": tokenizer_identity(tokenizer),
+        **{k: getattr(cfg, k) for k in ("sequence_len", "excess_length_strategy", "train_on_inputs", "val_set_size",
+                                       "seed", "shuffle_merged_datasets", "chat_template", "chat_template_jinja")},
+    }
+    return hashlib.sha256(json.dumps(relevant, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def load_raw(ds: DatasetConfig):
+    """A local file or directory, or a hub dataset (needs the network)."""
+    import datasets
+
+    path = Path(ds.path).expanduser()
+    if path.is_file():
+        builder = ds.ds_type or FILE_BUILDERS.get(path.suffix.lower())
+        if builder is None:
+            raise DataError(f"dataset {ds.path}: unknown file type '{path.suffix}'; set ds_type: json, parquet or csv")
+        return datasets.load_dataset(builder, data_files=str(path), split="train")
+    if looks_local(ds.path) and not path.exists():
+        raise DataError(f"dataset file not found: {ds.path}")
+    try:
+        if path.is_dir():
+            return datasets.load_dataset(str(path), data_files=ds.data_files, split=ds.split)
+        return datasets.load_dataset(ds.path, ds.name, data_files=ds.data_files, split=ds.split)
+    except Exception as err:  # hub errors come in many types; the first line says what happened
+        raise TrainerError(f"cannot load dataset {ds.path} (split {ds.split}): {str(err).splitlines()[0]}") from None
+
+
+@dataclass
+class Prepared:
+    train: object  # datasets.Dataset with input_ids, labels, length
+    validation: object | None
+    stats: dict
+    path: Path
+
+
+def _tokenize(raw, ds: DatasetConfig, cfg: Config, tokenizer):
+    workers = min(default_workers(cfg), max(1, len(raw) // 1000))  # processes only pay off on bigger data
+    limit = cfg.sequence_len
+
+    def convert(row):
+        out = tokenize_row(row, ds, tokenizer, cfg.train_on_inputs)
+        n = len(out["input_ids"])
+        out["too_long"] = n > limit
+        if n > limit and cfg.excess_length_strategy == "truncate":
+            out = {"input_ids": out["input_ids"][:limit], "labels": out["labels"][:limit], "too_long": True}
+        out["length"] = len(out["input_ids"])
+        out["targets"] = sum(1 for t in out["labels"][1:] if t != IGNORE)
+        return out
+
+    return raw.map(convert, remove_columns=raw.column_names, num_proc=workers if workers > 1 else None,
+                   desc=f"tokenizing {ds.path}")
+
+
+def build(cfg: Config, tokenizer) -> tuple[object, object | None, dict]:
+    import datasets
+
+    parts = [_tokenize(load_raw(ds), ds, cfg, tokenizer) for ds in cfg.datasets]
+    data = datasets.concatenate_datasets(parts)
+    too_long = sum(data["too_long"])
+    stats = {"rows": len(data), "too_long": too_long, "excess_length_strategy": cfg.excess_length_strategy}
+    keep = [i for i, (long, targets) in enumerate(zip(data["too_long"], data["targets"]))
+            if targets > 0 and not (long and cfg.excess_length_strategy == "drop")]
+    stats["dropped_too_long"] = too_long if cfg.excess_length_strategy == "drop" else 0
+    stats["truncated"] = too_long if cfg.excess_length_strategy == "truncate" else 0
+    stats["dropped_no_targets"] = len(data) - len(keep) - stats["dropped_too_long"]
+    data = data.select(keep).remove_columns(["too_long"])
+    if len(data) == 0:
+        raise DataError(f"no rows left to train on after filtering ({json.dumps(stats)}); raise sequence_len "
+                        "or use excess_length_strategy: truncate")
+    if cfg.shuffle_merged_datasets:
+        data = data.shuffle(seed=cfg.seed)
+    validation = None
+    if cfg.val_set_size:
+        size = cfg.val_set_size if cfg.val_set_size < 1 else int(cfg.val_set_size)
+        if isinstance(size, int) and size >= len(data):
+            raise ConfigError(f"val_set_size {size} leaves no training rows (dataset has {len(data)})")
+        split = data.train_test_split(test_size=size, seed=cfg.seed, shuffle=True)
+        data, validation = split["train"], split["test"]
+    stats.update(train_rows=len(data), train_tokens=int(sum(data["length"])),
+                 validation_rows=len(validation) if validation is not None else 0)
+    return data, validation, stats
+
+
+def _save(path: Path, train, validation, stats: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    train.save_to_disk(str(tmp / "train"))
+    if validation is not None:
+        validation.save_to_disk(str(tmp / "validation"))
+    (tmp / "stats.json").write_text(json.dumps(stats, indent=2))
+    os.replace(tmp, path)  # the cache is complete or absent
+
+
+def _load(path: Path) -> Prepared:
+    import datasets
+
+    validation = datasets.load_from_disk(str(path / "validation")) if (path / "validation").exists() else None
+    stats = json.loads((path / "stats.json").read_text())
+    return Prepared(datasets.load_from_disk(str(path / "train")), validation, stats, path)
+
+
+def _hub_fingerprints(cfg: Config) -> list[str]:
+    return [load_raw(d)._fingerprint for d in cfg.datasets if not looks_local(d.path)]
+
+
+def prepare(cfg: Config, tokenizer, rank: int = 0, log=print) -> Prepared:
+    """The tokenized train/validation data, from the cache or prepared now (by rank 0 only)."""
+    from filelock import FileLock, Timeout
+
+    root = Path(cfg.dataset_prepared_path)
+    path = root / cache_key(cfg, tokenizer, _hub_fingerprints(cfg))
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        try:
+            with FileLock(str(root / f"{path.name}.lock"), timeout=cfg.dataset_prepare_timeout):
+                if not (path / "stats.json").exists():
+                    log(f"preparing dataset into {path}")
+                    _save(path, *build(cfg, tokenizer))
+        except Timeout:
+            raise TrainerError(f"another process has held the lock on {path} for {cfg.dataset_prepare_timeout}s; "
+                               "if none is running, delete the .lock file") from None
+    else:
+        deadline = time.monotonic() + cfg.dataset_prepare_timeout
+        while not (path / "stats.json").exists():
+            if time.monotonic() > deadline:
+                raise TrainerError(f"rank {rank} waited {cfg.dataset_prepare_timeout}s for rank 0 to prepare the "
+                                   f"dataset cache {path}; run `python -m trainer preprocess` first or raise "
+                                   "dataset_prepare_timeout")
+            time.sleep(0.5)
+    prepared = _load(path)
+    stats = prepared.stats
+    if rank == 0 and stats["too_long"]:
+        verb = "dropped" if stats["dropped_too_long"] else "truncated"
+        log(f"{stats['too_long']} of {stats['rows']} rows are longer than sequence_len {cfg.sequence_len}: {verb}")
+    return prepared

@@ -1,0 +1,34 @@
+"""Evaluation: mean loss over every target token of the validation split.
+
+Each rank evaluates its share of the batches with no per-batch collective (ranks may hold one batch
+more or less), then a single all-reduce sums loss and token counts. The result does not depend on
+packing, batch size or the number of processes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from trainer.collate import Collator, Rows, count_targets
+from trainer.collective import reduce_sum
+from trainer.loss import token_loss_sum
+from trainer.sampler import MultipackBatchSampler
+
+
+@torch.no_grad()
+def evaluate(model, dataset, collator: Collator, batch_size: int, capacity: int | None, device,
+             rank: int = 0, world_size: int = 1, timeout_s: float = 1800) -> dict:
+    sampler = MultipackBatchSampler(dataset["length"], batch_size, capacity, rank=rank, world_size=world_size,
+                                    shuffle=False, drop_last=False)
+    rows = Rows(dataset)
+    was_training = model.training
+    model.eval()
+    totals = torch.zeros(2, dtype=torch.float64, device=device)
+    for batch_rows in sampler:
+        batch = {k: v.to(device) for k, v in collator([rows[r] for r in batch_rows]).items()}
+        totals[0] += token_loss_sum(model, batch).double()
+        totals[1] += count_targets(batch)
+    reduce_sum(totals, "evaluation (summing eval loss)", rank, timeout_s)
+    model.train(was_training)
+    loss_sum, tokens = totals.tolist()
+    return {"eval_loss": loss_sum / tokens if tokens else float("nan"), "eval_tokens": int(tokens)}

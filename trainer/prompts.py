@@ -1,0 +1,125 @@
+"""Prompt formats: one row of a dataset -> token ids and labels.
+
+Each format renders the row as text plus the character spans to train on; one tokenizer call with
+offsets then labels exactly the tokens that start inside those spans. Everything else is -100
+unless train_on_inputs.
+
+- alpaca:       {instruction, input?, output}; trains on the output and EOS.
+- completion:   {text}; trains on all of it and EOS.
+- input_output: {segments: [{text, label}]}; trains on segments with label: true. No special tokens added.
+- chat_template:{messages: [{role, content}]} rendered by the tokenizer's chat template; trains on the
+                turns of roles_to_train (default: assistant), without the turn header.
+"""
+
+from __future__ import annotations
+
+from trainer.config import DatasetConfig
+from trainer.errors import DataError
+
+IGNORE = -100
+
+ALPACA_WITH_INPUT = (
+    "Below is an instruction that describes a task, paired with an input that provides further context. "
+    "Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+)
+ALPACA_NO_INPUT = (
+    "Below is an instruction that describes a task. Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Response:\n"
+)
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+Spans = list[tuple[int, int]]
+
+
+def _field(row: dict, key: str, ds: DatasetConfig, required: bool = True):
+    if key not in row or (required and row[key] is None):
+        if required:
+            raise DataError(f"dataset {ds.path}: a row has no '{key}' field (type {ds.type}); "
+                            f"columns are {sorted(row)}; map the field in the dataset's config")
+        return None
+    return row[key]
+
+
+def render_alpaca(row: dict, ds: DatasetConfig, tokenizer) -> tuple[str, Spans, bool]:
+    instruction = _field(row, ds.field_instruction, ds)
+    extra = _field(row, ds.field_input, ds, required=False)
+    output = _field(row, ds.field_output, ds)
+    prompt = (ALPACA_WITH_INPUT if extra else ALPACA_NO_INPUT).format(instruction=instruction, input=extra)
+    text = prompt + str(output) + (tokenizer.eos_token or "")
+    return text, [(len(prompt), len(text))], True
+
+
+def render_completion(row: dict, ds: DatasetConfig, tokenizer) -> tuple[str, Spans, bool]:
+    text = str(_field(row, ds.field, ds)) + (tokenizer.eos_token or "")
+    return text, [(0, len(text))], True
+
+
+def render_input_output(row: dict, ds: DatasetConfig, tokenizer) -> tuple[str, Spans, bool]:
+    text, spans = "", []
+    for seg in _field(row, ds.field_segments, ds):
+        start = len(text)
+        text += seg["text"]
+        if seg.get("label", True):
+            spans.append((start, len(text)))
+    return text, spans, False
+
+
+def _messages(row: dict, ds: DatasetConfig) -> list[dict]:
+    alias = {name: role for role, names in (ds.roles or {}).items() for name in names}
+    messages = []
+    for m in _field(row, ds.field_messages, ds):
+        if ds.role_key not in m or ds.content_key not in m:
+            raise DataError(f"dataset {ds.path}: a message has no '{ds.role_key}'/'{ds.content_key}' "
+                            f"(keys: {sorted(m)}); set message_property_mappings")
+        messages.append({"role": alias.get(m[ds.role_key], m[ds.role_key]), "content": m[ds.content_key]})
+    return messages
+
+
+def render_chat(row: dict, ds: DatasetConfig, tokenizer) -> tuple[str, Spans, bool]:
+    if not tokenizer.chat_template:
+        raise DataError("the tokenizer has no chat template; set chat_template: chatml, or jinja with chat_template_jinja")
+    messages = _messages(row, ds)
+
+    def render(msgs, header=False):
+        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=header) if msgs else ""
+
+    text = render(messages)
+    spans = []
+    for i, message in enumerate(messages):
+        if message["role"] not in ds.roles_to_train:
+            continue
+        end = len(render(messages[: i + 1]))
+        start = render(messages[:i], header=True) if i else ""
+        if not text.startswith(start):  # template's generation header differs from its turn header
+            start = render(messages[:i])
+        if not text.startswith(render(messages[: i + 1])) or not text.startswith(start):
+            raise DataError(f"dataset {ds.path}: the chat template does not render conversations turn by turn, "
+                            "so trained turns cannot be located")
+        spans.append((len(start), end))
+    return text, spans, False
+
+
+RENDERERS = {
+    "alpaca": render_alpaca,
+    "completion": render_completion,
+    "input_output": render_input_output,
+    "chat_template": render_chat,
+}
+
+
+def tokenize_row(row: dict, ds: DatasetConfig, tokenizer, train_on_inputs: bool) -> dict:
+    text, spans, add_special = RENDERERS[ds.type](row, ds, tokenizer)
+    enc = tokenizer(text, add_special_tokens=add_special, return_offsets_mapping=True)
+    ids = enc["input_ids"]
+    if train_on_inputs:
+        labels = list(ids)
+    else:
+        # a token is trained if it starts inside a trained span; added special tokens have empty offsets
+        labels = [tok if end > start and any(s <= start < e for s, e in spans) else IGNORE
+                  for tok, (start, end) in zip(ids, enc["offset_mapping"])]
+    return {"input_ids": ids, "labels": labels}

@@ -1,0 +1,237 @@
+"""`python -m trainer train config.yml`: one training loop, top to bottom.
+
+1. processes, precision and timeouts (accelerate)   5. optimizer and LR schedule
+2. tokenizer and data (rank 0 prepares the cache)   6. resume from a checkpoint
+3. model (attention backend, LoRA, checkpointing)   7. the loop: accumulate, step, log, evaluate, save
+4. packing sampler and collator                     8. save the final model or adapter
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from contextlib import nullcontext
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+from trainer import checkpoint
+from trainer.collate import Collator, Rows, count_targets
+from trainer.collective import barrier, phase, reduce_sum
+from trainer.config import Config
+from trainer.data import load_tokenizer, prepare
+from trainer.errors import ConfigError, DataError, TrainingError
+from trainer.evaluate import evaluate
+from trainer.hardware import Runtime
+from trainer.loss import token_loss_sum
+from trainer.model import load_model
+from trainer.sampler import MultipackBatchSampler
+
+MIXED_PRECISION = {"bf16": "bf16", "fp16": "fp16", "fp32": "no"}
+
+
+def make_accelerator(cfg: Config, runtime: Runtime):
+    from accelerate import Accelerator
+    from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
+
+    if runtime.device == "cuda" and not torch.cuda.is_available():
+        raise TrainingError(f"the plan is for {runtime.gpu.describe()} but torch sees no CUDA GPU here")
+    deepspeed = DeepSpeedPlugin(hf_ds_config=cfg.deepspeed) if cfg.deepspeed else None
+    # gradient_accumulation_steps stays 1: the loop accumulates itself, normalising by the step's token count
+    return Accelerator(
+        mixed_precision=MIXED_PRECISION[runtime.precision],
+        cpu=runtime.device == "cpu",
+        deepspeed_plugin=deepspeed,
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.ddp_timeout))],
+    )
+
+
+def make_optimizer(cfg: Config, model) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.ndim >= 2]  # no weight decay on norms and biases
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay},
+              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(groups, lr=cfg.learning_rate)
+    return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                             eps=cfg.adam_epsilon, fused=cfg.optimizer == "adamw_torch_fused" or None)
+
+
+def cadence(every: int | None, per_epoch: int | None, steps_per_epoch: int) -> int | None:
+    """eval_steps / save_steps, or the step interval that gives evals/saves_per_epoch."""
+    if every:
+        return every
+    if per_epoch:
+        return max(1, steps_per_epoch // per_epoch)
+    return None
+
+
+class MetricsLog:
+    """output_dir/metrics.jsonl, one JSON object per line, written by rank 0."""
+
+    def __init__(self, path: Path, enabled: bool):
+        self.path, self.enabled = path, enabled
+
+    def write(self, row: dict) -> None:
+        if self.enabled:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+
+def train(cfg: Config, runtime: Runtime, log=print) -> Path:
+    from tqdm.auto import tqdm
+    from transformers import get_scheduler, set_seed
+
+    # 1. processes, precision, timeouts
+    accelerator = make_accelerator(cfg, runtime)
+    rank, world, device = accelerator.process_index, accelerator.num_processes, accelerator.device
+    main = accelerator.is_main_process
+    say = log if main else (lambda *_: None)
+    timeout = cfg.ddp_timeout
+    set_seed(cfg.seed)
+    if runtime.tf32:
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    say(f"training on {world} process(es), {runtime.gpu.describe()}, attention {runtime.attention}, "
+        f"precision {runtime.precision}")
+
+    # 2. tokenizer and data
+    tokenizer = load_tokenizer(cfg)
+    data = prepare(cfg, tokenizer, rank, log=say)
+
+    # 3. model
+    model = load_model(cfg, runtime, tokenizer)
+
+    # 4. sampler and collator
+    pad_multiple = 8 if runtime.device == "cuda" else 1
+    collator = Collator(tokenizer.pad_token_id, runtime.attention,
+                        pad_to=cfg.sequence_len if cfg.pad_to_sequence_len else None, pad_multiple=pad_multiple)
+    sampler = MultipackBatchSampler(data.train["length"], cfg.micro_batch_size,
+                                    cfg.sequence_len if cfg.sample_packing else None, seed=cfg.seed,
+                                    rank=rank, world_size=world, drop_last=True)
+    # The loader gets its own generator: starting an iterator must not draw from the global RNG, or a
+    # resumed run (which starts one after restoring the RNG) would see different dropout masks.
+    loader = torch.utils.data.DataLoader(Rows(data.train), batch_sampler=sampler, collate_fn=collator,
+                                         num_workers=cfg.dataloader_num_workers,
+                                         generator=torch.Generator().manual_seed(cfg.seed))
+    ga = cfg.gradient_accumulation_steps
+    steps_per_epoch = len(sampler) // ga
+    if steps_per_epoch == 0:
+        raise DataError(f"{data.stats['train_rows']} training rows make {len(sampler)} micro-batches per process, "
+                        f"fewer than gradient_accumulation_steps={ga}: add data or lower micro_batch_size/"
+                        "gradient_accumulation_steps")
+    total_steps = cfg.max_steps or steps_per_epoch * cfg.num_epochs
+    eval_every = cadence(cfg.eval_steps, cfg.evals_per_epoch, steps_per_epoch) if data.validation is not None else None
+    save_every = cadence(cfg.save_steps, cfg.saves_per_epoch, steps_per_epoch)
+
+    # 5. optimizer and schedule
+    optimizer = make_optimizer(cfg, model)
+    warmup = cfg.warmup_steps if cfg.warmup_steps is not None else math.ceil((cfg.warmup_ratio or 0) * total_steps)
+    schedule = "constant_with_warmup" if cfg.lr_scheduler == "constant" else cfg.lr_scheduler
+    scheduler = get_scheduler(schedule, optimizer, num_warmup_steps=warmup, num_training_steps=total_steps)
+    model, optimizer = accelerator.prepare(model, optimizer)  # the scheduler is stepped by us, once per step
+    unwrapped = accelerator.unwrap_model(model)
+
+    # 6. resume
+    output_dir = Path(cfg.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    step, epoch = 0, 0
+    resume = cfg.resume_from_checkpoint
+    if resume is None and cfg.auto_resume_from_checkpoints and checkpoint.list_checkpoints(output_dir):
+        resume = str(checkpoint.list_checkpoints(output_dir)[-1])
+    if resume:
+        if not Path(resume).is_dir():
+            raise ConfigError(f"resume_from_checkpoint: not found: {resume}")
+        state = checkpoint.load(Path(resume), unwrapped, optimizer, scheduler, accelerator.scaler, rank, world)
+        step, epoch = state["step"], state["sampler"]["epoch"]
+        sampler.load_state_dict(state["sampler"])
+        say(f"resumed from {resume} at step {step}")
+
+    # 7. the loop
+    metrics = MetricsLog(output_dir / "metrics.jsonl", main)
+    progress = tqdm(total=total_steps, initial=step, disable=not main, desc="training", unit="step")
+    model.train()
+    try:  # close the progress bar on errors too, so the error is a line of its own
+        while step < total_steps:
+            sampler.set_epoch(epoch)
+            consumed = sampler.skip  # micro-batches of this epoch done before a resume
+            batches = iter(loader)
+            for _ in range(steps_per_epoch - consumed // ga):
+                started = time.perf_counter()
+                micro_batches = [next(batches) for _ in range(ga)]
+                consumed += ga
+                # The loss is averaged over every target token of the step, on every rank: count them first.
+                targets = torch.tensor([float(sum(count_targets(b) for b in micro_batches))], device=device)
+                n_targets = reduce_sum(targets, f"step {step + 1} (counting target tokens)", rank, timeout).item()
+                totals = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, real tokens
+                for i, batch in enumerate(micro_batches):
+                    batch = {k: v.to(device) for k, v in batch.items()}
+                    sync = nullcontext() if i == ga - 1 else accelerator.no_sync(model)
+                    with sync, phase(f"step {step + 1} (backward)", rank, timeout):
+                        loss_sum = token_loss_sum(model, batch)
+                        # DDP averages gradients over ranks, hence * world
+                        accelerator.backward(loss_sum * world / max(n_targets, 1))
+                    totals[0] += loss_sum.detach().double()
+                    totals[1] += int(batch["num_tokens"])
+                totals = reduce_sum(totals, f"step {step + 1} (summing the loss)", rank, timeout)
+                loss = totals[0].item() / max(n_targets, 1)
+                if not math.isfinite(loss):
+                    raise TrainingError(f"loss is {loss} at step {step + 1}; lower learning_rate, check the data, "
+                                        "or use bf16 instead of fp16")
+                grad_norm = None
+                if cfg.max_grad_norm:
+                    grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
+                lr = scheduler.get_last_lr()[0]
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                step += 1
+                progress.update(1)
+                elapsed = time.perf_counter() - started
+                if step % cfg.logging_steps == 0 or step == total_steps:
+                    tokens = int(totals[1].item())
+                    row = {"step": step, "epoch": round(epoch + consumed / (steps_per_epoch * ga), 4), "loss": loss,
+                           "lr": lr, "grad_norm": grad_norm, "tokens": tokens, "target_tokens": int(n_targets),
+                           "tokens_per_s": tokens / elapsed, "step_time_s": elapsed}
+                    metrics.write(row)
+                    progress.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}")
+                if eval_every and step % eval_every == 0 and step < total_steps:
+                    run_eval(cfg, unwrapped, data.validation, collator, step, rank, world, device, metrics, say)
+                if save_every and step % save_every == 0:
+                    state = {"step": step, "world_size": world, "sampler": sampler.state_dict(consumed)}
+                    path = checkpoint.save(output_dir, step, unwrapped, optimizer, scheduler, accelerator.scaler,
+                                           state, rank, timeout, keep=cfg.save_total_limit)
+                    say(f"saved {path}")
+                if step >= total_steps:
+                    break
+            else:
+                epoch += 1
+    finally:
+        progress.close()
+    if data.validation is not None:
+        run_eval(cfg, unwrapped, data.validation, collator, step, rank, world, device, metrics, say)
+
+    # 8. the final model (or adapter) and tokenizer, in HF format
+    final = output_dir / "final"
+    if main:
+        tmp = output_dir / ".tmp-final"
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+        unwrapped.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+        say(f"saved the final {'adapter' if cfg.adapter else 'model'} to {final}")
+    barrier("final save", rank, timeout)
+    accelerator.end_training()
+    return final
+
+
+def run_eval(cfg, model, validation, collator, step, rank, world, device, metrics, say) -> dict:
+    result = evaluate(model, validation, collator, cfg.eval_batch_size or cfg.micro_batch_size,
+                      cfg.sequence_len if cfg.packing_for_eval else None, device, rank, world, cfg.ddp_timeout)
+    metrics.write({"step": step, **result})
+    say(f"step {step}: eval_loss {result['eval_loss']:.4f} over {result['eval_tokens']} tokens")
+    return result
