@@ -222,3 +222,48 @@ def test_bad_input(tmp_path, args, message):
                          cwd=tmp_path)
     assert out.returncode == 2, out.stderr
     assert message in out.stderr and len(out.stderr.strip().splitlines()) == 1
+
+
+def test_cpu_end_to_end_with_the_real_torch(tmp_path, uv_cache):
+    """The real thing: torch 2.13.0's CPU wheel from a local PyTorch-index mirror, the real training stack from a
+    local PyPI mirror; the venv imports torch and transformers and runs the bundled trainer and doctor."""
+    real_torch = next(MIRROR.glob("torch-2.13.0+cpu-*.whl"))
+    args = ["--gpu", "cpu", "--torch", "2.13", "--python", "3.11", "--platform", "x86_64"]
+    env = {**os.environ, "UV_CACHE_DIR": uv_cache, "UV_PYTHON_DOWNLOADS": "never"}
+    plan = plan_for(args, env)
+    root = tmp_path / "index"
+    build_indexes(root, plan, [], real_torch=real_torch)
+    env_dir, venv = tmp_path / "envs" / "cpu", tmp_path / ".venv-cpu"
+    with serve(root) as url:
+        out = run_envtool("lock", *args, "--out", str(env_dir), "--index-url", f"{url}/pypi/",
+                          env={**env, **index_env(url)})
+        assert out.returncode == 0, out.stderr
+        out = run_envtool("install", str(env_dir), "--venv", str(venv), "--json", env=env)
+        assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["torch"] == "2.13.0+cpu"
+    python = str(venv / "bin" / "python")
+    probe = subprocess.run([python, "-c", "import torch, transformers; print(torch.__version__, transformers.__version__)"],
+                           capture_output=True, text=True)
+    assert probe.stdout.split() == ["2.13.0+cpu", plan["packages"]["transformers"]], probe.stderr
+    trainer = subprocess.run([python, "-m", "trainer", "--version"], capture_output=True, text=True)
+    assert trainer.returncode == 0 and trainer.stdout.strip(), trainer.stderr
+    doctor = subprocess.run([str(venv / "bin" / "envtool"), "doctor", "--json"], capture_output=True, text=True,
+                            env={**env, "PATH": "/usr/bin:/bin", "ENVTOOL_GPU": "cpu"})
+    assert doctor.returncode == 0, doctor.stdout + doctor.stderr
+    assert json.loads(doctor.stdout)["ok"]
+
+
+def test_doctor_on_an_installed_a100_environment_run_on_a_t4(tmp_path, a100_index):
+    root, env, start = a100_index
+    start()
+    venv = tmp_path / ".venv"
+    with serve(root) as url:
+        assert lock_a100(tmp_path, url, env).returncode == 0
+        assert run_envtool("install", str(tmp_path / "envs" / "a100"), "--venv", str(venv), env=env).returncode == 0
+    out = run_envtool("doctor", "--venv", str(venv), "--gpu", "t4", "--driver", "560.35.03", "--json", env=env)
+    assert out.returncode == 1
+    found = {f["check"]: f for f in json.loads(out.stdout)["findings"]}
+    assert found["flash-attn"]["level"] == "error" and found["precision"]["level"] == "error"
+    assert found["flash-attn"]["fix"] == f"envtool install --gpu auto --venv {venv}"
+    ok = run_envtool("doctor", "--venv", str(venv), "--gpu", "a100", "--driver", "560.35.03", "--json", env=env)
+    assert ok.returncode == 0, ok.stdout
