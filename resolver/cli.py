@@ -331,6 +331,129 @@ def export(
     tmp.replace(output)
 
 
+BaseImageOpt = Annotated[Optional[str], typer.Option(
+    "--base-image", help="Replace the base image the matrix picks (a private registry, an air-gapped site).")]
+
+
+@app.command()
+@reported
+def dockerfile(
+    gpu: GpuOpt = "auto",
+    driver: DriverOpt = None,
+    python: PythonOpt = None,
+    torch: TorchOpt = None,
+    cuda: CudaOpt = None,
+    no_flash_attn: NoFlashAttnOpt = False,
+    platform: PlatformOpt = None,
+    base_image: BaseImageOpt = None,
+) -> None:
+    """Print the Dockerfile `envtool build` would use for a GPU (render only).
+
+      envtool dockerfile --gpu t4 > Dockerfile.t4
+    """
+    from .docker import render
+    from .matrix import load
+
+    plan = one_plan(gpu, driver, python, torch, cuda, None, no_flash_attn, None, platform)
+    sys.stdout.write(render(plan, load(), base_image))
+
+
+@app.command()
+@reported
+def build(
+    gpu: GpuOpt = "auto",
+    driver: DriverOpt = None,
+    python: PythonOpt = None,
+    torch: TorchOpt = None,
+    cuda: CudaOpt = None,
+    no_flash_attn: NoFlashAttnOpt = False,
+    platform: PlatformOpt = None,
+    tag: Annotated[Optional[str], typer.Option("--tag", help="Image tag (default: envtool-trainer:"
+                                               "sm75-cu126-torch2.9-py3.11 style). One target only.")] = None,
+    push: Annotated[bool, typer.Option("--push", help="Push the image after building (never by default).")] = False,
+    base_image: BaseImageOpt = None,
+    wheelhouse: Annotated[Optional[Path], typer.Option(
+        "--wheelhouse", help="Wheelhouse to build from and to top up (default: a temporary one).")] = None,
+    network: Annotated[Optional[str], typer.Option("--network", help="Network for the build's RUN steps; "
+                                                   "'none' proves it needs none.")] = None,
+    index_url: IndexUrlOpt = None,
+    extra_index_url: ExtraIndexOpt = None,
+    torch_index: TorchIndexOpt = None,
+    find_links: FindLinksOpt = None,
+    ca_bundle: CaBundleOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Build one image per target architecture: lock, fill a hash-checked wheelhouse, docker build offline.
+
+      envtool build --gpu t4
+
+      envtool build --gpu t4,v100,a100
+
+      envtool build --gpu a100 --tag myorg/trainer:a100 --push
+    """
+    import tempfile
+
+    from . import docker as images
+    from .errors import BadInput
+    from .lock import lock as do_lock
+    from .matrix import load
+    from .plan import image_tag
+    from .wheelhouse import fill
+
+    m = load()
+    plans = make_plans(gpu, driver, python, torch, cuda, None, no_flash_attn, None, platform)
+    if tag and len(plans) > 1:
+        raise BadInput("--tag names one image: build several targets without it (tags name the architecture)")
+    images.client()  # fail now, in one line, if no engine answers
+    sources = _sources(index_url, extra_index_url, torch_index, find_links, ca_bundle)
+    built = []
+    for plan in plans:
+        name = tag or image_tag(plan)
+        with tempfile.TemporaryDirectory(prefix="envtool-build-") as tmp:
+            env_dir = do_lock(plan, Path(tmp) / "env", sources, m, quiet=json_out)
+            house = wheelhouse or Path(tmp) / "wheelhouse"
+            fill(env_dir, house, plan.python, plan.platform, ca_bundle, quiet=json_out)
+            images.prepare_context(plan, m, env_dir, house, Path(tmp) / "context", base_image)
+            image_id = images.build(Path(tmp) / "context", name, network=network, quiet=json_out)
+        if push:
+            images.push(name)
+        built.append({"target": plan.target, "tag": name, "id": image_id, "pushed": push})
+        if not json_out:
+            print(f"built {name} ({image_id[:19]}) for {plan.target}")
+    if json_out:
+        print(json.dumps(built, indent=2))
+
+
+@app.command(context_settings={"allow_interspersed_args": False})
+@reported
+def run(
+    command: Annotated[Optional[list[str]], typer.Argument(help="The command to run in the image, after --.")] = None,
+    image: Annotated[str, typer.Option("--image", help="The image to run.")] = "",
+    gpus: Annotated[Optional[str], typer.Option("--gpus", help="'all' or a count (needs the NVIDIA container "
+                                                "toolkit); default: none.")] = None,
+    shm_size: Annotated[str, typer.Option("--shm-size", help="Shared memory for data loader workers / NCCL.")] = "8g",
+    hf_cache: Annotated[Optional[Path], typer.Option("--hf-cache", help="Host directory mounted as the "
+                                                     "Hugging Face cache.")] = None,
+    env: Annotated[Optional[list[str]], typer.Option("-e", "--env", help="Pass this environment variable "
+                                                     "(e.g. HF_TOKEN) at run time; repeatable.")] = None,
+    volume: Annotated[Optional[list[str]], typer.Option("-v", "--volume", help="HOST:CONTAINER; repeatable.")] = None,
+) -> None:
+    """Run a command in an image with what training needs: GPUs, shared memory, the HF cache, tokens.
+
+    Tokens and other secrets are passed at run time, never baked into a layer.
+
+      envtool run --image myorg/trainer:a100 --gpus all -e HF_TOKEN -- python -m trainer train config.yml
+    """
+    from .docker import run as do_run
+    from .errors import BadInput
+
+    if not image:
+        raise BadInput("--image is required")
+    code = do_run(image, command or [], gpus=gpus, shm_size=shm_size, hf_cache=hf_cache, env_names=env or [],
+                  volumes=volume or [])
+    raise typer.Exit(code)
+
+
 @app.command()
 @reported
 def gpus(json_out: bool = typer.Option(False, "--json", help="Print the catalog as JSON.")) -> None:

@@ -126,6 +126,13 @@ class GpuRequirement(NamedTuple):
     source: str
 
 
+class BaseImage(NamedTuple):
+    variant_prefix: str
+    image: str  # template: {python}
+    reason: str
+    source: str
+
+
 class TritonSupport(NamedTuple):
     triton: str  # specifier over triton versions
     min_cc: str
@@ -150,6 +157,7 @@ class Matrix(NamedTuple):
     no_build: list[str]
     gpu_requirements: list[GpuRequirement]
     triton_support: list[TritonSupport]
+    base_images: list[BaseImage]
 
     # Queries used by the solver; kept here so the data's shape stays in one file.
     def arch_for(self, cc: str) -> Arch | None:
@@ -210,7 +218,7 @@ def matrix_dir() -> Path:
 def load(directory: Path | None = None) -> Matrix:
     directory = Path(directory) if directory else matrix_dir()
     files = {name: _read(directory / f"{name}.toml") for name in (
-        "meta", "archs", "gpus", "cuda", "torch", "flash_attn", "xformers", "packages")}
+        "meta", "archs", "gpus", "cuda", "torch", "flash_attn", "xformers", "packages", "images")}
     meta = files["meta"]
     if not isinstance(meta.get("version"), str):
         raise MatrixError(f"{directory / 'meta.toml'}: missing string 'version'")
@@ -235,6 +243,7 @@ def load(directory: Path | None = None) -> Matrix:
                                directory / "packages.toml"),
         triton_support=_rows(files["packages"], "triton_support", TritonSupport,
                              directory / "packages.toml"),
+        base_images=_rows(files["images"], "base", BaseImage, directory / "images.toml"),
     )
     _check_facts(m, directory)
     return m

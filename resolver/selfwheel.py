@@ -14,7 +14,7 @@ import zipfile
 from importlib.metadata import distribution
 from pathlib import Path
 
-PACKAGES = ("resolver", "trainer", "matrices")
+PACKAGES = ("resolver", "trainer", "matrices", "dockerfiles")
 FIXED_TIME = (1980, 1, 1, 0, 0, 0)
 
 

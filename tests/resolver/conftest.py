@@ -60,7 +60,7 @@ def fake_smi(no_gpu):
     return lambda capture, exit_code=0: write_nvidia_smi(no_gpu, capture, exit_code)
 
 
-def run_envtool(*args, env=None, **extra_env):
+def run_envtool(*args, env=None, timeout=120, **extra_env):
     environment = dict(os.environ if env is None else env)
     environment.update(extra_env)
-    return subprocess.run([str(ENVTOOL), *args], capture_output=True, text=True, timeout=120, env=environment)
+    return subprocess.run([str(ENVTOOL), *args], capture_output=True, text=True, timeout=timeout, env=environment)

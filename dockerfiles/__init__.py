@@ -1,0 +1,1 @@
+"""Dockerfile templates (Jinja2); this package only marks where they live."""
