@@ -185,3 +185,37 @@ def test_metrics_jsonl_and_final_model(make_config, tmp_path):
 def test_not_enough_data_is_bad_input(make_config, capsys):
     assert train(make_config(micro_batch_size=40, gradient_accumulation_steps=4)) == 2
     assert "fewer than gradient_accumulation_steps=4" in capsys.readouterr().err
+
+
+def test_resume_from_a_checkpoint_at_the_end_of_an_epoch(make_config, tmp_path):
+    """The sampler's resume offset must not leak into the next epoch."""
+    from trainer.config import load_config
+    from trainer.data import load_tokenizer, prepare
+    from trainer.sampler import MultipackBatchSampler
+
+    cfg, _ = load_config(make_config())
+    n_batches = len(MultipackBatchSampler(prepare(cfg, load_tokenizer(cfg)).train["length"], 2, None))
+    common = dict(max_steps=n_batches + 2, save_steps=n_batches)  # one checkpoint, exactly at the epoch's end
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    assert train(make_config("full.yml", output_dir=str(full), **common)) == 0
+    resumed.mkdir()
+    shutil.copytree(full / f"checkpoint-{n_batches}", resumed / f"checkpoint-{n_batches}")
+    assert train(make_config("resumed.yml", output_dir=str(resumed),
+                             resume_from_checkpoint=str(resumed / f"checkpoint-{n_batches}"), **common)) == 0
+    a, b = train_losses(full), train_losses(resumed)
+    assert [b[s] for s in sorted(b)] == [a[s] for s in sorted(b)] and len(b) == 2
+
+
+def test_deepspeed_key_is_passed_through_or_refused_clearly(make_config, tmp_path, capsys):
+    ds = tmp_path / "ds.json"
+    ds.write_text('{"zero_optimization": {"stage": 2}}')
+    code = train(make_config(deepspeed=str(ds)))
+    err = capsys.readouterr().err
+    assert code == 2 and "deepspeed: the deepspeed package is not installed" in err  # not installed here
+    assert train(make_config("missing.yml", deepspeed=str(tmp_path / "nope.json"))) == 2
+    assert "deepspeed: not found" in capsys.readouterr().err
+
+
+def test_evaluate_needs_a_validation_split(make_config, capsys):
+    assert main(["evaluate", str(make_config())]) == 2
+    assert "set val_set_size" in capsys.readouterr().err
