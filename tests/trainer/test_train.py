@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 import trainer.checkpoint as checkpoint_mod
 import trainer.train as train_mod
-from tests.trainer.helpers import read_metrics, train_losses
+from tests.trainer.helpers import read_metrics, run_cli, train_losses
 from trainer.cli import main
 
 
@@ -219,3 +219,51 @@ def test_deepspeed_key_is_passed_through_or_refused_clearly(make_config, tmp_pat
 def test_evaluate_needs_a_validation_split(make_config, capsys):
     assert main(["evaluate", str(make_config())]) == 2
     assert "set val_set_size" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("family", ["tiny_llama", "tiny_qwen2"])
+def test_packed_training_is_the_same_on_sdpa_and_eager(family, make_config, tmp_path, request):
+    losses = {}
+    for attention in ("sdpa", "eager"):
+        out = tmp_path / attention
+        assert train(make_config(f"{attention}.yml", base_model=str(request.getfixturevalue(family)),
+                                 attn_implementation=attention, sample_packing=True, output_dir=str(out),
+                                 max_steps=3)) == 0
+        losses[attention] = train_losses(out)
+    assert losses["sdpa"].keys() == losses["eager"].keys()
+    assert all(losses["eager"][s] == pytest.approx(losses["sdpa"][s], rel=1e-5) for s in losses["sdpa"])
+
+
+def test_mixed_prompt_formats_and_added_tokens_train(make_config, tmp_path):
+    chat = [{"messages": [{"role": "user", "content": f"Say {w}."}, {"role": "assistant", "content": f"{w} <extra>"}]}
+            for w in ("cats", "dogs", "sun", "fox") * 4]
+    text = [{"text": f"the quick {w} fox"} for w in ("red", "blue", "green", "white") * 4]
+    segments = [{"segments": [{"text": "Q: two plus two?", "label": False}, {"text": f" A: {w}", "label": True}]}
+                for w in ("four", "4", "four!", "IV") * 4]
+    paths = {}
+    for name, rows in (("chat", chat), ("text", text), ("segments", segments)):
+        paths[name] = tmp_path / f"{name}.jsonl"
+        paths[name].write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out"
+    config = make_config(output_dir=str(out), sample_packing=True, max_steps=3, tokens=["<extra>"],
+                         special_tokens={"pad_token": "<pad>"},
+                         datasets=[{"path": str(paths["chat"]), "type": "chat_template"},
+                                   {"path": str(paths["text"]), "type": "completion"},
+                                   {"path": str(paths["segments"]), "type": "input_output"}])
+    assert train(config) == 0
+    assert len(train_losses(out)) == 3
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(out / "final")
+    model = AutoModelForCausalLM.from_pretrained(out / "final")
+    assert "<extra>" in tokenizer.get_vocab()
+    assert model.get_input_embeddings().weight.shape[0] == len(tokenizer)  # embeddings were resized
+
+
+def test_bf16_autocast_runs_on_cpu_close_to_fp32(make_config, tmp_path):
+    fp32, bf16 = tmp_path / "fp32", tmp_path / "bf16"
+    assert train(make_config("a.yml", output_dir=str(fp32), max_steps=2)) == 0
+    result = run_cli("train", str(make_config("b.yml", output_dir=str(bf16), max_steps=2, bf16=True)))
+    assert result.returncode == 0, result.stderr[-2000:]  # its own process: accelerate's precision is per process
+    a, b = train_losses(fp32), train_losses(bf16)
+    assert all(b[s] == pytest.approx(a[s], rel=2e-2) and b[s] != a[s] for s in a)  # autocast really ran
