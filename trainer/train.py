@@ -79,8 +79,10 @@ def cadence(every: int | None, per_epoch: int | None, steps_per_epoch: int) -> i
 class MetricsLog:
     """output_dir/metrics.jsonl, one JSON object per line, written by rank 0."""
 
-    def __init__(self, path: Path, enabled: bool):
+    def __init__(self, path: Path, enabled: bool, fresh: bool):
         self.path, self.enabled = path, enabled
+        if enabled and fresh:  # a new run replaces an old log; a resumed run appends to it
+            path.write_text("")
 
     def write(self, row: dict) -> None:
         if self.enabled:
@@ -159,7 +161,7 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
     # 7. the loop. Each step's gradient is sum(token losses) / (target tokens of the step on all ranks);
     # DDP averages gradients over ranks and DeepSpeed divides by ga, so scale the loss to undo both.
     loss_scale = world * (ga if cfg.deepspeed else 1)
-    metrics = MetricsLog(output_dir / "metrics.jsonl", main)
+    metrics = MetricsLog(output_dir / "metrics.jsonl", main, fresh=step == 0)
     progress = tqdm(total=total_steps, initial=step, disable=not main, desc="training", unit="step")
     model.train()
     try:  # close the progress bar on errors too, so the error is a line of its own

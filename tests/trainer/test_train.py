@@ -105,6 +105,7 @@ def test_checkpoint_is_complete_or_absent(make_config, tmp_path, monkeypatch, ca
     # a later run with auto-resume ignores the partial directory and starts from scratch
     assert train(make_config("again.yml", output_dir=str(out), save_steps=2, auto_resume_from_checkpoints=True)) == 0
     assert [p.name for p in checkpoint_mod.list_checkpoints(out)] == ["checkpoint-2", "checkpoint-4"]
+    assert sorted(train_losses(out)) == [1, 2, 3, 4]  # the new run's log replaced the failed run's
     ckpt = out / "checkpoint-4"
     assert {"optimizer.pt", "scheduler.pt", "rng_state_0.pt", "trainer_state.json", "model.safetensors"} <= {
         p.name for p in ckpt.iterdir()}
@@ -260,6 +261,7 @@ def test_mixed_prompt_formats_and_added_tokens_train(make_config, tmp_path):
     assert model.get_input_embeddings().weight.shape[0] == len(tokenizer)  # embeddings were resized
 
 
+@pytest.mark.slow
 def test_bf16_autocast_runs_on_cpu_close_to_fp32(make_config, tmp_path):
     fp32, bf16 = tmp_path / "fp32", tmp_path / "bf16"
     assert train(make_config("a.yml", output_dir=str(fp32), max_steps=2)) == 0
@@ -267,3 +269,18 @@ def test_bf16_autocast_runs_on_cpu_close_to_fp32(make_config, tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]  # its own process: accelerate's precision is per process
     a, b = train_losses(fp32), train_losses(bf16)
     assert all(b[s] == pytest.approx(a[s], rel=2e-2) and b[s] != a[s] for s in a)  # autocast really ran
+
+
+def test_train_reads_the_plan(make_config, tmp_path, monkeypatch, capsys):
+    from tests.trainer.test_hardware import plan_for
+
+    cpu_plan = tmp_path / "cpu-plan.json"
+    cpu_plan.write_text(json.dumps(plan_for("cpu", None, "sdpa", "fp32")))
+    monkeypatch.setenv("ENVTOOL_PLAN", str(cpu_plan))
+    assert train(make_config(max_steps=1, attn_implementation=None)) == 0
+    assert "attention: sdpa (chosen by the plan)" in capsys.readouterr().err
+    t4_plan = tmp_path / "t4-plan.json"
+    t4_plan.write_text(json.dumps(plan_for("Tesla T4", "7.5", "sdpa", "fp16")))
+    monkeypatch.setenv("ENVTOOL_PLAN", str(t4_plan))
+    assert train(make_config(max_steps=1)) == 1
+    assert "the plan is for Tesla T4 (sm_75, turing) but torch sees no CUDA GPU here" in capsys.readouterr().err
