@@ -5,7 +5,7 @@ sample_packing and the micro-batch shape differ (packed: 1 bin of sequence_len t
 sequences as fit sequence_len on average, padded to the longest). Throughput counts real (non-pad) tokens
 per second of step time, from the metrics.jsonl each run writes; the first steps are warm-up and skipped.
 
-    python bench/bench_train_packed_vs_padded.py [--steps 30] [--hidden 256] [--layers 4]
+    python bench/bench_train_packed_vs_padded.py [--steps 30] [--hidden 256] [--layers 4] [--repeats 2]
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def write_data(path: Path, n: int, seed: int = 0) -> None:
 def run(config: dict, workdir: Path, name: str) -> dict:
     path = workdir / f"{name}.yml"
     path.write_text(yaml.safe_dump(config))
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     subprocess.run([sys.executable, "-m", "trainer", "train", str(path)], check=True, env=env,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     rows = [json.loads(l) for l in (Path(config["output_dir"]) / "metrics.jsonl").read_text().splitlines()]
@@ -55,6 +55,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--sequence-len", type=int, default=1024)
+    parser.add_argument("--repeats", type=int, default=2, help="alternating runs per mode; the best of each counts")
     args = parser.parse_args()
 
     from trainer.tiny import build_model, build_tokenizer
@@ -75,10 +76,15 @@ def main() -> None:
         cfg, _ = parse_config(base)
         lengths = np.array(prepare(cfg, load_tokenizer(cfg), log=lambda *_: None).train["length"])
         per_batch = max(1, round(args.sequence_len / lengths.mean()))
-        packed = run({**base, "sample_packing": True, "micro_batch_size": 1, "output_dir": str(tmp / "packed")},
-                     tmp, "packed")
-        padded = run({**base, "sample_packing": False, "micro_batch_size": per_batch,
-                      "output_dir": str(tmp / "padded")}, tmp, "padded")
+        # Alternate the two and keep each one's best run, so load from other processes on the machine
+        # skews the ratio as little as possible.
+        runs = {"packed": [], "padded": []}
+        for i in range(args.repeats):
+            runs["packed"].append(run({**base, "sample_packing": True, "micro_batch_size": 1,
+                                       "output_dir": str(tmp / f"packed{i}")}, tmp, f"packed{i}"))
+            runs["padded"].append(run({**base, "sample_packing": False, "micro_batch_size": per_batch,
+                                       "output_dir": str(tmp / f"padded{i}")}, tmp, f"padded{i}"))
+        packed, padded = (max(runs[k], key=lambda r: r["tokens_per_s"]) for k in ("packed", "padded"))
 
     print(f"model: hidden {args.hidden}, {args.layers} layers; sequence_len {args.sequence_len}; "
           f"lengths mean {lengths.mean():.0f}, median {int(np.median(lengths))}, max {lengths.max()} tokens")
@@ -86,6 +92,9 @@ def main() -> None:
           f"({packed['tokens']:,} tokens in {packed['seconds']:.1f} s over {packed['steps']} steps)")
     print(f"padded: {per_batch} sequences/micro-batch, {padded['tokens_per_s']:,.0f} tokens/s "
           f"({padded['tokens']:,} tokens in {padded['seconds']:.1f} s over {padded['steps']} steps)")
+    for mode, results in runs.items():
+        print(f"  {mode} runs: " + ", ".join(f"{r['tokens_per_s']:,.0f}" for r in results) + " tokens/s")
+    print(f"best of {args.repeats} alternating runs each (wall-clock; other load on the machine adds noise)")
     print(f"ratio tokens/s packed / padded: {packed['tokens_per_s'] / padded['tokens_per_s']:.2f}x")
 
 

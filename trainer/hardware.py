@@ -218,6 +218,9 @@ def resolve_precision(cfg: Config, gpu: Gpu, plan: dict | None, changes: list[st
     if cfg.fp16:
         if gpu.cc is None:
             raise HardwareError("fp16: true needs a CUDA GPU (fp16 autocast with loss scaling); on CPU use bf16: auto (fp32)")
+        if native_bf16:
+            changes.append(f"precision: fp16 as set; {gpu.describe()} has native bf16, which bf16: auto would pick "
+                           "(no loss scaling, wider range)")
         return "fp16"
     if cfg.bf16 == "auto":
         if plan and plan.get("precision") in ("bf16", "fp16", "fp32") and not (plan["precision"] == "bf16" and not native_bf16):

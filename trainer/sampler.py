@@ -66,9 +66,10 @@ class MultipackBatchSampler:
         return len(self.rank_batches(self.epoch))
 
     def __iter__(self):
-        batches = self.rank_batches(self.epoch)
-        start, self.skip = self.skip, 0
-        yield from batches[start:]
+        # not a generator: the resume offset is used up as soon as iteration starts
+        batches = self.rank_batches(self.epoch)[self.skip:]
+        self.skip = 0
+        return iter(batches)
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch

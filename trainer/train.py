@@ -8,8 +8,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
+import shutil
 import time
 from contextlib import nullcontext
 from datetime import timedelta
@@ -38,7 +40,13 @@ def make_accelerator(cfg: Config, runtime: Runtime):
 
     if runtime.device == "cuda" and not torch.cuda.is_available():
         raise TrainingError(f"the plan is for {runtime.gpu.describe()} but torch sees no CUDA GPU here")
-    deepspeed = DeepSpeedPlugin(hf_ds_config=cfg.deepspeed) if cfg.deepspeed else None
+    deepspeed = None
+    if cfg.deepspeed:  # passed through to accelerate; DeepSpeed then owns accumulation, clipping and stepping
+        if importlib.util.find_spec("deepspeed") is None:
+            raise ConfigError("deepspeed: the deepspeed package is not installed in this environment")
+        deepspeed = DeepSpeedPlugin(hf_ds_config=cfg.deepspeed, gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+                                    gradient_clipping=cfg.max_grad_norm or 0.0)
+        deepspeed.deepspeed_config["train_micro_batch_size_per_gpu"] = cfg.micro_batch_size
     # gradient_accumulation_steps stays 1: the loop accumulates itself, normalising by the step's token count
     return Accelerator(
         mixed_precision=MIXED_PRECISION[runtime.precision],
@@ -71,8 +79,10 @@ def cadence(every: int | None, per_epoch: int | None, steps_per_epoch: int) -> i
 class MetricsLog:
     """output_dir/metrics.jsonl, one JSON object per line, written by rank 0."""
 
-    def __init__(self, path: Path, enabled: bool):
+    def __init__(self, path: Path, enabled: bool, fresh: bool):
         self.path, self.enabled = path, enabled
+        if enabled and fresh:  # a new run replaces an old log; a resumed run appends to it
+            path.write_text("")
 
     def write(self, row: dict) -> None:
         if self.enabled:
@@ -148,8 +158,10 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
         sampler.load_state_dict(state["sampler"])
         say(f"resumed from {resume} at step {step}")
 
-    # 7. the loop
-    metrics = MetricsLog(output_dir / "metrics.jsonl", main)
+    # 7. the loop. Each step's gradient is sum(token losses) / (target tokens of the step on all ranks);
+    # DDP averages gradients over ranks and DeepSpeed divides by ga, so scale the loss to undo both.
+    loss_scale = world * (ga if cfg.deepspeed else 1)
+    metrics = MetricsLog(output_dir / "metrics.jsonl", main, fresh=step == 0)
     progress = tqdm(total=total_steps, initial=step, disable=not main, desc="training", unit="step")
     model.train()
     try:  # close the progress bar on errors too, so the error is a line of its own
@@ -170,8 +182,7 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
                     sync = nullcontext() if i == ga - 1 else accelerator.no_sync(model)
                     with sync, phase(f"step {step + 1} (backward)", rank, timeout):
                         loss_sum = token_loss_sum(model, batch)
-                        # DDP averages gradients over ranks, hence * world
-                        accelerator.backward(loss_sum * world / max(n_targets, 1))
+                        accelerator.backward(loss_sum * loss_scale / max(n_targets, 1))
                     totals[0] += loss_sum.detach().double()
                     totals[1] += int(batch["num_tokens"])
                 totals = reduce_sum(totals, f"step {step + 1} (summing the loss)", rank, timeout)
@@ -181,7 +192,8 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
                                         "or use bf16 instead of fp16")
                 grad_norm = None
                 if cfg.max_grad_norm:
-                    grad_norm = float(accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
+                    norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+                    grad_norm = None if norm is None else float(norm)  # None under DeepSpeed, which clips itself
                 lr = scheduler.get_last_lr()[0]
                 optimizer.step()
                 scheduler.step()
@@ -216,8 +228,6 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
     final = output_dir / "final"
     if main:
         tmp = output_dir / ".tmp-final"
-        import shutil
-
         shutil.rmtree(tmp, ignore_errors=True)
         unwrapped.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)

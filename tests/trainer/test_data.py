@@ -157,6 +157,7 @@ def test_parquet_and_csv_files(make_config, tmp_path, suffix):
     assert prepare(cfg, load_tokenizer(cfg)).stats["train_rows"] == 12
 
 
+@pytest.mark.slow
 def test_preprocess_cli_reports_and_bad_rows_exit_2(make_config, tmp_path):
     result = run_cli("preprocess", str(make_config()), "--json")
     assert result.returncode == 0, result.stderr

@@ -12,7 +12,7 @@ import pytest
 from tests.trainer.helpers import REPO, alpaca_rows, read_metrics, train_losses, write_jsonl
 from trainer.cli import main
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
 def torchrun(*args: str, timeout: int = 180) -> subprocess.CompletedProcess:

@@ -5,9 +5,12 @@ from __future__ import annotations
 import json
 import shutil
 
+import pytest
+
 from tests.trainer.helpers import REPO, read_metrics, run_cli
 
 
+@pytest.mark.slow
 def test_tiny_cpu_example_trains_and_learns(tmp_path):
     shutil.copytree(REPO / "examples", tmp_path / "examples")
     steps = [

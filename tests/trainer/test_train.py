@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 import trainer.checkpoint as checkpoint_mod
 import trainer.train as train_mod
-from tests.trainer.helpers import read_metrics, train_losses
+from tests.trainer.helpers import read_metrics, run_cli, train_losses
 from trainer.cli import main
 
 
@@ -105,6 +105,7 @@ def test_checkpoint_is_complete_or_absent(make_config, tmp_path, monkeypatch, ca
     # a later run with auto-resume ignores the partial directory and starts from scratch
     assert train(make_config("again.yml", output_dir=str(out), save_steps=2, auto_resume_from_checkpoints=True)) == 0
     assert [p.name for p in checkpoint_mod.list_checkpoints(out)] == ["checkpoint-2", "checkpoint-4"]
+    assert sorted(train_losses(out)) == [1, 2, 3, 4]  # the new run's log replaced the failed run's
     ckpt = out / "checkpoint-4"
     assert {"optimizer.pt", "scheduler.pt", "rng_state_0.pt", "trainer_state.json", "model.safetensors"} <= {
         p.name for p in ckpt.iterdir()}
@@ -185,3 +186,101 @@ def test_metrics_jsonl_and_final_model(make_config, tmp_path):
 def test_not_enough_data_is_bad_input(make_config, capsys):
     assert train(make_config(micro_batch_size=40, gradient_accumulation_steps=4)) == 2
     assert "fewer than gradient_accumulation_steps=4" in capsys.readouterr().err
+
+
+def test_resume_from_a_checkpoint_at_the_end_of_an_epoch(make_config, tmp_path):
+    """The sampler's resume offset must not leak into the next epoch."""
+    from trainer.config import load_config
+    from trainer.data import load_tokenizer, prepare
+    from trainer.sampler import MultipackBatchSampler
+
+    cfg, _ = load_config(make_config())
+    n_batches = len(MultipackBatchSampler(prepare(cfg, load_tokenizer(cfg)).train["length"], 2, None))
+    common = dict(max_steps=n_batches + 2, save_steps=n_batches)  # one checkpoint, exactly at the epoch's end
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    assert train(make_config("full.yml", output_dir=str(full), **common)) == 0
+    resumed.mkdir()
+    shutil.copytree(full / f"checkpoint-{n_batches}", resumed / f"checkpoint-{n_batches}")
+    assert train(make_config("resumed.yml", output_dir=str(resumed),
+                             resume_from_checkpoint=str(resumed / f"checkpoint-{n_batches}"), **common)) == 0
+    a, b = train_losses(full), train_losses(resumed)
+    assert [b[s] for s in sorted(b)] == [a[s] for s in sorted(b)] and len(b) == 2
+
+
+def test_deepspeed_key_is_passed_through_or_refused_clearly(make_config, tmp_path, capsys):
+    ds = tmp_path / "ds.json"
+    ds.write_text('{"zero_optimization": {"stage": 2}}')
+    code = train(make_config(deepspeed=str(ds)))
+    err = capsys.readouterr().err
+    assert code == 2 and "deepspeed: the deepspeed package is not installed" in err  # not installed here
+    assert train(make_config("missing.yml", deepspeed=str(tmp_path / "nope.json"))) == 2
+    assert "deepspeed: not found" in capsys.readouterr().err
+
+
+def test_evaluate_needs_a_validation_split(make_config, capsys):
+    assert main(["evaluate", str(make_config())]) == 2
+    assert "set val_set_size" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("family", ["tiny_llama", "tiny_qwen2"])
+def test_packed_training_is_the_same_on_sdpa_and_eager(family, make_config, tmp_path, request):
+    losses = {}
+    for attention in ("sdpa", "eager"):
+        out = tmp_path / attention
+        assert train(make_config(f"{attention}.yml", base_model=str(request.getfixturevalue(family)),
+                                 attn_implementation=attention, sample_packing=True, output_dir=str(out),
+                                 max_steps=3)) == 0
+        losses[attention] = train_losses(out)
+    assert losses["sdpa"].keys() == losses["eager"].keys()
+    assert all(losses["eager"][s] == pytest.approx(losses["sdpa"][s], rel=1e-5) for s in losses["sdpa"])
+
+
+def test_mixed_prompt_formats_and_added_tokens_train(make_config, tmp_path):
+    chat = [{"messages": [{"role": "user", "content": f"Say {w}."}, {"role": "assistant", "content": f"{w} <extra>"}]}
+            for w in ("cats", "dogs", "sun", "fox") * 4]
+    text = [{"text": f"the quick {w} fox"} for w in ("red", "blue", "green", "white") * 4]
+    segments = [{"segments": [{"text": "Q: two plus two?", "label": False}, {"text": f" A: {w}", "label": True}]}
+                for w in ("four", "4", "four!", "IV") * 4]
+    paths = {}
+    for name, rows in (("chat", chat), ("text", text), ("segments", segments)):
+        paths[name] = tmp_path / f"{name}.jsonl"
+        paths[name].write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out"
+    config = make_config(output_dir=str(out), sample_packing=True, max_steps=3, tokens=["<extra>"],
+                         special_tokens={"pad_token": "<pad>"},
+                         datasets=[{"path": str(paths["chat"]), "type": "chat_template"},
+                                   {"path": str(paths["text"]), "type": "completion"},
+                                   {"path": str(paths["segments"]), "type": "input_output"}])
+    assert train(config) == 0
+    assert len(train_losses(out)) == 3
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(out / "final")
+    model = AutoModelForCausalLM.from_pretrained(out / "final")
+    assert "<extra>" in tokenizer.get_vocab()
+    assert model.get_input_embeddings().weight.shape[0] == len(tokenizer)  # embeddings were resized
+
+
+@pytest.mark.slow
+def test_bf16_autocast_runs_on_cpu_close_to_fp32(make_config, tmp_path):
+    fp32, bf16 = tmp_path / "fp32", tmp_path / "bf16"
+    assert train(make_config("a.yml", output_dir=str(fp32), max_steps=2)) == 0
+    result = run_cli("train", str(make_config("b.yml", output_dir=str(bf16), max_steps=2, bf16=True)))
+    assert result.returncode == 0, result.stderr[-2000:]  # its own process: accelerate's precision is per process
+    a, b = train_losses(fp32), train_losses(bf16)
+    assert all(b[s] == pytest.approx(a[s], rel=2e-2) and b[s] != a[s] for s in a)  # autocast really ran
+
+
+def test_train_reads_the_plan(make_config, tmp_path, monkeypatch, capsys):
+    from tests.trainer.test_hardware import plan_for
+
+    cpu_plan = tmp_path / "cpu-plan.json"
+    cpu_plan.write_text(json.dumps(plan_for("cpu", None, "sdpa", "fp32")))
+    monkeypatch.setenv("ENVTOOL_PLAN", str(cpu_plan))
+    assert train(make_config(max_steps=1, attn_implementation=None)) == 0
+    assert "attention: sdpa (chosen by the plan)" in capsys.readouterr().err
+    t4_plan = tmp_path / "t4-plan.json"
+    t4_plan.write_text(json.dumps(plan_for("Tesla T4", "7.5", "sdpa", "fp16")))
+    monkeypatch.setenv("ENVTOOL_PLAN", str(t4_plan))
+    assert train(make_config(max_steps=1)) == 1
+    assert "the plan is for Tesla T4 (sm_75, turing) but torch sees no CUDA GPU here" in capsys.readouterr().err
