@@ -18,7 +18,7 @@ from . import selfwheel
 from .errors import BadInput
 from .matrix import Matrix
 from .plan import Plan
-from .uvrun import MissingWheel, run_uv, uv_env
+from .uvrun import MissingWheel, run_uv, tls_verify, uv_env
 
 PLAN_FILE = "plan.json"
 
@@ -151,7 +151,7 @@ def nearest_wheels(plan: Plan, sources: Sources, name: str, version: str | None)
         index = sources.index_url or "https://pypi.org/simple/"
     project = re.sub(r"[-_.]+", "-", name).lower()
     try:
-        page = requests.get(f"{index.rstrip('/')}/{project}/", timeout=10, verify=sources.ca_bundle or True)
+        page = requests.get(f"{index.rstrip('/')}/{project}/", timeout=10, verify=tls_verify(sources.ca_bundle))
     except requests.RequestException:
         return []
     published = {}

@@ -48,6 +48,11 @@ def uv_env(ca_bundle: str | None = None, extra: dict[str, str] | None = None) ->
     return env
 
 
+def tls_verify(ca_bundle: str | None):
+    """What `requests` should trust: --ca-bundle, else SSL_CERT_FILE (which requests alone ignores), else its own."""
+    return ca_bundle or os.environ.get("SSL_CERT_FILE") or True
+
+
 def run_uv(args: list[str], *, what: str, env: dict[str, str], cwd: Path | None = None,
            quiet: bool = False) -> subprocess.CompletedProcess:
     """Run `uv ARGS`, showing a spinner with `what` on a terminal; raise a one-line error on failure."""
@@ -76,12 +81,16 @@ def explain_failure(stderr: str, what: str) -> EnvtoolError:
         name, version = missing["name"], missing["version"]
         return MissingWheel(name, version, None, stderr)
     url = MISSING_URL.search(stderr)
-    if url:
-        status = HTTP_STATUS.search(stderr)
-        return MissingWheel(url["name"], None, url["url"], stderr, status["status"] if status else None)
+    status = HTTP_STATUS.search(stderr)
+    if url and status and status["status"].startswith("404"):
+        return MissingWheel(url["name"], None, url["url"], stderr, status["status"])
     lines = [line.strip() for line in stderr.splitlines() if line.strip()]
     errors = [line for line in lines if line.startswith(("error:", "cause:", "×"))] or lines[-1:]
-    return UvFailed(f"{what} failed: uv says: {' '.join(errors)[:600]}")
+    hint = ""
+    if "certificate" in stderr.lower():
+        hint = " (an index behind a proxy or mirror with its own CA? pass --ca-bundle FILE or set SSL_CERT_FILE)"
+    text = " ".join(errors)
+    return UvFailed(f"{what} failed: uv says: {text[:300]}{' … ' + text[-300:] if len(text) > 600 else text[300:]}{hint}")
 
 
 class MissingWheel(Unsatisfiable):

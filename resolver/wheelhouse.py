@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from .errors import BadInput, EnvtoolError
+from .uvrun import tls_verify
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -116,7 +117,7 @@ def _fetch(w: Wheel, wheelhouse: Path, progress, task, requests, ca_bundle: str 
         shutil.copyfile(w.path, tmp)
     else:
         try:
-            with requests.get(w.url, stream=True, timeout=60, verify=ca_bundle or True) as r:
+            with requests.get(w.url, stream=True, timeout=60, verify=tls_verify(ca_bundle)) as r:
                 r.raise_for_status()
                 with open(tmp, "wb") as f:
                     for chunk in r.iter_content(1 << 20):

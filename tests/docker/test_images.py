@@ -119,3 +119,29 @@ def test_no_engine_is_one_clear_line(tmp_path):
     out = run_envtool("build", *T4, env={**os.environ, "DOCKER_HOST": f"unix://{tmp_path}/none.sock"})
     assert out.returncode == 1
     assert len(out.stderr.strip().splitlines()) == 1 and "no Docker engine answers" in out.stderr
+
+
+def test_a_failed_build_names_the_step_and_shows_its_log(tmp_path, docker_host, docker_client):
+    import io
+    import tarfile
+
+    # a base image with no shell and no Python: the first RUN of the template must fail
+    empty = io.BytesIO()
+    with tarfile.open(fileobj=empty, mode="w") as tar:
+        info = tarfile.TarInfo("etc/hostname")
+        info.size = 0
+        tar.addfile(info, io.BytesIO(b""))
+    docker_client.api.import_image_from_data(empty.getvalue(), repository="envtool-test-empty", tag="latest")
+    plan = plan_for(T4)
+    root = tmp_path / "index"
+    build_indexes(root, plan, sass_of(plan))
+    env = {**os.environ, "DOCKER_HOST": docker_host, "UV_CACHE_DIR": str(tmp_path / "uv-cache")}
+    with serve(root) as url:
+        out = run_envtool("build", *T4, "--base-image", "envtool-test-empty:latest", "--network", "none",
+                          "--tag", "envtool-test:broken", "--index-url", f"{url}/pypi/",
+                          env={**env, **index_env(url)}, timeout=600)
+    assert out.returncode == 1
+    error = [line for line in out.stderr.splitlines() if line.startswith("envtool: error:")]
+    assert len(error) == 1
+    assert "docker build of envtool-test:broken failed at Step" in error[0] and "RUN uv venv" in error[0]
+    assert "no such file or directory" in error[0].lower() or "not found" in error[0].lower()

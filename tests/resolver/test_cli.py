@@ -148,3 +148,17 @@ def test_mirror_urls_replace_the_public_ones():
     assert plan["torch"]["index_url"] == f"http://127.0.0.1:8080/torch/{plan['torch']['variant']}/"
     assert plan["flash_attn"]["wheel_url"] == (f"http://127.0.0.1:8080/fa/{plan['flash_attn']['version']}/"
                                                f"{plan['flash_attn']['filename']}")
+
+
+def test_resolve_imports_nothing_heavy():
+    """resolve must start fast: no torch, docker, requests, transformers, pydantic or rich on its path."""
+    script = ("import sys, runpy; sys.argv = ['envtool', 'resolve', '--gpu', 't4', '--json']\n"
+              "try:\n    runpy.run_module('resolver', run_name='__main__')\nexcept SystemExit:\n    pass\n"
+              "heavy = {'torch', 'docker', 'requests', 'transformers', 'pydantic', 'rich', 'jinja2'}\n"
+              "print(sorted(m for m in sys.modules if m.split('.')[0] in heavy), file=sys.stderr)")
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert out.stderr.strip().splitlines()[-1] == "[]", out.stderr
+    assert json.loads(out.stdout)["gpu"]["name"] == "Tesla T4"

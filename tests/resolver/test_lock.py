@@ -267,3 +267,19 @@ def test_doctor_on_an_installed_a100_environment_run_on_a_t4(tmp_path, a100_inde
     assert found["flash-attn"]["fix"] == f"envtool install --gpu auto --venv {venv}"
     ok = run_envtool("doctor", "--venv", str(venv), "--gpu", "a100", "--driver", "560.35.03", "--json", env=env)
     assert ok.returncode == 0, ok.stdout
+
+
+def test_an_index_behind_a_private_ca_needs_ca_bundle(tmp_path, a100_index):
+    from tests.support.pypi import make_ca_and_server_cert
+
+    root, env, start = a100_index
+    start()
+    ca, cert, key = make_ca_and_server_cert(tmp_path / "tls")
+    env = {k: v for k, v in env.items() if k != "SSL_CERT_FILE"}
+    with serve(root, tls=(cert, key)) as url:
+        refused = lock_a100(tmp_path, url, env)
+        assert refused.returncode == 1
+        assert len(refused.stderr.strip().splitlines()) == 1 and "certificate" in refused.stderr.lower()
+        out = lock_a100(tmp_path, url, env, "--ca-bundle", str(ca), "--wheelhouse", str(tmp_path / "wh"))
+        assert out.returncode == 0, out.stderr
+    assert (tmp_path / "wh" / "requirements.txt").is_file()  # the wheelhouse downloads trusted the CA too

@@ -81,14 +81,20 @@ class _Quiet(http.server.SimpleHTTPRequestHandler):
 
 
 @contextlib.contextmanager
-def serve(root: Path):
-    """Serve `root` on 127.0.0.1 (a free port); yields the base URL."""
+def serve(root: Path, tls: tuple[Path, Path] | None = None):
+    """Serve `root` on 127.0.0.1 (a free port), over HTTPS with `tls` = (certificate, key); yields the base URL."""
     handler = lambda *a, **kw: _Quiet(*a, directory=str(root), **kw)  # noqa: E731
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    if tls:
+        import ssl
+
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(*tls)
+        server.socket = context.wrap_socket(server.socket, server_side=True)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
+        yield f"{'https' if tls else 'http'}://127.0.0.1:{server.server_address[1]}"
     finally:
         server.shutdown()
         server.server_close()
@@ -156,3 +162,22 @@ def index_env(url: str) -> dict[str, str]:
     """Point every URL a plan names at the local server."""
     return {"ENVTOOL_TORCH_INDEX_URL": f"{url}/torch/{{variant}}/",
             "ENVTOOL_FLASH_ATTN_URL": f"{url}/gh/v{{version}}/{{filename}}"}
+
+
+def make_ca_and_server_cert(directory: Path) -> tuple[Path, Path, Path]:
+    """A private CA and a certificate for 127.0.0.1 signed by it (like a proxy's), made with openssl."""
+    import subprocess
+
+    directory.mkdir(parents=True, exist_ok=True)
+    ca_key, ca, key, csr, cert = (directory / n for n in ("ca.key", "ca.pem", "server.key", "server.csr",
+                                                            "server.pem"))
+    ext = directory / "server.ext"
+    ext.write_text("subjectAltName=IP:127.0.0.1\nbasicConstraints=CA:FALSE\nkeyUsage=digitalSignature,keyEncipherment\n"
+                   "extendedKeyUsage=serverAuth\n")
+    run = lambda *args: subprocess.run(["openssl", *args], check=True, capture_output=True)  # noqa: E731
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=envtool test CA",
+        "-keyout", str(ca_key), "-out", str(ca))
+    run("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1", "-keyout", str(key), "-out", str(csr))
+    run("x509", "-req", "-in", str(csr), "-CA", str(ca), "-CAkey", str(ca_key), "-CAcreateserial", "-days", "2",
+        "-extfile", str(ext), "-out", str(cert))
+    return ca, cert, key
