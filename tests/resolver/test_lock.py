@@ -283,3 +283,16 @@ def test_an_index_behind_a_private_ca_needs_ca_bundle(tmp_path, a100_index):
         out = lock_a100(tmp_path, url, env, "--ca-bundle", str(ca), "--wheelhouse", str(tmp_path / "wh"))
         assert out.returncode == 0, out.stderr
     assert (tmp_path / "wh" / "requirements.txt").is_file()  # the wheelhouse downloads trusted the CA too
+
+
+def test_install_with_gpu_resolves_locks_and_installs_in_one_step(tmp_path, a100_index):
+    root, env, start = a100_index
+    start()
+    venv = tmp_path / ".venv"
+    with serve(root) as url:
+        out = run_envtool("install", "--gpu", "a100", "--python", "3.11", "--torch", "2.8", "--venv", str(venv),
+                          "--index-url", f"{url}/pypi/", env={**env, **index_env(url)})
+    assert out.returncode == 0, out.stderr
+    assert "installed torch 2.8.0+cu126" in out.stdout
+    assert json.loads((tmp_path / ".venv.lock" / "plan.json").read_text())["gpu"]["name"] == "NVIDIA A100"
+    assert json.loads((venv / "envtool-plan.json").read_text())["attention"] == "flash_attention_2"
