@@ -18,7 +18,7 @@ import typer
 from . import __version__
 from .errors import EnvtoolError
 
-app = typer.Typer(
+APP_SETTINGS = dict(
     name="envtool",
     help="Detect the GPU, pick the fastest stack that really runs on it, lock it, containerize it, train in it.",
     no_args_is_help=True,
@@ -26,6 +26,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
 )
+app = typer.Typer(**APP_SETTINGS)
 
 _debug = False
 
@@ -474,8 +475,21 @@ def gpus(json_out: bool = typer.Option(False, "--json", help="Print the catalog 
     gpus_table(m)
 
 
+FAST_COMMANDS = ("resolve", "gpus")
+
+
 def main() -> None:
-    app()
+    """Typer builds a parser for every command of the app it runs, on every call. `resolve` and `gpus` are what
+    scripts and CI call most and must start fast, so they run in an app of their own (same options)."""
+    words = [a for a in sys.argv[1:] if not a.startswith("-")]
+    if words[:1] and words[0] in FAST_COMMANDS:
+        fast = typer.Typer(**APP_SETTINGS)
+        fast.callback()(_options)
+        for name in FAST_COMMANDS:
+            fast.command()(globals()[name])
+        fast()
+    else:
+        app()
 
 
 if __name__ == "__main__":

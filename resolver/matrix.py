@@ -214,11 +214,58 @@ def matrix_dir() -> Path:
     return Path(matrices.__file__).parent
 
 
+FILES = ("meta", "archs", "gpus", "cuda", "torch", "flash_attn", "xformers", "packages", "images")
+
+
 @lru_cache(maxsize=4)
 def load(directory: Path | None = None) -> Matrix:
+    """The checked matrix. Parsing and checking every row costs ~10 ms of `resolve`'s start-up, so the result
+    is kept in a pickle under ~/.cache/envtool, keyed by the files' paths, sizes and mtimes."""
     directory = Path(directory) if directory else matrix_dir()
-    files = {name: _read(directory / f"{name}.toml") for name in (
-        "meta", "archs", "gpus", "cuda", "torch", "flash_attn", "xformers", "packages", "images")}
+    cache = _cache_path(directory)
+    if cache is not None and cache.is_file():
+        import pickle
+
+        try:
+            with open(cache, "rb") as f:
+                return pickle.load(f)
+        except Exception:  # a cache from another envtool version, or truncated: rebuild it
+            pass
+    m = _load(directory)
+    if cache is not None:
+        _write_cache(cache, m)
+    return m
+
+
+def _cache_path(directory: Path) -> Path | None:
+    import hashlib
+
+    from . import __version__
+
+    try:
+        stats = [(name, (directory / f"{name}.toml").stat()) for name in FILES]
+    except OSError:
+        return None  # a missing file: _load names it
+    key = repr((str(directory.resolve()), __version__, [(n, s.st_size, s.st_mtime_ns) for n, s in stats]))
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "envtool"
+    return base / f"matrix-{hashlib.sha256(key.encode()).hexdigest()[:20]}.pickle"
+
+
+def _write_cache(cache: Path, m: Matrix) -> None:
+    import pickle
+
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_suffix(f".tmp-{os.getpid()}")
+        with open(tmp, "wb") as f:
+            pickle.dump(m, f, protocol=pickle.HIGHEST_PROTOCOL)
+        tmp.replace(cache)
+    except OSError:
+        pass  # a read-only home: no cache, same answers
+
+
+def _load(directory: Path) -> Matrix:
+    files = {name: _read(directory / f"{name}.toml") for name in FILES}
     meta = files["meta"]
     if not isinstance(meta.get("version"), str):
         raise MatrixError(f"{directory / 'meta.toml'}: missing string 'version'")

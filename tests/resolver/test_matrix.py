@@ -82,3 +82,15 @@ def test_in_range_agrees_with_packaging_specifiers(version, spec):
     from packaging.specifiers import SpecifierSet
 
     assert matrix.in_range(version, spec) == (version in SpecifierSet(spec))
+
+
+def test_the_cache_gives_the_same_matrix_and_follows_edits(matrix_copy, monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    fresh = matrix._load(matrix_copy)
+    assert matrix.load(matrix_copy) == fresh  # written to the cache
+    assert list((tmp_path / "cache" / "envtool").glob("matrix-*.pickle"))
+    matrix.load.cache_clear()
+    assert matrix.load(matrix_copy) == fresh  # read back from it
+    edit(matrix_copy / "meta.toml", 'version = "', 'version = "edited-')
+    matrix.load.cache_clear()
+    assert matrix.load(matrix_copy).version.startswith("edited-")
