@@ -246,7 +246,9 @@ def _cache_path(directory: Path) -> Path | None:
         stats = [(name, (directory / f"{name}.toml").stat()) for name in FILES]
     except OSError:
         return None  # a missing file: _load names it
-    key = repr((str(directory.resolve()), __version__, [(n, s.st_size, s.st_mtime_ns) for n, s in stats]))
+    code = Path(__file__).stat()  # the row classes' definitions are part of what the pickle holds
+    key = repr((str(directory.resolve()), __version__, code.st_size, code.st_mtime_ns,
+                [(n, s.st_size, s.st_mtime_ns) for n, s in stats]))
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "envtool"
     return base / f"matrix-{hashlib.sha256(key.encode()).hexdigest()[:20]}.pickle"
 
