@@ -298,7 +298,12 @@ def doctor(
     from .matrix import load
 
     m = load()
-    (target,) = targets(gpu, m, driver)[:1]
+    found = targets(gpu, m, driver)
+    if len(found) != 1:
+        from .errors import BadInput
+
+        raise BadInput("doctor checks against one GPU: give --gpu a single target")
+    target = found[0]
     info = probe(venv)
     findings = diagnose(info, target.gpu, target.driver, m, str(venv or info.get("prefix", ".venv")))
     result = {**report(findings), "gpu": target.gpu.describe(), "driver": target.driver, "venv": info["prefix"],

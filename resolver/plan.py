@@ -30,6 +30,7 @@ class Rejected(NamedTuple):
 
     torch: str
     variant: str
+    rule: str  # e.g. "sass", "driver", "torch_pin"
     reason: str
 
 

@@ -269,16 +269,25 @@ def evaluate(req: Request, m: Matrix) -> tuple[list[Candidate], list[Rejected]]:
     survivors, rejected = [], []
     rules = PIN_RULES + (() if req.gpu.is_cpu else GPU_RULES)
     for c in candidates(req, m):
-        reason = next((r for rule in rules if (r := rule(req, m, c))), None)
-        if reason is None:
+        failed = first_failure(rules, req, m, c)
+        if failed is None:
             find_flash_attn(req, m, c)
             find_xformers(m, c)
-            reason = next((r for rule in LATE_RULES if (r := rule(req, m, c))), None)
-        if reason:
-            rejected.append(Rejected(c.release.version, c.variant, reason))
+            failed = first_failure(LATE_RULES, req, m, c)
+        if failed:
+            rejected.append(Rejected(c.release.version, c.variant, *failed))
         else:
             survivors.append(c)
     return survivors, rejected
+
+
+def first_failure(rules, req: Request, m: Matrix, c: Candidate) -> tuple[str, str] | None:
+    """(rule name, reason) of the first rule that rejects the candidate, or None."""
+    for rule in rules:
+        reason = rule(req, m, c)
+        if reason:
+            return rule.__name__.removeprefix("rule_"), reason
+    return None
 
 
 def preference(req: Request, m: Matrix):
@@ -315,19 +324,18 @@ def solve(req: Request, m: Matrix) -> Plan:
 
 def unsatisfiable_message(req: Request, m: Matrix, rejected: list[Rejected]) -> str:
     pins = req.pins()
-    pin_words = ("--torch", "--cuda", "--flash-attn", "--attention", "supports Python")
-    beyond_pins = [r for r in rejected if not r.reason.startswith(pin_words) and "supports Python" not in r.reason]
     head = f"{' '.join(pins)} with {req.gpu.describe()}" if pins else req.gpu.describe()
     if req.driver:
         head += f" and driver {req.driver}"
-    if beyond_pins:
-        newest = max(beyond_pins, key=lambda r: Version(r.torch))
-        why = newest.reason
+    pin_rules = {rule.__name__.removeprefix("rule_") for rule in PIN_RULES}
+    beyond_pins = [r for r in rejected if r.rule not in pin_rules]
+    if beyond_pins:  # the candidates the pins allow: say why the newest of them fails
+        why = max(beyond_pins, key=lambda r: Version(r.torch)).reason
+    elif req.torch and rejected:
+        known = ", ".join(r.version for r in m.torch)
+        why = f"no torch release matches --torch {req.torch} on Python {req.python} (known: {known})"
     elif rejected:
         why = rejected[0].reason
-        if req.torch and all(r.reason.startswith("--torch") or "supports Python" in r.reason for r in rejected):
-            known = ", ".join(r.version for r in m.torch)
-            why = f"no torch release matches --torch {req.torch} on Python {req.python} (known: {known})"
     else:
         why = "the matrix has no torch build for it"
     return f"{head}: {why}{suggestion(req, m)}"

@@ -70,7 +70,8 @@ def test_table_output_shows_choices_and_reasons():
 
 def test_explain_json_lists_rejections():
     plan = resolve_json("--gpu", "v100", "--explain", "--python", "3.11")
-    assert any("cu130" == r["variant"] and "sm_70" in r["reason"] for r in plan["rejected"])
+    assert any("cu130" == r["variant"] and r["rule"] == "cuda_major_supports_gpu" and "sm_70" in r["reason"]
+               for r in plan["rejected"])
 
 
 @pytest.mark.parametrize("args, message", [
