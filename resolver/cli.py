@@ -282,6 +282,20 @@ def install(
         print(f"installed torch {result['torch']}, transformers {result['transformers']} into {result['venv']}")
 
 
+def recommended(target, python: str, m) -> dict | None:
+    """What `envtool resolve` would choose for this machine and the environment's Python."""
+    from .errors import EnvtoolError
+    from .solve import Request, solve
+
+    try:
+        plan = solve(Request(gpu=target.gpu, driver=target.driver, python=python, platform=_host_platform(),
+                             target=target.label), m)
+    except EnvtoolError:
+        return None
+    return {"torch": f"{plan.torch.version}+{plan.torch.variant}", "attention": plan.attention,
+            "precision": plan.precision, "flash_attn": plan.flash_attn.version if plan.flash_attn else None}
+
+
 @app.command()
 @reported
 def doctor(
@@ -307,7 +321,7 @@ def doctor(
     info = probe(venv)
     findings = diagnose(info, target.gpu, target.driver, m, str(venv or info.get("prefix", ".venv")))
     result = {**report(findings), "gpu": target.gpu.describe(), "driver": target.driver, "venv": info["prefix"],
-              "packages": info.get("packages", {})}
+              "packages": info.get("packages", {}), "recommended": recommended(target, info["python"], m)}
     if json_out:
         print(json.dumps(result, indent=2))
     else:

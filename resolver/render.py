@@ -69,3 +69,7 @@ def doctor_table(result: dict, console: Console | None = None) -> None:
         table.add_row(marks[f["level"]], f["check"], f["message"], f["fix"] or "")
     console.print(table)
     console.print(f"{result['errors']} error(s), {result['warnings']} warning(s)")
+    plan = result.get("recommended")
+    if plan:
+        console.print(f"envtool's plan for this machine: torch {plan['torch']}, {plan['attention']}, "
+                      f"{plan['precision']}", highlight=False)

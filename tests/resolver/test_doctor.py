@@ -73,6 +73,7 @@ def test_doctor_cli_on_this_cpu_machine(tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr
     result = json.loads(out.stdout)
     assert result["ok"] and result["gpu"] == "CPU"
+    assert result["recommended"]["torch"].endswith("+cpu") and result["recommended"]["precision"] == "fp32"
     assert any(f["check"] == "torch" and "CPU build" in f["message"] for f in result["findings"])
 
 
@@ -80,3 +81,4 @@ def test_doctor_cli_exits_1_on_errors_with_a_table():
     out = run_envtool("doctor", "--gpu", "sm_120", "--driver", "580.65.06", COLUMNS="200")
     assert out.returncode == 1
     assert "torch is the CPU build" in out.stdout and "envtool install --gpu auto" in out.stdout
+    assert "envtool's plan for this machine: torch" in out.stdout
