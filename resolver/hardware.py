@@ -124,7 +124,7 @@ def detect(m: Matrix) -> Detection:
     seen: list[Seen] = []
     driver = None
     for probe in (probe_nvml, probe_nvidia_smi):
-        gpus, driver, note = probe()
+        gpus, driver, note = probe(m)
         notes.append(note)
         if gpus:
             seen = gpus
@@ -152,7 +152,7 @@ def detect(m: Matrix) -> Detection:
     return Detection(gpu, driver, notes)
 
 
-def probe_nvml() -> tuple[list[Seen], str | None, str]:
+def probe_nvml(m: Matrix) -> tuple[list[Seen], str | None, str]:
     try:
         import pynvml
     except ImportError:
@@ -180,9 +180,11 @@ def probe_nvml() -> tuple[list[Seen], str | None, str]:
 
 
 NVIDIA_SMI_QUERY = ["--query-gpu=name,compute_cap,memory.total,driver_version", "--format=csv,noheader"]
+# Drivers before R510 know no `compute_cap` field: then the name is asked for, and the catalog gives the CC.
+NVIDIA_SMI_OLD_QUERY = ["--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"]
 
 
-def probe_nvidia_smi() -> tuple[list[Seen], str | None, str]:
+def probe_nvidia_smi(m: Matrix) -> tuple[list[Seen], str | None, str]:
     import shutil
     import subprocess
 
@@ -191,6 +193,13 @@ def probe_nvidia_smi() -> tuple[list[Seen], str | None, str]:
         return [], None, "nvidia-smi: not on PATH"
     try:
         out = subprocess.run([exe, *NVIDIA_SMI_QUERY], capture_output=True, text=True, timeout=30)
+        if out.returncode != 0 and "compute_cap" in out.stdout + out.stderr:
+            old = subprocess.run([exe, *NVIDIA_SMI_OLD_QUERY], capture_output=True, text=True, timeout=30)
+            if old.returncode == 0:
+                seen, driver, unknown = parse_old_nvidia_smi(old.stdout, m)
+                note = f"nvidia-smi (a driver without compute_cap; CC from the GPU names): {len(seen)} GPU(s), " \
+                       f"driver {driver}" + (f"; not in the catalog: {', '.join(unknown)}" if unknown else "")
+                return seen, driver, note
     except (OSError, subprocess.TimeoutExpired) as e:
         return [], None, f"nvidia-smi: {e}"
     if out.returncode != 0:
@@ -198,6 +207,31 @@ def probe_nvidia_smi() -> tuple[list[Seen], str | None, str]:
         return [], None, f"nvidia-smi: exit {out.returncode}: {first[0] if first else ''}".rstrip(": ")
     seen, driver = parse_nvidia_smi(out.stdout)
     return seen, driver, f"nvidia-smi: {len(seen)} GPU(s), driver {driver}"
+
+
+def parse_old_nvidia_smi(text: str, m: Matrix) -> tuple[list[Seen], str | None, list[str]]:
+    """`Tesla V100-SXM2-16GB, 16160 MiB, 470.82.01` lines; the compute capability comes from the catalog."""
+    seen, driver, unknown = [], None, []
+    for line in text.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) != 3:
+            continue
+        name, memory, driver = parts
+        cc = cc_from_name(name, m)
+        if cc is None:
+            unknown.append(name)
+            continue
+        mib = re.match(r"^(\d+)\s*MiB$", memory)
+        seen.append(Seen(name, cc, round(int(mib.group(1)) / 1024, 1) if mib else None))
+    return seen, driver, unknown
+
+
+def cc_from_name(name: str, m: Matrix) -> str | None:
+    """The compute capability of the catalog GPU whose longest name or alias appears in `name`."""
+    key = normalize_name(name)
+    matches = [(len(normalize_name(label)), g.compute_capability) for g in m.gpus
+               for label in (g.name, *g.aliases) if len(normalize_name(label)) > 2 and normalize_name(label) in key]
+    return max(matches)[1] if matches else None
 
 
 def parse_nvidia_smi(text: str) -> tuple[list[Seen], str | None]:

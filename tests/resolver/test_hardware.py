@@ -115,3 +115,25 @@ def test_driver_override_keeps_detected_gpu(fake_smi, m, monkeypatch):
 def test_parse_nvidia_smi_skips_noise():
     seen, driver = hardware.parse_nvidia_smi("garbage\nTesla T4, 7.5, 15360 MiB, 535.104.05\n\n")
     assert [s.name for s in seen] == ["Tesla T4"] and driver == "535.104.05"
+
+
+def test_a_driver_without_compute_cap_falls_back_to_the_gpu_name(no_gpu, m):
+    # nvidia-smi of drivers before R510 rejects the compute_cap field; envtool asks again without it
+    script = no_gpu / "nvidia-smi"
+    script.write_text(
+        "#!/bin/sh\n"
+        f'case "$*" in *compute_cap*) /bin/cat "{DATA / "nvidia-smi-470-no-compute-cap.txt"}"; exit 2;; esac\n'
+        f'/bin/cat "{DATA / "nvidia-smi-470-names.csv"}"\n')
+    script.chmod(0o755)
+    found = hardware.detect(m)
+    assert (found.gpu.compute_capability, found.gpu.count, found.driver) == ("7.0", 2, "470.82.01")
+    assert any("CC from the GPU names" in n for n in found.notes)
+
+
+@pytest.mark.parametrize("name, cc", [
+    ("Tesla V100-SXM2-32GB", "7.0"), ("Tesla T4", "7.5"), ("NVIDIA A100-SXM4-80GB", "8.0"),
+    ("NVIDIA A10G", "8.6"), ("NVIDIA GeForce RTX 4090", "8.9"), ("NVIDIA H100 80GB HBM3", "9.0"),
+    ("Quadro RTX 8000", None),
+])
+def test_compute_capability_from_a_gpu_name(m, name, cc):
+    assert hardware.cc_from_name(name, m) == cc
