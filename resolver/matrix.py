@@ -126,6 +126,18 @@ class GpuRequirement(NamedTuple):
     source: str
 
 
+class Feature(NamedTuple):
+    """A library feature whose hardware floor differs within its package (bitsandbytes 4-bit vs int8)."""
+
+    name: str
+    package: str
+    config: str  # the config keys that use it
+    min_cc: str
+    cpu: bool  # runs without a GPU
+    reason: str
+    source: str
+
+
 class BaseImage(NamedTuple):
     variant_prefix: str
     image: str  # template: {python}
@@ -157,6 +169,7 @@ class Matrix(NamedTuple):
     no_build: list[str]
     gpu_requirements: list[GpuRequirement]
     triton_support: list[TritonSupport]
+    features: list[Feature]
     base_images: list[BaseImage]
 
     # Queries used by the solver; kept here so the data's shape stays in one file.
@@ -292,6 +305,7 @@ def _load(directory: Path) -> Matrix:
                                directory / "packages.toml"),
         triton_support=_rows(files["packages"], "triton_support", TritonSupport,
                              directory / "packages.toml"),
+        features=_rows(files["packages"], "feature", Feature, directory / "packages.toml"),
         base_images=_rows(files["images"], "base", BaseImage, directory / "images.toml"),
     )
     _check_facts(m, directory)
@@ -460,6 +474,8 @@ def _check_facts(m: Matrix, directory: Path) -> None:
             version(v, f"{where} package {name}")
     for req in m.gpu_requirements:
         cc(req.min_cc, f"packages.toml [[gpu_requirement]] ({req.package})")
+    for f in m.features:
+        cc(f.min_cc, f"packages.toml [[feature]] ({f.name})")
     for t in m.triton_support:
         spec(t.triton, f"packages.toml [[triton_support]] ({t.triton})")
         cc(t.min_cc, f"packages.toml [[triton_support]] ({t.triton})")
