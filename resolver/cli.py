@@ -136,7 +136,7 @@ def resolve(
     attention: AttentionOpt = None,
     platform: PlatformOpt = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the plan as JSON (a list for several targets).")] = False,
-    fmt: Annotated[str, typer.Option("--format", help="table, json, or github (a CI strategy matrix).")] = "table",
+    fmt: Annotated[str, typer.Option("--format", help="table, json, github (a CI strategy matrix) or markdown.")] = "table",
     explain: Annotated[bool, typer.Option("--explain", help="Also show every candidate build not taken, and why.")] = False,
 ) -> None:
     """Plan the environment for a GPU: torch build and CUDA variant, attention, precision, triton, packages.
@@ -154,8 +154,8 @@ def resolve(
     from .errors import BadInput
 
     fmt = "json" if json_out else fmt
-    if fmt not in ("table", "json", "github"):
-        raise BadInput(f"--format {fmt!r}: choose table, json or github")
+    if fmt not in ("table", "json", "github", "markdown"):
+        raise BadInput(f"--format {fmt!r}: choose table, json, github or markdown")
     plans = make_plans(gpu, driver, python, torch, cuda, flash_attn, no_flash_attn, attention, platform)
     if fmt == "json":
         data = [p.to_dict(explain) for p in plans]
@@ -164,6 +164,11 @@ def resolve(
         from .ci import github_matrix
 
         print(github_matrix(plans))
+    elif fmt == "markdown":
+        from .markdown import plans_markdown
+        from .matrix import load
+
+        print(plans_markdown(plans, load()))
     else:
         from .render import plan_table
 

@@ -16,6 +16,8 @@ from typing import NamedTuple
 
 from .errors import BadInput
 from .hardware import GpuSpec
+from matrices.catalog import backend_runs_on
+
 from .matrix import Matrix, cc_tuple
 from .solve import runs_on
 
@@ -101,8 +103,8 @@ def diagnose(info: dict, gpu: GpuSpec, driver: str | None, m: Matrix, venv: str)
 
     packages = info.get("packages", {})
     fa = packages.get("flash-attn")
-    fa2 = m.flash_attn_impl("fa2")
-    if fa and (gpu.is_cpu or cc_tuple(gpu.compute_capability) < cc_tuple(fa2.min_cc)):
+    fa2 = m.backend(m.flash_attn_impl("fa2").attention)
+    if fa and not backend_runs_on(fa2, gpu.compute_capability):
         add(Finding("error", "flash-attn", f"flash-attn {fa} is installed but {gpu.describe()} cannot run it "
                     f"('FlashAttention only supports Ampere GPUs or newer'); the plan for this GPU uses SDPA", fix))
 

@@ -12,13 +12,14 @@ import re
 from typing import NamedTuple
 
 from .errors import BadInput
+from matrices import catalog
+
 from .matrix import Matrix, cc_tuple, normalize_name
 
 GPU_ENV = "ENVTOOL_GPU"
 DRIVER_ENV = "ENVTOOL_DRIVER_VERSION"
 PROC_DRIVER_VERSION = "/proc/driver/nvidia/version"
 DRIVER_RE = re.compile(r"^\d{2,4}(\.\d{1,3}){1,2}$")
-SM_RE = re.compile(r"^(?:sm_?|cc)?(\d{1,2})\.?(\d)$")
 
 
 class GpuSpec(NamedTuple):
@@ -74,14 +75,12 @@ def lookup(text: str, m: Matrix, source: str = "catalog") -> GpuSpec:
     key = normalize_name(text)
     if key in ("cpu", "none"):
         return CPU
-    for g in m.gpus:
-        if key in {normalize_name(a) for a in g.aliases} | {normalize_name(g.name)}:
-            return from_cc(g.compute_capability, m, name=g.name, memory_gb=g.memory_gb, source=source)
-    match = SM_RE.match(key)
-    if match:
-        cc = f"{int(match.group(1))}.{match.group(2)}"
-        return from_cc(cc, m, name=f"sm_{cc.replace('.', '')} GPU", memory_gb=None,
-                       source="compute-capability")
+    cc = catalog.cc_from_text(key)
+    if cc:
+        return from_cc(cc, m, name=f"sm_{cc.replace('.', '')} GPU", memory_gb=None, source="compute-capability")
+    g = catalog.find_gpu(text, m.gpus)
+    if g is not None:
+        return from_cc(g.compute_capability, m, name=g.name, memory_gb=g.memory_gb, source=source)
     import difflib
 
     names = sorted({normalize_name(a) for g in m.gpus for a in g.aliases} | {"cpu"})
@@ -228,10 +227,8 @@ def parse_old_nvidia_smi(text: str, m: Matrix) -> tuple[list[Seen], str | None, 
 
 def cc_from_name(name: str, m: Matrix) -> str | None:
     """The compute capability of the catalog GPU whose longest name or alias appears in `name`."""
-    key = normalize_name(name)
-    matches = [(len(normalize_name(label)), g.compute_capability) for g in m.gpus
-               for label in (g.name, *g.aliases) if len(normalize_name(label)) > 2 and normalize_name(label) in key]
-    return max(matches)[1] if matches else None
+    g = catalog.find_gpu(name, m.gpus)
+    return g.compute_capability if g else None
 
 
 def parse_nvidia_smi(text: str) -> tuple[list[Seen], str | None]:

@@ -19,6 +19,9 @@ from typing import NamedTuple
 
 from packaging.version import InvalidVersion, Version
 
+from matrices import catalog
+from matrices.catalog import cc_tuple, normalize_name
+
 from .errors import MatrixError
 
 if sys.version_info >= (3, 11):
@@ -82,13 +85,24 @@ class TorchRelease(NamedTuple):
     build: list[TorchBuild] = []
 
 
+class AttentionBackend(NamedTuple):
+    """attention.toml: a backend a plan can name, what transformers runs for it, and the GPUs it runs on."""
+
+    name: str  # the plan's attention value
+    transformers: str  # attn_implementation
+    auto: bool  # picked without being asked for
+    source: str
+    module: str | None = None  # must import for the backend to run
+    min_cc: str | None = None  # None: any device, CPU included
+    max_cc: str | None = None
+    note: str = ""
+
+
 class FlashAttnImpl(NamedTuple):
     name: str  # "fa2", "fa3"
-    attention: str  # the plan's attention value, e.g. "flash_attention_2"
+    attention: str  # the attention.toml backend its wheels provide, e.g. "flash_attention_2"
     package: str
-    min_cc: str
     source: str
-    max_cc: str | None = None
     min_cuda: str | None = None
 
 
@@ -161,6 +175,7 @@ class Matrix(NamedTuple):
     assumed_driver: str  # what plans assume when the run host's driver is unknown
     torch: list[TorchRelease]
     torch_index_url: str
+    attention: list[AttentionBackend]
     flash_attn_impls: list[FlashAttnImpl]
     flash_attn_releases: list[FlashAttnRelease]
     flash_attn_url: str
@@ -175,9 +190,7 @@ class Matrix(NamedTuple):
     # Queries used by the solver; kept here so the data's shape stays in one file.
     def arch_for(self, cc: str) -> Arch | None:
         """The row for `cc`, else the nearest lower minor of the same major (sm_XZ runs sm_XY code)."""
-        same_major = [a for a in self.archs if cc_tuple(a.compute_capability)[0] == cc_tuple(cc)[0]]
-        fitting = [a for a in same_major if cc_tuple(a.compute_capability) <= cc_tuple(cc)]
-        return max(fitting, key=lambda a: cc_tuple(a.compute_capability), default=None)
+        return catalog.arch_for(cc, self.archs)
 
     def toolkit(self, version: str) -> Toolkit:
         return next(t for t in self.toolkits if t.version == version)
@@ -188,10 +201,10 @@ class Matrix(NamedTuple):
     def flash_attn_impl(self, name: str) -> FlashAttnImpl:
         return next(i for i in self.flash_attn_impls if i.name == name)
 
+    def backend(self, name: str) -> AttentionBackend:
+        return next(b for b in self.attention if b.name == name)
 
-def cc_tuple(cc: str) -> tuple[int, int]:
-    major, minor = cc.split(".")
-    return int(major), int(minor)
+
 
 
 RANGE_OPS = {">=": operator.ge, "<=": operator.le, ">": operator.gt, "<": operator.lt, "==": operator.eq,
@@ -227,7 +240,7 @@ def matrix_dir() -> Path:
     return Path(matrices.__file__).parent
 
 
-FILES = ("meta", "archs", "gpus", "cuda", "torch", "flash_attn", "xformers", "packages", "images")
+FILES = ("meta", "attention", "archs", "gpus", "cuda", "torch", "flash_attn", "xformers", "packages", "images")
 
 
 @lru_cache(maxsize=4)
@@ -293,6 +306,7 @@ def _load(directory: Path) -> Matrix:
         assumed_driver=_scalar(files["cuda"], "assumed_driver", directory / "cuda.toml"),
         torch=_rows(files["torch"], "release", TorchRelease, directory / "torch.toml"),
         torch_index_url=_scalar(files["torch"], "index_url", directory / "torch.toml"),
+        attention=_rows(files["attention"], "backend", AttentionBackend, directory / "attention.toml"),
         flash_attn_impls=_rows(files["flash_attn"], "impl", FlashAttnImpl, directory / "flash_attn.toml"),
         flash_attn_releases=_rows(files["flash_attn"], "release", FlashAttnRelease,
                                   directory / "flash_attn.toml"),
@@ -452,10 +466,14 @@ def _check_facts(m: Matrix, directory: Path) -> None:
     for c in m.cuda_majors:
         if c.min_cc:
             cc(c.min_cc, f"cuda.toml [[major]] ({c.major})")
+    backends = {b.name for b in m.attention}
+    for b in m.attention:
+        for value in (b.min_cc, b.max_cc):
+            if value:
+                cc(value, f"attention.toml [[backend]] ({b.name})")
     for i in m.flash_attn_impls:
-        cc(i.min_cc, f"flash_attn.toml [[impl]] ({i.name})")
-        if i.max_cc:
-            cc(i.max_cc, f"flash_attn.toml [[impl]] ({i.name})")
+        if i.attention not in backends:
+            fail(f"flash_attn.toml [[impl]] ({i.name}): attention {i.attention!r} has no attention.toml row")
     for fa in m.flash_attn_releases:
         where = f"flash_attn.toml [[release]] (version={fa.version})"
         version(fa.version, where)
@@ -479,8 +497,3 @@ def _check_facts(m: Matrix, directory: Path) -> None:
     for t in m.triton_support:
         spec(t.triton, f"packages.toml [[triton_support]] ({t.triton})")
         cc(t.min_cc, f"packages.toml [[triton_support]] ({t.triton})")
-
-
-def normalize_name(text: str) -> str:
-    """How GPU names and aliases are compared: case, spaces, '-' and '_' do not matter."""
-    return re.sub(r"[\s_\-]+", "", text.strip().lower())

@@ -16,10 +16,11 @@ from packaging.version import InvalidVersion, Version
 
 from .errors import BadInput, Unsatisfiable
 from .hardware import GpuSpec
+from matrices.catalog import backend_range, backend_runs_on
+
 from .matrix import FlashAttnImpl, Matrix, TorchBuild, TorchRelease, Xformers, cc_tuple, in_range
 from .plan import FlashAttnChoice, Plan, Rejected, TorchChoice
 
-ATTENTIONS = ("flash_attention_2", "flash_attention_3", "sdpa", "xformers", "eager")
 PLATFORMS = ("x86_64", "aarch64")
 PYTHON_RE = re.compile(r"^3\.\d{1,2}$")
 # Mirrors and air-gapped sites: URL templates that replace the matrix's (same placeholders).
@@ -36,7 +37,7 @@ class Request(NamedTuple):
     cuda: str | None = None  # "12.6" or "12"
     flash_attn: str | None = None  # exact flash-attn version
     no_flash_attn: bool = False
-    attention: str | None = None  # one of ATTENTIONS
+    attention: str | None = None  # an attention.toml backend name
     target: str = ""
     notes: list[str] = []  # what detection said, carried into the reasons
 
@@ -85,8 +86,9 @@ def check_request(req: Request, m: Matrix) -> None:
         raise BadInput(f"--python {req.python!r} is not a Python version like 3.11")
     if req.platform not in PLATFORMS:
         raise BadInput(f"--platform {req.platform!r}: choose one of {', '.join(PLATFORMS)}")
-    if req.attention and req.attention not in ATTENTIONS:
-        raise BadInput(f"--attention {req.attention!r}: choose one of {', '.join(ATTENTIONS)}")
+    names = [b.name for b in m.attention]
+    if req.attention and req.attention not in names:
+        raise BadInput(f"--attention {req.attention!r}: choose one of {', '.join(names)}")
     for flag, value in (("--torch", req.torch), ("--cuda", req.cuda), ("--flash-attn", req.flash_attn)):
         if value is None:
             continue
@@ -96,9 +98,10 @@ def check_request(req: Request, m: Matrix) -> None:
             raise BadInput(f"{flag} {value!r} is not a version") from None
     if req.cuda and req.gpu.is_cpu:
         raise Unsatisfiable(f"--cuda {req.cuda} with a CPU target: CPU plans use torch's CPU build")
-    if req.no_flash_attn and (req.flash_attn or req.attention in ("flash_attention_2", "flash_attention_3")):
+    impl_for = {i.attention: i.name for i in m.flash_attn_impls}
+    if req.no_flash_attn and (req.flash_attn or req.attention in impl_for):
         raise BadInput("--no-flash-attn contradicts --flash-attn / --attention flash_attention_*")
-    wanted = {"flash_attention_2": "fa2", "flash_attention_3": "fa3"}.get(req.attention or "")
+    wanted = impl_for.get(req.attention or "")
     if req.flash_attn and not wanted:
         release = next((r for r in m.flash_attn_releases if r.version == req.flash_attn), None)
         if release is None:
@@ -106,11 +109,10 @@ def check_request(req: Request, m: Matrix) -> None:
             raise Unsatisfiable(f"--flash-attn {req.flash_attn}: no prebuilt wheels recorded for it (known: {known})")
         wanted = release.impl
     if wanted:
-        impl = m.flash_attn_impl(wanted)
-        if not gpu_can_run(impl, req.gpu):
-            limit = f"sm_{impl.min_cc.replace('.', '')}" + ("" if impl.max_cc == impl.min_cc else "+")
-            raise Unsatisfiable(f"{' '.join(req.pins())} with {req.gpu.describe()}: {impl.attention} needs "
-                                f"{limit}; use --attention sdpa")
+        backend = m.backend(m.flash_attn_impl(wanted).attention)
+        if not backend_runs_on(backend, req.gpu.compute_capability):
+            raise Unsatisfiable(f"{' '.join(req.pins())} with {req.gpu.describe()}: {backend.name} needs "
+                                f"{backend_range(backend)}; use --attention sdpa")
 
 
 def _prefix_match(pin: str, version: str) -> bool:
@@ -179,10 +181,10 @@ def rule_training_stack(req: Request, m: Matrix, c: Candidate) -> str | None:
 
 
 def rule_attention_pin(req: Request, m: Matrix, c: Candidate) -> str | None:
-    wants_fa = req.flash_attn or req.attention in ("flash_attention_2", "flash_attention_3")
+    wants_fa = req.flash_attn or req.attention in {i.attention for i in m.flash_attn_impls}
     if wants_fa and c.flash_attn is None:
         return c.flash_attn_missing or "no flash-attn wheel"
-    if req.attention and req.attention.startswith("flash_attention") and c.flash_attn_impl \
+    if req.attention in {i.attention for i in m.flash_attn_impls} and c.flash_attn_impl \
             and c.flash_attn_impl.attention != req.attention:
         return f"the flash-attn wheel for {c.label} is {c.flash_attn_impl.attention}, not {req.attention}"
     if req.attention == "xformers" and c.xformers is None:
@@ -209,16 +211,14 @@ def stack_for(m: Matrix, torch_version: str, python: str):
 # ---------------------------------------------------------------------------- attention kernels
 
 
-def gpu_can_run(impl: FlashAttnImpl, gpu: GpuSpec) -> bool:
-    if gpu.is_cpu:
-        return False
-    cc = cc_tuple(gpu.compute_capability)
-    return cc >= cc_tuple(impl.min_cc) and (impl.max_cc is None or cc <= cc_tuple(impl.max_cc))
+def gpu_can_run(m: Matrix, impl: FlashAttnImpl, gpu: GpuSpec) -> bool:
+    """Whether the GPU runs the attention backend this flash-attn implementation provides (attention.toml)."""
+    return not gpu.is_cpu and backend_runs_on(m.backend(impl.attention), gpu.compute_capability)
 
 
 def find_flash_attn(req: Request, m: Matrix, c: Candidate) -> None:
     """Attach the newest prebuilt flash-attn wheel that exists for this candidate, or why there is none."""
-    usable = [i for i in m.flash_attn_impls if gpu_can_run(i, req.gpu)]
+    usable = [i for i in m.flash_attn_impls if gpu_can_run(m, i, req.gpu)]
     if req.no_flash_attn or not usable or c.build is None:
         return
     torch_mm = ".".join(c.release.version.split(".")[:2])
@@ -448,27 +448,57 @@ def driver_reason(req: Request, m: Matrix, best: Candidate) -> str:
 
 
 def choose_attention(req: Request, m: Matrix, best: Candidate) -> tuple[str, str]:
+    """The backend asked for, else the first `auto` backend of attention.toml (its preference order) that runs
+    on the GPU and that the plan can install; every backend passed over is named with why."""
     gpu = req.gpu
-    if best.flash_attn and req.attention in (None, best.flash_attn_impl.attention):
-        return best.flash_attn_impl.attention, (
-            f"{best.flash_attn_impl.attention}: {gpu.describe()} runs it (needs sm_"
-            f"{best.flash_attn_impl.min_cc.replace('.', '')}+); exact prebuilt wheel {best.flash_attn.filename}")
-    if req.attention == "xformers":
-        if cc_tuple(gpu.compute_capability or "0.0") < cc_tuple(best.xformers.min_cc):
-            raise Unsatisfiable(f"--attention xformers with {gpu.describe()}: xformers needs "
-                                f"sm_{best.xformers.min_cc.replace('.', '')}+")
-        return "xformers", f"xformers {best.xformers.version} (--attention xformers; needs torch{best.xformers.torch})"
-    if req.attention == "eager":
-        return "eager", "eager attention (--attention eager): the slowest path, for debugging"
-    fa2 = m.flash_attn_impl("fa2")
-    if gpu.is_cpu:
-        return "sdpa", "sdpa: torch's scaled_dot_product_attention (math/CPU kernels); flash-attn needs CUDA"
-    if not gpu_can_run(fa2, gpu):
-        return "sdpa", (f"sdpa (memory-efficient kernel): flash-attn skipped: {gpu.name} is {gpu.sm} "
-                        f"({gpu.arch.capitalize()}); FlashAttention-2 needs sm_{fa2.min_cc.replace('.', '')}+")
-    if req.no_flash_attn:
-        return "sdpa", "sdpa: flash-attn turned off by --no-flash-attn; torch's SDPA flash kernel is used"
-    return "sdpa", f"sdpa: {best.flash_attn_missing}; torch's SDPA flash kernel is used instead"
+    if req.attention:
+        return _requested_attention(req, m, best)
+    passed_over = []
+    for backend in m.attention:
+        if not backend.auto:
+            continue
+        if not backend_runs_on(backend, gpu.compute_capability):
+            passed_over.append(f"{backend.name} (needs {'a CUDA GPU' if gpu.is_cpu else backend_range(backend)})")
+            continue
+        impl = next((i for i in m.flash_attn_impls if i.attention == backend.name), None)
+        if impl is not None:
+            if best.flash_attn_impl is not None and best.flash_attn_impl.name == impl.name:
+                return backend.name, _fa_reason(gpu, backend, best)
+            why = "turned off by --no-flash-attn" if req.no_flash_attn else best.flash_attn_missing
+            passed_over.append(f"{backend.name} ({why})")
+            continue
+        return backend.name, _auto_reason(gpu, backend, passed_over)
+    raise Unsatisfiable(f"{gpu.describe()}: no attention backend in attention.toml runs on it")
+
+
+def _fa_reason(gpu: GpuSpec, backend, best: Candidate) -> str:
+    return (f"{backend.name}: {gpu.describe()} runs it (needs {backend_range(backend)}); exact prebuilt wheel "
+            f"{best.flash_attn.filename}")
+
+
+def _auto_reason(gpu: GpuSpec, backend, passed_over: list[str]) -> str:
+    kernel = "torch's scaled_dot_product_attention" + (" (math/CPU kernels)" if gpu.is_cpu else "")
+    skipped = f"; passed over on {gpu.describe()}: {', '.join(passed_over)}" if passed_over else ""
+    return f"{backend.name}: {kernel}{skipped}"
+
+
+def _requested_attention(req: Request, m: Matrix, best: Candidate) -> tuple[str, str]:
+    gpu = req.gpu
+    backend = m.backend(req.attention)
+    if best.flash_attn_impl is not None and best.flash_attn_impl.attention == backend.name:
+        return backend.name, _fa_reason(gpu, backend, best)
+    floor = backend.min_cc
+    if backend.name == "xformers" and best.xformers is not None:
+        floor = best.xformers.min_cc  # the release's own arch list (xformers.toml)
+    if floor and (gpu.is_cpu or cc_tuple(gpu.compute_capability) < cc_tuple(floor)) \
+            or not backend_runs_on(backend, gpu.compute_capability):
+        limit = f"sm_{floor.replace('.', '')}+" if floor else backend_range(backend)
+        raise Unsatisfiable(f"--attention {backend.name} with {gpu.describe()}: {backend.name} needs {limit}")
+    note = f"; {backend.note}" if backend.note else ""
+    if backend.name == "xformers":
+        return backend.name, (f"xformers {best.xformers.version} (--attention xformers; needs "
+                              f"torch{best.xformers.torch}){note}")
+    return backend.name, f"{backend.name} (--attention {backend.name}){note}"
 
 
 def choose_precision(gpu: GpuSpec) -> tuple[str, str]:

@@ -10,54 +10,30 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from matrices import catalog
+from trainer import facts
 from trainer.config import Config
 from trainer.errors import ConfigError, HardwareError
 
-# Name or alias -> compute capability ("cpu" has none). Enough to answer `validate --gpu NAME`
-# without the resolver; the resolver's matrices hold the full list.
-KNOWN_GPUS: dict[str, str | None] = {
-    "cpu": None,
-    "p100": "6.0",
-    "v100": "7.0",
-    "t4": "7.5",
-    "rtx2080": "7.5",
-    "a100": "8.0",
-    "a30": "8.0",
-    "a10": "8.6",
-    "a10g": "8.6",
-    "rtx3090": "8.6",
-    "a40": "8.6",
-    "l4": "8.9",
-    "l40s": "8.9",
-    "rtx4090": "8.9",
-    "h100": "9.0",
-    "h200": "9.0",
-}
+# Every fact below comes from matrices/ (gpus.toml, archs.toml, attention.toml), the same files the resolver
+# reads: the GPU catalog, what each architecture can do, and which attention backends run where.
 
-# Architecture names by compute-capability major (minor where it matters).
-ARCH_BY_CC: dict[str, str] = {
-    "6": "pascal", "7.0": "volta", "7.2": "volta", "7.5": "turing", "8.0": "ampere", "8.6": "ampere",
-    "8.7": "ampere", "8.9": "ada", "9": "hopper", "10": "blackwell", "12": "blackwell",
-}
 
-# Minimum compute capability of each attention backend (None: runs everywhere, CPU included).
-ATTENTION_MIN_CC: dict[str, tuple[int, int] | None] = {
-    "flash_attention_2": (8, 0),
-    "flash_attention_3": (9, 0),
-    "xformers": (5, 0),
-    "sdpa": None,
-    "eager": None,
-}
+def _arch(cc: str | None) -> dict | None:
+    """The archs.toml row for a compute capability (nearest lower minor of its major), or None."""
+    return None if cc is None else catalog.arch_for(cc, facts.rows("archs", "arch"))
 
-# Attention backends that need a package beyond torch/transformers.
-ATTENTION_PACKAGE: dict[str, str] = {"flash_attention_2": "flash_attn", "flash_attention_3": "flash_attn_interface"}
 
-NATIVE_BF16_CC = (8, 0)  # bf16 tensor cores start with Ampere; below it bf16 is emulated (slow)
-TF32_CC = (8, 0)
+def attention_backends() -> list[dict]:
+    """attention.toml's rows, best first."""
+    return facts.rows("attention", "backend")
+
+
+def attention_backend(name: str) -> dict | None:
+    return next((b for b in attention_backends() if b["name"] == name), None)
 
 
 @dataclass
@@ -78,7 +54,14 @@ class Gpu:
     def arch(self) -> str:
         if self.cc is None:
             return "cpu"
-        return ARCH_BY_CC.get(self.compute_capability) or ARCH_BY_CC.get(str(self.cc[0]), f"sm_{self.cc[0]}{self.cc[1]}")
+        row = _arch(self.compute_capability)
+        return row["name"] if row else f"sm_{self.cc[0]}{self.cc[1]}"
+
+    def has(self, feature: str) -> bool:
+        """An archs.toml capability column ('bf16', 'tf32', 'fp8', 'tensor_cores'); False on CPU or for a
+        compute capability the matrix does not know."""
+        row = _arch(self.compute_capability)
+        return bool(row and row.get(feature, False))
 
     def describe(self) -> str:
         if self.cc is None:
@@ -108,14 +91,22 @@ class Runtime:
 
 
 def gpu_from_name(name: str) -> Gpu:
-    """'t4', 'A100', 'sm_75', '7.5' -> Gpu."""
-    key = re.sub(r"[\s_-]", "", name.lower()).removeprefix("nvidia").removeprefix("tesla")
-    if key in KNOWN_GPUS:
-        return Gpu(name=name, compute_capability=KNOWN_GPUS[key], source="--gpu")
-    m = re.fullmatch(r"(?:sm)?(\d{1,2})\.?(\d)", key)
-    if m:
-        return Gpu(name=name, compute_capability=f"{int(m.group(1))}.{m.group(2)}", source="--gpu")
-    raise ConfigError(f"unknown GPU '{name}'; known: {', '.join(KNOWN_GPUS)}, or a compute capability like sm_75 or 7.5")
+    """'t4', 'A100', 'NVIDIA H100 80GB HBM3', 'sm_75', '7.5', 'cpu' -> Gpu, by the catalog in gpus.toml."""
+    if catalog.normalize_name(name) in ("cpu", "none"):
+        return Gpu(name="cpu", compute_capability=None, count=0, source="--gpu")
+    cc = catalog.cc_from_text(name)
+    if cc is not None:
+        return Gpu(name=name, compute_capability=cc, source="--gpu")
+    row = catalog.find_gpu(name, facts.rows("gpus", "gpu"))
+    if row is not None:
+        return Gpu(name=row["name"], compute_capability=row["compute_capability"], source="--gpu")
+    import difflib
+
+    aliases = sorted({catalog.normalize_name(a) for g in facts.rows("gpus", "gpu") for a in g["aliases"]})
+    close = difflib.get_close_matches(catalog.normalize_name(name), aliases, n=3, cutoff=0.5)
+    hint = f"; did you mean {', '.join(close)}?" if close else ""
+    raise ConfigError(f"unknown GPU '{name}'{hint} (the catalog is matrices/gpus.toml, `envtool gpus` lists it; "
+                      f"or give a compute capability like sm_75 or 7.5)")
 
 
 def read_plan(path: str | Path) -> dict:
@@ -158,61 +149,75 @@ def probe_gpu() -> Gpu:
                count=torch.cuda.device_count(), source="torch probe")
 
 
-def _cc_str(cc: tuple[int, int]) -> str:
-    return f"sm_{cc[0]}{cc[1]}"
+def _bf16_floor() -> str:
+    """'sm_80': the oldest architecture with native bf16 (archs.toml)."""
+    ccs = [catalog.cc_tuple(a["compute_capability"]) for a in facts.rows("archs", "arch") if a["bf16"]]
+    major, minor = min(ccs)
+    return f"sm_{major}{minor}"
 
 
 def resolve_attention(cfg: Config, gpu: Gpu, plan: dict | None, changes: list[str]) -> str:
+    """The attn_implementation transformers gets: what the config asks for, else what the plan chose, else the
+    best backend attention.toml lists for this GPU; anything that cannot run here falls back with a reason."""
     requested = cfg.requested_attention
+    if requested is None and plan and plan.get("attention"):
+        requested = plan["attention"]
+        changes.append(f"attention: {requested} (chosen by the plan)")
     if requested is None:
-        if plan and plan.get("attention"):
-            changes.append(f"attention: {plan['attention']} (chosen by the plan)")
-            return _usable_attention(plan["attention"], gpu, plan, changes)
-        default = "flash_attention_2" if gpu.cc and gpu.cc >= ATTENTION_MIN_CC["flash_attention_2"] and _has_package("flash_attention_2", plan, gpu) else "sdpa"
-        changes.append(f"attention: {default} (not set; best available on {gpu.describe()})")
-        return default
-    if requested == "xformers":
-        changes.append("attention: xformers -> sdpa (transformers has no xformers backend; torch sdpa's "
-                       "memory-efficient kernel is the same cutlass kernel and runs on sm_50+)")
-        requested = "sdpa"
-    return _usable_attention(requested, gpu, plan, changes)
+        backend = _best_available(gpu, plan)
+        changes.append(f"attention: {backend['name']} (not set; best available on {gpu.describe()})")
+        return backend["transformers"]
+    backend = attention_backend(requested)
+    if backend is None:
+        known = ", ".join(b["name"] for b in attention_backends())
+        raise ConfigError(f"attention backend {requested!r} is not one of {known} (matrices/attention.toml)")
+    why = None
+    if not catalog.backend_runs_on(backend, gpu.compute_capability):
+        why = (f"{requested} needs a CUDA GPU; running on CPU" if gpu.cc is None else
+               f"{requested} needs {catalog.backend_range(backend)}; {gpu.describe()} is outside that")
+    elif not _available(backend, plan, gpu):
+        why = (f"the plan has no {backend['module'].replace('_', '-')} wheel" if plan is not None
+               else f"module {backend['module']} is not installed")
+    if why:
+        fallback = _best_available(gpu, plan)
+        changes.append(f"attention: {requested} -> {fallback['transformers']} ({why})")
+        return fallback["transformers"]
+    if backend["transformers"] != requested:
+        changes.append(f"attention: {requested} -> {backend['transformers']} ({backend.get('note', '')})")
+    return backend["transformers"]
 
 
-def _has_package(backend: str, plan: dict | None, gpu: Gpu) -> bool:
-    """Is the backend's package there? The plan says; for `--gpu NAME` (another machine) assume the
-    environment envtool builds for that GPU has it; otherwise look in this environment."""
-    package = ATTENTION_PACKAGE.get(backend)
-    if package is None:
+def _best_available(gpu: Gpu, plan: dict | None) -> dict:
+    """The first automatic backend (attention.toml order) that runs on this GPU and is installed."""
+    for backend in attention_backends():
+        if backend["auto"] and catalog.backend_runs_on(backend, gpu.compute_capability) \
+                and _available(backend, plan, gpu):
+            return backend
+    raise HardwareError(f"no attention backend in matrices/attention.toml runs on {gpu.describe()}")
+
+
+def _available(backend: dict, plan: dict | None, gpu: Gpu) -> bool:
+    """Is the backend's module there? The plan says (it installs the backend it names, and the flash-attn
+    wheel it records); for `--gpu NAME` (another machine) assume the environment envtool builds for that GPU
+    has it; otherwise look in this environment."""
+    module = backend.get("module")
+    if module is None:
         return True
     if plan is not None:
-        return bool(plan.get("flash_attn")) if backend == "flash_attention_2" else plan.get("attention") == backend
+        flash = plan.get("flash_attn") or {}
+        return plan.get("attention") == backend["name"] or bool(flash) and backend["name"] == "flash_attention_2" \
+            and plan.get("attention") in (None, "flash_attention_2")
     if gpu.source == "--gpu":
         return True
-    return importlib.util.find_spec(package) is not None
-
-
-def _usable_attention(backend: str, gpu: Gpu, plan: dict | None, changes: list[str]) -> str:
-    need = ATTENTION_MIN_CC.get(backend)
-    if need is not None and gpu.cc is None:
-        changes.append(f"attention: {backend} -> sdpa ({backend} needs a CUDA GPU; running on CPU)")
-        return "sdpa"
-    if need is not None and gpu.cc < need:
-        changes.append(f"attention: {backend} -> sdpa ({backend} needs {_cc_str(need)}+; "
-                       f"{gpu.describe()} is below, and sdpa packs safely with the block-diagonal mask)")
-        return "sdpa"
-    if not _has_package(backend, plan, gpu):
-        where = "the plan has no flash-attn wheel" if plan is not None else f"package {ATTENTION_PACKAGE[backend]} is not installed"
-        changes.append(f"attention: {backend} -> sdpa ({where})")
-        return "sdpa"
-    return backend
+    return importlib.util.find_spec(module) is not None
 
 
 def resolve_precision(cfg: Config, gpu: Gpu, plan: dict | None, changes: list[str]) -> str:
-    native_bf16 = gpu.cc is not None and gpu.cc >= NATIVE_BF16_CC
+    native_bf16 = gpu.has("bf16")
     if cfg.bf16 is True:
         if gpu.cc is not None and not native_bf16:
             raise HardwareError(
-                f"bf16: true needs native bf16 ({_cc_str(NATIVE_BF16_CC)}+, Ampere or newer) but {gpu.describe()} "
+                f"bf16: true needs native bf16 ({_bf16_floor()}+, Ampere or newer) but {gpu.describe()} "
                 f"only emulates it; set bf16: auto (fp16 with loss scaling) or fp16: true")
         return "bf16"
     if cfg.fp16:
@@ -237,11 +242,12 @@ def resolve_precision(cfg: Config, gpu: Gpu, plan: dict | None, changes: list[st
 
 
 def resolve_tf32(cfg: Config, gpu: Gpu, changes: list[str]) -> bool:
-    capable = gpu.cc is not None and gpu.cc >= TF32_CC
+    """TF32 tensor-core math arrived with bf16 (Ampere): archs.toml's bf16 column says both."""
+    capable = gpu.has("bf16")
     if cfg.tf32 == "auto":
         return capable
     if cfg.tf32 and not capable:
-        changes.append(f"tf32: true -> false (tf32 needs {_cc_str(TF32_CC)}+; {gpu.describe()} has none)")
+        changes.append(f"tf32: true -> false (tf32 needs {_bf16_floor()}+; {gpu.describe()} has none)")
         return False
     return bool(cfg.tf32)
 

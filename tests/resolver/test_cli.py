@@ -79,7 +79,7 @@ def test_explain_json_lists_rejections():
     (["--gpu", "v100", "--cuda", "13.0"], "CUDA 13 torch builds carry no sm_70 code"),
     (["--gpu", "t4", "--driver", "550.x"], "--driver '550.x' is not an NVIDIA driver version"),
     (["--gpu", "t4", "--torch", "latest"], "--torch 'latest' is not a version"),
-    (["--gpu", "t4", "--format", "yaml"], "--format 'yaml': choose table, json or github"),
+    (["--gpu", "t4", "--format", "yaml"], "--format 'yaml': choose table, json, github or markdown"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, message):
     out = run_envtool("resolve", *args)
@@ -163,3 +163,15 @@ def test_resolve_imports_nothing_heavy():
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert out.stderr.strip().splitlines()[-1] == "[]", out.stderr
     assert json.loads(out.stdout)["gpu"]["name"] == "Tesla T4"
+
+
+def test_readme_plan_table_is_what_the_matrices_give_today():
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    block = re.search(r"<!-- plans:begin -->\n(.*?)\n<!-- plans:end -->", readme, re.S).group(1)
+    command = re.search(r"`envtool resolve --gpu\s+([^`]*?--format markdown)`", readme).group(1).split()
+    out = run_envtool("resolve", "--gpu", *command)
+    assert out.returncode == 0, out.stderr
+    assert block == out.stdout.strip(), "README's plan table is stale: paste the command's output between the markers"

@@ -1,4 +1,6 @@
-"""The policy, GPU by GPU: what a user on that GPU would get, with and without a driver constraint."""
+"""What a user on each real GPU gets from today's matrices: invariants that hold whatever releases the data
+lists (the build carries the GPU's code, the driver runs it). Preference policy is tested on a synthetic
+matrix in test_policy.py, so a new torch or flash-attn row breaks no test here."""
 
 import pytest
 from packaging.version import Version
@@ -80,7 +82,7 @@ def test_plan_runs_on_the_gpu(m, gpu, driver, attention, precision, kernels):
 def test_t4_explains_why_no_flash_attn_and_no_bf16(m):
     p = plan(m, "t4", "580.65.06")
     text = reasons(p)
-    assert "flash-attn skipped: Tesla T4 is sm_75 (Turing); FlashAttention-2 needs sm_80+" in text
+    assert "passed over on Tesla T4 (sm_75, Turing): flash_attention_3 (needs sm_90 only), flash_attention_2 (needs sm_80+)" in text
     assert "no native bf16" in text and "is_bf16_supported" in text
     assert p.torch.version == newest_torch(m)  # nothing to trade for flash-attn on Turing
 
@@ -101,13 +103,6 @@ def test_gtx_1080ti_never_gets_a_build_that_starts_at_sm75(m):
         gpu=hardware.lookup("gtx1080ti", m), driver="570.26", python="3.11"), m).rejected)
 
 
-def test_a100_prefers_the_newest_torch_with_a_flash_attn_wheel_and_says_so(m):
-    p = plan(m, "a100", "580.65.06")
-    assert p.flash_attn is not None
-    assert Version(p.torch.version) < Version(newest_torch(m))
-    assert f"torch {newest_torch(m)} is newer but flash-attn publishes no prebuilt wheel" in reasons(p)
-
-
 def test_no_flash_attn_gives_the_newest_torch_with_sdpa(m):
     p = plan(m, "a100", "580.65.06", no_flash_attn=True)
     assert p.attention == "sdpa" and p.flash_attn is None
@@ -119,7 +114,6 @@ def test_cpu_plan(m):
     p = plan(m, "cpu")
     assert (p.torch.variant, p.torch.cuda, p.precision, p.attention, p.triton) == ("cpu", None, "fp32", "sdpa", None)
     assert p.torch.index_url.endswith("/whl/cpu")
-    assert "bitsandbytes" not in p.packages
 
 
 def test_known_driver_picks_the_newest_cuda_it_runs_natively(m):
@@ -151,13 +145,6 @@ def test_xformers_on_request(m):
     assert p.precision == "fp16"
 
 
-def test_a100_with_an_11x_driver_gets_cu118_and_sdpa_because_no_cu11_flash_attn_wheel(m):
-    p = plan(m, "a100", "470.82.01")
-    assert p.torch.cuda == "11.8"
-    assert p.attention == "sdpa"
-    assert "publishes no prebuilt wheel for torch" in reasons(p) and "CUDA 11" in reasons(p)
-
-
 def test_python_narrows_torch(m):
     p = plan(m, "t4", python="3.9")
     assert Version(p.torch.version) < Version("2.9")
@@ -173,8 +160,6 @@ def test_python_narrows_torch(m):
     ("p100", None, {"cuda": "12.8"}, "carries no sm_60 code"),
     ("t4", None, {"attention": "flash_attention_2"},
      "--attention flash_attention_2 with Tesla T4 (sm_75, Turing): flash_attention_2 needs sm_80+; use --attention sdpa"),
-    ("h100", None, {"attention": "flash_attention_3"}, "flash-attn publishes no prebuilt wheel"),
-    ("a100", None, {"torch": "2.13", "attention": "flash_attention_2"}, "use --torch 2.8"),
     ("a100", None, {"torch": "9.9"}, "no torch release matches --torch 9.9"),
     ("a100", None, {"flash_attn": "1.0.9"}, "--flash-attn 1.0.9: no prebuilt wheels recorded"),
     ("t4", "440.33", {}, "driver 440.33 cannot run CUDA"),

@@ -45,7 +45,7 @@ def test_fp16_on_cpu_is_an_error():
 @pytest.mark.parametrize("gpu, flag, expected", [
     ("t4", {"flash_attention": True}, "sdpa"),
     ("v100", {"attn_implementation": "flash_attention_2"}, "sdpa"),
-    ("a100", {"attn_implementation": "flash_attention_3"}, "sdpa"),
+    ("a100", {"attn_implementation": "flash_attention_3"}, "flash_attention_2"),  # FA3 is sm_90 only
     ("h100", {"attn_implementation": "flash_attention_3"}, "flash_attention_3"),
     ("a100", {"flash_attention": True}, "flash_attention_2"),
     ("cpu", {"flash_attention": True}, "sdpa"),
@@ -56,7 +56,7 @@ def test_attention_falls_back_with_a_reason(gpu, flag, expected):
     rt = runtime_for(gpu, **flag)
     assert rt.attention == expected
     if expected != (flag.get("attn_implementation") or "flash_attention_2"):
-        assert any("-> sdpa (" in c for c in rt.changes)
+        assert any(f"-> {expected} (" in c for c in rt.changes)
 
 
 def test_gpu_names_and_compute_capability_forms():

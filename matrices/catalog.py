@@ -1,0 +1,87 @@
+"""Queries over the matrices' rows that the resolver and the trainer share.
+
+The trainer runs in images without the resolver, and both must answer "which GPU is this name" and "which
+architecture row covers this compute capability" the same way, so the lookups live here, beside the data,
+as plain functions over rows (the resolver's NamedTuples or the trainer's tomllib dicts). Standard library
+only: `envtool resolve` imports this on its fast path.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Iterable
+
+SM_RE = re.compile(r"^(?:sm_?|cc)?(\d{1,2})\.?(\d)$")
+
+
+def _get(row: Any, key: str):
+    return row.get(key) if isinstance(row, dict) else getattr(row, key)
+
+
+def normalize_name(text: str) -> str:
+    """How GPU names and aliases are compared: case, spaces, '-' and '_' do not matter."""
+    return re.sub(r"[\s_\-]+", "", text.strip().lower())
+
+
+def cc_tuple(cc: str) -> tuple[int, int]:
+    major, minor = cc.split(".")
+    return int(major), int(minor)
+
+
+def cc_from_text(text: str) -> str | None:
+    """'sm_75', 'sm75', '7.5', '75' -> '7.5'; anything else None."""
+    match = SM_RE.match(normalize_name(text))
+    return f"{int(match.group(1))}.{match.group(2)}" if match else None
+
+
+def find_gpu(text: str, gpus: Iterable[Any]):
+    """The catalog row a user's or nvidia-smi's name means: an exact name or alias first ("t4", "Tesla T4"),
+    else the row with the longest name or alias spelled by whole words of it ("NVIDIA H100 80GB HBM3" -> H100,
+    "NVIDIA GeForce RTX 4090" -> rtx4090; "a101" is not "a10"), else None."""
+    key = normalize_name(text)
+    rows = list(gpus)
+    for row in rows:
+        if key in {normalize_name(a) for a in _get(row, "aliases")} | {normalize_name(_get(row, "name"))}:
+            return row
+    words = [w for w in re.split(r"[\s_\-/,()]+", text.strip().lower()) if w]
+    runs = {"".join(words[i:j]) for i in range(len(words)) for j in range(i + 1, len(words) + 1)}
+    best, best_len = None, 0
+    for row in rows:
+        for label in (_get(row, "name"), *_get(row, "aliases")):
+            label = normalize_name(label)
+            if label in runs and len(label) > best_len:
+                best, best_len = row, len(label)
+    return best
+
+
+def arch_for(cc: str, archs: Iterable[Any]):
+    """The architecture row for `cc`, else the nearest lower minor of the same major (sm_XZ runs sm_XY
+    code); None when no row shares its major."""
+    want = cc_tuple(cc)
+    fitting = [a for a in archs if cc_tuple(_get(a, "compute_capability"))[0] == want[0]
+               and cc_tuple(_get(a, "compute_capability")) <= want]
+    return max(fitting, key=lambda a: cc_tuple(_get(a, "compute_capability")), default=None)
+
+
+def backend_runs_on(backend: Any, cc: str | None) -> bool:
+    """Whether an attention backend row (attention.toml) runs on a GPU of compute capability `cc`
+    (None: CPU)."""
+    min_cc, max_cc = _get(backend, "min_cc"), _get(backend, "max_cc")
+    if min_cc is None:
+        return True
+    if cc is None:
+        return False
+    return cc_tuple(min_cc) <= cc_tuple(cc) and (max_cc is None or cc_tuple(cc) <= cc_tuple(max_cc))
+
+
+def backend_range(backend: Any) -> str:
+    """'sm_80+', 'sm_90 only', 'any device'."""
+    min_cc, max_cc = _get(backend, "min_cc"), _get(backend, "max_cc")
+    if min_cc is None:
+        return "any device"
+    low = "sm_" + min_cc.replace(".", "")
+    if max_cc is None:
+        return f"{low}+"
+    if max_cc == min_cc:
+        return f"{low} only"
+    return f"{low} to sm_{max_cc.replace('.', '')}"

@@ -1,0 +1,33 @@
+"""Plans as a Markdown table (`envtool resolve --format markdown`): the README's plan tables are this output,
+and a test keeps them in step with the matrices."""
+
+from __future__ import annotations
+
+from matrices.catalog import backend_range, backend_runs_on
+
+from .matrix import Matrix
+from .plan import Plan
+
+HEADER = ("| GPU | arch | torch | attention | precision | triton (kernels) | flash-attn wheel |\n"
+          "|---|---|---|---|---|---|---|")
+
+
+def plans_markdown(plans: list[Plan], m: Matrix) -> str:
+    return "\n".join([HEADER, *(_row(p, m) for p in plans)])
+
+
+def _row(plan: Plan, m: Matrix) -> str:
+    gpu = plan.gpu
+    cc = gpu["compute_capability"]
+    arch = "CPU" if cc is None else f"sm_{cc.replace('.', '')} {gpu['arch'].capitalize()}"
+    kernels = "on" if plan.features["torch_compile"] else "off"
+    triton = f"{plan.triton} ({kernels})" if plan.triton else "—"
+    fa2 = m.backend(m.flash_attn_impl("fa2").attention)
+    if plan.flash_attn:
+        wheel = f"`{plan.flash_attn.filename}`"
+    elif not backend_runs_on(fa2, cc) or cc is None:
+        wheel = f"— (needs {'a CUDA GPU' if cc is None else backend_range(fa2)})"
+    else:
+        wheel = "— (no prebuilt wheel for this torch)"
+    torch = f"{plan.torch.version}+{plan.torch.variant}"
+    return f"| {gpu['name']} | {arch} | {torch} | {plan.attention} | {plan.precision} | {triton} | {wheel} |"
