@@ -6,11 +6,17 @@ import pytest
 
 from .conftest import DATA, FAKES, run_envtool, write_nvidia_smi
 
+# The --json contract (README, "The --json contract"): exactly these keys, so an addition is a decision
+# recorded here and in the README, never an accident.
+TOP_LEVEL = {"gpu", "driver", "python", "platform", "torch", "attention", "flash_attn", "precision", "triton",
+             "features", "packages", "reasons", "matrix_version", "target"}
 CONTRACT = {
-    "gpu": {"name", "compute_capability", "arch", "count", "memory_gb", "source"},
+    "gpu": {"name", "compute_capability", "arch", "count", "memory_gb", "source", "bf16"},
     "driver": {"version", "max_cuda"},
-    "torch": {"version", "cuda", "variant", "index_url"},
+    "torch": {"version", "cuda", "variant", "index_url", "min_driver"},
+    "features": {"torch_compile", "liger"},
 }
+FLASH_ATTN = {"version", "package", "filename", "wheel_url"}
 
 
 def resolve_json(*args, **env):
@@ -21,11 +27,9 @@ def resolve_json(*args, **env):
 
 def test_json_contract_for_t4():
     plan = resolve_json("--gpu", "t4", "--python", "3.11")
-    for key in ("gpu", "driver", "python", "torch", "attention", "flash_attn", "precision", "triton",
-                "packages", "reasons", "matrix_version"):
-        assert key in plan, key
+    assert set(plan) == TOP_LEVEL
     for key, fields in CONTRACT.items():
-        assert fields <= set(plan[key]), (key, plan[key])
+        assert set(plan[key]) == fields, (key, plan[key])
     assert plan["gpu"]["compute_capability"] == "7.5" and plan["gpu"]["arch"] == "turing"
     assert plan["torch"]["cuda"] == "12.6" and plan["torch"]["variant"] == "cu126"
     assert plan["attention"] == "sdpa" and plan["flash_attn"] is None and plan["precision"] == "fp16"
@@ -37,7 +41,7 @@ def test_json_for_sm80_with_a_driver():
     plan = resolve_json("--gpu", "sm_80", "--driver", "550.54.14", "--python", "3.11")
     assert plan["driver"] == {"version": "550.54.14", "max_cuda": "12.4"}
     assert plan["attention"] == "flash_attention_2" and plan["precision"] == "bf16"
-    assert set(plan["flash_attn"]) >= {"version", "filename", "wheel_url"}
+    assert set(plan["flash_attn"]) == FLASH_ATTN
     assert plan["flash_attn"]["wheel_url"].startswith("https://github.com/Dao-AILab/flash-attention/releases/download/")
 
 
