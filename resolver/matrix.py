@@ -120,6 +120,7 @@ class Xformers(NamedTuple):
     source: str
     python: str | None = None  # the Pythons its wheels install on (None: unrecorded, not checked)
     platforms: list[str] = ["x86_64"]  # PyPI publishes linux wheels for x86_64 only
+    cuda: str | None = None  # the CUDA major of the torch build its PyPI wheel is compiled against
 
 
 class Stack(NamedTuple):

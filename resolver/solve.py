@@ -295,8 +295,14 @@ def find_xformers(req: Request, m: Matrix, c: Candidate) -> None:
     """The newest xformers release that pins this torch and has a wheel for the Python and platform."""
     pins = [x for x in m.xformers if in_range(c.release.version, x.torch)]
     fits = [x for x in pins if req.platform in x.platforms and (x.python is None or in_range(req.python, x.python))]
-    c.xformers = max(fits, key=lambda x: Version(x.version), default=None)
-    if c.xformers is None and pins:
+    major = c.cuda.split(".")[0] if c.cuda else None
+    built_for = [x for x in fits if x.cuda is None or major is None or x.cuda == major]
+    c.xformers = max(built_for, key=lambda x: Version(x.version), default=None)
+    if c.xformers is None and fits:
+        x = max(fits, key=lambda x: Version(x.version))
+        c.xformers_missing = (f"xformers {x.version}'s PyPI wheel is built against a CUDA {x.cuda} torch; with "
+                              f"{c.label} (CUDA {c.cuda}) its C++/CUDA extensions do not load")
+    elif c.xformers is None and pins:
         x = max(pins, key=lambda x: Version(x.version))
         c.xformers_missing = (f"xformers {x.version} (the release for torch {c.release.version}) publishes wheels "
                               f"for Python {x.python or 'any'} on {', '.join(x.platforms)} only, not Python "

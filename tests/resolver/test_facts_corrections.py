@@ -268,3 +268,12 @@ def test_cli_cpu_plan_json_lists_bitsandbytes():
     out = run_envtool("resolve", "--gpu", "cpu", "--json")
     assert out.returncode == 0, out.stderr
     assert "bitsandbytes" in json.loads(out.stdout)["packages"]
+
+
+def test_xformers_pypi_wheels_are_cuda_12_builds(m):
+    # Plans take xformers from PyPI, whose wheel is compiled against a CUDA 12 torch (upload filter
+    # "*torch2.10.0+cu128*"): with a CUDA 13 torch its extensions do not load, so such a pair is never planned.
+    why = refusal(m, "rtx5090", torch="2.10", cuda="13", attention="xformers")
+    assert "built against a CUDA 12 torch" in why and "use --cuda 12.8" in why
+    p = plan(m, "rtx5090", driver="595.45.04", attention="xformers")
+    assert p.torch.cuda.startswith("12.") and p.attention == "xformers"
