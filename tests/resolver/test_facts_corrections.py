@@ -277,3 +277,52 @@ def test_xformers_pypi_wheels_are_cuda_12_builds(m):
     assert "built against a CUDA 12 torch" in why and "use --cuda 12.8" in why
     p = plan(m, "rtx5090", driver="595.45.04", attention="xformers")
     assert p.torch.cuda.startswith("12.") and p.attention == "xformers"
+
+
+# ---------------------------------------------------------------------------- the loader keeps the facts consistent
+
+
+def test_new_rows_carry_sources(m):
+    assert all(t.source.strip() for t in m.triton_releases) and len(m.triton_releases) >= 10
+    assert all(f.source.strip() for f in m.features)
+    assert all(a.driver_note for a in m.archs if a.min_driver or a.max_driver_branch)
+
+
+@pytest.fixture
+def edited_matrix(tmp_path):
+    import shutil
+
+    from resolver import matrix
+
+    target = tmp_path / "matrices"
+    shutil.copytree(matrix.matrix_dir(), target, ignore=shutil.ignore_patterns("*.py", "__pycache__"))
+
+    def edit(name, old, new):
+        path = target / name
+        text = path.read_text()
+        assert old in text, old
+        path.write_text(text.replace(old, new, 1))
+        return lambda: matrix._load(target)
+
+    return edit
+
+
+@pytest.mark.parametrize("name, old, new, message", [
+    # drop torch 2.5.1's python_version marker: it would then require triton 3.1.0 on 3.13, which has no wheel
+    ("torch.toml", 'triton_python = "<3.13"\ntriton_platforms = ["x86_64"]\nsource = "PyPI metadata of the Linux x86_64 wheel (Requires-Python, Requires-Dist triton); pytorch/pytorch RELEASE.md release compatibility matrix; triton marker (PEP 658 METADATA of the PyPI cp312 manylinux x86_64 and aarch64 wheels, checked 2026-11-22): triton==3.1.0',
+     'triton_platforms = ["x86_64"]\nsource = "x; triton==3.1.0', "requires triton 3.1.0 on Python 3.13, where triton publishes no wheel"),
+    ("torch.toml", 'triton = "3.2.0"\ncxx11abi = false\ntriton_platforms = ["x86_64"]',
+     'triton = "3.2.0"\ncxx11abi = false\ntriton_platforms = ["x86_64", "aarch64"]', "requires triton 3.2.0 on aarch64"),
+    ("packages.toml", 'version = "3.7.1"\npython = ">=3.10,<3.15"', 'version = "3.7.2"\npython = ">=3.10,<3.15"',
+     "triton 3.7.1 has no packages.toml [[triton_release]] row"),
+    ("archs.toml", 'max_driver_branch = 470\ndriver_note = "the R470 driver branch is the last to support Kepler GPUs"\n',
+     "max_driver_branch = 470\n", "a driver limit needs a driver_note"),
+    ("xformers.toml", 'platforms = ["x86_64"]', 'platforms = ["x86-64"]', "platform 'x86-64' is not one of"),
+    ("torch.toml", 'sass_aarch64 = ["8.0", "9.0"]', "sass_aarch64 = []", "empty sass_aarch64 list"),
+])
+def test_loader_refuses_inconsistent_facts(edited_matrix, name, old, new, message):
+    from resolver.errors import MatrixError
+
+    load = edited_matrix(name, old, new)
+    with pytest.raises(MatrixError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        load()
