@@ -297,8 +297,13 @@ def find_xformers(req: Request, m: Matrix, c: Candidate) -> None:
     fits = [x for x in pins if req.platform in x.platforms and (x.python is None or in_range(req.python, x.python))]
     major = c.cuda.split(".")[0] if c.cuda else None
     built_for = [x for x in fits if x.cuda is None or major is None or x.cuda == major]
-    c.xformers = max(built_for, key=lambda x: Version(x.version), default=None)
-    if c.xformers is None and fits:
+    runs = [x for x in built_for if req.gpu.is_cpu or cc_tuple(req.gpu.compute_capability) >= cc_tuple(x.min_cc)]
+    c.xformers = max(runs, key=lambda x: Version(x.version), default=None)
+    if c.xformers is None and built_for:
+        x = max(built_for, key=lambda x: Version(x.version))
+        c.xformers_missing = (f"xformers {x.version} (for torch {c.release.version}) carries kernels for "
+                              f"sm_{x.min_cc.replace('.', '')}+ only, not {req.gpu.sm}")
+    elif c.xformers is None and fits:
         x = max(fits, key=lambda x: Version(x.version))
         c.xformers_missing = (f"xformers {x.version}'s PyPI wheel is built against a CUDA {x.cuda} torch; with "
                               f"{c.label} (CUDA {c.cuda}) its C++/CUDA extensions do not load")

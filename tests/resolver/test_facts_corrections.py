@@ -201,6 +201,17 @@ def test_xformers_on_volta_with_torch_2_6_is_allowed(m):
     # xformers 0.0.29.post3 (torch 2.6.0) is built for "6.0+PTX 7.0 7.5 8.0+PTX": V100 has kernels.
     p = plan(m, "v100", torch="2.6", attention="xformers")
     assert p.attention == "xformers" and p.packages["xformers"] == "0.0.29.post3"
+    # unpinned, the solver walks back to the newest torch whose xformers still has sm_70 kernels
+    p = plan(m, "v100", attention="xformers")
+    assert (p.torch.version, p.packages["xformers"]) == ("2.6.0", "0.0.29.post3")
+    assert "xformers" in p.packages and p.precision == "fp16"
+
+
+def test_xformers_from_0_0_31_refuses_volta_with_the_reason(m):
+    why = refusal(m, "v100", torch="2.7", cuda="12.6", attention="xformers")
+    assert "xformers 0.0.31.post1 (for torch 2.7.1) carries kernels for sm_75+ only, not sm_70" in why
+    # its cu118 build meets the other fact: the PyPI wheel is a CUDA 12 build
+    assert "built against a CUDA 12 torch" in refusal(m, "v100", torch="2.7", cuda="11.8", attention="xformers")
 
 
 def test_xformers_on_python_3_13_before_0_0_31_is_refused(m):

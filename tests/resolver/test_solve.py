@@ -180,7 +180,8 @@ def test_python_narrows_torch(m):
     ("t4", "440.33", {}, "driver 440.33 cannot run CUDA"),
     ("t4", "560.28.03", {"cuda": "13.0"}, "driver 560.28.03 cannot run CUDA 13.0"),
     ("cpu", None, {"cuda": "12.6"}, "CPU plans use torch's CPU build"),
-    ("v100", None, {"attention": "xformers"}, "--attention xformers with Tesla V100 (sm_70, Volta): xformers needs sm_75+"),
+    ("m40", None, {"torch": "2.6", "cuda": "12.4", "attention": "xformers"},
+     "xformers 0.0.29.post3 (for torch 2.6.0) carries kernels for sm_60+ only, not sm_52; use --attention sdpa"),
 ])
 def test_unsatisfiable_names_the_conflicting_facts(m, gpu, driver, pins, message):
     with pytest.raises(Unsatisfiable) as err:
