@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+from functools import lru_cache
 from typing import NamedTuple
 
 from packaging.version import InvalidVersion, Version
@@ -291,9 +292,15 @@ def find_flash_attn(req: Request, m: Matrix, c: Candidate) -> None:
     c.flash_attn_impl = impl
 
 
+@lru_cache(maxsize=512)
+def _admitting(specs: tuple[str, ...], version: str) -> tuple[int, ...]:
+    """Which of the ranges admit `version` (each candidate of a solve asks again: parsing versions is the cost)."""
+    return tuple(i for i, spec in enumerate(specs) if in_range(version, spec))
+
+
 def find_xformers(req: Request, m: Matrix, c: Candidate) -> None:
     """The newest xformers release that pins this torch and has a wheel for the Python and platform."""
-    pins = [x for x in m.xformers if in_range(c.release.version, x.torch)]
+    pins = [m.xformers[i] for i in _admitting(tuple(x.torch for x in m.xformers), c.release.version)]
     fits = [x for x in pins if req.platform in x.platforms and (x.python is None or in_range(req.python, x.python))]
     major = c.cuda.split(".")[0] if c.cuda else None
     built_for = [x for x in fits if x.cuda is None or major is None or x.cuda == major]
