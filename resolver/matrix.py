@@ -30,6 +30,7 @@ else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
 MATRIX_DIR_ENV = "ENVTOOL_MATRIX_DIR"
+PLATFORMS = ("x86_64", "aarch64")
 CC_RE = re.compile(r"^\d+\.\d$")
 
 
@@ -43,6 +44,9 @@ class Arch(NamedTuple):
     fp8: bool
     tensor_cores: bool
     source: str
+    max_driver_branch: int | None = None  # the last driver branch that supports it (R580 for Maxwell..Volta)
+    min_driver: str | None = None  # the first driver that runs it (Blackwell: R570)
+    driver_note: str = ""
 
 
 class Gpu(NamedTuple):
@@ -51,6 +55,7 @@ class Gpu(NamedTuple):
     compute_capability: str
     memory_gb: float
     source: str
+    platforms: list[str] = ["x86_64", "aarch64"]  # host CPUs it comes with (GH200/GB200: aarch64)
 
 
 class CudaMajor(NamedTuple):
@@ -74,6 +79,7 @@ class TorchBuild(NamedTuple):
     sass: list[str]
     source: str
     cxx11abi: bool | None = None  # where it differs from its release's
+    sass_aarch64: list[str] | None = None  # the linux aarch64 wheel's arch list; None: no aarch64 build recorded
 
 
 class TorchRelease(NamedTuple):
@@ -83,6 +89,8 @@ class TorchRelease(NamedTuple):
     cxx11abi: bool
     source: str
     build: list[TorchBuild] = []
+    triton_python: str | None = None  # the python_version marker of its triton requirement (None: all)
+    triton_platforms: list[str] = ["x86_64", "aarch64"]  # the platform_machine marker of it
 
 
 class AttentionBackend(NamedTuple):
@@ -124,6 +132,9 @@ class Xformers(NamedTuple):
     torch: str  # the torch releases it accepts, e.g. "==2.8.0"
     min_cc: str
     source: str
+    python: str | None = None  # the Pythons its wheels install on (None: unrecorded, not checked)
+    platforms: list[str] = ["x86_64"]  # PyPI publishes linux wheels for x86_64 only
+    cuda: str | None = None  # the CUDA major of the torch build its PyPI wheel is compiled against
 
 
 class Stack(NamedTuple):
@@ -166,6 +177,15 @@ class TritonSupport(NamedTuple):
     source: str
 
 
+class TritonRelease(NamedTuple):
+    """Where triton's own wheels exist: a plan names a triton pin only where one installs."""
+
+    version: str
+    python: str  # specifier
+    platforms: list[str]
+    source: str
+
+
 class Matrix(NamedTuple):
     version: str
     archs: list[Arch]
@@ -186,6 +206,7 @@ class Matrix(NamedTuple):
     triton_support: list[TritonSupport]
     features: list[Feature]
     base_images: list[BaseImage]
+    triton_releases: list[TritonRelease] = []
 
     # Queries used by the solver; kept here so the data's shape stays in one file.
     def arch_for(self, cc: str) -> Arch | None:
@@ -203,6 +224,9 @@ class Matrix(NamedTuple):
 
     def backend(self, name: str) -> AttentionBackend:
         return next(b for b in self.attention if b.name == name)
+
+    def triton_release(self, version: str) -> TritonRelease | None:
+        return next((t for t in self.triton_releases if t.version == version), None)
 
 
 
@@ -321,6 +345,8 @@ def _load(directory: Path) -> Matrix:
                              directory / "packages.toml"),
         features=_rows(files["packages"], "feature", Feature, directory / "packages.toml"),
         base_images=_rows(files["images"], "base", BaseImage, directory / "images.toml"),
+        triton_releases=_rows(files["packages"], "triton_release", TritonRelease, directory / "packages.toml")
+        if "triton_release" in files["packages"] else [],
     )
     _check_facts(m, directory)
     return m
@@ -420,6 +446,11 @@ def _check_facts(m: Matrix, directory: Path) -> None:
         except InvalidVersion:
             fail(f"{where}: {value!r} is not a version")
 
+    def platforms(values: list[str], where: str):
+        for p in values:
+            if p not in PLATFORMS:
+                fail(f"{where}: platform {p!r} is not one of {', '.join(PLATFORMS)}")
+
     def spec(value: str, where: str):
         clauses = [RANGE_RE.match(c.strip()) for c in value.split(",")]
         if not all(clauses):
@@ -428,7 +459,12 @@ def _check_facts(m: Matrix, directory: Path) -> None:
             version(clause.group(2), where)
 
     for a in m.archs:
-        cc(a.compute_capability, f"archs.toml [[arch]] ({a.name})")
+        where = f"archs.toml [[arch]] ({a.compute_capability})"
+        cc(a.compute_capability, where)
+        if a.min_driver:
+            version(a.min_driver, where)
+        if (a.min_driver or a.max_driver_branch) and not a.driver_note:
+            fail(f"{where}: a driver limit needs a driver_note saying why")
     aliases: dict[str, str] = {}
     for g in m.gpus:
         where = f"gpus.toml [[gpu]] ({g.name})"
@@ -440,6 +476,7 @@ def _check_facts(m: Matrix, directory: Path) -> None:
             if key in aliases:
                 fail(f"{where}: alias {alias!r} also names {aliases[key]}")
             aliases[key] = g.name
+        platforms(g.platforms, where)
     version(m.assumed_driver, "cuda.toml assumed_driver")
     toolkits = {t.version for t in m.toolkits}
     for t in m.toolkits:
@@ -450,8 +487,13 @@ def _check_facts(m: Matrix, directory: Path) -> None:
         where = f"torch.toml [[release]] (version={r.version})"
         version(r.version, where)
         spec(r.python, where)
+        platforms(r.triton_platforms, where)
+        if r.triton_python is not None:
+            spec(r.triton_python, where)
         if r.triton is not None:
             version(r.triton, where)
+            if m.triton_releases:
+                _check_triton_wheels(r, m, where, fail)
         for b in r.build:
             bwhere = f"{where} build {b.variant}"
             if b.cuda not in toolkits:
@@ -460,8 +502,10 @@ def _check_facts(m: Matrix, directory: Path) -> None:
                 fail(f"{bwhere}: status must be 'stable' or 'experimental', not {b.status!r}")
             if not b.sass:
                 fail(f"{bwhere}: empty sass list")
-            for s in b.sass:
+            for s in b.sass + (b.sass_aarch64 or []):
                 cc(s, bwhere)
+            if b.sass_aarch64 == []:
+                fail(f"{bwhere}: empty sass_aarch64 list (leave it out where there is no aarch64 build)")
     impls = {i.name for i in m.flash_attn_impls}
     for c in m.cuda_majors:
         if c.min_cc:
@@ -484,6 +528,14 @@ def _check_facts(m: Matrix, directory: Path) -> None:
         version(x.version, where)
         spec(x.torch, where)
         cc(x.min_cc, where)
+        if x.python is not None:
+            spec(x.python, where)
+        platforms(x.platforms, where)
+    for t in m.triton_releases:
+        where = f"packages.toml [[triton_release]] (version={t.version})"
+        version(t.version, where)
+        spec(t.python, where)
+        platforms(t.platforms, where)
     for s in m.stacks:
         where = f"packages.toml [[stack]] (torch={s.torch})"
         spec(s.torch, where)
@@ -497,3 +549,29 @@ def _check_facts(m: Matrix, directory: Path) -> None:
     for t in m.triton_support:
         spec(t.triton, f"packages.toml [[triton_support]] ({t.triton})")
         cc(t.min_cc, f"packages.toml [[triton_support]] ({t.triton})")
+
+
+def _check_triton_wheels(r: TorchRelease, m: Matrix, where: str, fail) -> None:
+    """A torch release's triton requirement must be installable wherever its marker applies: the matrix
+    records the marker and triton's wheels, and a plan names the pin only where both hold, so a gap means
+    one of the two rows is wrong."""
+    t = m.triton_release(r.triton)
+    if t is None:
+        fail(f"{where}: triton {r.triton} has no packages.toml [[triton_release]] row")
+    missing = [p for p in r.triton_platforms if p not in t.platforms]
+    if missing:
+        fail(f"{where}: its wheel requires triton {r.triton} on {missing[0]}, where triton publishes no wheel")
+    # the lowest and highest Python the torch release supports, within the marker's range
+    for py in _pythons(r.python):
+        if (r.triton_python is None or in_range(py, r.triton_python)) and not in_range(py, t.python):
+            fail(f"{where}: its wheel requires triton {r.triton} on Python {py}, where triton publishes no wheel")
+
+
+def _pythons(spec: str) -> list[str]:
+    """The 3.x minors a range admits, for the checks above (3.6 .. 3.19)."""
+    return [f"3.{n}" for n in range(6, 20) if in_range(f"3.{n}", spec)]
+
+
+def normalize_name(text: str) -> str:
+    """How GPU names and aliases are compared: case, spaces, '-' and '_' do not matter."""
+    return re.sub(r"[\s_\-]+", "", text.strip().lower())

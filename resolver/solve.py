@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+from functools import lru_cache
 from typing import NamedTuple
 
 from packaging.version import InvalidVersion, Version
@@ -58,6 +59,7 @@ class Candidate:
         self.flash_attn_impl: FlashAttnImpl | None = None
         self.flash_attn_missing = ""  # why no wheel, when the GPU could run flash-attn
         self.xformers: Xformers | None = None
+        self.xformers_missing = ""  # why no xformers release fits, when none does
 
     @property
     def variant(self) -> str:
@@ -142,6 +144,37 @@ def rule_cuda_pin(req: Request, m: Matrix, c: Candidate) -> str | None:
     return None
 
 
+def rule_gpu_platform(req: Request, m: Matrix, c: Candidate) -> str | None:
+    row = next((g for g in m.gpus if g.name == req.gpu.name), None)
+    if row is not None and req.platform not in row.platforms:
+        return (f"{row.name} comes only with an {'/'.join(row.platforms)} host CPU, not {req.platform}: "
+                f"pass --platform {row.platforms[0]}")
+    return None
+
+
+def rule_driver_supports_gpu(req: Request, m: Matrix, c: Candidate) -> str | None:
+    """The driver must know the GPU at all: too old for Blackwell, or past the last branch for Kepler/Maxwell/
+    Pascal/Volta. A fact of the GPU and the driver, so it rejects every candidate alike."""
+    if req.driver is None:
+        return None
+    arch = m.arch_for(req.gpu.compute_capability)
+    if arch is None:
+        return None
+    if arch.min_driver and Version(req.driver) < Version(arch.min_driver):
+        return (f"driver {req.driver} cannot run {req.gpu.describe()}: {arch.driver_note} "
+                f"(needs ≥ {arch.min_driver}); upgrade the NVIDIA driver")
+    if arch.max_driver_branch is not None and Version(req.driver).release[0] > arch.max_driver_branch:
+        return (f"driver {req.driver} no longer supports {req.gpu.describe()}: {arch.driver_note}; "
+                f"use an R{arch.max_driver_branch} driver ({arch.max_driver_branch}.x), the last that drives it")
+    return None
+
+
+def rule_platform_build(req: Request, m: Matrix, c: Candidate) -> str | None:
+    if sass_for(c.build, req.platform) is None:
+        return f"{c.label} has no linux {req.platform} CUDA build recorded in torch.toml"
+    return None
+
+
 def rule_cuda_major_supports_gpu(req: Request, m: Matrix, c: Candidate) -> str | None:
     major = m.cuda_major(int(c.cuda.split(".")[0]))
     if major.min_cc and cc_tuple(req.gpu.compute_capability) < cc_tuple(major.min_cc):
@@ -151,9 +184,11 @@ def rule_cuda_major_supports_gpu(req: Request, m: Matrix, c: Candidate) -> str |
 
 
 def rule_sass(req: Request, m: Matrix, c: Candidate) -> str | None:
-    if not has_sass(c.build, req.gpu.compute_capability):
-        return (f"{c.label} carries no {req.gpu.sm} code (its SASS: {' '.join(c.build.sass)}); it would fail "
-                f"with 'CUDA capability {req.gpu.sm} is not compatible with the current PyTorch installation'")
+    if not has_sass(c.build, req.gpu.compute_capability, req.platform):
+        where = "" if req.platform == "x86_64" else f" {req.platform}"
+        return (f"{c.label}{where} carries no {req.gpu.sm} code (its SASS: "
+                f"{' '.join(sass_for(c.build, req.platform))}); it would fail with 'CUDA capability "
+                f"{req.gpu.sm} is not compatible with the current PyTorch installation'")
     return None
 
 
@@ -188,19 +223,25 @@ def rule_attention_pin(req: Request, m: Matrix, c: Candidate) -> str | None:
             and c.flash_attn_impl.attention != req.attention:
         return f"the flash-attn wheel for {c.label} is {c.flash_attn_impl.attention}, not {req.attention}"
     if req.attention == "xformers" and c.xformers is None:
-        return f"no xformers release pins torch {c.release.version}"
+        return c.xformers_missing or f"no xformers release pins torch {c.release.version}"
     return None
 
 
 PIN_RULES = (rule_python, rule_torch_pin, rule_cuda_pin)
-GPU_RULES = (rule_cuda_major_supports_gpu, rule_sass, rule_driver)
+GPU_RULES = (rule_gpu_platform, rule_driver_supports_gpu, rule_platform_build, rule_cuda_major_supports_gpu,
+             rule_sass, rule_driver)
 LATE_RULES = (rule_training_stack, rule_attention_pin)
 
 
-def has_sass(build: TorchBuild, cc: str) -> bool:
+def sass_for(build: TorchBuild, platform: str = "x86_64") -> list[str] | None:
+    """The build's arch list on `platform`; None where no build for that platform is recorded."""
+    return build.sass if platform == "x86_64" else build.sass_aarch64
+
+
+def has_sass(build: TorchBuild, cc: str, platform: str = "x86_64") -> bool:
     """SASS for X.Y runs on X.Z when Y <= Z (same major); PTX is not counted."""
     major, minor = cc_tuple(cc)
-    return any(cc_tuple(s)[0] == major and cc_tuple(s)[1] <= minor for s in build.sass)
+    return any(cc_tuple(s)[0] == major and cc_tuple(s)[1] <= minor for s in sass_for(build, platform) or ())
 
 
 def stack_for(m: Matrix, torch_version: str, python: str):
@@ -251,9 +292,33 @@ def find_flash_attn(req: Request, m: Matrix, c: Candidate) -> None:
     c.flash_attn_impl = impl
 
 
-def find_xformers(m: Matrix, c: Candidate) -> None:
-    fits = [x for x in m.xformers if in_range(c.release.version, x.torch)]
-    c.xformers = max(fits, key=lambda x: Version(x.version), default=None)
+@lru_cache(maxsize=512)
+def _admitting(specs: tuple[str, ...], version: str) -> tuple[int, ...]:
+    """Which of the ranges admit `version` (each candidate of a solve asks again: parsing versions is the cost)."""
+    return tuple(i for i, spec in enumerate(specs) if in_range(version, spec))
+
+
+def find_xformers(req: Request, m: Matrix, c: Candidate) -> None:
+    """The newest xformers release that pins this torch and has a wheel for the Python and platform."""
+    pins = [m.xformers[i] for i in _admitting(tuple(x.torch for x in m.xformers), c.release.version)]
+    fits = [x for x in pins if req.platform in x.platforms and (x.python is None or in_range(req.python, x.python))]
+    major = c.cuda.split(".")[0] if c.cuda else None
+    built_for = [x for x in fits if x.cuda is None or major is None or x.cuda == major]
+    runs = [x for x in built_for if req.gpu.is_cpu or cc_tuple(req.gpu.compute_capability) >= cc_tuple(x.min_cc)]
+    c.xformers = max(runs, key=lambda x: Version(x.version), default=None)
+    if c.xformers is None and built_for:
+        x = max(built_for, key=lambda x: Version(x.version))
+        c.xformers_missing = (f"xformers {x.version} (for torch {c.release.version}) carries kernels for "
+                              f"sm_{x.min_cc.replace('.', '')}+ only, not {req.gpu.sm}")
+    elif c.xformers is None and fits:
+        x = max(fits, key=lambda x: Version(x.version))
+        c.xformers_missing = (f"xformers {x.version}'s PyPI wheel is built against a CUDA {x.cuda} torch; with "
+                              f"{c.label} (CUDA {c.cuda}) its C++/CUDA extensions do not load")
+    elif c.xformers is None and pins:
+        x = max(pins, key=lambda x: Version(x.version))
+        c.xformers_missing = (f"xformers {x.version} (the release for torch {c.release.version}) publishes wheels "
+                              f"for Python {x.python or 'any'} on {', '.join(x.platforms)} only, not Python "
+                              f"{req.python} on {req.platform} (never built from source)")
 
 
 # ---------------------------------------------------------------------------- solving
@@ -272,7 +337,7 @@ def evaluate(req: Request, m: Matrix) -> tuple[list[Candidate], list[Rejected]]:
         failed = first_failure(rules, req, m, c)
         if failed is None:
             find_flash_attn(req, m, c)
-            find_xformers(m, c)
+            find_xformers(req, m, c)
             failed = first_failure(LATE_RULES, req, m, c)
         if failed:
             rejected.append(Rejected(c.release.version, c.variant, *failed))
@@ -329,8 +394,9 @@ def unsatisfiable_message(req: Request, m: Matrix, rejected: list[Rejected]) -> 
         head += f" and driver {req.driver}"
     pin_rules = {rule.__name__.removeprefix("rule_") for rule in PIN_RULES}
     beyond_pins = [r for r in rejected if r.rule not in pin_rules]
-    if beyond_pins:  # the candidates the pins allow: say why the newest of them fails
-        why = max(beyond_pins, key=lambda r: Version(r.torch)).reason
+    if beyond_pins:  # the candidates the pins allow: say why the one that got furthest (the newest of them) fails
+        late = {rule.__name__.removeprefix("rule_") for rule in LATE_RULES}
+        why = max(beyond_pins, key=lambda r: (r.rule in late, Version(r.torch))).reason
     elif req.torch and rejected:
         known = ", ".join(r.version for r in m.torch)
         why = f"no torch release matches --torch {req.torch} on Python {req.python} (known: {known})"
@@ -358,7 +424,7 @@ def suggestion(req: Request, m: Matrix) -> str:
         except Unsatisfiable:
             continue
         return f"; {say(plan)}"
-    if req.driver:
+    if req.driver and rule_driver_supports_gpu(req, m, None) is None:  # else the reason says which driver
         return "; upgrade the NVIDIA driver or pin an older --torch"
     return ""
 
@@ -416,7 +482,7 @@ def describe_target(gpu: GpuSpec) -> str:
 def torch_reason(req: Request, m: Matrix, best: Candidate, survivors: list[Candidate]) -> str:
     if best.build is None:
         return f"torch {best.release.version} (cpu): the newest release for Python {req.python}"
-    sass = f"carries {req.gpu.sm} code (SASS {' '.join(best.build.sass)})"
+    sass = f"carries {req.gpu.sm} code (SASS {' '.join(sass_for(best.build, req.platform))})"
     rank = preference(req, m)
     without_fa = max(survivors, key=lambda c: rank(c)[1:])
     newest = max(survivors, key=lambda c: Version(c.release.version))
@@ -515,6 +581,10 @@ def choose_triton(req: Request, m: Matrix, best: Candidate) -> tuple[str | None,
         return None, {"torch_compile": True, "liger": False}, (
             "triton: none (CPU build); torch.compile uses its C++ backend; liger kernels need a GPU")
     version = best.release.triton
+    missing = triton_missing(req, m, best)
+    if missing:
+        return None, {"torch_compile": False, "liger": False}, (
+            f"triton: none: {missing}; torch.compile's GPU backend and liger kernels need triton, so they are off")
     support = next((t for t in m.triton_support if in_range(version, t.triton)), None)
     ok = support is None or cc_tuple(req.gpu.compute_capability) >= cc_tuple(support.min_cc)
     features = {"torch_compile": ok, "liger": ok}
@@ -522,6 +592,23 @@ def choose_triton(req: Request, m: Matrix, best: Candidate) -> tuple[str | None,
         return version, features, f"triton {version}: pinned by torch {best.release.version}; triton kernels on"
     return version, features, (f"triton {version}: pinned by torch {best.release.version}, but triton kernels "
                                f"(torch.compile, liger) are off: {support.reason}")
+
+
+def triton_missing(req: Request, m: Matrix, best: Candidate) -> str:
+    """Why this torch build installs no triton here ("" when it does): its wheel's requirement marker leaves
+    this Python or platform out, or triton publishes no wheel for it (which then makes the pin uninstallable)."""
+    r = best.release
+    if r.triton is None:
+        return f"torch {r.version} requires no triton"
+    if req.platform not in r.triton_platforms:
+        return f"torch {r.version}'s wheel requires triton only on {', '.join(r.triton_platforms)}"
+    if r.triton_python and not in_range(req.python, r.triton_python):
+        return f"torch {r.version}'s wheel requires triton only for Python {r.triton_python}"
+    wheels = m.triton_release(r.triton)
+    if wheels is not None and (req.platform not in wheels.platforms or not in_range(req.python, wheels.python)):
+        return (f"triton {r.triton} publishes wheels for Python {wheels.python} on {', '.join(wheels.platforms)} "
+                f"only")
+    return ""
 
 
 def choose_packages(req: Request, m: Matrix, best: Candidate, triton: str | None,
@@ -540,8 +627,29 @@ def choose_packages(req: Request, m: Matrix, best: Candidate, triton: str | None
         if need and (req.gpu.is_cpu or cc_tuple(req.gpu.compute_capability) < cc_tuple(need.min_cc)):
             notes.append(f"{name} left out: {need.reason}")
             continue
+        why = features_exclude(req, m, name)
+        if why:
+            notes.append(f"{name} left out: {why}")
+            continue
         packages[name] = version
     return packages, notes
+
+
+def features_exclude(req: Request, m: Matrix, package: str) -> str:
+    """Why a package whose features have hardware floors ([[feature]] rows) is left out: none of its
+    features runs on the target. "" when one does, or when the package has no feature rows."""
+    features = [f for f in m.features if f.package == package]
+    if not features:
+        return ""
+    if req.gpu.is_cpu:
+        if any(f.cpu for f in features):
+            return ""
+        return f"none of its features runs without a GPU ({', '.join(f.name for f in features)})"
+    cc = cc_tuple(req.gpu.compute_capability)
+    if any(cc >= cc_tuple(f.min_cc) for f in features):
+        return ""
+    floors = "; ".join(f"{f.name} ({f.reason}) needs sm_{f.min_cc.replace('.', '')}+" for f in features)
+    return f"{req.gpu.describe()} is below every feature's floor: {floors}"
 
 
 def max_cuda(m: Matrix, driver: str | None) -> str | None:

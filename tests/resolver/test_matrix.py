@@ -70,7 +70,8 @@ def test_matrix_dir_override(matrix_copy, monkeypatch):
 def test_arch_for_falls_back_within_the_major(m):
     assert m.arch_for("8.9").name == "ada"
     assert m.arch_for("12.1").compute_capability == "12.0"  # GB10 runs sm_120 code
-    assert m.arch_for("5.2") is None  # no Maxwell row: refused, not guessed
+    assert m.arch_for("5.3").compute_capability == "5.2"  # Jetson Nano runs sm_52 code
+    assert m.arch_for("3.5") is None  # no row at or below 3.5 in Kepler's major: refused, not guessed
 
 
 @pytest.mark.parametrize("version, spec", [

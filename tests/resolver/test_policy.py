@@ -84,5 +84,5 @@ def test_xformers_is_chosen_only_on_request_and_within_its_arch_list(matrix):
     m = matrix()
     assert plan(m, "t4").attention == "sdpa"
     assert plan(m, "t4", attention="xformers").packages["xformers"] == "0.9.0"
-    with pytest.raises(Unsatisfiable, match="xformers needs sm_75"):
+    with pytest.raises(Unsatisfiable, match=r"xformers 0.9.0 \(for torch 3.1.0\) carries kernels for sm_75\+ only, not sm_70"):
         plan(m, "v100", attention="xformers")

@@ -88,7 +88,7 @@ def test_t4_explains_why_no_flash_attn_and_no_bf16(m):
 
 
 def test_volta_turns_triton_kernels_off_and_never_gets_cuda13(m):
-    for driver in (None, "590.48.01"):
+    for driver in (None, "580.95.05"):  # R580 is the last branch that drives Volta, and runs CUDA 13
         p = plan(m, "v100", driver)
         assert not p.torch.variant.startswith("cu13")
         assert "triton kernels (torch.compile, liger) are off" in reasons(p)
@@ -114,6 +114,7 @@ def test_cpu_plan(m):
     p = plan(m, "cpu")
     assert (p.torch.variant, p.torch.cuda, p.precision, p.attention, p.triton) == ("cpu", None, "fp32", "sdpa", None)
     assert p.torch.index_url.endswith("/whl/cpu")
+    assert "bitsandbytes" in p.packages  # its CPU backend runs 4-bit and 8-bit optimizers without a GPU
 
 
 def test_known_driver_picks_the_newest_cuda_it_runs_natively(m):
@@ -165,7 +166,8 @@ def test_python_narrows_torch(m):
     ("t4", "440.33", {}, "driver 440.33 cannot run CUDA"),
     ("t4", "560.28.03", {"cuda": "13.0"}, "driver 560.28.03 cannot run CUDA 13.0"),
     ("cpu", None, {"cuda": "12.6"}, "CPU plans use torch's CPU build"),
-    ("v100", None, {"attention": "xformers"}, "--attention xformers with Tesla V100 (sm_70, Volta): xformers needs sm_75+"),
+    ("m40", None, {"torch": "2.6", "cuda": "12.4", "attention": "xformers"},
+     "xformers 0.0.29.post3 (for torch 2.6.0) carries kernels for sm_60+ only, not sm_52; use --attention sdpa"),
 ])
 def test_unsatisfiable_names_the_conflicting_facts(m, gpu, driver, pins, message):
     with pytest.raises(Unsatisfiable) as err:

@@ -23,9 +23,12 @@ ATTENTIONS = [None] + [b.name for b in M.attention]
 def test_every_catalog_plan_reaches_transformers_as_a_backend_it_has_on_hardware_that_runs_it(gpu):
     cfg, _ = parse_config(CONFIG)
     spec = resolver_hardware.lookup(gpu, M)
+    row = next((g for g in M.gpus if g.name == gpu), None)
+    platform = "x86_64" if row is None or "x86_64" in row.platforms else row.platforms[0]  # GH200: aarch64 hosts
     for attention in ATTENTIONS:
         try:
-            plan = solve(Request(gpu=spec, driver=None, python="3.11", attention=attention, target=gpu), M)
+            plan = solve(Request(gpu=spec, driver=None, python="3.11", attention=attention, target=gpu,
+                                 platform=platform), M)
         except Unsatisfiable as err:
             assert attention is not None, f"{gpu}: no plan at all: {err}"
             continue  # the resolver refuses what the hardware cannot run, with a reason
