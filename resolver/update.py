@@ -382,3 +382,61 @@ def as_json(report: Report, *, texts: dict[str, tuple[str, str]], written: bool,
         "files": sorted(texts),
         "diff": unified_diff(texts),
     }
+
+
+def command(*, check: bool, json_out: bool, pypi_url: str | None, matrix_dir) -> int:
+    """`envtool matrix update [--check]`; returns the exit code."""
+    import json
+
+    from .progress import progress
+    from .upstream import pypi_url as resolve_pypi_url
+
+    directory = Path(matrix_dir) if matrix_dir else matrix_module.matrix_dir()
+    data = read(directory)
+    base = resolve_pypi_url(pypi_url)
+    date = today()
+    with progress(f"reading {base}", None) as advance:
+        client = Client(base, on_request=lambda url: advance(1))
+        report = regenerate(data, client, date=date)
+    texts = apply(directory, report, date=date)
+    written = False
+    if texts and not check:
+        write(directory, texts)
+        written = True
+    if json_out:
+        print(json.dumps(as_json(report, texts=texts, written=written, pypi_url=base, directory=directory),
+                         indent=2))
+        return 1 if check and report.stale else 0
+    _print_report(report, texts, written=written, check=check, base=base, directory=directory)
+    return 1 if check and report.stale else 0
+
+
+def _print_report(report: Report, texts, *, written: bool, check: bool, base: str, directory: Path) -> None:
+    import sys
+
+    for c in report.changes:
+        print(f"{c.file}: {c.row}: {c.field} {c.old} -> {c.new} ({c.why})")
+    for a in report.additions:
+        print(f"{a.file}: new row {a.row} ({a.why})")
+    for r in report.reviews:
+        print(f"needs review: {r.file}: {r.row}: {r.why}")
+    diff = unified_diff(texts)
+    if diff:
+        if sys.stdout.isatty():
+            from rich.console import Console
+            from rich.syntax import Syntax
+
+            Console().print(Syntax(diff, "diff", theme="ansi_dark", background_color="default"))
+        else:
+            print(diff, end="")
+    counts = (f"{len(report.changes)} field(s) to change, {len(report.additions)} new row(s), "
+              f"{len(report.reviews)} item(s) need review")
+    if not report.stale:
+        print(f"matrices in {directory} are current with {base}")
+    elif check:
+        print(f"matrices are stale: {counts}" + ("; run `envtool matrix update` to write the changes" if texts
+                                                  else ""))
+    elif written:
+        print(f"wrote {', '.join(sorted(texts))} in {directory} ({counts})")
+    else:
+        print(f"nothing to write: {counts}")
