@@ -130,8 +130,15 @@ def wheel_matches(filename: str, name: str, version: str, local: str | None, pyt
     if local is not None and v.local != local and not (local == "cpu" and v.local is None):
         return False
     if python is not None:
-        cp = "cp" + python.replace(".", "")
-        if not any(t.interpreter in (cp, "py3") for t in tags):
+        minor = int(python.split(".")[1])
+
+        def runs(t) -> bool:  # cpXY-cpXY, py3-none, or a stable-ABI cpXY-abi3 for Python >= X.Y
+            if t.interpreter in (f"cp3{minor}", "py3"):
+                return True
+            m = re.fullmatch(r"cp3(\d+)", t.interpreter)
+            return bool(m and t.abi == "abi3" and int(m.group(1)) <= minor)
+
+        if not any(runs(t) for t in tags):
             return False
     if machine is not None:
         if not any(t.platform.startswith(("manylinux", "linux")) and t.platform.endswith(machine) for t in tags):
