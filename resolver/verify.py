@@ -66,6 +66,13 @@ def checks(m: Matrix, *, torch_index: str, pypi: str) -> list[Check]:
             pinned.setdefault((name, version), f"{name} {version} ([[stack]] torch{s.torch} python{s.python})")
     for x in m.xformers:
         pinned.setdefault(("xformers", x.version), f"xformers {x.version} (--attention xformers)")
+    xformers: dict[tuple[str, str], str] = {}
+    for r in m.torch:  # the release `--attention xformers` picks for this torch, on each of its Pythons
+        fits = [x for x in m.xformers if in_range(r.version, x.torch)]
+        if fits:
+            x = max(fits, key=lambda x: Version(x.version))
+            for py in pythons(r.python):
+                xformers.setdefault((x.version, py), f"torch {r.version}")
     for (name, version), what in pinned.items():
         out.append(Check("pypi", what, f"{pypi}/pypi/{canonicalize_name(name)}/json", (name, version, None, None, None)))
     triton: dict[tuple[str, str, str], str] = {}
@@ -74,6 +81,9 @@ def checks(m: Matrix, *, torch_index: str, pypi: str) -> list[Check]:
             for py in pythons(r.python):
                 for machine in PLATFORMS:
                     triton.setdefault((r.triton, py, machine), f"torch {r.version}")
+    for (version, py), by in xformers.items():  # x86_64 only: xformers publishes no aarch64 wheels
+        out.append(Check("pypi", f"xformers {version} cp{py.replace('.', '')} x86_64 (with {by})",
+                         f"{pypi}/pypi/xformers/json", ("xformers", version, None, py, "x86_64")))
     for (version, py, machine), by in triton.items():
         out.append(Check("pypi", f"triton {version} cp{py.replace('.', '')} {machine} (pinned by {by})",
                          f"{pypi}/pypi/triton/json", ("triton", version, None, py, machine)))
@@ -132,11 +142,11 @@ def wheel_matches(filename: str, name: str, version: str, local: str | None, pyt
     if python is not None:
         minor = int(python.split(".")[1])
 
-        def runs(t) -> bool:  # cpXY-cpXY, py3-none, or a stable-ABI cpXY-abi3 for Python >= X.Y
+        def runs(t) -> bool:  # cpXY-cpXY, py3-none, or cpXY-abi3 / pyXY-none for Python >= X.Y
             if t.interpreter in (f"cp3{minor}", "py3"):
                 return True
-            m = re.fullmatch(r"cp3(\d+)", t.interpreter)
-            return bool(m and t.abi == "abi3" and int(m.group(1)) <= minor)
+            m = re.fullmatch(r"(cp|py)3(\d+)", t.interpreter)  # py39: pure-Python code for 3.9 and later
+            return bool(m and (t.abi == "abi3" or m.group(1) == "py") and int(m.group(2)) <= minor)
 
         if not any(runs(t) for t in tags):
             return False

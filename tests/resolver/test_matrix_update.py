@@ -388,10 +388,16 @@ def test_verify_names_a_missing_wheel(world, synthetic, tmp_path, skip):
 
 
 def test_verify_checks_pinned_pypi_versions(world, synthetic, tmp_path):
-    """A plan pins triton from torch's row: a version without a wheel for one of the row's Pythons is named."""
+    """A plan pins triton from torch's row and xformers by torch: a version without a wheel for one of the
+    Pythons a plan names it with is named (here: the real files, minus one)."""
     publish(world)
     world.pypi["triton"]["releases"]["3.9.0"] = [f for f in world.pypi["triton"]["releases"]["3.9.0"]
                                                  if "cp312-abi3" not in f["filename"] or "aarch64" not in f["filename"]]
+    world.pypi["xformers"]["releases"]["0.0.35"] = [f for f in world.pypi["xformers"]["releases"]["0.0.35"]
+                                                    if not f["filename"].endswith("x86_64.whl")]
     with serve(world) as url:
-        data = json.loads(verify(url, synthetic, tmp_path, "--json").stdout)
-    assert [m["what"] for m in data["missing"]] == ["triton 3.9.0 cp312 aarch64 (pinned by torch 2.15.0)"]
+        out = verify(url, synthetic, tmp_path, "--json")
+    assert out.returncode == 1
+    assert [m["what"] for m in json.loads(out.stdout)["missing"]] == [
+        "xformers 0.0.35 cp311 x86_64 (with torch 2.15.0)", "xformers 0.0.35 cp312 x86_64 (with torch 2.15.0)",
+        "triton 3.9.0 cp312 aarch64 (pinned by torch 2.15.0)"]
