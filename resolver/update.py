@@ -33,7 +33,8 @@ from packaging.version import Version
 
 from . import matrix as matrix_module
 from .errors import MatrixError
-from .upstream import Client, Project, Release, admits_python, linux_wheel, python_range, requirement
+from .upstream import (MACHINES, Client, Project, Release, admits_python, linux_machines, linux_wheel,
+                       python_range, requirement)
 
 UPDATED_RE = re.compile(r"; (?:[\w, ]+ )?updated by envtool matrix update from PyPI metadata on \d{4}-\d{2}-\d{2}"
                         r"(?: \([^)]*\))?")
@@ -112,10 +113,30 @@ def regenerate(data: dict[str, dict], client: Client, *, date: str,
     _torch(data["torch"], client, date, report, step)
     step("xformers")
     _xformers(data["xformers"], client, report, step)
+    if "triton_release" in data["packages"]:
+        step("triton")
+        _triton_releases(data, client, date, report)
     step("flash-attn")
     _flash_attn(data["flash_attn"], client, report)
     _stacks(data["packages"], client, report, step)
     return report
+
+
+def _has(cls: type, field: str) -> bool:
+    """Whether the schema has a field (rows gain fields over time; only those that exist are written)."""
+    return field in cls._fields
+
+
+def _default(cls: type, field: str):
+    return cls._field_defaults.get(field)
+
+
+class TorchFacts(NamedTuple):
+    python: str | None
+    triton: str | None
+    triton_python: str | None  # the marker's python_version bound ("<3.13"); None: every Python
+    triton_platforms: list[str]  # the machines the triton requirement applies on
+    why: str  # the requirement as read, with the wheel it was read from
 
 
 def _torch(data: dict, client: Client, date: str, report: Report, step) -> None:
@@ -125,6 +146,7 @@ def _torch(data: dict, client: Client, date: str, report: Report, step) -> None:
         if linux_wheel(r) is not None:
             by_minor[_minor(r.version)] = r  # oldest first, so the newest patch wins
     rows = data.get("release", [])
+    cls = matrix_module.TorchRelease
     for i, row in enumerate(rows):
         current = Version(row["version"])
         newest = by_minor.get(_minor(current))
@@ -133,19 +155,26 @@ def _torch(data: dict, client: Client, date: str, report: Report, step) -> None:
             report.reviews.append(Review("torch.toml", name, f"PyPI has no torch {_minor(current)[0]}."
                                          f"{_minor(current)[1]}.x release with Linux x86_64 wheels"))
             continue
+
+        def change(field, new, why):
+            report.changes.append(Change("torch.toml", "release", i, name, field, row.get(field), new, why))
+
         if newest.version > current:
-            report.changes.append(Change("torch.toml", "release", i, name, "version", row["version"],
-                                         str(newest.version), f"newest patch of {current.major}.{current.minor} "
-                                         "on PyPI"))
+            change("version", str(newest.version), f"newest patch of {current.major}.{current.minor} on PyPI")
         step(f"torch {newest.version} metadata")
-        python, triton, why = _torch_facts(client, newest)
-        if python and not _same_spec(python, row.get("python")):
-            report.changes.append(Change("torch.toml", "release", i, name, "python", row.get("python"), python,
-                                         f"CPython tags of torch {newest.version}'s Linux x86_64 wheels"))
-        if triton != row.get("triton"):
-            report.changes.append(Change("torch.toml", "release", i, name, "triton", row.get("triton"), triton,
-                                         why))
-        _triton_marker(report, i, name, row, python or row.get("python"), why)
+        facts = _torch_facts(client, newest, step)
+        if facts.python and not _same_spec(facts.python, row.get("python")):
+            change("python", facts.python, f"CPython tags of torch {newest.version}'s Linux x86_64 wheels")
+        if facts.triton != row.get("triton"):
+            change("triton", facts.triton, facts.why)
+        if _has(cls, "triton_python"):
+            if facts.triton_python != row.get("triton_python", _default(cls, "triton_python")):
+                change("triton_python", facts.triton_python, facts.why)
+        else:
+            _triton_marker_review(report, name, facts.python or row.get("python"), facts)
+        if _has(cls, "triton_platforms") and facts.triton:
+            if facts.triton_platforms != list(row.get("triton_platforms", _default(cls, "triton_platforms"))):
+                change("triton_platforms", facts.triton_platforms, facts.why)
         if not row.get("build"):
             report.reviews.append(Review("torch.toml", name, "no [[release.build]] rows: GPU plans cannot use it "
                                          "until its CUDA builds (variant, cuda, sass) are added from torch's build "
@@ -162,48 +191,98 @@ def _torch(data: dict, client: Client, date: str, report: Report, step) -> None:
                                          "if it was not left out on purpose"))
             continue
         step(f"torch {release.version} metadata")
-        python, triton, why = _torch_facts(client, release)
+        facts = _torch_facts(client, release, step)
         wheel = linux_wheel(release)
-        abi = any(p.startswith("manylinux_2_28") or re.match(r"manylinux_2_(29|[3-9]\d)", p) for p in wheel.platforms)
-        fields = {"version": str(release.version), "python": python, "triton": triton, "cxx11abi": abi,
-                  "source": (f"added by envtool matrix update from PyPI metadata on {date}; {ADDED_MARK} "
-                             f"(python: wheel tags; triton: Requires-Dist {why.split(': ', 1)[-1]}; cxx11abi: "
-                             f"{'manylinux_2_28' if abi else 'pre-2_28 manylinux'} wheels)")}
-        if triton is None:
+        abi = any(re.match(r"manylinux_2_(2[89]|[3-9]\d)_", p) for p in wheel.platforms)
+        fields = {"version": str(release.version), "python": facts.python, "triton": facts.triton,
+                  "cxx11abi": abi}
+        if facts.triton and _has(cls, "triton_python") and facts.triton_python:
+            fields["triton_python"] = facts.triton_python
+        if facts.triton and _has(cls, "triton_platforms") and \
+                facts.triton_platforms != list(_default(cls, "triton_platforms") or []):
+            fields["triton_platforms"] = facts.triton_platforms
+        fields["source"] = (f"added by envtool matrix update from PyPI metadata on {date}; {ADDED_MARK} "
+                            f"(python: wheel tags; {facts.why}; cxx11abi: "
+                            f"{'manylinux_2_28' if abi else 'pre-2_28 manylinux'} wheels)")
+        if facts.triton is None:
             del fields["triton"]
         report.additions.append(Addition("torch.toml", "release", f"torch {release.version}", fields,
                                          "a torch minor newer than the matrix's rows is on PyPI"))
 
 
-def _torch_facts(client: Client, release: Release) -> tuple[str | None, str | None, str]:
+def _torch_facts(client: Client, release: Release, step) -> TorchFacts:
     python = python_range(release)
     wheel = linux_wheel(release)
     pin = requirement(client.metadata("torch", wheel), "triton")
     if pin is None:
-        return python, None, f"{wheel.filename} has no Requires-Dist triton"
+        return TorchFacts(python, None, None, list(MACHINES), f"{wheel.filename} has no Requires-Dist triton")
     marker = f"; {pin.marker}" if pin.marker else ""
-    return python, pin.version or None, f"{wheel.filename}: triton{pin.specifier}{marker}"
+    why = f"Requires-Dist triton{pin.specifier}{marker} of {wheel.filename}"
+    bound = re.search(r"python_version\s*(<=?)\s*[\"'](3\.\d+)[\"']", pin.marker)
+    machine = re.search(r"platform_machine\s*==\s*[\"'](\w+)[\"']", pin.marker)
+    if machine:
+        platforms = [machine.group(1)]
+    elif not _has(matrix_module.TorchRelease, "triton_platforms"):
+        platforms = list(MACHINES)  # not recorded by this schema: not worth a request
+    else:  # no machine in the marker: ask the aarch64 wheel itself
+        platforms = ["x86_64"]
+        arm = linux_wheel(release, "aarch64")
+        if arm is not None:
+            step(f"torch {release.version} aarch64 metadata")
+            if requirement(client.metadata("torch", arm), "triton") is not None:
+                platforms.append("aarch64")
+    return TorchFacts(python, pin.version or None, f"{bound.group(1)}{bound.group(2)}" if bound else None,
+                      platforms, why)
 
 
-def _triton_marker(report: Report, index: int, name: str, row: dict, python: str, why: str) -> None:
-    """A triton pin that holds only below some Python (torch 2.5.1: python_version < "3.13") while the release
-    covers that Python: written where the row has a `triton_python` field, else reported for review."""
-    m = re.search(r'python_version\s*(<=?)\s*"(3\.\d+)"', why)
-    if not m or not python:
+def _triton_marker_review(report: Report, name: str, python: str | None, facts: TorchFacts) -> None:
+    """Where the schema cannot state it: a triton pin that holds only below some Python (torch 2.5.1:
+    python_version < "3.13") while the release covers that Python."""
+    if not facts.triton_python or not python:
         return
-    bound = f"{m.group(1)}{m.group(2)}"
-    cut = [f"3.{n}" for n in range(0, 40)
-           if matrix_module.in_range(f"3.{n}", python) and not matrix_module.in_range(f"3.{n}", bound)]
-    if not cut:
-        return
-    if "triton_python" in matrix_module.TorchRelease._fields:
-        if row.get("triton_python") != bound:
-            report.changes.append(Change("torch.toml", "release", index, name, "triton_python",
-                                         row.get("triton_python"), bound, why))
-    else:
-        report.reviews.append(Review("torch.toml", name, f"its triton pin holds only for Python {bound} "
-                                     f"({why}), but the row's `triton` applies to every Python of {python} "
-                                     f"(not {', '.join(cut)})"))
+    cut = [f"3.{n}" for n in range(0, 40) if matrix_module.in_range(f"3.{n}", python)
+           and not matrix_module.in_range(f"3.{n}", facts.triton_python)]
+    if cut:
+        report.reviews.append(Review("torch.toml", name, f"its triton pin holds only for Python "
+                                     f"{facts.triton_python} ({facts.why}), but the row's `triton` applies to every "
+                                     f"Python of {python} (not {', '.join(cut)})"))
+
+
+def _triton_releases(data: dict, client: Client, date: str, report: Report) -> None:
+    """packages.toml [[triton_release]]: where triton's own wheels exist (Python range, machines), for every
+    triton a torch row pins; a pin without a row (a new torch release, a changed pin) gets one."""
+    project = client.project("triton")
+    rows = data["packages"]["triton_release"]
+    for i, row in enumerate(rows):
+        name = f"triton {row['version']}"
+        release = project.releases.get(Version(row["version"]))
+        if release is None or not release.files:
+            report.reviews.append(Review("packages.toml", name, "no wheels on PyPI"))
+            continue
+        python = python_range(release) or python_range(release, "aarch64")
+        machines = linux_machines(release)
+        if python and not _same_spec(python, row.get("python")):
+            report.changes.append(Change("packages.toml", "triton_release", i, name, "python", row.get("python"),
+                                         python, f"the Python tags of triton {row['version']}'s Linux wheels"))
+        if machines and machines != list(row.get("platforms", [])):
+            report.changes.append(Change("packages.toml", "triton_release", i, name, "platforms",
+                                         row.get("platforms"), machines, f"triton {row['version']}'s Linux wheels"))
+    changed = {c.index: c.new for c in report.changes if c.file == "torch.toml" and c.field == "triton"}
+    pinned = {changed.get(j, r.get("triton")) for j, r in enumerate(data["torch"].get("release", []))}
+    pinned |= {a.fields.get("triton") for a in report.additions if a.file == "torch.toml"}
+    pinned = {str(v) for v in pinned if v}
+    recorded = {str(r["version"]) for r in rows}
+    for version in sorted(pinned - recorded, key=Version):
+        release = project.releases.get(Version(version))
+        if release is None or not release.files:
+            report.reviews.append(Review("packages.toml", f"triton {version}", "pinned by torch but not on PyPI "
+                                         "with wheels"))
+            continue
+        report.additions.append(Addition("packages.toml", "triton_release", f"triton {version}", {
+            "version": version, "python": python_range(release) or python_range(release, "aarch64"),
+            "platforms": linux_machines(release),
+            "source": f"added by envtool matrix update from PyPI metadata on {date} (triton {version}'s wheel tags)"},
+            "a torch row pins it"))
 
 
 def _xformers(data: dict, client: Client, report: Report, step) -> None:
@@ -219,23 +298,35 @@ def _xformers(data: dict, client: Client, report: Report, step) -> None:
         step(f"xformers {release.version} metadata")
         pin = requirement(client.metadata("xformers", linux_wheel(release)), "torch")
         pins[release.version] = pin.specifier if pin and pin.specifier else None
+    cls = matrix_module.Xformers
     for i, row in enumerate(rows):
         current = Version(row["version"])
         name = f"xformers {row['version']}"
         if current not in pins:
             report.reviews.append(Review("xformers.toml", name, "not on PyPI with Linux x86_64 wheels"))
             continue
+
+        def change(field, new, why):
+            report.changes.append(Change("xformers.toml", "release", i, name, field, row.get(field), new, why))
+
         pin = pins[current]
         if pin and not _same_spec(pin, row["torch"]):
-            report.changes.append(Change("xformers.toml", "release", i, name, "torch", row["torch"], pin,
-                                         f"Requires-Dist torch{pin} of {linux_wheel(project.releases[current]).filename}"))
+            change("torch", pin, f"Requires-Dist torch{pin} of {linux_wheel(project.releases[current]).filename}")
         same = [v for v, p in pins.items() if v > current and p and _same_spec(p, pin or row["torch"])
                 and v not in known]
         if same:
-            newer = max(same)
-            report.changes.append(Change("xformers.toml", "release", i, name, "version", row["version"],
-                                         str(newer), f"xformers {newer} pins the same torch{pin or row['torch']} "
-                                         "(min_cc kept: re-check its wheels_build.yml)"))
+            current = max(same)
+            change("version", str(current), f"xformers {current} pins the same torch{pin or row['torch']} "
+                   "(min_cc kept: re-check its wheels_build.yml)")
+        release = project.releases[current]
+        if _has(cls, "python"):
+            python = python_range(release)
+            if python and not _same_spec(python, row.get("python")):
+                change("python", python, f"the Python tags of xformers {current}'s Linux x86_64 wheels")
+        if _has(cls, "platforms"):
+            machines = linux_machines(release)
+            if machines and machines != list(row.get("platforms", _default(cls, "platforms"))):
+                change("platforms", machines, f"the Linux wheels of xformers {current}")
     claimed = {max([v for v, p in pins.items() if p and _same_spec(p, r["torch"])], default=None) for r in rows}
     newest_row = max(known)
     for v, pin in sorted(pins.items()):
@@ -299,11 +390,11 @@ def apply(directory: Path, report: Report, *, date: str) -> dict[str, tuple[str,
     touched: dict[tuple[str, str, int], list[str]] = {}
     for c in report.changes:
         row = docs[c.file][c.table][c.index]
-        if "." in c.field:
-            parent, key = c.field.split(".", 1)
-            row[parent][key] = c.new
+        parent, key = (row[c.field.split(".", 1)[0]], c.field.split(".", 1)[1]) if "." in c.field else (row, c.field)
+        if c.new is None:
+            parent.pop(key, None)
         else:
-            row[c.field] = c.new
+            parent[key] = c.new
         touched.setdefault((c.file, c.table, c.index), []).append(c.field.split(".")[-1])
     for (file, table, index), fields in touched.items():
         row = docs[file][table][index]

@@ -48,7 +48,8 @@ class WheelFile(NamedTuple):
     filename: str
     url: str
     version: Version
-    python: tuple[int, int] | None  # from the cpXY tag; None for py3 / abi3-only wheels
+    python: tuple[int, int] | None  # from the cpXY / pyXY tag; None for a plain py3 wheel
+    later: bool  # also installs on every later Python (a cpXY-abi3 or pyXY-none wheel)
     platforms: frozenset[str]  # the platform tags, e.g. {"manylinux_2_28_x86_64"}
     requires_python: str | None
     yanked: bool
@@ -284,26 +285,39 @@ def parse_wheel(f: dict, base: str) -> WheelFile | None:
         _, version, _, tags = parse_wheel_filename(filename)
     except InvalidWheelFilename:
         return None
-    pythons = {(3, int(t.interpreter[3:])) for t in tags if re.fullmatch(r"cp3\d+", t.interpreter)}
+    pythons = {(3, int(t.interpreter[3:])) for t in tags if re.fullmatch(r"(cp|py)3\d+", t.interpreter)}
+    later = any(t.abi == "abi3" or (t.interpreter.startswith("py") and t.abi == "none") for t in tags)
     return WheelFile(filename=filename, url=urljoin(base, f.get("url", "")), version=version,
-                     python=min(pythons) if pythons else None, platforms=frozenset(t.platform for t in tags),
+                     python=min(pythons) if pythons else None, later=later,
+                     platforms=frozenset(t.platform for t in tags),
                      requires_python=f.get("requires_python"), yanked=bool(f.get("yanked")))
 
 
 def python_range(release: Release, machine: str = "x86_64") -> str | None:
-    """The Pythons the release's Linux wheels cover, as ">=3.10,<3.15": the cpXY tags, within its
-    Requires-Python."""
-    pythons = sorted({w.python for w in release.files if w.python and w.for_linux(machine) and not w.yanked})
+    """The Pythons the release's Linux wheels for `machine` install on, as ">=3.10,<3.15" (the cpXY tags,
+    within its Requires-Python), or ">=3.9" where a cpXY-abi3 / pyXY-none wheel covers every later Python."""
+    wheels = [w for w in release.files if w.python and w.for_linux(machine) and not w.yanked]
+    spec = SpecifierSet()
     if release.requires_python:
         try:
             spec = SpecifierSet(release.requires_python)
         except InvalidSpecifier:
-            spec = SpecifierSet()
-        pythons = [p for p in pythons if spec.contains(f"{p[0]}.{p[1]}", prereleases=True)]
+            pass
+    pythons = sorted({w.python for w in wheels if spec.contains(f"{w.python[0]}.{w.python[1]}", prereleases=True)})
     if not pythons:
         return None
     low, high = pythons[0], pythons[-1]
+    if any(w.later for w in wheels):
+        return f">={low[0]}.{low[1]}"
     return f">={low[0]}.{low[1]},<{high[0]}.{high[1] + 1}"
+
+
+MACHINES = ("x86_64", "aarch64")
+
+
+def linux_machines(release: Release) -> list[str]:
+    """The Linux machines (x86_64, aarch64) the release publishes wheels for."""
+    return [m for m in MACHINES if any(w.for_linux(m) and not w.yanked for w in release.files)]
 
 
 def admits_python(release: Release, python: str) -> bool:

@@ -49,7 +49,7 @@ def checks(m: Matrix, *, torch_index: str, pypi: str) -> list[Check]:
     out: list[Check] = []
     # torch: the index pages
     for r in m.torch:
-        builds = [("cpu", PLATFORMS)] + [(b.variant, getattr(b, "platforms", None) or PLATFORMS) for b in r.build]
+        builds = [("cpu", PLATFORMS)] + [(b.variant, build_platforms(b)) for b in r.build]
         for variant, platforms in builds:
             page = torch_index.format(variant=variant).rstrip("/") + "/torch/"
             for py in pythons(r.python):
@@ -66,13 +66,16 @@ def checks(m: Matrix, *, torch_index: str, pypi: str) -> list[Check]:
             pinned.setdefault((name, version), f"{name} {version} ([[stack]] torch{s.torch} python{s.python})")
     for x in m.xformers:
         pinned.setdefault(("xformers", x.version), f"xformers {x.version} (--attention xformers)")
-    xformers: dict[tuple[str, str], str] = {}
-    for r in m.torch:  # the release `--attention xformers` picks for this torch, on each of its Pythons
-        fits = [x for x in m.xformers if in_range(r.version, x.torch)]
-        if fits:
-            x = max(fits, key=lambda x: Version(x.version))
-            for py in pythons(r.python):
-                xformers.setdefault((x.version, py), f"torch {r.version}")
+    xformers: dict[tuple[str, str, str], str] = {}
+    for r in m.torch:  # the release `--attention xformers` picks for this torch, on each Python and platform
+        for py in pythons(r.python):
+            for machine in PLATFORMS:
+                fits = [x for x in m.xformers if in_range(r.version, x.torch)
+                        and machine in (getattr(x, "platforms", None) or ["x86_64"])
+                        and (getattr(x, "python", None) is None or in_range(py, x.python))]
+                if fits:
+                    x = max(fits, key=lambda x: Version(x.version))
+                    xformers.setdefault((x.version, py, machine), f"torch {r.version}")
     for (name, version), what in pinned.items():
         out.append(Check("pypi", what, f"{pypi}/pypi/{canonicalize_name(name)}/json", (name, version, None, None, None)))
     triton: dict[tuple[str, str, str], str] = {}
@@ -80,14 +83,34 @@ def checks(m: Matrix, *, torch_index: str, pypi: str) -> list[Check]:
         if r.triton and r.build:
             for py in pythons(r.python):
                 for machine in PLATFORMS:
-                    triton.setdefault((r.triton, py, machine), f"torch {r.version}")
-    for (version, py), by in xformers.items():  # x86_64 only: xformers publishes no aarch64 wheels
-        out.append(Check("pypi", f"xformers {version} cp{py.replace('.', '')} x86_64 (with {by})",
-                         f"{pypi}/pypi/xformers/json", ("xformers", version, None, py, "x86_64")))
+                    if names_triton(m, r, py, machine):
+                        triton.setdefault((r.triton, py, machine), f"torch {r.version}")
+    for (version, py, machine), by in xformers.items():
+        out.append(Check("pypi", f"xformers {version} cp{py.replace('.', '')} {machine} (with {by})",
+                         f"{pypi}/pypi/xformers/json", ("xformers", version, None, py, machine)))
     for (version, py, machine), by in triton.items():
         out.append(Check("pypi", f"triton {version} cp{py.replace('.', '')} {machine} (pinned by {by})",
                          f"{pypi}/pypi/triton/json", ("triton", version, None, py, machine)))
     return out
+
+
+def build_platforms(build) -> tuple[str, ...]:
+    """The platforms a CUDA build is planned for: where the schema records aarch64 arch lists
+    (`sass_aarch64`), aarch64 only for builds that have one."""
+    if "sass_aarch64" in type(build)._fields:
+        return ("x86_64",) + (("aarch64",) if build.sass_aarch64 is not None else ())
+    return PLATFORMS
+
+
+def names_triton(m: Matrix, r, py: str, machine: str) -> bool:
+    """Whether a plan for torch release `r` on this Python and machine names its triton pin: everywhere,
+    unless the schema records where the requirement's marker applies and where triton has wheels."""
+    if machine not in (getattr(r, "triton_platforms", None) or PLATFORMS):
+        return False
+    if getattr(r, "triton_python", None) and not in_range(py, r.triton_python):
+        return False
+    wheels = m.triton_release(r.triton) if hasattr(m, "triton_release") else None
+    return wheels is None or (machine in wheels.platforms and in_range(py, wheels.python))
 
 
 def flash_attn_urls(m: Matrix) -> dict[str, str]:

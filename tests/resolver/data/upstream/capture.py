@@ -70,8 +70,13 @@ def main(base: str) -> None:
         simple["files"] = [f for f in simple["files"] if f["filename"] in kept]
         by_name = {f["filename"]: f for f in simple["files"]}
         (HERE / "metadata").mkdir(exist_ok=True)
-        for release in project.final():
-            wheel = linux_wheel(release)
+        wheels = [linux_wheel(r) for r in project.final()]
+        if name == "torch":  # where the triton marker names no machine, the aarch64 wheel is read too
+            for release in project.final():
+                x86 = linux_wheel(release)
+                if x86 is not None and "platform_machine" not in str(client.metadata(name, x86).get_all("Requires-Dist")):
+                    wheels.append(linux_wheel(release, "aarch64"))
+        for wheel in wheels:
             if wheel is None:
                 continue
             text = client.metadata(name, wheel).as_string()
