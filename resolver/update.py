@@ -5,11 +5,14 @@ What is regenerated (everything else in matrices/ is hand-checked and kept as it
   tags of its Linux x86_64 wheels, within Requires-Python) and `triton` (its Requires-Dist triton); torch
   minors newer than the newest row become new rows with no CUDA builds (their source says so; a human adds
   the [[release.build]] rows from torch's build scripts);
-- xformers.toml: each [[release]]'s `torch` (its wheel's Requires-Dist torch), and its `version` where a newer
-  release pins the same torch;
+- xformers.toml: each [[release]]'s `torch` (its wheel's Requires-Dist torch), and where the schema has them
+  `python` and `platforms` (its Linux wheels' tags);
+- packages.toml [[triton_release]] (where the schema has it): `python` and `platforms` from triton's wheels,
+  and a row for a triton a torch row newly pins;
 - packages.toml: each [[stack]] row's package versions: the newest release whose Requires-Python admits the
   row's lowest Python.
-What needs a human is reported as "needs review" and not written: new xformers releases (their arch list),
+What needs a human is reported as "needs review" and not written: new xformers releases and post-releases
+(their arch list),
 new flash-attn releases (their wheel matrix comes from the publish workflow), rows PyPI does not know.
 
 Files are edited with tomlkit, which keeps comments, order and formatting; the new set is checked with the
@@ -314,10 +317,10 @@ def _xformers(data: dict, client: Client, report: Report, step) -> None:
             change("torch", pin, f"Requires-Dist torch{pin} of {linux_wheel(project.releases[current]).filename}")
         same = [v for v, p in pins.items() if v > current and p and _same_spec(p, pin or row["torch"])
                 and v not in known]
-        if same:
-            current = max(same)
-            change("version", str(current), f"xformers {current} pins the same torch{pin or row['torch']} "
-                   "(min_cc kept: re-check its wheels_build.yml)")
+        if same:  # a post-release for the same torch: its arch list and CUDA build are facts of its own tag
+            report.reviews.append(Review("xformers.toml", name, f"xformers {max(same)} pins the same "
+                                         f"torch{pin or row['torch']}: move the row to it after checking its "
+                                         "wheels_build.yml arch list (min_cc) at that tag"))
         release = project.releases[current]
         if _has(cls, "python"):
             python = python_range(release)

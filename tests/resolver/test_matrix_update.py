@@ -57,9 +57,16 @@ def copy(tmp_path):
 
 
 def trim_flash_attn(world: World, directory: Path) -> None:
-    recorded = matrix_module._load(directory).flash_attn_releases
-    world.drop_releases("flash-attn", max((r.version for r in recorded if r.impl == "fa2"),
-                                          key=lambda v: tuple(int(x) for x in re.findall(r"\d+", v))))
+    """Serve flash-attn and xformers with the releases the matrix records and no others: their new releases
+    need a human (wheel matrix, arch list), so with them upstream never reads as current."""
+    from packaging.version import Version
+
+    m = matrix_module._load(directory)
+    world.drop_releases("flash-attn", str(max(Version(r.version) for r in m.flash_attn_releases if r.impl == "fa2")))
+    recorded = {Version(x.version) for x in m.xformers}
+    releases = world.pypi["xformers"]["releases"]
+    world.pypi["xformers"]["releases"] = {v: f for v, f in releases.items()
+                                          if Version(v) in recorded or Version(v).is_prerelease}
 
 
 def update(url, directory, *args, tmp):
@@ -193,6 +200,28 @@ def test_a_new_torch_minor_becomes_a_row_without_builds(world, copy, tmp_path):
     assert check.returncode == 1
     review = json.loads(check.stdout)["needs_review"]
     assert [r["row"] for r in review] == [f"torch {version}"] and "[[release.build]]" in review[0]["why"]
+
+
+def test_new_xformers_and_flash_attn_releases_need_review_and_are_not_written(world, copy, tmp_path):
+    (copy / "xformers.toml").write_text('[[release]]\nversion = "0.0.29"\ntorch = "==2.5.1"\nmin_cc = "7.5"\n'
+                                        'source = "test"\n')
+    with serve(world) as url:
+        make_current(url, copy, tmp_path)
+        before = snapshot(copy)
+        out = update(url, copy, "--check", "--json", tmp=tmp_path)
+    assert out.returncode == 1
+    review = {(r["file"], r["row"]): r["why"] for r in json.loads(out.stdout)["needs_review"]}
+    assert "0.0.29.post1 pins the same torch==2.5.1" in review["xformers.toml", "xformers 0.0.29"]
+    assert "Requires-Dist torch==2.6.0" in review["xformers.toml", "xformers 0.0.29.post2"]
+    assert "Requires-Dist torch>=2.10" in review["xformers.toml", "xformers 0.0.35"]
+    assert not [r for r in review if r[1].startswith("xformers 0.0.34.dev")]  # pre-releases are not releases
+    from packaging.version import Version
+
+    recorded = max(Version(r.version) for r in matrix_module._load(copy).flash_attn_releases if r.impl == "fa2")
+    upstream = {f"flash-attn {v}" for v in world.pypi["flash-attn"]["releases"]
+                if Version(v) > recorded and not Version(v).is_prerelease}
+    assert {r[1] for r in review if r[0] == "flash_attn.toml"} == upstream
+    assert snapshot(copy) == before
 
 
 @pytest.mark.parametrize("failure", ["500 on a metadata page", "404 on a project", "unreachable"])
