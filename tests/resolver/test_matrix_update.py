@@ -224,6 +224,47 @@ def test_new_xformers_and_flash_attn_releases_need_review_and_are_not_written(wo
     assert snapshot(copy) == before
 
 
+TORCH_251 = '''index_url = "https://download.pytorch.org/whl/{variant}"
+
+[[release]]
+version = "2.5.1"
+python = ">=3.9,<3.14"
+triton = "3.1.0"
+cxx11abi = false
+source = "test"
+
+[[release.build]]
+variant = "cu124"
+cuda = "12.4"
+status = "stable"
+sass = ["5.0", "6.0", "7.0", "7.5", "8.0", "8.6", "9.0"]
+source = "test"
+'''
+
+
+def test_a_triton_pin_for_some_pythons_only_is_written_or_reported(world, copy, tmp_path):
+    """torch 2.5.1's wheel requires triton only where python_version < "3.13" (its real METADATA): a schema with
+    `triton_python` gets the marker written; one without reports that its `triton` cannot say so."""
+    trim_flash_attn(world, copy)
+    has_field = "triton_python" in matrix_module.TorchRelease._fields
+    # a wrong marker to be corrected where the schema records it
+    (copy / "torch.toml").write_text(TORCH_251.replace('cxx11abi = false\n', 'cxx11abi = false\ntriton_python = "<3.12"\n'
+                                                       'triton_platforms = ["x86_64"]\n') if has_field else TORCH_251)
+    matrix_module._load(copy)
+    with serve(world) as url:
+        out = update(url, copy, "--check", "--json", tmp=tmp_path)
+        data = json.loads(out.stdout)
+        if has_field:
+            assert [(c["field"], c["old"], c["new"]) for c in data["changes"] if c["row"] == "torch 2.5.1"] == \
+                [("triton_python", "<3.12", "<3.13")]
+            assert update(url, copy, tmp=tmp_path).returncode == 0
+            assert matrix_module._load(copy).torch[0].triton_python == "<3.13"
+        else:
+            (why,) = [r["why"] for r in data["needs_review"] if r["row"] == "torch 2.5.1"]
+            assert "only for Python <3.13" in why and "(not 3.13)" in why
+            assert not [c for c in data["changes"] if c["row"] == "torch 2.5.1"]
+
+
 @pytest.mark.parametrize("failure", ["500 on a metadata page", "404 on a project", "unreachable"])
 def test_upstream_failure_is_one_line_and_touches_nothing(world, copy, tmp_path, failure):
     trim_flash_attn(world, copy)
@@ -359,7 +400,10 @@ TORCH_FILES = {variant: [f"torch-2.15.0+{variant}-cp{py}-cp{py}-manylinux_2_28_{
 
 @pytest.fixture
 def synthetic(copy):
-    (copy / "torch.toml").write_text(SYNTHETIC_TORCH)
+    torch = SYNTHETIC_TORCH
+    if "sass_aarch64" in matrix_module.TorchBuild._fields:  # a schema that records aarch64 builds apart
+        torch = torch.replace('sass = ["7.5", "8.0", "9.0"]\n', 'sass = ["7.5", "8.0", "9.0"]\nsass_aarch64 = ["9.0"]\n')
+    (copy / "torch.toml").write_text(torch)
     (copy / "flash_attn.toml").write_text(SYNTHETIC_FLASH_ATTN)
     (copy / "xformers.toml").write_text(SYNTHETIC_XFORMERS)
     matrix_module._load(copy)
@@ -397,6 +441,18 @@ def test_verify_passes_when_every_wheel_exists(world, synthetic, tmp_path):
     heads = {p for method, p, _ in world.requests if method == "HEAD"}
     assert heads >= {f"/gh/v2.9.0/{f}" for f in FLASH_ATTN_FILES}  # and the redirect was followed
     assert {f"/objects/{f}" for f in FLASH_ATTN_FILES} <= heads
+
+
+def test_verify_falls_back_to_get_where_storage_refuses_head(world, synthetic, tmp_path):
+    """Release assets redirect to storage URLs signed for GET only, which answer HEAD with 403."""
+    publish(world)
+    for f in FLASH_ATTN_FILES:
+        world.head_fail[f"/objects/{f}"] = 403
+    with serve(world) as url:
+        out = verify(url, synthetic, tmp_path)
+    assert out.returncode == 0, out.stdout
+    gets = {p for method, p, _ in world.requests if method == "GET"}
+    assert {f"/objects/{f}" for f in FLASH_ATTN_FILES} <= gets
 
 
 @pytest.mark.parametrize("skip", [FLASH_ATTN_FILES[1], TORCH_FILES["cu132"][1]])

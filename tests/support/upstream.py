@@ -25,6 +25,7 @@ class World:
         self.metadata = {p.name.removesuffix(".metadata"): p.read_bytes() for p in (captured / "metadata").iterdir()}
         self.paths: dict[str, tuple[int, bytes, dict]] = {}
         self.fail: dict[str, int] = {}
+        self.head_fail: dict[str, int] = {}  # path -> status for HEAD only (storage URLs signed for GET)
         self.requests: list[tuple[str, str, str | None]] = []  # (method, path, Range)
         self.base = ""
 
@@ -36,6 +37,8 @@ class World:
         doc["releases"] = {v: f for v, f in doc["releases"].items() if Version(v) <= Version(newer_than)}
 
     def answer(self, method: str, path: str, accept: str) -> tuple[int, bytes, dict]:
+        if method == "HEAD" and path in self.head_fail:
+            return self.head_fail[path], b"", {"Content-Type": "application/xml"}
         for prefix, status in self.fail.items():
             if path.startswith(prefix):
                 return status, b"<html><body>error</body></html>", {"Content-Type": "text/html"}
