@@ -126,7 +126,14 @@ class Client:
         key = canonicalize_name(name)
         if key not in self._simple:
             url = f"{self.base_url}/simple/{key}/"
-            data = self.json(url, accept=SIMPLE_JSON)
+            r = self.get(url, headers={"Accept": SIMPLE_JSON}, ok=(200, 404, 406))
+            if r.status_code != 200 or "json" not in r.headers.get("Content-Type", ""):
+                self._simple[key] = {}  # no PEP 691 here (an older mirror): no PEP 658 either; wheels are read
+                return self._simple[key]
+            try:
+                data = r.json()
+            except ValueError:
+                raise UpstreamError(f"{url}: the answer is not JSON") from None
             if not isinstance(data.get("files"), list):
                 raise UpstreamError(f"{url}: not a PEP 691 project page (no 'files' list)")
             self._simple[key] = {f["filename"]: dict(f, url=urljoin(url, f["url"])) for f in data["files"]

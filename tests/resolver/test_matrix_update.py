@@ -24,6 +24,7 @@ from tests.support.upstream import World, serve
 from .conftest import run_envtool
 
 REPO_MATRICES = Path(matrix_module.__file__).resolve().parents[1] / "matrices"
+DATA_UPSTREAM = Path(__file__).parent / "data" / "upstream"
 
 
 def envtool(*args, **env):
@@ -323,6 +324,30 @@ def test_metadata_is_read_from_the_wheel_with_range_requests_when_the_index_has_
     assert ranges and all(ranges)  # only range requests, never the whole file
     fetched = sum(int(b) - int(a or 0) for a, b in (re.fullmatch(r"bytes=(\d*)-(\d+)", r).groups() for r in ranges))
     assert fetched < wheel.stat().st_size / 2
+
+
+def test_an_index_without_pep691_is_read_through_the_wheels(world, tmp_path):
+    """A mirror with the JSON API but no PEP 691 pages: METADATA comes from the wheel, by range requests."""
+    from resolver.upstream import Client, linux_wheel, requirement
+
+    captured = (DATA_UPSTREAM / "metadata" / "torch-2.5.1-cp39-cp39-manylinux1_x86_64.whl.metadata").read_text()
+    (triton,) = [line.removeprefix("Requires-Dist: ") for line in captured.splitlines()
+                 if line.startswith("Requires-Dist: triton")]
+    # a stand-in wheel with the real wheel's name and triton requirement
+    wheel = make_wheel(tmp_path, "torch", "2.5.1", tag="cp39-cp39-manylinux1_x86_64", requires=[triton])
+    del world.simple["torch"]
+    doc = world.pypi["torch"]
+    doc["releases"] = {"2.5.1": [dict(f, url="/files/" + wheel.name) for f in doc["releases"]["2.5.1"]
+                                 if f["filename"] == wheel.name]}
+    world.paths["/files/" + wheel.name] = (200, wheel.read_bytes(), {"Content-Type": "application/zip",
+                                                                     "Accept-Ranges": "bytes"})
+    with serve(world) as url:
+        client = Client(url)
+        release = client.project("torch").final()[0]
+        pin = requirement(client.metadata("torch", linux_wheel(release)), "triton")
+    assert pin.version == "3.1.0" and 'python_version < "3.13"' in pin.marker
+    assert ("GET", "/simple/torch/", None) in world.requests
+    assert all(r for _, p, r in world.requests if p.startswith("/files/"))
 
 
 def test_resolve_does_not_import_the_matrix_commands_libraries():
