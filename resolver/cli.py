@@ -499,6 +499,54 @@ def gpus(json_out: bool = typer.Option(False, "--json", help="Print the catalog 
     gpus_table(m)
 
 
+# ---------------------------------------------------------------------------- envtool matrix (update, verify)
+# Network commands for maintainers: requests, tomlkit and rich are imported inside them, never by `resolve`.
+
+matrix_app = typer.Typer(name="matrix", no_args_is_help=True, rich_markup_mode=None,
+                         help="Keep matrices/ fresh: regenerate from upstream metadata, verify wheel URLs.")
+app.add_typer(matrix_app)
+
+_PYPI_HELP = "PyPI-compatible index to read (default: $ENVTOOL_PYPI_URL, else https://pypi.org)."
+_DIR_HELP = "The matrices directory (default: $ENVTOOL_MATRIX_DIR, else the installed matrices/)."
+
+
+@matrix_app.command("update")
+@reported
+def matrix_update(
+    check: bool = typer.Option(False, "--check", help="Write nothing; exit 1 when the matrices are stale."),
+    json_out: bool = typer.Option(False, "--json", help="Print the changes as JSON."),
+    pypi_url: Optional[str] = typer.Option(None, "--pypi-url", help=_PYPI_HELP),
+    matrix_dir: Optional[Path] = typer.Option(None, "--matrix-dir", help=_DIR_HELP),
+) -> None:
+    """Regenerate what PyPI metadata states (torch releases, Python ranges, triton pins; xformers' torch pins;
+    the training stack's newest versions), print the diff, and write it after the schema check."""
+    from .update import command
+
+    raise typer.Exit(command(check=check, json_out=json_out, pypi_url=pypi_url, matrix_dir=matrix_dir))
+
+
+@matrix_app.command("verify")
+@reported
+def matrix_verify(
+    json_out: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+    pypi_url: Optional[str] = typer.Option(None, "--pypi-url", help=_PYPI_HELP),
+    torch_index_url: Optional[str] = typer.Option(
+        None, "--torch-index-url", help="torch index template with {variant} (default: $ENVTOOL_TORCH_INDEX_URL, "
+        "else torch.toml's index_url)."),
+    flash_attn_url: Optional[str] = typer.Option(
+        None, "--flash-attn-url", help="flash-attn wheel URL template with {version} and {filename} (default: "
+        "$ENVTOOL_FLASH_ATTN_URL, else flash_attn.toml's wheel_url)."),
+    jobs: int = typer.Option(8, "--jobs", "-j", min=1, max=64, help="Requests in flight at once."),
+    matrix_dir: Optional[Path] = typer.Option(None, "--matrix-dir", help=_DIR_HELP),
+) -> None:
+    """Check that every wheel a plan can name exists: torch index pages, flash-attn release assets (HEAD),
+    pinned PyPI versions. Exit 1 with the list of what is missing."""
+    from .verify import command
+
+    raise typer.Exit(command(json_out=json_out, pypi_url=pypi_url, torch_index_url=torch_index_url,
+                             flash_attn_url=flash_attn_url, jobs=jobs, matrix_dir=matrix_dir))
+
+
 FAST_COMMANDS = ("resolve", "gpus")
 
 

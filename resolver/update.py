@@ -1,0 +1,536 @@
+"""`envtool matrix update`: regenerate the matrix fields that upstream package metadata states, and write them.
+
+What is regenerated (everything else in matrices/ is hand-checked and kept as it is):
+- torch.toml: each [[release]]'s `version` (the newest patch of its minor on PyPI), `python` (the CPython
+  tags of its Linux x86_64 wheels, within Requires-Python) and `triton` (its Requires-Dist triton); torch
+  minors newer than the newest row become new rows with no CUDA builds (their source says so; a human adds
+  the [[release.build]] rows from torch's build scripts);
+- xformers.toml: each [[release]]'s `torch` (its wheel's Requires-Dist torch), and where the schema has them
+  `python` and `platforms` (its Linux wheels' tags);
+- packages.toml [[triton_release]] (where the schema has it): `python` and `platforms` from triton's wheels,
+  and a row for a triton a torch row newly pins;
+- packages.toml: each [[stack]] row's package versions: the newest release whose Requires-Python admits the
+  row's lowest Python.
+What needs a human is reported as "needs review" and not written: new xformers releases and post-releases
+(their arch list),
+new flash-attn releases (their wheel matrix comes from the publish workflow), rows PyPI does not know.
+
+Files are edited with tomlkit, which keeps comments, order and formatting; the new set is checked with the
+matrix loader in a temporary directory before any file is replaced (each by temp file + rename).
+"""
+
+from __future__ import annotations
+
+import datetime
+import difflib
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Callable, NamedTuple
+
+import tomlkit
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
+from . import matrix as matrix_module
+from .errors import MatrixError
+from .upstream import (MACHINES, Client, Project, Release, admits_python, linux_machines, linux_wheel,
+                       python_range, requirement)
+
+UPDATED_RE = re.compile(r"; (?:[\w, ]+ )?updated by envtool matrix update from PyPI metadata on \d{4}-\d{2}-\d{2}"
+                        r"(?: \([^)]*\))?")
+ADDED_MARK = "builds not yet checked"
+
+
+class Change(NamedTuple):
+    file: str  # "torch.toml"
+    table: str  # "release"
+    index: int  # the row's position in its array of tables
+    row: str  # how a human names the row: "torch 2.14.1"
+    field: str  # "version", or "packages.transformers"
+    old: object
+    new: object
+    why: str
+
+
+class Addition(NamedTuple):
+    file: str
+    table: str
+    row: str
+    fields: dict
+    why: str
+
+
+class Review(NamedTuple):
+    file: str
+    row: str
+    why: str
+
+
+class Report(NamedTuple):
+    changes: list[Change]
+    additions: list[Addition]
+    reviews: list[Review]
+
+    @property
+    def stale(self) -> bool:
+        return bool(self.changes or self.additions or self.reviews)
+
+    @property
+    def files(self) -> list[str]:
+        return sorted({c.file for c in self.changes} | {a.file for a in self.additions})
+
+
+def today() -> str:
+    return datetime.date.today().isoformat()
+
+
+def _minor(v: Version) -> tuple[int, int]:
+    return v.release[0], v.release[1] if len(v.release) > 1 else 0
+
+
+def _same_spec(a: str | None, b: str | None) -> bool:
+    if a is None or b is None:
+        return a == b
+    return SpecifierSet(a) == SpecifierSet(b)
+
+
+def _lowest_python(spec: str) -> str:
+    """The lowest 3.X a matrix range admits (ranges are written with >= lower bounds)."""
+    for minor in range(0, 40):
+        if matrix_module.in_range(f"3.{minor}", spec):
+            return f"3.{minor}"
+    return "3.0"
+
+
+# ---------------------------------------------------------------------------- regeneration
+
+
+def regenerate(data: dict[str, dict], client: Client, *, date: str,
+               step: Callable[[str], None] = lambda what: None) -> Report:
+    """Compare the matrices (tomllib data per file stem) with upstream; nothing is written here."""
+    report = Report([], [], [])
+    step("torch")
+    _torch(data["torch"], client, date, report, step)
+    step("xformers")
+    _xformers(data["xformers"], client, report, step)
+    if "triton_release" in data["packages"]:
+        step("triton")
+        _triton_releases(data, client, date, report)
+    step("flash-attn")
+    _flash_attn(data["flash_attn"], client, report)
+    _stacks(data["packages"], client, report, step)
+    return report
+
+
+def _has(cls: type, field: str) -> bool:
+    """Whether the schema has a field (rows gain fields over time; only those that exist are written)."""
+    return field in cls._fields
+
+
+def _default(cls: type, field: str):
+    return cls._field_defaults.get(field)
+
+
+class TorchFacts(NamedTuple):
+    python: str | None
+    triton: str | None
+    triton_python: str | None  # the marker's python_version bound ("<3.13"); None: every Python
+    triton_platforms: list[str]  # the machines the triton requirement applies on
+    why: str  # the requirement as read, with the wheel it was read from
+
+
+def _torch(data: dict, client: Client, date: str, report: Report, step) -> None:
+    project = client.project("torch")
+    by_minor: dict[tuple[int, int], Release] = {}
+    for r in project.final():
+        if linux_wheel(r) is not None:
+            by_minor[_minor(r.version)] = r  # oldest first, so the newest patch wins
+    rows = data.get("release", [])
+    cls = matrix_module.TorchRelease
+    for i, row in enumerate(rows):
+        current = Version(row["version"])
+        newest = by_minor.get(_minor(current))
+        name = f"torch {row['version']}"
+        if newest is None:
+            report.reviews.append(Review("torch.toml", name, f"PyPI has no torch {_minor(current)[0]}."
+                                         f"{_minor(current)[1]}.x release with Linux x86_64 wheels"))
+            continue
+
+        def change(field, new, why):
+            report.changes.append(Change("torch.toml", "release", i, name, field, row.get(field), new, why))
+
+        if newest.version > current:
+            change("version", str(newest.version), f"newest patch of {current.major}.{current.minor} on PyPI")
+        step(f"torch {newest.version} metadata")
+        facts = _torch_facts(client, newest, step)
+        if facts.python and not _same_spec(facts.python, row.get("python")):
+            change("python", facts.python, f"CPython tags of torch {newest.version}'s Linux x86_64 wheels")
+        if facts.triton != row.get("triton"):
+            change("triton", facts.triton, facts.why)
+        if _has(cls, "triton_python"):
+            if facts.triton_python != row.get("triton_python", _default(cls, "triton_python")):
+                change("triton_python", facts.triton_python, facts.why)
+        else:
+            _triton_marker_review(report, name, facts.python or row.get("python"), facts)
+        if _has(cls, "triton_platforms") and facts.triton:
+            if facts.triton_platforms != list(row.get("triton_platforms", _default(cls, "triton_platforms"))):
+                change("triton_platforms", facts.triton_platforms, facts.why)
+        if not row.get("build"):
+            report.reviews.append(Review("torch.toml", name, "no [[release.build]] rows: GPU plans cannot use it "
+                                         "until its CUDA builds (variant, cuda, sass) are added from torch's build "
+                                         "scripts"))
+    newest_row = max((Version(r["version"]) for r in rows), default=Version("0"))
+    present = {_minor(Version(r["version"])) for r in rows}
+    oldest_row = min((Version(r["version"]) for r in rows), default=Version("0"))
+    for minor, release in sorted(by_minor.items()):
+        if minor in present or release.version < oldest_row:
+            continue
+        if release.version < newest_row:
+            report.reviews.append(Review("torch.toml", f"torch {release.version}",
+                                         "a torch minor between the matrix's rows is missing; add it by hand "
+                                         "if it was not left out on purpose"))
+            continue
+        step(f"torch {release.version} metadata")
+        facts = _torch_facts(client, release, step)
+        wheel = linux_wheel(release)
+        abi = any(re.match(r"manylinux_2_(2[89]|[3-9]\d)_", p) for p in wheel.platforms)
+        fields = {"version": str(release.version), "python": facts.python, "triton": facts.triton,
+                  "cxx11abi": abi}
+        if facts.triton and _has(cls, "triton_python") and facts.triton_python:
+            fields["triton_python"] = facts.triton_python
+        if facts.triton and _has(cls, "triton_platforms") and \
+                facts.triton_platforms != list(_default(cls, "triton_platforms") or []):
+            fields["triton_platforms"] = facts.triton_platforms
+        fields["source"] = (f"added by envtool matrix update from PyPI metadata on {date}; {ADDED_MARK} "
+                            f"(python: wheel tags; {facts.why}; cxx11abi: "
+                            f"{'manylinux_2_28' if abi else 'pre-2_28 manylinux'} wheels)")
+        if facts.triton is None:
+            del fields["triton"]
+        report.additions.append(Addition("torch.toml", "release", f"torch {release.version}", fields,
+                                         "a torch minor newer than the matrix's rows is on PyPI"))
+
+
+def _torch_facts(client: Client, release: Release, step) -> TorchFacts:
+    python = python_range(release)
+    wheel = linux_wheel(release)
+    pin = requirement(client.metadata("torch", wheel), "triton")
+    if pin is None:
+        return TorchFacts(python, None, None, list(MACHINES), f"{wheel.filename} has no Requires-Dist triton")
+    marker = f"; {pin.marker}" if pin.marker else ""
+    why = f"Requires-Dist triton{pin.specifier}{marker} of {wheel.filename}"
+    bound = re.search(r"python_version\s*(<=?)\s*[\"'](3\.\d+)[\"']", pin.marker)
+    machine = re.search(r"platform_machine\s*==\s*[\"'](\w+)[\"']", pin.marker)
+    if machine:
+        platforms = [machine.group(1)]
+    elif not _has(matrix_module.TorchRelease, "triton_platforms"):
+        platforms = list(MACHINES)  # not recorded by this schema: not worth a request
+    else:  # no machine in the marker: ask the aarch64 wheel itself
+        platforms = ["x86_64"]
+        arm = linux_wheel(release, "aarch64")
+        if arm is not None:
+            step(f"torch {release.version} aarch64 metadata")
+            if requirement(client.metadata("torch", arm), "triton") is not None:
+                platforms.append("aarch64")
+    return TorchFacts(python, pin.version or None, f"{bound.group(1)}{bound.group(2)}" if bound else None,
+                      platforms, why)
+
+
+def _triton_marker_review(report: Report, name: str, python: str | None, facts: TorchFacts) -> None:
+    """Where the schema cannot state it: a triton pin that holds only below some Python (torch 2.5.1:
+    python_version < "3.13") while the release covers that Python."""
+    if not facts.triton_python or not python:
+        return
+    cut = [f"3.{n}" for n in range(0, 40) if matrix_module.in_range(f"3.{n}", python)
+           and not matrix_module.in_range(f"3.{n}", facts.triton_python)]
+    if cut:
+        report.reviews.append(Review("torch.toml", name, f"its triton pin holds only for Python "
+                                     f"{facts.triton_python} ({facts.why}), but the row's `triton` applies to every "
+                                     f"Python of {python} (not {', '.join(cut)})"))
+
+
+def _triton_releases(data: dict, client: Client, date: str, report: Report) -> None:
+    """packages.toml [[triton_release]]: where triton's own wheels exist (Python range, machines), for every
+    triton a torch row pins; a pin without a row (a new torch release, a changed pin) gets one."""
+    project = client.project("triton")
+    rows = data["packages"]["triton_release"]
+    for i, row in enumerate(rows):
+        name = f"triton {row['version']}"
+        release = project.releases.get(Version(row["version"]))
+        if release is None or not release.files:
+            report.reviews.append(Review("packages.toml", name, "no wheels on PyPI"))
+            continue
+        python = python_range(release) or python_range(release, "aarch64")
+        machines = linux_machines(release)
+        if python and not _same_spec(python, row.get("python")):
+            report.changes.append(Change("packages.toml", "triton_release", i, name, "python", row.get("python"),
+                                         python, f"the Python tags of triton {row['version']}'s Linux wheels"))
+        if machines and machines != list(row.get("platforms", [])):
+            report.changes.append(Change("packages.toml", "triton_release", i, name, "platforms",
+                                         row.get("platforms"), machines, f"triton {row['version']}'s Linux wheels"))
+    changed = {c.index: c.new for c in report.changes if c.file == "torch.toml" and c.field == "triton"}
+    pinned = {changed.get(j, r.get("triton")) for j, r in enumerate(data["torch"].get("release", []))}
+    pinned |= {a.fields.get("triton") for a in report.additions if a.file == "torch.toml"}
+    pinned = {str(v) for v in pinned if v}
+    recorded = {str(r["version"]) for r in rows}
+    for version in sorted(pinned - recorded, key=Version):
+        release = project.releases.get(Version(version))
+        if release is None or not release.files:
+            report.reviews.append(Review("packages.toml", f"triton {version}", "pinned by torch but not on PyPI "
+                                         "with wheels"))
+            continue
+        report.additions.append(Addition("packages.toml", "triton_release", f"triton {version}", {
+            "version": version, "python": python_range(release) or python_range(release, "aarch64"),
+            "platforms": linux_machines(release),
+            "source": f"added by envtool matrix update from PyPI metadata on {date} (triton {version}'s wheel tags)"},
+            "a torch row pins it"))
+
+
+def _xformers(data: dict, client: Client, report: Report, step) -> None:
+    project = client.project("xformers")
+    rows = data.get("release", [])
+    known = {Version(r["version"]) for r in rows}
+    if not rows:
+        return
+    oldest = min(known)
+    candidates = [r for r in project.final() if r.version >= oldest and linux_wheel(r) is not None]
+    pins: dict[Version, str | None] = {}
+    for release in candidates:
+        step(f"xformers {release.version} metadata")
+        pin = requirement(client.metadata("xformers", linux_wheel(release)), "torch")
+        pins[release.version] = pin.specifier if pin and pin.specifier else None
+    cls = matrix_module.Xformers
+    for i, row in enumerate(rows):
+        current = Version(row["version"])
+        name = f"xformers {row['version']}"
+        if current not in pins:
+            report.reviews.append(Review("xformers.toml", name, "not on PyPI with Linux x86_64 wheels"))
+            continue
+
+        def change(field, new, why):
+            report.changes.append(Change("xformers.toml", "release", i, name, field, row.get(field), new, why))
+
+        pin = pins[current]
+        if pin and not _same_spec(pin, row["torch"]):
+            change("torch", pin, f"Requires-Dist torch{pin} of {linux_wheel(project.releases[current]).filename}")
+        same = [v for v, p in pins.items() if v > current and p and _same_spec(p, pin or row["torch"])
+                and v not in known]
+        if same:  # a post-release for the same torch: its arch list and CUDA build are facts of its own tag
+            report.reviews.append(Review("xformers.toml", name, f"xformers {max(same)} pins the same "
+                                         f"torch{pin or row['torch']}: move the row to it after checking its "
+                                         "wheels_build.yml arch list (min_cc) at that tag"))
+        release = project.releases[current]
+        if _has(cls, "python"):
+            python = python_range(release)
+            if python and not _same_spec(python, row.get("python")):
+                change("python", python, f"the Python tags of xformers {current}'s Linux x86_64 wheels")
+        if _has(cls, "platforms"):
+            machines = linux_machines(release)
+            if machines and machines != list(row.get("platforms", _default(cls, "platforms"))):
+                change("platforms", machines, f"the Linux wheels of xformers {current}")
+    claimed = {max([v for v, p in pins.items() if p and _same_spec(p, r["torch"])], default=None) for r in rows}
+    newest_row = max(known)
+    for v, pin in sorted(pins.items()):
+        if v > newest_row and v not in claimed:
+            report.reviews.append(Review("xformers.toml", f"xformers {v}",
+                                         f"new release (Requires-Dist torch{pin or ' (none)'}): add a row with "
+                                         "min_cc from its .github/workflows/wheels_build.yml arch list"))
+
+
+def _flash_attn(data: dict, client: Client, report: Report) -> None:
+    recorded = {Version(r["version"]) for r in data.get("release", []) if r.get("impl") == "fa2"}
+    if not recorded:
+        return
+    for release in client.project("flash-attn").final():
+        if release.version > max(recorded):
+            report.reviews.append(Review("flash_attn.toml", f"flash-attn {release.version}",
+                                         "new release on PyPI: its prebuilt wheels (torch, CUDA, Python, ABI, "
+                                         "platforms) come from .github/workflows/publish.yml at its tag and its "
+                                         "GitHub release assets; `envtool matrix verify` checks the URLs once added"))
+
+
+def _stacks(data: dict, client: Client, report: Report, step) -> None:
+    rows = data.get("stack", [])
+    for i, row in enumerate(rows):
+        python = _lowest_python(row["python"])
+        for name, pinned in row["packages"].items():
+            step(name)
+            project: Project = client.project(name)
+            fitting = [r for r in project.final() if admits_python(r, python)]
+            if not fitting:
+                report.reviews.append(Review("packages.toml", f"[[stack]] torch{row['torch']} python"
+                                             f"{row['python']}: {name}", f"no release of {name} admits Python "
+                                             f"{python}"))
+                continue
+            newest = fitting[-1]
+            if newest.version > Version(pinned):
+                report.changes.append(Change("packages.toml", "stack", i, f"[[stack]] python{row['python']}",
+                                             f"packages.{name}", pinned, str(newest.version),
+                                             f"newest {name} whose Requires-Python "
+                                             f"({newest.requires_python or 'any'}) admits Python {python}"))
+            if i == 0:
+                overall = project.final()[-1]
+                if overall.version > newest.version:
+                    report.reviews.append(Review(
+                        "packages.toml", f"{name} {overall.version}",
+                        f"needs Python {overall.requires_python}: no [[stack]] row for it yet (the newest row "
+                        f"is for Python {row['python']})"))
+
+
+# ---------------------------------------------------------------------------- applying
+
+
+def apply(directory: Path, report: Report, *, date: str) -> dict[str, tuple[str, str]]:
+    """file name -> (old text, new text) for every file the report changes (meta.toml's version bumped)."""
+    texts: dict[str, tuple[str, str]] = {}
+    docs: dict[str, tomlkit.TOMLDocument] = {}
+    for name in report.files:
+        old = (directory / name).read_text()
+        texts[name] = (old, old)
+        docs[name] = tomlkit.parse(old)
+    touched: dict[tuple[str, str, int], list[str]] = {}
+    for c in report.changes:
+        row = docs[c.file][c.table][c.index]
+        parent, key = (row[c.field.split(".", 1)[0]], c.field.split(".", 1)[1]) if "." in c.field else (row, c.field)
+        if c.new is None:
+            parent.pop(key, None)
+        else:
+            parent[key] = c.new
+        touched.setdefault((c.file, c.table, c.index), []).append(c.field.split(".")[-1])
+    for (file, table, index), fields in touched.items():
+        row = docs[file][table][index]
+        if "source" in row:
+            kept = UPDATED_RE.sub("", str(row["source"]))
+            row["source"] = (f"{kept}; {', '.join(dict.fromkeys(fields))} updated by envtool matrix update "
+                             f"from PyPI metadata on {date}")
+    for a in report.additions:
+        table = tomlkit.table()
+        for key, value in a.fields.items():
+            table[key] = value
+        table.trivia.indent = "\n"
+        docs[a.file][a.table].append(table)
+    for name, doc in docs.items():
+        texts[name] = (texts[name][0], tomlkit.dumps(doc))
+    if texts:
+        meta_old = (directory / "meta.toml").read_text()
+        meta = tomlkit.parse(meta_old)
+        meta["version"] = date.replace("-", ".")
+        texts["meta.toml"] = (meta_old, tomlkit.dumps(meta))
+    return {n: t for n, t in texts.items() if t[0] != t[1]}
+
+
+def unified_diff(texts: dict[str, tuple[str, str]]) -> str:
+    out = []
+    for name, (old, new) in sorted(texts.items()):
+        out.extend(difflib.unified_diff(old.splitlines(keepends=True), new.splitlines(keepends=True),
+                                        fromfile=f"a/matrices/{name}", tofile=f"b/matrices/{name}"))
+    return "".join(out)
+
+
+def write(directory: Path, texts: dict[str, tuple[str, str]]) -> None:
+    """Check the new set with the matrix loader on a temporary copy, then replace each file atomically."""
+    with tempfile.TemporaryDirectory(prefix="envtool-matrix-") as tmp:
+        for name in matrix_module.FILES:
+            shutil.copy2(directory / f"{name}.toml", Path(tmp) / f"{name}.toml")
+        for name, (_, new) in texts.items():
+            (Path(tmp) / name).write_text(new)
+        try:
+            matrix_module._load(Path(tmp))
+        except MatrixError as e:
+            raise MatrixError(f"the regenerated matrices fail the schema check, nothing written: "
+                              f"{str(e).replace(tmp, str(directory))}") from None
+    for name, (old, new) in texts.items():
+        target = directory / name
+        if target.read_text() != old:
+            raise MatrixError(f"{target} changed while envtool matrix update ran; nothing more written")
+        fd, tmp_path = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(new)
+            os.chmod(tmp_path, target.stat().st_mode & 0o777)
+            os.replace(tmp_path, target)
+        except BaseException:
+            Path(tmp_path).unlink(missing_ok=True)
+            raise
+
+
+def read(directory: Path) -> dict[str, dict]:
+    """The matrices as tomllib data (after the loader has checked them)."""
+    matrix_module._load(directory)
+    return {name: matrix_module._read(directory / f"{name}.toml") for name in matrix_module.FILES}
+
+
+def as_json(report: Report, *, texts: dict[str, tuple[str, str]], written: bool, pypi_url: str,
+            directory: Path) -> dict:
+    return {
+        "stale": report.stale,
+        "written": written,
+        "pypi_url": pypi_url,
+        "matrix_dir": str(directory),
+        "changes": [{"file": c.file, "row": c.row, "field": c.field, "old": c.old, "new": c.new, "why": c.why}
+                    for c in report.changes],
+        "added": [{"file": a.file, "row": a.row, "fields": a.fields, "why": a.why} for a in report.additions],
+        "needs_review": [{"file": r.file, "row": r.row, "why": r.why} for r in report.reviews],
+        "files": sorted(texts),
+        "diff": unified_diff(texts),
+    }
+
+
+def command(*, check: bool, json_out: bool, pypi_url: str | None, matrix_dir) -> int:
+    """`envtool matrix update [--check]`; returns the exit code."""
+    import json
+
+    from .progress import progress
+    from .upstream import pypi_url as resolve_pypi_url
+
+    directory = Path(matrix_dir) if matrix_dir else matrix_module.matrix_dir()
+    data = read(directory)
+    base = resolve_pypi_url(pypi_url)
+    date = today()
+    with progress(f"reading {base}", None) as advance:
+        client = Client(base, on_request=lambda url: advance(1))
+        report = regenerate(data, client, date=date)
+    texts = apply(directory, report, date=date)
+    written = False
+    if texts and not check:
+        write(directory, texts)
+        written = True
+    if json_out:
+        print(json.dumps(as_json(report, texts=texts, written=written, pypi_url=base, directory=directory),
+                         indent=2))
+        return 1 if check and report.stale else 0
+    _print_report(report, texts, written=written, check=check, base=base, directory=directory)
+    return 1 if check and report.stale else 0
+
+
+def _print_report(report: Report, texts, *, written: bool, check: bool, base: str, directory: Path) -> None:
+    import sys
+
+    for c in report.changes:
+        print(f"{c.file}: {c.row}: {c.field} {c.old} -> {c.new} ({c.why})")
+    for a in report.additions:
+        print(f"{a.file}: new row {a.row} ({a.why})")
+    for r in report.reviews:
+        print(f"needs review: {r.file}: {r.row}: {r.why}")
+    diff = unified_diff(texts)
+    if diff:
+        if sys.stdout.isatty():
+            from rich.console import Console
+            from rich.syntax import Syntax
+
+            Console().print(Syntax(diff, "diff", theme="ansi_dark", background_color="default"))
+        else:
+            print(diff, end="")
+    counts = (f"{len(report.changes)} field(s) to change, {len(report.additions)} new row(s), "
+              f"{len(report.reviews)} item(s) need review")
+    if not report.stale:
+        print(f"matrices in {directory} are current with {base}")
+    elif check:
+        print(f"matrices are stale: {counts}" + ("; run `envtool matrix update` to write the changes" if texts
+                                                  else ""))
+    elif written:
+        print(f"wrote {', '.join(sorted(texts))} in {directory} ({counts})")
+    else:
+        print(f"nothing to write: {counts}")

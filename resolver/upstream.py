@@ -1,0 +1,370 @@
+"""Reading package metadata from a PyPI-compatible index: what `envtool matrix update` regenerates from.
+
+Three sources, all overridable with --pypi-url / $ENVTOOL_PYPI_URL (a mirror serving the same paths):
+- the JSON API `{pypi}/pypi/{name}/json`: every release with its files (filename, requires_python, yanked);
+- the PEP 691 JSON simple API `{pypi}/simple/{name}/`, whose `core-metadata` (PEP 714; older name
+  `data-dist-info-metadata`) says a wheel's METADATA is served beside it as `<wheel url>.metadata` (PEP 658);
+- where an index does not serve PEP 658 files, the wheel's own METADATA member, read with HTTP range requests
+  (the zip's central directory, then that one member: a few hundred KB of a 900 MB torch wheel).
+
+Imported only by the `matrix` commands: requests stays off `envtool resolve`'s path.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import zipfile
+from email.parser import HeaderParser
+from email.message import Message
+from typing import Callable, NamedTuple
+from urllib.parse import urljoin
+
+import requests
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
+from packaging.utils import InvalidWheelFilename, canonicalize_name, parse_wheel_filename
+from packaging.version import InvalidVersion, Version
+
+from . import __version__
+from .errors import EnvtoolError
+
+PYPI_URL_ENV = "ENVTOOL_PYPI_URL"
+DEFAULT_PYPI_URL = "https://pypi.org"
+SIMPLE_JSON = "application/vnd.pypi.simple.v1+json"
+TIMEOUT = (10, 60)  # connect, read (seconds)
+RANGE_BLOCK = 512 * 1024
+
+
+class UpstreamError(EnvtoolError):
+    """Exit code 1: an upstream server could not be reached or answered with an error."""
+
+
+def pypi_url(option: str | None = None) -> str:
+    return (option or os.environ.get(PYPI_URL_ENV) or DEFAULT_PYPI_URL).rstrip("/")
+
+
+class WheelFile(NamedTuple):
+    filename: str
+    url: str
+    version: Version
+    python: tuple[int, int] | None  # from the cpXY / pyXY tag; None for a plain py3 wheel
+    later: bool  # also installs on every later Python (a cpXY-abi3 or pyXY-none wheel)
+    platforms: frozenset[str]  # the platform tags, e.g. {"manylinux_2_28_x86_64"}
+    requires_python: str | None
+    yanked: bool
+
+    def for_linux(self, machine: str) -> bool:
+        return any(p.startswith(("manylinux", "linux")) and p.endswith(machine) for p in self.platforms)
+
+
+class Release(NamedTuple):
+    version: Version
+    files: list[WheelFile]  # wheels only
+    requires_python: str | None  # of its files (they agree on every project envtool reads)
+    yanked: bool  # every file yanked
+
+
+class Project(NamedTuple):
+    name: str
+    releases: dict[Version, Release]
+
+    def final(self) -> list[Release]:
+        """Releases a resolver would pick: not pre/dev releases, not (wholly) yanked, with files; oldest first."""
+        return sorted((r for r in self.releases.values() if not r.version.is_prerelease and not r.yanked),
+                      key=lambda r: r.version)
+
+
+class Client:
+    """A requests session with timeouts, one-line errors, a response cache and a progress hook."""
+
+    def __init__(self, base_url: str, *, on_request: Callable[[str], None] | None = None):
+        self.base_url = base_url.rstrip("/")
+        self.session = requests.Session()
+        self.session.headers["User-Agent"] = f"envtool/{__version__} (matrix update)"
+        self.on_request = on_request or (lambda url: None)
+        self._projects: dict[str, Project] = {}
+        self._simple: dict[str, dict[str, dict]] = {}
+        self._metadata: dict[str, Message] = {}
+
+    # ------------------------------------------------------------------ HTTP
+
+    def get(self, url: str, *, accept: str | None = None, headers: dict | None = None,
+            ok: tuple[int, ...] = (200,)) -> requests.Response:
+        self.on_request(url)
+        h = dict(headers or {})
+        if accept:
+            h["Accept"] = accept
+        try:
+            r = self.session.get(url, headers=h, timeout=TIMEOUT)
+        except requests.RequestException as e:
+            raise UpstreamError(f"cannot reach {url}: {_reason(e)}") from None
+        if r.status_code not in ok:
+            raise UpstreamError(f"{url}: HTTP {r.status_code} {r.reason or ''}".rstrip())
+        return r
+
+    def json(self, url: str, *, accept: str | None = None) -> dict:
+        r = self.get(url, accept=accept)
+        try:
+            return r.json()
+        except ValueError:
+            raise UpstreamError(f"{url}: the answer is not JSON ({r.headers.get('Content-Type', '?')})") from None
+
+    # ------------------------------------------------------------------ the JSON API
+
+    def project(self, name: str) -> Project:
+        key = canonicalize_name(name)
+        if key not in self._projects:
+            url = f"{self.base_url}/pypi/{key}/json"
+            self._projects[key] = parse_project(self.json(url), url)
+        return self._projects[key]
+
+    # ------------------------------------------------------------------ PEP 691 + PEP 658
+
+    def simple_files(self, name: str) -> dict[str, dict]:
+        """filename -> the PEP 691 file entry (with absolute url)."""
+        key = canonicalize_name(name)
+        if key not in self._simple:
+            url = f"{self.base_url}/simple/{key}/"
+            r = self.get(url, headers={"Accept": SIMPLE_JSON}, ok=(200, 404, 406))
+            if r.status_code != 200 or "json" not in r.headers.get("Content-Type", ""):
+                self._simple[key] = {}  # no PEP 691 here (an older mirror): no PEP 658 either; wheels are read
+                return self._simple[key]
+            try:
+                data = r.json()
+            except ValueError:
+                raise UpstreamError(f"{url}: the answer is not JSON") from None
+            if not isinstance(data.get("files"), list):
+                raise UpstreamError(f"{url}: not a PEP 691 project page (no 'files' list)")
+            self._simple[key] = {f["filename"]: dict(f, url=urljoin(url, f["url"])) for f in data["files"]
+                                 if isinstance(f, dict) and "filename" in f and "url" in f}
+        return self._simple[key]
+
+    def metadata(self, name: str, wheel: WheelFile) -> Message:
+        """The wheel's core metadata (METADATA): its PEP 658 file when the index serves one, else read from
+        the wheel with range requests."""
+        if wheel.filename in self._metadata:
+            return self._metadata[wheel.filename]
+        entry = self.simple_files(name).get(wheel.filename)
+        advertised = entry and (entry.get("core-metadata") or entry.get("data-dist-info-metadata"))
+        url = entry["url"] if entry else wheel.url
+        if advertised:
+            text = self.get(url + ".metadata").content.decode("utf-8", "replace")
+        else:
+            text = self.metadata_from_wheel(url)
+        message = HeaderParser().parsestr(text)
+        self._metadata[wheel.filename] = message
+        return message
+
+    def metadata_from_wheel(self, url: str) -> str:
+        remote = _RangeFile(self, url)
+        try:
+            with zipfile.ZipFile(remote) as z:
+                names = [n for n in z.namelist() if re.fullmatch(r"[^/]+\.dist-info/METADATA", n)]
+                if len(names) != 1:
+                    raise UpstreamError(f"{url}: no single *.dist-info/METADATA in the wheel")
+                return z.read(names[0]).decode("utf-8", "replace")
+        except zipfile.BadZipFile as e:
+            raise UpstreamError(f"{url}: not a readable wheel ({e})") from None
+
+    # ------------------------------------------------------------------ HEAD (verify)
+
+    def exists(self, url: str) -> tuple[bool, str]:
+        """(found, what the server said) after following redirects; servers that refuse HEAD get a GET."""
+        self.on_request(url)
+        try:
+            r = self.session.head(url, allow_redirects=True, timeout=TIMEOUT)
+            if r.status_code in (403, 405, 501):  # some CDNs answer HEAD differently from GET
+                r = self.session.get(url, allow_redirects=True, timeout=TIMEOUT, stream=True)
+                r.close()
+        except requests.RequestException as e:
+            raise UpstreamError(f"cannot reach {url}: {_reason(e)}") from None
+        return r.status_code == 200, f"HTTP {r.status_code}"
+
+
+class _RangeFile(io.RawIOBase):
+    """A read-only, seekable view of a remote file, fetched in blocks with HTTP Range requests."""
+
+    def __init__(self, client: Client, url: str):
+        self.client, self.url, self.pos = client, url, 0
+        self.blocks: dict[int, bytes] = {}
+        # The last block also tells the size (Content-Range: bytes a-b/SIZE).
+        r = client.get(url, headers={"Range": f"bytes=-{RANGE_BLOCK}"}, ok=(206, 200))
+        if r.status_code == 200:  # no range support: the whole file came back
+            self.size = len(r.content)
+            self.blocks = {i: r.content[i * RANGE_BLOCK:(i + 1) * RANGE_BLOCK]
+                           for i in range(self.size // RANGE_BLOCK + 1)}
+            return
+        m = re.match(r"bytes (\d+)-(\d+)/(\d+)", r.headers.get("Content-Range", ""))
+        if not m:
+            raise UpstreamError(f"{url}: a range request came back without Content-Range")
+        self.size = int(m.group(3))
+        start = int(m.group(1))
+        data = r.content
+        # Cache it by block: the tail may start mid-block.
+        self._tail_start, self._tail = start, data
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self.pos = {0: offset, 1: self.pos + offset, 2: self.size + offset}[whence]
+        return self.pos
+
+    def read(self, n: int = -1) -> bytes:
+        end = self.size if n is None or n < 0 else min(self.size, self.pos + n)
+        out = bytearray()
+        while self.pos < end:
+            chunk = self._chunk(self.pos, end)
+            out += chunk
+            self.pos += len(chunk)
+        return bytes(out)
+
+    def readinto(self, b) -> int:
+        data = self.read(len(b))
+        b[: len(data)] = data
+        return len(data)
+
+    def _chunk(self, pos: int, end: int) -> bytes:
+        tail_start = getattr(self, "_tail_start", None)
+        if tail_start is not None and pos >= tail_start:
+            return self._tail[pos - tail_start:end - tail_start]
+        index = pos // RANGE_BLOCK
+        if index not in self.blocks:
+            first = index * RANGE_BLOCK
+            last = min(self.size, first + RANGE_BLOCK) - 1
+            if tail_start is not None:
+                last = min(last, tail_start - 1)
+            r = self.client.get(self.url, headers={"Range": f"bytes={first}-{last}"}, ok=(206,))
+            self.blocks[index] = r.content
+        block = self.blocks[index]
+        offset = pos - index * RANGE_BLOCK
+        if offset >= len(block):
+            raise UpstreamError(f"{self.url}: a range request came back short")
+        return block[offset:offset + (end - pos)]
+
+
+def _reason(e: Exception) -> str:
+    text = str(e)
+    for pattern in (r"Failed to resolve '[^']+'", r"Connection refused", r"timed out", r"Name or service not known",
+                    r"CERTIFICATE_VERIFY_FAILED"):
+        m = re.search(pattern, text)
+        if m:
+            return m.group(0)
+    return type(e).__name__ + (f": {text[:160]}" if text else "")
+
+
+# ---------------------------------------------------------------------------- parsing
+
+
+def parse_project(data: dict, url: str) -> Project:
+    if not isinstance(data, dict) or not isinstance(data.get("releases"), dict):
+        raise UpstreamError(f"{url}: not a PyPI JSON API project page (no 'releases')")
+    name = canonicalize_name(data.get("info", {}).get("name") or url.rstrip("/").split("/")[-2])
+    releases: dict[Version, Release] = {}
+    for text, files in data["releases"].items():
+        try:
+            version = Version(text)
+        except InvalidVersion:
+            continue
+        wheels, requires, yanked = [], None, bool(files)
+        for f in files or []:
+            requires = requires or f.get("requires_python")
+            yanked = yanked and bool(f.get("yanked"))
+            wheel = parse_wheel(f, url)
+            if wheel:
+                wheels.append(wheel)
+        releases[version] = Release(version, wheels, requires, yanked if files else True)
+    return Project(name, releases)
+
+
+def parse_wheel(f: dict, base: str) -> WheelFile | None:
+    filename = f.get("filename", "")
+    if not filename.endswith(".whl"):
+        return None
+    try:
+        _, version, _, tags = parse_wheel_filename(filename)
+    except InvalidWheelFilename:
+        return None
+    pythons = {(3, int(t.interpreter[3:])) for t in tags if re.fullmatch(r"(cp|py)3\d+", t.interpreter)}
+    later = any(t.abi == "abi3" or (t.interpreter.startswith("py") and t.abi == "none") for t in tags)
+    return WheelFile(filename=filename, url=urljoin(base, f.get("url", "")), version=version,
+                     python=min(pythons) if pythons else None, later=later,
+                     platforms=frozenset(t.platform for t in tags),
+                     requires_python=f.get("requires_python"), yanked=bool(f.get("yanked")))
+
+
+def python_range(release: Release, machine: str = "x86_64") -> str | None:
+    """The Pythons the release's Linux wheels for `machine` install on, as ">=3.10,<3.15" (the cpXY tags,
+    within its Requires-Python), or ">=3.9" where a cpXY-abi3 / pyXY-none wheel covers every later Python."""
+    wheels = [w for w in release.files if w.python and w.for_linux(machine) and not w.yanked]
+    spec = SpecifierSet()
+    if release.requires_python:
+        try:
+            spec = SpecifierSet(release.requires_python)
+        except InvalidSpecifier:
+            pass
+    pythons = sorted({w.python for w in wheels if spec.contains(f"{w.python[0]}.{w.python[1]}", prereleases=True)})
+    if not pythons:
+        return None
+    low, high = pythons[0], pythons[-1]
+    if any(w.later for w in wheels):
+        return f">={low[0]}.{low[1]}"
+    return f">={low[0]}.{low[1]},<{high[0]}.{high[1] + 1}"
+
+
+MACHINES = ("x86_64", "aarch64")
+
+
+def linux_machines(release: Release) -> list[str]:
+    """The Linux machines (x86_64, aarch64) the release publishes wheels for."""
+    return [m for m in MACHINES if any(w.for_linux(m) and not w.yanked for w in release.files)]
+
+
+def admits_python(release: Release, python: str) -> bool:
+    """Whether pip would install this release on `python` (its Requires-Python)."""
+    if not release.requires_python:
+        return True
+    try:
+        return SpecifierSet(release.requires_python).contains(python, prereleases=True)
+    except InvalidSpecifier:
+        return True
+
+
+def linux_wheel(release: Release, machine: str = "x86_64") -> WheelFile | None:
+    """The release's Linux wheel for `machine` with the lowest CPython tag (not free-threaded): the one whose
+    METADATA is read."""
+    wheels = [w for w in release.files if w.for_linux(machine) and not w.yanked]
+    regular = [w for w in wheels if not re.search(r"-cp3\d+t-", w.filename)] or wheels
+    return min(regular, key=lambda w: (w.python or (9, 99), w.filename), default=None)
+
+
+class Pin(NamedTuple):
+    version: str  # the lowest version the requirement accepts ("3.8.0" for ~=3.8.0)
+    specifier: str  # as written: "==3.1.0", "~=3.8.0"
+    marker: str  # "" when unconditional
+
+
+def requirement(metadata: Message, name: str) -> Pin | None:
+    """The Requires-Dist entry for `name` that applies without extras, if any."""
+    from packaging.requirements import InvalidRequirement, Requirement
+
+    for line in metadata.get_all("Requires-Dist") or []:
+        try:
+            req = Requirement(line)
+        except InvalidRequirement:
+            continue
+        if canonicalize_name(req.name) != canonicalize_name(name):
+            continue
+        marker = str(req.marker) if req.marker else ""
+        if "extra ==" in marker:
+            continue
+        lows = [s.version for s in req.specifier if s.operator in ("==", "~=", ">=", "===")]
+        return Pin(version=min(lows, key=Version) if lows else "", specifier=str(req.specifier), marker=marker)
+    return None

@@ -1,0 +1,311 @@
+"""`envtool matrix verify`: does every wheel a plan can name exist upstream?
+
+What a plan can name, enumerated from the matrix the way the solver uses it:
+- torch: for every [[release]] and each of its builds (and the CPU build), the index page
+  `{torch index}/torch/` (index_url with {variant}) must list a wheel of that version and variant for every
+  Python of the release's range, on each platform (x86_64, aarch64);
+- flash-attn: every wheel URL the solver produces for some GPU, Python, platform and `--flash-attn` pin
+  (found by running the solver's own candidate evaluation), checked with HEAD requests (redirects followed);
+- PyPI: every package version a plan pins: the training stack rows, xformers, and triton (a Linux wheel for
+  every Python and platform a plan names it with).
+URLs come from the matrix, $ENVTOOL_TORCH_INDEX_URL, $ENVTOOL_FLASH_ATTN_URL and --pypi-url/$ENVTOOL_PYPI_URL.
+"""
+
+from __future__ import annotations
+
+import html
+import os
+import re
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, NamedTuple
+from urllib.parse import unquote
+
+from packaging.utils import InvalidWheelFilename, canonicalize_name, parse_wheel_filename
+from packaging.version import Version
+
+from .matrix import Matrix, in_range
+from .upstream import Client, UpstreamError
+
+PLATFORMS = ("x86_64", "aarch64")
+
+
+class Check(NamedTuple):
+    kind: str  # "torch index" | "flash-attn wheel" | "pypi"
+    what: str  # what a plan names: "torch 2.8.0+cu128 cp311 x86_64"
+    url: str  # what is fetched: the index page, the wheel URL, the project's JSON
+    match: tuple = ()  # listing/pypi: (name, version, local, python, machine); head: ()
+
+
+class Missing(NamedTuple):
+    check: Check
+    why: str
+
+
+def pythons(spec: str) -> list[str]:
+    return [f"3.{n}" for n in range(0, 40) if in_range(f"3.{n}", spec)]
+
+
+def checks(m: Matrix, *, torch_index: str, pypi: str) -> list[Check]:
+    out: list[Check] = []
+    # torch: the index pages
+    for r in m.torch:
+        builds = [("cpu", PLATFORMS)] + [(b.variant, build_platforms(b)) for b in r.build]
+        for variant, platforms in builds:
+            page = torch_index.format(variant=variant).rstrip("/") + "/torch/"
+            for py in pythons(r.python):
+                for machine in platforms:
+                    out.append(Check("torch index", f"torch {r.version}+{variant} cp{py.replace('.', '')} {machine}",
+                                     page, ("torch", r.version, variant, py, machine)))
+    # flash-attn: what the solver names
+    for url, what in flash_attn_urls(m).items():
+        out.append(Check("flash-attn wheel", what, url))
+    # PyPI: pinned versions
+    pinned: dict[tuple[str, str], str] = {}
+    for s in m.stacks:
+        for name, version in s.packages.items():
+            pinned.setdefault((name, version), f"{name} {version} ([[stack]] torch{s.torch} python{s.python})")
+    for x in m.xformers:
+        pinned.setdefault(("xformers", x.version), f"xformers {x.version} (--attention xformers)")
+    xformers: dict[tuple[str, str, str], str] = {}
+    for r in m.torch:  # the release `--attention xformers` picks for this torch, on each Python and platform
+        for py in pythons(r.python):
+            for machine in PLATFORMS:
+                fits = [x for x in m.xformers if in_range(r.version, x.torch)
+                        and machine in (getattr(x, "platforms", None) or ["x86_64"])
+                        and (getattr(x, "python", None) is None or in_range(py, x.python))]
+                if fits:
+                    x = max(fits, key=lambda x: Version(x.version))
+                    xformers.setdefault((x.version, py, machine), f"torch {r.version}")
+    for (name, version), what in pinned.items():
+        out.append(Check("pypi", what, f"{pypi}/pypi/{canonicalize_name(name)}/json", (name, version, None, None, None)))
+    triton: dict[tuple[str, str, str], str] = {}
+    for r in m.torch:
+        if r.triton and r.build:
+            for py in pythons(r.python):
+                for machine in PLATFORMS:
+                    if names_triton(m, r, py, machine):
+                        triton.setdefault((r.triton, py, machine), f"torch {r.version}")
+    for (version, py, machine), by in xformers.items():
+        out.append(Check("pypi", f"xformers {version} cp{py.replace('.', '')} {machine} (with {by})",
+                         f"{pypi}/pypi/xformers/json", ("xformers", version, None, py, machine)))
+    for (version, py, machine), by in triton.items():
+        out.append(Check("pypi", f"triton {version} cp{py.replace('.', '')} {machine} (pinned by {by})",
+                         f"{pypi}/pypi/triton/json", ("triton", version, None, py, machine)))
+    return out
+
+
+def build_platforms(build) -> tuple[str, ...]:
+    """The platforms a CUDA build is planned for: where the schema records aarch64 arch lists
+    (`sass_aarch64`), aarch64 only for builds that have one."""
+    if "sass_aarch64" in type(build)._fields:
+        return ("x86_64",) + (("aarch64",) if build.sass_aarch64 is not None else ())
+    return PLATFORMS
+
+
+def names_triton(m: Matrix, r, py: str, machine: str) -> bool:
+    """Whether a plan for torch release `r` on this Python and machine names its triton pin: everywhere,
+    unless the schema records where the requirement's marker applies and where triton has wheels."""
+    if machine not in (getattr(r, "triton_platforms", None) or PLATFORMS):
+        return False
+    if getattr(r, "triton_python", None) and not in_range(py, r.triton_python):
+        return False
+    wheels = m.triton_release(r.triton) if hasattr(m, "triton_release") else None
+    return wheels is None or (machine in wheels.platforms and in_range(py, wheels.python))
+
+
+def flash_attn_urls(m: Matrix) -> dict[str, str]:
+    """Every flash-attn wheel URL a plan can name: the solver's own search, for a GPU each implementation runs
+    on, every Python a torch release covers, each platform, and each release pinned with --flash-attn."""
+    from .errors import EnvtoolError
+    from .hardware import from_cc
+    from .solve import Request, evaluate
+
+    all_pythons = sorted({py for r in m.torch for py in pythons(r.python)}, key=Version)
+    urls: dict[str, str] = {}
+    for impl in m.flash_attn_impls:
+        try:
+            gpu = from_cc(impl.min_cc, m, name=f"sm_{impl.min_cc.replace('.', '')}", memory_gb=None,
+                          source="verify")
+        except EnvtoolError:
+            continue
+        for rel in m.flash_attn_releases:
+            if rel.impl != impl.name:
+                continue
+            for py in all_pythons:
+                for machine in PLATFORMS:
+                    req = Request(gpu=gpu, driver=None, python=py, platform=machine, flash_attn=rel.version)
+                    survivors, _ = evaluate(req, m)
+                    for c in survivors:
+                        if c.flash_attn is not None:
+                            urls.setdefault(c.flash_attn.wheel_url, f"flash-attn {c.flash_attn.version} for "
+                                            f"{c.label} cp{py.replace('.', '')} {machine}")
+    return urls
+
+
+def listing(text: str) -> list[str]:
+    """The file names a PEP 503 page links to."""
+    names = []
+    for href, label in re.findall(r"<a\s[^>]*href=\"([^\"]*)\"[^>]*>([^<]*)</a>", text, flags=re.I):
+        label = html.unescape(label).strip()
+        name = label if label.endswith(".whl") else unquote(html.unescape(href).split("#")[0].rsplit("/", 1)[-1])
+        names.append(name)
+    return names
+
+
+def wheel_matches(filename: str, name: str, version: str, local: str | None, python: str | None,
+                  machine: str | None) -> bool:
+    try:
+        dist, v, _, tags = parse_wheel_filename(filename)
+    except InvalidWheelFilename:
+        return False
+    if dist != canonicalize_name(name) or v.public != Version(version).public:
+        return False
+    if local is not None and v.local != local and not (local == "cpu" and v.local is None):
+        return False
+    if python is not None:
+        minor = int(python.split(".")[1])
+
+        def runs(t) -> bool:  # cpXY-cpXY, py3-none, or cpXY-abi3 / pyXY-none for Python >= X.Y
+            if t.interpreter in (f"cp3{minor}", "py3"):
+                return True
+            m = re.fullmatch(r"(cp|py)3(\d+)", t.interpreter)  # py39: pure-Python code for 3.9 and later
+            return bool(m and (t.abi == "abi3" or m.group(1) == "py") and int(m.group(2)) <= minor)
+
+        if not any(runs(t) for t in tags):
+            return False
+    if machine is not None:
+        if not any(t.platform.startswith(("manylinux", "linux")) and t.platform.endswith(machine) for t in tags):
+            return False
+    return True
+
+
+def run(all_checks: list[Check], client: Client, *, jobs: int = 8,
+        advance: Callable[[int], None] = lambda n: None) -> list[Missing]:
+    """Fetch every page and project once and HEAD every wheel URL, `jobs` at a time; what is missing."""
+    pages = sorted({c.url for c in all_checks if c.kind == "torch index"})
+    projects = sorted({c.url for c in all_checks if c.kind == "pypi"})
+    heads = sorted({c.url for c in all_checks if c.kind == "flash-attn wheel"})
+    fetched: dict[str, object] = {}
+
+    def get_page(url: str):
+        r = client.get(url, ok=tuple(range(200, 600)))
+        return ("page", r.status_code, listing(r.text) if r.status_code == 200 else [])
+
+    def get_project(url: str):
+        r = client.get(url, ok=tuple(range(200, 600)))
+        if r.status_code != 200:
+            return ("project", r.status_code, {})
+        try:
+            releases = r.json().get("releases", {})
+        except ValueError:
+            raise UpstreamError(f"{url}: the answer is not JSON") from None
+        return ("project", 200, releases)
+
+    def head(url: str):
+        return ("head",) + client.exists(url)
+
+    work = [(get_page, u) for u in pages] + [(get_project, u) for u in projects] + [(head, u) for u in heads]
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        futures = {pool.submit(fn, url): url for fn, url in work}
+        errors = []
+        for future, url in futures.items():
+            try:
+                fetched[url] = future.result()
+            except UpstreamError as e:
+                errors.append(e)
+            advance(1)
+        if errors:
+            raise UpstreamError(f"{errors[0]}" + (f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""))
+
+    missing = []
+    for c in all_checks:
+        result = fetched[c.url]
+        if c.kind == "flash-attn wheel":
+            _, found, said = result
+            if not found:
+                missing.append(Missing(c, said))
+        elif c.kind == "torch index":
+            _, status, names = result
+            if status != 200:
+                missing.append(Missing(c, f"index page: HTTP {status}"))
+            elif not any(wheel_matches(n, *c.match) for n in names):
+                missing.append(Missing(c, "not listed on the index page"))
+        else:
+            _, status, releases = result
+            name, version, _, py, machine = c.match
+            files = _release_files(releases, version)
+            if status != 200:
+                missing.append(Missing(c, f"HTTP {status}"))
+            elif files is None:
+                missing.append(Missing(c, f"{name} {version} is not on the index"))
+            elif not files or all(f.get("yanked") for f in files):
+                missing.append(Missing(c, f"{name} {version} has no (unyanked) files"))
+            elif py and not any(wheel_matches(f.get("filename", ""), name, version, None, py, machine)
+                                for f in files if not f.get("yanked")):
+                missing.append(Missing(c, f"no {name} {version} wheel for cp{py.replace('.', '')} Linux {machine}"))
+    return missing
+
+
+def _release_files(releases: dict, version: str) -> list | None:
+    for text, files in releases.items():
+        try:
+            if Version(text) == Version(version):
+                return files or []
+        except Exception:
+            continue
+    return None
+
+
+def summary(all_checks: list[Check], missing: list[Missing]) -> dict:
+    kinds: dict[str, int] = {}
+    for c in all_checks:
+        kinds[c.kind] = kinds.get(c.kind, 0) + 1
+    return {
+        "ok": not missing,
+        "checked": len(all_checks),
+        "by_kind": kinds,
+        "urls": len({c.url for c in all_checks}),
+        "missing": [{"kind": x.check.kind, "what": x.check.what, "url": x.check.url, "why": x.why} for x in missing],
+    }
+
+
+def torch_index_template(option: str | None, m: Matrix) -> str:
+    from .solve import TORCH_INDEX_ENV
+
+    return option or os.environ.get(TORCH_INDEX_ENV) or m.torch_index_url
+
+
+def command(*, json_out: bool, pypi_url: str | None, torch_index_url: str | None, flash_attn_url: str | None,
+            jobs: int, matrix_dir) -> int:
+    """`envtool matrix verify`; returns the exit code (1: something a plan names is missing)."""
+    import json
+    import sys
+
+    from . import matrix as matrix_module
+    from .progress import progress
+    from .solve import FLASH_ATTN_URL_ENV
+    from .upstream import pypi_url as resolve_pypi_url
+
+    if flash_attn_url:  # the solver reads the template from the environment
+        os.environ[FLASH_ATTN_URL_ENV] = flash_attn_url
+    m = matrix_module._load(matrix_dir) if matrix_dir else matrix_module.load()
+    pypi = resolve_pypi_url(pypi_url)
+    todo = checks(m, torch_index=torch_index_template(torch_index_url, m), pypi=pypi)
+    fetches = len({c.url for c in todo})
+    with progress("checking wheel URLs", fetches) as advance:
+        client = Client(pypi)
+        missing = run(todo, client, jobs=jobs, advance=advance)
+    result = summary(todo, missing)
+    if json_out:
+        print(json.dumps(result, indent=2))
+    else:
+        kinds = ", ".join(f"{n} {k}" for k, n in result["by_kind"].items())
+        if missing:
+            print(f"{len(missing)} of {len(todo)} wheels a plan can name are missing ({kinds}; "
+                  f"{fetches} URLs fetched):")
+            for x in missing:
+                print(f"  {x.check.what}: {x.check.url} ({x.why})")
+        else:
+            print(f"all {len(todo)} wheels a plan can name exist ({kinds}; {fetches} URLs fetched)")
+    sys.stdout.flush()
+    return 1 if missing else 0

@@ -1,0 +1,96 @@
+"""Re-capture the upstream metadata the `envtool matrix` tests serve (run by hand; the tests never go online).
+
+    PYTHONPATH=$PWD .venv/bin/python tests/resolver/data/upstream/capture.py [https://pypi.org]
+
+Writes, next to this file, trimmed but format-faithful copies of real answers:
+- pypi/<name>.json: the JSON API project page, with the releases the tests need (from the oldest version the
+  matrices pin) and, per release, its Linux wheels and sdist (plus one macOS wheel of torch, which the update
+  must ignore); `info.description` emptied. Every kept value is as PyPI sent it.
+- simple/<name>.json: the PEP 691 project page, the same files. Where the index did not advertise PEP 658
+  metadata (the mirror these were captured from does not), the `core-metadata` / `data-dist-info-metadata`
+  keys are added in PyPI's format (PEP 714) with the sha256 of the captured METADATA, as pypi.org serves them.
+- metadata/<wheel filename>.metadata: the wheel's METADATA (read with range requests from the real wheel),
+  its headers as published and its long description dropped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+from packaging.version import Version
+
+from resolver.upstream import Client, linux_wheel, parse_project
+
+HERE = Path(__file__).parent
+FLOORS = {"torch": "2.4.0", "xformers": "0.0.28", "flash-attn": "2.7.4", "triton": "3.0.0",
+          "transformers": "4.57.0", "peft": "0.17.0", "trl": "0.24.0", "accelerate": "1.10.0", "datasets": "4.4.0",
+          "deepspeed": "0.19.0", "bitsandbytes": "0.48.0"}
+METADATA_OF = {"torch", "xformers"}
+
+
+def keep_file(name: str, f: dict) -> bool:
+    fn = f["filename"]
+    if fn.endswith(".tar.gz"):
+        return True
+    linux = ("manylinux" in fn or "linux_" in fn) and ("x86_64" in fn or "aarch64" in fn)
+    if name in ("torch", "xformers", "triton"):
+        return linux or (name == "torch" and fn.endswith("-cp312-cp312-macosx_14_0_arm64.whl"))
+    return fn.endswith(".whl")
+
+
+def main(base: str) -> None:
+    client = Client(base)
+    for name, floor in FLOORS.items():
+        data = client.json(f"{base}/pypi/{name}/json")
+        data["info"]["description"] = ""
+        releases = {}
+        dev_kept = 0
+        for text, files in data["releases"].items():
+            v = Version(text)
+            if v < Version(floor):
+                continue
+            if v.is_prerelease:
+                dev_kept += 1
+                if dev_kept > 2:
+                    continue
+            releases[text] = [f for f in files if keep_file(name, f)]
+        data["releases"] = releases
+        data["urls"] = [f for f in data.get("urls", []) if keep_file(name, f)]
+        data["vulnerabilities"] = []
+        (HERE / "pypi").mkdir(exist_ok=True)
+        (HERE / "pypi" / f"{name}.json").write_text(json.dumps(data, separators=(",", ":")) + "\n")
+        if name not in METADATA_OF:
+            continue
+        project = parse_project(data, f"{base}/pypi/{name}/json")
+        kept = {f["filename"] for files in releases.values() for f in files}
+        simple = client.json(f"{base}/simple/{name}/", accept="application/vnd.pypi.simple.v1+json")
+        simple["files"] = [f for f in simple["files"] if f["filename"] in kept]
+        by_name = {f["filename"]: f for f in simple["files"]}
+        (HERE / "metadata").mkdir(exist_ok=True)
+        wheels = [linux_wheel(r) for r in project.final()]
+        if name == "torch":  # where the triton marker names no machine, the aarch64 wheel is read too
+            for release in project.final():
+                x86 = linux_wheel(release)
+                if x86 is not None and "platform_machine" not in str(client.metadata(name, x86).get_all("Requires-Dist")):
+                    wheels.append(linux_wheel(release, "aarch64"))
+        for wheel in wheels:
+            if wheel is None:
+                continue
+            text = client.metadata(name, wheel).as_string()
+            head = client.metadata_from_wheel(by_name[wheel.filename]["url"]).split("\n\n", 1)[0] + "\n\n"
+            (HERE / "metadata" / f"{wheel.filename}.metadata").write_text(head)
+            digest = {"sha256": hashlib.sha256(head.encode()).hexdigest()}
+            entry = by_name[wheel.filename]
+            entry.setdefault("core-metadata", digest)
+            entry.setdefault("data-dist-info-metadata", digest)
+            del text
+        (HERE / "simple").mkdir(exist_ok=True)
+        (HERE / "simple" / f"{name}.json").write_text(json.dumps(simple, separators=(",", ":")) + "\n")
+        print(name, len(releases), "releases")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "https://pypi.org")

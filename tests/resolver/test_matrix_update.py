@@ -1,0 +1,513 @@
+"""`envtool matrix update` and `envtool matrix verify`, run as a user runs them, against a server on 127.0.0.1
+that answers with captured real PyPI metadata (tests/resolver/data/upstream, see capture.py there).
+
+The tests work on a copy of the repository's matrices, so corrections to the data rows do not break them:
+each starts by bringing its copy up to date with the captured upstream, then changes what it tests.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import socket
+from pathlib import Path
+
+import pytest
+import tomlkit
+
+from resolver import matrix as matrix_module
+from resolver.errors import MatrixError
+from tests.support.pypi import make_wheel
+from tests.support.upstream import World, serve
+
+from .conftest import run_envtool
+
+REPO_MATRICES = Path(matrix_module.__file__).resolve().parents[1] / "matrices"
+DATA_UPSTREAM = Path(__file__).parent / "data" / "upstream"
+
+
+def envtool(*args, **env):
+    env.setdefault("XDG_CACHE_HOME", env.pop("cache"))
+    return run_envtool(*args, **env)
+
+
+@pytest.fixture
+def world():
+    """The captured upstream, trimmed to what the matrix records for flash-attn (its newer releases need a
+    human and would always be reported)."""
+    w = World()
+    return w
+
+
+@pytest.fixture
+def copy(tmp_path):
+    """A copy of the repository's matrices whose torch rows start at 2.6 (older rows carry Python-dependent
+    pins the schema cannot state yet; they are reported for review, which these tests are not about)."""
+    target = tmp_path / "matrices"
+    target.mkdir()
+    for name in matrix_module.FILES:
+        shutil.copy2(REPO_MATRICES / f"{name}.toml", target / f"{name}.toml")
+    doc = tomlkit.parse((target / "torch.toml").read_text())
+    releases = doc["release"]
+    for i in reversed(range(len(releases))):
+        if tuple(int(x) for x in releases[i]["version"].split(".")[:2]) < (2, 6):
+            del releases[i]
+    (target / "torch.toml").write_text(tomlkit.dumps(doc))
+    return target
+
+
+def trim_flash_attn(world: World, directory: Path) -> None:
+    """Serve flash-attn and xformers with the releases the matrix records and no others: their new releases
+    need a human (wheel matrix, arch list), so with them upstream never reads as current."""
+    from packaging.version import Version
+
+    m = matrix_module._load(directory)
+    world.drop_releases("flash-attn", str(max(Version(r.version) for r in m.flash_attn_releases if r.impl == "fa2")))
+    recorded = {Version(x.version) for x in m.xformers}
+    releases = world.pypi["xformers"]["releases"]
+    world.pypi["xformers"]["releases"] = {v: f for v, f in releases.items()
+                                          if Version(v) in recorded or Version(v).is_prerelease}
+
+
+def update(url, directory, *args, tmp):
+    return envtool("matrix", "update", "--pypi-url", url, "--matrix-dir", str(directory), *args,
+                   cache=str(tmp / "cache"))
+
+
+def snapshot(directory: Path) -> dict[str, tuple[bytes, int]]:
+    return {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(directory.iterdir())}
+
+
+def make_current(url, directory, tmp):
+    out = update(url, directory, tmp=tmp)
+    assert out.returncode == 0, out.stderr
+    return out
+
+
+# ---------------------------------------------------------------------------- update
+
+
+def test_check_is_clean_when_the_matrices_match_upstream(world, copy, tmp_path):
+    trim_flash_attn(world, copy)
+    with serve(world) as url:
+        make_current(url, copy, tmp_path)
+        before = snapshot(copy)
+        out = update(url, copy, "--check", tmp=tmp_path)
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert "are current with" in out.stdout and "---" not in out.stdout
+        data = json.loads(update(url, copy, "--check", "--json", tmp=tmp_path).stdout)
+    assert data["stale"] is False and data["written"] is False
+    assert data["changes"] == data["added"] == data["needs_review"] == [] and data["diff"] == ""
+    assert snapshot(copy) == before
+    # what was read: the JSON API, the PEP 691 page and PEP 658 files, never a wheel
+    paths = [p for _, p, _ in world.requests]
+    assert "/pypi/torch/json" in paths and "/simple/torch/" in paths
+    assert any(p.endswith(".whl.metadata") for p in paths) and not any(p.endswith(".whl") for p in paths)
+
+
+def regress(copy: Path, world: World) -> tuple[str, str, str, str]:
+    """Make the copy what it was before upstream's newest torch patch and transformers release."""
+    torch_doc = tomlkit.parse((copy / "torch.toml").read_text())
+    torch_releases = world.pypi["torch"]["releases"]
+    row = next(r for r in reversed(torch_doc["release"])
+               if re.sub(r"\.(\d+)$", lambda m: f".{int(m.group(1)) - 1}", r["version"]) in torch_releases
+               and not r["version"].endswith(".0"))
+    newest_torch = str(row["version"])
+    older_torch = re.sub(r"\.(\d+)$", lambda m: f".{int(m.group(1)) - 1}", newest_torch)
+    text = (copy / "torch.toml").read_text()
+    (copy / "torch.toml").write_text(text.replace(f'version = "{newest_torch}"', f'version = "{older_torch}"'))
+    packages = (copy / "packages.toml").read_text()
+    newest_tf = tomlkit.parse(packages)["stack"][0]["packages"]["transformers"]
+    from packaging.version import Version
+
+    older_tf = str(max((Version(v) for v in world.pypi["transformers"]["releases"]
+                        if Version(v) < Version(newest_tf) and not Version(v).is_prerelease)))
+    (copy / "packages.toml").write_text(packages.replace(f'transformers = "{newest_tf}"',
+                                                         f'transformers = "{older_tf}"', 1))
+    matrix_module._load(copy)
+    return older_torch, newest_torch, older_tf, str(newest_tf)
+
+
+def test_check_names_newer_torch_and_transformers_releases_and_writes_nothing(world, copy, tmp_path):
+    trim_flash_attn(world, copy)
+    with serve(world) as url:
+        make_current(url, copy, tmp_path)
+        old_torch, new_torch, old_tf, new_tf = regress(copy, world)
+        before = snapshot(copy)
+        out = update(url, copy, "--check", tmp=tmp_path)
+        assert out.returncode == 1, out.stdout + out.stderr
+        assert f"version {old_torch} -> {new_torch}" in out.stdout
+        assert f"packages.transformers {old_tf} -> {new_tf}" in out.stdout
+        assert f'+version = "{new_torch}"' in out.stdout and "matrices are stale" in out.stdout
+        data = json.loads(update(url, copy, "--check", "--json", tmp=tmp_path).stdout)
+    assert snapshot(copy) == before
+    assert data["stale"] is True and data["written"] is False
+    found = {(c["file"], c["field"], c["old"], c["new"]) for c in data["changes"]}
+    assert ("torch.toml", "version", old_torch, new_torch) in found
+    assert ("packages.toml", "packages.transformers", old_tf, new_tf) in found
+    # meta.toml's version is today's date already (make_current wrote it)
+    assert {"torch.toml", "packages.toml"} <= set(data["files"]) <= {"torch.toml", "packages.toml", "meta.toml"}
+    assert set(data) == {"stale", "written", "pypi_url", "matrix_dir", "changes", "added", "needs_review", "files",
+                         "diff"}
+
+
+def test_update_writes_valid_files_keeping_comments(world, copy, tmp_path):
+    trim_flash_attn(world, copy)
+    with serve(world) as url:
+        make_current(url, copy, tmp_path)
+        old_torch, new_torch, old_tf, new_tf = regress(copy, world)
+        before = {n: (copy / n).read_text() for n in ("torch.toml", "packages.toml")}
+        out = update(url, copy, tmp=tmp_path)
+        assert out.returncode == 0, out.stderr
+        assert re.search(r"^wrote (meta.toml, )?packages.toml, torch.toml in ", out.stdout, flags=re.M), out.stdout
+        again = update(url, copy, "--check", tmp=tmp_path)
+    assert again.returncode == 0, again.stdout
+    m = matrix_module._load(copy)  # the schema check passes
+    assert new_torch in [r.version for r in m.torch] and m.stacks[0].packages["transformers"] == new_tf
+    for name, old in before.items():
+        new = (copy / name).read_text()
+        assert [line for line in old.splitlines() if line.startswith("#")] == \
+            [line for line in new.splitlines() if line.startswith("#")]
+        changed = [line for line in new.splitlines() if line not in old.splitlines()]
+        assert all(re.match(r'(version|packages|source) = ', line) for line in changed), changed
+    row = next(r for r in m.torch if r.version == new_torch)
+    assert "version updated by envtool matrix update from PyPI metadata on" in row.source
+    assert re.fullmatch(r"\d{4}\.\d{2}\.\d{2}", m.version)
+    assert not [p for p in copy.iterdir() if p.name.startswith(".")]  # no temp files left
+
+
+def test_a_new_torch_minor_becomes_a_row_without_builds(world, copy, tmp_path):
+    trim_flash_attn(world, copy)
+    with serve(world) as url:
+        make_current(url, copy, tmp_path)
+        doc = tomlkit.parse((copy / "torch.toml").read_text())
+        newest = doc["release"][-1]
+        version, python, triton = str(newest["version"]), str(newest["python"]), newest.get("triton")
+        del doc["release"][-1]
+        (copy / "torch.toml").write_text(tomlkit.dumps(doc))
+        old = (copy / "torch.toml").read_text()
+        out = update(url, copy, tmp=tmp_path)
+        assert out.returncode == 0, out.stderr
+        assert f"torch.toml: new row torch {version}" in out.stdout
+        check = update(url, copy, "--check", "--json", tmp=tmp_path)
+    new = (copy / "torch.toml").read_text()
+    assert new.startswith(old.rstrip("\n") + "\n")  # appended; everything before it kept byte for byte
+    row = next(r for r in matrix_module._load(copy).torch if r.version == version)
+    assert row.python == python and row.triton == triton and row.build == [] and row.cxx11abi is True
+    assert "added by envtool matrix update from PyPI metadata on" in row.source
+    assert "builds not yet checked" in row.source
+    # still stale: a human must add its CUDA builds
+    assert check.returncode == 1
+    review = json.loads(check.stdout)["needs_review"]
+    assert [r["row"] for r in review] == [f"torch {version}"] and "[[release.build]]" in review[0]["why"]
+
+
+def test_new_xformers_and_flash_attn_releases_need_review_and_are_not_written(world, copy, tmp_path):
+    (copy / "xformers.toml").write_text('[[release]]\nversion = "0.0.29"\ntorch = "==2.5.1"\nmin_cc = "7.5"\n'
+                                        'source = "test"\n')
+    with serve(world) as url:
+        make_current(url, copy, tmp_path)
+        before = snapshot(copy)
+        out = update(url, copy, "--check", "--json", tmp=tmp_path)
+    assert out.returncode == 1
+    review = {(r["file"], r["row"]): r["why"] for r in json.loads(out.stdout)["needs_review"]}
+    assert "0.0.29.post1 pins the same torch==2.5.1" in review["xformers.toml", "xformers 0.0.29"]
+    assert "Requires-Dist torch==2.6.0" in review["xformers.toml", "xformers 0.0.29.post2"]
+    assert "Requires-Dist torch>=2.10" in review["xformers.toml", "xformers 0.0.35"]
+    assert not [r for r in review if r[1].startswith("xformers 0.0.34.dev")]  # pre-releases are not releases
+    from packaging.version import Version
+
+    recorded = max(Version(r.version) for r in matrix_module._load(copy).flash_attn_releases if r.impl == "fa2")
+    upstream = {f"flash-attn {v}" for v in world.pypi["flash-attn"]["releases"]
+                if Version(v) > recorded and not Version(v).is_prerelease}
+    assert {r[1] for r in review if r[0] == "flash_attn.toml"} == upstream
+    assert snapshot(copy) == before
+
+
+TORCH_251 = '''index_url = "https://download.pytorch.org/whl/{variant}"
+
+[[release]]
+version = "2.5.1"
+python = ">=3.9,<3.14"
+triton = "3.1.0"
+cxx11abi = false
+source = "test"
+
+[[release.build]]
+variant = "cu124"
+cuda = "12.4"
+status = "stable"
+sass = ["5.0", "6.0", "7.0", "7.5", "8.0", "8.6", "9.0"]
+source = "test"
+'''
+
+
+def test_a_triton_pin_for_some_pythons_only_is_written_or_reported(world, copy, tmp_path):
+    """torch 2.5.1's wheel requires triton only where python_version < "3.13" (its real METADATA): a schema with
+    `triton_python` gets the marker written; one without reports that its `triton` cannot say so."""
+    trim_flash_attn(world, copy)
+    has_field = "triton_python" in matrix_module.TorchRelease._fields
+    # a wrong marker to be corrected where the schema records it
+    (copy / "torch.toml").write_text(TORCH_251.replace('cxx11abi = false\n', 'cxx11abi = false\ntriton_python = "<3.12"\n'
+                                                       'triton_platforms = ["x86_64"]\n') if has_field else TORCH_251)
+    matrix_module._load(copy)
+    with serve(world) as url:
+        out = update(url, copy, "--check", "--json", tmp=tmp_path)
+        data = json.loads(out.stdout)
+        if has_field:
+            assert [(c["field"], c["old"], c["new"]) for c in data["changes"] if c["row"] == "torch 2.5.1"] == \
+                [("triton_python", "<3.12", "<3.13")]
+            assert update(url, copy, tmp=tmp_path).returncode == 0
+            assert matrix_module._load(copy).torch[0].triton_python == "<3.13"
+        else:
+            (why,) = [r["why"] for r in data["needs_review"] if r["row"] == "torch 2.5.1"]
+            assert "only for Python <3.13" in why and "(not 3.13)" in why
+            assert not [c for c in data["changes"] if c["row"] == "torch 2.5.1"]
+
+
+@pytest.mark.parametrize("failure", ["500 on a metadata page", "404 on a project", "unreachable"])
+def test_upstream_failure_is_one_line_and_touches_nothing(world, copy, tmp_path, failure):
+    trim_flash_attn(world, copy)
+    with serve(world) as url:
+        make_current(url, copy, tmp_path)
+        regress(copy, world)
+        before = snapshot(copy)
+        if failure == "500 on a metadata page":
+            world.fail["/simple/xformers/"] = 500
+            expect = f"{url}/simple/xformers/: HTTP 500"
+        elif failure == "404 on a project":
+            world.fail["/pypi/transformers/json"] = 404
+            expect = f"{url}/pypi/transformers/json: HTTP 404"
+        else:
+            with socket.socket() as s:  # a port nothing listens on
+                s.bind(("127.0.0.1", 0))
+                url = f"http://127.0.0.1:{s.getsockname()[1]}"
+            expect = f"cannot reach {url}/pypi/torch/json"
+        out = update(url, copy, tmp=tmp_path)
+    assert out.returncode == 1
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("envtool: error: ") and expect in lines[0], out.stderr
+    assert out.stdout == ""
+    assert snapshot(copy) == before
+
+
+def test_regenerated_files_failing_the_schema_replace_nothing(copy):
+    from resolver.update import write
+
+    before = snapshot(copy)
+    torch = (copy / "torch.toml").read_text()
+    meta = (copy / "meta.toml").read_text()
+    texts = {"meta.toml": (meta, meta.replace('version = "', 'version = "9')),
+             "torch.toml": (torch, torch.replace('python = ">=', 'python = "~=', 1))}
+    with pytest.raises(MatrixError, match=r"fail the schema check, nothing written: .*torch.toml"):
+        write(copy, texts)
+    assert snapshot(copy) == before
+
+
+def test_metadata_is_read_from_the_wheel_with_range_requests_when_the_index_has_no_pep658(tmp_path):
+    """The fallback for indexes without PEP 658 files: the zip's central directory, then the one member."""
+    import os
+
+    from resolver.upstream import Client
+
+    wheel = make_wheel(tmp_path, "bigpkg", "1.0", tag="cp311-cp311-manylinux_2_28_x86_64",
+                       requires=["triton==3.1.0; python_version < \"3.13\""],
+                       files={"bigpkg/blob.bin": os.urandom(3 * 1024 * 1024).hex()})
+    world = World()
+    world.paths["/files/" + wheel.name] = (200, wheel.read_bytes(), {"Content-Type": "application/zip",
+                                                                     "Accept-Ranges": "bytes"})
+    with serve(world) as url:
+        text = Client(url).metadata_from_wheel(f"{url}/files/{wheel.name}")
+    assert "Name: bigpkg" in text and 'Requires-Dist: triton==3.1.0; python_version < "3.13"' in text
+    ranges = [r for _, p, r in world.requests if p.endswith(".whl")]
+    assert ranges and all(ranges)  # only range requests, never the whole file
+    fetched = sum(int(b) - int(a or 0) for a, b in (re.fullmatch(r"bytes=(\d*)-(\d+)", r).groups() for r in ranges))
+    assert fetched < wheel.stat().st_size / 2
+
+
+def test_an_index_without_pep691_is_read_through_the_wheels(world, tmp_path):
+    """A mirror with the JSON API but no PEP 691 pages: METADATA comes from the wheel, by range requests."""
+    from resolver.upstream import Client, linux_wheel, requirement
+
+    captured = (DATA_UPSTREAM / "metadata" / "torch-2.5.1-cp39-cp39-manylinux1_x86_64.whl.metadata").read_text()
+    (triton,) = [line.removeprefix("Requires-Dist: ") for line in captured.splitlines()
+                 if line.startswith("Requires-Dist: triton")]
+    # a stand-in wheel with the real wheel's name and triton requirement
+    wheel = make_wheel(tmp_path, "torch", "2.5.1", tag="cp39-cp39-manylinux1_x86_64", requires=[triton])
+    del world.simple["torch"]
+    doc = world.pypi["torch"]
+    doc["releases"] = {"2.5.1": [dict(f, url="/files/" + wheel.name) for f in doc["releases"]["2.5.1"]
+                                 if f["filename"] == wheel.name]}
+    world.paths["/files/" + wheel.name] = (200, wheel.read_bytes(), {"Content-Type": "application/zip",
+                                                                     "Accept-Ranges": "bytes"})
+    with serve(world) as url:
+        client = Client(url)
+        release = client.project("torch").final()[0]
+        pin = requirement(client.metadata("torch", linux_wheel(release)), "triton")
+    assert pin.version == "3.1.0" and 'python_version < "3.13"' in pin.marker
+    assert ("GET", "/simple/torch/", None) in world.requests
+    assert all(r for _, p, r in world.requests if p.startswith("/files/"))
+
+
+def test_resolve_does_not_import_the_matrix_commands_libraries():
+    import subprocess
+    import sys
+
+    script = ("import sys, runpy; sys.argv = ['envtool', 'resolve', '--gpu', 't4', '--json']\n"
+              "try:\n    runpy.run_module('resolver', run_name='__main__')\nexcept SystemExit:\n    pass\n"
+              "print(sorted({'requests', 'tomlkit', 'rich', 'urllib3'} & set(sys.modules)), file=sys.stderr)")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.stderr.strip().splitlines()[-1] == "[]", out.stderr
+
+
+# ---------------------------------------------------------------------------- verify
+
+SYNTHETIC_TORCH = '''index_url = "https://download.pytorch.org/whl/{variant}"
+
+[[release]]
+version = "2.15.0"
+python = ">=3.11,<3.13"
+triton = "3.9.0"
+cxx11abi = true
+source = "test"
+
+[[release.build]]
+variant = "cu130"
+cuda = "13.0"
+status = "stable"
+sass = ["7.5", "8.0", "9.0"]
+source = "test"
+
+[[release.build]]
+variant = "cu132"
+cuda = "13.2"
+status = "stable"
+sass = ["7.5", "8.0", "9.0"]
+source = "test"
+'''
+
+SYNTHETIC_FLASH_ATTN = '''wheel_url = "https://github.com/Dao-AILab/flash-attention/releases/download/v{version}/{filename}"
+
+[[impl]]
+name = "fa2"
+attention = "flash_attention_2"
+package = "flash-attn"
+min_cc = "8.0"
+source = "test"
+
+[[release]]
+version = "2.9.0"
+impl = "fa2"
+filename = "flash_attn-{version}+cu{cuda}torch{torch}cxx11abi{abi}-cp{py}-cp{py}-linux_{platform}.whl"
+torch = ["2.15"]
+cuda = { "13" = "13" }
+python = ["3.11", "3.12"]
+cxx11abi = [true, false]
+platforms = ["x86_64"]
+source = "test"
+'''
+
+SYNTHETIC_XFORMERS = '''[[release]]
+version = "0.0.35"
+torch = ">=2.10"
+min_cc = "7.5"
+source = "test"
+'''
+
+# What a plan can name with that matrix, written out by hand.
+FLASH_ATTN_FILES = ["flash_attn-2.9.0+cu13torch2.15cxx11abiTRUE-cp311-cp311-linux_x86_64.whl",
+                    "flash_attn-2.9.0+cu13torch2.15cxx11abiTRUE-cp312-cp312-linux_x86_64.whl"]
+TORCH_FILES = {variant: [f"torch-2.15.0+{variant}-cp{py}-cp{py}-manylinux_2_28_{machine}.whl"
+                         for py in ("311", "312") for machine in ("x86_64", "aarch64")]
+               for variant in ("cpu", "cu130", "cu132")}
+
+
+@pytest.fixture
+def synthetic(copy):
+    torch = SYNTHETIC_TORCH
+    if "sass_aarch64" in matrix_module.TorchBuild._fields:  # a schema that records aarch64 builds apart
+        torch = torch.replace('sass = ["7.5", "8.0", "9.0"]\n', 'sass = ["7.5", "8.0", "9.0"]\nsass_aarch64 = ["9.0"]\n')
+    (copy / "torch.toml").write_text(torch)
+    (copy / "flash_attn.toml").write_text(SYNTHETIC_FLASH_ATTN)
+    (copy / "xformers.toml").write_text(SYNTHETIC_XFORMERS)
+    matrix_module._load(copy)
+    return copy
+
+
+def publish(world: World, *, skip: str = "") -> None:
+    """download.pytorch.org-style index pages, and GitHub-style release assets (302 to the storage host)."""
+    for variant, files in TORCH_FILES.items():
+        links = "".join(f'<a href="/whl/{variant}/{f.replace("+", "%2B")}#sha256={"0" * 64}">{f}</a><br/>\n'
+                        for f in files if f != skip)
+        page = f"<!DOCTYPE html>\n<html>\n<body>\n<h1>Links for torch</h1>\n{links}</body>\n</html>\n"
+        world.paths[f"/whl/{variant}/torch/"] = (200, page.encode(), {"Content-Type": "text/html"})
+    for f in FLASH_ATTN_FILES:
+        if f != skip:
+            world.paths[f"/gh/v2.9.0/{f}"] = (302, b"", {"Location": f"/objects/{f}"})
+            world.paths[f"/objects/{f}"] = (200, b"PK\x05\x06" + b"\0" * 18, {"Content-Type": "application/octet-stream"})
+
+
+def verify(url, directory, tmp, *args):
+    return envtool("matrix", "verify", "--matrix-dir", str(directory), "--pypi-url", url,
+                   "--torch-index-url", f"{url}/whl/{{variant}}", "--flash-attn-url",
+                   f"{url}/gh/v{{version}}/{{filename}}", *args, cache=str(tmp / "cache"))
+
+
+def test_verify_passes_when_every_wheel_exists(world, synthetic, tmp_path):
+    publish(world)
+    with serve(world) as url:
+        out = verify(url, synthetic, tmp_path)
+        data = json.loads(verify(url, synthetic, tmp_path, "--json").stdout)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.startswith("all ") and "wheels a plan can name exist" in out.stdout
+    assert data["ok"] is True and data["missing"] == []
+    assert data["by_kind"]["torch index"] == 12 and data["by_kind"]["flash-attn wheel"] == 2
+    heads = {p for method, p, _ in world.requests if method == "HEAD"}
+    assert heads >= {f"/gh/v2.9.0/{f}" for f in FLASH_ATTN_FILES}  # and the redirect was followed
+    assert {f"/objects/{f}" for f in FLASH_ATTN_FILES} <= heads
+
+
+def test_verify_falls_back_to_get_where_storage_refuses_head(world, synthetic, tmp_path):
+    """Release assets redirect to storage URLs signed for GET only, which answer HEAD with 403."""
+    publish(world)
+    for f in FLASH_ATTN_FILES:
+        world.head_fail[f"/objects/{f}"] = 403
+    with serve(world) as url:
+        out = verify(url, synthetic, tmp_path)
+    assert out.returncode == 0, out.stdout
+    gets = {p for method, p, _ in world.requests if method == "GET"}
+    assert {f"/objects/{f}" for f in FLASH_ATTN_FILES} <= gets
+
+
+@pytest.mark.parametrize("skip", [FLASH_ATTN_FILES[1], TORCH_FILES["cu132"][1]])
+def test_verify_names_a_missing_wheel(world, synthetic, tmp_path, skip):
+    publish(world, skip=skip)
+    with serve(world) as url:
+        out = verify(url, synthetic, tmp_path)
+        data = json.loads(verify(url, synthetic, tmp_path, "--json").stdout)
+    assert out.returncode == 1
+    assert out.stdout.startswith("1 of ") and "missing" in out.stdout
+    (missing,) = data["missing"]
+    if skip.startswith("flash_attn"):
+        assert missing["url"] == f"{url}/gh/v2.9.0/{skip}" and missing["why"] == "HTTP 404"
+        assert missing["url"] in out.stdout
+    else:
+        assert missing["url"] == f"{url}/whl/cu132/torch/" and missing["what"] == "torch 2.15.0+cu132 cp311 aarch64"
+        assert missing["why"] == "not listed on the index page"
+
+
+def test_verify_checks_pinned_pypi_versions(world, synthetic, tmp_path):
+    """A plan pins triton from torch's row and xformers by torch: a version without a wheel for one of the
+    Pythons a plan names it with is named (here: the real files, minus one)."""
+    publish(world)
+    world.pypi["triton"]["releases"]["3.9.0"] = [f for f in world.pypi["triton"]["releases"]["3.9.0"]
+                                                 if "cp312-abi3" not in f["filename"] or "aarch64" not in f["filename"]]
+    world.pypi["xformers"]["releases"]["0.0.35"] = [f for f in world.pypi["xformers"]["releases"]["0.0.35"]
+                                                    if not f["filename"].endswith("x86_64.whl")]
+    with serve(world) as url:
+        out = verify(url, synthetic, tmp_path, "--json")
+    assert out.returncode == 1
+    assert [m["what"] for m in json.loads(out.stdout)["missing"]] == [
+        "xformers 0.0.35 cp311 x86_64 (with torch 2.15.0)", "xformers 0.0.35 cp312 x86_64 (with torch 2.15.0)",
+        "triton 3.9.0 cp312 aarch64 (pinned by torch 2.15.0)"]
