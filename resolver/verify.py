@@ -123,9 +123,9 @@ def flash_attn_urls(m: Matrix) -> dict[str, str]:
     all_pythons = sorted({py for r in m.torch for py in pythons(r.python)}, key=Version)
     urls: dict[str, str] = {}
     for impl in m.flash_attn_impls:
+        min_cc = m.backend(impl.attention).min_cc  # the oldest GPU it runs on (attention.toml)
         try:
-            gpu = from_cc(impl.min_cc, m, name=f"sm_{impl.min_cc.replace('.', '')}", memory_gb=None,
-                          source="verify")
+            gpu = from_cc(min_cc, m, name=f"sm_{min_cc.replace('.', '')}", memory_gb=None, source="verify")
         except EnvtoolError:
             continue
         for rel in m.flash_attn_releases:

@@ -393,7 +393,6 @@ SYNTHETIC_FLASH_ATTN = '''wheel_url = "https://github.com/Dao-AILab/flash-attent
 name = "fa2"
 attention = "flash_attention_2"
 package = "flash-attn"
-min_cc = "8.0"
 source = "test"
 
 [[release]]
