@@ -16,6 +16,7 @@ from pathlib import Path
 
 from trainer.config import Config
 from trainer.errors import ConfigError, HardwareError
+from trainer.planfile import find_plan, read_plan  # noqa: F401 (the one rule for finding the plan)
 
 # Name or alias -> compute capability ("cpu" has none). Enough to answer `validate --gpu NAME`
 # without the resolver; the resolver's matrices hold the full list.
@@ -116,28 +117,6 @@ def gpu_from_name(name: str) -> Gpu:
     if m:
         return Gpu(name=name, compute_capability=f"{int(m.group(1))}.{m.group(2)}", source="--gpu")
     raise ConfigError(f"unknown GPU '{name}'; known: {', '.join(KNOWN_GPUS)}, or a compute capability like sm_75 or 7.5")
-
-
-def read_plan(path: str | Path) -> dict:
-    path = Path(path)
-    try:
-        plan = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"plan file not found: {path}") from None
-    except json.JSONDecodeError as err:
-        raise ConfigError(f"plan file {path} is not valid JSON: {err}") from None
-    if not isinstance(plan, dict) or not isinstance(plan.get("gpu"), dict):
-        raise ConfigError(f"plan file {path} has no 'gpu' object; was it written by envtool?")
-    return plan
-
-
-def find_plan() -> tuple[dict, str] | None:
-    """The plan from ENVTOOL_PLAN, else ./plan.json, else None."""
-    if os.environ.get("ENVTOOL_PLAN"):
-        return read_plan(os.environ["ENVTOOL_PLAN"]), f"ENVTOOL_PLAN={os.environ['ENVTOOL_PLAN']}"
-    if Path("plan.json").is_file():
-        return read_plan("plan.json"), "./plan.json"
-    return None
 
 
 def gpu_from_plan(plan: dict, source: str) -> Gpu:

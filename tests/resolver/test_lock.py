@@ -295,4 +295,4 @@ def test_install_with_gpu_resolves_locks_and_installs_in_one_step(tmp_path, a100
     assert out.returncode == 0, out.stderr
     assert "installed torch 2.8.0+cu126" in out.stdout
     assert json.loads((tmp_path / ".venv.lock" / "plan.json").read_text())["gpu"]["name"] == "NVIDIA A100"
-    assert json.loads((venv / "envtool-plan.json").read_text())["attention"] == "flash_attention_2"
+    assert json.loads((venv / "plan.json").read_text())["attention"] == "flash_attention_2"
