@@ -537,7 +537,7 @@ def train(
     log(f"envtool: training in {launch.kind} environment {launch.path or ''} ({launch.why})")
     prepare(launch, plan, sources, quiet=quiet, say=log)
     log(f"envtool: {shlex.join(launch.command)}")
-    code = run(launch, plan, hf_cache=hf_cache)
+    code = run(launch, plan, hf_cache=hf_cache, stdout_to_stderr=json_out)
     if json_out:
         print(json.dumps({**summary, "exit_code": code}, indent=2))
     raise typer.Exit(code)

@@ -193,7 +193,8 @@ def _digest(data) -> str:
 def env_key(plan: Plan) -> str:
     """What an environment built for `plan` holds: its packages, where torch and flash-attn come from, the
     Python and platform, and envtool's own code (the trainer inside it). Two plans with the same key share
-    one environment; the GPU name, the reasons and the detection details do not change what is installed."""
+    one environment; the GPU name, the reasons, the detection details and the index (a mirror) do not change
+    what is installed."""
     from .selfwheel import PACKAGES, _package_files
 
     code = hashlib.sha256()
@@ -201,8 +202,9 @@ def env_key(plan: Plan) -> str:
         for arcname, path in _package_files(name):
             code.update(arcname.encode())
             code.update(path.read_bytes())
-    return _digest({"python": plan.python, "platform": plan.platform, "torch": plan.torch._asdict(),
-                    "flash_attn": plan.flash_attn._asdict() if plan.flash_attn else None,
+    return _digest({"python": plan.python, "platform": plan.platform,  # not where from: a mirror serves the same
+                    "torch": [plan.torch.version, plan.torch.variant],
+                    "flash_attn": plan.flash_attn.filename if plan.flash_attn else None,
                     "packages": plan.packages, "envtool": code.hexdigest()})
 
 
@@ -496,8 +498,10 @@ def _lock_and_install(plan: Plan, venv: Path, sources, quiet: bool) -> None:
     do_install(env_dir, venv, ca_bundle=sources.ca_bundle, quiet=quiet)
 
 
-def run(launch: Launch, plan: Plan, *, hf_cache: Path | None = None, shm_size: str = "8g") -> int:
-    """Start the trainer; its exit code is the result (its errors are already one line on stderr)."""
+def run(launch: Launch, plan: Plan, *, hf_cache: Path | None = None, shm_size: str = "8g",
+        stdout_to_stderr: bool = False) -> int:
+    """Start the trainer; its exit code is the result (its errors are already one line on stderr).
+    `stdout_to_stderr` keeps envtool's stdout for its own --json result."""
     import subprocess
 
     if launch.kind == "image":
@@ -509,6 +513,6 @@ def run(launch: Launch, plan: Plan, *, hf_cache: Path | None = None, shm_size: s
                           network_mode="host" if "--rdzv-backend=c10d" in launch.command else None)
     env = {**os.environ, **launch.env}
     try:
-        return subprocess.run(launch.command, env=env).returncode
+        return subprocess.run(launch.command, env=env, stdout=sys.stderr if stdout_to_stderr else None).returncode
     except FileNotFoundError:
         raise EnvtoolError(f"cannot start {launch.command[0]}: the environment is gone; run again to rebuild it") from None
