@@ -115,18 +115,9 @@ def install_into(env_dir: Path, python: str, *, keep: tuple[str, ...] = (), no_b
     exported = run_uv(["export", "--frozen", "--no-header", "--no-emit-project", "--emit-index-url",
                        "--emit-find-links", "--format", "requirements-txt", "--project", str(env_dir)],
                       what="Exporting the lock", env=env, quiet=True).stdout
-    kept = {re.sub(r"[-_.]+", "-", k).lower() for k in keep}
-    lines, constraints, skip = [], [], False
-    for line in exported.splitlines():  # one requirement per logical line: `name==version \` + hash lines
-        if skip:
-            skip = line.rstrip().endswith("\\")
-            continue
-        name = re.match(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==", line)
-        if name and re.sub(r"[-_.]+", "-", name[1]).lower() in kept:
-            skip = line.rstrip().endswith("\\")
-            continue
-        lines.append(line)
-    for name in sorted(kept):
+    lines = exported.splitlines()
+    constraints = []
+    for name in sorted(keep):  # the lock pins the kept package at its installed version; never another one
         version = subprocess.run([python, "-c", f"import importlib.metadata as m; print(m.version({name!r}))"],
                                  capture_output=True, text=True).stdout.strip()
         if version:
@@ -139,7 +130,7 @@ def install_into(env_dir: Path, python: str, *, keep: tuple[str, ...] = (), no_b
         args = ["pip", "install", "--python", python, "--require-hashes", "-r", str(work / "requirements.txt"),
                 "-c", str(work / "constraints.txt")]
         for package in sorted(set(no_build)):
-            args += ["--no-build-package", package]
+            args += ["--only-binary", package]
         run_uv(args, what=f"Installing into {python}", env=env, cwd=env_dir, quiet=quiet)
     finally:
         shutil.rmtree(work, ignore_errors=True)
