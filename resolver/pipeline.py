@@ -457,8 +457,6 @@ def venv_runs(venv: Path, plan: Plan, opts: PlanOptions) -> bool:
 
 def _image_exists(tag: str) -> bool:
     try:
-        import docker
-
         from .docker import client
 
         client().images.get(tag)
