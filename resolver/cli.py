@@ -263,6 +263,9 @@ def install(
     offline: Annotated[bool, typer.Option("--offline", help="Install from a wheelhouse with no network.")] = False,
     wheelhouse: Annotated[Optional[Path], typer.Option(
         "--wheelhouse", help="The wheelhouse for --offline (default: ENV_DIR/wheelhouse).")] = None,
+    check_imports: Annotated[bool, typer.Option("--check-imports", help="Import torch, transformers and the "
+                                                "trainer before the swap (seconds: their first import compiles "
+                                                "bytecode); by default they must be found, at their versions.")] = False,
     json_out: JsonOpt = False,
     *,
     opts,
@@ -291,8 +294,9 @@ def install(
         python = shutil.which(target) or target
         with tempfile.TemporaryDirectory(prefix="envtool-system-") as work:
             result = install_system(python, env_dir, opts._replace(python=None, gpu=opts.gpu or "auto"), sources,
-                                    work=Path(work), quiet=json_out, say=say)
-        result.pop("lock", None) if env_dir is None else None
+                                    work=Path(work), quiet=json_out, check_imports=check_imports, say=say)
+        if env_dir is None:
+            result.pop("lock")  # a temporary directory, gone now
         if json_out:
             print(json.dumps(result, indent=2))
             return
@@ -303,7 +307,8 @@ def install(
         return
     if env_dir is not None and opts.gpu is not None:
         raise BadInput("give a lock directory or --gpu, not both")
-    result = do_install(env_dir, venv, opts, sources, offline=offline, wheelhouse=wheelhouse, quiet=json_out)
+    result = do_install(env_dir, venv, opts, sources, offline=offline, wheelhouse=wheelhouse, quiet=json_out,
+                        check_imports=check_imports)
     if json_out:
         print(json.dumps(result, indent=2))
     else:
@@ -499,7 +504,8 @@ def train(
     plan, notes = plan_for_config(config, opts)
     if emit == "k8s":
         image = True
-    launch = plan_launch(plan, config, opts, dist, venv=venv, image=image, isolated=isolated)
+    launch = plan_launch(plan, config, opts, dist, venv=venv, image=image, isolated=isolated,
+                         mounted=emit != "k8s")  # k8s carries the config in a ConfigMap
     quiet = json_out
     log = (lambda s: None) if quiet else say
     if emit:

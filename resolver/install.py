@@ -27,10 +27,16 @@ from .plan import PLAN_FILE
 from .uvrun import run_uv, uv_env
 from .wheelhouse import check as check_wheelhouse
 
-IMPORT_CHECK = (
+IMPORT_CHECK = (  # --check-imports: runs them (torch's native libraries load); seconds, mostly compiling bytecode
     "import json, importlib.metadata as md, torch, transformers, trainer; "
     "print(json.dumps({'torch': torch.__version__, 'transformers': transformers.__version__, "
     "'envtool': md.version('envtool')}))"
+)
+PRESENCE_CHECK = (  # the default: the interpreter starts and finds them, at the installed versions; ~0.1 s
+    "import json, importlib.metadata as md, importlib.util as u; "
+    "missing = [m for m in ('torch', 'transformers', 'trainer') if u.find_spec(m) is None]; "
+    "assert not missing, 'cannot find ' + ', '.join(missing); "
+    "print(json.dumps({n: md.version(n) for n in ('torch', 'transformers', 'envtool')}))"
 )
 
 
@@ -39,7 +45,7 @@ def versions_dir(venv: Path) -> Path:
 
 
 def install(env_dir: Path, venv: Path, *, offline: bool = False, wheelhouse: Path | None = None,
-            ca_bundle: str | None = None, quiet: bool = False) -> dict:
+            ca_bundle: str | None = None, quiet: bool = False, check_imports: bool = False) -> dict:
     env_dir, venv = env_dir.resolve(), Path(os.path.abspath(venv))
     plan = load_plan(env_dir)
     if not (env_dir / "uv.lock").is_file():
@@ -70,7 +76,7 @@ def install(env_dir: Path, venv: Path, *, offline: bool = False, wheelhouse: Pat
         else:
             run_uv(["sync", "--frozen", "--project", str(env_dir)], what="Installing the locked environment",
                    env={**env, "UV_PROJECT_ENVIRONMENT": str(new)}, quiet=quiet)
-        versions = import_check(new / "bin" / "python")
+        versions = import_check(new / "bin" / "python", full=check_imports)
         (new / PLAN_FILE).write_text(plan.to_json() + "\n")
     except BaseException:
         shutil.rmtree(new, ignore_errors=True)
@@ -83,11 +89,14 @@ def install(env_dir: Path, venv: Path, *, offline: bool = False, wheelhouse: Pat
 
 
 def import_check(python: Path, what: str = "the new environment",
-                 after: str = "the previous venv was left as it was") -> dict:
-    out = subprocess.run([str(python), "-c", IMPORT_CHECK], capture_output=True, text=True)
+                 after: str = "the previous venv was left as it was", full: bool = False) -> dict:
+    """torch, transformers and the trainer are there (full: they import); their versions."""
+    out = subprocess.run([str(python), "-c", IMPORT_CHECK if full else PRESENCE_CHECK], capture_output=True,
+                         text=True)
     if out.returncode != 0:
         last = (out.stderr.strip().splitlines() or ["(no output)"])[-1]
-        raise EnvtoolError(f"{what} does not import (torch, transformers, trainer): {last}; {after}")
+        raise EnvtoolError(f"{what} does not {'import' if full else 'have'} torch, transformers and the trainer: "
+                           f"{last}; {after}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -99,7 +108,7 @@ def interpreter_prefix(python: str) -> Path:
 
 
 def install_into(env_dir: Path, python: str, *, keep: tuple[str, ...] = (), no_build: list[str] = (),
-                 ca_bundle: str | None = None, quiet: bool = False) -> dict:
+                 ca_bundle: str | None = None, quiet: bool = False, check_imports: bool = False) -> dict:
     """Install the lock in `env_dir` into the existing interpreter `python` with `uv pip install`.
 
     Hash-checked (the lock's hashes), CUDA packages (`no_build`) only as wheels, and the packages in `keep`
@@ -133,7 +142,7 @@ def install_into(env_dir: Path, python: str, *, keep: tuple[str, ...] = (), no_b
         run_uv(args, what=f"Installing into {python}", env=env, cwd=env_dir, quiet=quiet)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    versions = import_check(Path(python), what=python, after="see the uv output above")
+    versions = import_check(Path(python), what=python, after="see the uv output above", full=check_imports)
     plan_path = prefix / PLAN_FILE
     try:
         tmp = prefix / f".{PLAN_FILE}.tmp-{os.getpid()}"

@@ -86,7 +86,7 @@ def lock(plan: Plan, out: Path, sources, *, wheelhouse: Path | None = None, quie
 
 
 def install(env_dir: Path | None, venv: Path, opts: PlanOptions, sources, *, offline: bool = False,
-            wheelhouse: Path | None = None, quiet: bool = False) -> dict:
+            wheelhouse: Path | None = None, quiet: bool = False, check_imports: bool = False) -> dict:
     """Install a lock directory into a venv; without one, resolve and lock first into <venv>.lock/."""
     from .install import install as do_install
 
@@ -95,7 +95,7 @@ def install(env_dir: Path | None, venv: Path, opts: PlanOptions, sources, *, off
             raise BadInput("give a lock directory (from `envtool lock`) or --gpu to resolve and lock first")
         env_dir = Path(lock(one_plan(opts), venv.parent / f"{venv.name}.lock", sources, quiet=quiet)["out"])
     return do_install(env_dir, venv, offline=offline, wheelhouse=wheelhouse, ca_bundle=sources.ca_bundle,
-                      quiet=quiet)
+                      quiet=quiet, check_imports=check_imports)
 
 
 def is_interpreter_path(python: str | None) -> bool:
@@ -104,7 +104,8 @@ def is_interpreter_path(python: str | None) -> bool:
 
 
 def install_system(python: str, env_dir: Path | None, opts: PlanOptions, sources, *, work: Path,
-                   quiet: bool = False, say: Callable[[str], None] = lambda s: None) -> dict:
+                   quiet: bool = False, check_imports: bool = False,
+                   say: Callable[[str], None] = lambda s: None) -> dict:
     """Install a plan into an existing interpreter (a notebook's, a system Python), keeping its torch when
     doctor finds that torch right for the GPU: the plan is then made for that torch."""
     from .doctor import diagnose, probe_python
@@ -140,7 +141,8 @@ def install_system(python: str, env_dir: Path | None, opts: PlanOptions, sources
         if plan is None:
             plan = one_plan(opts)
         env_dir = Path(lock(plan, work / "lock", sources, quiet=quiet)["out"])
-    result = install_into(env_dir, python, keep=kept, no_build=m.no_build, ca_bundle=sources.ca_bundle, quiet=quiet)
+    result = install_into(env_dir, python, keep=kept, no_build=m.no_build, ca_bundle=sources.ca_bundle, quiet=quiet,
+                          check_imports=check_imports)
     return {**result, "lock": str(env_dir)}
 
 
@@ -401,8 +403,9 @@ def default_nproc(plan: Plan, dist: Distribution) -> int:
 
 
 def plan_launch(plan: Plan, config: Path, opts: PlanOptions, dist: Distribution, *, venv: Path | None,
-                image: bool, isolated: bool) -> Launch:
-    """Decide where the trainer runs and the command that starts it (nothing is built or run here)."""
+                image: bool, isolated: bool, mounted: bool = True) -> Launch:
+    """Decide where the trainer runs and the command that starts it (nothing is built or run here).
+    `mounted`: the image gets the working directory at /work, so the config must be under it."""
     from .plan import image_tag
 
     nproc = default_nproc(plan, dist)
@@ -413,11 +416,14 @@ def plan_launch(plan: Plan, config: Path, opts: PlanOptions, dist: Distribution,
     env = {"ENVTOOL_PLAN": str(plan_path)}
     if image:
         tag = image_tag(plan)
-        inside = config.resolve().relative_to(Path.cwd().resolve()) if config.resolve().is_relative_to(
-            Path.cwd().resolve()) else None
-        if inside is None:
+        cwd = Path.cwd().resolve()
+        if config.resolve().is_relative_to(cwd):
+            inside = str(config.resolve().relative_to(cwd))
+        elif mounted:
             raise BadInput(f"--image: {config} must be under the working directory (it is mounted at /work)")
-        return Launch("image", tag, _image_exists(tag), "python", launch_command("python", str(inside), **args), {},
+        else:
+            inside = str(config.resolve())
+        return Launch("image", tag, _image_exists(tag), "python", launch_command("python", inside, **args), {},
                       f"the plan's image {tag}")
     if venv is not None:
         venv = Path(os.path.abspath(venv))
