@@ -3,7 +3,8 @@ against raw `uv sync --frozen` of the same lock (what envtool install runs, with
 
 All install the real CPU plan (torch 2.13.0's CPU wheel, transformers, peft, trl, accelerate, datasets) from
 the same PEP 503 index on 127.0.0.1 (served from .ci-cache/pypi-mirror, filled by .ci/setup), into a new venv.
-envtool and pip end with the same import check; raw uv sync has none (envtool's overhead includes it).
+envtool and pip end with the same check (torch, transformers and the trainer found, at their versions: what
+`envtool install` checks by default); raw uv sync has none (envtool's overhead includes it).
 Cold: an empty package cache; warm: the cache the cold run filled.
 Prints each time, the ratio pip / envtool, and envtool / uv sync (aim: <= 1.1x warm).
 Usage: python bench/bench_install.py
@@ -23,11 +24,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from resolver.install import PRESENCE_CHECK as CHECK  # noqa: E402  (what envtool install checks by default)
 from resolver.uvrun import uv_binary  # noqa: E402
 from tests.support.pypi import MIRROR, build_indexes, index_env, serve  # noqa: E402
 
 BIN = Path(sys.executable).parent
-CHECK = "import torch, transformers, trainer"
 PLAN_ARGS = ["--gpu", "cpu", "--torch", "2.13", "--python", "3.11", "--platform", "x86_64"]
 
 
@@ -82,7 +83,7 @@ def main() -> None:
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
-    print("new venv + locked CPU stack (torch 2.13.0 CPU, transformers, ...) + import check, from 127.0.0.1")
+    print("new venv + locked CPU stack (torch 2.13.0 CPU, transformers, ...) from 127.0.0.1")
     for name, (cold, warm) in results.items():
         print(f"  {name:17s} cold cache {cold:6.1f} s   warm cache {warm:6.1f} s")
     (uv_cold, uv_warm), (pip_cold, pip_warm) = results["envtool install"], results["pip install -r"]
