@@ -7,7 +7,6 @@ the `say` callback the CLI passes (stderr), so `--json` output stays clean.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -189,6 +188,8 @@ def cache_dir() -> Path:
 
 
 def _digest(data) -> str:
+    import hashlib
+
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -197,6 +198,8 @@ def env_key(plan: Plan) -> str:
     Python and platform, and envtool's own code (the trainer inside it). Two plans with the same key share
     one environment; the GPU name, the reasons, the detection details and the index (a mirror) do not change
     what is installed."""
+    import hashlib
+
     from .selfwheel import PACKAGES, _package_files
 
     code = hashlib.sha256()
@@ -212,6 +215,8 @@ def env_key(plan: Plan) -> str:
 
 def write_plan(plan: Plan) -> Path:
     """This run's plan where the trainer is pointed at it (ENVTOOL_PLAN), atomically; named by its content."""
+    import hashlib
+
     text = plan.to_json() + "\n"
     path = cache_dir() / "plans" / f"{hashlib.sha256(text.encode()).hexdigest()[:16]}" / PLAN_FILE
     if not path.is_file():
