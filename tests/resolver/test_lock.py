@@ -238,7 +238,7 @@ def test_cpu_end_to_end_with_the_real_torch(tmp_path, uv_cache):
         out = run_envtool("lock", *args, "--out", str(env_dir), "--index-url", f"{url}/pypi/",
                           env={**env, **index_env(url)})
         assert out.returncode == 0, out.stderr
-        out = run_envtool("install", str(env_dir), "--venv", str(venv), "--json", env=env)
+        out = run_envtool("install", str(env_dir), "--venv", str(venv), "--json", "--check-imports", env=env)
         assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["torch"] == "2.13.0+cpu"
     python = str(venv / "bin" / "python")

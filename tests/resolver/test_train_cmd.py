@@ -190,3 +190,26 @@ def test_a_cached_environment_is_built_once_for_the_plan_and_reused(tmp_path, co
     assert reused["ready"] and reused["path"] == built["path"]
     assert json.loads(second.stdout)["command"][0] == str(Path(built["path"]) / "bin" / "python")
     assert [r["step"] for r in losses(tmp_path / "out2")] == [1, 2, 3, 4]
+
+
+def test_one_process_per_detected_gpu_and_a_cached_environment_when_the_active_one_cannot_run_the_plan(
+        tmp_path, config, env):
+    """A machine with four A100s (nvidia-smi answers as the real one does): torchrun with four processes, and
+    since this CPU-only environment is wrong for an A100 (doctor says so), the environment cached for the plan."""
+    from .conftest import FAKES, write_nvidia_smi
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    write_nvidia_smi(bin_dir, "nvidia-smi-4xa100.csv")
+    env = {**env, "PATH": f"{bin_dir}:/usr/bin:/bin", "PYTHONPATH": f"{FAKES}:{REPO}"}
+    out = train(str(config(attn_implementation=None, bf16="auto")), "--python", "3.11", "--dry-run", "--json",
+                env=env)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["plan"]["gpu"]["count"] == 4 and result["plan"]["precision"] == "bf16"
+    assert "--nproc-per-node=4" in result["command"] and "--standalone" in result["command"]
+    where = result["environment"]
+    assert where["kind"] == "cached" and not where["ready"]
+    assert "doctor finds the active environment wrong for this plan: torch is the CPU build" in where["why"]
+    assert result["command"][0] == f"{where['path']}/bin/python"
+    assert not (tmp_path / "cache" / "envs").exists() or not any((tmp_path / "cache" / "envs").iterdir())
