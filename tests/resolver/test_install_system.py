@@ -78,3 +78,25 @@ def test_bad_interpreters_and_contradictions_are_one_line(args, message):
     out = run_envtool("install", *args)
     assert out.returncode == 2, out.stderr
     assert message in out.stderr and len(out.stderr.strip().splitlines()) == 1
+
+
+def test_a_preinstalled_torch_wrong_for_the_gpu_is_replaced_by_the_plans(notebook, tmp_path, m):
+    """The CPU torch in an interpreter on a T4 host: doctor finds it wrong, so the T4 plan's CUDA torch
+    (a stand-in with the real build's arch list) replaces it, and envtool says why."""
+    cpu_index, env, python = notebook
+    t4_args = ["--gpu", "t4", "--python", "3.11", "--platform", "x86_64"]
+    t4 = json.loads(run_envtool("resolve", "--json", *t4_args, env=env).stdout)
+    release = next(r for r in m.torch if r.version == t4["torch"]["version"])
+    sass = next(b for b in release.build if b.variant == t4["torch"]["variant"]).sass
+    build_indexes(tmp_path / "t4-index", t4, sass)
+    with serve(cpu_index) as cpu_url:
+        preinstall(python, cpu_url, env, "torch==2.13.0+cpu")
+    with serve(tmp_path / "t4-index") as url:
+        out = run_envtool("install", "--python", str(python), "--gpu", "t4", "--index-url", f"{url}/pypi/", "--json",
+                          env={**env, **index_env(url), "ENVTOOL_GPU": "t4"}, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "replacing the installed torch 2.13.0+cpu: torch is the CPU build, but this machine has Tesla T4" in out.stderr
+    result = json.loads(out.stdout)
+    assert result["kept"] == [] and result["torch"] == f"{t4['torch']['version']}+cu126"
+    assert torch_files(python)[0] == f"{t4['torch']['version']}+cu126"
+    assert json.loads((python.parent.parent / "plan.json").read_text())["gpu"]["name"] == "Tesla T4"

@@ -213,3 +213,18 @@ def test_one_process_per_detected_gpu_and_a_cached_environment_when_the_active_o
     assert "doctor finds the active environment wrong for this plan: torch is the CPU build" in where["why"]
     assert result["command"][0] == f"{where['path']}/bin/python"
     assert not (tmp_path / "cache" / "envs").exists() or not any((tmp_path / "cache" / "envs").iterdir())
+
+
+def test_a_named_venv_is_used_when_it_runs_the_plan_and_built_for_it_otherwise(tmp_path, config, env):
+    fresh = json.loads(train(str(config()), *CPU, "--venv", str(tmp_path / "v"), "--dry-run", "--json",
+                             env=env).stdout)["environment"]
+    assert fresh == {"kind": "venv", "path": str(tmp_path / "v"), "ready": False,
+                     "why": f"--venv {tmp_path / 'v'} (built for the plan first)"}
+    # a venv that runs the plan (the tests' own environment): used as it is
+    import sys
+
+    venv = Path(sys.executable).parent.parent
+    ready = json.loads(train(str(config()), *CPU, "--venv", str(venv), "--dry-run", "--json", env=env).stdout)
+    assert ready["environment"]["ready"] and ready["command"][0] == str(venv / "bin" / "python")
+    both = train(str(config()), *CPU, "--venv", str(tmp_path / "v"), "--image", env=env)
+    assert both.returncode == 2 and "--venv and --image are two places to train" in both.stderr
