@@ -66,18 +66,8 @@ def reported(command):
     return run
 
 
-def _host_python() -> str:
-    return f"{sys.version_info.major}.{sys.version_info.minor}"
+# ---------------------------------------------------------------------------- options, declared once
 
-
-def _host_platform() -> str:
-    import os
-
-    machine = os.uname().machine.lower()
-    return {"amd64": "x86_64", "arm64": "aarch64"}.get(machine, machine)
-
-
-# Options shared by the commands that make a plan (resolve, lock, install --gpu).
 GpuOpt = Annotated[str, typer.Option(
     "--gpu", help="'auto' (detect this machine), a GPU name or alias (t4, a100, 'Tesla V100'), a compute "
     "capability (sm_80, 8.6), 'cpu', or a comma list for one plan per target. `envtool gpus` lists the names.")]
@@ -97,47 +87,93 @@ PlatformOpt = Annotated[Optional[str], typer.Option("--platform", help="x86_64 o
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print the result as JSON.")]
 CaBundleOpt = Annotated[Optional[str], typer.Option(
     "--ca-bundle", help="CA certificates for a proxy with its own CA (also honoured: SSL_CERT_FILE).")]
+IndexUrlOpt = Annotated[Optional[str], typer.Option("--index-url", help="Replace PyPI with this index (a mirror).")]
+ExtraIndexOpt = Annotated[Optional[list[str]], typer.Option("--extra-index-url", help="Another index; repeatable.")]
+TorchIndexOpt = Annotated[Optional[str], typer.Option(
+    "--torch-index", help="Replace the PyTorch index: a URL, '{variant}' is replaced by cu126, cpu, ...")]
+FindLinksOpt = Annotated[Optional[list[str]], typer.Option("--find-links", help="A directory of wheels; repeatable.")]
+
+# The plan options every plan-making command takes (resolve, lock, install, dockerfile, build, train), in one
+# list: `@plan_options` adds them to a command's signature and hands the command one PlanOptions.
+PLAN_OPTIONS = (
+    ("gpu", GpuOpt, "auto"),
+    ("driver", DriverOpt, None),
+    ("python", PythonOpt, None),
+    ("torch", TorchOpt, None),
+    ("cuda", CudaOpt, None),
+    ("flash_attn", FlashAttnOpt, None),
+    ("no_flash_attn", NoFlashAttnOpt, False),
+    ("attention", AttentionOpt, None),
+    ("platform", PlatformOpt, None),
+)
+# Where packages come from (lock, install, build, train): handed to the command as one `Sources`.
+SOURCE_OPTIONS = (
+    ("index_url", IndexUrlOpt, None),
+    ("extra_index_url", ExtraIndexOpt, None),
+    ("torch_index", TorchIndexOpt, None),
+    ("find_links", FindLinksOpt, None),
+    ("ca_bundle", CaBundleOpt, None),
+)
 
 
-def make_plans(gpu, driver, python, torch, cuda, flash_attn, no_flash_attn, attention, platform) -> list:
-    from .hardware import targets
-    from .matrix import load
-    from .solve import Request, solve
+def _with_options(options, into: str, build, overrides: dict | None = None):
+    """Add `options` (name, Annotated type, default) to a command's signature; the command receives them
+    built into one object as keyword `into`. `overrides` replaces an option's type or default per command."""
+    import inspect
 
-    m = load()
-    plans = []
-    for t in targets(gpu, m, driver):
-        req = Request(gpu=t.gpu, driver=t.driver, python=python or _host_python(),
-                      platform=platform or _host_platform(), torch=torch, cuda=cuda, flash_attn=flash_attn,
-                      no_flash_attn=no_flash_attn, attention=attention, target=t.label, notes=t.notes)
-        plans.append(solve(req, m))
-    return plans
+    def decorate(command):
+        sig = inspect.signature(command, eval_str=True)
+        own = [p for p in sig.parameters.values() if p.name != into]
+        added = []
+        for name, annotation, default in options:
+            annotation, default = (overrides or {}).get(name, (annotation, default))
+            added.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default,
+                                           annotation=annotation))
+        names = [name for name, _, _ in options]
+
+        @functools.wraps(command)
+        def run(*args, **kwargs):
+            values = {name: kwargs.pop(name) for name in names if name in kwargs}
+            return command(*args, **{into: build(values)}, **kwargs)
+
+        run.__signature__ = sig.replace(parameters=[*own, *added])
+        run.__annotations__ = {p.name: p.annotation for p in run.__signature__.parameters.values()}
+        return run
+
+    return decorate
 
 
-def one_plan(*args):
-    from .errors import BadInput
+def plan_options(**overrides):
+    from .pipeline import PlanOptions
 
-    plans = make_plans(*args)
-    if len(plans) != 1:
-        raise BadInput("this command makes one environment: give --gpu a single target")
-    return plans[0]
+    return _with_options(PLAN_OPTIONS, "opts", lambda v: PlanOptions(**v), overrides)
+
+
+def _sources(values: dict):
+    from .lock import Sources
+
+    return Sources(index_url=values.get("index_url"), extra_index_urls=tuple(values.get("extra_index_url") or ()),
+                   torch_index=values.get("torch_index"), find_links=tuple(values.get("find_links") or ()),
+                   ca_bundle=values.get("ca_bundle") or None)
+
+
+def source_options(command):
+    return _with_options(SOURCE_OPTIONS, "sources", _sources)(command)
+
+
+def say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
 
 
 @app.command()
 @reported
+@plan_options()
 def resolve(
-    gpu: GpuOpt = "auto",
-    driver: DriverOpt = None,
-    python: PythonOpt = None,
-    torch: TorchOpt = None,
-    cuda: CudaOpt = None,
-    flash_attn: FlashAttnOpt = None,
-    no_flash_attn: NoFlashAttnOpt = False,
-    attention: AttentionOpt = None,
-    platform: PlatformOpt = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the plan as JSON (a list for several targets).")] = False,
     fmt: Annotated[str, typer.Option("--format", help="table, json, github (a CI strategy matrix) or markdown.")] = "table",
     explain: Annotated[bool, typer.Option("--explain", help="Also show every candidate build not taken, and why.")] = False,
+    *,
+    opts,
 ) -> None:
     """Plan the environment for a GPU: torch build and CUDA variant, attention, precision, triton, packages.
 
@@ -152,11 +188,12 @@ def resolve(
       envtool resolve --gpu t4,v100,a100 --format github
     """
     from .errors import BadInput
+    from .pipeline import make_plans
 
     fmt = "json" if json_out else fmt
     if fmt not in ("table", "json", "github", "markdown"):
         raise BadInput(f"--format {fmt!r}: choose table, json, github or markdown")
-    plans = make_plans(gpu, driver, python, torch, cuda, flash_attn, no_flash_attn, attention, platform)
+    plans = make_plans(opts)
     if fmt == "json":
         data = [p.to_dict(explain) for p in plans]
         print(json.dumps(data[0] if len(data) == 1 else data, indent=2))
@@ -176,41 +213,18 @@ def resolve(
             plan_table(plan, explain)
 
 
-def _sources(index_url, extra_index_url, torch_index, find_links, ca_bundle):
-    from .lock import Sources
-
-    return Sources(index_url=index_url, extra_index_urls=tuple(extra_index_url or ()), torch_index=torch_index,
-                   find_links=tuple(find_links or ()), ca_bundle=ca_bundle or None)
-
-
-IndexUrlOpt = Annotated[Optional[str], typer.Option("--index-url", help="Replace PyPI with this index (a mirror).")]
-ExtraIndexOpt = Annotated[Optional[list[str]], typer.Option("--extra-index-url", help="Another index; repeatable.")]
-TorchIndexOpt = Annotated[Optional[str], typer.Option(
-    "--torch-index", help="Replace the PyTorch index: a URL, '{variant}' is replaced by cu126, cpu, ...")]
-FindLinksOpt = Annotated[Optional[list[str]], typer.Option("--find-links", help="A directory of wheels; repeatable.")]
-
-
 @app.command()
 @reported
+@source_options
+@plan_options()
 def lock(
     out: Annotated[Path, typer.Option("--out", help="The directory to write: pyproject.toml, uv.lock, plan.json.")],
-    gpu: GpuOpt = "auto",
-    driver: DriverOpt = None,
-    python: PythonOpt = None,
-    torch: TorchOpt = None,
-    cuda: CudaOpt = None,
-    flash_attn: FlashAttnOpt = None,
-    no_flash_attn: NoFlashAttnOpt = False,
-    attention: AttentionOpt = None,
-    platform: PlatformOpt = None,
-    index_url: IndexUrlOpt = None,
-    extra_index_url: ExtraIndexOpt = None,
-    torch_index: TorchIndexOpt = None,
-    find_links: FindLinksOpt = None,
     wheelhouse: Annotated[Optional[Path], typer.Option(
         "--wheelhouse", help="Also download every locked wheel here (hash-checked) for `install --offline`.")] = None,
-    ca_bundle: CaBundleOpt = None,
     json_out: JsonOpt = False,
+    *,
+    opts,
+    sources,
 ) -> None:
     """Write a locked environment for a GPU: pyproject.toml + uv.lock (with hashes) + plan.json.
 
@@ -218,69 +232,88 @@ def lock(
 
       envtool lock --gpu t4 --out envs/t4 --wheelhouse wheels/t4   # then: envtool install --offline
     """
-    from .lock import lock as do_lock
-    from .matrix import load
+    from .pipeline import lock as do_lock
+    from .pipeline import one_plan
 
-    plan = one_plan(gpu, driver, python, torch, cuda, flash_attn, no_flash_attn, attention, platform)
-    sources = _sources(index_url, extra_index_url, torch_index, find_links, ca_bundle)
-    env_dir = do_lock(plan, out, sources, load(), quiet=json_out)
-    result = {"out": str(env_dir), "plan": plan.to_dict()}
-    if wheelhouse:
-        from .wheelhouse import fill
-
-        wheels = fill(env_dir, wheelhouse, plan.python, plan.platform, ca_bundle, quiet=json_out)
-        result["wheelhouse"] = {"path": str(wheelhouse.resolve()), "wheels": len(wheels)}
+    plan = one_plan(opts)
+    result = do_lock(plan, out, sources, wheelhouse=wheelhouse, quiet=json_out)
     if json_out:
         print(json.dumps(result, indent=2))
         return
     print(f"locked {plan.target} (torch {plan.torch.version}+{plan.torch.variant}, {plan.attention}, "
-          f"{plan.precision}) in {env_dir}")
+          f"{plan.precision}) in {result['out']}")
     if wheelhouse:
         print(f"wheelhouse: {result['wheelhouse']['wheels']} wheels in {result['wheelhouse']['path']}")
     print(f"next: envtool install {out} --venv .venv")
 
 
+InstallGpuOpt = Annotated[Optional[str], typer.Option(
+    "--gpu", help="Without ENV_DIR: resolve and lock for this GPU first ('auto' detects), into <venv>.lock/ "
+    "(with --system / --python PATH: default auto).")]
+InstallPythonOpt = Annotated[Optional[str], typer.Option(
+    "--python", help="A version (3.11): the Python of the new venv. A path (/usr/bin/python3): install into that "
+    "existing interpreter instead of a venv, like --system.")]
+
+
 @app.command()
 @reported
+@source_options
+@plan_options(gpu=(InstallGpuOpt, None), python=(InstallPythonOpt, None))
 def install(
     env_dir: Annotated[Optional[Path], typer.Argument(help="A directory written by `envtool lock`.")] = None,
     venv: Annotated[Path, typer.Option("--venv", help="The venv to create or replace (a managed symlink).")] = Path(".venv"),
-    gpu: Annotated[Optional[str], typer.Option("--gpu", help="Without ENV_DIR: resolve and lock for this GPU "
-                                               "first ('auto' detects), into <venv>.lock/.")] = None,
-    driver: DriverOpt = None,
-    python: PythonOpt = None,
-    torch: TorchOpt = None,
-    cuda: CudaOpt = None,
-    no_flash_attn: NoFlashAttnOpt = False,
-    index_url: IndexUrlOpt = None,
-    extra_index_url: ExtraIndexOpt = None,
-    torch_index: TorchIndexOpt = None,
-    find_links: FindLinksOpt = None,
+    system: Annotated[bool, typer.Option("--system", help="Install into the interpreter running envtool (a "
+                                         "notebook's, a system Python) instead of a venv: keeps its torch when "
+                                         "doctor finds it right for the GPU, never builds from source.")] = False,
     offline: Annotated[bool, typer.Option("--offline", help="Install from a wheelhouse with no network.")] = False,
     wheelhouse: Annotated[Optional[Path], typer.Option(
         "--wheelhouse", help="The wheelhouse for --offline (default: ENV_DIR/wheelhouse).")] = None,
-    ca_bundle: CaBundleOpt = None,
+    check_imports: Annotated[bool, typer.Option("--check-imports", help="Import torch, transformers and the "
+                                                "trainer before the swap (seconds: their first import compiles "
+                                                "bytecode); by default they must be found, at their versions.")] = False,
     json_out: JsonOpt = False,
+    *,
+    opts,
+    sources,
 ) -> None:
     """Install a locked environment into a venv, atomically: the old venv stays until the new one imports.
+    Or, with --system / --python PATH, into an existing interpreter (Colab, Kaggle, a system Python).
 
       envtool install envs/a100 --venv .venv-a100
 
       envtool install --gpu auto --venv .venv        # resolve + lock + install for this machine
+
+      envtool install --system                       # into this interpreter (a notebook)
     """
     from .errors import BadInput
-    from .install import install as do_install
+    from .pipeline import install as do_install
+    from .pipeline import install_system, is_interpreter_path
 
-    if env_dir is None:
-        if gpu is None:
-            raise BadInput("give a lock directory (from `envtool lock`) or --gpu to resolve and lock first")
-        from .lock import lock as do_lock
-        from .matrix import load
+    target = sys.executable if system else opts.python if is_interpreter_path(opts.python) else None
+    if target is not None:
+        if offline:
+            raise BadInput("--offline installs into a venv; --system / --python PATH use an index")
+        import shutil
+        import tempfile
 
-        plan = one_plan(gpu, driver, python, torch, cuda, None, no_flash_attn, None, None)
-        sources = _sources(index_url, extra_index_url, torch_index, find_links, ca_bundle)
-        env_dir = do_lock(plan, venv.parent / f"{venv.name}.lock", sources, load(), quiet=json_out)
-    result = do_install(env_dir, venv, offline=offline, wheelhouse=wheelhouse, ca_bundle=ca_bundle, quiet=json_out)
+        python = shutil.which(target) or target
+        with tempfile.TemporaryDirectory(prefix="envtool-system-") as work:
+            result = install_system(python, env_dir, opts._replace(python=None, gpu=opts.gpu or "auto"), sources,
+                                    work=Path(work), quiet=json_out, check_imports=check_imports, say=say)
+        if env_dir is None:
+            result.pop("lock")  # a temporary directory, gone now
+        if json_out:
+            print(json.dumps(result, indent=2))
+            return
+        print(f"installed torch {result['torch']}, transformers {result['transformers']} into {result['python']}"
+              + (f" (kept {', '.join(result['kept'])})" if result["kept"] else ""))
+        if result["plan"] is None:
+            print(f"note: {result['prefix']} is read-only: set ENVTOOL_PLAN to a plan.json for the trainer")
+        return
+    if env_dir is not None and opts.gpu is not None:
+        raise BadInput("give a lock directory or --gpu, not both")
+    result = do_install(env_dir, venv, opts, sources, offline=offline, wheelhouse=wheelhouse, quiet=json_out,
+                        check_imports=check_imports)
     if json_out:
         print(json.dumps(result, indent=2))
     else:
@@ -290,10 +323,11 @@ def install(
 def recommended(target, python: str, m) -> dict | None:
     """What `envtool resolve` would choose for this machine and the environment's Python."""
     from .errors import EnvtoolError
+    from .pipeline import host_platform
     from .solve import Request, solve
 
     try:
-        plan = solve(Request(gpu=target.gpu, driver=target.driver, python=python, platform=_host_platform(),
+        plan = solve(Request(gpu=target.gpu, driver=target.driver, python=python, platform=host_platform(),
                              target=target.label), m)
     except EnvtoolError:
         return None
@@ -362,15 +396,11 @@ BaseImageOpt = Annotated[Optional[str], typer.Option(
 
 @app.command()
 @reported
+@plan_options()
 def dockerfile(
-    gpu: GpuOpt = "auto",
-    driver: DriverOpt = None,
-    python: PythonOpt = None,
-    torch: TorchOpt = None,
-    cuda: CudaOpt = None,
-    no_flash_attn: NoFlashAttnOpt = False,
-    platform: PlatformOpt = None,
     base_image: BaseImageOpt = None,
+    *,
+    opts,
 ) -> None:
     """Print the Dockerfile `envtool build` would use for a GPU (render only).
 
@@ -378,21 +408,16 @@ def dockerfile(
     """
     from .docker import render
     from .matrix import load
+    from .pipeline import one_plan
 
-    plan = one_plan(gpu, driver, python, torch, cuda, None, no_flash_attn, None, platform)
-    sys.stdout.write(render(plan, load(), base_image))
+    sys.stdout.write(render(one_plan(opts), load(), base_image))
 
 
 @app.command()
 @reported
+@source_options
+@plan_options()
 def build(
-    gpu: GpuOpt = "auto",
-    driver: DriverOpt = None,
-    python: PythonOpt = None,
-    torch: TorchOpt = None,
-    cuda: CudaOpt = None,
-    no_flash_attn: NoFlashAttnOpt = False,
-    platform: PlatformOpt = None,
     tag: Annotated[Optional[str], typer.Option("--tag", help="Image tag (default: envtool-trainer:"
                                                "sm75-cu126-torch2.9-py3.11 style). One target only.")] = None,
     push: Annotated[bool, typer.Option("--push", help="Push the image after building (never by default).")] = False,
@@ -401,12 +426,10 @@ def build(
         "--wheelhouse", help="Wheelhouse to build from and to top up (default: a temporary one).")] = None,
     network: Annotated[Optional[str], typer.Option("--network", help="Network for the build's RUN steps; "
                                                    "'none' proves it needs none.")] = None,
-    index_url: IndexUrlOpt = None,
-    extra_index_url: ExtraIndexOpt = None,
-    torch_index: TorchIndexOpt = None,
-    find_links: FindLinksOpt = None,
-    ca_bundle: CaBundleOpt = None,
     json_out: JsonOpt = False,
+    *,
+    opts,
+    sources,
 ) -> None:
     """Build one image per target architecture: lock, fill a hash-checked wheelhouse, docker build offline.
 
@@ -416,37 +439,119 @@ def build(
 
       envtool build --gpu a100 --tag myorg/trainer:a100 --push
     """
-    import tempfile
+    from .pipeline import build as do_build
+    from .pipeline import make_plans
 
-    from . import docker as images
-    from .errors import BadInput
-    from .lock import lock as do_lock
-    from .matrix import load
-    from .plan import image_tag
-    from .wheelhouse import fill
-
-    m = load()
-    plans = make_plans(gpu, driver, python, torch, cuda, None, no_flash_attn, None, platform)
-    if tag and len(plans) > 1:
-        raise BadInput("--tag names one image: build several targets without it (tags name the architecture)")
-    images.client()  # fail now, in one line, if no engine answers
-    sources = _sources(index_url, extra_index_url, torch_index, find_links, ca_bundle)
-    built = []
-    for plan in plans:
-        name = tag or image_tag(plan)
-        with tempfile.TemporaryDirectory(prefix="envtool-build-") as tmp:
-            env_dir = do_lock(plan, Path(tmp) / "env", sources, m, quiet=json_out)
-            house = wheelhouse or Path(tmp) / "wheelhouse"
-            fill(env_dir, house, plan.python, plan.platform, ca_bundle, quiet=json_out)
-            images.prepare_context(plan, m, env_dir, house, Path(tmp) / "context", base_image)
-            image_id = images.build(Path(tmp) / "context", name, network=network, quiet=json_out)
-        if push:
-            images.push(name)
-        built.append({"target": plan.target, "tag": name, "id": image_id, "pushed": push})
-        if not json_out:
-            print(f"built {name} ({image_id[:19]}) for {plan.target}")
+    built = do_build(make_plans(opts), sources, tag=tag, push=push, base_image=base_image, wheelhouse=wheelhouse,
+                     network=network, quiet=json_out, say=(lambda s: None) if json_out else print)
     if json_out:
         print(json.dumps(built, indent=2))
+
+
+@app.command()
+@reported
+@source_options
+@plan_options()
+def train(
+    config: Annotated[Path, typer.Argument(help="The trainer config (Axolotl keys), e.g. examples/tiny-cpu.yml.")],
+    venv: Annotated[Optional[Path], typer.Option("--venv", help="Train in this venv (built for the plan first "
+                                                 "when it does not run it).")] = None,
+    image: Annotated[bool, typer.Option("--image", help="Train in the plan's image (built first when missing), "
+                                        "with the working directory mounted at /work.")] = False,
+    isolated: Annotated[bool, typer.Option("--isolated", help="Never the active environment: train in the "
+                                           "environment cached for the plan (built once).")] = False,
+    nproc: Annotated[Optional[int], typer.Option("--nproc", help="Processes on this machine (default: every "
+                                                 "GPU the plan counts; 1 on the CPU).")] = None,
+    nnodes: Annotated[int, typer.Option("--nnodes", help="Machines in the job (torchrun, c10d rendezvous).")] = 1,
+    node_rank: Annotated[int, typer.Option("--node-rank", help="This machine's rank, 0 to nnodes-1.")] = 0,
+    rdzv_endpoint: Annotated[Optional[str], typer.Option("--rdzv-endpoint", help="HOST:PORT of the rendezvous, "
+                                                         "the same on every machine (with --nnodes > 1).")] = None,
+    emit: Annotated[Optional[str], typer.Option("--emit", help="Write a launcher instead of training: slurm "
+                                                "(an sbatch script) or k8s (a Kubeflow PyTorchJob).")] = None,
+    output: Annotated[Optional[Path], typer.Option("-o", "--output", help="With --emit: write here (default: "
+                                                   "stdout).")] = None,
+    hf_cache: Annotated[Optional[Path], typer.Option("--hf-cache", help="With --image: host directory mounted "
+                                                     "as the Hugging Face cache.")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan, where it runs and the exact "
+                                          "command; build and run nothing.")] = False,
+    json_out: JsonOpt = False,
+    *,
+    opts,
+    sources,
+) -> None:
+    """From a config to a trained model: plan, then run the bundled trainer where the plan runs.
+
+    The config's attention, precision and quantization are honoured or refused with the reason. The trainer
+    runs in the active environment when doctor finds nothing wrong with it for the plan, else in an
+    environment built for the plan and cached by it (or --venv DIR, or the plan's image with --image).
+    One process per device: torchrun for several GPUs or machines. The trainer's exit code is envtool's.
+
+      envtool train examples/tiny-cpu.yml --gpu cpu
+
+      envtool train config.yml --nproc 4 --dry-run
+
+      envtool train config.yml --nnodes 2 --node-rank 0 --rdzv-endpoint head:29500
+
+      envtool train config.yml --gpu a100 --nnodes 4 --emit slurm -o train.sbatch
+    """
+    from .errors import BadInput
+    from .pipeline import Distribution, plan_for_config, plan_launch, prepare, run
+
+    if venv is not None and image:
+        raise BadInput("--venv and --image are two places to train: give one")
+    if emit not in (None, "slurm", "k8s"):
+        raise BadInput(f"--emit {emit!r}: choose slurm or k8s")
+    if output is not None and emit is None:
+        raise BadInput("-o/--output goes with --emit")
+    dist = Distribution(nproc, nnodes, node_rank, rdzv_endpoint)
+    if emit is None:
+        dist.check()
+    plan, notes = plan_for_config(config, opts)
+    if emit == "k8s":
+        image = True
+    launch = plan_launch(plan, config, opts, dist, venv=venv, image=image, isolated=isolated,
+                         mounted=emit != "k8s")  # k8s carries the config in a ConfigMap
+    quiet = json_out
+    log = (lambda s: None) if quiet else say
+    if emit:
+        from . import emit as emitters
+
+        if not dry_run:
+            prepare(launch, plan, sources, quiet=quiet, say=log)
+        text = emitters.render(emit, plan, launch, config, dist)
+        if output is None:
+            sys.stdout.write(text)
+        else:
+            emitters.write(output, text, executable=emit == "slurm")
+            log(f"wrote {output} ({'sbatch ' + str(output) if emit == 'slurm' else 'kubectl apply -f ' + str(output)})")
+        return
+    import shlex
+
+    summary = {"plan": plan.to_dict(), "config": str(config), "notes": notes, "environment": {
+        "kind": launch.kind, "path": launch.path, "ready": launch.ready, "why": launch.why},
+        "command": launch.command, "env": launch.env}
+    if dry_run:
+        if json_out:
+            print(json.dumps(summary, indent=2))
+            return
+        from .render import plan_table
+
+        plan_table(plan)
+        for note in notes:
+            print(f"config: {note}")
+        print(f"environment: {launch.kind} {launch.path or ''} — {launch.why}")
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in launch.env.items())
+        print(f"command: {env + ' ' if env else ''}{shlex.join(launch.command)}")
+        return
+    for note in notes:
+        log(f"config: {note}")
+    log(f"envtool: training in {launch.kind} environment {launch.path or ''} ({launch.why})")
+    prepare(launch, plan, sources, quiet=quiet, say=log)
+    log(f"envtool: {shlex.join(launch.command)}")
+    code = run(launch, plan, hf_cache=hf_cache, stdout_to_stderr=json_out)
+    if json_out:
+        print(json.dumps({**summary, "exit_code": code}, indent=2))
+    raise typer.Exit(code)
 
 
 @app.command(context_settings={"allow_interspersed_args": False})

@@ -148,7 +148,8 @@ def push(tag: str, quiet: bool = False) -> None:
 
 
 def run(image: str, command: list[str], *, gpus: str | None, shm_size: str, hf_cache: Path | None,
-        env_names: list[str], volumes: list[str]) -> int:
+        env_names: list[str], volumes: list[str], workdir: str | None = None,
+        environment: dict[str, str] | None = None, network_mode: str | None = None) -> int:
     """Run `command` in `image` with what training needs; secrets travel as run-time environment only."""
     import docker
 
@@ -157,7 +158,7 @@ def run(image: str, command: list[str], *, gpus: str | None, shm_size: str, hf_c
         c.images.get(image)
     except docker.errors.ImageNotFound:
         raise BadInput(f"no image {image}; build it with `envtool build`") from None
-    environment = {}
+    environment = dict(environment or {})
     for name in env_names:
         if name not in os.environ:
             raise BadInput(f"-e {name}: not set in this environment (envtool passes values through, never stores them)")
@@ -176,7 +177,8 @@ def run(image: str, command: list[str], *, gpus: str | None, shm_size: str, hf_c
         count = -1 if gpus == "all" else int(gpus)
         device_requests = [docker.types.DeviceRequest(count=count, capabilities=[["gpu"]])]
     container = c.containers.run(image, command or None, detach=True, environment=environment, volumes=mounts,
-                                 shm_size=shm_size, device_requests=device_requests or None, network_mode=None)
+                                 shm_size=shm_size, device_requests=device_requests or None, network_mode=network_mode,
+                                 working_dir=workdir)
     try:
         for chunk in container.logs(stream=True, follow=True):
             sys.stdout.buffer.write(chunk)

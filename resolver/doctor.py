@@ -40,7 +40,7 @@ try:
                      "arch_list": torch._C._cuda_getArchFlags().split() if torch.version.cuda else []}
 except Exception as e:  # a broken torch is a finding, not a crash
     info["torch"] = {"error": f"{type(e).__name__}: {e}"}
-plan = Path(sys.prefix) / "envtool-plan.json"
+plan = Path(sys.prefix) / "plan.json"
 info["plan"] = json.loads(plan.read_text()) if plan.is_file() else None
 print(json.dumps(info))
 """
@@ -60,10 +60,18 @@ def probe(venv: Path | None) -> dict:
     python = sys.executable if venv is None else str(Path(venv) / "bin" / "python")
     if venv is not None and not Path(python).exists():
         raise BadInput(f"{venv}: no bin/python; is it a virtual environment?")
-    out = subprocess.run([python, "-c", PROBE], capture_output=True, text=True, timeout=300)
+    return probe_python(python, str(venv or "this interpreter"))
+
+
+def probe_python(python: str, name: str | None = None) -> dict:
+    """What is installed in the environment of interpreter `python` (see PROBE)."""
+    try:
+        out = subprocess.run([python, "-c", PROBE], capture_output=True, text=True, timeout=300)
+    except OSError as e:
+        raise BadInput(f"could not run {python}: {e.strerror}") from None
     if out.returncode != 0:
         last = (out.stderr.strip().splitlines() or ["(no output)"])[-1]
-        raise BadInput(f"could not inspect {venv or 'this interpreter'}: {last}")
+        raise BadInput(f"could not inspect {name or python}: {last}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 

@@ -1,9 +1,15 @@
-"""envtool install: a locked environment into a venv, swapped in atomically.
+"""envtool install: a locked environment into a venv, swapped in atomically, or into an existing interpreter.
 
 The venv path is a symlink into `<venv>.versions/`. Each install builds a new version there with uv (`uv sync
 --frozen`, or `uv pip sync` from a wheelhouse when offline), checks that it imports, and only then replaces
 the symlink in one rename. A failed or interrupted install leaves the previous venv in place and working;
 its half-built version is removed by the next install.
+
+`install_into` is the notebook path (`install --system` / `--python PATH`): `uv pip install` of the lock's
+exported requirements (hash-checked) into an interpreter that already exists, never building a CUDA package
+from source, and leaving alone a torch that the pipeline decided to keep.
+
+Every environment gets its plan as `<prefix>/plan.json`, where the trainer looks (trainer/planfile.py).
 """
 
 from __future__ import annotations
@@ -17,14 +23,20 @@ from pathlib import Path
 
 from .errors import BadInput, EnvtoolError
 from .lock import load_plan
+from .plan import PLAN_FILE
 from .uvrun import run_uv, uv_env
 from .wheelhouse import check as check_wheelhouse
 
-PLAN_IN_VENV = "envtool-plan.json"
-IMPORT_CHECK = (
+IMPORT_CHECK = (  # --check-imports: runs them (torch's native libraries load); seconds, mostly compiling bytecode
     "import json, importlib.metadata as md, torch, transformers, trainer; "
     "print(json.dumps({'torch': torch.__version__, 'transformers': transformers.__version__, "
     "'envtool': md.version('envtool')}))"
+)
+PRESENCE_CHECK = (  # the default: the interpreter starts and finds them, at the installed versions; ~0.1 s
+    "import json, importlib.metadata as md, importlib.util as u; "
+    "missing = [m for m in ('torch', 'transformers', 'trainer') if u.find_spec(m) is None]; "
+    "assert not missing, 'cannot find ' + ', '.join(missing); "
+    "print(json.dumps({n: md.version(n) for n in ('torch', 'transformers', 'envtool')}))"
 )
 
 
@@ -33,7 +45,7 @@ def versions_dir(venv: Path) -> Path:
 
 
 def install(env_dir: Path, venv: Path, *, offline: bool = False, wheelhouse: Path | None = None,
-            ca_bundle: str | None = None, quiet: bool = False) -> dict:
+            ca_bundle: str | None = None, quiet: bool = False, check_imports: bool = False) -> dict:
     env_dir, venv = env_dir.resolve(), Path(os.path.abspath(venv))
     plan = load_plan(env_dir)
     if not (env_dir / "uv.lock").is_file():
@@ -55,7 +67,7 @@ def install(env_dir: Path, venv: Path, *, offline: bool = False, wheelhouse: Pat
     new = store / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
     env = uv_env(ca_bundle, {"UV_PYTHON_DOWNLOADS": "never"})
     try:
-        run_uv(["venv", "--quiet", "--python", plan["python"], str(new)], what="Creating the venv", env=env,
+        run_uv(["venv", "--quiet", "--python", plan.python, str(new)], what="Creating the venv", env=env,
                quiet=quiet)
         if offline:
             run_uv(["pip", "sync", "--offline", "--no-index", "--find-links", str(wheelhouse), "--require-hashes",
@@ -64,8 +76,8 @@ def install(env_dir: Path, venv: Path, *, offline: bool = False, wheelhouse: Pat
         else:
             run_uv(["sync", "--frozen", "--project", str(env_dir)], what="Installing the locked environment",
                    env={**env, "UV_PROJECT_ENVIRONMENT": str(new)}, quiet=quiet)
-        versions = import_check(new)
-        (new / PLAN_IN_VENV).write_text(json.dumps(plan, indent=2) + "\n")
+        versions = import_check(new / "bin" / "python", full=check_imports)
+        (new / PLAN_FILE).write_text(plan.to_json() + "\n")
     except BaseException:
         shutil.rmtree(new, ignore_errors=True)
         raise
@@ -76,10 +88,67 @@ def install(env_dir: Path, venv: Path, *, offline: bool = False, wheelhouse: Pat
     return {"venv": str(venv), "path": str(new), "previous": str(current) if current else None, **versions}
 
 
-def import_check(venv: Path) -> dict:
-    out = subprocess.run([str(venv / "bin" / "python"), "-c", IMPORT_CHECK], capture_output=True, text=True)
+def import_check(python: Path, what: str = "the new environment",
+                 after: str = "the previous venv was left as it was", full: bool = False) -> dict:
+    """torch, transformers and the trainer are there (full: they import); their versions."""
+    out = subprocess.run([str(python), "-c", IMPORT_CHECK if full else PRESENCE_CHECK], capture_output=True,
+                         text=True)
     if out.returncode != 0:
         last = (out.stderr.strip().splitlines() or ["(no output)"])[-1]
-        raise EnvtoolError(f"the new environment does not import (torch, transformers, trainer): {last}; "
-                           f"the previous venv was left as it was")
+        raise EnvtoolError(f"{what} does not {'import' if full else 'have'} torch, transformers and the trainer: "
+                           f"{last}; {after}")
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def interpreter_prefix(python: str) -> Path:
+    out = subprocess.run([python, "-c", "import sys; print(sys.prefix)"], capture_output=True, text=True)
+    if out.returncode != 0:
+        raise BadInput(f"--python {python}: not a Python interpreter that runs")
+    return Path(out.stdout.strip())
+
+
+def install_into(env_dir: Path, python: str, *, keep: tuple[str, ...] = (), no_build: list[str] = (),
+                 ca_bundle: str | None = None, quiet: bool = False, check_imports: bool = False) -> dict:
+    """Install the lock in `env_dir` into the existing interpreter `python` with `uv pip install`.
+
+    Hash-checked (the lock's hashes), CUDA packages (`no_build`) only as wheels, and the packages in `keep`
+    (a preinstalled torch the plan was made for) neither reinstalled nor replaced: they are constrained to the
+    installed version. The plan goes to `<prefix>/plan.json` when the prefix is writable."""
+    env_dir = env_dir.resolve()
+    plan = load_plan(env_dir)
+    if not (env_dir / "uv.lock").is_file():
+        raise BadInput(f"{env_dir}: no uv.lock; run `envtool lock` first")
+    prefix = interpreter_prefix(python)
+    env = uv_env(ca_bundle, {"UV_PYTHON_DOWNLOADS": "never"})
+    exported = run_uv(["export", "--frozen", "--no-header", "--no-emit-project", "--emit-index-url",
+                       "--emit-find-links", "--format", "requirements-txt", "--project", str(env_dir)],
+                      what="Exporting the lock", env=env, quiet=True).stdout
+    lines = exported.splitlines()
+    constraints = []
+    for name in sorted(keep):  # the lock pins the kept package at its installed version; never another one
+        version = subprocess.run([python, "-c", f"import importlib.metadata as m; print(m.version({name!r}))"],
+                                 capture_output=True, text=True).stdout.strip()
+        if version:
+            constraints.append(f"{name}=={version}")
+    work = env_dir / f".system-{os.getpid()}"
+    work.mkdir(exist_ok=True)
+    try:
+        (work / "requirements.txt").write_text("\n".join(lines) + "\n")
+        (work / "constraints.txt").write_text("\n".join(constraints) + "\n")
+        args = ["pip", "install", "--python", python, "--require-hashes", "-r", str(work / "requirements.txt"),
+                "-c", str(work / "constraints.txt")]
+        for package in sorted(set(no_build)):
+            args += ["--only-binary", package]
+        run_uv(args, what=f"Installing into {python}", env=env, cwd=env_dir, quiet=quiet)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    versions = import_check(Path(python), what=python, after="see the uv output above", full=check_imports)
+    plan_path = prefix / PLAN_FILE
+    try:
+        tmp = prefix / f".{PLAN_FILE}.tmp-{os.getpid()}"
+        tmp.write_text(plan.to_json() + "\n")
+        tmp.replace(plan_path)
+        written = str(plan_path)
+    except OSError:
+        written = None  # a read-only prefix: the trainer then needs ENVTOOL_PLAN (the CLI says so)
+    return {"python": python, "prefix": str(prefix), "plan": written, "kept": constraints, **versions}

@@ -17,10 +17,9 @@ from typing import NamedTuple
 from . import selfwheel
 from .errors import BadInput
 from .matrix import Matrix
-from .plan import Plan
+from .plan import PLAN_FILE, Plan
 from .uvrun import MissingWheel, run_uv, tls_verify, uv_env
 
-PLAN_FILE = "plan.json"
 
 
 class Sources(NamedTuple):
@@ -165,11 +164,11 @@ def nearest_wheels(plan: Plan, sources: Sources, name: str, version: str | None)
     return sorted(published, key=lambda f: (abs(order.index(published[f]) - at), f))[:3]
 
 
-def load_plan(env_dir: Path) -> dict:
+def load_plan(env_dir: Path) -> Plan:
     path = env_dir / PLAN_FILE
     if not path.is_file():
         raise BadInput(f"{env_dir}: no {PLAN_FILE} here; make one with `envtool lock --gpu ... --out {env_dir}`")
-    return json.loads(path.read_text())
+    return Plan.read(path)
 
 
 def export(env_dir: Path, fmt: str, quiet: bool = True) -> str:

@@ -1,13 +1,20 @@
 """The Plan: the contract between every stage (lock, docker, ci, trainer). Plain data, JSON-serialisable.
 
-The JSON field names are a public contract documented in the README ("The --json contract").
+The JSON field names are a public contract documented in the README ("The --json contract"). One class
+writes a plan and reads it back (`to_json` / `from_json`); `plan_version` is MAJOR.MINOR: a reader accepts
+any minor of the major it knows (new fields are ignored) and refuses another major in one line.
+It is written as `plan.json` everywhere: beside a lock, into every environment's prefix, into images.
 NamedTuples rather than dataclasses: they cost a tenth as much to define, and `resolve` must start fast.
 """
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import NamedTuple
+
+PLAN_FILE = "plan.json"  # the one name of a plan on disk: lock directories, environments, images
+PLAN_VERSION = "1.0"
 
 
 class TorchChoice(NamedTuple):
@@ -50,6 +57,7 @@ class Plan(NamedTuple):
     matrix_version: str
     target: str  # what the user asked for: "t4", "auto", "sm_80"
     rejected: list[Rejected] = []
+    plan_version: str = PLAN_VERSION
 
     def to_dict(self, explain: bool = False) -> dict:
         data = _plain(self)
@@ -59,6 +67,63 @@ class Plan(NamedTuple):
 
     def to_json(self, explain: bool = False) -> str:
         return json.dumps(self.to_dict(explain), indent=2)
+
+    @classmethod
+    def from_dict(cls, data: dict, where: str = "the plan") -> "Plan":
+        """The inverse of to_dict; a plan without `plan_version` is a 1.0 plan (written before the field)."""
+        from .errors import BadInput
+
+        if not isinstance(data, dict):
+            raise BadInput(f"{where} is not a JSON object; was it written by envtool?")
+        check_version(data.get("plan_version", "1.0"), where)
+        known = set(cls._fields)
+        missing = [f for f in cls._fields if f not in data and f not in cls._field_defaults]
+        if missing:
+            raise BadInput(f"{where} lacks {', '.join(missing)}; was it written by envtool?")
+        values = {k: v for k, v in data.items() if k in known}
+        try:
+            values["torch"] = TorchChoice(**_known(TorchChoice, values["torch"]))
+            if values.get("flash_attn"):
+                values["flash_attn"] = FlashAttnChoice(**_known(FlashAttnChoice, values["flash_attn"]))
+            values["rejected"] = [Rejected(**_known(Rejected, r)) for r in values.get("rejected") or []]
+        except TypeError as e:
+            raise BadInput(f"{where}: malformed field ({e}); was it written by envtool?") from None
+        values["plan_version"] = PLAN_VERSION
+        return cls(**values)
+
+    @classmethod
+    def from_json(cls, text: str, where: str = "the plan") -> "Plan":
+        from .errors import BadInput
+
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise BadInput(f"{where} is not valid JSON: {e}") from None
+        return cls.from_dict(data, where)
+
+    @classmethod
+    def read(cls, path: Path) -> "Plan":
+        from .errors import BadInput
+
+        try:
+            return cls.from_json(Path(path).read_text(), str(path))
+        except FileNotFoundError:
+            raise BadInput(f"{path}: no such plan file") from None
+
+
+def _known(kind, data: dict) -> dict:
+    """The fields `kind` has: a newer minor version may add fields, which an older reader ignores."""
+    return {k: v for k, v in data.items() if k in kind._fields}
+
+
+def check_version(version, where: str = "the plan") -> None:
+    """Refuse a plan whose major version this envtool does not know (a minor difference is fine)."""
+    from .errors import BadInput
+
+    major = str(version).split(".")[0]
+    if major != PLAN_VERSION.split(".")[0]:
+        raise BadInput(f"{where} has plan_version {version}; this envtool reads {PLAN_VERSION.split('.')[0]}.x plans: "
+                       f"make it again with this envtool (`envtool resolve`) or use the envtool that wrote it")
 
 
 def _plain(value):

@@ -121,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("validate", help="show the effective config for this (or another) GPU, each change explained")
     p.add_argument("config")
-    p.add_argument("--gpu", help="plan for this GPU instead: t4, v100, a100, a10g, l4, h100, cpu, sm_75, 7.5")
+    p.add_argument("--gpu", help="plan for this GPU instead: any name in matrices/gpus.toml (t4, a100, b200, \"NVIDIA H100 80GB HBM3\"), cpu, sm_75 or 7.5")
     p.add_argument("--plan", help="read the GPU and choices from this plan.json")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_validate)
@@ -133,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train", help="train (use torchrun for several processes)")
     p.add_argument("config")
-    p.add_argument("--plan", help="plan.json to read instead of ENVTOOL_PLAN / ./plan.json")
+    p.add_argument("--plan", help="plan.json to read instead of ENVTOOL_PLAN, the environment's own plan.json, ./plan.json")
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("evaluate", help="loss on the validation split")

@@ -1,22 +1,20 @@
 """Which GPU we train on, and what the config's attention and precision become on it.
 
-The GPU comes from, in order: ``validate --gpu NAME`` / ``--plan``, the plan envtool wrote
-(``ENVTOOL_PLAN`` or ``./plan.json``), or torch's own probe. The rules that turn a request into a
-setting are tables below, not if-chains: each change carries its reason so ``validate`` can explain it.
+The GPU comes from, in order: ``validate --gpu NAME`` / ``--plan``, the plan envtool wrote (found by the one
+rule in trainer/planfile.py), or torch's own probe. The facts (GPU catalog, architectures, attention backends)
+are matrices/' rows, read through trainer/facts.py; each change carries its reason so ``validate`` can explain it.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 from matrices import catalog
 from trainer import facts
 from trainer.config import Config
 from trainer.errors import ConfigError, HardwareError
+from trainer.planfile import find_plan, read_plan  # noqa: F401 (the one rule for finding the plan)
 
 # Every fact below comes from matrices/ (gpus.toml, archs.toml, attention.toml), the same files the resolver
 # reads: the GPU catalog, what each architecture can do, and which attention backends run where.
@@ -107,28 +105,6 @@ def gpu_from_name(name: str) -> Gpu:
     hint = f"; did you mean {', '.join(close)}?" if close else ""
     raise ConfigError(f"unknown GPU '{name}'{hint} (the catalog is matrices/gpus.toml, `envtool gpus` lists it; "
                       f"or give a compute capability like sm_75 or 7.5)")
-
-
-def read_plan(path: str | Path) -> dict:
-    path = Path(path)
-    try:
-        plan = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"plan file not found: {path}") from None
-    except json.JSONDecodeError as err:
-        raise ConfigError(f"plan file {path} is not valid JSON: {err}") from None
-    if not isinstance(plan, dict) or not isinstance(plan.get("gpu"), dict):
-        raise ConfigError(f"plan file {path} has no 'gpu' object; was it written by envtool?")
-    return plan
-
-
-def find_plan() -> tuple[dict, str] | None:
-    """The plan from ENVTOOL_PLAN, else ./plan.json, else None."""
-    if os.environ.get("ENVTOOL_PLAN"):
-        return read_plan(os.environ["ENVTOOL_PLAN"]), f"ENVTOOL_PLAN={os.environ['ENVTOOL_PLAN']}"
-    if Path("plan.json").is_file():
-        return read_plan("plan.json"), "./plan.json"
-    return None
 
 
 def gpu_from_plan(plan: dict, source: str) -> Gpu:

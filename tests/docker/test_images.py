@@ -67,7 +67,7 @@ def test_t4_image_tag_labels_user_and_smoke(tmp_path, docker_host, docker_client
     doctor = json.loads(in_image(docker_client, built["tag"], "envtool", "doctor", "--json"))
     assert doctor["ok"] and doctor["packages"]["torch"].startswith(plan["torch"]["version"])
     env = dict(e.split("=", 1) for e in image.attrs["Config"]["Env"])
-    assert env["TORCH_CUDA_ARCH_LIST"] == "7.5" and env["ENVTOOL_PLAN"] == "/opt/venv/envtool-plan.json"
+    assert env["TORCH_CUDA_ARCH_LIST"] == "7.5" and env["ENVTOOL_PLAN"] == "/opt/venv/plan.json"
     # only the venv travels to the runtime stage: no wheelhouse, no uv
     assert in_image(docker_client, built["tag"], "sh", "-c", "ls /wheelhouse /usr/local/bin/uv 2>&1 || true").count(
         "No such file") == 2

@@ -9,7 +9,7 @@ from .conftest import DATA, FAKES, run_envtool, write_nvidia_smi
 # The --json contract (README, "The --json contract"): exactly these keys, so an addition is a decision
 # recorded here and in the README, never an accident.
 TOP_LEVEL = {"gpu", "driver", "python", "platform", "torch", "attention", "flash_attn", "precision", "triton",
-             "features", "packages", "reasons", "matrix_version", "target"}
+             "features", "packages", "reasons", "matrix_version", "target", "plan_version"}
 CONTRACT = {
     "gpu": {"name", "compute_capability", "arch", "count", "memory_gb", "source", "bf16"},
     "driver": {"version", "max_cuda"},

@@ -238,7 +238,7 @@ def test_cpu_end_to_end_with_the_real_torch(tmp_path, uv_cache):
         out = run_envtool("lock", *args, "--out", str(env_dir), "--index-url", f"{url}/pypi/",
                           env={**env, **index_env(url)})
         assert out.returncode == 0, out.stderr
-        out = run_envtool("install", str(env_dir), "--venv", str(venv), "--json", env=env)
+        out = run_envtool("install", str(env_dir), "--venv", str(venv), "--json", "--check-imports", env=env)
         assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["torch"] == "2.13.0+cpu"
     python = str(venv / "bin" / "python")
@@ -295,4 +295,4 @@ def test_install_with_gpu_resolves_locks_and_installs_in_one_step(tmp_path, a100
     assert out.returncode == 0, out.stderr
     assert "installed torch 2.8.0+cu126" in out.stdout
     assert json.loads((tmp_path / ".venv.lock" / "plan.json").read_text())["gpu"]["name"] == "NVIDIA A100"
-    assert json.loads((venv / "envtool-plan.json").read_text())["attention"] == "flash_attention_2"
+    assert json.loads((venv / "plan.json").read_text())["attention"] == "flash_attention_2"

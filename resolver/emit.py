@@ -1,0 +1,150 @@
+"""Launchers for existing cluster engines: an sbatch script (Slurm) and a Kubeflow PyTorchJob (Kubernetes).
+
+Both start the same thing `envtool train` starts on one machine: torchrun over the plan's environment, one
+process per GPU, machines joined by a c10d rendezvous. The Kubernetes job runs the plan's image with what
+`envtool run` gives a container: the GPUs, shared memory for data-loader workers and NCCL (an in-memory
+emptyDir at /dev/shm) and the Hugging Face cache (a volume at the image's HF_HOME).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+from pathlib import Path
+
+from .errors import BadInput
+from .pipeline import Distribution, Launch, default_nproc
+from .plan import Plan
+
+HF_HOME = "/home/trainer/.cache/huggingface"  # the image's HF_HOME (dockerfiles/Dockerfile.j2)
+RDZV_PORT = 29500
+
+
+def render(kind: str, plan: Plan, launch: Launch, config: Path, dist: Distribution) -> str:
+    if kind == "slurm":
+        return sbatch(plan, launch, config, dist)
+    return pytorchjob(plan, launch, config, dist)
+
+
+def write(path: Path, text: str, executable: bool = False) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    if executable:
+        tmp.chmod(0o755)
+    tmp.replace(path)
+
+
+def job_name(config: Path) -> str:
+    """A DNS-1123 name from the config's file name (Kubernetes object names; Slurm job names)."""
+    name = re.sub(r"[^a-z0-9-]+", "-", config.stem.lower()).strip("-") or "train"
+    return f"envtool-{name}"[:50].rstrip("-")
+
+
+def _gpus(plan: Plan, dist: Distribution) -> int:
+    return 0 if plan.gpu["compute_capability"] is None else default_nproc(plan, dist)
+
+
+def sbatch(plan: Plan, launch: Launch, config: Path, dist: Distribution) -> str:
+    """One task per node; each runs torchrun with --nproc-per-node = GPUs per node, all meeting at a c10d
+    rendezvous on the first node of the allocation. `$SLURM_*` are expanded on each node by srun's shell."""
+    gpus = _gpus(plan, dist)
+    nproc = default_nproc(plan, dist)
+    name = job_name(config)
+    lines = [
+        "#!/bin/bash",
+        f"# Written by `envtool train {config} --emit slurm` for {plan.gpu['name']}: torch "
+        f"{plan.torch.version}+{plan.torch.variant}, {plan.attention}, {plan.precision}.",
+        f"#SBATCH --job-name={name}",
+        f"#SBATCH --nodes={dist.nnodes}",
+        "#SBATCH --ntasks-per-node=1",
+    ]
+    if gpus:
+        lines.append(f"#SBATCH --gpus-per-node={gpus}")
+    lines += [
+        f"#SBATCH --cpus-per-task={max(4, 4 * nproc)}",
+        f"#SBATCH --output={name}-%j.out",
+        "set -euo pipefail",
+        "",
+        "# The rendezvous: the first node of the allocation hosts the c10d store.",
+        'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        f"export RDZV_ENDPOINT=\"$head_node:{RDZV_PORT}\"",
+    ]
+    for key, value in launch.env.items():
+        lines.append(f"export {key}={shlex.quote(value)}")
+    config_path = str(config.resolve())
+    torchrun = ["-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--nnodes={dist.nnodes}",
+                "--rdzv-backend=c10d", '--rdzv-endpoint="$RDZV_ENDPOINT"', '--rdzv-id="$SLURM_JOB_ID"',
+                '--node-rank="$SLURM_NODEID"', "-m", "trainer", "train"]
+    if launch.kind == "image":
+        lines += ["", f"# In the plan's image (pyxis/enroot), the working directory mounted at /work.",
+                  f"srun --kill-on-bad-exit=1 --container-image={shlex.quote(launch.path)} "
+                  f"--container-mounts=\"$PWD:/work\" --container-workdir=/work bash -c "
+                  + shlex.quote(" ".join(["exec python", *torchrun,
+                                          shlex.quote(str(config.resolve().relative_to(Path.cwd().resolve())))]))]
+    else:
+        lines += ["", f"# The environment built for the plan ({launch.kind}: {launch.path}); it must be on a shared "
+                  "filesystem.", f"cd {shlex.quote(str(Path.cwd()))}",
+                  "srun --kill-on-bad-exit=1 bash -c "
+                  + shlex.quote(" ".join([f"exec {shlex.quote(launch.python)}", *torchrun, shlex.quote(config_path)]))]
+    return "\n".join(lines) + "\n"
+
+
+def quantity(size: str) -> str:
+    """docker's shm size (8g, 512m) as a Kubernetes quantity (8Gi, 512Mi)."""
+    m = re.fullmatch(r"(\d+)([kmgKMG])?[bB]?", size)
+    if not m:
+        raise BadInput(f"--shm-size {size}: use e.g. 8g or 512m")
+    return m[1] + {"k": "Ki", "m": "Mi", "g": "Gi"}.get((m[2] or "").lower(), "")
+
+
+def pytorchjob(plan: Plan, launch: Launch, config: Path, dist: Distribution, *, shm_size: str = "8g",
+               hf_cache_claim: str = "envtool-hf-cache") -> str:
+    """A ConfigMap with the config and a kubeflow.org/v1 PyTorchJob: Master (node rank 0) and nnodes-1
+    Workers, each a pod running torchrun with --nproc-per-node GPUs, joined by c10d at the master's service.
+    The training operator sets MASTER_ADDR / MASTER_PORT / RANK in every replica."""
+    import yaml
+
+    gpus = _gpus(plan, dist)
+    nproc = default_nproc(plan, dist)
+    name = job_name(config)
+    config_in_pod = f"/etc/envtool/{config.name}"
+    command = ["torchrun", f"--nproc-per-node={nproc}", f"--nnodes={dist.nnodes}", "--rdzv-backend=c10d",
+               "--rdzv-endpoint=$(MASTER_ADDR):$(MASTER_PORT)", f"--rdzv-id={name}", "-m", "trainer", "train",
+               config_in_pod]
+    resources = {"limits": {"nvidia.com/gpu": gpus}} if gpus else {}
+    container = {
+        "name": "pytorch",  # the training operator finds the container by this name
+        "image": launch.path,
+        "imagePullPolicy": "IfNotPresent",
+        "command": command,
+        "env": [{"name": "HF_HOME", "value": HF_HOME}],
+        "resources": resources,
+        "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"},
+                         {"name": "hf-cache", "mountPath": HF_HOME},
+                         {"name": "config", "mountPath": "/etc/envtool", "readOnly": True}],
+    }
+    pod = {"spec": {"containers": [container], "volumes": [
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": quantity(shm_size)}},
+        {"name": "hf-cache", "persistentVolumeClaim": {"claimName": hf_cache_claim}},
+        {"name": "config", "configMap": {"name": f"{name}-config"}},
+    ]}}
+    replicas = {"Master": {"replicas": 1, "restartPolicy": "OnFailure", "template": pod}}
+    if dist.nnodes > 1:
+        replicas["Worker"] = {"replicas": dist.nnodes - 1, "restartPolicy": "OnFailure", "template": pod}
+    job = {
+        "apiVersion": "kubeflow.org/v1",
+        "kind": "PyTorchJob",
+        "metadata": {"name": name, "labels": {"app.kubernetes.io/managed-by": "envtool"},
+                     "annotations": {"io.envtool.target": plan.target,
+                                     "io.envtool.plan": f"{plan.gpu['name']}: torch {plan.torch.version}+"
+                                                        f"{plan.torch.variant}, {plan.attention}, {plan.precision}"}},
+        "spec": {"nprocPerNode": str(nproc), "runPolicy": {"cleanPodPolicy": "None"},
+                 "pytorchReplicaSpecs": replicas},
+    }
+    config_map = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": f"{name}-config"},
+                  "data": {config.name: config.read_text()}}
+    header = (f"# Written by `envtool train {config} --emit k8s` for {plan.gpu['name']}. Needs the Kubeflow "
+              f"training operator, the image {launch.path} in a registry the cluster pulls from (envtool build "
+              f"--push), and a PersistentVolumeClaim {hf_cache_claim} for the Hugging Face cache.\n")
+    return header + yaml.safe_dump_all([config_map, job], sort_keys=False)

@@ -1,0 +1,58 @@
+"""`envtool train --image`: the tiny example trained inside the plan's image (real engine, real CPU torch)."""
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.resolver.conftest import ENVTOOL
+from tests.support.pypi import MIRROR
+
+from .test_images import build_image
+
+pytestmark = [pytest.mark.docker, pytest.mark.slow]
+REPO = Path(__file__).resolve().parents[2]
+CPU = ["--gpu", "cpu", "--torch", "2.13", "--python", "3.11", "--platform", "x86_64"]
+
+
+def test_train_in_the_plans_image(tmp_path, docker_host, docker_client):
+    from trainer.tiny import make_tiny_model
+
+    plan, built = build_image(tmp_path / "build", docker_host, CPU, next(MIRROR.glob("torch-2.13.0+cpu-*.whl")))
+    work = tmp_path / "work"
+    work.mkdir()
+    make_tiny_model(work / "tiny-model", family="llama", seed=0)
+    shutil.copy(REPO / "examples" / "data" / "tiny-alpaca.jsonl", work / "data.jsonl")
+    cfg = yaml.safe_load((REPO / "examples" / "tiny-cpu.yml").read_text())
+    cfg.update(base_model="tiny-model", datasets=[{"path": "data.jsonl", "type": "alpaca"}],
+               dataset_prepared_path="prepared", output_dir="out", max_steps=3)
+    for key in ("saves_per_epoch", "evals_per_epoch", "save_total_limit"):
+        cfg.pop(key)
+    (work / "config.yml").write_text(yaml.safe_dump(cfg))
+    for path in [work, *work.rglob("*")]:  # the image trains as uid 1000
+        path.chmod(0o777 if path.is_dir() else 0o666)
+    env = {**{k: v for k, v in os.environ.items() if k != "ENVTOOL_PLAN"}, "DOCKER_HOST": docker_host,
+           "ENVTOOL_CACHE_DIR": str(tmp_path / "cache")}
+    dry = subprocess.run([str(ENVTOOL), "train", "config.yml", *CPU, "--image", "--dry-run", "--json"],
+                         capture_output=True, text=True, env=env, cwd=work)
+    assert dry.returncode == 0, dry.stderr
+    launch = json.loads(dry.stdout)
+    assert launch["environment"] == {"kind": "image", "path": built["tag"], "ready": True,
+                                     "why": f"the plan's image {built['tag']}"}
+    assert launch["command"] == ["python", "-m", "trainer", "train", "config.yml"]
+    out = subprocess.run([str(ENVTOOL), "train", "config.yml", *CPU, "--image"], capture_output=True, text=True,
+                         env=env, cwd=work, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(line) for line in (work / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3]
+    assert (work / "out" / "final").is_dir()
+    # a config the image's trainer refuses: its one line and exit code come back through envtool and docker
+    (work / "bad.yml").write_text(yaml.safe_dump({**cfg, "learning_rate": "fast"}))
+    (work / "bad.yml").chmod(0o666)
+    bad = subprocess.run([str(ENVTOOL), "train", "bad.yml", *CPU, "--image"], capture_output=True, text=True,
+                         env=env, cwd=work, timeout=600)
+    assert bad.returncode == 2 and "learning_rate" in bad.stdout + bad.stderr

@@ -1,0 +1,145 @@
+"""`envtool train --emit slurm|k8s`: launchers for existing engines, checked as those engines would check them.
+
+The PyTorchJob manifest is validated against the PyTorchJob CRD's own openAPIV3Schema (kubeflow/training-operator
+v1.9.0, see data/pytorchjob-v1.schema.json), made strict the way `kubectl apply --validate=strict` is: a field
+the schema does not declare is an error. The sbatch script must pass `bash -n`.
+"""
+
+import copy
+import json
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+
+from .conftest import DATA, ENVTOOL
+
+REPO = Path(__file__).resolve().parents[2]
+A100 = ["--gpu", "a100", "--python", "3.11", "--platform", "x86_64"]
+
+
+def strict(schema):
+    """Unknown fields become errors (Kubernetes prunes them silently; strict validation refuses them)."""
+    schema = copy.deepcopy(schema)
+
+    def walk(node):
+        if isinstance(node, dict):
+            if node.get("type") == "object" and "properties" in node and "additionalProperties" not in node \
+                    and not node.get("x-kubernetes-preserve-unknown-fields"):
+                node["additionalProperties"] = False
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(schema)
+    return schema
+
+
+@pytest.fixture(scope="module")
+def schema():
+    data = json.loads((DATA / "pytorchjob-v1.schema.json").read_text())
+    assert "training-operator tag v1.9.0" in data.pop("$comment")
+    return strict(data)
+
+
+def emit(*args, cwd=REPO, tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("ENVTOOL_PLAN", "ENVTOOL_GPU")}
+    env["ENVTOOL_CACHE_DIR"] = str(tmp_path / "cache")
+    return subprocess.run([str(ENVTOOL), "train", *args], capture_output=True, text=True, env=env, cwd=cwd,
+                          timeout=120)
+
+
+def test_k8s_manifest_validates_against_the_pytorchjob_schema(tmp_path, schema):
+    out = emit("examples/a100.yml", *A100, "--nproc", "8", "--nnodes", "4", "--emit", "k8s", "--dry-run",
+               tmp_path=tmp_path)
+    assert out.returncode == 0, out.stderr
+    config_map, job = list(yaml.safe_load_all(out.stdout))
+    jsonschema.validate(job, schema)
+    assert job["apiVersion"] == "kubeflow.org/v1" and job["kind"] == "PyTorchJob"
+    replicas = job["spec"]["pytorchReplicaSpecs"]
+    assert replicas["Master"]["replicas"] == 1 and replicas["Worker"]["replicas"] == 3
+    pod = replicas["Worker"]["template"]["spec"]
+    container = pod["containers"][0]
+    assert container["name"] == "pytorch"
+    assert re.fullmatch(r"envtool-trainer:sm80-cu\d+-torch[\d.]+-py3\.11", container["image"])
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 8
+    command = container["command"]
+    assert command[:3] == ["torchrun", "--nproc-per-node=8", "--nnodes=4"]
+    assert "--rdzv-backend=c10d" in command and "--rdzv-endpoint=$(MASTER_ADDR):$(MASTER_PORT)" in command
+    assert command[-1] == "/etc/envtool/a100.yml"
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    assert volumes["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "8Gi"} and mounts["dshm"] == "/dev/shm"
+    assert mounts["hf-cache"] == "/home/trainer/.cache/huggingface"  # the image's HF_HOME, as `envtool run` mounts it
+    assert config_map["kind"] == "ConfigMap" and config_map["data"]["a100.yml"] == (REPO / "examples/a100.yml").read_text()
+    assert volumes["config"]["configMap"]["name"] == config_map["metadata"]["name"]
+
+
+def test_the_strict_schema_catches_what_a_cluster_would_refuse(tmp_path, schema):
+    """The check can fail: a misspelt field, or a GPU count of the wrong type, is refused."""
+    out = emit("examples/a100.yml", *A100, "--emit", "k8s", "--dry-run", tmp_path=tmp_path)
+    job = list(yaml.safe_load_all(out.stdout))[1]
+    jsonschema.validate(job, schema)
+    assert "Worker" not in job["spec"]["pytorchReplicaSpecs"]  # one machine: a master alone
+    typo = copy.deepcopy(job)
+    typo["spec"]["pytorchReplicaSpecs"]["Master"]["replica"] = 1
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(typo, schema)
+    wrong = copy.deepcopy(job)
+    wrong["spec"]["pytorchReplicaSpecs"]["Master"]["replicas"] = "one"
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(wrong, schema)
+
+
+def test_slurm_script_passes_bash_n_and_carries_the_rendezvous_and_gpus(tmp_path):
+    script = tmp_path / "train.sbatch"
+    out = emit("examples/a100.yml", *A100, "--nproc", "4", "--nnodes", "2", "--venv", str(tmp_path / "shared-venv"),
+               "--emit", "slurm", "-o", str(script), "--dry-run", tmp_path=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert os.access(script, os.X_OK)
+    check = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert check.returncode == 0, check.stderr
+    text = script.read_text()
+    assert "#SBATCH --nodes=2" in text and "#SBATCH --gpus-per-node=4" in text and "#SBATCH --ntasks-per-node=1" in text
+    srun = next(line for line in text.splitlines() if line.startswith("srun "))
+    assert "--rdzv-backend=c10d" in srun and '--rdzv-endpoint="$RDZV_ENDPOINT"' in srun
+    assert "--nproc-per-node=4" in srun and "--nnodes=2" in srun
+    assert str(tmp_path / "shared-venv" / "bin" / "python") in srun
+    assert str(REPO / "examples" / "a100.yml") in srun
+    assert re.search(r'^export RDZV_ENDPOINT="\$head_node:\d+"$', text, re.M)
+    assert re.search(r"^export ENVTOOL_PLAN=\S+plan\.json$", text, re.M)
+
+
+def test_the_slurm_script_runs_the_command_it_says(tmp_path):
+    """Run the script's srun line with stand-ins for Slurm's commands: what reaches torchrun is what we meant
+    (the $SLURM_* variables expanded on the node, the arguments intact)."""
+    script = tmp_path / "train.sbatch"
+    emit("examples/a100.yml", *A100, "--nnodes", "2", "--venv", str(tmp_path / "venv"), "--emit", "slurm", "-o",
+         str(script), "--dry-run", tmp_path=tmp_path)
+    bin_dir = tmp_path / "bin"
+    (bin_dir / "../venv/bin").mkdir(parents=True)
+    (bin_dir / "scontrol").write_text("#!/bin/sh\nprintf 'node-a\\nnode-b\\n'\n")
+    (bin_dir / "srun").write_text('#!/bin/sh\nwhile [ "${1#--}" != "$1" ]; do shift; done\nexec "$@"\n')
+    python = tmp_path / "venv" / "bin" / "python"
+    python.write_text('#!/bin/sh\nfor a in "$@"; do echo "$a"; done\n')
+    for f in (bin_dir / "scontrol", bin_dir / "srun", python):
+        f.chmod(0o755)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_NODELIST": "node-[a-b]", "SLURM_JOB_ID": "77",
+           "SLURM_NODEID": "1"}
+    out = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    args = out.stdout.splitlines()
+    assert args[:2] == ["-m", "torch.distributed.run"]
+    assert {"--rdzv-endpoint=node-a:29500", "--rdzv-id=77", "--node-rank=1", "--nnodes=2"} <= set(args)
+    assert args[-4:] == ["-m", "trainer", "train", str(REPO / "examples" / "a100.yml")]
+
+
+def test_emit_refuses_what_it_cannot_write(tmp_path):
+    out = emit("examples/a100.yml", *A100, "--emit", "nomad", tmp_path=tmp_path)
+    assert out.returncode == 2 and out.stderr.strip() == "envtool: error: --emit 'nomad': choose slurm or k8s"

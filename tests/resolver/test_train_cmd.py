@@ -1,0 +1,230 @@
+"""`envtool train`: a config to a trained model in one command, as a user runs it (subprocesses, real trainer).
+
+The active-environment path trains the tiny example for real; the cached-environment path builds the real CPU
+stack from a PEP 503 index on 127.0.0.1 (the first run builds, the second reuses); two launchers on 127.0.0.1
+form one torchrun job over a c10d rendezvous.
+"""
+
+import json
+import os
+import socket
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.support.pypi import MIRROR, build_indexes, index_env, serve
+
+from .conftest import ENVTOOL, run_envtool
+
+REPO = Path(__file__).resolve().parents[2]
+CPU = ["--gpu", "cpu"]
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    from trainer.tiny import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-model"), family="llama", seed=0)
+
+
+@pytest.fixture
+def env(tmp_path):
+    """envtool's caches in tmp; no plan from the outside; one thread per process."""
+    environment = {k: v for k, v in os.environ.items() if k not in ("ENVTOOL_PLAN", "ENVTOOL_GPU")}
+    environment.update(ENVTOOL_CACHE_DIR=str(tmp_path / "cache"), OMP_NUM_THREADS="1",
+                       PYTHONPATH=str(REPO), TOKENIZERS_PARALLELISM="false")
+    return environment
+
+
+@pytest.fixture
+def config(tmp_path, tiny_model):
+    """examples/tiny-cpu.yml with its outputs in tmp and a few steps."""
+    def make(**overrides):
+        cfg = yaml.safe_load((REPO / "examples" / "tiny-cpu.yml").read_text())
+        cfg.update(base_model=str(tiny_model), datasets=[{"path": str(REPO / "examples/data/tiny-alpaca.jsonl"),
+                                                           "type": "alpaca"}],
+                   dataset_prepared_path=str(tmp_path / "prepared"), output_dir=str(tmp_path / "out"),
+                   max_steps=4, saves_per_epoch=None, evals_per_epoch=None, save_total_limit=None)
+        for key, value in overrides.items():
+            cfg[key] = value
+        path = tmp_path / "config.yml"
+        path.write_text(yaml.safe_dump({k: v for k, v in cfg.items() if v is not None}))
+        return path
+
+    return make
+
+
+def train(*args, env, cwd=None, timeout=300):
+    return subprocess.run([str(ENVTOOL), "train", *args], capture_output=True, text=True, env=env, cwd=cwd,
+                          timeout=timeout)
+
+
+def losses(output_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()
+            if "loss" in json.loads(line)]
+
+
+def test_trains_the_tiny_example_in_the_active_environment(tmp_path, config, env):
+    out = train(str(config()), *CPU, "--json", env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout)
+    assert result["environment"]["kind"] == "active" and result["exit_code"] == 0
+    assert result["command"][1:] == ["-m", "trainer", "train", str(tmp_path / "config.yml")]
+    assert [r["step"] for r in losses(tmp_path / "out")] == [1, 2, 3, 4]
+    assert (tmp_path / "out" / "final").is_dir()
+    plan = json.loads(Path(result["env"]["ENVTOOL_PLAN"]).read_text())  # what the trainer was pointed at
+    assert plan["gpu"]["compute_capability"] is None and plan["attention"] == "sdpa"
+
+
+def test_the_readme_command_from_the_repository(env, tmp_path):
+    """`envtool train examples/tiny-cpu.yml --gpu cpu` as the README's first line runs it (dry run: the real
+    run writes into the checkout's outputs/)."""
+    out = train("examples/tiny-cpu.yml", *CPU, "--dry-run", env=env, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    assert "environment: active" in out.stdout
+    assert "-m trainer train examples/tiny-cpu.yml" in out.stdout.splitlines()[-1]
+    assert out.stdout.splitlines()[-1].startswith("command: ENVTOOL_PLAN=")
+
+
+def test_dry_run_prints_the_plan_and_the_exact_command_and_runs_nothing(tmp_path, config, env):
+    out = train(str(config()), *CPU, "--nproc", "2", "--dry-run", "--json", env=env)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["plan"]["plan_version"] == "1.0" and result["plan"]["precision"] == "fp32"
+    assert result["command"][1:5] == ["-m", "torch.distributed.run", "--nproc-per-node=2", "--nnodes=1"]
+    assert "--standalone" in result["command"] and result["command"][-3:] == ["trainer", "train",
+                                                                               str(tmp_path / "config.yml")]
+    assert not (tmp_path / "out").exists()
+    several = train(str(config()), *CPU, "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", "10.0.0.1:29400",
+                    "--dry-run", "--json", env=env)
+    command = json.loads(several.stdout)["command"]
+    assert {"--nnodes=2", "--node-rank=1", "--rdzv-backend=c10d", "--rdzv-endpoint=10.0.0.1:29400"} <= set(command)
+
+
+@pytest.mark.parametrize("overrides, args, code, message", [
+    ({"attn_implementation": "flash_attention_2"}, ["--gpu", "t4"], 2,
+     "asks for attn_implementation: flash_attention_2, which cannot run here"),
+    ({"bf16": True, "attn_implementation": "sdpa"}, ["--gpu", "v100"], 2,
+     "sets bf16: true, but Tesla V100 (sm_70) has no native bf16"),
+    ({"fp16": True, "bf16": None}, CPU, 2, "sets fp16: true, which needs a CUDA GPU"),
+    ({}, ["--gpu", "cpu", "--attention", "eager"], 2, "--attention eager contradicts"),
+    ({}, ["--gpu", "cpu", "--nnodes", "2"], 2, "--nnodes 2 needs --rdzv-endpoint"),
+])
+def test_config_pins_are_refused_with_the_reason(config, env, overrides, args, code, message):
+    out = train(str(config(**overrides)), *args, "--dry-run", env=env)
+    assert out.returncode == code, out.stdout + out.stderr
+    assert message in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+def test_config_pins_are_honoured(config, env):
+    out = train(str(config(attn_implementation="flash_attention_2", bf16=True)), "--gpu", "a100", "--python",
+                "3.11", "--dry-run", "--json", env=env)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["plan"]["attention"] == "flash_attention_2" and result["plan"]["flash_attn"]
+    assert result["plan"]["precision"] == "bf16"
+    assert any("attn_implementation" in n for n in result["notes"])
+    eager = json.loads(train(str(config(attn_implementation="eager")), *CPU, "--dry-run", "--json", env=env).stdout)
+    assert eager["plan"]["attention"] == "eager"
+
+
+def test_the_trainers_errors_and_exit_code_pass_through(config, env):
+    out = train(str(config(learning_rate="fast")), *CPU, env=env)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines()[-1].startswith("error: ") and "learning_rate" in out.stderr
+    missing = train("no-such.yml", *CPU, env=env)
+    assert missing.returncode == 2 and missing.stderr.strip() == "envtool: error: config file not found: no-such.yml"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_two_launchers_on_one_host_form_one_job_and_train(tmp_path, config, env):
+    path = config(max_steps=3)
+    endpoint = f"127.0.0.1:{free_port()}"
+    launchers = [subprocess.Popen([str(ENVTOOL), "train", str(path), *CPU, "--nnodes", "2", "--node-rank", str(i),
+                                   "--rdzv-endpoint", endpoint], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True, env=env) for i in range(2)]
+    results = [p.communicate(timeout=420) for p in launchers]
+    for p, (_, err) in zip(launchers, results):
+        assert p.returncode == 0, err[-3000:]
+    rows = losses(tmp_path / "out")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    # one job of two processes: each step's tokens are both ranks' (a single process sees half the data)
+    single = train(str(config(max_steps=3, output_dir=str(tmp_path / "single"))), *CPU, env=env)
+    assert single.returncode == 0, single.stderr[-2000:]
+    assert sum(r["tokens"] for r in rows) > 1.5 * sum(r["tokens"] for r in losses(tmp_path / "single"))
+
+
+@pytest.mark.slow
+def test_a_cached_environment_is_built_once_for_the_plan_and_reused(tmp_path, config, env):
+    """--isolated: never the active environment. The first run locks and installs the real CPU stack from a
+    local index into the cache (keyed by the plan); the second finds it and starts the trainer at once."""
+    assert MIRROR.is_dir(), "run `bash .ci/setup` first: it fills .ci-cache/pypi-mirror"
+    args = ["--gpu", "cpu", "--torch", "2.13", "--python", "3.11", "--platform", "x86_64", "--isolated"]
+    env = {**env, "UV_PYTHON_DOWNLOADS": "never", "UV_CACHE_DIR": str(tmp_path / "uv-cache")}
+    plan = json.loads(run_envtool("resolve", "--json", *args[:-1], env=env).stdout)
+    build_indexes(tmp_path / "index", plan, [], real_torch=next(MIRROR.glob("torch-2.13.0+cpu-*.whl")))
+    path = config()
+    with serve(tmp_path / "index") as url:
+        first = train(str(path), *args, "--index-url", f"{url}/pypi/", "--json", env={**env, **index_env(url)},
+                      timeout=900)
+    assert first.returncode == 0, first.stderr[-3000:]
+    built = json.loads(first.stdout)["environment"]
+    assert built["kind"] == "cached" and not built["ready"]
+    assert built["path"].startswith(str(tmp_path / "cache" / "envs"))
+    assert [r["step"] for r in losses(tmp_path / "out")] == [1, 2, 3, 4]
+    # the environment carries its plan where the trainer's rule finds it
+    assert json.loads((Path(built["path"]) / "plan.json").read_text())["torch"]["version"] == "2.13.0"
+    # second run: no index at all; it must not need one
+    second = train(str(config(output_dir=str(tmp_path / "out2"))), *args, "--json", env=env)
+    assert second.returncode == 0, second.stderr[-3000:]
+    reused = json.loads(second.stdout)["environment"]
+    assert reused["ready"] and reused["path"] == built["path"]
+    assert json.loads(second.stdout)["command"][0] == str(Path(built["path"]) / "bin" / "python")
+    assert [r["step"] for r in losses(tmp_path / "out2")] == [1, 2, 3, 4]
+
+
+def test_one_process_per_detected_gpu_and_a_cached_environment_when_the_active_one_cannot_run_the_plan(
+        tmp_path, config, env):
+    """A machine with four A100s (nvidia-smi answers as the real one does): torchrun with four processes, and
+    since this CPU-only environment is wrong for an A100 (doctor says so), the environment cached for the plan."""
+    from .conftest import FAKES, write_nvidia_smi
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    write_nvidia_smi(bin_dir, "nvidia-smi-4xa100.csv")
+    env = {**env, "PATH": f"{bin_dir}:/usr/bin:/bin", "PYTHONPATH": f"{FAKES}:{REPO}"}
+    out = train(str(config(attn_implementation=None, bf16="auto")), "--python", "3.11", "--dry-run", "--json",
+                env=env)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["plan"]["gpu"]["count"] == 4 and result["plan"]["precision"] == "bf16"
+    assert "--nproc-per-node=4" in result["command"] and "--standalone" in result["command"]
+    where = result["environment"]
+    assert where["kind"] == "cached" and not where["ready"]
+    assert "doctor finds the active environment wrong for this plan: torch is the CPU build" in where["why"]
+    assert result["command"][0] == f"{where['path']}/bin/python"
+    assert not (tmp_path / "cache" / "envs").exists() or not any((tmp_path / "cache" / "envs").iterdir())
+
+
+def test_a_named_venv_is_used_when_it_runs_the_plan_and_built_for_it_otherwise(tmp_path, config, env):
+    fresh = json.loads(train(str(config()), *CPU, "--venv", str(tmp_path / "v"), "--dry-run", "--json",
+                             env=env).stdout)["environment"]
+    assert fresh == {"kind": "venv", "path": str(tmp_path / "v"), "ready": False,
+                     "why": f"--venv {tmp_path / 'v'} (built for the plan first)"}
+    # a venv that runs the plan (the tests' own environment): used as it is
+    import sys
+
+    venv = Path(sys.executable).parent.parent
+    ready = json.loads(train(str(config()), *CPU, "--venv", str(venv), "--dry-run", "--json", env=env).stdout)
+    assert ready["environment"]["ready"] and ready["command"][0] == str(venv / "bin" / "python")
+    both = train(str(config()), *CPU, "--venv", str(tmp_path / "v"), "--image", env=env)
+    assert both.returncode == 2 and "--venv and --image are two places to train" in both.stderr
