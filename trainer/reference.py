@@ -73,7 +73,7 @@ def _shard(objective, model, dataset, batch_size: int, capacity, device, rank: i
     out = [np.zeros((0, 1 + len(objective.reference_names)))]
     for batch_rows in sampler:
         batch = to_device(objective.collate([rows[r] for r in batch_rows]), device)
-        with autocast:
+        with autocast():
             values = objective.reference(model, batch).double().cpu().numpy()
         index = np.array([i for row in batch_rows for i in row], dtype=np.float64)[:, None]
         out.append(np.concatenate([index, values], axis=1))
@@ -119,7 +119,7 @@ def reference_logps(objective: Objective, model, data, cfg, runtime, device, ran
             shard = root / f"{split}.shard-{rank}-of-{world}.npy"
             if not shard.exists():  # a shard from an interrupted run is complete (atomic) and still right
                 _save_atomic(shard, _shard(objective, model, dataset, batch_size, capacity(cfg, cfg.packing_for_eval),
-                                           device, rank, world, autocast or nullcontext()))
+                                           device, rank, world, autocast or nullcontext))
     model.train(was_training)
     for split, dataset in todo:
         shards = {r: root / f"{split}.shard-{r}-of-{world}.npy" for r in range(world)}

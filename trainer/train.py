@@ -149,7 +149,7 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
         from trainer.reference import reference_logps
 
         reference = reference_logps(objective, unwrapped, data, cfg, runtime, device, rank, world,
-                                    autocast=accelerator.autocast(), log=say)
+                                    autocast=accelerator.autocast, log=say)
     # The loader gets its own generator: starting an iterator must not draw from the global RNG, or a
     # resumed run (which starts one after restoring the RNG) would see different dropout masks.
     loader = torch.utils.data.DataLoader(objective.rows(data.train, reference.get("train")), batch_sampler=sampler,
