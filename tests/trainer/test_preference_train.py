@@ -169,7 +169,9 @@ def peak_rss_kb(config) -> int:
 def test_full_fine_tune_dpo_peaks_at_sft_memory_not_a_second_model(make_config, tmp_path, pairs_file):
     """Peak RSS of full fine-tune DPO vs SFT on the same ~10M-parameter model (40 MB of fp32 weights) and the
     same sequences (SFT trains on chosen and rejected as separate examples, 2 per micro-batch = 1 pair).
-    A reference-model copy would add 40 MB; the tolerance is 15 MB (allocator noise, the reference numbers)."""
+    Tolerance 15 MiB (allocator noise, the reference numbers). Measured: SFT 746.9 MiB, DPO 747.2 MiB; the
+    same DPO run holding a deep copy of the model as its reference peaked at 775.2 MiB (+28 MiB), so a
+    reference copy fails this test."""
     from trainer.tiny import build_model, build_tokenizer
 
     tokenizer = build_tokenizer()
