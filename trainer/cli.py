@@ -93,10 +93,27 @@ def cmd_evaluate(args) -> int:
     model_dir = Path(args.model) if args.model else Path(cfg.output_dir) / "final"
     tokenizer = load_tokenizer(cfg)
     prepared = prepare(cfg, tokenizer, log=log)
-    model = load_trained(cfg, runtime, tokenizer, model_dir if model_dir.is_dir() else None)
     device = torch.device(runtime.device)
-    model.to(device)
     collator = Collator(tokenizer.pad_token_id, runtime.attention)
+    if cfg.rl:  # preference: the objective's loss and metrics, against the (cached) reference log-probs
+        from trainer import objectives
+        from trainer.model import load_model
+        from trainer.reference import reference_logps
+
+        objective = objectives.build(cfg, collator, None)
+        kwargs = {}
+        if objective.needs_reference:  # the reference is the base model as training loaded it
+            base = load_model(cfg, runtime, tokenizer).to(device)
+            kwargs["reference"] = reference_logps(objective, base, prepared, cfg, runtime, device, log=log)["validation"]
+            del base
+        model = load_trained(cfg, runtime, tokenizer, model_dir if model_dir.is_dir() else None).to(device)
+        result = objective.evaluate(model, prepared.validation, cfg.eval_batch_size or cfg.micro_batch_size,
+                                    objectives.capacity(cfg, cfg.packing_for_eval), device, 0, 1, cfg.ddp_timeout, **kwargs)
+        result["model"] = str(model_dir) if model_dir.is_dir() else cfg.base_model
+        print(json.dumps(result) if args.json else f"{objective.describe_eval(result)} ({result['model']})")
+        return 0
+    model = load_trained(cfg, runtime, tokenizer, model_dir if model_dir.is_dir() else None)
+    model.to(device)
     result = evaluate(model, prepared.validation, collator, cfg.eval_batch_size or cfg.micro_batch_size,
                       cfg.sequence_len if cfg.packing_for_eval else None, device)
     result["model"] = str(model_dir) if model_dir.is_dir() else cfg.base_model

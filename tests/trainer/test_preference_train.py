@@ -191,3 +191,16 @@ def test_full_fine_tune_dpo_peaks_at_sft_memory_not_a_second_model(make_config, 
     print(f"peak RSS: SFT {sft_kb / 1024:.1f} MiB, DPO {dpo_kb / 1024:.1f} MiB, weights {weights_kb / 1024:.1f} MiB")
     assert weights_kb > 35 * 1024
     assert dpo_kb - sft_kb < 15 * 1024, (sft_kb, dpo_kb)
+
+
+@pytest.mark.parametrize("rl,adapter", [("dpo", "lora"), ("kto", None), ("orpo", None)])
+def test_evaluate_command_agrees_with_the_last_evaluation_of_training(rl, adapter, pref_config, tmp_path, capsys):
+    extra = {"adapter": "lora", "lora_r": 4} if adapter else {}
+    config = pref_config(rl=rl, output_dir=str(tmp_path / "out"), max_steps=2, val_set_size=0.2, **extra)
+    assert train(config) == 0
+    last = [r for r in read_metrics(tmp_path / "out") if "eval_loss" in r][-1]
+    capsys.readouterr()
+    assert main(["evaluate", str(config), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["eval_loss"] == pytest.approx(last["eval_loss"], rel=1e-5)
+    assert result["eval_rewards/chosen"] == pytest.approx(last["eval_rewards/chosen"], rel=1e-4, abs=1e-6)
