@@ -58,6 +58,14 @@ def reference_key(cfg, runtime, objective: Objective) -> str:
     return hashlib.sha256(json.dumps(relevant, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+def _is_peft(model) -> bool:
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return False
+    return isinstance(model, PeftModel)
+
+
 def _save_atomic(path: Path, array: np.ndarray) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     with open(tmp, "wb") as f:
@@ -110,7 +118,7 @@ def reference_logps(objective: Objective, model, data, cfg, runtime, device, ran
     log(f"computing reference log-probs once, into {root}")
     was_training = model.training
     model.eval()
-    adapter_off = model.disable_adapter() if hasattr(model, "disable_adapter") else nullcontext()
+    adapter_off = model.disable_adapter() if _is_peft(model) else nullcontext()  # LoRA: the base is the reference
     batch_size = cfg.eval_batch_size or cfg.micro_batch_size
     from trainer.objectives import capacity
 

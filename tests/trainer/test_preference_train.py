@@ -204,3 +204,31 @@ def test_evaluate_command_agrees_with_the_last_evaluation_of_training(rl, adapte
     result = json.loads(capsys.readouterr().out)
     assert result["eval_loss"] == pytest.approx(last["eval_loss"], rel=1e-5)
     assert result["eval_rewards/chosen"] == pytest.approx(last["eval_rewards/chosen"], rel=1e-4, abs=1e-6)
+
+
+def test_with_lora_the_reference_is_the_base_with_the_adapter_disabled(pref_config, tiny_llama, tmp_path):
+    import numpy as np
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from trainer import objectives
+    from trainer.collate import Collator
+    from trainer.config import load_config
+    from trainer.data import load_tokenizer, prepare
+    from trainer.hardware import adapt, detect
+    from trainer.reference import reference_logps
+
+    cfg, _ = load_config(pref_config(adapter="lora"))
+    runtime = adapt(cfg, *detect("cpu", None))
+    data = prepare(cfg, load_tokenizer(cfg))
+    objective = objectives.build(cfg, Collator(0, "sdpa"), None)
+    base = AutoModelForCausalLM.from_pretrained(tiny_llama, attn_implementation="sdpa")
+    expected = reference_logps(objective, base, data, cfg, runtime, "cpu", log=lambda *_: None)["train"]
+    shutil.rmtree(next(data.path.glob("reference-*")))
+    trained = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_llama, attn_implementation="sdpa"),
+                             LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))  # a non-zero adapter
+    got = reference_logps(objective, trained, data, cfg, runtime, "cpu", log=lambda *_: None)["train"]
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+    batch = objective.collate([[objective.rows(data.train)[[0]][0]]])
+    with torch.no_grad():
+        assert not torch.allclose(objective.reference(trained, batch), torch.tensor(expected[:1]), atol=1e-3)
