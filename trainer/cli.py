@@ -42,6 +42,10 @@ def cmd_validate(args) -> int:
     print(f"  batch:      micro_batch_size {cfg.micro_batch_size} x gradient_accumulation_steps "
           f"{cfg.gradient_accumulation_steps} x processes")
     print(f"  adapter:    {cfg.adapter or 'none (full fine-tune)'}")
+    if cfg.rl:
+        reference = ("reference log-probs computed once before training and cached" if cfg.objective in ("dpo", "ipo", "kto")
+                     else "reference-free")
+        print(f"  objective:  {cfg.objective} (beta {cfg.beta:g}; {reference})")
     print("changes for this hardware:" if runtime.changes else "no changes for this hardware")
     for change in runtime.changes:
         print(f"  - {change}")

@@ -178,6 +178,7 @@ def test_preference_examples_validate(method, capsys):
     from trainer.cli import main
 
     assert main(["validate", str(REPO / f"examples/preference/{method}-a100.yml"), "--gpu", "a100"]) == 0
+    assert f"objective:  {method} (beta 0.1; " in capsys.readouterr().out
     t4 = REPO / f"examples/preference/{method}-t4.yml"
     code = main(["validate", str(t4), "--gpu", "t4"])
     err = capsys.readouterr().err
