@@ -9,7 +9,10 @@ tokens/s = real (non-pad) chosen+rejected tokens of the timed steps / their wall
 warm-up and skipped. Peak memory = the process's peak RSS, also shown net of a baseline process that
 imports the same libraries and loads the model once (what the training itself adds).
 
-    python bench/bench_dpo_vs_trl.py [--steps 12] [--hidden 512] [--layers 4] [--pairs 2]
+    python bench/bench_dpo_vs_trl.py [--steps 12] [--hidden 512] [--layers 4] [--pairs 2] [--no-gradient-checkpointing]
+
+Both trainers run the same number of steps over exactly one epoch of the data, with the same gradient
+checkpointing setting (on by default, as TRL's DPOConfig has it).
 """
 
 from __future__ import annotations
@@ -52,7 +55,8 @@ def worker_ours(spec: dict) -> dict:
            "dataset_prepared_path": str(Path(spec["dir"]) / "prepared"), "output_dir": str(Path(spec["dir"]) / "ours"),
            "sequence_len": spec["sequence_len"], "micro_batch_size": spec["pairs"], "max_steps": spec["steps"],
            "learning_rate": 1e-5, "lr_scheduler": "constant", "attn_implementation": "sdpa", "seed": 0,
-           "max_grad_norm": 1.0, "shuffle_merged_datasets": False, **({"adapter": "lora", "lora_r": 16,
+           "max_grad_norm": 1.0, "shuffle_merged_datasets": False,
+           "gradient_checkpointing": spec["gradient_checkpointing"], **({"adapter": "lora", "lora_r": 16,
                                                                        "lora_target_linear": True} if spec["lora"] else {})}
     path.write_text(yaml.safe_dump(cfg))
     started = time.perf_counter()
@@ -85,7 +89,8 @@ def worker_trl(spec: dict) -> dict:
                      gradient_accumulation_steps=1, max_steps=spec["steps"], learning_rate=1e-5,
                      lr_scheduler_type="constant", logging_steps=1, save_strategy="no", report_to="none",
                      max_length=spec["sequence_len"], use_cpu=True, bf16=False, seed=0, beta=0.1,
-                     dataloader_num_workers=0, max_grad_norm=1.0, disable_tqdm=True)
+                     dataloader_num_workers=0, max_grad_norm=1.0, disable_tqdm=True,
+                     gradient_checkpointing=spec["gradient_checkpointing"])
 
     class Timer(TrainerCallback):
         def __init__(self):
@@ -134,6 +139,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--pairs", type=int, default=2, help="pairs per micro-batch (both trainers)")
     parser.add_argument("--sequence-len", type=int, default=256)
+    parser.add_argument("--no-gradient-checkpointing", action="store_true",
+                        help="both trainers without it (TRL's DPOConfig turns it on by default)")
     parser.add_argument("--worker")
     parser.add_argument("spec", nargs="?")
     args = parser.parse_args()
@@ -152,13 +159,15 @@ def main() -> None:
         params = sum(p.numel() for p in model.parameters())
         model.save_pretrained(tmp / "model")
         tokenizer.save_pretrained(tmp / "model")
-        write_pairs(tmp / "pairs.jsonl", max(64, args.pairs * (args.steps + 2)))
+        write_pairs(tmp / "pairs.jsonl", args.pairs * args.steps)  # one epoch: the reference precompute covers what is trained
         base = {"model": str(tmp / "model"), "data": str(tmp / "pairs.jsonl"), "dir": str(tmp), "steps": args.steps,
-                "pairs": args.pairs, "sequence_len": args.sequence_len}
+                "pairs": args.pairs, "sequence_len": args.sequence_len,
+                "gradient_checkpointing": not args.no_gradient_checkpointing}
         baseline = run("baseline", base)["peak_mib"]
         print(f"model: hidden {args.hidden}, {args.layers} layers, {params / 1e6:.1f}M parameters "
               f"({params * 4 / 2**20:.0f} MiB fp32); {args.pairs} pairs/micro-batch, {args.steps} steps "
-              f"({WARMUP} warm-up), CPU, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '1')}")
+              f"({WARMUP} warm-up) = one epoch, gradient checkpointing {'off' if args.no_gradient_checkpointing else 'on'}"
+              f" in both, CPU, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '1')}")
         print(f"baseline process (imports + model load): {baseline:.0f} MiB peak RSS")
         for lora in (False, True):
             spec = {**base, "lora": lora}
@@ -169,10 +178,11 @@ def main() -> None:
             for name, r in (("this trainer", ours), ("TRL DPOTrainer", trl)):
                 key = "ours" if name == "this trainer" else "trl"
                 print(f"  {name:15s} {tps[key]:8,.0f} tokens/s ({r['tokens']:,} tokens in {r['seconds']:.1f} s); "
-                      f"peak RSS {r['peak_mib']:,.0f} MiB (net {r['peak_mib'] - baseline:,.0f}); run {r['wall_s']:.1f} s")
+                      f"peak RSS {r['peak_mib']:,.0f} MiB (net {r['peak_mib'] - baseline:,.0f}); whole run {r['wall_s']:.1f} s")
             print(f"  ratio tokens/s ours / TRL: {tps['ours'] / tps['trl']:.2f}x; peak RSS ours / TRL: "
                   f"{ours['peak_mib'] / trl['peak_mib']:.2f}x (net of baseline: "
-                  f"{(ours['peak_mib'] - baseline) / max(trl['peak_mib'] - baseline, 1e-9):.2f}x)")
+                  f"{(ours['peak_mib'] - baseline) / max(trl['peak_mib'] - baseline, 1e-9):.2f}x); whole run (ours includes "
+                  f"data preparation and the reference precompute) {ours['wall_s'] / trl['wall_s']:.2f}x the time")
 
 
 if __name__ == "__main__":
