@@ -187,15 +187,17 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
             batches = iter(loader)
             for _ in range(steps_per_epoch - consumed // ga):
                 started = time.perf_counter()
-                micro_batches = [to_device(next(batches), device) for _ in range(ga)]
+                micro_batches = [next(batches) for _ in range(ga)]  # moved to the device one at a time
                 consumed += ga
                 stats = torch.zeros(len(objective.stat_names), dtype=torch.float64, device=device)
-                for batch in micro_batches:  # no-grad passes (KTO's KL) run on the unwrapped model
+                for batch in micro_batches:  # counts; KTO's KL forwards (no grad) run on the unwrapped model
+                    batch = to_device(batch, device) if objective.stats_need_model else batch
                     stats += torch.tensor(objective.step_stats(unwrapped, batch), dtype=torch.float64, device=device)
                 stats = reduce_sum(stats, f"step {step + 1} (counting the step's totals)", rank, timeout)
                 totals = dict(zip(objective.stat_names, stats.tolist()))
                 sums = torch.zeros(len(objective.metric_names), dtype=torch.float64, device=device)
                 for i, batch in enumerate(micro_batches):
+                    batch = to_device(batch, device)
                     sync = nullcontext() if i == ga - 1 else accelerator.no_sync(model)
                     with sync, phase(f"step {step + 1} (backward)", rank, timeout):
                         loss, values = objective.loss(model, batch, totals)

@@ -32,6 +32,7 @@ class Objective:
     metric_names: tuple[str, ...] = ()  # summed after the step, turned into logged values by report()
     progress_names: tuple[str, ...] = ()  # shown beside loss and lr on the progress bar
     needs_reference = False  # reference log-probs are precomputed once (trainer.reference)
+    stats_need_model = False  # step_stats runs forwards (KTO's KL), so its batch must be on the device
     reference_names: tuple[str, ...] = ()  # one column per reference value of an example
 
     def lengths(self, dataset) -> np.ndarray:

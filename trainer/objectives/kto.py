@@ -34,6 +34,7 @@ def kto_loss(logps, ref_logps, labels, kl, beta: float, desirable_weight: float 
 class KTO(Objective):
     name = "kto"
     needs_reference = True
+    stats_need_model = True
     reference_names = ("completion", "kl")
     stat_names = ("examples", "desirable", "undesirable", "kl_sum", "kl_count")
     metric_names = ("loss", "rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected", "tokens")

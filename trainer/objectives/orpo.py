@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from trainer.objectives.base import sequence_counts
 from trainer.objectives.pairs import PAIR_METRICS, PairObjective
 
 
@@ -41,8 +42,6 @@ class ORPO(PairObjective):
     def step_stats(self, model, batch):
         stats = super().step_stats(model, batch)
         if self.nll_on_prompt:
-            from trainer.objectives.base import sequence_counts
-
             stats.append(float(sequence_counts(batch)[1][batch["chosen_index"]].sum()))
         return stats
 
