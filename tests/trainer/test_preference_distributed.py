@@ -46,3 +46,4 @@ def test_two_processes_with_uneven_pairs_evaluate_checkpoint_and_match_one_proce
     metric = "kl" if rl == "kto" else "rewards/margins"
     assert [r[metric] for r in read_metrics(two) if "loss" in r] == pytest.approx(
         [r[metric] for r in read_metrics(one) if "loss" in r], rel=1e-4, abs=1e-6)
+
