@@ -122,15 +122,17 @@ def reference_logps(objective: Objective, model, data, cfg, runtime, device, ran
     batch_size = cfg.eval_batch_size or cfg.micro_batch_size
     from trainer.objectives import capacity
 
+    bins = capacity(cfg, cfg.packing_for_eval)
+    layout = f"of-{world}-b{batch_size}-c{bins or 0}"  # which examples each rank's shard holds
     with torch.no_grad(), adapter_off:
         for split, dataset in todo:
-            shard = root / f"{split}.shard-{rank}-of-{world}.npy"
+            shard = root / f"{split}.shard-{rank}-{layout}.npy"
             if not shard.exists():  # a shard from an interrupted run is complete (atomic) and still right
-                _save_atomic(shard, _shard(objective, model, dataset, batch_size, capacity(cfg, cfg.packing_for_eval),
-                                           device, rank, world, autocast or nullcontext))
+                _save_atomic(shard, _shard(objective, model, dataset, batch_size, bins, device, rank, world,
+                                           autocast or nullcontext))
     model.train(was_training)
     for split, dataset in todo:
-        shards = {r: root / f"{split}.shard-{r}-of-{world}.npy" for r in range(world)}
+        shards = {r: root / f"{split}.shard-{r}-{layout}.npy" for r in range(world)}
         _wait_for(shards, rank, cfg.dataset_prepare_timeout)
         merged = np.concatenate([np.load(p) for p in shards.values()])
         values = np.full((len(dataset), len(objective.reference_names)), np.nan, dtype=np.float32)

@@ -13,8 +13,8 @@ from trainer.cli import main
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
-@pytest.mark.parametrize("rl", ["dpo", "orpo", "kto"])
-def test_two_processes_with_uneven_pairs_evaluate_checkpoint_and_match_one_process(rl, make_config, tmp_path):
+@pytest.mark.parametrize("rl,packing", [("dpo", False), ("orpo", True), ("kto", True)])
+def test_two_processes_with_uneven_pairs_evaluate_checkpoint_and_match_one_process(rl, packing, make_config, tmp_path):
     if rl == "kto":
         dataset = {"path": str(write_jsonl(tmp_path / "kto.jsonl", kto_rows(60, seed=4, long_every=4))),
                    "type": "chatml.prompt_pairs"}
@@ -23,7 +23,7 @@ def test_two_processes_with_uneven_pairs_evaluate_checkpoint_and_match_one_proce
                    "type": "chat_template.default"}
     common = dict(rl=rl, datasets=[dataset], sequence_len=160, val_set_size=0.2, micro_batch_size=1, max_steps=4,
                   eval_steps=2, save_steps=2, lr_scheduler="cosine", warmup_steps=1, learning_rate=5e-3,
-                  ddp_timeout=60, dataset_prepare_timeout=60)
+                  ddp_timeout=60, dataset_prepare_timeout=60, sample_packing=packing)
     two = tmp_path / "two"
     result = torchrun("-m", "trainer", "train", str(make_config("two.yml", output_dir=str(two),
                                                                      gradient_accumulation_steps=1, **common)),

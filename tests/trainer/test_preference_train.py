@@ -232,3 +232,25 @@ def test_with_lora_the_reference_is_the_base_with_the_adapter_disabled(pref_conf
     batch = objective.collate([[objective.rows(data.train)[[0]][0]]])
     with torch.no_grad():
         assert not torch.allclose(objective.reference(trained, batch), torch.tensor(expected[:1]), atol=1e-3)
+
+
+def test_a_rank_waiting_for_anothers_reference_share_stops_with_a_clear_error(pref_config, tiny_llama):
+    """No collective: a rank whose peer never writes its share times out naming it (one line, exit 1)."""
+    from transformers import AutoModelForCausalLM
+
+    from trainer import objectives
+    from trainer.collate import Collator
+    from trainer.config import load_config
+    from trainer.data import load_tokenizer, prepare
+    from trainer.errors import TrainerError
+    from trainer.hardware import adapt, detect
+    from trainer.reference import reference_logps
+
+    cfg, _ = load_config(pref_config(dataset_prepare_timeout=1))
+    data = prepare(cfg, load_tokenizer(cfg))
+    objective = objectives.build(cfg, Collator(0, "sdpa"), None)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, attn_implementation="sdpa")
+    with pytest.raises(TrainerError, match=r"rank 0 waited 1s for the reference log-probs of rank\(s\) 1;") as err:
+        reference_logps(objective, model, data, cfg, adapt(cfg, *detect("cpu", None)), "cpu", rank=0, world=2,
+                        log=lambda *_: None)
+    assert err.value.exit_code == 1
