@@ -254,3 +254,19 @@ def test_a_rank_waiting_for_anothers_reference_share_stops_with_a_clear_error(pr
         reference_logps(objective, model, data, cfg, adapt(cfg, *detect("cpu", None)), "cpu", rank=0, world=2,
                         log=lambda *_: None)
     assert err.value.exit_code == 1
+
+
+@pytest.mark.slow
+def test_tiny_cpu_dpo_example_trains_and_learns(tmp_path):
+    from tests.trainer.helpers import run_cli
+
+    shutil.copytree(REPO / "examples", tmp_path / "examples")
+    steps = [("make-tiny-model", "outputs/tiny-model"), ("validate", "examples/tiny-cpu-dpo.yml"),
+             ("train", "examples/tiny-cpu-dpo.yml"), ("evaluate", "examples/tiny-cpu-dpo.yml", "--json")]
+    results = [run_cli(*args, cwd=tmp_path, timeout=300) for args in steps]
+    for args, result in zip(steps, results):
+        assert result.returncode == 0, (args, result.stderr[-2000:])
+    assert "objective:  dpo (beta 0.1; reference log-probs computed once" in results[1].stdout
+    evaluation = json.loads(results[3].stdout)
+    assert evaluation["eval_loss"] < 0.8 * math.log(2)  # it learned to prefer the right answers on held-out pairs
+    assert evaluation["eval_rewards/accuracies"] >= 0.75 and evaluation["eval_rewards/margins"] > 0
