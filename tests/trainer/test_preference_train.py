@@ -270,3 +270,13 @@ def test_tiny_cpu_dpo_example_trains_and_learns(tmp_path):
     evaluation = json.loads(results[3].stdout)
     assert evaluation["eval_loss"] < 0.8 * math.log(2)  # it learned to prefer the right answers on held-out pairs
     assert evaluation["eval_rewards/accuracies"] >= 0.75 and evaluation["eval_rewards/margins"] > 0
+
+
+@pytest.mark.parametrize("rl", ["dpo", "kto"])
+def test_gradient_checkpointing_trains_the_same(rl, pref_config, tmp_path):
+    """Including KTO's no-grad KL forwards and the reference precompute, which run with checkpointing enabled."""
+    plain, ckpt = tmp_path / "plain", tmp_path / "ckpt"
+    assert train(pref_config("a.yml", rl=rl, output_dir=str(plain), max_steps=3)) == 0
+    assert train(pref_config("b.yml", rl=rl, output_dir=str(ckpt), max_steps=3, gradient_checkpointing=True)) == 0
+    a, b = train_losses(plain), train_losses(ckpt)
+    assert a.keys() == b.keys() and all(b[s] == pytest.approx(a[s], rel=1e-5) for s in a)
