@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from trainer.collate import IGNORE, Collator
+from trainer.collate import IGNORE
 from trainer.loss import MODEL_INPUTS
 
 

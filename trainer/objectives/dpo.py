@@ -10,7 +10,6 @@ all ranks).
 
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 
 from trainer.objectives.pairs import PAIR_METRICS, PairObjective

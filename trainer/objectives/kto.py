@@ -13,7 +13,6 @@ The mismatched pairs are fixed when the data is prepared (trainer.preference_dat
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from trainer.collate import Collator
 from trainer.objectives.base import ExampleRows, Objective, sequence_logps
