@@ -179,10 +179,8 @@ class Config(BaseModel):
 
     @property
     def beta(self) -> float:
-        """The method's beta: rl_beta (or dpo_beta); ORPO's orpo_alpha; else TRL's default 0.1."""
-        if self.rl == "orpo":
-            return self.orpo_alpha or self.rl_beta or 0.1
-        return self.rl_beta or self.dpo_beta or 0.1
+        """The method's beta, with Axolotl's precedence: rl_beta (or dpo_beta), then orpo_alpha, else TRL's 0.1."""
+        return self.rl_beta or self.dpo_beta or self.orpo_alpha or 0.1
 
     def _check_preference(self) -> None:
         if self.rl is None:

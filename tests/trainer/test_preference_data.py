@@ -137,6 +137,7 @@ def test_rl_keys_with_axolotls_names_validate():
     assert parse_config({**BASE, "rl": "ipo"})[0].objective == "ipo"
     orpo, _ = parse_config({**BASE, "rl": "orpo", "orpo_alpha": 0.05})
     assert orpo.beta == 0.05
+    assert parse_config({**BASE, "rl": "orpo", "orpo_alpha": 0.05, "rl_beta": 0.2})[0].beta == 0.2  # Axolotl's order
     simpo, _ = parse_config({**BASE, "rl": "simpo", "rl_beta": 2.0, "simpo_gamma": 0.8, "cpo_alpha": 0.0})
     assert (simpo.beta, simpo.simpo_gamma, simpo.cpo_alpha) == (2.0, 0.8, 0.0)
     kto, _ = parse_config({"base_model": "m/m", "rl": "kto", "rl_beta": 0.5, "kto_desirable_weight": 0.2,
