@@ -42,6 +42,10 @@ def cmd_validate(args) -> int:
     print(f"  batch:      micro_batch_size {cfg.micro_batch_size} x gradient_accumulation_steps "
           f"{cfg.gradient_accumulation_steps} x processes")
     print(f"  adapter:    {cfg.adapter or 'none (full fine-tune)'}")
+    if cfg.rl:
+        reference = ("reference log-probs computed once before training and cached" if cfg.objective in ("dpo", "ipo", "kto")
+                     else "reference-free")
+        print(f"  objective:  {cfg.objective} (beta {cfg.beta:g}; {reference})")
     print("changes for this hardware:" if runtime.changes else "no changes for this hardware")
     for change in runtime.changes:
         print(f"  - {change}")
@@ -93,10 +97,27 @@ def cmd_evaluate(args) -> int:
     model_dir = Path(args.model) if args.model else Path(cfg.output_dir) / "final"
     tokenizer = load_tokenizer(cfg)
     prepared = prepare(cfg, tokenizer, log=log)
-    model = load_trained(cfg, runtime, tokenizer, model_dir if model_dir.is_dir() else None)
     device = torch.device(runtime.device)
-    model.to(device)
     collator = Collator(tokenizer.pad_token_id, runtime.attention)
+    if cfg.rl:  # preference: the objective's loss and metrics, against the (cached) reference log-probs
+        from trainer import objectives
+        from trainer.model import load_model
+        from trainer.reference import reference_logps
+
+        objective = objectives.build(cfg, collator, None)
+        kwargs = {}
+        if objective.needs_reference:  # the reference is the base model as training loaded it
+            base = load_model(cfg, runtime, tokenizer).to(device)
+            kwargs["reference"] = reference_logps(objective, base, prepared, cfg, runtime, device, log=log)["validation"]
+            del base
+        model = load_trained(cfg, runtime, tokenizer, model_dir if model_dir.is_dir() else None).to(device)
+        result = objective.evaluate(model, prepared.validation, cfg.eval_batch_size or cfg.micro_batch_size,
+                                    objectives.capacity(cfg, cfg.packing_for_eval), device, 0, 1, cfg.ddp_timeout, **kwargs)
+        result["model"] = str(model_dir) if model_dir.is_dir() else cfg.base_model
+        print(json.dumps(result) if args.json else f"{objective.describe_eval(result)} ({result['model']})")
+        return 0
+    model = load_trained(cfg, runtime, tokenizer, model_dir if model_dir.is_dir() else None)
+    model.to(device)
     result = evaluate(model, prepared.validation, collator, cfg.eval_batch_size or cfg.micro_batch_size,
                       cfg.sequence_len if cfg.packing_for_eval else None, device)
     result["model"] = str(model_dir) if model_dir.is_dir() else cfg.base_model

@@ -22,6 +22,8 @@ class Collator:
     attention: str
     pad_to: int | None = None  # pad every row to this length (pad_to_sequence_len)
     pad_multiple: int = 1  # round row length up to a multiple (8 helps tensor cores on GPU)
+    sequence_ids: bool = False  # also return which sequence (0, 1, ... over all rows; -1 = padding) each token is
+
 
     def __call__(self, rows: list[list[dict]]) -> dict[str, torch.Tensor]:
         if self.attention in FLASH_BACKENDS:
@@ -57,6 +59,12 @@ class Collator:
         }
         if self.attention not in FLASH_BACKENDS:
             batch["attention_mask"] = block_causal_mask(torch.tensor(segments), self.attention)
+        if self.sequence_ids:  # per-sequence sums (preference objectives) need to know whose token is whose
+            ids, offset = [], 0
+            for r_seg in segments:
+                ids.append([offset + k if k >= 0 else -1 for k in r_seg])
+                offset += max(r_seg) + 1 if r_seg and max(r_seg) >= 0 else 0
+            batch["sequence_ids"] = torch.tensor(ids, dtype=torch.long)
         return batch
 
 

@@ -22,12 +22,26 @@ from trainer.errors import ConfigError
 Attention = Literal["flash_attention_2", "flash_attention_3", "sdpa", "xformers", "eager"]
 PromptFormat = Literal["alpaca", "chat_template", "completion", "input_output"]
 
+# --- preference training (rl:) -------------------------------------------------------------------------
+# Axolotl's preference dataset types (prompt_strategies/dpo, orpo, kto): "<family>.<function>".
+# chat_template.* render with the tokenizer's chat template; chatml.* and llama3.* write the template's
+# text themselves. KTO rows carry one completion and a boolean `label` instead of a chosen/rejected pair.
+RL_METHODS = ("dpo", "ipo", "orpo", "kto", "simpo")
+PAIR_TYPES = (
+    "chat_template", "chat_template.default", "chat_template.argilla", "chat_template.argilla_chat",
+    *[f"{family}{suffix}" for family in ("chatml", "llama3") for suffix in (
+        "", ".default", ".argilla", ".argilla_chat", ".icr", ".intel", ".prompt_pairs", ".ultra")],
+)
+KTO_TYPES = tuple(f"{family}.{fn}" for family in ("chatml", "llama3")
+                  for fn in ("argilla", "argilla_chat", "intel", "prompt_pairs", "ultra"))
+# --------------------------------------------------------------------------------------------------------
+
 
 class DatasetConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     path: str
-    type: PromptFormat
+    type: str  # a PromptFormat, or with rl: a PAIR_TYPES / KTO_TYPES entry (checked by Config)
     split: str = "train"
     name: str | None = None  # hub dataset configuration name
     data_files: str | list[str] | None = None
@@ -47,6 +61,9 @@ class DatasetConfig(BaseModel):
     message_field_content: str | None = None  # legacy spelling of message_property_mappings.content
     roles: dict[str, list[str]] | None = None  # canonical role -> names used in the data
     roles_to_train: list[str] = ["assistant"]
+    # preference types (rl:) -- chat_template.default: the chosen/rejected message (or string) fields
+    field_chosen: str = "chosen"
+    field_rejected: str = "rejected"
 
     @property
     def role_key(self) -> str:
@@ -138,8 +155,56 @@ class Config(BaseModel):
     resume_from_checkpoint: str | None = None
     auto_resume_from_checkpoints: bool = False
 
+    # --- preference training (Axolotl's names; defaults as TRL's configs) --------------------------------
+    rl: Literal["dpo", "ipo", "orpo", "kto", "simpo"] | None = None
+    rl_beta: float | None = Field(None, gt=0)  # DPO/IPO/KTO/SimPO beta (TRL default 0.1)
+    dpo_beta: float | None = Field(None, gt=0)  # deprecated spelling of rl_beta
+    dpo_label_smoothing: float = Field(0.0, ge=0, lt=0.5)  # conservative DPO (cDPO); SimPO's too
+    dpo_loss_type: list[Literal["sigmoid", "ipo"]] | None = None  # rl: dpo with ["ipo"] is IPO
+    orpo_alpha: float | None = Field(None, gt=0)  # ORPO's weight of the odds-ratio term (TRL's beta)
+    kto_desirable_weight: float = Field(1.0, gt=0)
+    kto_undesirable_weight: float = Field(1.0, gt=0)
+    simpo_gamma: float = Field(0.5, ge=0)  # SimPO's target reward margin
+    cpo_alpha: float = Field(1.0, ge=0)  # SimPO/CPO: weight of the NLL (behaviour cloning) term
+    precompute_ref_log_probs: bool | None = None  # always precomputed here: only true (or unset) is accepted
+    remove_unused_columns: bool | None = None  # TRL-ism Axolotl's KTO examples set; nothing to remove here
+    # ------------------------------------------------------------------------------------------------------
+
+    @property
+    def objective(self) -> str:
+        """sft, or the preference method (rl: dpo with dpo_loss_type: [ipo] is ipo)."""
+        if self.rl == "dpo" and self.dpo_loss_type == ["ipo"]:
+            return "ipo"
+        return self.rl or "sft"
+
+    @property
+    def beta(self) -> float:
+        """The method's beta, with Axolotl's precedence: rl_beta (or dpo_beta), then orpo_alpha, else TRL's 0.1."""
+        return self.rl_beta or self.dpo_beta or self.orpo_alpha or 0.1
+
+    def _check_preference(self) -> None:
+        if self.rl is None:
+            for i, ds in enumerate(self.datasets):
+                if ds.type not in PromptFormat.__args__:
+                    hint = " (a preference type: set rl: dpo, ipo, orpo, simpo or kto)" if ds.type in PAIR_TYPES + KTO_TYPES else ""
+                    raise ValueError(f"datasets.{i}.type: got {ds.type!r}{hint}; use alpaca, chat_template, completion or input_output")
+            return
+        allowed = KTO_TYPES if self.rl == "kto" else PAIR_TYPES
+        for i, ds in enumerate(self.datasets):
+            if ds.type not in allowed:
+                raise ValueError(f"datasets.{i}.type: {ds.type!r} is not a {'KTO' if self.rl == 'kto' else 'preference pair'} "
+                                 f"dataset type; use one of {', '.join(allowed)}")
+        if self.dpo_loss_type is not None and (self.rl != "dpo" or len(self.dpo_loss_type) != 1):
+            raise ValueError("dpo_loss_type: only with rl: dpo, as a single loss ([sigmoid] or [ipo])")
+        if self.precompute_ref_log_probs is False:
+            raise ValueError("precompute_ref_log_probs: false is not supported: the reference log-probs are always "
+                             "computed once before training (no reference model is kept in memory)")
+        if self.dpo_label_smoothing and self.objective == "ipo":
+            raise ValueError("dpo_label_smoothing does not apply to IPO")
+
     @model_validator(mode="after")
     def _consistent(self) -> Config:
+        self._check_preference()
         if self.warmup_ratio is not None and self.warmup_steps is not None:
             raise ValueError("set warmup_ratio or warmup_steps, not both")
         if self.bf16 is True and self.fp16:
@@ -201,8 +266,9 @@ UNSUPPORTED_KEYS: dict[str, str] = {
         "lora_model_dir", "lora_fan_in_fan_out", "peft_layers_to_transform", "loraplus_lr_ratio",
         "loraplus_lr_embedding", "peft_use_dora", "peft_use_rslora", "lora_mlp_kernel", "lora_qkv_kernel",
         "lora_o_kernel", "unfrozen_parameters")},
-    **{k: "preference training (DPO/KTO/ORPO/GRPO) is not part of the SFT trainer" for k in (
-        "rl", "rl_beta", "dpo_beta", "orpo_alpha", "trl", "reward_model", "process_reward_model")},
+    **{k: "only rl: dpo, ipo, orpo, kto and simpo are supported (no GRPO, reward models or TRL pass-through)" for k in (
+        "trl", "reward_model", "process_reward_model", "dpo_use_weighting", "dpo_use_liger_kernel",
+        "dpo_padding_free", "dpo_loss_weights", "rl_adapter_ref_model", "dpo_norm_loss")},
     **{k: "FSDP/tensor/context parallelism is not supported; use deepspeed or DDP" for k in (
         "fsdp", "fsdp_config", "fsdp_version", "tensor_parallel_size", "context_parallel_size",
         "sequence_parallel_degree")},

@@ -81,6 +81,7 @@ def cache_key(cfg: Config, tokenizer, hub_fingerprints: list[str]) -> str:
         "datasets": [d.model_dump() for d in cfg.datasets],
         "data": [_data_identity(d) for d in cfg.datasets] + hub_fingerprints,
         "tokenizer": tokenizer_identity(tokenizer),
+        "kind": "kto" if cfg.rl == "kto" else "pairs" if cfg.rl else "sft",  # DPO/ORPO/SimPO share their tokens
         **{k: getattr(cfg, k) for k in ("sequence_len", "excess_length_strategy", "train_on_inputs", "val_set_size",
                                        "seed", "shuffle_merged_datasets", "chat_template", "chat_template_jinja")},
     }
@@ -115,8 +116,12 @@ class Prepared:
     path: Path
 
 
+def workers_for(cfg: Config, rows: int) -> int:
+    return min(default_workers(cfg), max(1, rows // 1000))  # processes only pay off on bigger data
+
+
 def _tokenize(raw, ds: DatasetConfig, cfg: Config, tokenizer):
-    workers = min(default_workers(cfg), max(1, len(raw) // 1000))  # processes only pay off on bigger data
+    workers = workers_for(cfg, len(raw))
     limit = cfg.sequence_len
 
     def convert(row):
@@ -136,6 +141,10 @@ def _tokenize(raw, ds: DatasetConfig, cfg: Config, tokenizer):
 def build(cfg: Config, tokenizer) -> tuple[object, object | None, dict]:
     import datasets
 
+    if cfg.rl:  # preference pairs or KTO examples: same cache, same filtering rules
+        from trainer.preference_data import build_preference
+
+        return build_preference(cfg, tokenizer, load_raw, lambda rows: workers_for(cfg, rows))
     parts = [_tokenize(load_raw(ds), ds, cfg, tokenizer) for ds in cfg.datasets]
     data = datasets.concatenate_datasets(parts)
     too_long = sum(data["too_long"])

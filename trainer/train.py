@@ -1,9 +1,12 @@
 """`python -m trainer train config.yml`: one training loop, top to bottom.
 
-1. processes, precision and timeouts (accelerate)   5. optimizer and LR schedule
+1. processes, precision and timeouts (accelerate)   5. optimizer, LR schedule; reference log-probs (once)
 2. tokenizer and data (rank 0 prepares the cache)   6. resume from a checkpoint
 3. model (attention backend, LoRA, checkpointing)   7. the loop: accumulate, step, log, evaluate, save
-4. packing sampler and collator                     8. save the final model or adapter
+4. objective, packing sampler and collator          8. save the final model or adapter
+
+What is trained -- SFT or a preference method (DPO, IPO, ORPO, KTO, SimPO) -- is the objective
+(trainer.objectives): it builds the batches and computes the loss. Everything else is this one loop.
 """
 
 from __future__ import annotations
@@ -19,16 +22,16 @@ from pathlib import Path
 
 import torch
 
-from trainer import checkpoint
-from trainer.collate import Collator, Rows, count_targets
+from trainer import checkpoint, objectives
+from trainer.collate import Collator
 from trainer.collective import barrier, phase, reduce_sum
 from trainer.config import Config
 from trainer.data import load_tokenizer, prepare
 from trainer.errors import ConfigError, DataError, TrainingError
-from trainer.evaluate import evaluate
 from trainer.hardware import Runtime
 from trainer.loss import token_loss_sum
 from trainer.model import load_model
+from trainer.objectives.base import to_device
 from trainer.sampler import MultipackBatchSampler
 
 MIXED_PRECISION = {"bf16": "bf16", "fp16": "fp16", "fp32": "no"}
@@ -113,18 +116,14 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
     # 3. model
     model = load_model(cfg, runtime, tokenizer)
 
-    # 4. sampler and collator
+    # 4. the objective (how batches are built and the loss computed), sampler and collator
     pad_multiple = 8 if runtime.device == "cuda" else 1
     collator = Collator(tokenizer.pad_token_id, runtime.attention,
                         pad_to=cfg.sequence_len if cfg.pad_to_sequence_len else None, pad_multiple=pad_multiple)
-    sampler = MultipackBatchSampler(data.train["length"], cfg.micro_batch_size,
-                                    cfg.sequence_len if cfg.sample_packing else None, seed=cfg.seed,
+    objective = objectives.build(cfg, collator, token_loss_sum)
+    sampler = MultipackBatchSampler(objective.lengths(data.train), cfg.micro_batch_size,
+                                    objectives.capacity(cfg, cfg.sample_packing), seed=cfg.seed,
                                     rank=rank, world_size=world, drop_last=True)
-    # The loader gets its own generator: starting an iterator must not draw from the global RNG, or a
-    # resumed run (which starts one after restoring the RNG) would see different dropout masks.
-    loader = torch.utils.data.DataLoader(Rows(data.train), batch_sampler=sampler, collate_fn=collator,
-                                         num_workers=cfg.dataloader_num_workers,
-                                         generator=torch.Generator().manual_seed(cfg.seed))
     ga = cfg.gradient_accumulation_steps
     steps_per_epoch = len(sampler) // ga
     if steps_per_epoch == 0:
@@ -143,6 +142,20 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
     model, optimizer = accelerator.prepare(model, optimizer)  # the scheduler is stepped by us, once per step
     unwrapped = accelerator.unwrap_model(model)
 
+    # 5b. reference log-probs (DPO, IPO, KTO): once, before any step and before a checkpoint's weights load,
+    # from the cache when a previous run computed them. Never a second copy of the model.
+    reference = {}
+    if objective.needs_reference:
+        from trainer.reference import reference_logps
+
+        reference = reference_logps(objective, unwrapped, data, cfg, runtime, device, rank, world,
+                                    autocast=accelerator.autocast, log=say)
+    # The loader gets its own generator: starting an iterator must not draw from the global RNG, or a
+    # resumed run (which starts one after restoring the RNG) would see different dropout masks.
+    loader = torch.utils.data.DataLoader(objective.rows(data.train, reference.get("train")), batch_sampler=sampler,
+                                         collate_fn=objective.collate, num_workers=cfg.dataloader_num_workers,
+                                         generator=torch.Generator().manual_seed(cfg.seed))
+
     # 6. resume
     output_dir = Path(cfg.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -158,9 +171,12 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
         sampler.load_state_dict(state["sampler"])
         say(f"resumed from {resume} at step {step}")
 
-    # 7. the loop. Each step's gradient is sum(token losses) / (target tokens of the step on all ranks);
-    # DDP averages gradients over ranks and DeepSpeed divides by ga, so scale the loss to undo both.
+    # 7. the loop. Each step's loss is normalised by the step's totals on all ranks (target tokens for SFT,
+    # pairs or examples for preference objectives), counted before the first backward in ONE all-reduce of a
+    # fixed-size vector. DDP averages gradients over ranks and DeepSpeed divides by ga: scale to undo both.
     loss_scale = world * (ga if cfg.deepspeed else 1)
+    evaluation = Evaluation(cfg, objective, unwrapped, data.validation, reference.get("validation"), rank, world,
+                            device, say)
     metrics = MetricsLog(output_dir / "metrics.jsonl", main, fresh=step == 0)
     progress = tqdm(total=total_steps, initial=step, disable=not main, desc="training", unit="step")
     model.train()
@@ -171,22 +187,25 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
             batches = iter(loader)
             for _ in range(steps_per_epoch - consumed // ga):
                 started = time.perf_counter()
-                micro_batches = [next(batches) for _ in range(ga)]
+                micro_batches = [next(batches) for _ in range(ga)]  # moved to the device one at a time
                 consumed += ga
-                # The loss is averaged over every target token of the step, on every rank: count them first.
-                targets = torch.tensor([float(sum(count_targets(b) for b in micro_batches))], device=device)
-                n_targets = reduce_sum(targets, f"step {step + 1} (counting target tokens)", rank, timeout).item()
-                totals = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, real tokens
+                stats = torch.zeros(len(objective.stat_names), dtype=torch.float64, device=device)
+                for batch in micro_batches:  # counts; KTO's KL forwards (no grad) run on the unwrapped model
+                    batch = to_device(batch, device) if objective.stats_need_model else batch
+                    stats += torch.tensor(objective.step_stats(unwrapped, batch), dtype=torch.float64, device=device)
+                stats = reduce_sum(stats, f"step {step + 1} (counting the step's totals)", rank, timeout)
+                totals = dict(zip(objective.stat_names, stats.tolist()))
+                sums = torch.zeros(len(objective.metric_names), dtype=torch.float64, device=device)
                 for i, batch in enumerate(micro_batches):
-                    batch = {k: v.to(device) for k, v in batch.items()}
+                    batch = to_device(batch, device)
                     sync = nullcontext() if i == ga - 1 else accelerator.no_sync(model)
                     with sync, phase(f"step {step + 1} (backward)", rank, timeout):
-                        loss_sum = token_loss_sum(model, batch)
-                        accelerator.backward(loss_sum * loss_scale / max(n_targets, 1))
-                    totals[0] += loss_sum.detach().double()
-                    totals[1] += int(batch["num_tokens"])
-                totals = reduce_sum(totals, f"step {step + 1} (summing the loss)", rank, timeout)
-                loss = totals[0].item() / max(n_targets, 1)
+                        loss, values = objective.loss(model, batch, totals)
+                        accelerator.backward(loss * loss_scale)
+                    sums += values.to(device)
+                sums = reduce_sum(sums, f"step {step + 1} (summing the loss)", rank, timeout)
+                report = objective.report(dict(zip(objective.metric_names, sums.tolist())), totals)
+                loss = report["loss"]
                 if not math.isfinite(loss):
                     raise TrainingError(f"loss is {loss} at step {step + 1}; lower learning_rate, check the data, "
                                         "or use bf16 instead of fp16")
@@ -202,14 +221,14 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
                 progress.update(1)
                 elapsed = time.perf_counter() - started
                 if step % cfg.logging_steps == 0 or step == total_steps:
-                    tokens = int(totals[1].item())
-                    row = {"step": step, "epoch": round(epoch + consumed / (steps_per_epoch * ga), 4), "loss": loss,
-                           "lr": lr, "grad_norm": grad_norm, "tokens": tokens, "target_tokens": int(n_targets),
-                           "tokens_per_s": tokens / elapsed, "step_time_s": elapsed}
+                    row = {"step": step, "epoch": round(epoch + consumed / (steps_per_epoch * ga), 4), **report,
+                           "lr": lr, "grad_norm": grad_norm, "tokens_per_s": report["tokens"] / elapsed,
+                           "step_time_s": elapsed}
                     metrics.write(row)
-                    progress.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}")
+                    progress.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}",
+                                         **{k: f"{report[k]:.3f}" for k in objective.progress_names if k in report})
                 if eval_every and step % eval_every == 0 and step < total_steps:
-                    run_eval(cfg, unwrapped, data.validation, collator, step, rank, world, device, metrics, say)
+                    metrics.write({"step": step, **evaluation.run(step)})
                 if save_every and step % save_every == 0:
                     state = {"step": step, "world_size": world, "sampler": sampler.state_dict(consumed)}
                     path = checkpoint.save(output_dir, step, unwrapped, optimizer, scheduler, accelerator.scaler,
@@ -222,7 +241,7 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
     finally:
         progress.close()
     if data.validation is not None:
-        run_eval(cfg, unwrapped, data.validation, collator, step, rank, world, device, metrics, say)
+        metrics.write({"step": step, **evaluation.run(step)})
 
     # 8. the final model (or adapter) and tokenizer, in HF format
     final = output_dir / "final"
@@ -239,9 +258,18 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
     return final
 
 
-def run_eval(cfg, model, validation, collator, step, rank, world, device, metrics, say) -> dict:
-    result = evaluate(model, validation, collator, cfg.eval_batch_size or cfg.micro_batch_size,
-                      cfg.sequence_len if cfg.packing_for_eval else None, device, rank, world, cfg.ddp_timeout)
-    metrics.write({"step": step, **result})
-    say(f"step {step}: eval_loss {result['eval_loss']:.4f} over {result['eval_tokens']} tokens")
-    return result
+class Evaluation:
+    """The validation split, scored by the objective (each rank its share; fixed-size all-reduces only)."""
+
+    def __init__(self, cfg, objective, model, validation, reference, rank, world, device, say):
+        self.cfg, self.objective, self.model, self.validation, self.reference = cfg, objective, model, validation, reference
+        self.rank, self.world, self.device, self.say = rank, world, device, say
+
+    def run(self, step: int) -> dict:
+        cfg = self.cfg
+        kwargs = {"reference": self.reference} if self.objective.needs_reference else {}
+        result = self.objective.evaluate(self.model, self.validation, cfg.eval_batch_size or cfg.micro_batch_size,
+                                         objectives.capacity(cfg, cfg.packing_for_eval), self.device, self.rank,
+                                         self.world, cfg.ddp_timeout, **kwargs)
+        self.say(f"step {step}: {self.objective.describe_eval(result)}")
+        return result

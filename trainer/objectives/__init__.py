@@ -1,0 +1,41 @@
+"""Objectives: what the one training loop trains (see base.py for the interface).
+
+sft (the default), and with `rl:` the preference methods dpo, ipo, orpo, kto and simpo.
+"""
+
+from __future__ import annotations
+
+from trainer.collate import Collator
+from trainer.config import Config
+from trainer.objectives.base import Objective
+
+
+def build(cfg: Config, collator: Collator, token_loss_sum) -> Objective:
+    kind = cfg.objective
+    packed = cfg.sample_packing
+    if kind == "sft":
+        from trainer.objectives.sft import SFT
+
+        return SFT(collator, token_loss_sum)
+    if kind in ("dpo", "ipo"):
+        from trainer.objectives.dpo import DPO
+
+        return DPO(collator, packed, cfg.beta, cfg.dpo_label_smoothing, ipo=kind == "ipo")
+    if kind == "orpo":
+        from trainer.objectives.orpo import ORPO
+
+        return ORPO(collator, packed, cfg.beta, nll_on_prompt=cfg.train_on_inputs)
+    if kind == "simpo":
+        from trainer.objectives.simpo import SimPO
+
+        return SimPO(collator, packed, cfg.beta, cfg.simpo_gamma, cfg.cpo_alpha, cfg.dpo_label_smoothing)
+    from trainer.objectives.kto import KTO
+
+    return KTO(collator, packed, cfg.beta, cfg.kto_desirable_weight, cfg.kto_undesirable_weight)
+
+
+def capacity(cfg: Config, packing: bool) -> int | None:
+    """Bin capacity for the packing sampler: pairs pack up to 2 x sequence_len (both of a pair's sequences)."""
+    if not packing:
+        return None
+    return cfg.sequence_len * (2 if cfg.rl in ("dpo", "ipo", "orpo", "simpo") else 1)

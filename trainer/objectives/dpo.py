@@ -1,0 +1,49 @@
+"""DPO (sigmoid, with conservative label smoothing) and IPO, against precomputed reference log-probs.
+
+As TRL's DPOTrainer defines them (trl/trainer/dpo_trainer.py, loss_type "sigmoid" and "ipo"):
+    delta = (log pi(y_w) - log ref(y_w)) - (log pi(y_l) - log ref(y_l))            summed over completion tokens
+    sigmoid: -(1 - eps) log sigmoid(beta delta) - eps log sigmoid(-beta delta)      (eps = dpo_label_smoothing)
+    ipo:     (delta_w / |y_w| - delta_l / |y_l| - 1 / (2 beta))^2                   (length-averaged log-ratios)
+Rewards are beta times the log-ratios. The loss of a step is the mean over its pairs (all micro-batches,
+all ranks).
+"""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+
+from trainer.objectives.pairs import PAIR_METRICS, PairObjective
+
+
+def dpo_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, beta: float,
+             label_smoothing: float = 0.0, ipo: bool = False, chosen_tokens=None, rejected_tokens=None):
+    """Per-pair losses, chosen rewards, rejected rewards."""
+    chosen_logratios = chosen_logps - ref_chosen_logps
+    rejected_logratios = rejected_logps - ref_rejected_logps
+    if ipo:
+        delta = chosen_logratios / chosen_tokens.clamp(min=1) - rejected_logratios / rejected_tokens.clamp(min=1)
+        losses = (delta - 1 / (2 * beta)) ** 2
+    else:
+        delta = chosen_logratios - rejected_logratios
+        losses = (-F.logsigmoid(beta * delta) * (1 - label_smoothing)
+                  - F.logsigmoid(-beta * delta) * label_smoothing)
+    return losses, beta * chosen_logratios.detach(), beta * rejected_logratios.detach()
+
+
+class DPO(PairObjective):
+    needs_reference = True
+    reference_names = ("chosen", "rejected")
+    metric_names = ("loss", *PAIR_METRICS, "tokens")
+
+    def __init__(self, collator, packed: bool, beta: float, label_smoothing: float = 0.0, ipo: bool = False):
+        super().__init__(collator, packed)
+        self.name = "ipo" if ipo else "dpo"
+        self.beta, self.label_smoothing, self.ipo = beta, label_smoothing, ipo
+
+    def loss(self, model, batch, totals):
+        chosen, rejected, n_chosen, n_rejected, _, _ = self.pair_logps(model, batch)
+        ref = batch["ref"].to(chosen.dtype)
+        losses, chosen_rewards, rejected_rewards = dpo_loss(
+            chosen, rejected, ref[:, 0], ref[:, 1], self.beta, self.label_smoothing, self.ipo, n_chosen, n_rejected)
+        loss = losses.sum() / max(totals["pairs"], 1)
+        return loss, self.pair_metrics(loss, chosen_rewards, rejected_rewards, chosen, rejected, batch)

@@ -1,0 +1,128 @@
+"""What the pair objectives (DPO, IPO, ORPO, SimPO) share: batches of (chosen, rejected) pairs.
+
+Unpacked, a micro-batch of B pairs is 2B rows (each sequence its own row, as TRL's concatenated forward).
+Packed (sample_packing), each row is a bin of whole pairs up to 2 x sequence_len tokens, every sequence a
+segment of its own behind the same block-diagonal mask as SFT; log-probs are summed per sequence id, so
+packing changes the layout, never the numbers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from trainer.collate import Collator
+from trainer.collective import reduce_sum
+from trainer.objectives.base import ExampleRows, Objective, sequence_counts, sequence_logps, to_device
+from trainer.sampler import MultipackBatchSampler
+
+PAIR_COLUMNS = ["chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels"]
+PAIR_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
+                "logps/chosen", "logps/rejected")
+
+
+class PairObjective(Objective):
+    stat_names = ("pairs", "chosen_tokens")
+    progress_names = ("rewards/margins", "rewards/accuracies")
+
+    def __init__(self, collator: Collator, packed: bool):
+        self.collator = Collator(collator.pad_token_id, collator.attention, collator.pad_to, collator.pad_multiple,
+                                 sequence_ids=True)
+        self.packed = packed
+
+    def rows(self, dataset, reference=None):
+        return ExampleRows(dataset, PAIR_COLUMNS, reference)
+
+    def collate(self, rows):
+        layout, chosen, rejected, refs = [], [], [], []
+        k = 0  # sequence id, in the order the collator numbers them (rows, then segments)
+        for row in rows:
+            sequences = []
+            for pair in row:
+                for side, where in (("chosen", chosen), ("rejected", rejected)):
+                    where.append(k)
+                    k += 1
+                    sequences.append({"input_ids": pair[f"{side}_input_ids"], "labels": pair[f"{side}_labels"]})
+                if "ref" in pair:
+                    refs.append(pair["ref"])
+            if self.packed:
+                layout.append(sequences)
+            else:
+                layout.extend([s] for s in sequences)
+        batch = self.collator(layout)
+        batch["n_sequences"] = torch.tensor(len(chosen) + len(rejected))
+        batch["chosen_index"], batch["rejected_index"] = torch.tensor(chosen), torch.tensor(rejected)
+        if refs:
+            batch["ref"] = torch.tensor(refs, dtype=torch.float32)
+        return batch
+
+    def step_stats(self, model, batch):
+        completion, _ = sequence_counts(batch)
+        return [float(len(batch["chosen_index"])), float(completion[batch["chosen_index"]].sum())]
+
+    @torch.no_grad()
+    def reference(self, model, batch):
+        logps = sequence_logps(model, batch)
+        return torch.stack([logps[batch["chosen_index"]], logps[batch["rejected_index"]]], dim=1)
+
+    def pair_logps(self, model, batch, with_all: bool = False):
+        """Policy log-prob sums of (chosen, rejected) completions, their token counts, and (with_all) the
+        chosen sequences' log-prob sum over all tokens (ORPO's NLL with train_on_inputs)."""
+        completion, inside = sequence_counts(batch)
+        if with_all:
+            logps, all_logps = sequence_logps(model, batch, with_all=True)
+        else:
+            logps, all_logps = sequence_logps(model, batch), None
+        c, r = batch["chosen_index"], batch["rejected_index"]
+        return logps[c], logps[r], completion[c], completion[r], (all_logps[c] if with_all else None), inside[c]
+
+    @staticmethod
+    def pair_metrics(loss, chosen_rewards, rejected_rewards, chosen_logps, rejected_logps, batch, *extra):
+        """The metric vector in PAIR_METRICS order: loss, sums over the pairs, then extras, then tokens."""
+        return vector(loss, chosen_rewards.sum(), rejected_rewards.sum(), (chosen_rewards > rejected_rewards).sum(),
+                      (chosen_rewards - rejected_rewards).sum(), chosen_logps.sum(), rejected_logps.sum(), *extra,
+                      batch["num_tokens"])
+
+    def report(self, sums, totals):
+        pairs = max(totals["pairs"], 1)
+        row = {"loss": sums["loss"], **{k: sums[k] / pairs for k in PAIR_METRICS}}
+        row.update({k: sums[k] / pairs for k in self.metric_names if k not in row and k != "tokens"})
+        row["tokens"], row["pairs"] = int(sums["tokens"]), int(totals["pairs"])
+        return row
+
+    def evaluate(self, model, dataset, batch_size, capacity, device, rank, world, timeout_s, reference=None) -> dict:
+        return evaluate_objective(self, model, dataset, reference, batch_size, capacity, device, rank, world, timeout_s)
+
+    def describe_eval(self, result: dict) -> str:
+        return (f"eval_loss {result['eval_loss']:.4f}, eval_rewards/accuracies "
+                f"{result.get('eval_rewards/accuracies', float('nan')):.3f}")
+
+
+@torch.no_grad()
+def evaluate_objective(objective: Objective, model, dataset, reference, batch_size, capacity, device,
+                       rank=0, world=1, timeout_s=1800.0) -> dict:
+    """The objective's loss and metrics over a whole split, as ONE step: each rank its share of the batches
+    with no per-batch collective, then two fixed-size all-reduces (totals, then metric sums)."""
+    sampler = MultipackBatchSampler(objective.lengths(dataset), batch_size, capacity, rank=rank, world_size=world,
+                                    shuffle=False, drop_last=False)
+    rows = objective.rows(dataset, reference)
+    was_training = model.training
+    model.eval()
+    batches = [to_device(objective.collate([rows[r] for r in b]), device) for b in sampler]
+    stats = torch.zeros(len(objective.stat_names), dtype=torch.float64, device=device)
+    for batch in batches:
+        stats += torch.tensor(objective.step_stats(model, batch), dtype=torch.float64, device=device)
+    reduce_sum(stats, "evaluation (summing eval totals)", rank, timeout_s)
+    totals = dict(zip(objective.stat_names, stats.tolist()))
+    sums = torch.zeros(len(objective.metric_names), dtype=torch.float64, device=device)
+    for batch in batches:
+        sums += objective.loss(model, batch, totals)[1].to(device)
+    reduce_sum(sums, "evaluation (summing eval metrics)", rank, timeout_s)
+    model.train(was_training)
+    report = objective.report(dict(zip(objective.metric_names, sums.tolist())), totals)
+    return {f"eval_{k}": v for k, v in report.items()}
+
+
+def vector(*values) -> torch.Tensor:
+    """Detached float64 vector of scalars (tensors or numbers), on the first tensor's device."""
+    device = next((v.device for v in values if isinstance(v, torch.Tensor)), "cpu")
+    return torch.stack([torch.as_tensor(v, device=device).detach().double().reshape(()) for v in values])

@@ -1,0 +1,43 @@
+"""Supervised fine-tuning: cross-entropy summed over target tokens, divided by the step's target tokens."""
+
+from __future__ import annotations
+
+import torch
+
+from trainer.collate import Collator, Rows, count_targets
+from trainer.evaluate import evaluate
+from trainer.objectives.base import Objective
+
+
+class SFT(Objective):
+    name = "sft"
+    stat_names = ("target_tokens",)
+    metric_names = ("loss_sum", "tokens")
+
+    def __init__(self, collator: Collator, token_loss_sum):
+        self.collator = collator
+        self.token_loss_sum = token_loss_sum  # passed in by the loop (tests replace it there)
+
+    def rows(self, dataset, reference=None):
+        return Rows(dataset)
+
+    def collate(self, rows):
+        return self.collator(rows)
+
+    def step_stats(self, model, batch):
+        return [count_targets(batch)]
+
+    def loss(self, model, batch, totals):
+        loss_sum = self.token_loss_sum(model, batch)
+        loss = loss_sum / max(totals["target_tokens"], 1)
+        return loss, torch.stack([loss_sum.detach().double().cpu(), torch.tensor(float(batch["num_tokens"]), dtype=torch.float64)])
+
+    def report(self, sums, totals):
+        return {"loss": sums["loss_sum"] / max(totals["target_tokens"], 1), "tokens": int(sums["tokens"]),
+                "target_tokens": int(totals["target_tokens"])}
+
+    def evaluate(self, model, dataset, batch_size, capacity, device, rank, world, timeout_s) -> dict:
+        return evaluate(model, dataset, self.collator, batch_size, capacity, device, rank, world, timeout_s)
+
+    def describe_eval(self, result: dict) -> str:
+        return f"eval_loss {result['eval_loss']:.4f} over {result['eval_tokens']} tokens"

@@ -1,0 +1,105 @@
+"""Preference data: tokenise pairs (dpo, ipo, orpo, simpo) or KTO examples; filter, split, add KTO's KL pairs.
+
+Called by trainer.data.build when `rl:` is set, so the result is cached, prepared by rank 0 only and
+waited for with a timeout exactly like SFT data (trainer.data.prepare).
+
+Rows (pairs):  chosen_input_ids, chosen_labels, rejected_input_ids, rejected_labels, length (both), targets
+Rows (KTO):    input_ids, labels, label (desirable?), kl_input_ids, kl_labels, length, targets
+
+KTO's KL term is estimated from mismatched (prompt, completion) pairs. They are fixed here, once: example i
+gets the completion of example i-1 of its split (after the seeded shuffle), as TRL does within each batch.
+Fixing them at preparation time is what lets their reference log-probs be computed once and cached.
+"""
+
+from __future__ import annotations
+
+import json
+
+from trainer.config import Config, DatasetConfig
+from trainer.errors import ConfigError, DataError
+from trainer.preference_prompts import label_of, render, tokenize
+from trainer.prompts import IGNORE
+
+PAIR_SIDES = ("chosen", "rejected")
+
+
+def _targets(labels: list[int]) -> int:
+    return sum(1 for t in labels[1:] if t != IGNORE)
+
+
+def _tokenize(raw, ds: DatasetConfig, cfg: Config, tokenizer, workers: int):
+    kto = cfg.rl == "kto"
+    limit = cfg.sequence_len
+    truncate = cfg.excess_length_strategy == "truncate"
+
+    def convert(row):
+        prompt, completions, add_special = render(row, ds, tokenizer, kto)
+        seqs = [tokenize(prompt, c, tokenizer, add_special) for c in completions]
+        too_long = max(len(s["input_ids"]) for s in seqs) > limit
+        if too_long and truncate:
+            seqs = [{**s, "input_ids": s["input_ids"][:limit], "labels": s["labels"][:limit],
+                     "prompt_len": min(s["prompt_len"], limit)} for s in seqs]
+        out = {"too_long": too_long, "length": sum(len(s["input_ids"]) for s in seqs),
+               "targets": min(_targets(s["labels"]) for s in seqs)}
+        if kto:
+            (s,) = seqs
+            return {**out, "input_ids": s["input_ids"], "labels": s["labels"], "prompt_len": s["prompt_len"],
+                    "label": label_of(row, ds)}
+        for side, s in zip(PAIR_SIDES, seqs):
+            out[f"{side}_input_ids"], out[f"{side}_labels"] = s["input_ids"], s["labels"]
+        return out
+
+    return raw.map(convert, remove_columns=raw.column_names, num_proc=workers if workers > 1 else None,
+                   desc=f"tokenizing {ds.path}")
+
+
+def add_kl_pairs(data, limit: int):
+    """KTO: each example's mismatched pair is its prompt with the previous example's completion."""
+    ids, labels, prompt_lens = data["input_ids"], data["labels"], data["prompt_len"]
+
+    def mismatched(row, i):
+        j = i - 1  # -1 wraps to the last example
+        completion = ids[j][prompt_lens[j]:]
+        kl_ids = (row["input_ids"][: row["prompt_len"]] + completion)[:limit]
+        kl_labels = ([IGNORE] * row["prompt_len"] + labels[j][prompt_lens[j]:])[:limit]
+        return {"kl_input_ids": kl_ids, "kl_labels": kl_labels}
+
+    return data.map(mismatched, with_indices=True, desc="KTO mismatched pairs")
+
+
+def build_preference(cfg: Config, tokenizer, load_raw, workers_for) -> tuple[object, object | None, dict]:
+    import datasets
+
+    parts = []
+    for ds in cfg.datasets:
+        raw = load_raw(ds)
+        parts.append(_tokenize(raw, ds, cfg, tokenizer, workers_for(len(raw))))
+    data = datasets.concatenate_datasets(parts)
+    too_long = sum(data["too_long"])
+    drop = cfg.excess_length_strategy == "drop"
+    stats = {"rows": len(data), "too_long": too_long, "excess_length_strategy": cfg.excess_length_strategy,
+             "dropped_too_long": too_long if drop else 0, "truncated": 0 if drop else too_long}
+    keep = [i for i, (long, targets) in enumerate(zip(data["too_long"], data["targets"]))
+            if targets > 0 and not (long and drop)]
+    stats["dropped_no_targets"] = len(data) - len(keep) - stats["dropped_too_long"]
+    data = data.select(keep).remove_columns(["too_long"])
+    if len(data) == 0:
+        raise DataError(f"no rows left to train on after filtering ({json.dumps(stats)}); raise sequence_len "
+                        "or use excess_length_strategy: truncate")
+    if cfg.shuffle_merged_datasets:
+        data = data.shuffle(seed=cfg.seed)
+    validation = None
+    if cfg.val_set_size:
+        size = cfg.val_set_size if cfg.val_set_size < 1 else int(cfg.val_set_size)
+        if isinstance(size, int) and size >= len(data):
+            raise ConfigError(f"val_set_size {size} leaves no training rows (dataset has {len(data)})")
+        split = data.train_test_split(test_size=size, seed=cfg.seed, shuffle=True)
+        data, validation = split["train"], split["test"]
+    if cfg.rl == "kto":
+        data = add_kl_pairs(data, cfg.sequence_len)
+        validation = add_kl_pairs(validation, cfg.sequence_len) if validation is not None else None
+        stats["desirable"] = int(sum(data["label"]))
+        stats["undesirable"] = len(data) - stats["desirable"]
+    stats.update(train_rows=len(data), train_tokens=int(sum(data["length"])),
+                 validation_rows=len(validation) if validation is not None else 0)
+    return data, validation, stats
