@@ -57,14 +57,9 @@ def make_accelerator(cfg: Config, runtime: Runtime):
 
 
 def make_optimizer(cfg: Config, model) -> torch.optim.Optimizer:
-    params = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in params if p.ndim >= 2]  # no weight decay on norms and biases
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay},
-              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
-    if cfg.optimizer == "sgd":
-        return torch.optim.SGD(groups, lr=cfg.learning_rate)
-    return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                             eps=cfg.adam_epsilon, fused=cfg.optimizer == "adamw_torch_fused" or None)
+    from trainer.optim import make_optimizer as build  # the optimizer named in the config, by its library
+
+    return build(cfg, model)
 
 
 def cadence(every: int | None, per_epoch: int | None, steps_per_epoch: int) -> int | None:
@@ -139,7 +134,11 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
     optimizer = make_optimizer(cfg, model)
     warmup = cfg.warmup_steps if cfg.warmup_steps is not None else math.ceil((cfg.warmup_ratio or 0) * total_steps)
     schedule = "constant_with_warmup" if cfg.lr_scheduler == "constant" else cfg.lr_scheduler
-    scheduler = get_scheduler(schedule, optimizer, num_warmup_steps=warmup, num_training_steps=total_steps)
+    extra = {}
+    if cfg.cosine_min_lr_ratio is not None and schedule == "cosine":  # Axolotl's floor for the cosine decay
+        schedule, extra = "cosine_with_min_lr", {"min_lr_rate": cfg.cosine_min_lr_ratio}
+    scheduler = get_scheduler(schedule, optimizer, num_warmup_steps=warmup, num_training_steps=total_steps,
+                              scheduler_specific_kwargs=extra)
     model, optimizer = accelerator.prepare(model, optimizer)  # the scheduler is stepped by us, once per step
     unwrapped = accelerator.unwrap_model(model)
 
