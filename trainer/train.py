@@ -44,7 +44,9 @@ def make_accelerator(cfg: Config, runtime: Runtime):
     if cfg.deepspeed:  # passed through to accelerate; DeepSpeed then owns accumulation, clipping and stepping
         if importlib.util.find_spec("deepspeed") is None:
             raise ConfigError("deepspeed: the deepspeed package is not installed in this environment")
-        deepspeed = DeepSpeedPlugin(hf_ds_config=cfg.deepspeed, gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+        from trainer.distributed import deepspeed_path
+
+        deepspeed = DeepSpeedPlugin(hf_ds_config=str(deepspeed_path(cfg.deepspeed)), gradient_accumulation_steps=cfg.gradient_accumulation_steps,
                                     gradient_clipping=cfg.max_grad_norm or 0.0)
         deepspeed.deepspeed_config["train_micro_batch_size_per_gpu"] = cfg.micro_batch_size
     # gradient_accumulation_steps stays 1: the loop accumulates itself, normalising by the step's token count
@@ -52,8 +54,15 @@ def make_accelerator(cfg: Config, runtime: Runtime):
         mixed_precision=MIXED_PRECISION[runtime.precision],
         cpu=runtime.device == "cpu",
         deepspeed_plugin=deepspeed,
+        fsdp_plugin=fsdp_plugin(cfg, runtime),
         kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.ddp_timeout))],
     )
+
+
+def fsdp_plugin(cfg: Config, runtime: Runtime):
+    from trainer import distributed
+
+    return distributed.fsdp_plugin(cfg, runtime) if distributed.enabled(cfg) else None
 
 
 def make_optimizer(cfg: Config, model) -> torch.optim.Optimizer:
