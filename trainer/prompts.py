@@ -121,6 +121,11 @@ def render_chat(row: dict, ds: DatasetConfig, tokenizer, eot_tokens: list[str] |
             raise DataError(f"dataset {ds.path}: the chat template does not render conversations turn by turn, "
                             "so trained turns cannot be located")
         begin = len(start) if trained else len(prefix)
+        if trained and (message["role"] != "assistant" or start == prefix):
+            # the generation header is the assistant's; other turns start where their content does
+            content = message["content"].strip() if isinstance(message["content"], str) else ""
+            found_at = text.find(content, len(prefix), end) if content else -1
+            begin = found_at if found_at >= 0 else begin
         if policy is None:
             spans.append((begin, end))
             continue
