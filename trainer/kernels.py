@@ -108,9 +108,8 @@ def plan_notes(cfg, gpu, plan: dict | None) -> tuple[bool, list[str]]:
     return bool(on), notes
 
 
-def apply(cfg, model, gpu, plan: dict | None, log) -> None:
-    """Patch the loaded model with liger's kernels where they run."""
-    enabled, _ = plan_notes(cfg, gpu, plan)
+def apply(cfg, model, enabled: bool, log) -> None:
+    """Patch the loaded model with liger's kernels where they run (enabled: plan_notes' verdict)."""
     if not enabled:
         return
     if importlib.util.find_spec("liger_kernel") is None:

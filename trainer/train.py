@@ -111,11 +111,17 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
         f"precision {runtime.precision}")
 
     # 2. tokenizer and data
+    from trainer import hub, kernels, loggers
+
+    loggers.check(cfg)  # trackers installed, hub reachable: fail now, not after training
+    if main:
+        hub.check(cfg)
     tokenizer = load_tokenizer(cfg)
     data = prepare(cfg, tokenizer, rank, log=say)
 
     # 3. model
     model = load_model(cfg, runtime, tokenizer)
+    kernels.apply(cfg, model, getattr(runtime, "kernels", False), say)  # liger, where the plan says triton runs
 
     # 4. sampler and collator
     pad_multiple = 8 if runtime.device == "cuda" else 1
@@ -169,7 +175,8 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
     # 7. the loop. Each step's gradient is sum(token losses) / (target tokens of the step on all ranks);
     # DDP averages gradients over ranks and DeepSpeed divides by ga, so scale the loss to undo both.
     loss_scale = world * (ga if cfg.deepspeed else 1)
-    metrics = MetricsLog(output_dir / "metrics.jsonl", main, fresh=step == 0)
+    metrics = loggers.Trackers(MetricsLog(output_dir / "metrics.jsonl", main, fresh=step == 0), cfg, output_dir, main,
+                               resumed=step > 0, log=say)
     progress = tqdm(total=total_steps, initial=step, disable=not main, desc="training", unit="step")
     model.train()
     try:  # close the progress bar on errors too, so the error is a line of its own
@@ -227,10 +234,14 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
                     break
             else:
                 epoch += 1
+    except BaseException:
+        metrics.close()  # finish the trackers' runs on errors too
+        raise
     finally:
         progress.close()
     if data.validation is not None:
         run_eval(cfg, unwrapped, data.validation, collator, step, rank, world, device, metrics, say)
+    metrics.close()
 
     # 8. the final model (or adapter) and tokenizer, in HF format
     final = output_dir / "final"
@@ -242,6 +253,7 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
         say(f"saved the final {'adapter' if cfg.adapter else 'model'} to {final}")
+        hub.push(cfg, unwrapped, tokenizer, say)
     barrier("final save", rank, timeout)
     accelerator.end_training()
     return final
