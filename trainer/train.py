@@ -55,8 +55,17 @@ def make_accelerator(cfg: Config, runtime: Runtime):
         cpu=runtime.device == "cpu",
         deepspeed_plugin=deepspeed,
         fsdp_plugin=fsdp_plugin(cfg, runtime),
-        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.ddp_timeout))],
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.ddp_timeout))] + ddp_kwargs(cfg),
     )
+
+
+def ddp_kwargs(cfg: Config) -> list:
+    """ddp_find_unused_parameters, as in Axolotl/HF (only where set: DDP's default is False)."""
+    from accelerate.utils import DistributedDataParallelKwargs
+
+    if cfg.ddp_find_unused_parameters is None:
+        return []
+    return [DistributedDataParallelKwargs(find_unused_parameters=cfg.ddp_find_unused_parameters)]
 
 
 def fsdp_plugin(cfg: Config, runtime: Runtime):
