@@ -124,3 +124,73 @@ def fsdp_plugin(cfg, runtime):
         return FullyShardedDataParallelPlugin(**settings)
     except (ValueError, TypeError) as err:
         raise ConfigError(f"fsdp_config: {str(err).splitlines()[0]}") from None
+
+
+def use_fsdp_on_cpu(accelerator, plugin) -> None:
+    """accelerate switches to FSDP only for GPU-like backends; torch's FSDP2 itself runs on CPU over gloo, so on
+    CPU the accelerator's state is pointed at the plugin here (everything else is accelerate's own FSDP2 path)."""
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DistributedType
+
+    if accelerator.num_processes > 1 and accelerator.distributed_type == DistributedType.MULTI_CPU:
+        state = AcceleratorState()
+        state.distributed_type = DistributedType.FSDP
+        state.fsdp_plugin = plugin
+
+
+def is_sharded(model) -> bool:
+    """FSDP2 shards parameters as DTensors."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def _options(**kwargs):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, **kwargs)
+
+
+def full_model_state(model) -> dict | None:
+    """The whole model's state dict on CPU (a collective: every rank calls it); None when not sharded."""
+    if not is_sharded(model):
+        return None
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return get_model_state_dict(model, options=_options(cpu_offload=True))
+
+
+def full_optimizer_state(model, optimizer) -> dict | None:
+    if not is_sharded(model):
+        return None
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    return get_optimizer_state_dict(model, getattr(optimizer, "optimizer", optimizer), options=_options(cpu_offload=True))
+
+
+def load_full_model_state(model, state: dict) -> None:
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+    set_model_state_dict(model, state, options=_options(strict=False))
+
+
+def load_full_optimizer_state(model, optimizer, state: dict) -> None:
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    set_optimizer_state_dict(model, getattr(optimizer, "optimizer", optimizer), state, options=_options())
+
+
+def is_deepspeed(engine) -> bool:
+    return type(engine).__name__ == "DeepSpeedEngine"
+
+
+def gathered_model_state(engine, model) -> dict | None:
+    """The full weights for save_pretrained where they are sharded (FSDP2, DeepSpeed ZeRO-3); None otherwise.
+    A collective: every rank calls it."""
+    if is_sharded(model):
+        return full_model_state(model)
+    if is_deepspeed(engine) and engine.zero_optimization_stage() == 3:
+        # gathers ZeRO-3's partitions, as accelerate's get_state_dict does (gather_16bit_weights_on_model_save)
+        state = engine._zero3_consolidated_16bit_state_dict()
+        return {k: v.float() for k, v in state.items()} if state is not None else None
+    return None

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 import shutil
 import time
 from contextlib import nullcontext
@@ -49,14 +50,30 @@ def make_accelerator(cfg: Config, runtime: Runtime):
         deepspeed = DeepSpeedPlugin(hf_ds_config=str(deepspeed_path(cfg.deepspeed)), gradient_accumulation_steps=cfg.gradient_accumulation_steps,
                                     gradient_clipping=cfg.max_grad_norm or 0.0)
         deepspeed.deepspeed_config["train_micro_batch_size_per_gpu"] = cfg.micro_batch_size
+        world = int(os.environ.get("WORLD_SIZE", "1"))  # "auto" in Axolotl's files; DeepSpeed checks the product
+        deepspeed.deepspeed_config["train_batch_size"] = cfg.micro_batch_size * cfg.gradient_accumulation_steps * world
     # gradient_accumulation_steps stays 1: the loop accumulates itself, normalising by the step's token count
-    return Accelerator(
+    fsdp = fsdp_plugin(cfg, runtime)
+    if deepspeed is not None and runtime.device == "cpu":
+        # DeepSpeed's CPU accelerator over gloo: accelerate skips DeepSpeed when told cpu=True, and with no GPU
+        # and no backend named it would count one process; name gloo and the DeepSpeed launch path
+        from accelerate.state import PartialState
+
+        os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
+        PartialState(cpu=False, backend="gloo", timeout=timedelta(seconds=cfg.ddp_timeout))
+    accelerator = Accelerator(
         mixed_precision=MIXED_PRECISION[runtime.precision],
-        cpu=runtime.device == "cpu",
+        # accelerate ignores DeepSpeed when told cpu=True; without a GPU it still runs on the CPU (over gloo)
+        cpu=runtime.device == "cpu" and deepspeed is None,
         deepspeed_plugin=deepspeed,
-        fsdp_plugin=fsdp_plugin(cfg, runtime),
+        fsdp_plugin=fsdp,
         kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.ddp_timeout))] + ddp_kwargs(cfg),
     )
+    if fsdp is not None and runtime.device == "cpu":
+        from trainer.distributed import use_fsdp_on_cpu
+
+        use_fsdp_on_cpu(accelerator, fsdp)
+    return accelerator
 
 
 def ddp_kwargs(cfg: Config) -> list:
@@ -118,6 +135,8 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     say(f"training on {world} process(es), {runtime.gpu.describe()}, attention {runtime.attention}, "
         f"precision {runtime.precision}")
+    if cfg.deepspeed or cfg.fsdp or cfg.fsdp_config or cfg.fsdp_version:
+        say(f"sharding: {accelerator.distributed_type.value}")
 
     # 2. tokenizer and data
     from trainer import hub, kernels, loggers
@@ -176,7 +195,8 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
     if resume:
         if not Path(resume).is_dir():
             raise ConfigError(f"resume_from_checkpoint: not found: {resume}")
-        state = checkpoint.load(Path(resume), unwrapped, optimizer, scheduler, accelerator.scaler, rank, world)
+        state = checkpoint.load(Path(resume), unwrapped, optimizer, scheduler, accelerator.scaler, rank, world,
+                                engine=model)
         step, epoch = state["step"], state["sampler"]["epoch"]
         sampler.load_state_dict(state["sampler"])
         say(f"resumed from {resume} at step {step}")
@@ -217,6 +237,7 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
                 grad_norm = None
                 if cfg.max_grad_norm:
                     norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+                    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: a DTensor
                     grad_norm = None if norm is None else float(norm)  # None under DeepSpeed, which clips itself
                 lr = scheduler.get_last_lr()[0]
                 optimizer.step()
@@ -237,7 +258,7 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
                 if save_every and step % save_every == 0:
                     state = {"step": step, "world_size": world, "sampler": sampler.state_dict(consumed)}
                     path = checkpoint.save(output_dir, step, unwrapped, optimizer, scheduler, accelerator.scaler,
-                                           state, rank, timeout, keep=cfg.save_total_limit)
+                                           state, rank, timeout, keep=cfg.save_total_limit, engine=model)
                     say(f"saved {path}")
                 if step >= total_steps:
                     break
@@ -254,10 +275,13 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
 
     # 8. the final model (or adapter) and tokenizer, in HF format
     final = output_dir / "final"
+    from trainer.distributed import gathered_model_state
+
+    full_state = gathered_model_state(model, unwrapped)  # FSDP/ZeRO-3: every rank takes part
     if main:
         tmp = output_dir / ".tmp-final"
         shutil.rmtree(tmp, ignore_errors=True)
-        unwrapped.save_pretrained(tmp)
+        unwrapped.save_pretrained(tmp, state_dict=full_state)
         tokenizer.save_pretrained(tmp)
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
@@ -269,8 +293,13 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
 
 
 def run_eval(cfg, model, validation, collator, step, rank, world, device, metrics, say) -> dict:
+    from trainer import distributed
+
+    # FSDP and ZeRO-3 gather weights in every forward (other ZeRO stages pay one extra collective here)
+    sharded = distributed.is_sharded(model) or bool(cfg.deepspeed)
     result = evaluate(model, validation, collator, cfg.eval_batch_size or cfg.micro_batch_size,
-                      cfg.sequence_len if cfg.packing_for_eval else None, device, rank, world, cfg.ddp_timeout)
+                      cfg.sequence_len if cfg.packing_for_eval else None, device, rank, world, cfg.ddp_timeout,
+                      sharded=sharded)
     metrics.write({"step": step, **result})
     say(f"step {step}: eval_loss {result['eval_loss']:.4f} over {result['eval_tokens']} tokens")
     return result
