@@ -111,6 +111,7 @@ class Config(BaseModel):
     lora_dropout: float = Field(0.0, ge=0, lt=1)
     lora_target_modules: list[str] | str | None = None
     lora_target_linear: bool = False
+    lora_target_parameters: list[str] | None = None  # LoRA on bare parameters (MoE experts), peft's target_parameters
     lora_modules_to_save: list[str] | None = None
     unfrozen_parameters: list[str] | None = None  # full fine-tune: train only parameters matching these regexes
 
@@ -275,6 +276,8 @@ PERFORMANCE_KEYS: dict[str, str] = {
         "torch_compile", "torch_compile_backend", "torch_compile_mode", "use_kernels", "use_scattermoe",
         "use_sonicmoe", "fused_attn_kernel", "experts_implementation", "flash_optimum",
         "llama4_linearized_experts", "gemma4_hybrid_attn_impl", "use_dsv4_kernels", "use_glm_dsa_kernels", "dsv4_fp4_grouped_mode")},
+    "quantize_moe_experts": "MoE expert weights (3-D parameters, which bitsandbytes' linear-layer quantization "
+                            "skips) stay in the training precision: more memory, no quantization error on them",
     **{k: "a memory option this trainer does not implement (same training, more memory)" for k in (
         "activation_offloading", "embeddings_skip_upcast", "lora_on_cpu", "gpu_memory_limit", "max_memory",
         "device_map")},
@@ -290,10 +293,10 @@ PERFORMANCE_KEYS: dict[str, str] = {
 UNSUPPORTED_KEYS: dict[str, str] = {
     **{k: "GPTQ/AWQ/torchao quantized loading is not supported (use load_in_4bit or load_in_8bit)" for k in (
         "gptq", "gptq_disable_exllama", "model_quantization_config", "model_quantization_config_kwargs",
-        "quantize_moe_experts", "qat", "fp8", "fp8_enable_fsdp_float8_all_gather", "llmcompressor")},
+        "qat", "fp8", "fp8_enable_fsdp_float8_all_gather", "llmcompressor")},
     **{k: "this adapter option is not supported" for k in (
         "lora_fan_in_fan_out", "peft_layers_to_transform", "loraplus_lr_ratio", "loraplus_lr_embedding",
-        "peft_use_dora", "peft_use_rslora", "lora_target_parameters", "peft")},
+        "peft_use_dora", "peft_use_rslora", "peft")},
     **{k: "preference training (DPO/KTO/ORPO/GRPO) is not part of the SFT trainer" for k in (
         "rl", "rl_beta", "dpo_beta", "orpo_alpha", "trl", "reward_model", "process_reward_model",
         "kto_desirable_weight", "kto_undesirable_weight")},

@@ -106,8 +106,11 @@ def add_lora(cfg: Config, model):
     targets = cfg.lora_target_modules
     if cfg.lora_target_linear or targets is None:
         targets = "all-linear"
+    if cfg.lora_target_parameters and cfg.lora_target_modules is None and not cfg.lora_target_linear:
+        targets = []  # only the named parameters
     lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                      target_modules=targets, modules_to_save=cfg.lora_modules_to_save, task_type="CAUSAL_LM")
+                      target_modules=targets, target_parameters=cfg.lora_target_parameters,
+                      modules_to_save=cfg.lora_modules_to_save, task_type="CAUSAL_LM")
     try:
         model = get_peft_model(model, lora, autocast_adapter_dtype=True)
     except ValueError as err:

@@ -168,10 +168,22 @@ def test_legacy_dtype_keys():
 
 
 def test_unsupported_keys_are_one_line_naming_key_and_reason(make_config, tmp_path):
-    config = make_config(lora_target_parameters=["experts.gate_up_proj"], adapter="lora")
+    config = make_config(peft_use_dora=True, adapter="lora")
     result = run_cli("validate", str(config), "--gpu", "a100")
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
-    assert result.stderr.startswith("error: lora_target_parameters is an Axolotl key this trainer does not support "
+    assert result.stderr.startswith("error: peft_use_dora is an Axolotl key this trainer does not support "
                                     "(this adapter option is not supported)")
     result = run_cli("validate", str(make_config("p.yml", plugins=["my.custom.Plugin"])), "--gpu", "a100")
     assert result.returncode == 2 and "plugins: unknown plugin my.custom.Plugin" in result.stderr
+
+
+@pytest.mark.slow
+def test_lora_target_parameters_trains_lora_on_bare_parameters(make_config, tmp_path):
+    """Axolotl's MoE examples put LoRA on expert parameters (peft's target_parameters); here on a dense weight."""
+    from safetensors.torch import load_file
+
+    out = tmp_path / "out"
+    assert main(["train", str(make_config(output_dir=str(out), adapter="lora", lora_r=4, max_steps=2,
+                                          lora_target_parameters=["mlp.down_proj.weight"]))]) == 0
+    saved = load_file(out / "final" / "adapter_model.safetensors")
+    assert saved and all("down_proj" in k and "lora_" in k for k in saved)
