@@ -111,6 +111,8 @@ class Config(BaseModel):
     lora_dropout: float = Field(0.0, ge=0, lt=1)
     lora_target_modules: list[str] | str | None = None
     lora_target_linear: bool = False
+    peft_use_rslora: bool = False  # rank-stabilized LoRA scaling (alpha / sqrt(r)), peft's use_rslora
+    peft_use_dora: bool = False  # weight-decomposed LoRA, peft's use_dora
     lora_target_parameters: list[str] | None = None  # LoRA on bare parameters (MoE experts), peft's target_parameters
     lora_modules_to_save: list[str] | None = None
     unfrozen_parameters: list[str] | None = None  # full fine-tune: train only parameters matching these regexes
@@ -296,7 +298,7 @@ UNSUPPORTED_KEYS: dict[str, str] = {
         "qat", "fp8", "fp8_enable_fsdp_float8_all_gather", "llmcompressor")},
     **{k: "this adapter option is not supported" for k in (
         "lora_fan_in_fan_out", "peft_layers_to_transform", "loraplus_lr_ratio", "loraplus_lr_embedding",
-        "peft_use_dora", "peft_use_rslora", "peft")},
+        "peft")},
     **{k: "preference training (DPO/KTO/ORPO/GRPO) is not part of the SFT trainer" for k in (
         "rl", "rl_beta", "dpo_beta", "orpo_alpha", "trl", "reward_model", "process_reward_model",
         "kto_desirable_weight", "kto_undesirable_weight")},

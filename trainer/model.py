@@ -110,6 +110,7 @@ def add_lora(cfg: Config, model):
         targets = []  # only the named parameters
     lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                       target_modules=targets, target_parameters=cfg.lora_target_parameters,
+                      use_rslora=cfg.peft_use_rslora, use_dora=cfg.peft_use_dora,
                       modules_to_save=cfg.lora_modules_to_save, task_type="CAUSAL_LM")
     try:
         model = get_peft_model(model, lora, autocast_adapter_dtype=True)

@@ -50,7 +50,7 @@ def test_the_bench_script_counts_and_groups(tmp_path):
     (repo / "examples" / "cloud").mkdir()
     good = (EXAMPLES[0].parent / "llama-3__qlora-1b.yml").read_text()
     (repo / "examples" / "llama-3" / "qlora.yml").write_text(good)
-    (repo / "examples" / "llama-3" / "dora.yml").write_text(good + "\npeft_use_dora: true\n")
+    (repo / "examples" / "llama-3" / "dora.yml").write_text(good + "\nloraplus_lr_ratio: 16\n")
     (repo / "examples" / "llama-3" / "vision.yml").write_text(good + "\nprocessor_type: AutoProcessor\n")
     (repo / "examples" / "archived" / "old.yml").write_text(good)
     (repo / "examples" / "cloud" / "modal.yaml").write_text("provider: modal\n")
@@ -64,7 +64,7 @@ def test_the_bench_script_counts_and_groups(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "1/2 example configs validate for --gpu a100 (50.0%)" in result.stdout
     assert "1 archived" in result.stdout and "1 vision/audio model" in result.stdout
-    assert "   1  peft_use_dora: e.g. examples/llama-3/dora.yml" in result.stdout
+    assert "   1  loraplus_lr_ratio: e.g. examples/llama-3/dora.yml" in result.stdout
 
 
 @pytest.mark.slow
@@ -168,10 +168,10 @@ def test_legacy_dtype_keys():
 
 
 def test_unsupported_keys_are_one_line_naming_key_and_reason(make_config, tmp_path):
-    config = make_config(peft_use_dora=True, adapter="lora")
+    config = make_config(loraplus_lr_ratio=16, adapter="lora")
     result = run_cli("validate", str(config), "--gpu", "a100")
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
-    assert result.stderr.startswith("error: peft_use_dora is an Axolotl key this trainer does not support "
+    assert result.stderr.startswith("error: loraplus_lr_ratio is an Axolotl key this trainer does not support "
                                     "(this adapter option is not supported)")
     result = run_cli("validate", str(make_config("p.yml", plugins=["my.custom.Plugin"])), "--gpu", "a100")
     assert result.returncode == 2 and "plugins: unknown plugin my.custom.Plugin" in result.stderr
@@ -187,3 +187,18 @@ def test_lora_target_parameters_trains_lora_on_bare_parameters(make_config, tmp_
                                           lora_target_parameters=["mlp.down_proj.weight"]))]) == 0
     saved = load_file(out / "final" / "adapter_model.safetensors")
     assert saved and all("down_proj" in k and "lora_" in k for k in saved)
+
+
+def test_rslora_and_dora_reach_peft(make_config):
+    from transformers import AutoTokenizer
+
+    from trainer.config import load_config
+    from trainer.hardware import adapt, gpu_from_name
+    from trainer.model import load_model
+
+    cfg, _ = load_config(make_config(adapter="lora", lora_r=4, lora_alpha=8, peft_use_rslora=True, peft_use_dora=True,
+                                     lora_target_modules=["q_proj"]))
+    model = load_model(cfg, adapt(cfg, gpu_from_name("cpu")), AutoTokenizer.from_pretrained(cfg.base_model))
+    q = model.base_model.model.model.layers[0].self_attn.q_proj
+    assert q.scaling["default"] == pytest.approx(8 / 4 ** 0.5)  # rsLoRA: alpha / sqrt(r)
+    assert "default" in q.lora_magnitude_vector  # DoRA's magnitude

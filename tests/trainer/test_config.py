@@ -105,14 +105,14 @@ def test_unknown_key_inside_a_dataset_entry():
 
 
 def test_unsupported_axolotl_key_is_an_error_not_ignored():
-    with pytest.raises(ConfigError, match="peft_use_dora is an Axolotl key this trainer does not support"):
-        parse_config({**BASE, "peft_use_dora": True})
+    with pytest.raises(ConfigError, match="loraplus_lr_ratio is an Axolotl key this trainer does not support"):
+        parse_config({**BASE, "loraplus_lr_ratio": 16})
 
 
 def test_empty_unsupported_keys_are_accepted_with_a_note():
-    cfg, notes = parse_config({**BASE, "peft_use_dora": None, "fsdp": None, "strict": True})
+    cfg, notes = parse_config({**BASE, "loraplus_lr_ratio": None, "fsdp": None, "strict": True})
     assert cfg.base_model == "org/model"
-    assert any("peft_use_dora" in n for n in notes) and any("strict" in n for n in notes)
+    assert any("loraplus_lr_ratio" in n for n in notes) and any("strict" in n for n in notes)
 
 
 def test_null_means_default():
@@ -142,7 +142,7 @@ def test_legacy_attention_flags_mean_attn_implementation():
 
 def test_bad_config_fails_with_one_clear_line(tmp_path, tiny_llama):
     raw = yaml.safe_load(AXOLOTL_INSTRUCT_LORA.format(model=tiny_llama))
-    raw.update(chat_template="llama_3", optimizer="adamw_bnb_9bit", peft_use_dora=True)
+    raw.update(chat_template="llama_3", optimizer="adamw_bnb_9bit", loraplus_lr_ratio=16)
     path = tmp_path / "bad.yml"
     path.write_text(yaml.safe_dump(raw))
     result = run_cli("validate", str(path), "--gpu", "a100")
@@ -150,7 +150,7 @@ def test_bad_config_fails_with_one_clear_line(tmp_path, tiny_llama):
     assert "Traceback" not in result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, lines
-    assert "peft_use_dora is an Axolotl key this trainer does not support" in lines[0]
+    assert "loraplus_lr_ratio is an Axolotl key this trainer does not support" in lines[0]
     # every problem in one line, so one run shows all that must change
     assert "unknown template 'llama_3'" in lines[0] and "unknown optimizer 'adamw_bnb_9bit'" in lines[0]
 
