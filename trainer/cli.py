@@ -37,6 +37,10 @@ def feature_notes(cfg, runtime, plan) -> list[str]:
 
     notes = quantization.hardware_notes(cfg, runtime.gpu) + optim.hardware_notes(cfg.optimizer, runtime.gpu)
     runtime.kernels, kernel_notes = kernels.plan_notes(cfg, runtime.gpu, plan)
+    from trainer import distributed
+
+    if distributed.enabled(cfg) and runtime.device == "cpu" and distributed.fsdp_settings(cfg)["fsdp_version"] == 1:
+        notes.append(distributed.CPU_FSDP1_NOTE)
     return notes + kernel_notes
 
 

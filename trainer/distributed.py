@@ -45,8 +45,13 @@ def enabled(cfg) -> bool:
     return bool(cfg.fsdp or cfg.fsdp_config or cfg.fsdp_version)
 
 
-def fsdp_settings(cfg) -> dict:
-    """The FSDP settings as accelerate's plugin arguments (raises ConfigError naming a bad key)."""
+CPU_FSDP1_NOTE = ("fsdp_version: 1 runs as FSDP2 on CPU (accelerate's FSDP1 needs a GPU device; FSDP2 shards "
+                  "parameters, gradients and optimizer state the same way)")
+
+
+def fsdp_settings(cfg, cpu: bool = False) -> dict:
+    """The FSDP settings as accelerate's plugin arguments (raises ConfigError naming a bad key). cpu: FSDP1
+    configs become FSDP2, which runs over gloo."""
     settings: dict = {}
     items = cfg.fsdp if isinstance(cfg.fsdp, list) else (cfg.fsdp or "").split()
     for item in items:
@@ -64,6 +69,8 @@ def fsdp_settings(cfg) -> dict:
     if cfg.fsdp_version:
         settings["fsdp_version"] = cfg.fsdp_version
     settings.setdefault("fsdp_version", 1)
+    if cpu:
+        settings["fsdp_version"] = 2
     names = settings.get("transformer_cls_names_to_wrap")
     if isinstance(names, str):
         settings["transformer_cls_names_to_wrap"] = [n.strip() for n in names.split(",") if n.strip()]
@@ -114,7 +121,7 @@ def fsdp_plugin(cfg, runtime):
     """accelerate's FullyShardedDataParallelPlugin for the config."""
     from accelerate.utils import FullyShardedDataParallelPlugin
 
-    settings = fsdp_settings(cfg)
+    settings = fsdp_settings(cfg, cpu=runtime.device == "cpu")
     if cfg.gradient_checkpointing:
         settings.pop("activation_checkpointing", None)  # the model's own checkpointing is on already
     if settings.get("auto_wrap_policy") == "transformer_based_wrap" and not settings.get("transformer_cls_names_to_wrap"):

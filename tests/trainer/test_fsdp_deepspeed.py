@@ -27,13 +27,14 @@ FSDP2 = {"fsdp_version": 2, "fsdp_config": {"fsdp_auto_wrap_policy": "TRANSFORME
                                             "fsdp_reshard_after_forward": True}}
 BACKENDS = {
     "fsdp2": FSDP2,
-    "fsdp_unprefixed": {"fsdp_version": 2, "fsdp_config": {"auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
-                                                           "state_dict_type": "FULL_STATE_DICT",
-                                                           "reshard_after_forward": True}},
+    # Axolotl's older spelling: the fsdp: list, unprefixed keys, FSDP1 (which runs as FSDP2 on CPU, with a note)
+    "fsdp_legacy_list": {"fsdp": ["full_shard", "auto_wrap"],
+                         "fsdp_config": {"transformer_layer_cls_to_wrap": "LlamaDecoderLayer",
+                                         "state_dict_type": "FULL_STATE_DICT"}},
     "zero3": {"deepspeed": str(DS_CONFIGS / "zero3.json")},
     "zero2": {"deepspeed": str(DS_CONFIGS / "zero2.json")},
 }
-EXPECTED_TYPE = {"fsdp2": "FSDP", "fsdp_unprefixed": "FSDP", "zero3": "DEEPSPEED", "zero2": "DEEPSPEED"}
+EXPECTED_TYPE = {"fsdp2": "FSDP", "fsdp_legacy_list": "FSDP", "zero3": "DEEPSPEED", "zero2": "DEEPSPEED"}
 
 
 def torchrun(config: Path, timeout: int = 240) -> subprocess.CompletedProcess:
@@ -79,6 +80,8 @@ def test_sharded_training_evaluates_checkpoints_resumes_and_matches_ddp(backend,
     ddp_out, _ = ddp_reference
     out, result = run_config(tmp_path, tiny_llama, backend, BACKENDS[backend])
     assert f"sharding: {EXPECTED_TYPE[backend]}" in result.stderr  # the backend really ran
+    if backend == "fsdp_legacy_list":
+        assert "fsdp_version: 1 runs as FSDP2 on CPU" in result.stderr
     rows = read_metrics(out)
     assert [r["step"] for r in rows if "eval_loss" in r] == [2, 4, 5]
     assert (out / "checkpoint-2").is_dir() and (out / "final" / "model.safetensors").exists()
