@@ -320,6 +320,10 @@ UNSUPPORTED_KEYS: dict[str, str] = {
         "cosine_constant_lr_ratio", "torchdistx_path")},
 }
 
+UNSUPPORTED_KEYS["tokenizer_use_mistral_common"] = (
+    "mistral-common tokenizers render conversations straight to token ids, and chat_template training here "
+    "locates trained turns in the rendered text: use the model's Hugging Face tokenizer (tokenizer_default)")
+
 # Legacy dtype switches: the same as bf16/fp16 (float32: neither).
 LEGACY_DTYPE_KEYS = {"bfloat16": ("bf16", True), "float16": ("fp16", True), "float32": ("bf16", False)}
 TORCH_DTYPES = {"bfloat16": "bf16", "bf16": "bf16", "float16": "fp16", "fp16": "fp16", "half": "fp16",
