@@ -80,7 +80,7 @@ def refused_keys(message: str) -> list[str]:
     """The config keys a refusal names (one refusal may list several problems, '; '-separated)."""
     keys = []
     for part in message.removeprefix("error: ").split("; "):
-        if part.startswith("did you mean") or part == "remove it":
+        if part.startswith(("did you mean", "input should be")) or part == "remove it":
             continue
         m = (re.match(r"unknown key '([^']+)'", part) or re.match(r"([\w.\[\]]+) is an Axolotl key", part)
              or re.match(r"([\w.]+): ", part))

@@ -286,7 +286,8 @@ PERFORMANCE_KEYS: dict[str, str] = {
     **{k: "an experiment tracker this trainer does not log to; metrics go to output_dir/metrics.jsonl "
           "(wandb_*, use_tensorboard, use_mlflow are supported)" for k in (
         "swanlab_project", "swanlab_run_name", "swanlab_workspace", "swanlab_mode", "swanlab_log_model",
-        "swanlab_description", "swanlab_tags", "use_swanlab", "trackio_project_name", "trackio_run_name",
+        "swanlab_description", "swanlab_tags", "use_swanlab", "swanlab_experiment_name", "swanlab_log_completions",
+        "swanlab_completion_log_interval", "swanlab_completion_max_buffer", "trackio_project_name", "trackio_run_name",
         "trackio_space_id", "use_trackio", "comet_api_key", "comet_project_name", "comet_workspace",
         "use_comet", "use_otel_metrics", "otel_metrics_host", "otel_metrics_port")},
 }

@@ -202,3 +202,40 @@ def test_rslora_and_dora_reach_peft(make_config):
     q = model.base_model.model.model.layers[0].self_attn.q_proj
     assert q.scaling["default"] == pytest.approx(8 / 4 ** 0.5)  # rsLoRA: alpha / sqrt(r)
     assert "default" in q.lora_magnitude_vector  # DoRA's magnitude
+
+
+@pytest.mark.parametrize("gpu, on", [("cpu", False), ("v100", False), ("t4", True), ("a100", True)])
+def test_liger_and_cce_follow_where_triton_runs(make_config, gpu, on):
+    config = make_config(plugins=["axolotl.integrations.liger.LigerPlugin",
+                                  "axolotl.integrations.cut_cross_entropy.CutCrossEntropyPlugin"],
+                         liger_rope=True, liger_rms_norm=True, liger_glu_activation=True, cut_cross_entropy=True,
+                         lora_mlp_kernel=True)
+    result = run_cli("validate", str(config), "--gpu", gpu)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "lora_mlp_kernel: off (Axolotl's own LoRA triton kernels" in out
+    if on:
+        assert "liger_rope, liger_rms_norm, liger_glu_activation: on (liger-kernel's triton kernels)" in out
+        assert "cut_cross_entropy: off (the trainer computes the loss itself" in out
+    else:
+        why = "triton kernels need a GPU; running on CPU" if gpu == "cpu" else "triton's kernels need sm_75+"
+        assert f"liger_rope, liger_rms_norm, liger_glu_activation, cut_cross_entropy: off ({why}" in out
+
+
+def test_the_plan_decides_liger(make_config, tmp_path):
+    import json
+
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"gpu": {"name": "NVIDIA A100", "compute_capability": "8.0", "count": 1},
+                                "precision": "bf16", "attention": "sdpa", "features": {"liger": False}}))
+    result = run_cli("validate", str(make_config(liger_rms_norm=True)), "--plan", str(plan))
+    assert result.returncode == 0, result.stderr
+    assert "liger_rms_norm: off (the plan switches triton kernels off for this GPU" in result.stdout
+
+
+@pytest.mark.slow
+def test_liger_keys_train_on_cpu_with_the_kernels_off(make_config, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main(["train", str(make_config(output_dir=str(out), max_steps=1, liger_rms_norm=True,
+                                          plugins=["axolotl.integrations.liger.LigerPlugin"]))]) == 0
+    assert "note: liger_rms_norm: off (triton kernels need a GPU; running on CPU" in capsys.readouterr().err
