@@ -434,6 +434,9 @@ def _named_choices(cfg: Config, notes: list[str]) -> list[str]:
     from trainer import chat_templates, distributed, kernels, optim
 
     problems = []
+    if cfg.gradient_checkpointing == "offload":
+        notes.append("gradient_checkpointing: offload trains as true (activations are recomputed, not offloaded "
+                     "to CPU memory)")
     if cfg.adapter and cfg.unfrozen_parameters:
         notes.append("unfrozen_parameters: ignored with an adapter (the adapter's weights are what is trained; "
                      "quantized base weights cannot be)")

@@ -132,9 +132,13 @@ def load_trained(cfg: Config, runtime: Runtime, tokenizer, model_dir=None):
         from peft import PeftModel
         from transformers import AutoModelForCausalLM
 
+        from trainer.quantization import bnb_config
+
+        quantization = bnb_config(cfg, DTYPES[runtime.precision])  # evaluate on the base the adapter trained on
+        extra = {"quantization_config": quantization} if quantization is not None else {}
         base = AutoModelForCausalLM.from_pretrained(cfg.base_model, dtype=DTYPES[runtime.precision],
                                                     attn_implementation=runtime.attention,
-                                                    trust_remote_code=cfg.trust_remote_code)
+                                                    trust_remote_code=cfg.trust_remote_code, **extra)
         resize_embeddings(cfg, base, tokenizer)
         return PeftModel.from_pretrained(base, str(model_dir))
     return load_model(cfg, runtime, tokenizer, source=str(model_dir)).to(DTYPES[runtime.precision])

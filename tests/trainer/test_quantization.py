@@ -53,6 +53,21 @@ def test_qlora_trains_4bit_layers_on_cpu_and_resumes_exactly(make_config, tmp_pa
     assert not q_proj.base_layer.weight.requires_grad and q_proj.lora_A["default"].weight.requires_grad
 
 
+def test_evaluate_uses_the_quantized_base_the_adapter_trained_on(make_config, tmp_path, capsys):
+    import json
+
+    from tests.trainer.helpers import read_metrics
+
+    out = tmp_path / "out"
+    config = make_config(output_dir=str(out), max_steps=2, val_set_size=0.25, **QLORA)
+    assert main(["train", str(config)]) == 0
+    last = [r for r in read_metrics(out) if "eval_loss" in r][-1]
+    capsys.readouterr()
+    assert main(["evaluate", str(config), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["eval_loss"] == pytest.approx(last["eval_loss"], rel=1e-5)
+
+
 def test_8bit_lora_trains_int8_layers(make_config, tmp_path):
     import bitsandbytes as bnb
     from transformers import AutoTokenizer
