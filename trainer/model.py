@@ -42,6 +42,10 @@ def load_model(cfg: Config, runtime: Runtime, tokenizer, source: str | None = No
     if quantization is not None:
         from peft import prepare_model_for_kbit_training
 
+        from trainer.quantization import keep_trainable_layout
+
+        keep_trainable_layout(model)  # evaluation mid-training must not break the 4-bit layers' backward
+
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=bool(cfg.gradient_checkpointing),
                                                 gradient_checkpointing_kwargs=checkpointing)
     elif cfg.gradient_checkpointing:

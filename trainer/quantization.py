@@ -76,3 +76,19 @@ def bnb_config(cfg, compute_dtype, sharded: bool = False):
         return BitsAndBytesConfig(**kwargs)
     except (TypeError, ValueError) as err:
         raise ConfigError(f"bnb_config_kwargs: {str(err).splitlines()[0]}") from None
+
+
+def keep_trainable_layout(model) -> int:
+    """bitsandbytes 0.50 on CPUs with AVX512-BF16 repacks a 4-bit weight for fast inference the first time the
+    layer runs in eval mode, and keeps it: later training forwards then go through a kernel with no autograd,
+    so no gradient reaches the layers below (torch warns "an autograd kernel was not registered ... silently
+    incorrect"). An evaluation in the middle of training would break QLoRA from then on; switch the repacking
+    off on the model being trained. Returns the number of layers changed."""
+    import bitsandbytes as bnb
+
+    changed = 0
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit) and getattr(module, "support_avx512bf16_for_cpu", False):
+            module.support_avx512bf16_for_cpu = False
+            changed += 1
+    return changed

@@ -68,6 +68,38 @@ def test_evaluate_uses_the_quantized_base_the_adapter_trained_on(make_config, tm
     assert result["eval_loss"] == pytest.approx(last["eval_loss"], rel=1e-5)
 
 
+def test_an_evaluation_does_not_break_the_4bit_backward(make_config):
+    """bitsandbytes repacks 4-bit weights for CPU inference on the first eval-mode forward (AVX512-BF16 CPUs);
+    the gradients of a training step after an evaluation must equal those before it."""
+    from transformers import AutoTokenizer
+
+    from trainer.config import load_config
+    from trainer.hardware import adapt, gpu_from_name
+    from trainer.model import load_model
+
+    cfg, _ = load_config(make_config(**{**QLORA, "lora_dropout": 0.0}))  # no dropout: the same gradient twice
+    tokenizer = AutoTokenizer.from_pretrained(cfg.base_model)
+    model = load_model(cfg, adapt(cfg, gpu_from_name("cpu")), tokenizer)
+    batch = tokenizer(["the quick brown fox jumps over the lazy dog"], return_tensors="pt")
+
+    def lora_grads():
+        model.zero_grad()
+        model(**batch, labels=batch["input_ids"]).loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+    model.train()
+    before = lora_grads()
+    model.eval()
+    with torch.no_grad():
+        model(**batch)
+    model.train()
+    after = lora_grads()
+    first = next(n for n in before if "layers.0." in n and "lora_B" in n)  # the bottom layer: needs every backward
+    assert before[first].abs().sum() > 0
+    assert all(torch.allclose(before[n], after[n]) for n in before), [n for n in before
+                                                                    if not torch.allclose(before[n], after[n])][:3]
+
+
 def test_8bit_lora_trains_int8_layers(make_config, tmp_path):
     import bitsandbytes as bnb
     from transformers import AutoTokenizer
