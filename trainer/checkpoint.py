@@ -122,6 +122,16 @@ def load(path: Path, model, optimizer, scheduler, scaler, rank: int, world_size:
         from safetensors.torch import load_file
 
         weights = {k: v for f in sorted(path.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+        if hasattr(model, "peft_config"):  # adapter files drop the adapter's name from the parameter names
+            adapter = f".{model.active_adapter}"
+            names = {fqn.replace(adapter, ""): fqn for fqn in model.state_dict() if adapter in fqn}
+            missing = [k for k in weights if k not in names]
+            if missing:
+                raise TrainingError(f"checkpoint {path} does not match the adapter (unexpected {missing[:3]})")
+            weights = {names[k]: v for k, v in weights.items()}
+        unexpected = [k for k in weights if k not in model.state_dict()]
+        if unexpected:
+            raise TrainingError(f"checkpoint {path} does not match the model (unexpected {unexpected[:3]})")
         distributed.load_full_model_state(model, weights)
         distributed.load_full_optimizer_state(model, optimizer, torch.load(path / "optimizer.pt", weights_only=False))
     else:

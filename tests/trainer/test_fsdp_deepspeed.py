@@ -110,3 +110,18 @@ def test_sharded_training_evaluates_checkpoints_resumes_and_matches_ddp(backend,
         assert sorted(after) == [3, 4, 5]
         for step in after:
             assert after[step] == pytest.approx(losses[step], rel=1e-6), (backend, step)
+
+
+def test_qlora_under_fsdp2_resumes_exactly(tmp_path, tiny_llama):
+    """Axolotl's qlora-fsdp examples: 4-bit base, LoRA, FSDP2; the adapter's names in a checkpoint lack the
+    adapter name, so resuming must map them back (or the adapter silently restarts from scratch)."""
+    qlora = {**FSDP2, "adapter": "qlora", "load_in_4bit": True, "lora_r": 4, "lora_target_linear": True}
+    out, result = run_config(tmp_path, tiny_llama, "fsdp-qlora", qlora)
+    assert "sharding: FSDP" in result.stderr and (out / "final" / "adapter_model.safetensors").exists()
+    resumed = tmp_path / "fsdp-qlora-resumed"
+    resumed.mkdir()
+    shutil.copytree(out / "checkpoint-2", resumed / "checkpoint-2")
+    again, _ = run_config(tmp_path, tiny_llama, "fsdp-qlora-resumed", qlora, auto_resume_from_checkpoints=True)
+    full, after = train_losses(out), train_losses(again)
+    assert sorted(after) == [3, 4, 5]
+    assert all(after[s] == pytest.approx(full[s], rel=1e-6) for s in after), (full, after)
