@@ -118,6 +118,11 @@ def load(path: Path, model, optimizer, scheduler, scaler, rank: int, world_size:
                                 "by a DeepSpeed run")
         engine.load_checkpoint(str(path), tag=DEEPSPEED_TAG, load_optimizer_states=True,
                                load_lr_scheduler_states=False, load_module_strict=False)
+        # DeepSpeed's load may leave the optimizer it steps a different object from the one the LR scheduler was
+        # built on: point the scheduler at the one DeepSpeed steps, or the learning rate stops following it
+        inner = getattr(engine.optimizer, "optimizer", None)
+        if inner is not None and inner is not scheduler.optimizer:
+            scheduler.optimizer = inner
     elif distributed.is_sharded(model):
         from safetensors.torch import load_file
 
