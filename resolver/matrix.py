@@ -20,7 +20,7 @@ from typing import NamedTuple
 from packaging.version import InvalidVersion, Version
 
 from matrices import catalog
-from matrices.catalog import cc_tuple, normalize_name
+from matrices.catalog import cc_tuple, normalize_name  # noqa: F401 (re-exported to the resolver)
 
 from .errors import MatrixError
 
@@ -570,8 +570,3 @@ def _check_triton_wheels(r: TorchRelease, m: Matrix, where: str, fail) -> None:
 def _pythons(spec: str) -> list[str]:
     """The 3.x minors a range admits, for the checks above (3.6 .. 3.19)."""
     return [f"3.{n}" for n in range(6, 20) if in_range(f"3.{n}", spec)]
-
-
-def normalize_name(text: str) -> str:
-    """How GPU names and aliases are compared: case, spaces, '-' and '_' do not matter."""
-    return re.sub(r"[\s_\-]+", "", text.strip().lower())

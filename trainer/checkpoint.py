@@ -22,6 +22,7 @@ from trainer.collective import barrier
 from trainer.errors import TrainingError
 
 STATE_FILE = "trainer_state.json"
+DEEPSPEED_TAG = "deepspeed"  # the subdirectory DeepSpeed's own checkpoint (optimizer partitions) goes to
 
 
 def rng_state() -> dict:
@@ -40,7 +41,11 @@ def set_rng_state(state: dict) -> None:
 
 
 def save(output_dir: Path, step: int, model, optimizer, scheduler, scaler, state: dict,
-         rank: int, timeout_s: float, keep: int | None = None) -> Path:
+         rank: int, timeout_s: float, keep: int | None = None, engine=None) -> Path:
+    """engine: the accelerator-prepared model; under DeepSpeed its engine writes each rank's partition of the
+    optimizer (and ZeRO-3 weights) with save_checkpoint; under FSDP2 the full states are gathered first."""
+    from trainer import distributed
+
     final = output_dir / f"checkpoint-{step}"
     tmp = output_dir / f".tmp-checkpoint-{step}"
     if rank == 0:
@@ -49,9 +54,15 @@ def save(output_dir: Path, step: int, model, optimizer, scheduler, scaler, state
     barrier("checkpoint save (start)", rank, timeout_s)
     torch.save(rng_state(), tmp / f"rng_state_{rank}.pt")
     barrier("checkpoint save (RNG states)", rank, timeout_s)
+    deepspeed = engine is not None and distributed.is_deepspeed(engine)
+    model_state = distributed.gathered_model_state(engine, model)  # collectives: every rank
+    optimizer_state = distributed.full_optimizer_state(model, optimizer)
+    if deepspeed:
+        engine.save_checkpoint(str(tmp), tag=DEEPSPEED_TAG)  # every rank writes its own partition
     if rank == 0:
-        model.save_pretrained(tmp)  # a PeftModel saves only its adapter
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        model.save_pretrained(tmp, state_dict=model_state)  # a PeftModel saves only its adapter
+        if not deepspeed:
+            torch.save(optimizer_state if optimizer_state is not None else optimizer.state_dict(), tmp / "optimizer.pt")
         torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
         if scaler is not None:
             torch.save(scaler.state_dict(), tmp / "scaler.pt")
@@ -90,8 +101,10 @@ def _load_weights(model, path: Path) -> None:
         raise TrainingError(f"checkpoint {path} does not match the model (missing {missing[:3]}, unexpected {unexpected[:3]})")
 
 
-def load(path: Path, model, optimizer, scheduler, scaler, rank: int, world_size: int) -> dict:
+def load(path: Path, model, optimizer, scheduler, scaler, rank: int, world_size: int, engine=None) -> dict:
     """Restore everything save() wrote; return the trainer state."""
+    from trainer import distributed
+
     path = Path(path)
     if not (path / STATE_FILE).exists():
         raise TrainingError(f"{path} is not a complete checkpoint (no {STATE_FILE})")
@@ -99,8 +112,36 @@ def load(path: Path, model, optimizer, scheduler, scaler, rank: int, world_size:
     if state["world_size"] != world_size:
         raise TrainingError(f"checkpoint {path} was written by {state['world_size']} processes; resume it with "
                             f"the same number (got {world_size}) so the data order continues exactly")
-    _load_weights(model, path)
-    optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=False))
+    if engine is not None and distributed.is_deepspeed(engine):
+        if not (path / DEEPSPEED_TAG).is_dir():
+            raise TrainingError(f"checkpoint {path} has no DeepSpeed state ({DEEPSPEED_TAG}/); it was not written "
+                                "by a DeepSpeed run")
+        engine.load_checkpoint(str(path), tag=DEEPSPEED_TAG, load_optimizer_states=True,
+                               load_lr_scheduler_states=False, load_module_strict=False)
+        # DeepSpeed's load may leave the optimizer it steps a different object from the one the LR scheduler was
+        # built on: point the scheduler at the one DeepSpeed steps, or the learning rate stops following it
+        inner = getattr(engine.optimizer, "optimizer", None)
+        if inner is not None and inner is not scheduler.optimizer:
+            scheduler.optimizer = inner
+    elif distributed.is_sharded(model):
+        from safetensors.torch import load_file
+
+        weights = {k: v for f in sorted(path.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+        if hasattr(model, "peft_config"):  # adapter files drop the adapter's name from the parameter names
+            adapter = f".{model.active_adapter}"
+            names = {fqn.replace(adapter, ""): fqn for fqn in model.state_dict() if adapter in fqn}
+            missing = [k for k in weights if k not in names]
+            if missing:
+                raise TrainingError(f"checkpoint {path} does not match the adapter (unexpected {missing[:3]})")
+            weights = {names[k]: v for k, v in weights.items()}
+        unexpected = [k for k in weights if k not in model.state_dict()]
+        if unexpected:
+            raise TrainingError(f"checkpoint {path} does not match the model (unexpected {unexpected[:3]})")
+        distributed.load_full_model_state(model, weights)
+        distributed.load_full_optimizer_state(model, optimizer, torch.load(path / "optimizer.pt", weights_only=False))
+    else:
+        _load_weights(model, path)
+        optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=False))
     scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
     if scaler is not None and (path / "scaler.pt").exists():
         scaler.load_state_dict(torch.load(path / "scaler.pt", weights_only=False))

@@ -25,10 +25,28 @@ def _setup(args, gpu: str | None = None):
 
     cfg, notes = load_config(args.config)
     found_gpu, plan = detect(gpu, getattr(args, "plan", None))
-    return cfg, notes, adapt(cfg, found_gpu, plan)
+    runtime = adapt(cfg, found_gpu, plan)
+    runtime.changes += feature_notes(cfg, runtime, plan)
+    return cfg, notes, runtime
+
+
+def feature_notes(cfg, runtime, plan) -> list[str]:
+    """What quantized loading, the optimizer and the kernels become on this GPU (each floor from matrices/).
+    Raises HardwareError where the GPU cannot do what the config asks. Sets runtime.kernels (liger on?)."""
+    from trainer import kernels, optim, quantization
+
+    notes = quantization.hardware_notes(cfg, runtime.gpu) + optim.hardware_notes(cfg.optimizer, runtime.gpu)
+    runtime.kernels, kernel_notes = kernels.plan_notes(cfg, runtime.gpu, plan)
+    from trainer import distributed
+
+    if distributed.enabled(cfg) and runtime.device == "cpu" and distributed.fsdp_settings(cfg)["fsdp_version"] == 1:
+        notes.append(distributed.CPU_FSDP1_NOTE)
+    return notes + kernel_notes
 
 
 def cmd_validate(args) -> int:
+    from trainer import distributed, optim, quantization
+
     cfg, notes, runtime = _setup(args, args.gpu)
     if args.json:
         print(json.dumps({"config": cfg.model_dump(), "runtime": runtime.to_dict(), "notes": notes}, indent=2))
@@ -41,7 +59,12 @@ def cmd_validate(args) -> int:
           f"eval packing {'on' if cfg.packing_for_eval else 'off'}")
     print(f"  batch:      micro_batch_size {cfg.micro_batch_size} x gradient_accumulation_steps "
           f"{cfg.gradient_accumulation_steps} x processes")
-    print(f"  adapter:    {cfg.adapter or 'none (full fine-tune)'}")
+    print(f"  adapter:    {cfg.adapter or 'none (full fine-tune)'}"
+          + {"load_in_4bit": " on 4-bit (NF4) base weights", "load_in_8bit": " on 8-bit (LLM.int8) base weights"}.get(
+              quantization.mode(cfg) or "", ""))
+    print(f"  optimizer:  {cfg.optimizer} ({optim.check(cfg.optimizer)['library']})")
+    if distributed.enabled(cfg) or cfg.deepspeed:
+        print(f"  sharding:   {'deepspeed ' + str(distributed.deepspeed_path(cfg.deepspeed)) if cfg.deepspeed else 'FSDP' + str(distributed.fsdp_settings(cfg)['fsdp_version'])}")
     if cfg.rl:
         reference = ("reference log-probs computed once before training and cached" if cfg.objective in ("dpo", "ipo", "kto")
                      else "reference-free")

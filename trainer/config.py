@@ -12,6 +12,7 @@ A YAML null (``fp16:``) means "unset", as in Axolotl, so it takes the default.
 from __future__ import annotations
 
 import difflib
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -64,6 +65,10 @@ class DatasetConfig(BaseModel):
     # preference types (rl:) -- chat_template.default: the chosen/rejected message (or string) fields
     field_chosen: str = "chosen"
     field_rejected: str = "rejected"
+    drop_system_message: bool = False
+    train_on_eos: Literal["turn", "last", "all", "none"] | None = None  # None: the whole turn tail, as rendered
+    chat_template: str | None = None  # per-dataset override of the top-level chat_template
+    chat_template_jinja: str | None = None
 
     @property
     def role_key(self) -> str:
@@ -81,6 +86,9 @@ class Config(BaseModel):
     base_model: str
     tokenizer_config: str | None = None
     trust_remote_code: bool = False
+    # Axolotl's `model_config:` (overrides of the model's config); renamed on reading, pydantic owns the name
+    model_config_overrides: dict[str, Any] | None = None
+    revision_of_model: str | None = None  # the model repository's branch, tag or commit
     special_tokens: dict[str, str] | None = None
     tokens: list[str] | None = None  # extra tokens added to the vocabulary
 
@@ -91,8 +99,11 @@ class Config(BaseModel):
     dataset_processes: int | None = Field(None, ge=1)  # default min(cpu_count, 8)
     dataset_prepare_timeout: int = Field(1800, ge=1)  # seconds other ranks wait for rank 0's cache
     shuffle_merged_datasets: bool = True
-    chat_template: Literal["tokenizer_default", "chatml", "jinja"] = "tokenizer_default"  # jinja: chat_template_jinja
+    # tokenizer_default | jinja (chat_template_jinja: text or file) | a name in trainer/templates/ |
+    # tokenizer_default_fallback_<name>; checked against the templates by trainer.chat_templates
+    chat_template: str = "tokenizer_default"
     chat_template_jinja: str | None = None
+    eot_tokens: list[str] | None = None  # the tokens that end a turn (train_on_eos decides which are trained)
     sequence_len: int = Field(2048, ge=8)
     excess_length_strategy: Literal["drop", "truncate"] = "drop"
     train_on_inputs: bool = False
@@ -107,22 +118,32 @@ class Config(BaseModel):
     dataloader_num_workers: int = Field(0, ge=0)
 
     # adapter
-    adapter: Literal["lora"] | None = None
+    adapter: Literal["lora", "qlora"] | None = None
+    lora_model_dir: str | None = None  # start from this trained adapter instead of a fresh one
+    load_in_4bit: bool = False  # bitsandbytes NF4/FP4 base weights (QLoRA)
+    load_in_8bit: bool = False  # bitsandbytes LLM.int8() base weights
+    bnb_config_kwargs: dict[str, Any] | None = None  # extra BitsAndBytesConfig arguments, as in Axolotl
     lora_r: int = Field(8, ge=1)
     lora_alpha: int = Field(16, ge=1)
     lora_dropout: float = Field(0.0, ge=0, lt=1)
     lora_target_modules: list[str] | str | None = None
     lora_target_linear: bool = False
+    peft_use_rslora: bool = False  # rank-stabilized LoRA scaling (alpha / sqrt(r)), peft's use_rslora
+    peft_use_dora: bool = False  # weight-decomposed LoRA, peft's use_dora
+    lora_target_parameters: list[str] | None = None  # LoRA on bare parameters (MoE experts), peft's target_parameters
     lora_modules_to_save: list[str] | None = None
+    unfrozen_parameters: list[str] | None = None  # full fine-tune: train only parameters matching these regexes
 
     # optimisation
     num_epochs: int = Field(1, ge=1)
     max_steps: int | None = Field(None, ge=1)
     learning_rate: float = Field(2e-5, gt=0)
-    lr_scheduler: Literal["cosine", "linear", "constant"] = "cosine"
+    lr_scheduler: Literal["cosine", "linear", "constant", "constant_with_warmup"] = "cosine"
+    cosine_min_lr_ratio: float | None = Field(None, ge=0, le=1)  # cosine decays to this fraction of learning_rate
     warmup_ratio: float | None = Field(None, ge=0, lt=1)
     warmup_steps: int | None = Field(None, ge=0)
-    optimizer: Literal["adamw_torch", "adamw_torch_fused", "adamw", "sgd"] = "adamw_torch"
+    optimizer: str = "adamw_torch"  # a name in trainer.optim (checked against matrices/optimizers.toml)
+    optim_args: dict[str, Any] | str | None = None  # extra optimizer arguments, as transformers' optim_args
     weight_decay: float = Field(0.0, ge=0)
     max_grad_norm: float | None = Field(1.0, ge=0)
     adam_beta1: float = 0.9
@@ -139,16 +160,55 @@ class Config(BaseModel):
     sdp_attention: bool | None = None
     xformers_attention: bool | None = None
     eager_attention: bool | None = None
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool | Literal["offload"] = False  # offload: accepted, trains as true (see notes)
     gradient_checkpointing_kwargs: dict[str, Any] | None = None
     deepspeed: str | None = None  # passed through to accelerate's DeepSpeed plugin
+    fsdp: list[str] | str | None = None  # legacy Axolotl/HF list: full_shard, auto_wrap, offload, ...
+    fsdp_config: dict[str, Any] | None = None  # Axolotl's keys, with or without the fsdp_ prefix
+    fsdp_version: Literal[1, 2] | None = None
+    ddp_find_unused_parameters: bool | None = None
+    resize_token_embeddings_to_32x: bool = False
+
+    # kernels and plugins (applied where the plan says triton kernels run, else switched off with a note)
+    plugins: list[str] | None = None
+    liger_rope: bool = False
+    liger_rms_norm: bool = False
+    liger_layer_norm: bool = False
+    liger_glu_activation: bool = False
+    liger_swiglu: bool = False
+    liger_cross_entropy: bool = False
+    liger_fused_linear_cross_entropy: bool = False
+    liger_rms_norm_gated: bool = False
+    cut_cross_entropy: bool = False
+    lora_mlp_kernel: bool = False
+    lora_qkv_kernel: bool = False
+    lora_o_kernel: bool = False
+
+    # loggers (besides output_dir/metrics.jsonl)
+    wandb_project: str | None = None
+    wandb_entity: str | None = None
+    wandb_name: str | None = None
+    wandb_run_id: str | None = None
+    wandb_mode: Literal["online", "offline", "disabled"] | None = None
+    wandb_watch: str | None = None
+    wandb_log_model: str | None = None
+    use_wandb: bool | None = None
+    use_tensorboard: bool = False
+    use_mlflow: bool = False
+    mlflow_tracking_uri: str | None = None
+    mlflow_experiment_name: str | None = None
+    mlflow_run_name: str | None = None
+    loss_watchdog_threshold: float | None = Field(None, gt=0)  # stop when the loss stays above this ...
+    loss_watchdog_patience: int = Field(3, ge=1)  # ... for this many steps in a row
+    hub_model_id: str | None = None  # push the final model or adapter to the hub at the end
+    hub_strategy: str | None = None
     ddp_timeout: int = Field(1800, ge=1)  # seconds a collective may wait before the run stops
 
     # outputs and cadence
     output_dir: str = "./outputs"
     logging_steps: int = Field(1, ge=1)
     eval_steps: int | None = Field(None, ge=1)
-    evals_per_epoch: int | None = Field(None, ge=1)
+    evals_per_epoch: int | None = Field(None, ge=0)  # 0: none, as in Axolotl
     save_steps: int | None = Field(None, ge=1)
     saves_per_epoch: int | None = Field(None, ge=1)
     save_total_limit: int | None = Field(None, ge=1)
@@ -209,17 +269,23 @@ class Config(BaseModel):
             raise ValueError("set warmup_ratio or warmup_steps, not both")
         if self.bf16 is True and self.fp16:
             raise ValueError("bf16 and fp16 are both true; choose one (or bf16: auto)")
-        if self.chat_template == "jinja" and not self.chat_template_jinja:
-            raise ValueError("chat_template: jinja needs chat_template_jinja (the template text)")
         if self.eval_steps and self.evals_per_epoch:
             raise ValueError("set eval_steps or evals_per_epoch, not both")
         if self.save_steps and self.saves_per_epoch:
             raise ValueError("set save_steps or saves_per_epoch, not both")
-        if (self.gradient_checkpointing_kwargs or {}).get("use_reentrant"):
-            raise ValueError(
-                "gradient_checkpointing_kwargs.use_reentrant: true is not supported: reentrant checkpointing "
-                "breaks with DDP and frozen parameters; the trainer always uses use_reentrant=False"
-            )
+        if self.load_in_4bit and self.load_in_8bit:
+            raise ValueError("load_in_4bit and load_in_8bit are both true; choose one")
+        if self.adapter == "qlora" and not self.load_in_4bit:
+            raise ValueError("adapter: qlora needs load_in_4bit: true (QLoRA trains LoRA on 4-bit base weights)")
+        if (self.load_in_4bit or self.load_in_8bit) and not self.adapter:
+            raise ValueError("load_in_4bit/load_in_8bit need an adapter (lora or qlora): quantized weights cannot "
+                             "be trained directly")
+        if self.lora_model_dir and not self.adapter:
+            raise ValueError("lora_model_dir needs adapter: lora or qlora")
+        for pattern in self.unfrozen_parameters or []:
+            if re.search(r"\$\[\d*:\d*\]$", pattern):
+                raise ValueError(f"unfrozen_parameters: range patterns ({pattern}) are not supported; "
+                                 "freeze or train whole parameters")
         flags = [f for f in ("flash_attention", "sdp_attention", "xformers_attention", "eager_attention") if getattr(self, f)]
         if len(flags) > 1 or (flags and self.attn_implementation):
             raise ValueError(f"choose one attention setting, got {', '.join(flags + (['attn_implementation'] if self.attn_implementation else []))}")
@@ -252,48 +318,82 @@ INERT_KEYS: dict[str, str] = {
     "model_type": "AutoModelForCausalLM picks the class from the model's config",
     "tokenizer_type": "AutoTokenizer picks the class from the tokenizer's files",
     "tokenizer_use_fast": "the fast tokenizer is always used",
+    "tokenizer_legacy": "the tokenizer's own files decide",
     "is_llama_derived_model": "model family is read from the model's config",
     "is_mistral_derived_model": "model family is read from the model's config",
     "is_qwen_derived_model": "model family is read from the model's config",
+    "is_falcon_derived_model": "model family is read from the model's config",
     "eval_max_new_tokens": "only used by eval_table_size, which is not supported",
+    "save_safetensors": "checkpoints and the final model are always safetensors",
+    "save_strategy": "checkpoints follow save_steps / saves_per_epoch",
+    "eval_strategy": "evaluation follows eval_steps / evals_per_epoch",
+    "evaluation_strategy": "evaluation follows eval_steps / evals_per_epoch",
+    "low_cpu_mem_usage": "transformers always loads with low CPU memory use",
+    "experimental_skip_move_to_device": "the trainer places the model itself",
+    "hf_use_auth_token": "the hub token comes from HF_TOKEN or `hf auth login`",
+    "flash_attn_cross_entropy": "a flash-attn kernel option; the loss is computed by torch",
+    "flash_attn_rms_norm": "a flash-attn kernel option; the model's own RMSNorm is used",
+    "flash_attn_fuse_qkv": "a flash-attn kernel option",
+    "flash_attn_fuse_mlp": "a flash-attn kernel option",
+}
+
+# Speed/memory switches with no effect on what is trained: accepted with a note saying they are off here.
+PERFORMANCE_KEYS: dict[str, str] = {
+    **{k: "a speed option this trainer does not implement (same training, slower)" for k in (
+        "torch_compile", "torch_compile_backend", "torch_compile_mode", "use_kernels", "use_scattermoe",
+        "use_sonicmoe", "fused_attn_kernel", "experts_implementation", "flash_optimum",
+        "llama4_linearized_experts", "gemma4_hybrid_attn_impl", "use_dsv4_kernels", "use_glm_dsa_kernels", "dsv4_fp4_grouped_mode")},
+    "quantize_moe_experts": "MoE expert weights (3-D parameters, which bitsandbytes' linear-layer quantization "
+                            "skips) stay in the training precision: more memory, no quantization error on them",
+    **{k: "a memory option this trainer does not implement (same training, more memory)" for k in (
+        "activation_offloading", "embeddings_skip_upcast", "lora_on_cpu", "gpu_memory_limit", "max_memory",
+        "device_map")},
+    **{k: "an experiment tracker this trainer does not log to; metrics go to output_dir/metrics.jsonl "
+          "(wandb_*, use_tensorboard, use_mlflow are supported)" for k in (
+        "swanlab_project", "swanlab_run_name", "swanlab_workspace", "swanlab_mode", "swanlab_log_model",
+        "swanlab_description", "swanlab_tags", "use_swanlab", "swanlab_experiment_name", "swanlab_log_completions",
+        "swanlab_completion_log_interval", "swanlab_completion_max_buffer", "trackio_project_name", "trackio_run_name",
+        "trackio_space_id", "use_trackio", "comet_api_key", "comet_project_name", "comet_workspace",
+        "use_comet", "use_otel_metrics", "otel_metrics_host", "otel_metrics_port")},
 }
 
 # Axolotl keys this trainer does not implement. Empty values are accepted (with a note); anything else is an error.
 UNSUPPORTED_KEYS: dict[str, str] = {
-    **{k: "quantized loading (bitsandbytes/GPTQ) is not supported" for k in (
-        "load_in_8bit", "load_in_4bit", "gptq", "bnb_config_kwargs", "lora_on_cpu")},
+    **{k: "GPTQ/AWQ/torchao quantized loading is not supported (use load_in_4bit or load_in_8bit)" for k in (
+        "gptq", "gptq_disable_exllama", "model_quantization_config", "model_quantization_config_kwargs",
+        "qat", "fp8", "fp8_enable_fsdp_float8_all_gather", "llmcompressor")},
     **{k: "this adapter option is not supported" for k in (
-        "lora_model_dir", "lora_fan_in_fan_out", "peft_layers_to_transform", "loraplus_lr_ratio",
-        "loraplus_lr_embedding", "peft_use_dora", "peft_use_rslora", "lora_mlp_kernel", "lora_qkv_kernel",
-        "lora_o_kernel", "unfrozen_parameters")},
+        "lora_fan_in_fan_out", "peft_layers_to_transform", "loraplus_lr_ratio", "loraplus_lr_embedding",
+        "peft")},
     **{k: "only rl: dpo, ipo, orpo, kto and simpo are supported (no GRPO, reward models or TRL pass-through)" for k in (
         "trl", "reward_model", "process_reward_model", "dpo_use_weighting", "dpo_use_liger_kernel",
         "dpo_padding_free", "dpo_loss_weights", "rl_adapter_ref_model", "dpo_norm_loss")},
-    **{k: "FSDP/tensor/context parallelism is not supported; use deepspeed or DDP" for k in (
-        "fsdp", "fsdp_config", "fsdp_version", "tensor_parallel_size", "context_parallel_size",
-        "sequence_parallel_degree")},
-    **{k: "experiment trackers are not supported; metrics go to output_dir/metrics.jsonl" for k in (
-        "wandb_project", "wandb_entity", "wandb_watch", "wandb_name", "wandb_log_model", "wandb_mode",
-        "wandb_run_id", "mlflow_tracking_uri", "mlflow_experiment_name", "use_tensorboard", "comet_api_key",
-        "use_comet", "use_mlflow")},
-    **{k: "pushing to the hub is not supported" for k in (
-        "hub_model_id", "hub_strategy", "push_dataset_to_hub", "hf_use_auth_token")},
+    **{k: "tensor/context/expert parallelism is not supported (use FSDP, DeepSpeed or DDP)" for k in (
+        "tensor_parallel_size", "context_parallel_size", "sequence_parallel_degree", "dp_shard_size",
+        "dp_replicate_size", "expert_parallel_size")},
     **{k: "not supported" for k in (
-        "plugins", "group_by_length", "curriculum_sampling", "early_stopping_patience",
-        "loss_watchdog_threshold", "loss_watchdog_patience", "neftune_noise_alpha", "noisy_embedding_alpha",
-        "s2_attention", "flex_attention", "sage_attention", "torch_compile", "torch_compile_backend",
-        "liger_rope", "liger_rms_norm", "liger_glu_activation", "liger_fused_linear_cross_entropy",
+        "group_by_length", "curriculum_sampling", "early_stopping_patience",
+        "neftune_noise_alpha", "noisy_embedding_alpha", "s2_attention", "flex_attention", "sage_attention",
         "unsloth_lora_mlp", "unsloth_lora_qkv", "unsloth_lora_o", "relora_steps", "lisa_n_layers",
-        "lr_quadratic_warmup", "lr_div_factor", "cosine_min_lr_ratio", "eval_table_size",
+        "lr_quadratic_warmup", "lr_div_factor", "eval_table_size",
         "eval_causal_lm_metrics", "do_causal_lm_eval", "test_datasets", "pretraining_dataset",
         "sample_packing_eff_est", "sample_packing_group_size", "sample_packing_bin_size",
-        "multipack_real_batches", "save_strategy", "eval_strategy", "save_only_model", "save_safetensors",
+        "multipack_real_batches", "save_only_model", "hub_strategy_every_save",
         "chat_template_kwargs", "default_system_message", "dataset_shard_num", "dataset_shard_idx",
-        "skip_prepare_dataset", "dataset_keep_in_memory", "device_map", "max_memory", "gpu_memory_limit",
-        "low_cpu_mem_usage", "base_model_config", "revision_of_model", "resize_token_embeddings_to_32x",
-        "embeddings_skip_upcast", "float16", "bfloat16", "fp8", "xformers_attention_backend", "lr_groups",
-        "optim_args", "optim_target_modules", "sequence_len_overflow_handling", "max_packed_sequence_len")},
+        "skip_prepare_dataset", "dataset_keep_in_memory", "push_dataset_to_hub",
+        "base_model_config", "xformers_attention_backend", "lr_groups",
+        "optim_target_modules", "sequence_len_overflow_handling", "max_packed_sequence_len",
+        "cosine_constant_lr_ratio", "torchdistx_path")},
 }
+
+UNSUPPORTED_KEYS["tokenizer_use_mistral_common"] = (
+    "mistral-common tokenizers render conversations straight to token ids, and chat_template training here "
+    "locates trained turns in the rendered text: use the model's Hugging Face tokenizer (tokenizer_default)")
+
+# Legacy dtype switches: the same as bf16/fp16 (float32: neither).
+LEGACY_DTYPE_KEYS = {"bfloat16": ("bf16", True), "float16": ("fp16", True), "float32": ("bf16", False)}
+TORCH_DTYPES = {"bfloat16": "bf16", "bf16": "bf16", "float16": "fp16", "fp16": "fp16", "half": "fp16",
+                "float32": "fp32", "fp32": "fp32", "float": "fp32"}
 
 
 def _is_empty(value: Any) -> bool:
@@ -303,7 +403,7 @@ def _is_empty(value: Any) -> bool:
 def _check_keys(raw: dict, fields: set[str], where: str, notes: list[str], allow_axolotl: bool) -> tuple[dict, list[str]]:
     """Return the supported keys with non-null values, and the problems found."""
     kept, problems = {}, []
-    known = sorted(fields | (set(INERT_KEYS) | set(UNSUPPORTED_KEYS) if allow_axolotl else set()))
+    known = sorted(fields | (set(INERT_KEYS) | set(PERFORMANCE_KEYS) | set(UNSUPPORTED_KEYS) if allow_axolotl else set()))
     for key, value in raw.items():
         key = str(key)
         if key in fields:
@@ -312,6 +412,9 @@ def _check_keys(raw: dict, fields: set[str], where: str, notes: list[str], allow
         elif allow_axolotl and key in INERT_KEYS:
             if not _is_empty(value):
                 notes.append(f"{where}{key}: ignored ({INERT_KEYS[key]})")
+        elif allow_axolotl and key in PERFORMANCE_KEYS:
+            if not _is_empty(value):
+                notes.append(f"{where}{key}: off ({PERFORMANCE_KEYS[key]})")
         elif allow_axolotl and key in UNSUPPORTED_KEYS:
             if _is_empty(value):
                 notes.append(f"{where}{key}: empty, ignored")
@@ -335,11 +438,34 @@ def _format_validation_error(err: ValidationError) -> str:
     return "; ".join(parts)
 
 
+def _legacy_keys(raw: dict, notes: list[str]) -> dict:
+    """Axolotl's older spellings of the precision: bfloat16/float16/float32: true and torch_dtype."""
+    if "model_config" in raw:
+        raw["model_config_overrides"] = raw.pop("model_config")
+    for key, (target, value) in LEGACY_DTYPE_KEYS.items():
+        if key in raw:
+            given = raw.pop(key)
+            if given and raw.get(target) is None:
+                raw[target] = value
+                notes.append(f"{key}: true is the legacy spelling of {target}: {str(value).lower()}")
+    if "torch_dtype" in raw:
+        given = raw.pop("torch_dtype")
+        precision = TORCH_DTYPES.get(str(given).removeprefix("torch."))
+        if given is not None and precision is None:
+            raise ConfigError(f"torch_dtype: unknown dtype {given!r}; use bfloat16, float16 or float32")
+        if precision and raw.get("bf16") is None and raw.get("fp16") is None:
+            raw["bf16" if precision != "fp16" else "fp16"] = precision == "bf16" or (True if precision == "fp16" else False)
+            notes.append(f"torch_dtype: {given} is read as {precision}")
+    return raw
+
+
 def parse_config(raw: Any) -> tuple[Config, list[str]]:
     """Validate a config mapping. Returns the config and notes about keys that were accepted but do nothing."""
     if not isinstance(raw, dict):
         raise ConfigError("the config must be a YAML mapping of keys to values")
     notes: list[str] = []
+    assert not any("; " in r for r in UNSUPPORTED_KEYS.values())  # refusals are '; '-joined
+    raw = _legacy_keys(dict(raw), notes)
     kept, problems = _check_keys(raw, set(Config.model_fields), "", notes, allow_axolotl=True)
     datasets = kept.get("datasets")
     if isinstance(datasets, list):
@@ -348,6 +474,8 @@ def parse_config(raw: Any) -> tuple[Config, list[str]]:
             if not isinstance(entry, dict):
                 problems.append(f"datasets.{i}: each dataset must be a mapping with at least path and type")
                 continue
+            if entry.get("type") == "chat_template.default":  # Axolotl's full name of the same strategy
+                entry = {**entry, "type": "chat_template"}
             if isinstance(entry.get("type"), dict):
                 problems.append(f"datasets.{i}.type: custom prompt formats are not supported; use alpaca, chat_template, completion or input_output")
                 continue
@@ -359,9 +487,34 @@ def parse_config(raw: Any) -> tuple[Config, list[str]]:
         cfg = Config.model_validate(kept)
     except ValidationError as err:  # report key and value problems together, so one run shows them all
         problems.append(_format_validation_error(err))
+    else:
+        problems += _named_choices(cfg, notes)
     if problems:
         raise ConfigError("; ".join(problems))
     return cfg, notes
+
+
+def _named_choices(cfg: Config, notes: list[str]) -> list[str]:
+    """Choices checked against data tables: optimizer, chat templates, plugins, FSDP settings."""
+    from trainer import chat_templates, distributed, kernels, optim
+
+    problems = []
+    if cfg.gradient_checkpointing == "offload":
+        notes.append("gradient_checkpointing: offload trains as true (activations are recomputed, not offloaded "
+                     "to CPU memory)")
+    if cfg.adapter and cfg.unfrozen_parameters:
+        notes.append("unfrozen_parameters: ignored with an adapter (the adapter's weights are what is trained; "
+                     "quantized base weights cannot be)")
+    checks = [lambda: optim.check(cfg.optimizer), lambda: chat_templates.check(cfg.chat_template, cfg.chat_template_jinja)]
+    checks += [lambda ds=ds: chat_templates.check(ds.chat_template, ds.chat_template_jinja)
+               for ds in cfg.datasets if ds.chat_template]
+    checks += [lambda: notes.extend(kernels.check_plugins(cfg)), lambda: notes.extend(distributed.check(cfg))]
+    for check in checks:
+        try:
+            check()
+        except ConfigError as err:
+            problems.append(str(err))
+    return problems
 
 
 def load_config(path: str | Path) -> tuple[Config, list[str]]:
@@ -392,8 +545,12 @@ def check_local_paths(cfg: Config) -> None:
     for i, ds in enumerate(cfg.datasets):
         if looks_local(ds.path) and not Path(ds.path).expanduser().exists():
             missing.append(f"datasets.{i}.path: file not found: {ds.path}")
+    from trainer.distributed import deepspeed_path
+
     for key in ("base_model", "tokenizer_config", "deepspeed"):
         value = getattr(cfg, key)
+        if key == "deepspeed" and value:
+            value = str(deepspeed_path(value))
         if value and looks_local(value) and not Path(value).expanduser().exists():
             missing.append(f"{key}: not found: {value}")
     if missing:

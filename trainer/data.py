@@ -19,9 +19,9 @@ from pathlib import Path
 
 from trainer.config import Config, DatasetConfig, looks_local
 from trainer.errors import ConfigError, DataError, TrainerError
-from trainer.prompts import CHATML_TEMPLATE, IGNORE, tokenize_row
+from trainer.prompts import IGNORE, tokenize_row
 
-CACHE_FORMAT = 1  # bump when tokenization changes, so old caches are not reused
+CACHE_FORMAT = 2  # bump when tokenization changes, so old caches are not reused
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
@@ -44,10 +44,9 @@ def load_tokenizer(cfg: Config):
         tokenizer.add_tokens(list(cfg.tokens))
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token  # padding is masked out of attention and loss
-    if cfg.chat_template == "chatml":
-        tokenizer.chat_template = CHATML_TEMPLATE
-    elif cfg.chat_template == "jinja":
-        tokenizer.chat_template = cfg.chat_template_jinja
+    from trainer.chat_templates import resolve
+
+    tokenizer.chat_template = resolve(cfg.chat_template, cfg.chat_template_jinja, tokenizer)
     return tokenizer
 
 
@@ -83,7 +82,8 @@ def cache_key(cfg: Config, tokenizer, hub_fingerprints: list[str]) -> str:
         "tokenizer": tokenizer_identity(tokenizer),
         "kind": "kto" if cfg.rl == "kto" else "pairs" if cfg.rl else "sft",  # DPO/ORPO/SimPO share their tokens
         **{k: getattr(cfg, k) for k in ("sequence_len", "excess_length_strategy", "train_on_inputs", "val_set_size",
-                                       "seed", "shuffle_merged_datasets", "chat_template", "chat_template_jinja")},
+                                       "seed", "shuffle_merged_datasets", "chat_template", "chat_template_jinja",
+                                       "eot_tokens")},
     }
     return hashlib.sha256(json.dumps(relevant, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
@@ -125,7 +125,7 @@ def _tokenize(raw, ds: DatasetConfig, cfg: Config, tokenizer):
     limit = cfg.sequence_len
 
     def convert(row):
-        out = tokenize_row(row, ds, tokenizer, cfg.train_on_inputs)
+        out = tokenize_row(row, ds, tokenizer, cfg.train_on_inputs, cfg.eot_tokens)
         n = len(out["input_ids"])
         out["too_long"] = n > limit
         if n > limit and cfg.excess_length_strategy == "truncate":

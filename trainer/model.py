@@ -1,7 +1,9 @@
-"""Load the model for training: attention backend, dtype, LoRA, gradient checkpointing.
+"""Load the model for training: attention backend, dtype, quantization, LoRA, gradient checkpointing.
 
 Full fine-tuning keeps fp32 master weights and trains under autocast (accelerate's mixed precision).
 LoRA loads the frozen base in the training precision and keeps the adapter weights in fp32.
+QLoRA / 8-bit LoRA load the base through bitsandbytes (trainer.quantization), then peft's
+prepare_model_for_kbit_training (norms in fp32, input gradients for checkpointing) before the adapter.
 """
 
 from __future__ import annotations
@@ -18,35 +20,102 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 def load_model(cfg: Config, runtime: Runtime, tokenizer, source: str | None = None):
     from transformers import AutoModelForCausalLM
 
+    from trainer.quantization import bnb_config
+
     source = source or cfg.base_model
     dtype = DTYPES[runtime.precision] if cfg.adapter else torch.float32
+    quantization = bnb_config(cfg, DTYPES[runtime.precision], sharded=bool(cfg.deepspeed or cfg.fsdp or cfg.fsdp_config))
+    extra = dict(cfg.model_config_overrides or {})  # Axolotl's model_config: overrides of the model's config
+    if quantization is not None:
+        extra["quantization_config"] = quantization
+    if cfg.revision_of_model:
+        extra["revision"] = cfg.revision_of_model
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            source, dtype=dtype, attn_implementation=runtime.attention, trust_remote_code=cfg.trust_remote_code)
+            source, dtype=dtype, attn_implementation=runtime.attention, trust_remote_code=cfg.trust_remote_code,
+            **extra)
     except OSError as err:
         raise ConfigError(f"cannot load the model from {source}: {str(err).splitlines()[0]}") from None
-    if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:
-        model.resize_token_embeddings(len(tokenizer))
+    resize_embeddings(cfg, model, tokenizer)
     model.config.use_cache = False  # no KV cache in training; the collator's mask keeps packed rows apart
-    if cfg.gradient_checkpointing:
-        no_reentrant = {"use_reentrant": False}  # reentrant checkpointing breaks with DDP and frozen weights
+    checkpointing = {"use_reentrant": reentrant(cfg)}
+    if quantization is not None:
+        from peft import prepare_model_for_kbit_training
+
+        from trainer.quantization import keep_trainable_layout
+
+        keep_trainable_layout(model)  # evaluation mid-training must not break the 4-bit layers' backward
+
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=bool(cfg.gradient_checkpointing),
+                                                gradient_checkpointing_kwargs=checkpointing)
+    elif cfg.gradient_checkpointing:
         if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x renamed it
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs=no_reentrant)
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=checkpointing)
         else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=no_reentrant)
-    if cfg.adapter == "lora":
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing)
+        if checkpointing["use_reentrant"] and cfg.adapter:
+            model.enable_input_require_grads()  # reentrant checkpointing needs an input that requires grad
+    if cfg.adapter:
         model = add_lora(cfg, model)
+    elif cfg.unfrozen_parameters:
+        freeze_except(model, cfg.unfrozen_parameters)
     return model
 
 
-def add_lora(cfg: Config, model):
-    from peft import LoraConfig, get_peft_model
+def freeze_except(model, patterns: list[str]) -> None:
+    """Axolotl's unfrozen_parameters: train only the parameters whose names match one of the regexes."""
+    import re
 
+    compiled = [re.compile(p) for p in patterns]
+    trained = 0
+    for name, param in model.named_parameters():
+        param.requires_grad = any(p.search(name) for p in compiled)
+        trained += param.requires_grad
+    if not trained:
+        raise ConfigError(f"unfrozen_parameters: no parameter name matches {patterns}; names look like "
+                          f"{next(iter(dict(model.named_parameters())))}")
+
+
+def reentrant(cfg: Config) -> bool:
+    """gradient_checkpointing_kwargs.use_reentrant, honoured as given (default False: non-reentrant works
+    with DDP and frozen weights without extra hooks)."""
+    return bool((cfg.gradient_checkpointing_kwargs or {}).get("use_reentrant", False))
+
+
+def resize_embeddings(cfg: Config, model, tokenizer) -> None:
+    """Grow the embeddings for added tokens; resize_token_embeddings_to_32x rounds the size up to a multiple of 32."""
+    rows = model.get_input_embeddings().weight.shape[0]
+    needed = max(len(tokenizer), rows)
+    if cfg.resize_token_embeddings_to_32x:
+        multiple = -(-needed // 32) * 32
+        if multiple != rows:
+            model.resize_token_embeddings(needed, pad_to_multiple_of=32)
+    elif len(tokenizer) > rows:
+        model.resize_token_embeddings(len(tokenizer))
+
+
+def add_lora(cfg: Config, model):
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    if cfg.lora_model_dir:  # continue from a trained adapter (its own r, alpha and targets)
+        try:
+            model = PeftModel.from_pretrained(model, cfg.lora_model_dir, is_trainable=True)
+        except (OSError, ValueError) as err:
+            raise ConfigError(f"lora_model_dir: cannot load an adapter from {cfg.lora_model_dir}: "
+                              f"{str(err).splitlines()[0]}") from None
+        for p in model.parameters():
+            if p.requires_grad:
+                p.data = p.data.float()
+        return model
     targets = cfg.lora_target_modules
     if cfg.lora_target_linear or targets is None:
         targets = "all-linear"
+    if cfg.lora_target_parameters and cfg.lora_target_modules is None and not cfg.lora_target_linear:
+        targets = []  # only the named parameters
     lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                      target_modules=targets, modules_to_save=cfg.lora_modules_to_save, task_type="CAUSAL_LM")
+                      target_modules=targets, target_parameters=cfg.lora_target_parameters,
+                      use_rslora=cfg.peft_use_rslora, use_dora=cfg.peft_use_dora,
+                      modules_to_save=cfg.lora_modules_to_save, task_type="CAUSAL_LM")
     try:
         model = get_peft_model(model, lora, autocast_adapter_dtype=True)
     except ValueError as err:
@@ -67,10 +136,13 @@ def load_trained(cfg: Config, runtime: Runtime, tokenizer, model_dir=None):
         from peft import PeftModel
         from transformers import AutoModelForCausalLM
 
+        from trainer.quantization import bnb_config
+
+        quantization = bnb_config(cfg, DTYPES[runtime.precision])  # evaluate on the base the adapter trained on
+        extra = {"quantization_config": quantization} if quantization is not None else {}
         base = AutoModelForCausalLM.from_pretrained(cfg.base_model, dtype=DTYPES[runtime.precision],
                                                     attn_implementation=runtime.attention,
-                                                    trust_remote_code=cfg.trust_remote_code)
-        if len(tokenizer) > base.get_input_embeddings().weight.shape[0]:
-            base.resize_token_embeddings(len(tokenizer))
+                                                    trust_remote_code=cfg.trust_remote_code, **extra)
+        resize_embeddings(cfg, base, tokenizer)
         return PeftModel.from_pretrained(base, str(model_dir))
     return load_model(cfg, runtime, tokenizer, source=str(model_dir)).to(DTYPES[runtime.precision])

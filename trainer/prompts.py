@@ -7,8 +7,11 @@ unless train_on_inputs.
 - alpaca:       {instruction, input?, output}; trains on the output and EOS.
 - completion:   {text}; trains on all of it and EOS.
 - input_output: {segments: [{text, label}]}; trains on segments with label: true. No special tokens added.
-- chat_template:{messages: [{role, content}]} rendered by the tokenizer's chat template; trains on the
-                turns of roles_to_train (default: assistant), without the turn header.
+- chat_template:{messages: [{role, content}]} rendered by the chat template (the tokenizer's, or one named
+                in chat_template, see trainer.chat_templates); trains on the turns of roles_to_train
+                (default: assistant), without the turn header; train_on_eos / eot_tokens pick the
+                end-of-turn tokens trained (turn: each trained turn's, all: every turn's, last: the
+                conversation's last, none: no EOT).
 """
 
 from __future__ import annotations
@@ -80,27 +83,59 @@ def _messages(row: dict, ds: DatasetConfig) -> list[dict]:
     return messages
 
 
-def render_chat(row: dict, ds: DatasetConfig, tokenizer) -> tuple[str, Spans, bool]:
-    if not tokenizer.chat_template:
-        raise DataError("the tokenizer has no chat template; set chat_template: chatml, or jinja with chat_template_jinja")
+def render_chat(row: dict, ds: DatasetConfig, tokenizer, eot_tokens: list[str] | None = None) -> tuple[str, Spans, bool]:
+    template = tokenizer.chat_template
+    if ds.chat_template:  # this dataset's own template
+        from trainer.chat_templates import resolve
+
+        template = resolve(ds.chat_template, ds.chat_template_jinja, tokenizer)
+    if not template:
+        raise DataError("the tokenizer has no chat template; set chat_template: chatml (or another name), or jinja "
+                        "with chat_template_jinja")
     messages = _messages(row, ds)
+    if ds.drop_system_message:
+        messages = [m for m in messages if m["role"] != "system"]
 
     def render(msgs, header=False):
-        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=header) if msgs else ""
+        if not msgs:
+            return ""
+        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=header, chat_template=template)
 
     text = render(messages)
+    # train_on_eos (Axolotl's): which end-of-turn tokens are trained. Unset and no eot_tokens: the whole
+    # rendered tail of each trained turn (its EOT and any separator after it) is trained.
+    policy = ds.train_on_eos or ("turn" if eot_tokens else None)
+    eots = [t for t in (eot_tokens or [tokenizer.eos_token]) if t]
     spans = []
+    last = len(messages) - 1
     for i, message in enumerate(messages):
-        if message["role"] not in ds.roles_to_train:
+        trained = message["role"] in ds.roles_to_train
+        if not trained and policy != "all":
             continue
+        prefix = render(messages[:i])
         end = len(render(messages[: i + 1]))
         start = render(messages[:i], header=True) if i else ""
         if not text.startswith(start):  # template's generation header differs from its turn header
-            start = render(messages[:i])
+            start = prefix
         if not text.startswith(render(messages[: i + 1])) or not text.startswith(start):
             raise DataError(f"dataset {ds.path}: the chat template does not render conversations turn by turn, "
                             "so trained turns cannot be located")
-        spans.append((len(start), end))
+        begin = len(start) if trained else len(prefix)
+        if trained and (message["role"] != "assistant" or start == prefix):
+            # the generation header is the assistant's; other turns start where their content does
+            content = message["content"].strip() if isinstance(message["content"], str) else ""
+            found_at = text.find(content, len(prefix), end) if content else -1
+            begin = found_at if found_at >= 0 else begin
+        if policy is None:
+            spans.append((begin, end))
+            continue
+        found = [(text.find(t, begin, end), t) for t in eots]
+        found = [(pos, t) for pos, t in found if pos >= 0]
+        eot_at, eot = min(found) if found else (end, "")
+        if trained:
+            spans.append((begin, eot_at))
+        if eot and (policy in ("turn", "all") and (trained or policy == "all") or (policy == "last" and i == last)):
+            spans.append((eot_at, eot_at + len(eot)))
     return text, spans, False
 
 
@@ -112,8 +147,12 @@ RENDERERS = {
 }
 
 
-def tokenize_row(row: dict, ds: DatasetConfig, tokenizer, train_on_inputs: bool) -> dict:
-    text, spans, add_special = RENDERERS[ds.type](row, ds, tokenizer)
+def tokenize_row(row: dict, ds: DatasetConfig, tokenizer, train_on_inputs: bool,
+                 eot_tokens: list[str] | None = None) -> dict:
+    if ds.type == "chat_template":
+        text, spans, add_special = render_chat(row, ds, tokenizer, eot_tokens)
+    else:
+        text, spans, add_special = RENDERERS[ds.type](row, ds, tokenizer)
     enc = tokenizer(text, add_special_tokens=add_special, return_offsets_mapping=True)
     ids = enc["input_ids"]
     if train_on_inputs:

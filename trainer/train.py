@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 import shutil
 import time
 from contextlib import nullcontext
@@ -47,27 +48,56 @@ def make_accelerator(cfg: Config, runtime: Runtime):
     if cfg.deepspeed:  # passed through to accelerate; DeepSpeed then owns accumulation, clipping and stepping
         if importlib.util.find_spec("deepspeed") is None:
             raise ConfigError("deepspeed: the deepspeed package is not installed in this environment")
-        deepspeed = DeepSpeedPlugin(hf_ds_config=cfg.deepspeed, gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+        from trainer.distributed import deepspeed_path
+
+        deepspeed = DeepSpeedPlugin(hf_ds_config=str(deepspeed_path(cfg.deepspeed)), gradient_accumulation_steps=cfg.gradient_accumulation_steps,
                                     gradient_clipping=cfg.max_grad_norm or 0.0)
         deepspeed.deepspeed_config["train_micro_batch_size_per_gpu"] = cfg.micro_batch_size
+        world = int(os.environ.get("WORLD_SIZE", "1"))  # "auto" in Axolotl's files; DeepSpeed checks the product
+        deepspeed.deepspeed_config["train_batch_size"] = cfg.micro_batch_size * cfg.gradient_accumulation_steps * world
     # gradient_accumulation_steps stays 1: the loop accumulates itself, normalising by the step's token count
-    return Accelerator(
+    fsdp = fsdp_plugin(cfg, runtime)
+    if deepspeed is not None and runtime.device == "cpu":
+        # DeepSpeed's CPU accelerator over gloo: accelerate skips DeepSpeed when told cpu=True, and with no GPU
+        # and no backend named it would count one process; name gloo and the DeepSpeed launch path
+        from accelerate.state import PartialState
+
+        os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
+        PartialState(cpu=False, backend="gloo", timeout=timedelta(seconds=cfg.ddp_timeout))
+    accelerator = Accelerator(
         mixed_precision=MIXED_PRECISION[runtime.precision],
-        cpu=runtime.device == "cpu",
+        # accelerate ignores DeepSpeed when told cpu=True; without a GPU it still runs on the CPU (over gloo)
+        cpu=runtime.device == "cpu" and deepspeed is None,
         deepspeed_plugin=deepspeed,
-        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.ddp_timeout))],
+        fsdp_plugin=fsdp,
+        kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.ddp_timeout))] + ddp_kwargs(cfg),
     )
+    if fsdp is not None and runtime.device == "cpu":
+        from trainer.distributed import use_fsdp_on_cpu
+
+        use_fsdp_on_cpu(accelerator, fsdp)
+    return accelerator
+
+
+def ddp_kwargs(cfg: Config) -> list:
+    """ddp_find_unused_parameters, as in Axolotl/HF (only where set: DDP's default is False)."""
+    from accelerate.utils import DistributedDataParallelKwargs
+
+    if cfg.ddp_find_unused_parameters is None:
+        return []
+    return [DistributedDataParallelKwargs(find_unused_parameters=cfg.ddp_find_unused_parameters)]
+
+
+def fsdp_plugin(cfg: Config, runtime: Runtime):
+    from trainer import distributed
+
+    return distributed.fsdp_plugin(cfg, runtime) if distributed.enabled(cfg) else None
 
 
 def make_optimizer(cfg: Config, model) -> torch.optim.Optimizer:
-    params = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in params if p.ndim >= 2]  # no weight decay on norms and biases
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay},
-              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
-    if cfg.optimizer == "sgd":
-        return torch.optim.SGD(groups, lr=cfg.learning_rate)
-    return torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                             eps=cfg.adam_epsilon, fused=cfg.optimizer == "adamw_torch_fused" or None)
+    from trainer.optim import make_optimizer as build  # the optimizer named in the config, by its library
+
+    return build(cfg, model)
 
 
 def cadence(every: int | None, per_epoch: int | None, steps_per_epoch: int) -> int | None:
@@ -108,13 +138,21 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     say(f"training on {world} process(es), {runtime.gpu.describe()}, attention {runtime.attention}, "
         f"precision {runtime.precision}")
+    if cfg.deepspeed or cfg.fsdp or cfg.fsdp_config or cfg.fsdp_version:
+        say(f"sharding: {accelerator.distributed_type.value}")
 
     # 2. tokenizer and data
+    from trainer import hub, kernels, loggers
+
+    loggers.check(cfg)  # trackers installed, hub reachable: fail now, not after training
+    if main:
+        hub.check(cfg)
     tokenizer = load_tokenizer(cfg)
     data = prepare(cfg, tokenizer, rank, log=say)
 
     # 3. model
     model = load_model(cfg, runtime, tokenizer)
+    kernels.apply(cfg, model, getattr(runtime, "kernels", False), say)  # liger, where the plan says triton runs
 
     # 4. the objective (how batches are built and the loss computed), sampler and collator
     pad_multiple = 8 if runtime.device == "cuda" else 1
@@ -138,7 +176,11 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
     optimizer = make_optimizer(cfg, model)
     warmup = cfg.warmup_steps if cfg.warmup_steps is not None else math.ceil((cfg.warmup_ratio or 0) * total_steps)
     schedule = "constant_with_warmup" if cfg.lr_scheduler == "constant" else cfg.lr_scheduler
-    scheduler = get_scheduler(schedule, optimizer, num_warmup_steps=warmup, num_training_steps=total_steps)
+    extra = {}
+    if cfg.cosine_min_lr_ratio is not None and schedule == "cosine":  # Axolotl's floor for the cosine decay
+        schedule, extra = "cosine_with_min_lr", {"min_lr_rate": cfg.cosine_min_lr_ratio}
+    scheduler = get_scheduler(schedule, optimizer, num_warmup_steps=warmup, num_training_steps=total_steps,
+                              scheduler_specific_kwargs=extra)
     model, optimizer = accelerator.prepare(model, optimizer)  # the scheduler is stepped by us, once per step
     unwrapped = accelerator.unwrap_model(model)
 
@@ -166,7 +208,8 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
     if resume:
         if not Path(resume).is_dir():
             raise ConfigError(f"resume_from_checkpoint: not found: {resume}")
-        state = checkpoint.load(Path(resume), unwrapped, optimizer, scheduler, accelerator.scaler, rank, world)
+        state = checkpoint.load(Path(resume), unwrapped, optimizer, scheduler, accelerator.scaler, rank, world,
+                                engine=model)
         step, epoch = state["step"], state["sampler"]["epoch"]
         sampler.load_state_dict(state["sampler"])
         say(f"resumed from {resume} at step {step}")
@@ -177,7 +220,8 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
     loss_scale = world * (ga if cfg.deepspeed else 1)
     evaluation = Evaluation(cfg, objective, unwrapped, data.validation, reference.get("validation"), rank, world,
                             device, say)
-    metrics = MetricsLog(output_dir / "metrics.jsonl", main, fresh=step == 0)
+    metrics = loggers.Trackers(MetricsLog(output_dir / "metrics.jsonl", main, fresh=step == 0), cfg, output_dir, main,
+                               resumed=step > 0, log=say)
     progress = tqdm(total=total_steps, initial=step, disable=not main, desc="training", unit="step")
     model.train()
     try:  # close the progress bar on errors too, so the error is a line of its own
@@ -212,6 +256,7 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
                 grad_norm = None
                 if cfg.max_grad_norm:
                     norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+                    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: a DTensor
                     grad_norm = None if norm is None else float(norm)  # None under DeepSpeed, which clips itself
                 lr = scheduler.get_last_lr()[0]
                 optimizer.step()
@@ -232,27 +277,35 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
                 if save_every and step % save_every == 0:
                     state = {"step": step, "world_size": world, "sampler": sampler.state_dict(consumed)}
                     path = checkpoint.save(output_dir, step, unwrapped, optimizer, scheduler, accelerator.scaler,
-                                           state, rank, timeout, keep=cfg.save_total_limit)
+                                           state, rank, timeout, keep=cfg.save_total_limit, engine=model)
                     say(f"saved {path}")
                 if step >= total_steps:
                     break
             else:
                 epoch += 1
+    except BaseException:
+        metrics.close()  # finish the trackers' runs on errors too
+        raise
     finally:
         progress.close()
     if data.validation is not None:
         metrics.write({"step": step, **evaluation.run(step)})
+    metrics.close()
 
     # 8. the final model (or adapter) and tokenizer, in HF format
     final = output_dir / "final"
+    from trainer.distributed import gathered_model_state
+
+    full_state = gathered_model_state(model, unwrapped)  # FSDP/ZeRO-3: every rank takes part
     if main:
         tmp = output_dir / ".tmp-final"
         shutil.rmtree(tmp, ignore_errors=True)
-        unwrapped.save_pretrained(tmp)
+        unwrapped.save_pretrained(tmp, state_dict=full_state)
         tokenizer.save_pretrained(tmp)
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
         say(f"saved the final {'adapter' if cfg.adapter else 'model'} to {final}")
+        hub.push(cfg, unwrapped, tokenizer, say)
     barrier("final save", rank, timeout)
     accelerator.end_training()
     return final
@@ -262,14 +315,18 @@ class Evaluation:
     """The validation split, scored by the objective (each rank its share; fixed-size all-reduces only)."""
 
     def __init__(self, cfg, objective, model, validation, reference, rank, world, device, say):
+        from trainer import distributed
+
         self.cfg, self.objective, self.model, self.validation, self.reference = cfg, objective, model, validation, reference
         self.rank, self.world, self.device, self.say = rank, world, device, say
+        # FSDP and ZeRO-3 gather weights in every forward (other ZeRO stages pay one extra collective here)
+        self.sharded = distributed.is_sharded(model) or bool(cfg.deepspeed)
 
     def run(self, step: int) -> dict:
         cfg = self.cfg
         kwargs = {"reference": self.reference} if self.objective.needs_reference else {}
         result = self.objective.evaluate(self.model, self.validation, cfg.eval_batch_size or cfg.micro_batch_size,
                                          objectives.capacity(cfg, cfg.packing_for_eval), self.device, self.rank,
-                                         self.world, cfg.ddp_timeout, **kwargs)
+                                         self.world, cfg.ddp_timeout, sharded=self.sharded, **kwargs)
         self.say(f"step {step}: {self.objective.describe_eval(result)}")
         return result

@@ -207,12 +207,15 @@ def test_resume_from_a_checkpoint_at_the_end_of_an_epoch(make_config, tmp_path):
     assert [b[s] for s in sorted(b)] == [a[s] for s in sorted(b)] and len(b) == 2
 
 
-def test_deepspeed_key_is_passed_through_or_refused_clearly(make_config, tmp_path, capsys):
+def test_deepspeed_key_is_passed_through_or_refused_clearly(make_config, tmp_path, capsys, monkeypatch):
     ds = tmp_path / "ds.json"
     ds.write_text('{"zero_optimization": {"stage": 2}}')
+    real = train_mod.importlib.util.find_spec
+    monkeypatch.setattr(train_mod.importlib.util, "find_spec", lambda n, *a: None if n == "deepspeed" else real(n, *a))
     code = train(make_config(deepspeed=str(ds)))
+    monkeypatch.undo()
     err = capsys.readouterr().err
-    assert code == 2 and "deepspeed: the deepspeed package is not installed" in err  # not installed here
+    assert code == 2 and "deepspeed: the deepspeed package is not installed" in err
     assert train(make_config("missing.yml", deepspeed=str(tmp_path / "nope.json"))) == 2
     assert "deepspeed: not found" in capsys.readouterr().err
 

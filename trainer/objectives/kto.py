@@ -104,8 +104,10 @@ class KTO(Objective):
     def reference(self, model, batch):
         return torch.stack([sequence_logps(model, batch), sequence_logps(model, self.kl_batch(batch))], dim=1)
 
-    def evaluate(self, model, dataset, batch_size, capacity, device, rank, world, timeout_s, reference=None) -> dict:
-        return evaluate_objective(self, model, dataset, reference, batch_size, capacity, device, rank, world, timeout_s)
+    def evaluate(self, model, dataset, batch_size, capacity, device, rank, world, timeout_s, reference=None,
+                 sharded=False) -> dict:
+        return evaluate_objective(self, model, dataset, reference, batch_size, capacity, device, rank, world, timeout_s,
+                                  sharded)
 
     def describe_eval(self, result: dict) -> str:
         return f"eval_loss {result['eval_loss']:.4f}, eval_kl {result['eval_kl']:.4f}"

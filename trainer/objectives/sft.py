@@ -36,8 +36,9 @@ class SFT(Objective):
         return {"loss": sums["loss_sum"] / max(totals["target_tokens"], 1), "tokens": int(sums["tokens"]),
                 "target_tokens": int(totals["target_tokens"])}
 
-    def evaluate(self, model, dataset, batch_size, capacity, device, rank, world, timeout_s) -> dict:
-        return evaluate(model, dataset, self.collator, batch_size, capacity, device, rank, world, timeout_s)
+    def evaluate(self, model, dataset, batch_size, capacity, device, rank, world, timeout_s, sharded=False) -> dict:
+        return evaluate(model, dataset, self.collator, batch_size, capacity, device, rank, world, timeout_s,
+                        sharded=sharded)
 
     def describe_eval(self, result: dict) -> str:
         return f"eval_loss {result['eval_loss']:.4f} over {result['eval_tokens']} tokens"
