@@ -96,6 +96,7 @@ class Config(BaseModel):
     datasets: list[DatasetConfig] = Field(min_length=1)
     val_set_size: float = Field(0.0, ge=0)  # < 1: fraction, >= 1: number of rows
     dataset_prepared_path: str = "last_run_prepared"
+    dataset_exact_deduplication: bool = False  # drop rows identical after tokenising (train and validation)
     dataset_processes: int | None = Field(None, ge=1)  # default min(cpu_count, 8)
     dataset_prepare_timeout: int = Field(1800, ge=1)  # seconds other ranks wait for rank 0's cache
     shuffle_merged_datasets: bool = True

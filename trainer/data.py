@@ -83,7 +83,7 @@ def cache_key(cfg: Config, tokenizer, hub_fingerprints: list[str]) -> str:
         "kind": "kto" if cfg.rl == "kto" else "pairs" if cfg.rl else "sft",  # DPO/ORPO/SimPO share their tokens
         **{k: getattr(cfg, k) for k in ("sequence_len", "excess_length_strategy", "train_on_inputs", "val_set_size",
                                        "seed", "shuffle_merged_datasets", "chat_template", "chat_template_jinja",
-                                       "eot_tokens")},
+                                       "eot_tokens", "dataset_exact_deduplication")},
     }
     return hashlib.sha256(json.dumps(relevant, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
@@ -146,15 +146,32 @@ def build(cfg: Config, tokenizer) -> tuple[object, object | None, dict]:
 
         return build_preference(cfg, tokenizer, load_raw, lambda rows: workers_for(cfg, rows))
     parts = [_tokenize(load_raw(ds), ds, cfg, tokenizer) for ds in cfg.datasets]
-    data = datasets.concatenate_datasets(parts)
+    data, validation, stats = filter_and_split(cfg, datasets.concatenate_datasets(parts))
+    stats.update(train_rows=len(data), train_tokens=int(sum(data["length"])),
+                 validation_rows=len(validation) if validation is not None else 0)
+    return data, validation, stats
+
+
+def filter_and_split(cfg: Config, data) -> tuple[object, object | None, dict]:
+    """What SFT and preference data share after tokenising: drop or count over-long rows and rows with
+    nothing to train on, drop exact duplicates (dataset_exact_deduplication), shuffle, split off validation."""
     too_long = sum(data["too_long"])
-    stats = {"rows": len(data), "too_long": too_long, "excess_length_strategy": cfg.excess_length_strategy}
+    drop = cfg.excess_length_strategy == "drop"
+    stats = {"rows": len(data), "too_long": too_long, "excess_length_strategy": cfg.excess_length_strategy,
+             "dropped_too_long": too_long if drop else 0, "truncated": 0 if drop else too_long}
     keep = [i for i, (long, targets) in enumerate(zip(data["too_long"], data["targets"]))
-            if targets > 0 and not (long and cfg.excess_length_strategy == "drop")]
-    stats["dropped_too_long"] = too_long if cfg.excess_length_strategy == "drop" else 0
-    stats["truncated"] = too_long if cfg.excess_length_strategy == "truncate" else 0
+            if targets > 0 and not (long and drop)]
     stats["dropped_no_targets"] = len(data) - len(keep) - stats["dropped_too_long"]
     data = data.select(keep).remove_columns(["too_long"])
+    if cfg.dataset_exact_deduplication:
+        seen, unique = set(), []
+        for i, row in enumerate(data):
+            key = hashlib.sha256(json.dumps(row, sort_keys=True, default=str).encode()).digest()
+            if key not in seen:
+                seen.add(key)
+                unique.append(i)
+        stats["dropped_duplicates"] = len(data) - len(unique)
+        data = data.select(unique)
     if len(data) == 0:
         raise DataError(f"no rows left to train on after filtering ({json.dumps(stats)}); raise sequence_len "
                         "or use excess_length_strategy: truncate")
@@ -167,8 +184,6 @@ def build(cfg: Config, tokenizer) -> tuple[object, object | None, dict]:
             raise ConfigError(f"val_set_size {size} leaves no training rows (dataset has {len(data)})")
         split = data.train_test_split(test_size=size, seed=cfg.seed, shuffle=True)
         data, validation = split["train"], split["test"]
-    stats.update(train_rows=len(data), train_tokens=int(sum(data["length"])),
-                 validation_rows=len(validation) if validation is not None else 0)
     return data, validation, stats
 
 

@@ -74,27 +74,9 @@ def build_preference(cfg: Config, tokenizer, load_raw, workers_for) -> tuple[obj
     for ds in cfg.datasets:
         raw = load_raw(ds)
         parts.append(_tokenize(raw, ds, cfg, tokenizer, workers_for(len(raw))))
-    data = datasets.concatenate_datasets(parts)
-    too_long = sum(data["too_long"])
-    drop = cfg.excess_length_strategy == "drop"
-    stats = {"rows": len(data), "too_long": too_long, "excess_length_strategy": cfg.excess_length_strategy,
-             "dropped_too_long": too_long if drop else 0, "truncated": 0 if drop else too_long}
-    keep = [i for i, (long, targets) in enumerate(zip(data["too_long"], data["targets"]))
-            if targets > 0 and not (long and drop)]
-    stats["dropped_no_targets"] = len(data) - len(keep) - stats["dropped_too_long"]
-    data = data.select(keep).remove_columns(["too_long"])
-    if len(data) == 0:
-        raise DataError(f"no rows left to train on after filtering ({json.dumps(stats)}); raise sequence_len "
-                        "or use excess_length_strategy: truncate")
-    if cfg.shuffle_merged_datasets:
-        data = data.shuffle(seed=cfg.seed)
-    validation = None
-    if cfg.val_set_size:
-        size = cfg.val_set_size if cfg.val_set_size < 1 else int(cfg.val_set_size)
-        if isinstance(size, int) and size >= len(data):
-            raise ConfigError(f"val_set_size {size} leaves no training rows (dataset has {len(data)})")
-        split = data.train_test_split(test_size=size, seed=cfg.seed, shuffle=True)
-        data, validation = split["train"], split["test"]
+    from trainer.data import filter_and_split
+
+    data, validation, stats = filter_and_split(cfg, datasets.concatenate_datasets(parts))
     if cfg.rl == "kto":
         data = add_kl_pairs(data, cfg.sequence_len)
         validation = add_kl_pairs(validation, cfg.sequence_len) if validation is not None else None

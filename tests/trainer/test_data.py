@@ -167,3 +167,16 @@ def test_preprocess_cli_reports_and_bad_rows_exit_2(make_config, tmp_path):
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1].startswith("error: dataset ")
     assert "has no 'instruction' field" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_exact_duplicates_are_dropped_when_asked_and_counted(make_config, tmp_path):
+    rows = alpaca_rows(12)
+    path = write_jsonl(tmp_path / "dupes.jsonl", rows + rows[:5])  # 5 rows twice
+    config = make_config(datasets=[{"path": str(path), "type": "alpaca"}])
+    cfg, _ = load_config(config)
+    tok = load_tokenizer(cfg)
+    assert prepare(cfg, tok).stats["train_rows"] == 17
+    cfg.dataset_exact_deduplication = True
+    deduped = prepare(cfg, tok)
+    assert deduped.stats["dropped_duplicates"] == 5 and deduped.stats["train_rows"] == 12
+    assert len({tuple(ids) for ids in deduped.train["input_ids"]}) == 12
