@@ -44,3 +44,20 @@ def read_metrics(output_dir: Path) -> list[dict]:
 
 def train_losses(output_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_metrics(output_dir) if "loss" in r}
+
+
+def train_then_resume(main, make_config, tmp_path: Path, checkpoint: int = 2, **common) -> tuple[Path, Path]:
+    """Train a run to the end, then train a second run that resumes from the first's checkpoint-N; assert the
+    resumed run takes exactly the uninterrupted run's later steps (same losses), and return both output dirs."""
+    import shutil
+
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    assert main(["train", str(make_config("full.yml", output_dir=str(full), **common))]) == 0
+    resumed.mkdir()
+    shutil.copytree(full / f"checkpoint-{checkpoint}", resumed / f"checkpoint-{checkpoint}")
+    assert main(["train", str(make_config("resumed.yml", output_dir=str(resumed),
+                                          auto_resume_from_checkpoints=True, **common))]) == 0
+    a, b = train_losses(full), train_losses(resumed)
+    later = [s for s in sorted(a) if s > checkpoint]
+    assert sorted(b) == later and [b[s] for s in later] == [a[s] for s in later]
+    return full, resumed

@@ -4,13 +4,11 @@ chat-template SFT with llama3 and chatml that trains and resumes exactly."""
 from __future__ import annotations
 
 import json
-import shutil
-from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
 
-from tests.trainer.helpers import train_losses, write_jsonl
+from tests.trainer.helpers import train_then_resume, write_jsonl
 from trainer import chat_templates
 from trainer.cli import main
 from trainer.config import DatasetConfig, parse_config
@@ -114,14 +112,7 @@ def test_chat_template_sft_trains_and_resumes_exactly(make_config, tmp_path, tem
                              "train_on_eos": "turn"}],
                   chat_template=template, eot_tokens=[eot], tokens=LLAMA3_TOKENS, adapter="lora", lora_r=4,
                   lora_target_linear=True, lora_dropout=0.1, sample_packing=True, max_steps=4, save_steps=2)
-    full, resumed = tmp_path / "full", tmp_path / "resumed"
-    assert main(["train", str(make_config("full.yml", output_dir=str(full), **common))]) == 0
-    resumed.mkdir()
-    shutil.copytree(full / "checkpoint-2", resumed / "checkpoint-2")
-    assert main(["train", str(make_config("resumed.yml", output_dir=str(resumed),
-                                          auto_resume_from_checkpoints=True, **common))]) == 0
-    a, b = train_losses(full), train_losses(resumed)
-    assert sorted(b) == [3, 4] and [b[3], b[4]] == [a[3], a[4]]
+    full, _ = train_then_resume(main, make_config, tmp_path, **common)
     # the saved tokenizer carries the template it was trained with
     saved = json.loads((full / "final" / "tokenizer_config.json").read_text()).get("chat_template") or \
         (full / "final" / "chat_template.jinja").read_text()

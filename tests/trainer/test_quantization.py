@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.trainer.helpers import run_cli, train_losses
+from tests.trainer.helpers import run_cli, train_losses, train_then_resume
 from trainer.cli import main
 
 pytestmark = pytest.mark.slow
@@ -30,23 +30,16 @@ def test_qlora_trains_4bit_layers_on_cpu_and_resumes_exactly(make_config, tmp_pa
     from trainer.hardware import adapt, gpu_from_name
     from trainer.model import load_model
 
-    full, resumed = tmp_path / "full", tmp_path / "resumed"
     common = dict(max_steps=5, save_steps=2, **QLORA)
-    assert main(["train", str(make_config("full.yml", output_dir=str(full), **common))]) == 0
-    resumed.mkdir()
-    shutil.copytree(full / "checkpoint-2", resumed / "checkpoint-2")
-    config = make_config("resumed.yml", output_dir=str(resumed), auto_resume_from_checkpoints=True, **common)
-    assert main(["train", str(config)]) == 0
-
-    a, b = train_losses(full), train_losses(resumed)
-    assert sorted(b) == [3, 4, 5] and [b[s] for s in (3, 4, 5)] == [a[s] for s in (3, 4, 5)]
+    full, resumed = train_then_resume(main, make_config, tmp_path, **common)
+    a = train_losses(full)
     assert a[5] < a[1]  # it learns
     wa = load_file(full / "final" / "adapter_model.safetensors")
     wb = load_file(resumed / "final" / "adapter_model.safetensors")
     assert wa and all("lora_" in k for k in wa) and all(torch.equal(wa[k], wb[k]) for k in wa)
 
     # what was trained on: LoRA on bitsandbytes 4-bit (NF4) linear layers
-    cfg, _ = load_config(config)
+    cfg, _ = load_config(tmp_path / "resumed.yml")
     model = load_model(cfg, adapt(cfg, gpu_from_name("cpu")), AutoTokenizer.from_pretrained(cfg.base_model))
     q_proj = model.base_model.model.model.layers[0].self_attn.q_proj
     assert isinstance(q_proj.base_layer, bnb.nn.Linear4bit) and q_proj.base_layer.weight.quant_type == "nf4"
