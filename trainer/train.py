@@ -243,6 +243,8 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
                 for i, batch in enumerate(micro_batches):
                     batch = to_device(batch, device)
                     sync = nullcontext() if i == ga - 1 else accelerator.no_sync(model)
+                    if cfg.deepspeed:  # accelerate steps the DeepSpeed engine in every backward made with
+                        accelerator.sync_gradients = i == ga - 1  # sync_gradients set: only in the step's last one
                     with sync, phase(f"step {step + 1} (backward)", rank, timeout):
                         loss, values = objective.loss(model, batch, totals)
                         accelerator.backward(loss * loss_scale)

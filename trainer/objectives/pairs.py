@@ -121,7 +121,7 @@ def evaluate_objective(objective: Objective, model, dataset, reference, batch_si
         most = torch.tensor([len(batches)], device=device)
         with phase("evaluation (counting batches)", rank, timeout_s):
             dist.all_reduce(most, op=dist.ReduceOp.MAX)
-        filler = to_device(objective.collate([rows[0]]), device)
+        filler = to_device(objective.collate([rows[[0]]]), device)  # a row is a list of example indices
         fillers = [filler] * (int(most.item()) - len(batches))
     stats = torch.zeros(len(objective.stat_names), dtype=torch.float64, device=device)
     for batch in batches:
