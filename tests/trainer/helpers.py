@@ -61,3 +61,16 @@ def train_then_resume(main, make_config, tmp_path: Path, checkpoint: int = 2, **
     later = [s for s in sorted(a) if s > checkpoint]
     assert sorted(b) == later and [b[s] for s in later] == [a[s] for s in later]
     return full, resumed
+
+
+def assert_same_training(one: Path, two: Path, rel: float = 1e-5) -> None:
+    """Two output dirs trained the same: the same steps with the same losses and evaluation losses (e.g. one
+    process accumulating 2 micro-batches against two processes with one each)."""
+    import pytest
+
+    single, double = train_losses(one), train_losses(two)
+    assert single.keys() == double.keys()
+    for step in single:
+        assert double[step] == pytest.approx(single[step], rel=rel), step
+    evals = [[r["eval_loss"] for r in read_metrics(out) if "eval_loss" in r] for out in (one, two)]
+    assert evals[1] == pytest.approx(evals[0], rel=rel)

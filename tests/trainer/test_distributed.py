@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from tests.trainer.helpers import REPO, alpaca_rows, read_metrics, train_losses, write_jsonl
+from tests.trainer.helpers import REPO, alpaca_rows, assert_same_training, read_metrics, write_jsonl
 from trainer.cli import main
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -42,12 +42,7 @@ def test_two_processes_with_uneven_lengths_evaluate_and_checkpoint_midway(make_c
     # each, and the loss is averaged over all target tokens of the step on all ranks: same training.
     one = tmp_path / "one-proc"
     assert main(["train", str(make_config("one.yml", output_dir=str(one), gradient_accumulation_steps=2, **common))]) == 0
-    single, double = train_losses(one), train_losses(two)
-    assert single.keys() == double.keys()
-    for step in single:
-        assert double[step] == pytest.approx(single[step], rel=1e-5), step
-    evals = lambda out: [r["eval_loss"] for r in read_metrics(out) if "eval_loss" in r]  # noqa: E731
-    assert evals(two) == pytest.approx(evals(one), rel=1e-5)
+    assert_same_training(one, two)
 
 
 def test_collective_timeout_names_rank_and_phase(tmp_path):

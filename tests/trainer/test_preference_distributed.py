@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.trainer.helpers import read_metrics, train_losses
+from tests.trainer.helpers import assert_same_training, read_metrics, train_losses
 from tests.trainer.pref_helpers import kto_rows, pair_rows, write_jsonl
 from tests.trainer.test_distributed import torchrun
 from trainer.cli import main
@@ -66,12 +66,7 @@ def test_two_processes_with_uneven_pairs_evaluate_checkpoint_and_match_one_proce
 
     one = tmp_path / "one"
     assert main(["train", str(make_config("one.yml", output_dir=str(one), gradient_accumulation_steps=2, **common))]) == 0
-    single, double = train_losses(one), train_losses(two)
-    assert single.keys() == double.keys()
-    for step in single:
-        assert double[step] == pytest.approx(single[step], rel=1e-5), step
-    evals = lambda out: [r["eval_loss"] for r in read_metrics(out) if "eval_loss" in r]  # noqa: E731
-    assert evals(two) == pytest.approx(evals(one), rel=1e-5)
+    assert_same_training(one, two)
     metric = "kl" if rl == "kto" else "rewards/margins"
     assert [r[metric] for r in read_metrics(two) if "loss" in r] == pytest.approx(
         [r[metric] for r in read_metrics(one) if "loss" in r], rel=1e-4, abs=1e-6)
