@@ -309,6 +309,8 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
         say(f"saved the final {'adapter' if cfg.adapter else 'model'} to {final}")
         hub.push(cfg, unwrapped, tokenizer, say)
     barrier("final save", rank, timeout)
+    if hasattr(model, "destroy"):  # a DeepSpeed engine: stop its hooks and helper threads before the process group
+        model.destroy()
     accelerator.end_training()
     return final
 
