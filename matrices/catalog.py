@@ -8,10 +8,20 @@ only: `envtool resolve` imports this on its fast path.
 
 from __future__ import annotations
 
+import os
 import re
+from pathlib import Path
 from typing import Any, Iterable
 
+MATRIX_DIR_ENV = "ENVTOOL_MATRIX_DIR"
+
 SM_RE = re.compile(r"^(?:sm_?|cc)?(\d{1,2})\.?(\d)$")
+
+
+def matrix_dir() -> Path:
+    """Where the TOML files are: $ENVTOOL_MATRIX_DIR (a refreshed or air-gapped copy), else this package."""
+    override = os.environ.get(MATRIX_DIR_ENV)
+    return Path(override) if override else Path(__file__).parent
 
 
 def _get(row: Any, key: str):

@@ -385,9 +385,9 @@ def export(
     if output is None:
         sys.stdout.write(text)
         return
-    tmp = output.with_name(f".{output.name}.tmp")
-    tmp.write_text(text)
-    tmp.replace(output)
+    from .files import write_atomic
+
+    write_atomic(output, text)
 
 
 BaseImageOpt = Annotated[Optional[str], typer.Option(

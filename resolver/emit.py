@@ -8,12 +8,12 @@ emptyDir at /dev/shm) and the Hugging Face cache (a volume at the image's HF_HOM
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
 from pathlib import Path
 
 from .errors import BadInput
+from .files import write_atomic
 from .pipeline import Distribution, Launch, default_nproc
 from .plan import Plan
 
@@ -28,11 +28,7 @@ def render(kind: str, plan: Plan, launch: Launch, config: Path, dist: Distributi
 
 
 def write(path: Path, text: str, executable: bool = False) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    if executable:
-        tmp.chmod(0o755)
-    tmp.replace(path)
+    write_atomic(path, text, executable)
 
 
 def job_name(config: Path) -> str:

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from .errors import BadInput, EnvtoolError
+from .files import write_atomic
 from .lock import load_plan
 from .plan import PLAN_FILE
 from .uvrun import run_uv, uv_env
@@ -145,9 +146,7 @@ def install_into(env_dir: Path, python: str, *, keep: tuple[str, ...] = (), no_b
     versions = import_check(Path(python), what=python, after="see the uv output above", full=check_imports)
     plan_path = prefix / PLAN_FILE
     try:
-        tmp = prefix / f".{PLAN_FILE}.tmp-{os.getpid()}"
-        tmp.write_text(plan.to_json() + "\n")
-        tmp.replace(plan_path)
+        write_atomic(plan_path, plan.to_json() + "\n")
         written = str(plan_path)
     except OSError:
         written = None  # a read-only prefix: the trainer then needs ENVTOOL_PLAN (the CLI says so)

@@ -20,7 +20,7 @@ from typing import NamedTuple
 from packaging.version import InvalidVersion, Version
 
 from matrices import catalog
-from matrices.catalog import cc_tuple, normalize_name  # noqa: F401 (re-exported to the resolver)
+from matrices.catalog import MATRIX_DIR_ENV, cc_tuple, matrix_dir, normalize_name  # noqa: F401 (re-exported)
 
 from .errors import MatrixError
 
@@ -29,7 +29,6 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
-MATRIX_DIR_ENV = "ENVTOOL_MATRIX_DIR"
 PLATFORMS = ("x86_64", "aarch64")
 CC_RE = re.compile(r"^\d+\.\d$")
 
@@ -252,16 +251,6 @@ def in_range(version: str, spec: str) -> bool:
 
 
 # ---------------------------------------------------------------------------- loading
-
-
-def matrix_dir() -> Path:
-    """Where the TOML files are: $ENVTOOL_MATRIX_DIR, else the `matrices` package shipped in the wheel."""
-    override = os.environ.get(MATRIX_DIR_ENV)
-    if override:
-        return Path(override)
-    import matrices
-
-    return Path(matrices.__file__).parent
 
 
 FILES = ("meta", "attention", "archs", "gpus", "cuda", "torch", "flash_attn", "xformers", "packages", "images")
@@ -562,11 +551,11 @@ def _check_triton_wheels(r: TorchRelease, m: Matrix, where: str, fail) -> None:
     if missing:
         fail(f"{where}: its wheel requires triton {r.triton} on {missing[0]}, where triton publishes no wheel")
     # the lowest and highest Python the torch release supports, within the marker's range
-    for py in _pythons(r.python):
+    for py in pythons(r.python):
         if (r.triton_python is None or in_range(py, r.triton_python)) and not in_range(py, t.python):
             fail(f"{where}: its wheel requires triton {r.triton} on Python {py}, where triton publishes no wheel")
 
 
-def _pythons(spec: str) -> list[str]:
-    """The 3.x minors a range admits, for the checks above (3.6 .. 3.19)."""
-    return [f"3.{n}" for n in range(6, 20) if in_range(f"3.{n}", spec)]
+def pythons(spec: str) -> list[str]:
+    """The 3.x minors a range admits (3.6 .. 3.39)."""
+    return [f"3.{n}" for n in range(6, 40) if in_range(f"3.{n}", spec)]

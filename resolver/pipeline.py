@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Callable, NamedTuple
 
 from .errors import BadInput, EnvtoolError, Unsatisfiable
+from .files import write_atomic
 from .plan import PLAN_FILE, Plan
 
 
@@ -221,9 +222,7 @@ def write_plan(plan: Plan) -> Path:
     path = cache_dir() / "plans" / f"{hashlib.sha256(text.encode()).hexdigest()[:16]}" / PLAN_FILE
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{PLAN_FILE}.tmp-{os.getpid()}")
-        tmp.write_text(text)
-        tmp.replace(path)
+        write_atomic(path, text)
     return path
 
 

@@ -23,7 +23,7 @@ from urllib.parse import unquote
 from packaging.utils import InvalidWheelFilename, canonicalize_name, parse_wheel_filename
 from packaging.version import Version
 
-from .matrix import Matrix, in_range
+from .matrix import Matrix, in_range, pythons
 from .upstream import Client, UpstreamError
 
 PLATFORMS = ("x86_64", "aarch64")
@@ -39,10 +39,6 @@ class Check(NamedTuple):
 class Missing(NamedTuple):
     check: Check
     why: str
-
-
-def pythons(spec: str) -> list[str]:
-    return [f"3.{n}" for n in range(0, 40) if in_range(f"3.{n}", spec)]
 
 
 def checks(m: Matrix, *, torch_index: str, pypi: str) -> list[Check]:
@@ -71,8 +67,7 @@ def checks(m: Matrix, *, torch_index: str, pypi: str) -> list[Check]:
         for py in pythons(r.python):
             for machine in PLATFORMS:
                 fits = [x for x in m.xformers if in_range(r.version, x.torch)
-                        and machine in (getattr(x, "platforms", None) or ["x86_64"])
-                        and (getattr(x, "python", None) is None or in_range(py, x.python))]
+                        and machine in x.platforms and (x.python is None or in_range(py, x.python))]
                 if fits:
                     x = max(fits, key=lambda x: Version(x.version))
                     xformers.setdefault((x.version, py, machine), f"torch {r.version}")
@@ -95,21 +90,18 @@ def checks(m: Matrix, *, torch_index: str, pypi: str) -> list[Check]:
 
 
 def build_platforms(build) -> tuple[str, ...]:
-    """The platforms a CUDA build is planned for: where the schema records aarch64 arch lists
-    (`sass_aarch64`), aarch64 only for builds that have one."""
-    if "sass_aarch64" in type(build)._fields:
-        return ("x86_64",) + (("aarch64",) if build.sass_aarch64 is not None else ())
-    return PLATFORMS
+    """The platforms a CUDA build is planned for: aarch64 only for builds with an aarch64 arch list."""
+    return ("x86_64",) + (("aarch64",) if build.sass_aarch64 is not None else ())
 
 
 def names_triton(m: Matrix, r, py: str, machine: str) -> bool:
-    """Whether a plan for torch release `r` on this Python and machine names its triton pin: everywhere,
-    unless the schema records where the requirement's marker applies and where triton has wheels."""
-    if machine not in (getattr(r, "triton_platforms", None) or PLATFORMS):
+    """Whether a plan for torch release `r` on this Python and machine names its triton pin: where the
+    requirement's marker applies and triton has a wheel."""
+    if machine not in r.triton_platforms:
         return False
-    if getattr(r, "triton_python", None) and not in_range(py, r.triton_python):
+    if r.triton_python and not in_range(py, r.triton_python):
         return False
-    wheels = m.triton_release(r.triton) if hasattr(m, "triton_release") else None
+    wheels = m.triton_release(r.triton)
     return wheels is None or (machine in wheels.platforms and in_range(py, wheels.python))
 
 

@@ -6,21 +6,11 @@ the resolver's matrix.py checks the same files' schema (tests keep the two readi
 
 from __future__ import annotations
 
-import os
 import tomllib
 from functools import lru_cache
 from pathlib import Path
 
-MATRIX_DIR_ENV = "ENVTOOL_MATRIX_DIR"  # the same override the resolver honours
-
-
-def matrix_dir() -> Path:
-    override = os.environ.get(MATRIX_DIR_ENV)
-    if override:
-        return Path(override)
-    import matrices
-
-    return Path(matrices.__file__).parent
+from matrices.catalog import matrix_dir  # the same directory (and ENVTOOL_MATRIX_DIR override) as the resolver's
 
 
 @lru_cache(maxsize=None)

@@ -13,10 +13,7 @@ Fixing them at preparation time is what lets their reference log-probs be comput
 
 from __future__ import annotations
 
-import json
-
 from trainer.config import Config, DatasetConfig
-from trainer.errors import ConfigError, DataError
 from trainer.preference_prompts import label_of, render, tokenize
 from trainer.prompts import IGNORE
 
