@@ -173,16 +173,14 @@ def _best_available(gpu: Gpu, plan: dict | None) -> dict:
 
 
 def _available(backend: dict, plan: dict | None, gpu: Gpu) -> bool:
-    """Is the backend's module there? The plan says (it installs the backend it names, and the flash-attn
-    wheel it records); for `--gpu NAME` (another machine) assume the environment envtool builds for that GPU
-    has it; otherwise look in this environment."""
+    """Is the backend's module there? The plan says (it installs the backend it names, with its wheel); for
+    `--gpu NAME` (another machine) assume the environment envtool builds for that GPU has it; otherwise look in
+    this environment."""
     module = backend.get("module")
     if module is None:
         return True
     if plan is not None:
-        flash = plan.get("flash_attn") or {}
-        return plan.get("attention") == backend["name"] or bool(flash) and backend["name"] == "flash_attention_2" \
-            and plan.get("attention") in (None, "flash_attention_2")
+        return plan.get("attention") == backend["name"]
     if gpu.source == "--gpu":
         return True
     return importlib.util.find_spec(module) is not None
