@@ -39,8 +39,18 @@ THINKING = [  # Axolotl's thinking format (examples/magistral/think/README.md): 
 
 @pytest.fixture(scope="module")
 def tokenizers(tmp_path_factory) -> dict[str, Path]:
-    """v3 (the system prompt goes into the last user turn) and v13 ([SYSTEM_PROMPT], [THINK])."""
-    return {v: build_mistral_tokenizer(tmp_path_factory.mktemp(f"tekken-{v}"), version=v).parent for v in ("v3", "v13")}
+    """Model directories holding a tokenizer file: tekken v3 (the system prompt goes into the last user turn) and
+    v13 ([SYSTEM_PROMPT], [THINK]), cut down; and SentencePiece v1 and v3 as mistral-common ships them."""
+    import shutil
+
+    import mistral_common
+
+    dirs = {v: build_mistral_tokenizer(tmp_path_factory.mktemp(f"tekken-{v}"), version=v).parent for v in ("v3", "v13")}
+    shipped = Path(mistral_common.__file__).parent / "data"
+    for name, source in (("spm-v1", "tokenizer.model.v1"), ("spm-v3", "mistral_instruct_tokenizer_240323.model.v3")):
+        dirs[name] = tmp_path_factory.mktemp(name)
+        shutil.copy(shipped / source, dirs[name] / f"tokenizer.model.{name[-2:]}")
+    return dirs
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +64,7 @@ def setup(model_dir: Path, **dataset):
     return cfg, load_tokenizer(cfg)
 
 
-def oracle(tekken_dir: Path, messages: list[dict]) -> tuple[list[int], list[list[int]]]:
+def oracle(model_dir: Path, messages: list[dict]) -> tuple[list[int], list[list[int]]]:
     """mistral-common alone (no transformers, none of the trainer's code): the conversation's ids and each
     assistant message's own encoding (its content, thinking included, and the closing </s>)."""
     from mistral_common.protocol.instruct.messages import AssistantMessage
@@ -62,7 +72,8 @@ def oracle(tekken_dir: Path, messages: list[dict]) -> tuple[list[int], list[list
     from mistral_common.protocol.instruct.validator import ValidationMode
     from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
 
-    tok = MistralTokenizer.from_file(str(tekken_dir / "tekken.json"), mode=ValidationMode.finetuning)
+    (path,) = [p for p in model_dir.iterdir() if p.name.startswith(("tekken", "tokenizer.model"))]
+    tok = MistralTokenizer.from_file(str(path), mode=ValidationMode.finetuning)
     ids = tok.encode_chat_completion(ChatCompletionRequest.from_openai(messages)).tokens
     last_user = max(i for i, m in enumerate(messages) if m["role"] == "user")
     turns = [tok.instruct_tokenizer.encode_assistant_message(AssistantMessage.from_openai(m), i < last_user)
@@ -84,8 +95,9 @@ def runs(out: dict) -> list[list[int]]:
     return found
 
 
-@pytest.mark.parametrize("version, conversation", [("v3", SYSTEM_MULTI_TURN), ("v13", SYSTEM_MULTI_TURN),
-                                                   ("v13", THINKING)], ids=["v3-system", "v13-system", "v13-thinking"])
+@pytest.mark.parametrize("version, conversation", [
+    ("v3", SYSTEM_MULTI_TURN), ("v13", SYSTEM_MULTI_TURN), ("v13", THINKING), ("spm-v1", SYSTEM_MULTI_TURN),
+    ("spm-v3", SYSTEM_MULTI_TURN)], ids=["v3-system", "v13-system", "v13-thinking", "spm-v1", "spm-v3"])
 def test_labels_are_exactly_the_assistant_turns(tokenizers, version, conversation):
     cfg, tok = setup(tokenizers[version])
     assert type(tok).__name__ == "MistralCommonBackend" and tok.mode.value == "finetuning"
