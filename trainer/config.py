@@ -217,7 +217,8 @@ class Config(BaseModel):
     auto_resume_from_checkpoints: bool = False
 
     # --- mistral-common tokenizer (trainer/mistral_tokenizer.py) ------------------------------------------
-    tokenizer_use_mistral_common: bool = False  # Mistral's own tokenizer; chat_template data encoded by it
+    # Mistral's own tokenizer; chat_template data encoded by it. Unset: true for Magistral models, as in Axolotl
+    tokenizer_use_mistral_common: bool | None = None
 
     # --- preference training (Axolotl's names; defaults as TRL's configs) --------------------------------
     rl: Literal["dpo", "ipo", "orpo", "kto", "simpo"] | None = None

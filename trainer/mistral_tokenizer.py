@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+from pathlib import Path
 
 from trainer.errors import ConfigError, DataError
 
@@ -35,8 +36,14 @@ def is_mistral(tokenizer) -> bool:
 def check(cfg) -> list[str]:
     """What a config with tokenizer_use_mistral_common may not ask for (as Axolotl's validation refuses, plus what
     this trainer cannot do with it). Raises ConfigError listing every problem; returns notes."""
+    notes = []
+    named = " ".join(str(getattr(cfg, key) or "") for key in ("base_model", "tokenizer_config")).lower()
+    if cfg.tokenizer_use_mistral_common is None and "magistral" in named:
+        cfg.tokenizer_use_mistral_common = True
+        notes.append("tokenizer_use_mistral_common: unset, read as true for a Magistral model (as Axolotl infers it; "
+                     "set it to false for the model's Hugging Face tokenizer)")
     if not cfg.tokenizer_use_mistral_common:
-        return []
+        return notes
     why = "mistral-common tokenizers cannot add tokens"
     problems = [f"{key} cannot be used with tokenizer_use_mistral_common ({why})"
                 for key in ("special_tokens", "tokens") if getattr(cfg, key)]
@@ -56,7 +63,6 @@ def check(cfg) -> list[str]:
                 problems.append(f"datasets.{i}.{key} cannot be set with tokenizer_use_mistral_common ({fixed_format})")
     if problems:
         raise ConfigError("; ".join(problems))
-    notes = []
     if cfg.eot_tokens:
         notes.append("eot_tokens: ignored with tokenizer_use_mistral_common (an assistant turn ends with the "
                      "tokenizer's </s>, which train_on_eos governs, as in Axolotl's Mistral strategy)")
@@ -74,6 +80,8 @@ def load(cfg):
     source = cfg.tokenizer_config or cfg.base_model
     kwargs = {"revision": cfg.revision_of_model} if cfg.revision_of_model else {}
     try:
+        if Path(source).expanduser().is_file():  # the tokenizer file itself, as Axolotl's loader also takes
+            return MistralCommonBackend(tokenizer_path=Path(source).expanduser(), mode="finetuning")
         return MistralCommonBackend.from_pretrained(source, mode="finetuning", **kwargs)
     except Exception as err:  # hub, file and format errors come in many types; the first line says which
         raise ConfigError(f"cannot load the mistral-common tokenizer from {source}: "

@@ -172,6 +172,23 @@ def test_unsupported_combinations_are_one_line(tmp_path, extra, says):
     assert len(lines) == 1 and says in lines[0] and "Traceback" not in result.stderr
 
 
+def test_unset_is_true_for_magistral_as_axolotl_infers_it():
+    raw = {"base_model": "mistralai/Magistral-Small-2507", "datasets": [{"path": "org/chats", "type": "chat_template"}]}
+    cfg, notes = parse_config(raw)
+    assert cfg.tokenizer_use_mistral_common is True and any("read as true for a Magistral" in n for n in notes)
+    cfg, notes = parse_config({**raw, "tokenizer_use_mistral_common": False})
+    assert cfg.tokenizer_use_mistral_common is False and not any("Magistral" in n for n in notes)
+    cfg, _ = parse_config({**raw, "base_model": "mistralai/Mistral-7B-v0.1"})
+    assert not cfg.tokenizer_use_mistral_common
+
+
+def test_tokenizer_config_may_name_the_file(tokenizers):
+    cfg, _ = parse_config({"base_model": "org/model", "tokenizer_use_mistral_common": True,
+                           "tokenizer_config": str(tokenizers["v13"] / "tekken.json"),
+                           "datasets": [{"path": "chat.jsonl", "type": "chat_template"}]})
+    assert load_tokenizer(cfg).tokenizer.instruct_tokenizer.tokenizer.version.value == "v13"
+
+
 def test_missing_package_is_a_config_error(tokenizers, monkeypatch):
     import importlib.util
 
