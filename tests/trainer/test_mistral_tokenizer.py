@@ -125,13 +125,14 @@ def test_train_on_eos_and_roles_to_train(tokenizers, policy, roles, expected):
     assert [tok.decode(run, skip_special_tokens=False) for run in runs(out)] == expected
 
 
-def test_mapped_fields_roles_and_train_on_inputs(tokenizers):
-    """The shape of Axolotl's voxtral example (ShareGPT fields), and train_on_inputs."""
+@pytest.mark.parametrize("roles", [None, {"user": ["human"], "assistant": ["gpt"], "system": ["system"]}])
+def test_mapped_fields_roles_and_train_on_inputs(tokenizers, roles):
+    """The shape of Axolotl's voxtral example (ShareGPT fields, and no `roles`: human and gpt are mapped as
+    Axolotl maps them), and train_on_inputs."""
     row = {"conversations": [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "Hi?"},
                              {"from": "gpt", "value": "Hello."}]}
     cfg, tok = setup(tokenizers["v13"], field_messages="conversations",
-                     message_property_mappings={"role": "from", "content": "value"},
-                     roles={"user": ["human"], "assistant": ["gpt"], "system": ["system"]})
+                     message_property_mappings={"role": "from", "content": "value"}, **({"roles": roles} if roles else {}))
     out = tokenize_row(row, cfg.datasets[0], tok, train_on_inputs=False)
     ids, turns = oracle(tokenizers["v13"], [{"role": "system", "content": "Be brief."},
                                             {"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."}])
