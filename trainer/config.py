@@ -216,6 +216,10 @@ class Config(BaseModel):
     resume_from_checkpoint: str | None = None
     auto_resume_from_checkpoints: bool = False
 
+    # --- mistral-common tokenizer (trainer/mistral_tokenizer.py) ------------------------------------------
+    # Mistral's own tokenizer; chat_template data encoded by it. Unset: true for Magistral models, as in Axolotl
+    tokenizer_use_mistral_common: bool | None = None
+
     # --- preference training (Axolotl's names; defaults as TRL's configs) --------------------------------
     rl: Literal["dpo", "ipo", "orpo", "kto", "simpo"] | None = None
     rl_beta: float | None = Field(None, gt=0)  # DPO/IPO/KTO/SimPO beta (TRL default 0.1)
@@ -387,10 +391,6 @@ UNSUPPORTED_KEYS: dict[str, str] = {
         "cosine_constant_lr_ratio", "torchdistx_path")},
 }
 
-UNSUPPORTED_KEYS["tokenizer_use_mistral_common"] = (
-    "mistral-common tokenizers render conversations straight to token ids, and chat_template training here "
-    "locates trained turns in the rendered text: use the model's Hugging Face tokenizer (tokenizer_default)")
-
 # Legacy dtype switches: the same as bf16/fp16 (float32: neither).
 LEGACY_DTYPE_KEYS = {"bfloat16": ("bf16", True), "float16": ("fp16", True), "float32": ("bf16", False)}
 TORCH_DTYPES = {"bfloat16": "bf16", "bf16": "bf16", "float16": "fp16", "fp16": "fp16", "half": "fp16",
@@ -497,7 +497,7 @@ def parse_config(raw: Any) -> tuple[Config, list[str]]:
 
 def _named_choices(cfg: Config, notes: list[str]) -> list[str]:
     """Choices checked against data tables: optimizer, chat templates, plugins, FSDP settings."""
-    from trainer import chat_templates, distributed, kernels, optim
+    from trainer import chat_templates, distributed, kernels, mistral_tokenizer, optim
 
     problems = []
     if cfg.gradient_checkpointing == "offload":
@@ -510,6 +510,7 @@ def _named_choices(cfg: Config, notes: list[str]) -> list[str]:
     checks += [lambda ds=ds: chat_templates.check(ds.chat_template, ds.chat_template_jinja)
                for ds in cfg.datasets if ds.chat_template]
     checks += [lambda: notes.extend(kernels.check_plugins(cfg)), lambda: notes.extend(distributed.check(cfg))]
+    checks += [lambda: notes.extend(mistral_tokenizer.check(cfg))]
     for check in checks:
         try:
             check()

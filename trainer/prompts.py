@@ -158,6 +158,10 @@ RENDERERS = {
 
 def tokenize_row(row: dict, ds: DatasetConfig, tokenizer, train_on_inputs: bool,
                  eot_tokens: list[str] | None = None) -> dict:
+    from trainer import mistral_tokenizer
+
+    if ds.type == "chat_template" and mistral_tokenizer.is_mistral(tokenizer):  # ids, not text: see that module
+        return mistral_tokenizer.tokenize_chat(row, ds, tokenizer, train_on_inputs)
     if ds.type == "chat_template":
         text, spans, add_special = render_chat(row, ds, tokenizer, eot_tokens)
     else:
