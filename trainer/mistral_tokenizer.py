@@ -24,10 +24,8 @@ import importlib.util
 from pathlib import Path
 
 from trainer.errors import ConfigError, DataError
+from trainer.prompts import IGNORE, role_alias
 
-IGNORE = -100
-# Axolotl's ChatTemplatePrompter maps ShareGPT's names when a dataset gives no `roles` (the Voxtral example relies on it)
-DEFAULT_ROLES = {"human": "user", "gpt": "assistant"}
 PLACEHOLDERS = ("A", "B")  # one token each, and different: one of them differs from any turn's first/last token
 
 
@@ -100,8 +98,7 @@ def identity(tokenizer) -> str:
 def _messages(row: dict, ds) -> list[dict]:
     """The row's messages in OpenAI form: role (mapped by `roles`, else human/gpt as Axolotl does), content (string or chunks) and, where the row
     has it, reasoning_content (message_property_mappings may name its field, as Axolotl's field_thinking)."""
-    alias = ({name: role for role, names in ds.roles.items() for name in names} if ds.roles
-             else DEFAULT_ROLES)
+    alias = role_alias(ds)
     thinking_key = (ds.message_property_mappings or {}).get("reasoning_content", "reasoning_content")
     messages = []
     rows = row.get(ds.field_messages)
