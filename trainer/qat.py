@@ -25,10 +25,12 @@ Two choices differ from Axolotl's code, which fails or drifts there: nvfp4 uses 
 NVFP4DynamicActivationNVFP4WeightConfig (Axolotl passes NVFP4WeightOnlyConfig, which torchao 0.17/0.18's
 QATConfig rejects: "Unexpected base config"); weight-only int4 fake-quantizes for bf16 activations, as
 torchao maps Int4WeightOnlyConfig (Axolotl's explicit config leaves torchao's float8-activation default).
+Float8 scales have a floor of 1e-12, so padded (all-zero) rows do not turn into NaN (see fake_quantize_configs).
 """
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -178,14 +180,17 @@ def fake_quantize_configs(qat: QatConfig, for_embedding: bool = False):
 
         # torchao's own mapping; use_triton_kernel=False: no MSLK dependency (the same numerics)
         return _infer_fake_quantize_configs(NVFP4DynamicActivationNVFP4WeightConfig(use_triton_kernel=False))
+    # float8 scales get a floor of 1e-12 (torchao's own Int4WeightFakeQuantizer uses it for its float8 step): with
+    # none, an all-zero row (a padded position's activations) has scale 0 and fake-quantizes to 0/0 = NaN
+    float8 = partial(Float8FakeQuantizeConfig, dtype=torch.float8_e4m3fn, hp_value_lb=1e-12)
     if w == "float8_e4m3fn":
-        weight = Float8FakeQuantizeConfig(dtype=torch.float8_e4m3fn)
+        weight = float8()
     else:  # int4 (the only other weight dtype the config admits)
         weight = Int4WeightFakeQuantizeConfig(
             group_size=qat.group_size or 128,
             activation_dtype=torch.float8_e4m3fn if a == "float8_e4m3fn" else torch.bfloat16)
     activation = {"int8": lambda: IntxFakeQuantizeConfig(dtype=torch.int8, granularity="per_token", is_symmetric=False),
-                  "float8_e4m3fn": lambda: Float8FakeQuantizeConfig(dtype=torch.float8_e4m3fn)}.get(a, lambda: None)()
+                  "float8_e4m3fn": float8}.get(a, lambda: None)()
     return activation, weight
 
 
@@ -198,6 +203,15 @@ def prepare(model, qat: QatConfig) -> int:
     from torchao.quantization import quantize_
     from torchao.quantization.qat import QATConfig
 
+    block = {"nvfp4": 16, "mxfp4": 32}.get(qat.weight_dtype, qat.group_size if qat.weight_dtype == "int4" else None)
+    if block:  # each layer's input dimension must split into whole groups/blocks
+        kinds = (torch.nn.Linear, torch.nn.Embedding) if qat.quantize_embedding else (torch.nn.Linear,)
+        odd = [(name, m.weight.shape[1]) for name, m in model.named_modules()
+               if isinstance(m, kinds) and m.weight.shape[1] % block]
+        if odd:
+            raise ConfigError(f"qat: torchao cannot fake-quantize this model with {qat.describe()}: {odd[0][0]} has "
+                              f"{odd[0][1]} input features, not a multiple of {block} (and {len(odd) - 1} more such "
+                              "layers); pick a group_size that divides them")
     activation, weight = fake_quantize_configs(qat)
     try:
         quantize_(model, QATConfig(activation_config=activation, weight_config=weight, step="prepare"))
