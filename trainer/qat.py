@@ -135,14 +135,14 @@ def hardware_notes(cfg, gpu) -> list[str]:
     feat = facts.feature(cfg.qat.feature)
     floor = _cc(feat["min_cc"])
     what = f"qat ({cfg.qat.describe()})"
+    if gpu.cc is None and not feat["cpu"]:
+        raise HardwareError(f"qat: {cfg.qat.describe()} needs sm_{floor[0]}{floor[1]}+ and cannot run on the CPU "
+                            f"({feat['reason']}, source: {feat['source']})")
     if gpu.cc is None:
-        if not feat["cpu"]:
-            raise HardwareError(f"{what}: {feat['reason']}, so it needs sm_{floor[0]}{floor[1]}+ and cannot run on the "
-                                f"CPU (source: {feat['source']})")
         return notes + [f"{what}: torchao fake quantization on CPU (plain torch ops)"]
     if gpu.cc < floor:
-        raise HardwareError(f"{what}: {feat['reason']}, so it needs sm_{floor[0]}{floor[1]}+ but {gpu.describe()} is "
-                            f"below (source: {feat['source']}), while mxfp4 and int8/int4 QAT run there")
+        raise HardwareError(f"qat: {cfg.qat.describe()} needs sm_{floor[0]}{floor[1]}+ but {gpu.describe()} is below "
+                            f"({feat['reason']}, source: {feat['source']}), while mxfp4 and int8/int4 QAT run there")
     return notes + [f"{what}: torchao fake quantization (needs sm_{floor[0]}{floor[1]}+; {gpu.describe()} has it)"]
 
 
