@@ -222,7 +222,26 @@ def prepare(model, qat: QatConfig) -> int:
     except (ValueError, AssertionError) as err:  # a layer shape the format cannot tile (group/block size)
         raise ConfigError(f"qat: torchao cannot fake-quantize this model with {qat.describe()}: "
                           f"{str(err).splitlines()[0]}") from None
+    for module in model.modules():
+        if type(module).__name__ in ("MXFakeQuantizedLinear", "NVFP4FakeQuantizedLinear"):
+            module.forward = partial(_master_precision_forward, module, module.forward)
     return sum(1 for m in model.modules() if is_fake_quantized(m))
+
+
+def _master_precision_forward(module, forward, x):
+    """torchao's MX/NVFP4 QAT linears quantize input and weight each from its own dtype and insist the output has
+    the input's: under autocast (fp32 master weights, bf16/fp16 compute) the two differ and torchao's assertion
+    fails. Run them outside autocast on the input cast to the weight's dtype: the fake-quantized values are the
+    same (FP4 elements times power-of-two or e4m3 scales are exact in bf16 and fp32), the sums accumulate in fp32,
+    and the output is cast back to the autocast dtype the next layer expects."""
+    import torch
+
+    device = x.device.type
+    if not torch.is_autocast_enabled(device):
+        return forward(x)
+    with torch.autocast(device, enabled=False):
+        out = forward(x.to(module.weight.dtype))
+    return out.to(torch.get_autocast_dtype(device))
 
 
 def is_fake_quantized(module) -> bool:

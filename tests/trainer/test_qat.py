@@ -80,8 +80,24 @@ def test_int8_int4_qat_fake_quantizes_every_linear_and_changes_training(make_con
         torch.testing.assert_close(value, trained[key], rtol=0, atol=0)
 
 
+MXFP4 = {"activation_dtype": "mxfp4", "weight_dtype": "mxfp4", "group_size": 32}
+
+
+def test_mxfp4_trains_under_bf16_autocast_with_checkpointing(make_config, tmp_path, captured):
+    """As Axolotl's 3b-qat-mxfp4 example: bf16 (fp32 master weights under autocast here), gradient checkpointing.
+    torchao's MX linear asserts its output has its input's dtype, which autocast breaks; the trainer runs it in
+    the weights' precision (trainer.qat._master_precision_forward)."""
+    out = tmp_path / "out"
+    cfg = make_config(output_dir=str(out), max_steps=3, bf16=True, gradient_checkpointing=True, qat=MXFP4)
+    result = run_cli("train", str(cfg))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "precision bf16" in result.stderr and "qat: 15 layers fake-quantized" in result.stderr
+    losses = train_losses(out)
+    assert sorted(losses) == [1, 2, 3] and all(math.isfinite(v) for v in losses.values())
+
+
 @pytest.mark.parametrize("qat, types", [
-    ({"activation_dtype": "mxfp4", "weight_dtype": "mxfp4", "group_size": 32}, ("MXFakeQuantizedLinear",)),
+    (MXFP4, ("MXFakeQuantizedLinear",)),
     ({"activation_dtype": "fp8", "weight_dtype": "float8"}, ("FakeQuantizedLinear", "Float8FakeQuantizer")),
     ({"activation_dtype": "float8_e4m3fn", "weight_dtype": "int4", "group_size": 32},
      ("FakeQuantizedLinear", "Int4WeightFakeQuantizer", "Float8FakeQuantizer")),
