@@ -272,7 +272,6 @@ def fake_quant_on(qat: QatConfig, step: int) -> bool:
 def convert(model) -> None:
     """Swap fake-quantized layers back to nn.Linear / nn.Embedding with the trained weights (Axolotl's
     convert_qat_model: QATConfig(step="convert") with no base config quantizes nothing)."""
-    import torch
     from torchao.quantization import quantize_
     from torchao.quantization.qat import QATConfig
 

@@ -23,7 +23,7 @@ import yaml
 from tests.trainer.helpers import REPO, read_metrics, run_cli, train_losses, train_then_resume, write_jsonl
 from trainer.cli import main
 
-torchao = pytest.importorskip("torchao")  # the `qat` extra; .ci/setup installs it
+import torchao  # noqa: E402,F401  (the `qat` extra: .ci/setup installs it; never skipped)
 INT8_INT4 = {"activation_dtype": "int8", "weight_dtype": "int4", "group_size": 32}
 EXAMPLE = Path(__file__).parent / "data" / "axolotl_examples" / "llama-3__3b-qat-fsdp2.yaml"
 
