@@ -106,6 +106,26 @@ def _load_weights(model, path: Path) -> None:
         raise TrainingError(f"checkpoint {path} does not match the model (missing {missing[:3]}, unexpected {unexpected[:3]})")
 
 
+def _load_sharded_weights(model, path: Path) -> None:
+    """The checkpoint's full weights into an FSDP-sharded model (or adapter)."""
+    from safetensors.torch import load_file
+
+    from trainer import distributed
+
+    weights = {k: v for f in sorted(path.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+    if hasattr(model, "peft_config"):  # adapter files drop the adapter's name from the parameter names
+        adapter = f".{model.active_adapter}"
+        names = {fqn.replace(adapter, ""): fqn for fqn in model.state_dict() if adapter in fqn}
+        missing = [k for k in weights if k not in names]
+        if missing:
+            raise TrainingError(f"checkpoint {path} does not match the adapter (unexpected {missing[:3]})")
+        weights = {names[k]: v for k, v in weights.items()}
+    unexpected = [k for k in weights if k not in model.state_dict()]
+    if unexpected:
+        raise TrainingError(f"checkpoint {path} does not match the model (unexpected {unexpected[:3]})")
+    distributed.load_full_model_state(model, weights)
+
+
 def load(path: Path, model, optimizer, scheduler, scaler, rank: int, world_size: int, engine=None) -> dict:
     """Restore everything save() wrote; return the trainer state."""
     from trainer import distributed
@@ -131,20 +151,7 @@ def load(path: Path, model, optimizer, scheduler, scaler, rank: int, world_size:
         if inner is not None and inner is not scheduler.optimizer:
             scheduler.optimizer = inner
     elif distributed.is_sharded(model):
-        from safetensors.torch import load_file
-
-        weights = {k: v for f in sorted(path.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
-        if hasattr(model, "peft_config"):  # adapter files drop the adapter's name from the parameter names
-            adapter = f".{model.active_adapter}"
-            names = {fqn.replace(adapter, ""): fqn for fqn in model.state_dict() if adapter in fqn}
-            missing = [k for k in weights if k not in names]
-            if missing:
-                raise TrainingError(f"checkpoint {path} does not match the adapter (unexpected {missing[:3]})")
-            weights = {names[k]: v for k, v in weights.items()}
-        unexpected = [k for k in weights if k not in model.state_dict()]
-        if unexpected:
-            raise TrainingError(f"checkpoint {path} does not match the model (unexpected {unexpected[:3]})")
-        distributed.load_full_model_state(model, weights)
+        _load_sharded_weights(model, path)
         distributed.load_full_optimizer_state(model, optimizer, torch.load(path / "optimizer.pt", weights_only=False))
     else:
         _load_weights(model, path)
@@ -170,12 +177,7 @@ def _load_model_only(path: Path, state: dict, model, scheduler, engine) -> dict:
         raise TrainingError(f"checkpoint {path} was written with save_only_model (no DeepSpeed state); resuming it "
                             "under DeepSpeed is not supported: resume without deepspeed, or use a full checkpoint")
     if distributed.is_sharded(model):
-        from safetensors.torch import load_file
-
-        weights = {k: v for f in sorted(path.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
-        if hasattr(model, "peft_config") or [k for k in weights if k not in model.state_dict()]:
-            raise TrainingError(f"checkpoint {path} does not match the model")
-        distributed.load_full_model_state(model, weights)
+        _load_sharded_weights(model, path)
     else:
         _load_weights(model, path)
     with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()": intended, nothing is trained

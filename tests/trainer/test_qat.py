@@ -88,12 +88,12 @@ def test_mxfp4_trains_under_bf16_autocast_with_checkpointing(make_config, tmp_pa
     torchao's MX linear asserts its output has its input's dtype, which autocast breaks; the trainer runs it in
     the weights' precision (trainer.qat._master_precision_forward)."""
     out = tmp_path / "out"
-    cfg = make_config(output_dir=str(out), max_steps=3, bf16=True, gradient_checkpointing=True, qat=MXFP4)
+    cfg = make_config(output_dir=str(out), max_steps=2, bf16=True, gradient_checkpointing=True, qat=MXFP4)
     result = run_cli("train", str(cfg))
     assert result.returncode == 0, result.stderr[-2000:]
     assert "precision bf16" in result.stderr and "qat: 15 layers fake-quantized" in result.stderr
     losses = train_losses(out)
-    assert sorted(losses) == [1, 2, 3] and all(math.isfinite(v) for v in losses.values())
+    assert sorted(losses) == [1, 2] and all(math.isfinite(v) for v in losses.values())
 
 
 @pytest.mark.parametrize("qat, types", [
