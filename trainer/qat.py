@@ -105,6 +105,9 @@ def check_config(cfg) -> None:
                         "supported (remove adapter, or qat)")
     if cfg.deepspeed:
         problems.append("qat with deepspeed is not supported (use FSDP or DDP)")
+    if cfg.rl:
+        problems.append(f"qat with rl: {cfg.rl} is not supported (QAT here is SFT: whether the reference log-probs "
+                        "should see fake quantization is not settled)")
     if problems:
         raise ConfigError("; ".join(problems))
 

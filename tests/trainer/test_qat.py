@@ -241,6 +241,7 @@ def test_qat_and_fp8_floors_come_from_the_matrices(make_config):
     ({"weight_dtype": "int4", "group_sizes": 3}, {}, "group_sizes"),
     (INT8_INT4, {"adapter": "lora"}, "qat with adapter"),
     (INT8_INT4, {"adapter": "qlora", "load_in_4bit": True}, "qat and load_in_4bit cannot be used together"),
+    (INT8_INT4, {"deepspeed": "deepspeed_configs/zero2.json"}, "qat with deepspeed is not supported"),
 ])
 def test_bad_qat_configs_are_one_line_errors(qat, extra, message, make_config):
     result = run_cli("validate", str(make_config(qat=qat, **extra)), "--gpu", "cpu")
