@@ -33,9 +33,10 @@ def _setup(args, gpu: str | None = None):
 def feature_notes(cfg, runtime, plan) -> list[str]:
     """What quantized loading, the optimizer and the kernels become on this GPU (each floor from matrices/).
     Raises HardwareError where the GPU cannot do what the config asks. Sets runtime.kernels (liger on?)."""
-    from trainer import kernels, optim, quantization
+    from trainer import kernels, optim, qat, quantization
 
     notes = quantization.hardware_notes(cfg, runtime.gpu) + optim.hardware_notes(cfg.optimizer, runtime.gpu)
+    notes += qat.hardware_notes(cfg, runtime.gpu)  # qat dtypes' and fp8's floors
     runtime.kernels, kernel_notes = kernels.plan_notes(cfg, runtime.gpu, plan)
     from trainer import distributed
 
@@ -64,6 +65,8 @@ def cmd_validate(args) -> int:
           + {"load_in_4bit": " on 4-bit (NF4) base weights", "load_in_8bit": " on 8-bit (LLM.int8) base weights"}.get(
               quantization.mode(cfg) or "", ""))
     print(f"  optimizer:  {cfg.optimizer} ({optim.check(cfg.optimizer)['library']})")
+    if cfg.qat is not None:
+        print(f"  qat:        {cfg.qat.describe()} (torchao fake quantization; plain layers again at the end)")
     if distributed.enabled(cfg) or cfg.deepspeed:
         print(f"  sharding:   {'deepspeed ' + str(distributed.deepspeed_path(cfg.deepspeed)) if cfg.deepspeed else 'FSDP' + str(distributed.fsdp_settings(cfg)['fsdp_version'])}")
     if cfg.rl:
@@ -198,6 +201,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    import logging  # torchao (qat extra), when installed, is imported by transformers/peft and logs one warning per
+
+    for name in ("torchao", "torch.utils._pytree"):  # CUDA-only extension it cannot load, and per enum it registers
+        logging.getLogger(name).setLevel(logging.ERROR)
     rank = os.environ.get("RANK")
     prefix = f"error (rank {rank}): " if rank not in (None, "0") else "error: "
     try:

@@ -19,6 +19,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from trainer.errors import ConfigError
+from trainer.qat import QatConfig
 
 Attention = Literal["flash_attention_2", "flash_attention_3", "sdpa", "xformers", "eager"]
 PromptFormat = Literal["alpaca", "chat_template", "completion", "input_output"]
@@ -220,6 +221,14 @@ class Config(BaseModel):
     # Mistral's own tokenizer; chat_template data encoded by it. Unset: true for Magistral models, as in Axolotl
     tokenizer_use_mistral_common: bool | None = None
 
+    # --- quantization-aware training, fp8, schedule and checkpoint keys that come with them (trainer/qat.py) ---
+    qat: QatConfig | None = None  # torchao fake quantization while training (Axolotl's QATConfig)
+    fp8: bool = False  # torchao float8 training: refused with its hardware floor (trainer.qat.hardware_notes)
+    fp8_enable_fsdp_float8_all_gather: bool = False
+    cosine_constant_lr_ratio: float | None = Field(None, ge=0, le=1)  # cosine to cosine_min_lr_ratio by this fraction of the steps, then flat
+    save_only_model: bool = False  # checkpoints without optimizer/scheduler/RNG state (resume restarts the optimizer)
+    # ------------------------------------------------------------------------------------------------------
+
     # --- preference training (Axolotl's names; defaults as TRL's configs) --------------------------------
     rl: Literal["dpo", "ipo", "orpo", "kto", "simpo"] | None = None
     rl_beta: float | None = Field(None, gt=0)  # DPO/IPO/KTO/SimPO beta (TRL default 0.1)
@@ -340,6 +349,8 @@ INERT_KEYS: dict[str, str] = {
     "flash_attn_rms_norm": "a flash-attn kernel option; the model's own RMSNorm is used",
     "flash_attn_fuse_qkv": "a flash-attn kernel option",
     "flash_attn_fuse_mlp": "a flash-attn kernel option",
+    "eta_min": "not a key of Axolotl's config schema: Axolotl drops it and trains its usual cosine schedule, and "
+               "so does this trainer; for a floor set cosine_min_lr_ratio (floor / learning_rate)",
 }
 
 # Speed/memory switches with no effect on what is trained: accepted with a note saying they are off here.
@@ -366,7 +377,7 @@ PERFORMANCE_KEYS: dict[str, str] = {
 UNSUPPORTED_KEYS: dict[str, str] = {
     **{k: "GPTQ/AWQ/torchao quantized loading is not supported (use load_in_4bit or load_in_8bit)" for k in (
         "gptq", "gptq_disable_exllama", "model_quantization_config", "model_quantization_config_kwargs",
-        "qat", "fp8", "fp8_enable_fsdp_float8_all_gather", "llmcompressor")},
+        "llmcompressor")},
     **{k: "this adapter option is not supported" for k in (
         "lora_fan_in_fan_out", "peft_layers_to_transform", "loraplus_lr_ratio", "loraplus_lr_embedding",
         "peft")},
@@ -383,12 +394,12 @@ UNSUPPORTED_KEYS: dict[str, str] = {
         "lr_quadratic_warmup", "lr_div_factor", "eval_table_size",
         "eval_causal_lm_metrics", "do_causal_lm_eval", "test_datasets", "pretraining_dataset",
         "sample_packing_eff_est", "sample_packing_group_size", "sample_packing_bin_size",
-        "multipack_real_batches", "save_only_model", "hub_strategy_every_save",
+        "multipack_real_batches", "hub_strategy_every_save",
         "chat_template_kwargs", "default_system_message", "dataset_shard_num", "dataset_shard_idx",
         "skip_prepare_dataset", "dataset_keep_in_memory", "push_dataset_to_hub",
         "base_model_config", "xformers_attention_backend", "lr_groups",
         "optim_target_modules", "sequence_len_overflow_handling", "max_packed_sequence_len",
-        "cosine_constant_lr_ratio", "torchdistx_path")},
+        "torchdistx_path")},
 }
 
 # Legacy dtype switches: the same as bf16/fp16 (float32: neither).
@@ -497,7 +508,7 @@ def parse_config(raw: Any) -> tuple[Config, list[str]]:
 
 def _named_choices(cfg: Config, notes: list[str]) -> list[str]:
     """Choices checked against data tables: optimizer, chat templates, plugins, FSDP settings."""
-    from trainer import chat_templates, distributed, kernels, mistral_tokenizer, optim
+    from trainer import chat_templates, distributed, kernels, mistral_tokenizer, optim, qat, schedule
 
     problems = []
     if cfg.gradient_checkpointing == "offload":
@@ -511,6 +522,7 @@ def _named_choices(cfg: Config, notes: list[str]) -> list[str]:
                for ds in cfg.datasets if ds.chat_template]
     checks += [lambda: notes.extend(kernels.check_plugins(cfg)), lambda: notes.extend(distributed.check(cfg))]
     checks += [lambda: notes.extend(mistral_tokenizer.check(cfg))]
+    checks += [lambda: qat.check_config(cfg), lambda: notes.extend(schedule.notes(cfg))]
     for check in checks:
         try:
             check()

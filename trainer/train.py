@@ -125,7 +125,7 @@ class MetricsLog:
 
 def train(cfg: Config, runtime: Runtime, log=print) -> Path:
     from tqdm.auto import tqdm
-    from transformers import get_scheduler, set_seed
+    from transformers import set_seed
 
     # 1. processes, precision, timeouts
     accelerator = make_accelerator(cfg, runtime)
@@ -153,6 +153,10 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
     # 3. model
     model = load_model(cfg, runtime, tokenizer)
     kernels.apply(cfg, model, getattr(runtime, "kernels", False), say)  # liger, where the plan says triton runs
+    if cfg.qat is not None:  # torchao fake quantization of the linear layers (before sharding, as Axolotl)
+        from trainer import qat
+
+        say(f"qat: {qat.prepare(model, cfg.qat)} layers fake-quantized ({cfg.qat.describe()})")
 
     # 4. the objective (how batches are built and the loss computed), sampler and collator
     pad_multiple = 8 if runtime.device == "cuda" else 1
@@ -175,12 +179,9 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
     # 5. optimizer and schedule
     optimizer = make_optimizer(cfg, model)
     warmup = cfg.warmup_steps if cfg.warmup_steps is not None else math.ceil((cfg.warmup_ratio or 0) * total_steps)
-    schedule = "constant_with_warmup" if cfg.lr_scheduler == "constant" else cfg.lr_scheduler
-    extra = {}
-    if cfg.cosine_min_lr_ratio is not None and schedule == "cosine":  # Axolotl's floor for the cosine decay
-        schedule, extra = "cosine_with_min_lr", {"min_lr_rate": cfg.cosine_min_lr_ratio}
-    scheduler = get_scheduler(schedule, optimizer, num_warmup_steps=warmup, num_training_steps=total_steps,
-                              scheduler_specific_kwargs=extra)
+    from trainer.schedule import make_scheduler  # Axolotl's choice of schedule (cosine floor, constant tail)
+
+    scheduler = make_scheduler(cfg, optimizer, warmup, total_steps)
     model, optimizer = accelerator.prepare(model, optimizer)  # the scheduler is stepped by us, once per step
     unwrapped = accelerator.unwrap_model(model)
 
@@ -213,6 +214,9 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
         step, epoch = state["step"], state["sampler"]["epoch"]
         sampler.load_state_dict(state["sampler"])
         say(f"resumed from {resume} at step {step}")
+        if state.get("model_only"):
+            say(f"note: {resume} was saved with save_only_model: its weights, step and data position continue, the "
+                "optimizer restarts with empty state (moments reset) and the RNG is not restored")
 
     # 7. the loop. Each step's loss is normalised by the step's totals on all ranks (target tokens for SFT,
     # pairs or examples for preference objectives), counted before the first backward in ONE all-reduce of a
@@ -231,6 +235,10 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
             batches = iter(loader)
             for _ in range(steps_per_epoch - consumed // ga):
                 started = time.perf_counter()
+                if cfg.qat is not None and cfg.qat.fake_quant_after_n_steps is not None:
+                    from trainer import qat
+
+                    qat.set_fake_quant(unwrapped, qat.fake_quant_on(cfg.qat, step))
                 micro_batches = [next(batches) for _ in range(ga)]  # moved to the device one at a time
                 consumed += ga
                 stats = torch.zeros(len(objective.stat_names), dtype=torch.float64, device=device)
@@ -260,7 +268,7 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
                     norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
                     norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: a DTensor
                     grad_norm = None if norm is None else float(norm)  # None under DeepSpeed, which clips itself
-                lr = scheduler.get_last_lr()[0]
+                lr = float(scheduler.get_last_lr()[0])  # torchao optimizers keep lr as a tensor
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
@@ -279,7 +287,8 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
                 if save_every and step % save_every == 0:
                     state = {"step": step, "world_size": world, "sampler": sampler.state_dict(consumed)}
                     path = checkpoint.save(output_dir, step, unwrapped, optimizer, scheduler, accelerator.scaler,
-                                           state, rank, timeout, keep=cfg.save_total_limit, engine=model)
+                                           state, rank, timeout, keep=cfg.save_total_limit, engine=model,
+                                           model_only=cfg.save_only_model)
                     say(f"saved {path}")
                 if step >= total_steps:
                     break
@@ -299,6 +308,12 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
     from trainer.distributed import gathered_model_state
 
     full_state = gathered_model_state(model, unwrapped)  # FSDP/ZeRO-3: every rank takes part
+    if cfg.qat is not None:  # fake-quantized layers back to nn.Linear/nn.Embedding (same weights, same names)
+        from trainer import qat
+
+        qat.convert(unwrapped)
+        say("qat: converted the fake-quantized layers back to plain ones; quantize the final model with the same "
+            "qat dtypes (e.g. `axolotl quantize` with this config)")
     if main:
         tmp = output_dir / ".tmp-final"
         shutil.rmtree(tmp, ignore_errors=True)
