@@ -216,6 +216,13 @@ class Config(BaseModel):
     resume_from_checkpoint: str | None = None
     auto_resume_from_checkpoints: bool = False
 
+    # --- N-D parallelism (trainer/parallelism.py: accelerate's ParallelismConfig; tp/cp above 1 refused) ---
+    dp_shard_size: int | None = Field(None, ge=1)  # FSDP shards over this many ranks (unset/1: all left)
+    dp_replicate_size: int | None = Field(None, ge=1)  # replicas of the sharded model (HSDP with dp_shard_size)
+    tensor_parallel_size: int | None = Field(None, ge=1)
+    context_parallel_size: int | None = Field(None, ge=1)
+    # ------------------------------------------------------------------------------------------------------
+
     # --- preference training (Axolotl's names; defaults as TRL's configs) --------------------------------
     rl: Literal["dpo", "ipo", "orpo", "kto", "simpo"] | None = None
     rl_beta: float | None = Field(None, gt=0)  # DPO/IPO/KTO/SimPO beta (TRL default 0.1)
@@ -369,9 +376,9 @@ UNSUPPORTED_KEYS: dict[str, str] = {
     **{k: "only rl: dpo, ipo, orpo, kto and simpo are supported (no GRPO, reward models or TRL pass-through)" for k in (
         "trl", "reward_model", "process_reward_model", "dpo_use_weighting", "dpo_use_liger_kernel",
         "dpo_padding_free", "dpo_loss_weights", "rl_adapter_ref_model", "dpo_norm_loss")},
-    **{k: "tensor/context/expert parallelism is not supported (use FSDP, DeepSpeed or DDP)" for k in (
-        "tensor_parallel_size", "context_parallel_size", "sequence_parallel_degree", "dp_shard_size",
-        "dp_replicate_size", "expert_parallel_size")},
+    **{k: "context and expert parallelism are not supported (use FSDP, DeepSpeed or DDP)" for k in (
+        "sequence_parallel_degree",
+        "expert_parallel_size")},
     **{k: "not supported" for k in (
         "group_by_length", "curriculum_sampling", "early_stopping_patience",
         "neftune_noise_alpha", "noisy_embedding_alpha", "s2_attention", "flex_attention", "sage_attention",
@@ -497,7 +504,7 @@ def parse_config(raw: Any) -> tuple[Config, list[str]]:
 
 def _named_choices(cfg: Config, notes: list[str]) -> list[str]:
     """Choices checked against data tables: optimizer, chat templates, plugins, FSDP settings."""
-    from trainer import chat_templates, distributed, kernels, optim
+    from trainer import chat_templates, distributed, kernels, optim, parallelism
 
     problems = []
     if cfg.gradient_checkpointing == "offload":
@@ -510,6 +517,7 @@ def _named_choices(cfg: Config, notes: list[str]) -> list[str]:
     checks += [lambda ds=ds: chat_templates.check(ds.chat_template, ds.chat_template_jinja)
                for ds in cfg.datasets if ds.chat_template]
     checks += [lambda: notes.extend(kernels.check_plugins(cfg)), lambda: notes.extend(distributed.check(cfg))]
+    checks += [lambda: notes.extend(parallelism.check(cfg, distributed.enabled(cfg)))]
     for check in checks:
         try:
             check()

@@ -57,6 +57,10 @@ def make_accelerator(cfg: Config, runtime: Runtime):
         deepspeed.deepspeed_config["train_batch_size"] = cfg.micro_batch_size * cfg.gradient_accumulation_steps * world
     # gradient_accumulation_steps stays 1: the loop accumulates itself, normalising by the step's token count
     fsdp = fsdp_plugin(cfg, runtime)
+    from trainer import parallelism
+
+    mesh = parallelism.mesh_for(cfg, parallelism.world_size(), fsdp is not None)  # sizes vs processes: before work
+    mesh_config = parallelism.parallelism_config(mesh)
     if deepspeed is not None and runtime.device == "cpu":
         # DeepSpeed's CPU accelerator over gloo: accelerate skips DeepSpeed when told cpu=True, and with no GPU
         # and no backend named it would count one process; name gloo and the DeepSpeed launch path
@@ -70,12 +74,16 @@ def make_accelerator(cfg: Config, runtime: Runtime):
         cpu=runtime.device == "cpu" and deepspeed is None,
         deepspeed_plugin=deepspeed,
         fsdp_plugin=fsdp,
+        parallelism_config=mesh_config if runtime.device == "cuda" else None,  # CPU: attached below
         kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.ddp_timeout))] + ddp_kwargs(cfg),
     )
     if fsdp is not None and runtime.device == "cpu":
         from trainer.distributed import use_fsdp_on_cpu
 
         use_fsdp_on_cpu(accelerator, fsdp)
+        if mesh_config is not None:
+            parallelism.attach(accelerator, mesh_config)
+    accelerator.mesh = mesh
     return accelerator
 
 
@@ -183,6 +191,10 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
                               scheduler_specific_kwargs=extra)
     model, optimizer = accelerator.prepare(model, optimizer)  # the scheduler is stepped by us, once per step
     unwrapped = accelerator.unwrap_model(model)
+    if accelerator.mesh is not None:
+        from trainer.parallelism import placement
+
+        say(f"parallelism: {accelerator.mesh.describe()}; {placement(unwrapped) or 'parameters not sharded'}")
 
     # 5b. reference log-probs (DPO, IPO, KTO): once, before any step and before a checkpoint's weights load,
     # from the cache when a previous run computed them. Never a second copy of the model.
