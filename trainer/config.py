@@ -142,7 +142,7 @@ class Config(BaseModel):
     lr_scheduler: Literal["cosine", "linear", "constant", "constant_with_warmup"] = "cosine"
     cosine_min_lr_ratio: float | None = Field(None, ge=0, le=1)  # cosine decays to this fraction of learning_rate
     warmup_ratio: float | None = Field(None, ge=0, lt=1)
-    warmup_steps: int | None = Field(None, ge=0)
+    warmup_steps: int | float | None = Field(None, ge=0)  # a float < 1 is a fraction of the steps (transformers v5)
     optimizer: str = "adamw_torch"  # a name in trainer.optim (checked against matrices/optimizers.toml)
     optim_args: dict[str, Any] | str | None = None  # extra optimizer arguments, as transformers' optim_args
     weight_decay: float = Field(0.0, ge=0)
@@ -221,6 +221,9 @@ class Config(BaseModel):
     dp_replicate_size: int | None = Field(None, ge=1)  # replicas of the sharded model (HSDP with dp_shard_size)
     tensor_parallel_size: int | None = Field(None, ge=1)
     context_parallel_size: int | None = Field(None, ge=1)
+    # accelerate's AcceleratorConfig, as Axolotl passes it: only gradient_accumulation_kwargs.sync_each_batch
+    accelerator_config: dict[str, Any] | None = None
+    min_sample_len: int | None = Field(None, ge=1)  # SFT rows with fewer tokens are dropped (Axolotl's filter)
     # ------------------------------------------------------------------------------------------------------
 
     # --- preference training (Axolotl's names; defaults as TRL's configs) --------------------------------
@@ -275,6 +278,11 @@ class Config(BaseModel):
         self._check_preference()
         if self.warmup_ratio is not None and self.warmup_steps is not None:
             raise ValueError("set warmup_ratio or warmup_steps, not both")
+        if self.min_sample_len is not None and (self.rl or self.min_sample_len > self.sequence_len):
+            raise ValueError(f"min_sample_len: {self.min_sample_len} must be at most sequence_len ({self.sequence_len})"
+                             if not self.rl else "min_sample_len: applies to SFT data, not to rl: preference pairs")
+        if isinstance(self.warmup_steps, float) and self.warmup_steps >= 1 and not self.warmup_steps.is_integer():
+            raise ValueError(f"warmup_steps: {self.warmup_steps} is neither a step count nor a fraction (< 1) of the steps")
         if self.bf16 is True and self.fp16:
             raise ValueError("bf16 and fp16 are both true; choose one (or bf16: auto)")
         if self.eval_steps and self.evals_per_epoch:
@@ -397,6 +405,13 @@ UNSUPPORTED_KEYS: dict[str, str] = {
 UNSUPPORTED_KEYS["tokenizer_use_mistral_common"] = (
     "mistral-common tokenizers render conversations straight to token ids, and chat_template training here "
     "locates trained turns in the rendered text: use the model's Hugging Face tokenizer (tokenizer_default)")
+
+UNSUPPORTED_KEYS["use_onebitllms"] = (
+    "Falcon-E's BitNet training swaps every linear layer for onebitllms' ternary BitLinear, a different model "
+    "and training that this trainer does not implement")
+PERFORMANCE_KEYS.update({k: "ALST's tiled MLP (the MLP computed in sequence chunks) is a memory option this trainer "
+                            "does not implement (same training, more memory)"
+                         for k in ("tiled_mlp", "tiled_mlp_num_shards", "tiled_mlp_use_original_mlp")})
 
 # Legacy dtype switches: the same as bf16/fp16 (float32: neither).
 LEGACY_DTYPE_KEYS = {"bfloat16": ("bf16", True), "float16": ("fp16", True), "float32": ("bf16", False)}

@@ -27,14 +27,12 @@ SIZE_KEYS = ("dp_shard_size", "dp_replicate_size", "tensor_parallel_size", "cont
 # Sizes above 1 that this trainer refuses, with the reason (a size of 1 is "none" and accepted).
 REFUSED = {
     "tensor_parallel_size": (
-        "tensor parallelism is not supported: the loop counts tokens and normalises the loss once per data-"
-        "parallel rank, and ranks of one tensor-parallel group would need the same batches and one vote; use "
-        "dp_shard_size (FSDP) to fit a large model"),
+        "tensor parallelism is not supported: ranks of one tensor-parallel group must share batches, counts and "
+        "checkpoints, which this loop does not arrange, so use dp_shard_size (FSDP) to fit a large model"),
     "context_parallel_size": (
-        "context parallelism is not supported: Axolotl splits each sequence over ranks with ring-flash-attn "
-        "(flash-attention varlen kernels, GPUs only) and torch's own context parallel needs CUDA SDPA kernels "
-        "and a plain causal mask, which packed sequences do not have; use dp_shard_size (FSDP) with "
-        "gradient_checkpointing for long sequences"),
+        "context parallelism is not supported: Axolotl splits sequences over ranks with ring-flash-attn (flash-"
+        "attention varlen kernels, GPUs only), and torch's context parallel needs CUDA SDPA kernels and a plain "
+        "causal mask, which packed sequences do not have, so use dp_shard_size (FSDP) with gradient_checkpointing"),
 }
 
 
@@ -67,6 +65,7 @@ def given(cfg) -> dict[str, int]:
 
 def check(cfg, fsdp: bool) -> list[str]:
     """Config-time checks (the world size is not known yet); returns notes."""
+    sync_each_batch(cfg)
     sizes = given(cfg)
     if not sizes:
         return []
@@ -74,7 +73,7 @@ def check(cfg, fsdp: bool) -> list[str]:
     shard, replicate = sizes.get("dp_shard_size", 1), sizes.get("dp_replicate_size", 1)
     if shard > 1 and not fsdp:
         problems.append(f"dp_shard_size: {shard} shards the model with FSDP, so it needs fsdp_version: 2 and "
-                        "fsdp_config (as Axolotl requires)" + ("; deepspeed shards by its own ZeRO config" if cfg.deepspeed else ""))
+                        "fsdp_config (as Axolotl requires)" + (", not deepspeed (which shards by its ZeRO stage)" if cfg.deepspeed else ""))
     if fsdp and replicate > 1 and (cfg.fsdp_version or (cfg.fsdp_config or {}).get("fsdp_version")
                                    or (cfg.fsdp_config or {}).get("version") or 1) != 2:
         problems.append(f"dp_replicate_size: {replicate} with FSDP (HSDP) needs fsdp_version: 2 (accelerate "
@@ -168,3 +167,24 @@ def placement(model) -> str | None:
     names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
     dims = " x ".join(f"{n}={s}" for n, s in zip(names, mesh.shape))
     return f"mesh {dims}, placements {', '.join(repr(p) for p in param.placements)}"
+
+
+def sync_each_batch(cfg) -> bool:
+    """accelerator_config.gradient_accumulation_kwargs.sync_each_batch: reduce gradients after every micro-batch
+    instead of once per step (FSDP then keeps only sharded gradients between micro-batches: less memory, the same
+    sums). The rest of accelerate's AcceleratorConfig concerns accelerate's data loaders and accumulation, which
+    this loop does not use: refused with the reason."""
+    options = dict(cfg.accelerator_config or {})
+    accumulation = options.pop("gradient_accumulation_kwargs", None) or {}
+    if not isinstance(accumulation, dict):
+        raise ConfigError("accelerator_config.gradient_accumulation_kwargs: must be a mapping")
+    accumulation = dict(accumulation)
+    value = accumulation.pop("sync_each_batch", False)
+    unknown = [f"accelerator_config.{k}" for k in options] + [
+        f"accelerator_config.gradient_accumulation_kwargs.{k}" for k in accumulation]
+    if unknown:
+        raise ConfigError(f"{', '.join(unknown)}: not supported (this trainer shards, batches and accumulates "
+                          "itself; only gradient_accumulation_kwargs.sync_each_batch applies)")
+    if not isinstance(value, bool):
+        raise ConfigError("accelerator_config.gradient_accumulation_kwargs.sync_each_batch: must be true or false")
+    return value

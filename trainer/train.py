@@ -108,6 +108,15 @@ def make_optimizer(cfg: Config, model) -> torch.optim.Optimizer:
     return build(cfg, model)
 
 
+def warmup_steps(cfg: Config, total_steps: int) -> int:
+    """warmup_steps (a float below 1 is a fraction of the steps, as transformers v5's TrainingArguments reads
+    the value Axolotl passes it), else warmup_ratio of the steps, rounded up."""
+    given = cfg.warmup_steps
+    if given is not None and given >= 1:
+        return int(given)
+    return math.ceil((given if given is not None else cfg.warmup_ratio or 0) * total_steps)
+
+
 def cadence(every: int | None, per_epoch: int | None, steps_per_epoch: int) -> int | None:
     """eval_steps / save_steps, or the step interval that gives evals/saves_per_epoch."""
     if every:
@@ -182,7 +191,7 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
 
     # 5. optimizer and schedule
     optimizer = make_optimizer(cfg, model)
-    warmup = cfg.warmup_steps if cfg.warmup_steps is not None else math.ceil((cfg.warmup_ratio or 0) * total_steps)
+    warmup = warmup_steps(cfg, total_steps)
     schedule = "constant_with_warmup" if cfg.lr_scheduler == "constant" else cfg.lr_scheduler
     extra = {}
     if cfg.cosine_min_lr_ratio is not None and schedule == "cosine":  # Axolotl's floor for the cosine decay
@@ -230,6 +239,9 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
     # pairs or examples for preference objectives), counted before the first backward in ONE all-reduce of a
     # fixed-size vector. DDP averages gradients over ranks and DeepSpeed divides by ga: scale to undo both.
     loss_scale = world * (ga if cfg.deepspeed else 1)
+    from trainer.parallelism import sync_each_batch
+
+    sync_every = sync_each_batch(cfg)  # accelerator_config: reduce gradients after every micro-batch
     evaluation = Evaluation(cfg, objective, unwrapped, data.validation, reference.get("validation"), rank, world,
                             device, say)
     metrics = loggers.Trackers(MetricsLog(output_dir / "metrics.jsonl", main, fresh=step == 0), cfg, output_dir, main,
@@ -254,7 +266,7 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
                 sums = torch.zeros(len(objective.metric_names), dtype=torch.float64, device=device)
                 for i, batch in enumerate(micro_batches):
                     batch = to_device(batch, device)
-                    sync = nullcontext() if i == ga - 1 else accelerator.no_sync(model)
+                    sync = nullcontext() if i == ga - 1 or sync_every else accelerator.no_sync(model)
                     if cfg.deepspeed:  # accelerate steps the DeepSpeed engine in every backward made with
                         accelerator.sync_gradients = i == ga - 1  # sync_gradients set: only in the step's last one
                     with sync, phase(f"step {step + 1} (backward)", rank, timeout):

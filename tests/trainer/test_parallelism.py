@@ -129,6 +129,19 @@ def test_dp_shard_size_shards_over_two_processes_and_matches_ddp(tmp_path, tiny_
 
 @pytest.mark.distributed
 @pytest.mark.slow
+def test_falcon_e_sizes_of_one_and_sync_each_batch_shard_over_all_processes(tmp_path, tiny_llama, ddp_reference):
+    """Axolotl's falcon-e configs: every size spelled as 1 (FSDP then shards over all ranks, as in Axolotl) and
+    accelerator_config's sync_each_batch (gradients reduce-scattered after every micro-batch, not once per step)."""
+    falcon = {**FSDP2, "dp_shard_size": 1, "dp_replicate_size": 1, "tensor_parallel_size": 1,
+              "context_parallel_size": 1, "gradient_accumulation_steps": 2,
+              "accelerator_config": {"gradient_accumulation_kwargs": {"sync_each_batch": True}}}
+    out, result = run(tmp_path, tiny_llama, "falcon", 2, falcon)
+    assert "parallelism: FSDP over 2 processes; mesh dim0=2, placements Shard(dim=0)" in result.stderr
+    assert_same_as(out, ddp_reference)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_hsdp_replicates_two_sharded_copies_matches_ddp_and_resumes(tmp_path, tiny_llama, ddp_reference):
     hsdp = {**FSDP2, "dp_shard_size": 2, "dp_replicate_size": 2}
     out, result = run(tmp_path, tiny_llama, "hsdp", 4, hsdp)
