@@ -17,7 +17,7 @@ from trainer.hardware import Runtime
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def load_model(cfg: Config, runtime: Runtime, tokenizer, source: str | None = None):
+def load_model(cfg: Config, runtime: Runtime, tokenizer, source: str | None = None, load_kwargs: dict | None = None):
     from transformers import AutoModelForCausalLM
 
     from trainer.quantization import bnb_config
@@ -30,6 +30,7 @@ def load_model(cfg: Config, runtime: Runtime, tokenizer, source: str | None = No
         extra["quantization_config"] = quantization
     if cfg.revision_of_model:
         extra["revision"] = cfg.revision_of_model
+    extra.update(load_kwargs or {})  # tensor parallelism: transformers' DistributedConfig (trainer/parallelism.py)
     try:
         model = AutoModelForCausalLM.from_pretrained(
             source, dtype=dtype, attn_implementation=runtime.attention, trust_remote_code=cfg.trust_remote_code,

@@ -26,9 +26,6 @@ SIZE_KEYS = ("dp_shard_size", "dp_replicate_size", "tensor_parallel_size", "cont
 
 # Sizes above 1 that this trainer refuses, with the reason (a size of 1 is "none" and accepted).
 REFUSED = {
-    "tensor_parallel_size": (
-        "tensor parallelism is not supported: ranks of one tensor-parallel group must share batches, counts and "
-        "checkpoints, which this loop does not arrange, so use dp_shard_size (FSDP) to fit a large model"),
     "context_parallel_size": (
         "context parallelism is not supported: Axolotl splits sequences over ranks with ring-flash-attn (flash-"
         "attention varlen kernels, GPUs only), and torch's context parallel needs CUDA SDPA kernels and a plain "
@@ -40,16 +37,31 @@ REFUSED = {
 class Mesh:
     dp_replicate: int
     dp_shard: int
+    tp: int = 1
+
+    @property
+    def data_world(self) -> int:
+        """Ranks that see different batches (the ranks of one tensor-parallel group share theirs)."""
+        return self.dp_replicate * self.dp_shard
 
     @property
     def world(self) -> int:
-        return self.dp_replicate * self.dp_shard
+        return self.data_world * self.tp
+
+    def data_rank(self, rank: int) -> int:
+        """tp is the innermost mesh dimension (accelerate's and transformers' order): consecutive ranks form
+        one tensor-parallel group."""
+        return rank // self.tp
 
     @property
     def hybrid(self) -> bool:
         return self.dp_replicate > 1 and self.dp_shard > 1
 
     def describe(self) -> str:
+        if self.tp > 1:
+            dp = (f"{self.dp_replicate} replicas x {self.dp_shard}-way FSDP shards" if self.hybrid else
+                  f"{self.dp_shard}-way FSDP shards" if self.dp_shard > 1 else "no data parallelism")
+            return f"{self.tp}-way tensor parallel x {dp} ({self.world} processes)"
         if self.hybrid:
             return (f"HSDP: {self.dp_replicate} replicas x {self.dp_shard}-way FSDP shards "
                     f"({self.world} processes)")
@@ -70,7 +82,7 @@ def check(cfg, fsdp: bool) -> list[str]:
     if not sizes:
         return []
     problems = [f"{key}: {sizes[key]} ({reason})" for key, reason in REFUSED.items() if sizes.get(key, 1) > 1]
-    shard, replicate = sizes.get("dp_shard_size", 1), sizes.get("dp_replicate_size", 1)
+    shard, replicate, tp = (sizes.get(k, 1) for k in ("dp_shard_size", "dp_replicate_size", "tensor_parallel_size"))
     if shard > 1 and not fsdp:
         problems.append(f"dp_shard_size: {shard} shards the model with FSDP, so it needs fsdp_version: 2 and "
                         "fsdp_config (as Axolotl requires)" + (", not deepspeed (which shards by its ZeRO stage)" if cfg.deepspeed else ""))
@@ -78,37 +90,53 @@ def check(cfg, fsdp: bool) -> list[str]:
                                    or (cfg.fsdp_config or {}).get("version") or 1) != 2:
         problems.append(f"dp_replicate_size: {replicate} with FSDP (HSDP) needs fsdp_version: 2 (accelerate "
                         "builds HSDP on FSDP2's device mesh)")
+    if tp > 1:
+        for clash, why in ((cfg.deepspeed, "deepspeed (Axolotl's DeepSpeed AutoTP is not supported)"),
+                           (cfg.adapter, f"adapter: {cfg.adapter} (LoRA on tensor-parallel weights is not supported)"),
+                           (cfg.rl, f"rl: {cfg.rl} (the reference pass runs each rank's own share of pairs)")):
+            if clash:
+                problems.append(f"tensor_parallel_size: {tp} with {why}")
     if problems:
         raise ConfigError("; ".join(problems))
-    fixed = (shard if shard > 1 else 1) * replicate
+    fixed = (shard if shard > 1 else 1) * replicate * tp
+    notes = []
+    if tp > 1:
+        notes.append(f"tensor_parallel_size: {tp}: the model is loaded sharded by transformers (the model's tp_plan, "
+                     "DistributedConfig" + (" with FSDP2 over the other ranks; fsdp_config's wrapping and offload "
+                                            "settings are transformers' own there)" if fsdp else ")"))
     if fsdp:
         kind = (f"HSDP, {replicate} replicas of the sharded model" if replicate > 1 else "FSDP")
         shard_text = f"{shard}-way shards" if shard > 1 else "shards over the processes the other sizes leave"
-        return [f"parallelism: {kind}, {shard_text}; needs a multiple of {fixed} processes, checked at launch"
-                if fixed > 1 else f"parallelism: sizes of 1 mean none; FSDP {shard_text}"]
+        return notes + [f"parallelism: {kind}, {shard_text}; needs a multiple of {fixed} processes, checked at launch"
+                        if fixed > 1 else f"parallelism: sizes of 1 mean none; FSDP {shard_text}"]
+    if tp > 1:
+        return notes + [f"parallelism: tensor parallel alone needs exactly {tp} processes, checked at launch"]
     return [f"parallelism: data parallel (DDP), dp_replicate_size {replicate} must equal the number of processes, "
             "checked at launch" if replicate > 1 else "parallelism: sizes of 1 mean none"]
 
 
 def mesh_for(cfg, world: int, fsdp: bool) -> Mesh | None:
-    """The data-parallel mesh for `world` processes (None when no size key is set). Raises ConfigError naming
-    the sizes when they do not fit the number of processes."""
+    """The mesh for `world` processes (None when no size key is set). Raises ConfigError naming the sizes when
+    they do not fit the number of processes."""
     sizes = given(cfg)
     if not sizes:
         return None
     check(cfg, fsdp)
     shard = sizes.get("dp_shard_size") or 1
     replicate = sizes.get("dp_replicate_size")
-    asked = " x ".join(f"{k} {v}" for k, v in sizes.items() if k in ("dp_shard_size", "dp_replicate_size") and v > 1)
+    tp = sizes.get("tensor_parallel_size") or 1
+    asked = " x ".join(f"{k} {v}" for k, v in sizes.items() if v > 1)
 
     def mismatch() -> ConfigError:
-        both = shard > 1 and replicate and replicate > 1
-        fixed = shard * (replicate or 1)
-        need = f"= {fixed} processes" if both or not fsdp else f"needs a multiple of {fixed} processes"
+        fixed = shard * (replicate or 1) * tp
+        exact = (shard > 1 and replicate and replicate > 1) or not fsdp
+        need = f"= {fixed} processes" if exact else f"needs a multiple of {fixed} processes"
         return ConfigError(f"{asked} {need}, but this run has {world} (WORLD_SIZE): launch that many processes "
                            "(torchrun --nproc-per-node, times the nodes) or change the sizes")
 
-    rest = world
+    if world % tp:
+        raise mismatch()
+    rest = world // tp
     if replicate and replicate > 1:
         if rest % replicate:
             raise mismatch()
@@ -121,14 +149,15 @@ def mesh_for(cfg, world: int, fsdp: bool) -> Mesh | None:
             if replicate and replicate > 1:
                 raise mismatch()
             replicate = left
-        return Mesh(dp_replicate=replicate or 1, dp_shard=shard)
+        return Mesh(dp_replicate=replicate or 1, dp_shard=shard, tp=tp)
     # dp_shard_size unset or 1: under FSDP the ranks left shard (Axolotl's fill); without FSDP they are DDP
-    # replicas, and dp_replicate_size, when given, must account for all of them
+    # replicas, and dp_replicate_size, when given, must account for all of them; tensor parallelism without
+    # FSDP takes every rank (accelerate does not compose DDP replicas with it)
     if fsdp:
-        return Mesh(dp_replicate=replicate or 1, dp_shard=rest)
-    if replicate and replicate > 1 and rest != 1:
+        return Mesh(dp_replicate=replicate or 1, dp_shard=rest, tp=tp)
+    if (replicate and replicate > 1 or tp > 1) and rest != 1:
         raise mismatch()
-    return Mesh(dp_replicate=world, dp_shard=1)
+    return Mesh(dp_replicate=world // tp, dp_shard=1, tp=tp)
 
 
 def world_size() -> int:
@@ -136,8 +165,9 @@ def world_size() -> int:
 
 
 def parallelism_config(mesh: Mesh | None):
-    """accelerate's ParallelismConfig for an HSDP mesh; None where plain FSDP/DDP over all ranks is the same."""
-    if mesh is None or not mesh.hybrid:
+    """accelerate's ParallelismConfig for an HSDP mesh; None where plain FSDP/DDP over all ranks is the same,
+    and with tensor parallelism, where transformers shards the model itself (load_kwargs)."""
+    if mesh is None or not mesh.hybrid or mesh.tp > 1:
         return None
     from accelerate import ParallelismConfig
 
@@ -188,3 +218,39 @@ def sync_each_batch(cfg) -> bool:
     if not isinstance(value, bool):
         raise ConfigError("accelerator_config.gradient_accumulation_kwargs.sync_each_batch: must be true or false")
     return value
+
+
+def load_kwargs(mesh: Mesh | None) -> dict:
+    """from_pretrained arguments: with tensor parallelism, transformers' DistributedConfig loads the model already
+    sharded on its (dp_replicate, fsdp, tp) mesh -- tp by the model's tp_plan, FSDP2 over the data ranks."""
+    if mesh is None or mesh.tp == 1:
+        return {}
+    from transformers.distributed import DistributedConfig
+
+    return {"distributed_config": DistributedConfig(tp_size=mesh.tp, fsdp_size=mesh.dp_shard,
+                                                    dp_replicate_size=mesh.dp_replicate)}
+
+
+def after_load(model, mesh: Mesh | None) -> None:
+    """The trainer gathers and writes checkpoints itself (trainer.distributed): drop the training mesh from the
+    model's config, or save_pretrained on rank 0 alone would enter transformers' distributed save (a collective)."""
+    if mesh is not None and mesh.tp > 1 and hasattr(model.config, "distributed_config"):
+        del model.config.distributed_config
+
+
+def autocast(model, accelerator):
+    """The model's forward under the run's mixed precision, as accelerate's prepare would wrap it (the tensor-
+    parallel model is not passed through prepare). fp32 (CPU) runs unchanged."""
+    if accelerator.mixed_precision == "no":
+        return model
+    import functools
+
+    forward = model.forward
+
+    @functools.wraps(forward)
+    def wrapped(*args, **kwargs):
+        with accelerator.autocast():
+            return forward(*args, **kwargs)
+
+    model.forward = wrapped
+    return model
