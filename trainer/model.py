@@ -37,6 +37,10 @@ def load_model(cfg: Config, runtime: Runtime, tokenizer, source: str | None = No
             **extra)
     except OSError as err:
         raise ConfigError(f"cannot load the model from {source}: {str(err).splitlines()[0]}") from None
+    except ValueError as err:  # e.g. a model with no tp_plan asked for tensor_parallel_size
+        if not load_kwargs:
+            raise
+        raise ConfigError(f"tensor_parallel_size: cannot shard {source}: {str(err).splitlines()[0]}") from None
     resize_embeddings(cfg, model, tokenizer)
     model.config.use_cache = False  # no KV cache in training; the collator's mask keeps packed rows apart
     checkpointing = {"use_reentrant": reentrant(cfg)}
