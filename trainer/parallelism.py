@@ -107,7 +107,8 @@ def check(cfg, fsdp: bool) -> list[str]:
     if fsdp:
         kind = (f"HSDP, {replicate} replicas of the sharded model" if replicate > 1 else "FSDP")
         shard_text = f"{shard}-way shards" if shard > 1 else "shards over the processes the other sizes leave"
-        return notes + [f"parallelism: {kind}, {shard_text}; needs a multiple of {fixed} processes, checked at launch"
+        count = f"{fixed}" if shard > 1 and replicate > 1 else f"a multiple of {fixed}"
+        return notes + [f"parallelism: {kind}, {shard_text}; needs {count} processes, checked at launch"
                         if fixed > 1 else f"parallelism: sizes of 1 mean none; FSDP {shard_text}"]
     if tp > 1:
         return notes + [f"parallelism: tensor parallel alone needs exactly {tp} processes, checked at launch"]
