@@ -170,8 +170,13 @@ def parallelism_config(mesh: Mesh | None):
     and with tensor parallelism, where transformers shards the model itself (load_kwargs)."""
     if mesh is None or not mesh.hybrid or mesh.tp > 1:
         return None
-    from accelerate import ParallelismConfig
+    try:
+        from accelerate import ParallelismConfig
+    except ImportError:
+        import accelerate
 
+        raise ConfigError(f"dp_replicate_size: HSDP needs accelerate's ParallelismConfig (accelerate >= 1.10; "
+                          f"installed: {accelerate.__version__})") from None
     return ParallelismConfig(dp_replicate_size=mesh.dp_replicate, dp_shard_size=mesh.dp_shard)
 
 
@@ -226,8 +231,18 @@ def load_kwargs(mesh: Mesh | None) -> dict:
     sharded on its (dp_replicate, fsdp, tp) mesh -- tp by the model's tp_plan, FSDP2 over the data ranks."""
     if mesh is None or mesh.tp == 1:
         return {}
-    from transformers.distributed import DistributedConfig
+    import dataclasses
 
+    import transformers
+
+    try:
+        from transformers.distributed import DistributedConfig
+    except ImportError:
+        DistributedConfig = None
+    fields = {f.name for f in dataclasses.fields(DistributedConfig)} if dataclasses.is_dataclass(DistributedConfig) else set()
+    if not {"tp_size", "fsdp_size", "dp_replicate_size"} <= fields:
+        raise ConfigError(f"tensor_parallel_size: needs transformers' DistributedConfig with tp_size, fsdp_size and "
+                          f"dp_replicate_size (transformers 5.2x; installed: {transformers.__version__})")
     return {"distributed_config": DistributedConfig(tp_size=mesh.tp, fsdp_size=mesh.dp_shard,
                                                     dp_replicate_size=mesh.dp_replicate)}
 
