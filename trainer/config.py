@@ -216,7 +216,7 @@ class Config(BaseModel):
     resume_from_checkpoint: str | None = None
     auto_resume_from_checkpoints: bool = False
 
-    # --- N-D parallelism (trainer/parallelism.py: accelerate's ParallelismConfig; tp/cp above 1 refused) ---
+    # --- N-D parallelism (trainer/parallelism.py; context_parallel_size above 1 refused) ----------------------
     dp_shard_size: int | None = Field(None, ge=1)  # FSDP shards over this many ranks (unset/1: all left)
     dp_replicate_size: int | None = Field(None, ge=1)  # replicas of the sharded model (HSDP with dp_shard_size)
     tensor_parallel_size: int | None = Field(None, ge=1)
