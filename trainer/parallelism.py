@@ -10,9 +10,10 @@ shard (dp_shard_size: 1 with 4 processes shards over 4), and when dp_shard_size 
 dp_replicate_size is unset, they replicate. What does not divide the world evenly is an error naming the
 sizes and the number of processes, before any work.
 
-Supported here: dp_shard_size and dp_replicate_size (FSDP and HSDP; HSDP through accelerate's device mesh,
-FSDP2 only), on GPUs and on CPU over gloo. tensor_parallel_size and context_parallel_size above 1 are refused
-(REFUSED below says why); a size of 1 means "none" and is accepted.
+Supported here: dp_shard_size and dp_replicate_size (FSDP, and HSDP through accelerate's device mesh, FSDP2
+only), and tensor_parallel_size (transformers loads the model sharded by its tp_plan, with FSDP2/HSDP over the
+ranks TP leaves), on GPUs and on CPU over gloo. context_parallel_size above 1 is refused (REFUSED says why);
+a size of 1 means "none" and is accepted. expert_parallel_size stays in config.UNSUPPORTED_KEYS.
 """
 
 from __future__ import annotations
