@@ -143,7 +143,7 @@ class Config(BaseModel):
     lr_scheduler: Literal["cosine", "linear", "constant", "constant_with_warmup"] = "cosine"
     cosine_min_lr_ratio: float | None = Field(None, ge=0, le=1)  # cosine decays to this fraction of learning_rate
     warmup_ratio: float | None = Field(None, ge=0, lt=1)
-    warmup_steps: int | None = Field(None, ge=0)
+    warmup_steps: int | float | None = Field(None, ge=0)  # a float < 1 is a fraction of the steps (transformers v5)
     optimizer: str = "adamw_torch"  # a name in trainer.optim (checked against matrices/optimizers.toml)
     optim_args: dict[str, Any] | str | None = None  # extra optimizer arguments, as transformers' optim_args
     weight_decay: float = Field(0.0, ge=0)
@@ -227,6 +227,14 @@ class Config(BaseModel):
     fp8_enable_fsdp_float8_all_gather: bool = False
     cosine_constant_lr_ratio: float | None = Field(None, ge=0, le=1)  # cosine to cosine_min_lr_ratio by this fraction of the steps, then flat
     save_only_model: bool = False  # checkpoints without optimizer/scheduler/RNG state (resume restarts the optimizer)
+    # --- N-D parallelism (trainer/parallelism.py; context_parallel_size above 1 refused) ----------------------
+    dp_shard_size: int | None = Field(None, ge=1)  # FSDP shards over this many ranks (unset/1: all left)
+    dp_replicate_size: int | None = Field(None, ge=1)  # replicas of the sharded model (HSDP with dp_shard_size)
+    tensor_parallel_size: int | None = Field(None, ge=1)
+    context_parallel_size: int | None = Field(None, ge=1)
+    # accelerate's AcceleratorConfig, as Axolotl passes it: only gradient_accumulation_kwargs.sync_each_batch
+    accelerator_config: dict[str, Any] | None = None
+    min_sample_len: int | None = Field(None, ge=1)  # SFT rows with fewer tokens are dropped (Axolotl's filter)
     # ------------------------------------------------------------------------------------------------------
 
     # --- preference training (Axolotl's names; defaults as TRL's configs) --------------------------------
@@ -281,6 +289,11 @@ class Config(BaseModel):
         self._check_preference()
         if self.warmup_ratio is not None and self.warmup_steps is not None:
             raise ValueError("set warmup_ratio or warmup_steps, not both")
+        if self.min_sample_len is not None and (self.rl or self.min_sample_len > self.sequence_len):
+            raise ValueError(f"min_sample_len: {self.min_sample_len} must be at most sequence_len ({self.sequence_len})"
+                             if not self.rl else "min_sample_len: applies to SFT data, not to rl: preference pairs")
+        if isinstance(self.warmup_steps, float) and self.warmup_steps >= 1 and not self.warmup_steps.is_integer():
+            raise ValueError(f"warmup_steps: {self.warmup_steps} is neither a step count nor a fraction (< 1) of the steps")
         if self.bf16 is True and self.fp16:
             raise ValueError("bf16 and fp16 are both true; choose one (or bf16: auto)")
         if self.eval_steps and self.evals_per_epoch:
@@ -384,9 +397,9 @@ UNSUPPORTED_KEYS: dict[str, str] = {
     **{k: "only rl: dpo, ipo, orpo, kto and simpo are supported (no GRPO, reward models or TRL pass-through)" for k in (
         "trl", "reward_model", "process_reward_model", "dpo_use_weighting", "dpo_use_liger_kernel",
         "dpo_padding_free", "dpo_loss_weights", "rl_adapter_ref_model", "dpo_norm_loss")},
-    **{k: "tensor/context/expert parallelism is not supported (use FSDP, DeepSpeed or DDP)" for k in (
-        "tensor_parallel_size", "context_parallel_size", "sequence_parallel_degree", "dp_shard_size",
-        "dp_replicate_size", "expert_parallel_size")},
+    **{k: "context and expert parallelism are not supported (use FSDP, DeepSpeed or DDP)" for k in (
+        "sequence_parallel_degree",
+        "expert_parallel_size")},
     **{k: "not supported" for k in (
         "group_by_length", "curriculum_sampling", "early_stopping_patience",
         "neftune_noise_alpha", "noisy_embedding_alpha", "s2_attention", "flex_attention", "sage_attention",
@@ -401,6 +414,13 @@ UNSUPPORTED_KEYS: dict[str, str] = {
         "optim_target_modules", "sequence_len_overflow_handling", "max_packed_sequence_len",
         "torchdistx_path")},
 }
+
+UNSUPPORTED_KEYS["use_onebitllms"] = (
+    "Falcon-E's BitNet training swaps every linear layer for onebitllms' ternary BitLinear, a different model "
+    "and training that this trainer does not implement")
+PERFORMANCE_KEYS.update({k: "ALST's tiled MLP (the MLP computed in sequence chunks) is a memory option this trainer "
+                            "does not implement (same training, more memory)"
+                         for k in ("tiled_mlp", "tiled_mlp_num_shards", "tiled_mlp_use_original_mlp")})
 
 # Legacy dtype switches: the same as bf16/fp16 (float32: neither).
 LEGACY_DTYPE_KEYS = {"bfloat16": ("bf16", True), "float16": ("fp16", True), "float32": ("bf16", False)}
@@ -508,7 +528,7 @@ def parse_config(raw: Any) -> tuple[Config, list[str]]:
 
 def _named_choices(cfg: Config, notes: list[str]) -> list[str]:
     """Choices checked against data tables: optimizer, chat templates, plugins, FSDP settings."""
-    from trainer import chat_templates, distributed, kernels, mistral_tokenizer, optim, qat, schedule
+    from trainer import chat_templates, distributed, kernels, mistral_tokenizer, optim, parallelism, qat, schedule
 
     problems = []
     if cfg.gradient_checkpointing == "offload":
@@ -523,6 +543,7 @@ def _named_choices(cfg: Config, notes: list[str]) -> list[str]:
     checks += [lambda: notes.extend(kernels.check_plugins(cfg)), lambda: notes.extend(distributed.check(cfg))]
     checks += [lambda: notes.extend(mistral_tokenizer.check(cfg))]
     checks += [lambda: qat.check_config(cfg), lambda: notes.extend(schedule.notes(cfg))]
+    checks += [lambda: notes.extend(parallelism.check(cfg, distributed.enabled(cfg)))]
     for check in checks:
         try:
             check()

@@ -91,7 +91,7 @@ def cache_key(cfg: Config, tokenizer, hub_fingerprints: list[str]) -> str:
         "kind": "kto" if cfg.rl == "kto" else "pairs" if cfg.rl else "sft",  # DPO/ORPO/SimPO share their tokens
         **{k: getattr(cfg, k) for k in ("sequence_len", "excess_length_strategy", "train_on_inputs", "val_set_size",
                                        "seed", "shuffle_merged_datasets", "chat_template", "chat_template_jinja",
-                                       "eot_tokens", "dataset_exact_deduplication")},
+                                       "eot_tokens", "dataset_exact_deduplication", "min_sample_len")},
     }
     return hashlib.sha256(json.dumps(relevant, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
@@ -171,6 +171,10 @@ def filter_and_split(cfg: Config, data) -> tuple[object, object | None, dict]:
             if targets > 0 and not (long and drop)]
     stats["dropped_no_targets"] = len(data) - len(keep) - stats["dropped_too_long"]
     data = data.select(keep).remove_columns(["too_long"])
+    if cfg.min_sample_len:  # Axolotl's lower bound on a row's tokens (SFT only: checked by Config)
+        long_enough = [i for i, n in enumerate(data["length"]) if n >= cfg.min_sample_len]
+        stats["dropped_too_short"] = len(data) - len(long_enough)
+        data = data.select(long_enough)
     if cfg.dataset_exact_deduplication:
         seen, unique = set(), []
         for i, row in enumerate(data):

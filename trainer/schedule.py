@@ -38,6 +38,15 @@ def decay_constant_factor(step: int, *, warmup: int, total: int, constant_ratio:
     return max(0.0, (1 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * num_cycles * 2.0 * progress))) + min_ratio
 
 
+def warmup_steps(cfg, total_steps: int) -> int:
+    """warmup_steps (a float below 1 is a fraction of the steps, as transformers v5's TrainingArguments reads
+    the value Axolotl passes it), else warmup_ratio of the steps, rounded up."""
+    given = cfg.warmup_steps
+    if given is not None and given >= 1:
+        return int(given)
+    return math.ceil((given if given is not None else cfg.warmup_ratio or 0) * total_steps)
+
+
 def make_scheduler(cfg, optimizer, warmup: int, total_steps: int):
     from torch.optim.lr_scheduler import LambdaLR
     from transformers import get_scheduler
