@@ -79,6 +79,16 @@ class DatasetConfig(BaseModel):
         return (self.message_property_mappings or {}).get("content") or self.message_field_content or "content"
 
 
+class LoftQOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    loftq_bits: Literal[4] = 4  # Axolotl's LoftQConfig: 4-bit NF4 (peft's LoftQ also knows 8; Axolotl's examples use 4)
+
+
+class PeftOptions(BaseModel):  # Axolotl's `peft:` block
+    model_config = ConfigDict(extra="forbid")
+    loftq_config: LoftQOptions | None = None
+
+
 class Config(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -216,6 +226,38 @@ class Config(BaseModel):
     resume_from_checkpoint: str | None = None
     auto_resume_from_checkpoints: bool = False
 
+    # --- long tail: training order, LISA, LoftQ, early stopping, quadratic warmup (Axolotl's names) -------
+    group_by_length: bool = False  # the HF Trainer's length-grouped order (no effect with sample_packing, as in Axolotl)
+    curriculum_sampling: bool = False  # the data's own order every epoch, no shuffle (trainer.ordering)
+    sample_packing_sequentially: bool = False  # next-fit packing in order instead of best-fit (trainer.ordering)
+    lisa_n_layers: int | None = Field(None, ge=1)  # LISA: train this many randomly chosen layers ... (trainer.lisa)
+    lisa_step_interval: int | None = Field(None, ge=1)  # ... re-drawn every this many steps
+    lisa_layers_attribute: str = "model.layers"  # where the layers are, under the model
+    peft: PeftOptions | None = None  # peft.loftq_config.loftq_bits: LoftQ initialisation of LoRA (trainer.loftq)
+    early_stopping_patience: int | None = Field(None, ge=1)  # stop after this many evals without a better eval_loss
+    lr_quadratic_warmup: bool = False  # cosine schedule with a quadratic warmup (trainer.schedules)
+
+    def _check_longtail(self) -> None:
+        if (self.lisa_n_layers is None) != (self.lisa_step_interval is None):
+            raise ValueError("lisa_n_layers and lisa_step_interval go together: set both (or neither)")
+        if self.lisa_n_layers is not None:
+            if self.adapter or self.unfrozen_parameters:
+                raise ValueError("lisa_n_layers: LISA trains whole layers of a full fine-tune; remove adapter / "
+                                 "unfrozen_parameters")
+            if self.deepspeed or self.fsdp or self.fsdp_config or self.fsdp_version:
+                raise ValueError("lisa_n_layers: not with DeepSpeed or FSDP (their sharded optimizers fix the trained "
+                                 "parameters up front; LISA changes them every lisa_step_interval steps)")
+        if self.peft and self.peft.loftq_config and self.adapter != "lora":
+            raise ValueError("peft.loftq_config needs adapter: lora on an unquantized base (LoftQ initialises LoRA "
+                             "against its own 4-bit quantization of the weights)")
+        if self.early_stopping_patience:
+            if not (self.save_steps and self.eval_steps) or self.save_steps % self.eval_steps:
+                raise ValueError("early_stopping_patience needs save_steps and eval_steps, with eval_steps dividing "
+                                 "save_steps (as Axolotl requires: the best checkpoint becomes the final model)")
+            if not self.val_set_size:
+                raise ValueError("early_stopping_patience needs a validation split (val_set_size)")
+    # ------------------------------------------------------------------------------------------------------
+
     # --- preference training (Axolotl's names; defaults as TRL's configs) --------------------------------
     rl: Literal["dpo", "ipo", "orpo", "kto", "simpo"] | None = None
     rl_beta: float | None = Field(None, gt=0)  # DPO/IPO/KTO/SimPO beta (TRL default 0.1)
@@ -266,6 +308,7 @@ class Config(BaseModel):
     @model_validator(mode="after")
     def _consistent(self) -> Config:
         self._check_preference()
+        self._check_longtail()
         if self.warmup_ratio is not None and self.warmup_steps is not None:
             raise ValueError("set warmup_ratio or warmup_steps, not both")
         if self.bf16 is True and self.fp16:
@@ -325,6 +368,10 @@ INERT_KEYS: dict[str, str] = {
     "is_qwen_derived_model": "model family is read from the model's config",
     "is_falcon_derived_model": "model family is read from the model's config",
     "eval_max_new_tokens": "only used by eval_table_size, which is not supported",
+    "test_value": "not an Axolotl option: Axolotl's config schema drops keys it does not define, and one of its "
+                  "examples carries this one",
+    "adam_eps": "not an Axolotl option (Axolotl's schema drops it, so its optimizer keeps the default epsilon); "
+                "the epsilon is adam_epsilon",
     "save_safetensors": "checkpoints and the final model are always safetensors",
     "save_strategy": "checkpoints follow save_steps / saves_per_epoch",
     "eval_strategy": "evaluation follows eval_steps / evals_per_epoch",
@@ -364,8 +411,7 @@ UNSUPPORTED_KEYS: dict[str, str] = {
         "gptq", "gptq_disable_exllama", "model_quantization_config", "model_quantization_config_kwargs",
         "qat", "fp8", "fp8_enable_fsdp_float8_all_gather", "llmcompressor")},
     **{k: "this adapter option is not supported" for k in (
-        "lora_fan_in_fan_out", "peft_layers_to_transform", "loraplus_lr_ratio", "loraplus_lr_embedding",
-        "peft")},
+        "lora_fan_in_fan_out", "peft_layers_to_transform", "loraplus_lr_ratio", "loraplus_lr_embedding")},
     **{k: "only rl: dpo, ipo, orpo, kto and simpo are supported (no GRPO, reward models or TRL pass-through)" for k in (
         "trl", "reward_model", "process_reward_model", "dpo_use_weighting", "dpo_use_liger_kernel",
         "dpo_padding_free", "dpo_loss_weights", "rl_adapter_ref_model", "dpo_norm_loss")},
@@ -373,10 +419,9 @@ UNSUPPORTED_KEYS: dict[str, str] = {
         "tensor_parallel_size", "context_parallel_size", "sequence_parallel_degree", "dp_shard_size",
         "dp_replicate_size", "expert_parallel_size")},
     **{k: "not supported" for k in (
-        "group_by_length", "curriculum_sampling", "early_stopping_patience",
         "neftune_noise_alpha", "noisy_embedding_alpha", "s2_attention", "flex_attention", "sage_attention",
-        "unsloth_lora_mlp", "unsloth_lora_qkv", "unsloth_lora_o", "relora_steps", "lisa_n_layers",
-        "lr_quadratic_warmup", "lr_div_factor", "eval_table_size",
+        "unsloth_lora_mlp", "unsloth_lora_qkv", "unsloth_lora_o", "relora_steps",
+        "lr_div_factor", "eval_table_size",
         "eval_causal_lm_metrics", "do_causal_lm_eval", "test_datasets", "pretraining_dataset",
         "sample_packing_eff_est", "sample_packing_group_size", "sample_packing_bin_size",
         "multipack_real_batches", "save_only_model", "hub_strategy_every_save",
@@ -497,7 +542,7 @@ def parse_config(raw: Any) -> tuple[Config, list[str]]:
 
 def _named_choices(cfg: Config, notes: list[str]) -> list[str]:
     """Choices checked against data tables: optimizer, chat templates, plugins, FSDP settings."""
-    from trainer import chat_templates, distributed, kernels, optim
+    from trainer import chat_templates, distributed, kernels, optim, ordering
 
     problems = []
     if cfg.gradient_checkpointing == "offload":
@@ -510,6 +555,7 @@ def _named_choices(cfg: Config, notes: list[str]) -> list[str]:
     checks += [lambda ds=ds: chat_templates.check(ds.chat_template, ds.chat_template_jinja)
                for ds in cfg.datasets if ds.chat_template]
     checks += [lambda: notes.extend(kernels.check_plugins(cfg)), lambda: notes.extend(distributed.check(cfg))]
+    checks += [lambda: notes.extend(ordering.notes(cfg))]
     for check in checks:
         try:
             check()

@@ -161,7 +161,10 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
     objective = objectives.build(cfg, collator, token_loss_sum)
     sampler = MultipackBatchSampler(objective.lengths(data.train), cfg.micro_batch_size,
                                     objectives.capacity(cfg, cfg.sample_packing), seed=cfg.seed,
-                                    rank=rank, world_size=world, drop_last=True)
+                                    rank=rank, world_size=world, drop_last=True, shuffle=not cfg.curriculum_sampling,
+                                    group_by_length=cfg.group_by_length,
+                                    group_size=cfg.micro_batch_size * cfg.gradient_accumulation_steps,
+                                    sequential_packing=cfg.sample_packing_sequentially)
     ga = cfg.gradient_accumulation_steps
     steps_per_epoch = len(sampler) // ga
     if steps_per_epoch == 0:
@@ -183,6 +186,14 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
                               scheduler_specific_kwargs=extra)
     model, optimizer = accelerator.prepare(model, optimizer)  # the scheduler is stepped by us, once per step
     unwrapped = accelerator.unwrap_model(model)
+    lisa = None
+    if cfg.lisa_n_layers:  # after the optimizer is built over every layer: LISA then freezes all but a few
+        from trainer.lisa import Lisa
+
+        if world > 1:
+            raise ConfigError("lisa_n_layers: runs in one process here (DDP reduces a gradient for every parameter "
+                              "it was built with, so frozen layers would still be decayed and moved)")
+        lisa = Lisa(cfg, unwrapped, say)
 
     # 5b. reference log-probs (DPO, IPO, KTO): once, before any step and before a checkpoint's weights load,
     # from the cache when a previous run computed them. Never a second copy of the model.
@@ -231,6 +242,8 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
             batches = iter(loader)
             for _ in range(steps_per_epoch - consumed // ga):
                 started = time.perf_counter()
+                if lisa is not None:
+                    lisa.before_step(step)
                 micro_batches = [next(batches) for _ in range(ga)]  # moved to the device one at a time
                 consumed += ga
                 stats = torch.zeros(len(objective.stat_names), dtype=torch.float64, device=device)
