@@ -83,6 +83,11 @@ def list_checkpoints(output_dir: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name.split("-")[1]))
 
 
+def load_weights(model, path: Path) -> None:
+    """The model's (or adapter's) weights from a checkpoint directory, nothing else."""
+    _load_weights(model, Path(path))
+
+
 def _load_weights(model, path: Path) -> None:
     from safetensors.torch import load_file
 

@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from trainer import alpaca_styles
 from trainer.errors import ConfigError
 
 Attention = Literal["flash_attention_2", "flash_attention_3", "sdpa", "xformers", "eager"]
@@ -256,6 +257,9 @@ class Config(BaseModel):
                                  "save_steps (as Axolotl requires: the best checkpoint becomes the final model)")
             if not self.val_set_size:
                 raise ValueError("early_stopping_patience needs a validation split (val_set_size)")
+            if self.deepspeed or self.fsdp or self.fsdp_config or self.fsdp_version:
+                raise ValueError("early_stopping_patience: not with DeepSpeed or FSDP here (ending with the best "
+                                 "checkpoint's weights is not implemented for sharded weights)")
     # ------------------------------------------------------------------------------------------------------
 
     # --- preference training (Axolotl's names; defaults as TRL's configs) --------------------------------
@@ -288,9 +292,9 @@ class Config(BaseModel):
     def _check_preference(self) -> None:
         if self.rl is None:
             for i, ds in enumerate(self.datasets):
-                if ds.type not in PromptFormat.__args__:
+                if ds.type not in PromptFormat.__args__ and ds.type not in alpaca_styles.TYPES:
                     hint = " (a preference type: set rl: dpo, ipo, orpo, simpo or kto)" if ds.type in PAIR_TYPES + KTO_TYPES else ""
-                    raise ValueError(f"datasets.{i}.type: got {ds.type!r}{hint}; use alpaca, chat_template, completion or input_output")
+                    raise ValueError(f"datasets.{i}.type: got {ds.type!r}{hint}; use alpaca (or alpaca:instruct|chat|chatml|phi), chat_template, completion or input_output")
             return
         allowed = KTO_TYPES if self.rl == "kto" else PAIR_TYPES
         for i, ds in enumerate(self.datasets):

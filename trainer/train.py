@@ -213,6 +213,7 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
     output_dir = Path(cfg.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     step, epoch = 0, 0
+    trainer_state = {}
     resume = cfg.resume_from_checkpoint
     if resume is None and cfg.auto_resume_from_checkpoints and checkpoint.list_checkpoints(output_dir):
         resume = str(checkpoint.list_checkpoints(output_dir)[-1])
@@ -221,7 +222,7 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
             raise ConfigError(f"resume_from_checkpoint: not found: {resume}")
         state = checkpoint.load(Path(resume), unwrapped, optimizer, scheduler, accelerator.scaler, rank, world,
                                 engine=model)
-        step, epoch = state["step"], state["sampler"]["epoch"]
+        step, epoch, trainer_state = state["step"], state["sampler"]["epoch"], state
         sampler.load_state_dict(state["sampler"])
         say(f"resumed from {resume} at step {step}")
 
@@ -231,12 +232,19 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
     loss_scale = world * (ga if cfg.deepspeed else 1)
     evaluation = Evaluation(cfg, objective, unwrapped, data.validation, reference.get("validation"), rank, world,
                             device, say)
+    stopper, stopped = None, False
+    if cfg.early_stopping_patience:
+        from trainer.early_stopping import EarlyStopping
+
+        stopper = EarlyStopping(cfg.early_stopping_patience, say)
+        if "early_stopping" in trainer_state:
+            stopper.load_state_dict(trainer_state["early_stopping"])
     metrics = loggers.Trackers(MetricsLog(output_dir / "metrics.jsonl", main, fresh=step == 0), cfg, output_dir, main,
                                resumed=step > 0, log=say)
     progress = tqdm(total=total_steps, initial=step, disable=not main, desc="training", unit="step")
     model.train()
     try:  # close the progress bar on errors too, so the error is a line of its own
-        while step < total_steps:
+        while step < total_steps and not stopped:
             sampler.set_epoch(epoch)
             consumed = sampler.skip  # micro-batches of this epoch done before a resume
             batches = iter(loader)
@@ -288,13 +296,18 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
                     progress.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}",
                                          **{k: f"{report[k]:.3f}" for k in objective.progress_names if k in report})
                 if eval_every and step % eval_every == 0 and step < total_steps:
-                    metrics.write({"step": step, **evaluation.run(step)})
+                    result = evaluation.run(step)
+                    metrics.write({"step": step, **result})
+                    stopped = stopper is not None and stopper.evaluated(step, result["eval_loss"])
                 if save_every and step % save_every == 0:
                     state = {"step": step, "world_size": world, "sampler": sampler.state_dict(consumed)}
+                    if stopper is not None:
+                        stopper.saved(step)
+                        state["early_stopping"] = stopper.state_dict()
                     path = checkpoint.save(output_dir, step, unwrapped, optimizer, scheduler, accelerator.scaler,
                                            state, rank, timeout, keep=cfg.save_total_limit, engine=model)
                     say(f"saved {path}")
-                if step >= total_steps:
+                if step >= total_steps or stopped:
                     break
             else:
                 epoch += 1
@@ -303,9 +316,16 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
         raise
     finally:
         progress.close()
-    if data.validation is not None:
-        metrics.write({"step": step, **evaluation.run(step)})
+    if data.validation is not None and not stopped:  # (an early stop has just evaluated)
+        result = evaluation.run(step)
+        metrics.write({"step": step, **result})
+        if stopper is not None:
+            stopper.evaluated(step, result["eval_loss"])
     metrics.close()
+    best = stopper.best_checkpoint(output_dir, step) if stopper is not None else None
+    if best is not None:  # early stopping ends with the best checkpoint's weights, as load_best_model_at_end
+        checkpoint.load_weights(unwrapped, best)
+        say(f"the final model is {best.name}, the lowest eval_loss ({stopper.evals[int(best.name.split('-')[1])]:.4f})")
 
     # 8. the final model (or adapter) and tokenizer, in HF format
     final = output_dir / "final"
