@@ -237,6 +237,10 @@ class Config(BaseModel):
     peft: PeftOptions | None = None  # peft.loftq_config.loftq_bits: LoftQ initialisation of LoRA (trainer.loftq)
     early_stopping_patience: int | None = Field(None, ge=1)  # stop after this many evals without a better eval_loss
     lr_quadratic_warmup: bool = False  # cosine schedule with a quadratic warmup (trainer.schedules)
+    do_causal_lm_eval: bool = False  # eval_causal_lm_metrics at every evaluation (trainer.causal_lm_eval)
+    eval_causal_lm_metrics: list[str] | None = None  # Axolotl's default: sacrebleu, comet, ter, chrf
+    eval_max_new_tokens: int = Field(128, ge=1)  # Axolotl's default; perplexity's window length
+    eval_table_size: int | None = Field(None, ge=0)  # Axolotl logs prediction tables only to wandb/mlflow/comet
 
     def _check_longtail(self) -> None:
         if (self.lisa_n_layers is None) != (self.lisa_step_interval is None):
@@ -260,6 +264,18 @@ class Config(BaseModel):
             if self.deepspeed or self.fsdp or self.fsdp_config or self.fsdp_version:
                 raise ValueError("early_stopping_patience: not with DeepSpeed or FSDP here (ending with the best "
                                  "checkpoint's weights is not implemented for sharded weights)")
+        if self.do_causal_lm_eval:
+            metrics = self.eval_causal_lm_metrics or ["sacrebleu", "comet", "ter", "chrf"]
+            other = [m for m in metrics if m != "perplexity"]
+            if other:
+                raise ValueError(f"eval_causal_lm_metrics: {', '.join(other)} not supported (Axolotl scores "
+                                 "generations with the evaluate package's metric scripts, fetched from the Hugging "
+                                 "Face Hub); only perplexity is computed here")
+            if self.rl:
+                raise ValueError("do_causal_lm_eval: for SFT only (no preference training)")
+        if self.eval_table_size and (self.wandb_project or self.use_wandb or self.use_mlflow):
+            raise ValueError("eval_table_size: prediction tables are not logged to wandb/mlflow here (Axolotl logs "
+                             "them only there, and has deprecated the key for generate_samples)")
     # ------------------------------------------------------------------------------------------------------
 
     # --- preference training (Axolotl's names; defaults as TRL's configs) --------------------------------
@@ -371,7 +387,6 @@ INERT_KEYS: dict[str, str] = {
     "is_mistral_derived_model": "model family is read from the model's config",
     "is_qwen_derived_model": "model family is read from the model's config",
     "is_falcon_derived_model": "model family is read from the model's config",
-    "eval_max_new_tokens": "only used by eval_table_size, which is not supported",
     "test_value": "not an Axolotl option: Axolotl's config schema drops keys it does not define, and one of its "
                   "examples carries this one",
     "adam_eps": "not an Axolotl option (Axolotl's schema drops it, so its optimizer keeps the default epsilon); "
@@ -425,8 +440,7 @@ UNSUPPORTED_KEYS: dict[str, str] = {
     **{k: "not supported" for k in (
         "neftune_noise_alpha", "noisy_embedding_alpha", "s2_attention", "flex_attention", "sage_attention",
         "unsloth_lora_mlp", "unsloth_lora_qkv", "unsloth_lora_o", "relora_steps",
-        "lr_div_factor", "eval_table_size",
-        "eval_causal_lm_metrics", "do_causal_lm_eval", "test_datasets", "pretraining_dataset",
+        "lr_div_factor", "test_datasets", "pretraining_dataset",
         "sample_packing_eff_est", "sample_packing_group_size", "sample_packing_bin_size",
         "multipack_real_batches", "save_only_model", "hub_strategy_every_save",
         "chat_template_kwargs", "default_system_message", "dataset_shard_num", "dataset_shard_idx",
@@ -546,7 +560,7 @@ def parse_config(raw: Any) -> tuple[Config, list[str]]:
 
 def _named_choices(cfg: Config, notes: list[str]) -> list[str]:
     """Choices checked against data tables: optimizer, chat templates, plugins, FSDP settings."""
-    from trainer import chat_templates, distributed, kernels, optim, ordering
+    from trainer import causal_lm_eval, chat_templates, distributed, kernels, optim, ordering
 
     problems = []
     if cfg.gradient_checkpointing == "offload":
@@ -559,7 +573,7 @@ def _named_choices(cfg: Config, notes: list[str]) -> list[str]:
     checks += [lambda ds=ds: chat_templates.check(ds.chat_template, ds.chat_template_jinja)
                for ds in cfg.datasets if ds.chat_template]
     checks += [lambda: notes.extend(kernels.check_plugins(cfg)), lambda: notes.extend(distributed.check(cfg))]
-    checks += [lambda: notes.extend(ordering.notes(cfg))]
+    checks += [lambda: notes.extend(ordering.notes(cfg) + causal_lm_eval.notes(cfg))]
     for check in checks:
         try:
             check()

@@ -232,6 +232,10 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
     loss_scale = world * (ga if cfg.deepspeed else 1)
     evaluation = Evaluation(cfg, objective, unwrapped, data.validation, reference.get("validation"), rank, world,
                             device, say)
+    if cfg.do_causal_lm_eval:  # Axolotl's perplexity of the reference answers, at every evaluation
+        from trainer.causal_lm_eval import CausalLMMetrics
+
+        evaluation.extra = CausalLMMetrics(cfg, tokenizer)
     stopper, stopped = None, False
     if cfg.early_stopping_patience:
         from trainer.early_stopping import EarlyStopping
@@ -358,6 +362,7 @@ class Evaluation:
         self.rank, self.world, self.device, self.say = rank, world, device, say
         # FSDP and ZeRO-3 gather weights in every forward (other ZeRO stages pay one extra collective here)
         self.sharded = distributed.is_sharded(model) or bool(cfg.deepspeed)
+        self.extra = None  # more metrics on the validation split (do_causal_lm_eval)
 
     def run(self, step: int) -> dict:
         cfg = self.cfg
@@ -365,5 +370,7 @@ class Evaluation:
         result = self.objective.evaluate(self.model, self.validation, cfg.eval_batch_size or cfg.micro_batch_size,
                                          objectives.capacity(cfg, cfg.packing_for_eval), self.device, self.rank,
                                          self.world, cfg.ddp_timeout, sharded=self.sharded, **kwargs)
+        if self.extra is not None:
+            result.update(self.extra(self.model, self.validation, self.device))
         self.say(f"step {step}: {self.objective.describe_eval(result)}")
         return result
