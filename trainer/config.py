@@ -560,7 +560,7 @@ def parse_config(raw: Any) -> tuple[Config, list[str]]:
 
 def _named_choices(cfg: Config, notes: list[str]) -> list[str]:
     """Choices checked against data tables: optimizer, chat templates, plugins, FSDP settings."""
-    from trainer import causal_lm_eval, chat_templates, distributed, kernels, optim, ordering
+    from trainer import causal_lm_eval, chat_templates, distributed, kernels, optim, ordering, schedules
 
     problems = []
     if cfg.gradient_checkpointing == "offload":
@@ -573,7 +573,7 @@ def _named_choices(cfg: Config, notes: list[str]) -> list[str]:
     checks += [lambda ds=ds: chat_templates.check(ds.chat_template, ds.chat_template_jinja)
                for ds in cfg.datasets if ds.chat_template]
     checks += [lambda: notes.extend(kernels.check_plugins(cfg)), lambda: notes.extend(distributed.check(cfg))]
-    checks += [lambda: notes.extend(ordering.notes(cfg) + causal_lm_eval.notes(cfg))]
+    checks += [lambda: notes.extend(ordering.notes(cfg) + causal_lm_eval.notes(cfg) + schedules.notes(cfg))]
     for check in checks:
         try:
             check()

@@ -182,8 +182,10 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
     extra = {}
     if cfg.cosine_min_lr_ratio is not None and schedule == "cosine":  # Axolotl's floor for the cosine decay
         schedule, extra = "cosine_with_min_lr", {"min_lr_rate": cfg.cosine_min_lr_ratio}
-    scheduler = get_scheduler(schedule, optimizer, num_warmup_steps=warmup, num_training_steps=total_steps,
-                              scheduler_specific_kwargs=extra)
+    from trainer import schedules
+
+    scheduler = schedules.build(cfg, optimizer, warmup, total_steps) or get_scheduler(
+        schedule, optimizer, num_warmup_steps=warmup, num_training_steps=total_steps, scheduler_specific_kwargs=extra)
     model, optimizer = accelerator.prepare(model, optimizer)  # the scheduler is stepped by us, once per step
     unwrapped = accelerator.unwrap_model(model)
     lisa = None
