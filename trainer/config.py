@@ -252,9 +252,9 @@ class Config(BaseModel):
             if self.deepspeed or self.fsdp or self.fsdp_config or self.fsdp_version:
                 raise ValueError("lisa_n_layers: not with DeepSpeed or FSDP (their sharded optimizers fix the trained "
                                  "parameters up front; LISA changes them every lisa_step_interval steps)")
-        if self.peft and self.peft.loftq_config and self.adapter != "lora":
-            raise ValueError("peft.loftq_config needs adapter: lora on an unquantized base (LoftQ initialises LoRA "
-                             "against its own 4-bit quantization of the weights)")
+        if self.peft and self.peft.loftq_config and (self.adapter != "lora" or self.load_in_8bit or self.lora_model_dir):
+            raise ValueError("peft.loftq_config needs adapter: lora on an unquantized base and a fresh adapter (LoftQ "
+                             "initialises LoRA against its own 4-bit quantization of the weights)")
         if self.early_stopping_patience:
             if not (self.save_steps and self.eval_steps) or self.save_steps % self.eval_steps:
                 raise ValueError("early_stopping_patience needs save_steps and eval_steps, with eval_steps dividing "
