@@ -41,9 +41,10 @@ def set_rng_state(state: dict) -> None:
 
 
 def save(output_dir: Path, step: int, model, optimizer, scheduler, scaler, state: dict,
-         rank: int, timeout_s: float, keep: int | None = None, engine=None) -> Path:
+         rank: int, timeout_s: float, keep: int | None = None, engine=None, tensors: dict | None = None) -> Path:
     """engine: the accelerator-prepared model; under DeepSpeed its engine writes each rank's partition of the
-    optimizer (and ZeRO-3 weights) with save_checkpoint; under FSDP2 the full states are gathered first."""
+    optimizer (and ZeRO-3 weights) with save_checkpoint; under FSDP2 the full states are gathered first.
+    tensors: more safetensors files for the checkpoint, {file name: {name: tensor}} (ReLoRA's merged base)."""
     from trainer import distributed
 
     final = output_dir / f"checkpoint-{step}"
@@ -66,6 +67,11 @@ def save(output_dir: Path, step: int, model, optimizer, scheduler, scaler, state
         torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
         if scaler is not None:
             torch.save(scaler.state_dict(), tmp / "scaler.pt")
+        for name, content in (tensors or {}).items():
+            from safetensors.torch import save_file
+
+            (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+            save_file(content, str(tmp / name))
         (tmp / STATE_FILE).write_text(json.dumps(state, indent=2))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)

@@ -241,6 +241,13 @@ class Config(BaseModel):
     eval_causal_lm_metrics: list[str] | None = None  # Axolotl's default: sacrebleu, comet, ter, chrf
     eval_max_new_tokens: int = Field(128, ge=1)  # Axolotl's default; perplexity's window length
     eval_table_size: int | None = Field(None, ge=0)  # Axolotl logs prediction tables only to wandb/mlflow/comet
+    relora: bool = False  # ReLoRA: merge LoRA into the base every jagged_restart_steps (trainer.relora)
+    relora_prune_ratio: float | None = Field(None, ge=0, le=1)  # share of LoRA's optimizer state zeroed at a restart
+    relora_prune_method: Literal["magnitude", "random", "reset"] = "magnitude"
+    relora_cpu_offload: bool = False  # compute the merges on the CPU
+    jagged_restart_steps: int | None = Field(None, ge=1)  # LR restarts (and ReLoRA merges) every this many steps
+    jagged_restart_warmup_steps: int | None = Field(None, ge=0)  # warmup after each restart (0/unset: 10)
+    jagged_restart_anneal_steps: int | None = Field(None, ge=0)  # anneal before each restart (0/unset: 1)
 
     def _check_longtail(self) -> None:
         if (self.lisa_n_layers is None) != (self.lisa_step_interval is None):
@@ -264,6 +271,18 @@ class Config(BaseModel):
             if self.deepspeed or self.fsdp or self.fsdp_config or self.fsdp_version:
                 raise ValueError("early_stopping_patience: not with DeepSpeed or FSDP here (ending with the best "
                                  "checkpoint's weights is not implemented for sharded weights)")
+        if self.relora:
+            if not self.jagged_restart_steps:
+                raise ValueError("relora needs jagged_restart_steps (how often LoRA is merged and restarted)")
+            if self.adapter not in ("lora", "qlora") or self.load_in_8bit:
+                raise ValueError("relora needs adapter: lora (or qlora on a 4-bit base; not load_in_8bit, whose "
+                                 "LLM.int8() weights are not re-quantized here)")
+            if self.peft_use_dora or self.lora_modules_to_save or self.lora_target_parameters:
+                raise ValueError("relora: not with peft_use_dora, lora_modules_to_save or lora_target_parameters "
+                                 "(only LoRA's low-rank update is merged at a restart)")
+            if self.deepspeed or self.fsdp or self.fsdp_config or self.fsdp_version:
+                raise ValueError("relora: not with DeepSpeed or FSDP (Axolotl refuses FSDP too: the merge needs the "
+                                 "whole weights)")
         if self.do_causal_lm_eval:
             metrics = self.eval_causal_lm_metrics or ["sacrebleu", "comet", "ter", "chrf"]
             other = [m for m in metrics if m != "perplexity"]
@@ -560,7 +579,7 @@ def parse_config(raw: Any) -> tuple[Config, list[str]]:
 
 def _named_choices(cfg: Config, notes: list[str]) -> list[str]:
     """Choices checked against data tables: optimizer, chat templates, plugins, FSDP settings."""
-    from trainer import causal_lm_eval, chat_templates, distributed, kernels, optim, ordering, schedules
+    from trainer import causal_lm_eval, chat_templates, distributed, kernels, optim, ordering, relora, schedules
 
     problems = []
     if cfg.gradient_checkpointing == "offload":
@@ -574,6 +593,8 @@ def _named_choices(cfg: Config, notes: list[str]) -> list[str]:
                for ds in cfg.datasets if ds.chat_template]
     checks += [lambda: notes.extend(kernels.check_plugins(cfg)), lambda: notes.extend(distributed.check(cfg))]
     checks += [lambda: notes.extend(ordering.notes(cfg) + causal_lm_eval.notes(cfg) + schedules.notes(cfg))]
+    if cfg.relora:
+        checks += [lambda: relora.check_optimizer(cfg.optimizer)]
     for check in checks:
         try:
             check()

@@ -184,8 +184,8 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
         schedule, extra = "cosine_with_min_lr", {"min_lr_rate": cfg.cosine_min_lr_ratio}
     from trainer import schedules
 
-    scheduler = schedules.build(cfg, optimizer, warmup, total_steps) or get_scheduler(
-        schedule, optimizer, num_warmup_steps=warmup, num_training_steps=total_steps, scheduler_specific_kwargs=extra)
+    scheduler = schedules.jagged(cfg, schedules.build(cfg, optimizer, warmup, total_steps) or get_scheduler(
+        schedule, optimizer, num_warmup_steps=warmup, num_training_steps=total_steps, scheduler_specific_kwargs=extra))
     model, optimizer = accelerator.prepare(model, optimizer)  # the scheduler is stepped by us, once per step
     unwrapped = accelerator.unwrap_model(model)
     lisa = None
@@ -196,6 +196,14 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
             raise ConfigError("lisa_n_layers: runs in one process here (DDP reduces a gradient for every parameter "
                               "it was built with, so frozen layers would still be decayed and moved)")
         lisa = Lisa(cfg, unwrapped, say)
+    relora = None
+    if cfg.relora:  # merges LoRA into the base every jagged_restart_steps (trainer.relora)
+        from trainer.model import DTYPES
+        from trainer.relora import BASE_FILE, ReLoRA
+
+        if world > 1:
+            raise ConfigError("relora: runs in one process here (each rank would re-draw its own LoRA at a restart)")
+        relora = ReLoRA(cfg, unwrapped, DTYPES[runtime.precision], say)
 
     # 5b. reference log-probs (DPO, IPO, KTO): once, before any step and before a checkpoint's weights load,
     # from the cache when a previous run computed them. Never a second copy of the model.
@@ -225,6 +233,8 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
         state = checkpoint.load(Path(resume), unwrapped, optimizer, scheduler, accelerator.scaler, rank, world,
                                 engine=model)
         step, epoch, trainer_state = state["step"], state["sampler"]["epoch"], state
+        if relora is not None and "relora_restarts" in state:
+            relora.load(Path(resume) / BASE_FILE, state["relora_restarts"])
         sampler.load_state_dict(state["sampler"])
         say(f"resumed from {resume} at step {step}")
 
@@ -258,6 +268,8 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
                 started = time.perf_counter()
                 if lisa is not None:
                     lisa.before_step(step)
+                if relora is not None:
+                    relora.before_step(step, optimizer)
                 micro_batches = [next(batches) for _ in range(ga)]  # moved to the device one at a time
                 consumed += ga
                 stats = torch.zeros(len(objective.stat_names), dtype=torch.float64, device=device)
@@ -310,8 +322,11 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
                     if stopper is not None:
                         stopper.saved(step)
                         state["early_stopping"] = stopper.state_dict()
+                    if relora is not None:
+                        state["relora_restarts"] = relora.restarts
                     path = checkpoint.save(output_dir, step, unwrapped, optimizer, scheduler, accelerator.scaler,
-                                           state, rank, timeout, keep=cfg.save_total_limit, engine=model)
+                                           state, rank, timeout, keep=cfg.save_total_limit, engine=model,
+                                           tensors={BASE_FILE: relora.base_weights()} if relora is not None else None)
                     say(f"saved {path}")
                 if step >= total_steps or stopped:
                     break
@@ -341,7 +356,10 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
     if main:
         tmp = output_dir / ".tmp-final"
         shutil.rmtree(tmp, ignore_errors=True)
-        unwrapped.save_pretrained(tmp, state_dict=full_state)
+        if relora is not None:  # a full model: the merged base with the last LoRA folded in
+            relora.write_final(unwrapped, tmp, tokenizer)
+        else:
+            unwrapped.save_pretrained(tmp, state_dict=full_state)
         tokenizer.save_pretrained(tmp)
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
