@@ -283,6 +283,9 @@ class Config(BaseModel):
             if self.deepspeed or self.fsdp or self.fsdp_config or self.fsdp_version:
                 raise ValueError("relora: not with DeepSpeed or FSDP (Axolotl refuses FSDP too: the merge needs the "
                                  "whole weights)")
+            if self.early_stopping_patience or self.hub_model_id:
+                raise ValueError("relora: not with early_stopping_patience or hub_model_id here (a checkpoint's adapter "
+                                 "alone is not the model after merges; push or pick output_dir/final, the full model)")
         if self.do_causal_lm_eval:
             metrics = self.eval_causal_lm_metrics or ["sacrebleu", "comet", "ter", "chrf"]
             other = [m for m in metrics if m != "perplexity"]

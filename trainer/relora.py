@@ -52,7 +52,6 @@ def _prune(tensor, method: str, ratio: float, generator) -> None:
 def prune_optimizer_state(optimizer, params, method: str, ratio: float, seed: int) -> float:
     """Prune the Adam moments of `params` in place (8-bit ones through dequantize/quantize); return the share
     of their values now zero."""
-    import bitsandbytes.functional as F
     import torch
 
     generator = torch.Generator().manual_seed(seed)
@@ -64,6 +63,8 @@ def prune_optimizer_state(optimizer, params, method: str, ratio: float, seed: in
             if not torch.is_tensor(value):
                 continue
             if value.dtype == torch.uint8:  # bitsandbytes' blockwise 8-bit state: prune the values, not codes
+                import bitsandbytes.functional as F
+
                 absmax, code = state[quantized[0]], state[quantized[1]]
                 values = F.dequantize_blockwise(value, absmax=absmax, code=code, blocksize=256)
                 _prune(values, method, ratio, generator)
@@ -132,11 +133,11 @@ class ReLoRA:
 
     def _set_base(self, layer, weight) -> None:
         """Put full-precision `weight` into the layer's base, quantizing it as the layer was."""
-        import bitsandbytes as bnb
-
         base = layer.get_base_layer()
         old = base.weight
-        if isinstance(old, bnb.nn.Params4bit):
+        if self.quantized:
+            import bitsandbytes as bnb
+
             base.weight = bnb.nn.Params4bit(weight.to(self.dtype).cpu(), requires_grad=False,
                                             quant_type=old.quant_type, blocksize=old.blocksize,
                                             compress_statistics=old.compress_statistics,

@@ -167,6 +167,7 @@ BASE = {"base_model": "x", "datasets": [{"path": "x", "type": "alpaca"}]}
     ({"relora": True, "jagged_restart_steps": 5}, "needs adapter: lora"),
     ({"relora": True, "jagged_restart_steps": 5, "adapter": "lora", "fsdp_version": 2}, "not with DeepSpeed or FSDP"),
     ({"relora": True, "jagged_restart_steps": 5, "adapter": "lora", "optimizer": "adafactor"}, "not supported with ReLoRA"),
+    ({"relora": True, "jagged_restart_steps": 5, "adapter": "lora", "hub_model_id": "me/x"}, "not with early_stopping"),
 ])
 def test_relora_refusals(extra, message):
     with pytest.raises(ConfigError, match=message):
