@@ -41,10 +41,12 @@ def set_rng_state(state: dict) -> None:
 
 
 def save(output_dir: Path, step: int, model, optimizer, scheduler, scaler, state: dict,
-         rank: int, timeout_s: float, keep: int | None = None, engine=None, tensors: dict | None = None) -> Path:
+         rank: int, timeout_s: float, keep: int | None = None, engine=None, tensors: dict | None = None,
+         protect: str | None = None) -> Path:
     """engine: the accelerator-prepared model; under DeepSpeed its engine writes each rank's partition of the
     optimizer (and ZeRO-3 weights) with save_checkpoint; under FSDP2 the full states are gathered first.
-    tensors: more safetensors files for the checkpoint, {file name: {name: tensor}} (ReLoRA's merged base)."""
+    tensors: more safetensors files for the checkpoint, {file name: {name: tensor}} (ReLoRA's merged base).
+    protect: a checkpoint name that save_total_limit does not delete (early stopping's best, as the HF Trainer)."""
     from trainer import distributed
 
     final = output_dir / f"checkpoint-{step}"
@@ -77,7 +79,8 @@ def save(output_dir: Path, step: int, model, optimizer, scheduler, scaler, state
         os.replace(tmp, final)
         if keep:
             for old in list_checkpoints(output_dir)[:-keep]:
-                shutil.rmtree(old, ignore_errors=True)
+                if old.name != protect:
+                    shutil.rmtree(old, ignore_errors=True)
     barrier("checkpoint save (rename)", rank, timeout_s)
     return final
 

@@ -5,7 +5,8 @@ final model is the checkpoint with the lowest eval_loss among the evaluations ma
 saved (Axolotl requires eval_steps to divide save_steps for this), unless the last weights are that one.
 
 The state (best loss, count, evaluations at checkpoints) is part of every checkpoint, so a resumed run
-stops at the same evaluation as an uninterrupted one.
+stops at the same evaluation as an uninterrupted one. save_total_limit never deletes the best checkpoint
+(as the HF Trainer keeps it).
 """
 
 from __future__ import annotations
@@ -38,6 +39,10 @@ class EarlyStopping:
         """A checkpoint was written at `step`; remember its evaluation if this step had one."""
         if self.last_eval is not None and self.last_eval[0] == step:
             self.evals[step] = self.last_eval[1]
+
+    def best_name(self) -> str | None:
+        """The checkpoint save_total_limit must keep (the lowest eval_loss so far)."""
+        return f"checkpoint-{min(self.evals, key=lambda s: (self.evals[s], s))}" if self.evals else None
 
     def best_checkpoint(self, output_dir: Path, final_step: int) -> Path | None:
         """The checkpoint to end with, or None when the last weights are already the best."""

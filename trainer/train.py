@@ -326,7 +326,8 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
                         state["relora_restarts"] = relora.restarts
                     path = checkpoint.save(output_dir, step, unwrapped, optimizer, scheduler, accelerator.scaler,
                                            state, rank, timeout, keep=cfg.save_total_limit, engine=model,
-                                           tensors={BASE_FILE: relora.base_weights()} if relora is not None else None)
+                                           tensors={BASE_FILE: relora.base_weights()} if relora is not None else None,
+                                           protect=stopper.best_name() if stopper is not None else None)
                     say(f"saved {path}")
                 if step >= total_steps or stopped:
                     break

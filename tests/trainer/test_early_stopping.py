@@ -59,6 +59,20 @@ def test_stops_where_transformers_would_and_keeps_the_best_checkpoint(make_confi
         assert not all(torch.equal(final[k], last[k]) for k in final)
 
 
+def test_save_total_limit_keeps_the_best_checkpoint(make_config, tmp_path):
+    out = tmp_path / "out"
+    assert main(["train", str(make_config(output_dir=str(out), early_stopping_patience=2, save_total_limit=1,
+                                          **RUN))]) == 0
+    kept = sorted(p.name for p in out.glob("checkpoint-*"))
+    last = max(train_losses(out))
+    evals = {r["step"]: r["eval_loss"] for r in read_metrics(out) if "eval_loss" in r}
+    best = min((s for s in evals if s % 2 == 0), key=evals.get)
+    assert kept == sorted({f"checkpoint-{best}", f"checkpoint-{last}"})
+    final = weights(out / "final")
+    chosen = weights(out / f"checkpoint-{best}")
+    assert all(torch.equal(final[k], chosen[k]) for k in final)
+
+
 def test_early_stopping_resumes_to_the_same_stop(make_config, tmp_path):
     full, resumed = train_then_resume(main, make_config, tmp_path, checkpoint=4, early_stopping_patience=2, **RUN)
     assert max(train_losses(full)) < 10  # it did stop early, in both
