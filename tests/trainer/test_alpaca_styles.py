@@ -63,3 +63,27 @@ def test_alpaca_phi_trains(make_config, tmp_path):
 def test_unknown_style_is_refused():
     with pytest.raises(ConfigError, match="alpaca:instruct\\|chat\\|chatml\\|phi"):
         parse_config({"base_model": "x", "datasets": [{"path": "x", "type": "alpaca:vicuna"}]})
+
+
+def test_axolotl_phi3_ft_example_trains_with_only_model_and_data_swapped(tiny_llama, tmp_path):
+    """examples/phi/phi3-ft.yml (copy in data/axolotl_examples): alpaca:phi, early_stopping_patience,
+    do_causal_lm_eval with perplexity, eval_table_size, use_reentrant: true, resize_token_embeddings_to_32x."""
+    from pathlib import Path
+
+    import yaml
+
+    from tests.trainer.helpers import alpaca_rows, read_metrics, train_losses
+
+    raw = yaml.safe_load((Path(__file__).parent / "data" / "axolotl_examples" / "phi__phi3-ft.yml").read_text())
+    data = write_jsonl(tmp_path / "platypus.jsonl", alpaca_rows(100))
+    out = tmp_path / "out"
+    raw.update(base_model=str(tiny_llama), output_dir=str(out), dataset_prepared_path=str(tmp_path / "prepared"),
+               max_steps=3, sequence_len=256)
+    raw["datasets"][0]["path"] = str(data)
+    config = tmp_path / "phi3-ft.yml"
+    config.write_text(yaml.safe_dump(raw))
+    assert main(["train", str(config)]) == 0
+    assert sorted(train_losses(out)) == [1, 2, 3]
+    final_eval = [r for r in read_metrics(out) if "eval_loss" in r][-1]
+    assert final_eval["step"] == 3 and final_eval["eval_perplexity"] > 1
+    assert (out / "final" / "adapter_model.safetensors").exists()

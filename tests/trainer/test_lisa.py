@@ -85,3 +85,15 @@ def test_lisa_bad_attribute_is_one_line(make_config, four_layer_llama, capsys):
     config = make_config(base_model=str(four_layer_llama), **{**LISA, "lisa_layers_attribute": "model.blocks"})
     assert main(["train", str(config)]) == 2
     assert "lisa_layers_attribute" in capsys.readouterr().err
+
+
+def test_a_run_shaped_like_axolotls_lisa_example(make_config, four_layer_llama, tmp_path):
+    """examples/llama-2/lisa.yml's keys (full fine-tune, adamw_bnb_8bit, packing, checkpointing)."""
+    out = tmp_path / "out"
+    config = make_config(base_model=str(four_layer_llama), output_dir=str(out), lisa_n_layers=2, lisa_step_interval=2,
+                         lisa_layers_attribute="model.layers", optimizer="adamw_bnb_8bit", lr_scheduler="cosine",
+                         learning_rate=5e-3, gradient_checkpointing=True, sample_packing=True, warmup_ratio=0.1,
+                         weight_decay=0.1, val_set_size=0.05, max_steps=3, save_steps=1)
+    assert main(["train", str(config)]) == 0
+    before, after = weights(out / "checkpoint-2"), weights(out / "checkpoint-3")
+    assert len(moved_layers(before, after)) == 2

@@ -172,3 +172,17 @@ BASE = {"base_model": "x", "datasets": [{"path": "x", "type": "alpaca"}]}
 def test_relora_refusals(extra, message):
     with pytest.raises(ConfigError, match=message):
         parse_config({**BASE, **extra})
+
+
+def test_a_run_shaped_like_axolotls_relora_example(make_config, tmp_path):
+    """examples/llama-2/relora.yml's keys (QLoRA, adamw_bnb_8bit, packing, checkpointing), restarts every 2 steps."""
+    out = tmp_path / "out"
+    config = make_config(output_dir=str(out), load_in_4bit=True, adapter="qlora", lora_r=8, lora_alpha=16,
+                         lora_dropout=0.05, lora_target_linear=True, relora=True, relora_prune_ratio=0.9,
+                         relora_cpu_offload=False, jagged_restart_steps=2, jagged_restart_warmup_steps=1,
+                         jagged_restart_anneal_steps=False, optimizer="adamw_bnb_8bit", lr_scheduler="cosine",
+                         learning_rate=2e-4, gradient_checkpointing=True, sample_packing=True, warmup_ratio=0.1,
+                         val_set_size=0.05, max_steps=5, save_steps=5)
+    assert main(["train", str(config)]) == 0
+    assert json.loads((out / "checkpoint-5" / "trainer_state.json").read_text())["relora_restarts"] == 2
+    assert (out / "final" / "config.json").exists() and not (out / "final" / "adapter_config.json").exists()
