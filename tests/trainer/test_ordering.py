@@ -110,3 +110,14 @@ def test_sample_packing_sequentially_example_validates():
     _, notes = parse_config(raw)
     assert any(n.startswith("test_value: ignored (not an Axolotl option") for n in notes)
     assert any("merged datasets are shuffled once" in n for n in notes)
+
+
+def test_group_by_length_across_ranks():
+    lengths = np.random.default_rng(4).integers(1, 300, size=200)
+    ranks = [MultipackBatchSampler(lengths, 2, None, seed=1, rank=r, world_size=2, group_by_length=True, group_size=4)
+             for r in range(2)]
+    batches = [list(s) for s in ranks]
+    assert len(batches[0]) == len(batches[1])  # the same number of steps everywhere
+    flat = sorted(i for per_rank in batches for b in per_rank for row in b for i in row)
+    assert flat == list(range(200))
+    assert all(padding_share(lengths, per_rank) < 0.1 for per_rank in batches)
