@@ -462,7 +462,8 @@ UNSUPPORTED_KEYS: dict[str, str] = {
     **{k: "not supported" for k in (
         "neftune_noise_alpha", "noisy_embedding_alpha", "s2_attention", "flex_attention", "sage_attention",
         "unsloth_lora_mlp", "unsloth_lora_qkv", "unsloth_lora_o", "relora_steps",
-        "lr_div_factor", "test_datasets", "pretraining_dataset",
+        "lr_div_factor",
+        "test_datasets", "pretraining_dataset",
         "sample_packing_eff_est", "sample_packing_group_size", "sample_packing_bin_size",
         "multipack_real_batches", "save_only_model", "hub_strategy_every_save",
         "chat_template_kwargs", "default_system_message", "dataset_shard_num", "dataset_shard_idx",
@@ -472,6 +473,8 @@ UNSUPPORTED_KEYS: dict[str, str] = {
         "cosine_constant_lr_ratio", "torchdistx_path")},
 }
 
+UNSUPPORTED_KEYS["relora_steps"] = ("the old name of jagged_restart_steps, which Axolotl no longer reads: set relora: true "
+                                    "and jagged_restart_steps")
 UNSUPPORTED_KEYS["tokenizer_use_mistral_common"] = (
     "mistral-common tokenizers render conversations straight to token ids, and chat_template training here "
     "locates trained turns in the rendered text: use the model's Hugging Face tokenizer (tokenizer_default)")
