@@ -14,9 +14,9 @@ The initialisation is deterministic, so a resumed run rebuilds the same base bef
 from __future__ import annotations
 
 
-def lora_kwargs(cfg, device_is_cuda: bool) -> dict:
-    """Extra LoraConfig arguments: peft's own LoftQ where it runs (CUDA)."""
-    if not loftq_bits(cfg) or not device_is_cuda:
+def lora_kwargs(cfg, cuda_available: bool) -> dict:
+    """Extra LoraConfig arguments: peft's own LoftQ where it runs (a CUDA device is there)."""
+    if not loftq_bits(cfg) or not cuda_available:
         return {}
     from peft import LoftQConfig
 

@@ -114,7 +114,7 @@ def add_lora(cfg: Config, model):
         targets = []  # only the named parameters
     from trainer import loftq
 
-    on_cuda = next(model.parameters()).is_cuda
+    on_cuda = torch.cuda.is_available()  # peft's LoftQ computes on CUDA whatever device the weights are on
     lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                       target_modules=targets, target_parameters=cfg.lora_target_parameters,
                       use_rslora=cfg.peft_use_rslora, use_dora=cfg.peft_use_dora,
