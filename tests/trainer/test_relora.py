@@ -186,3 +186,21 @@ def test_a_run_shaped_like_axolotls_relora_example(make_config, tmp_path):
     assert main(["train", str(config)]) == 0
     assert json.loads((out / "checkpoint-5" / "trainer_state.json").read_text())["relora_restarts"] == 2
     assert (out / "final" / "config.json").exists() and not (out / "final" / "adapter_config.json").exists()
+
+
+@pytest.mark.parametrize("method, ratio, expected", [("magnitude", 0.9, 0.9), ("random", 0.3, 0.3), ("reset", None, 0.999)])
+def test_prune_methods(make_config, method, ratio, expected):
+    cfg, model, optimizer, relora = build(make_config, relora_prune_method=method, relora_prune_ratio=ratio, lora_r=32)
+    for _ in range(2):
+        one_step(model, optimizer)
+    big = [p for p in relora.lora_params if optimizer.state[p]["exp_avg"].count_nonzero() == p.numel()]
+    assert big
+    kept = {id(p): optimizer.state[p]["exp_avg"].clone() for p in big}
+    relora.restart(optimizer, step=2)
+    for p in big:
+        m = optimizer.state[p]["exp_avg"]
+        assert float((m == 0).float().mean()) == pytest.approx(expected, abs=0.03)
+        survivors = m != 0
+        assert torch.equal(m[survivors], kept[id(p)][survivors])  # what is kept is kept as it was
+        if method == "magnitude":  # the largest survive
+            assert m.abs().max() == kept[id(p)].abs().max()
