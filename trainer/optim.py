@@ -63,7 +63,7 @@ def make_optimizer(cfg, model):
     row = check(cfg.optimizer)
     if importlib.util.find_spec(row["library"]) is None:
         raise ConfigError(f"optimizer: {cfg.optimizer} needs the {row['library']} package, which is not installed "
-                          "(install envtool's `train` extra, or pick adamw_torch)")
+                          f"(pip install {row['library']}, or pick adamw_torch)")
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     groups = [{"params": [p for _, p in named if p.ndim >= 2], "weight_decay": cfg.weight_decay},
               {"params": [p for _, p in named if p.ndim < 2], "weight_decay": 0.0}]
