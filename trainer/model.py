@@ -31,9 +31,14 @@ def load_model(cfg: Config, runtime: Runtime, tokenizer, source: str | None = No
     if cfg.revision_of_model:
         extra["revision"] = cfg.revision_of_model
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            source, dtype=dtype, attn_implementation=runtime.attention, trust_remote_code=cfg.trust_remote_code,
-            **extra)
+        if cfg.reinit_weights:  # Axolotl's from_config: the architecture only, weights drawn from the seed
+            from trainer.streaming import fresh_model
+
+            model = fresh_model(cfg, source, dtype, runtime.attention, extra)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(
+                source, dtype=dtype, attn_implementation=runtime.attention, trust_remote_code=cfg.trust_remote_code,
+                **extra)
     except OSError as err:
         raise ConfigError(f"cannot load the model from {source}: {str(err).splitlines()[0]}") from None
     resize_embeddings(cfg, model, tokenizer)
