@@ -85,6 +85,11 @@ def cmd_preprocess(args) -> int:
     from trainer.data import load_tokenizer, prepare
 
     cfg, _ = load_config(args.config)
+    if cfg.streamed:
+        from trainer.errors import ConfigError
+
+        raise ConfigError("preprocess: streamed data (pretraining_dataset, streaming: true) is tokenized while "
+                          "training; there is nothing to prepare")
     prepared = prepare(cfg, load_tokenizer(cfg), int(os.environ.get("RANK", 0)), log=log)
     result = {"path": str(prepared.path), **prepared.stats}
     print(json.dumps(result, indent=2) if args.json else
