@@ -25,13 +25,13 @@ AXOLOTL_ADAMW_BETAS = (0.95, 0.95)
 
 
 def split(model) -> tuple[list, list, list]:
-    """(Muon parameters, AdamW parameters, trainable parameters left out), by Axolotl's rule."""
+    """(Muon parameters, AdamW parameters, names of the trainable parameters left out), by Axolotl's rule."""
     muon, adamw, left_out = [], [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
         if p.ndim < 2:
-            left_out.append(p)
+            left_out.append(name)
             continue
         if name.endswith("modules_to_save.default.weight") or any(k in name for k in ADAMW_NAMES):
             adamw.append(p)
@@ -45,22 +45,25 @@ def split(model) -> tuple[list, list, list]:
 class MuonWithAdamW(torch.optim.Optimizer):
     """torch.optim.Muon over the hidden matrices and torch.optim.AdamW over the rest, as one optimizer."""
 
-    def __init__(self, muon_params, adamw_params, lr: float, weight_decay: float, betas, eps: float, left_out=()):
-        # Parameters left out still get gradients (they count in gradient clipping, as under the HF Trainer,
-        # which zeroes every gradient of the model each step); zero_grad clears theirs too, so they do not add up.
-        self.left_out = list(left_out)
+    def __init__(self, muon_params, adamw_params, lr: float, weight_decay: float, betas, eps: float,
+                 model=None, left_out=()):
         self.muon = torch.optim.Muon(muon_params, lr=lr, weight_decay=weight_decay, adjust_lr_fn="match_rms_adamw")
         adamw_params = list(adamw_params)
         self.adamw = torch.optim.AdamW(adamw_params or [torch.zeros(0)], lr=lr, weight_decay=weight_decay,
                                        betas=betas, eps=eps)  # a placeholder when every matrix is Muon's
         groups = self.muon.param_groups + (self.adamw.param_groups if adamw_params else [])
+        self.counts = (len(self.muon.param_groups), len(groups) - len(self.muon.param_groups))
         super().__init__([{**g} for g in groups], {"lr": lr})
         self._link()
+        # Parameters left out still get gradients (they count in gradient clipping, as under the HF Trainer,
+        # which zeroes every gradient of the model each step); zero_grad clears theirs too. They are looked up
+        # by name each time: FSDP2 replaces the model's parameter objects after the optimizer is built.
+        self.model, self.left_out = model, list(left_out)
 
     def _link(self) -> None:
         """The two optimizers step this object's groups and state (after load_state_dict replaced them too)."""
-        n = len(self.muon.param_groups)
-        self.muon.param_groups, self.adamw.param_groups = self.param_groups[:n], self.param_groups[n:]
+        m, a = self.counts
+        self.muon.param_groups, self.adamw.param_groups = self.param_groups[:m], self.param_groups[m:m + a]
         self.muon.state = self.adamw.state = self.state
 
     @torch.no_grad()
@@ -75,8 +78,10 @@ class MuonWithAdamW(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=set_to_none)
-        for p in self.left_out:
-            p.grad = None
+        if self.left_out:
+            params = dict(self.model.named_parameters())
+            for name in self.left_out:
+                params[name].grad = None
 
     def load_state_dict(self, state_dict) -> None:
         super().load_state_dict(state_dict)
@@ -89,4 +94,4 @@ def build(cfg, model) -> MuonWithAdamW:
         raise ConfigError("optimizer: muon found no 2-D hidden matrices to train")
     given = cfg.model_fields_set
     betas = (cfg.adam_beta1, cfg.adam_beta2) if {"adam_beta1", "adam_beta2"} <= given else AXOLOTL_ADAMW_BETAS
-    return MuonWithAdamW(muon, adamw, cfg.learning_rate, cfg.weight_decay, betas, cfg.adam_epsilon, left_out)
+    return MuonWithAdamW(muon, adamw, cfg.learning_rate, cfg.weight_decay, betas, cfg.adam_epsilon, model, left_out)

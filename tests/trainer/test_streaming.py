@@ -209,3 +209,33 @@ def test_pretokenized_rows_without_input_ids_are_bad_input(make_config, tmp_path
     result = run_cli("train", str(make_config(datasets=[{"path": str(data)}])))
     assert result.returncode == 2, result.stderr
     assert "pre-tokenized rows, which need an `input_ids` list" in result.stderr.strip().splitlines()[-1]
+
+
+# --- several processes ---------------------------------------------------------------------------------
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_two_processes_fsdp2_muon_pretraining_finish_and_resume(pretrain_config, tmp_path):
+    """Axolotl's qwen2/muon-pretrain-fsdp2 shape (pretraining_dataset, reinit_weights, optimizer: muon, FSDP2)
+    on 2 processes over gloo: 23 documents split unevenly between the ranks, each rank's stream wraps around at
+    its own pace, and both take max_steps steps (a hang fails the test: hard timeout); resumed from checkpoint-2
+    by torchrun, the run continues with the same losses."""
+    import shutil
+
+    from tests.trainer.test_fsdp_deepspeed import FSDP2, torchrun
+
+    data = write_jsonl(tmp_path / "docs.jsonl", texts(23, seed=4))
+    common = dict(pretraining_dataset=[{"path": str(data), "type": "pretrain"}], reinit_weights=True,
+                  optimizer="muon", learning_rate=0.02, weight_decay=0.01, max_steps=4, save_steps=2,
+                  gradient_accumulation_steps=1, **FSDP2)
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    result = torchrun(pretrain_config("full.yml", output_dir=str(full), **common))
+    assert result.returncode == 0, result.stderr[-3000:]
+    losses = train_losses(full)
+    assert sorted(losses) == [1, 2, 3, 4] and losses[4] < losses[1]
+    resumed.mkdir()
+    shutil.copytree(full / "checkpoint-2", resumed / "checkpoint-2")
+    result = torchrun(pretrain_config("resumed.yml", output_dir=str(resumed), auto_resume_from_checkpoints=True,
+                                      **common))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert train_losses(resumed) == {s: losses[s] for s in (3, 4)}
