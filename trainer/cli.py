@@ -63,9 +63,15 @@ def cmd_validate(args) -> int:
     print(f"  adapter:    {cfg.adapter or 'none (full fine-tune)'}"
           + {"load_in_4bit": " on 4-bit (NF4) base weights", "load_in_8bit": " on 8-bit (LLM.int8) base weights"}.get(
               quantization.mode(cfg) or "", ""))
+    if cfg.reinit_weights:
+        print("  weights:    fresh, from the model's config and the seed (reinit_weights)")
     print(f"  optimizer:  {cfg.optimizer} ({optim.check(cfg.optimizer)['library']})")
     if distributed.enabled(cfg) or cfg.deepspeed:
         print(f"  sharding:   {'deepspeed ' + str(distributed.deepspeed_path(cfg.deepspeed)) if cfg.deepspeed else 'FSDP' + str(distributed.fsdp_settings(cfg)['fsdp_version'])}")
+    if cfg.streamed:
+        from trainer.streaming import describe
+
+        print(f"  data:       {describe(cfg)}")
     if cfg.rl:
         reference = ("reference log-probs computed once before training and cached" if cfg.objective in ("dpo", "ipo", "kto")
                      else "reference-free")

@@ -233,3 +233,13 @@ def fresh_model(cfg: Config, source: str, dtype, attention: str, extra: dict):
     torch.manual_seed(cfg.seed)
     return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attention,
                                             trust_remote_code=cfg.trust_remote_code)
+
+
+def describe(cfg: Config) -> str:
+    """validate's one line about streamed data."""
+    what = ("pretraining_dataset: raw text in windows of sequence_len" if cfg.pretraining_dataset
+            else "streaming: datasets tokenized while training")
+    attn = "" if not (cfg.pretraining_dataset and cfg.sample_packing) else (
+        ", packed documents isolated" if cfg.pretrain_multipack_attn else ", packed documents attend to each other")
+    return (f"streamed ({what}; buffer {cfg.stream_buffer_size} rows, "
+            f"{'shuffled' if cfg.shuffle_merged_datasets else 'in order'}{attn}; {cfg.max_steps} steps)")

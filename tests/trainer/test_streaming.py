@@ -110,6 +110,9 @@ def test_each_rank_reads_its_own_rows_and_the_stream_repeats(pretrain_config):
         mine = [doc_ids(s, pass_index) for s in streams]
         assert set(mine[0]).isdisjoint(mine[1]) and set(mine[0]) | set(mine[1]) == {f"doc {i}" for i in range(24)}
     assert doc_ids(streams[0], 0) != doc_ids(streams[0], 1)
+    skipping = stream_of(pretrain_config(shuffle_merged_datasets=False, pretraining_dataset=[
+        {**streams[0].cfg.pretraining_dataset[0].model_dump(), "skip": 20}]))[0]
+    assert doc_ids(skipping, 0) == ["doc 20", "doc 21", "doc 22", "doc 23"]  # skip: the stream's first rows
     cfg = streams[0].cfg
     for stream in streams:
         batches = list(itertools.islice(iter(stream), 40))  # many more micro-batches than one pass holds
@@ -178,6 +181,22 @@ def test_reinit_weights_starts_from_the_seeded_config_not_the_weights(make_confi
     name = "model.layers.0.self_attn.q_proj.weight"
     assert torch.allclose(trained[name], oracle[name], atol=1e-6)
     assert not torch.allclose(trained[name], base[name], atol=1e-3)
+
+
+def test_axolotls_streaming_pretrain_example_trains_with_only_model_and_data_swapped(tiny_llama, text_file, tmp_path):
+    """examples/streaming/pretrain.yaml as Axolotl ships it (copy in data/axolotl_examples/), with a local
+    model and file, and 3 of its 1000 steps: 8 accumulated micro-batches of one packed 1024-token row each."""
+    import yaml
+
+    raw = yaml.safe_load((Path(__file__).parent / "data" / "axolotl_examples" / "streaming__pretrain.yaml").read_text())
+    raw.update(base_model=str(tiny_llama), output_dir=str(tmp_path / "out"), max_steps=3)
+    raw["pretraining_dataset"][0].update(path=str(text_file))
+    config = tmp_path / "pretrain.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    assert main(["train", str(config)]) == 0
+    rows = [r for r in read_metrics(tmp_path / "out") if "loss" in r]
+    assert [r["step"] for r in rows] == [3]  # the example logs every 10 steps, and the last
+    assert rows[0]["tokens"] > 8 * 1024 * 0.5  # 8 micro-batches of packed windows per step
 
 
 # --- pre-tokenized rows (a dataset entry without type) --------------------------------------------------
