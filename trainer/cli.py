@@ -127,6 +127,9 @@ def cmd_evaluate(args) -> int:
     from trainer.model import load_trained
 
     cfg, _, runtime = _setup(args)
+    if cfg.streamed:
+        raise ConfigError("evaluate: streamed data (pretraining_dataset, streaming: true) has no validation split; "
+                          "evaluate with a config whose datasets are prepared, with val_set_size")
     if not cfg.val_set_size:
         raise ConfigError("evaluate needs a validation split: set val_set_size")
     model_dir = Path(args.model) if args.model else Path(cfg.output_dir) / "final"

@@ -258,3 +258,9 @@ def test_two_processes_fsdp2_muon_pretraining_finish_and_resume(pretrain_config,
                                       **common))
     assert result.returncode == 0, result.stderr[-3000:]
     assert train_losses(resumed) == {s: losses[s] for s in (3, 4)}
+
+
+def test_preprocess_and_evaluate_say_a_stream_has_nothing_to_prepare(pretrain_config):
+    for command in ("preprocess", "evaluate"):
+        result = run_cli(command, str(pretrain_config()))
+        assert result.returncode == 2 and "streamed data" in result.stderr.strip().splitlines()[-1], result.stderr
