@@ -56,12 +56,12 @@ def pretokenized_row(row: dict, ds: DatasetConfig) -> dict:
 def pretrain_windows(text: str, tokenizer, sequence_len: int) -> list[dict]:
     """Axolotl's `pretrain` type (prompt_strategies/pretrain.py): windows of sequence_len - 1 tokens that
     overlap by min(256, (sequence_len - 1) // 2), each followed by EOS; labels are the input_ids."""
+    if not getattr(tokenizer, "is_fast", False):  # slow tokenizers return overflow differently
+        raise DataError("pretraining_dataset needs a fast (Rust) tokenizer to cut text into windows")
     stride = min(256, (sequence_len - 1) // 2)
     enc = tokenizer(text, truncation=True, max_length=sequence_len - 1, add_special_tokens=True,
                     return_overflowing_tokens=True, stride=stride)
     windows = enc["input_ids"]
-    if windows and isinstance(windows[0], int):  # a slow tokenizer returns the first window flat
-        windows = [windows]
     return [{"input_ids": w + [tokenizer.eos_token_id], "labels": w + [tokenizer.eos_token_id]} for w in windows]
 
 
