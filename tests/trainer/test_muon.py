@@ -62,3 +62,20 @@ def test_muon_trains_and_resumes_exactly(make_config, tmp_path):
                                 weight_decay=0.01, max_steps=4, save_steps=2, lr_scheduler="cosine", warmup_steps=1)
     losses = train_losses(full)
     assert losses[4] < losses[1]
+
+
+def test_torchs_averaged_momentum_gives_axolotls_step():
+    """Axolotl's Muon keeps buf = m*buf + g and orthogonalises g + m*buf; torch's keeps the average
+    buf = m*buf + (1-m)*g and orthogonalises (1-m)*g + m*buf, which is (1-m) x Axolotl's. Newton-Schulz divides
+    by the norm first, so both steps are the same (up to bf16 rounding of the scaled input)."""
+    from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, _zeropower_via_newtonschulz
+
+    g = torch.Generator().manual_seed(0)
+    grads = [torch.randn(24, 16, generator=g) for _ in range(4)]
+    m, axolotl_buf, torch_buf = 0.95, torch.zeros(24, 16), torch.zeros(24, 16)
+    for grad in grads:
+        axolotl_buf = m * axolotl_buf + grad
+        torch_buf = torch_buf.lerp(grad, 1 - m)
+        ns = [_zeropower_via_newtonschulz(u, (DEFAULT_A, DEFAULT_B, DEFAULT_C), 5, 1e-7).float()
+              for u in (grad + m * axolotl_buf, grad.lerp(torch_buf, m))]
+        assert torch.allclose(ns[0], ns[1], atol=2e-2), (ns[0] - ns[1]).abs().max()
