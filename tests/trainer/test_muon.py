@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.trainer.helpers import train_losses, train_then_resume
 from trainer.cli import main
 from trainer.config import parse_config
+from trainer.errors import ConfigError
 
 
 def tiny_model(seed=0):
@@ -79,3 +81,12 @@ def test_torchs_averaged_momentum_gives_axolotls_step():
         ns = [_zeropower_via_newtonschulz(u, (DEFAULT_A, DEFAULT_B, DEFAULT_C), 5, 1e-7).float()
               for u in (grad + m * axolotl_buf, grad.lerp(torch_buf, m))]
         assert torch.allclose(ns[0], ns[1], atol=2e-2), (ns[0] - ns[1]).abs().max()
+
+
+def test_muon_refuses_flattened_parameters():
+    base = {"base_model": "m", "datasets": [{"path": "x.jsonl", "type": "alpaca"}], "optimizer": "muon"}
+    with pytest.raises(ConfigError, match="muon with deepspeed"):
+        parse_config({**base, "deepspeed": "deepspeed_configs/zero2.json"})
+    with pytest.raises(ConfigError, match="muon with FSDP1"):
+        parse_config({**base, "fsdp": ["full_shard", "auto_wrap"]})
+    assert parse_config({**base, "fsdp_version": 2, "fsdp_config": {"reshard_after_forward": True}})[0].optimizer == "muon"
