@@ -6,7 +6,8 @@ A stream is read while training, never prepared up front (so it has no length: r
     -> a seeded shuffle buffer of streaming_multipack_buffer_size rows (shuffle_merged_datasets)
     -> row i goes to rank i % world_size (each rank tokenizes and trains on its own rows only)
     -> tokenized: pretraining_dataset text is cut into windows as Axolotl's `pretrain` type does
-       (sequence_len - 1 tokens with a stride of overlap, then EOS; every token is trained);
+       (sequence_len - 1 tokens with a stride of overlap, then EOS; every token is trained); without
+       sample_packing, as Axolotl's encode_streaming, each text is one example of its first sequence_len - 2 tokens;
        `datasets` entries by their prompt format, exactly as prepared data (trainer.data.tokenize_example)
     -> buffers of streaming_multipack_buffer_size examples, packed into bins of sequence_len
        (sample_packing; packed documents are isolated unless pretrain_multipack_attn: false) and shuffled
@@ -132,7 +133,11 @@ class Stream:
                 if not isinstance(text, str):
                     raise DataError(f"pretraining_dataset {entry.path}: rows need a text column "
                                     f"'{entry.text_column}' (columns: {', '.join(sorted(row))}); set text_column")
-                yield from pretrain_windows(text, self.tokenizer, cfg.sequence_len)
+                if cfg.sample_packing:
+                    yield from pretrain_windows(text, self.tokenizer, cfg.sequence_len)
+                else:  # Axolotl's unpacked path (encode_streaming): the text's start only, sequence_len - 2 tokens
+                    ids = self.tokenizer(text, truncation=True, max_length=cfg.sequence_len - 2)["input_ids"]
+                    yield {"input_ids": ids, "labels": list(ids)}
                 continue
             out = tokenize_example(row, entry, cfg, self.tokenizer)
             if out["targets"] > 0 and not (out["too_long"] and cfg.excess_length_strategy == "drop"):

@@ -3,6 +3,7 @@ local files as the stream."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 from pathlib import Path
@@ -98,8 +99,6 @@ def test_pretrain_windows_cover_the_text_as_axolotls_pretrain_type(tiny_llama):
 def test_each_rank_reads_its_own_rows_and_the_stream_repeats(pretrain_config):
     """Two ranks: in every pass, disjoint documents whose union is the file; a pass that ends starts again,
     reshuffled, so every rank always has a next micro-batch (no rank runs dry before max_steps)."""
-    import itertools
-
     def doc_ids(stream, pass_index):  # the documents whose first window this rank has, in order
         text = [stream.tokenizer.decode(e["input_ids"], skip_special_tokens=True) for e in stream.examples(pass_index)]
         return [t.split(":")[0] for t in text if t.startswith("doc ")]
@@ -118,6 +117,15 @@ def test_each_rank_reads_its_own_rows_and_the_stream_repeats(pretrain_config):
         batches = list(itertools.islice(iter(stream), 40))  # many more micro-batches than one pass holds
         assert len(batches) == 40 and all(len(b) == cfg.micro_batch_size for b in batches)
         assert all(sum(len(e["input_ids"]) for e in row) <= cfg.sequence_len for b in batches for row in b)
+
+
+def test_unpacked_pretraining_keeps_each_texts_start_as_axolotl(pretrain_config, text_file):
+    """Without sample_packing Axolotl's encode_streaming truncates each text to sequence_len - 2 tokens."""
+    stream, cfg = stream_of(pretrain_config(sample_packing=False, shuffle_merged_datasets=False))
+    tok = stream.tokenizer
+    docs = [json.loads(line)["text"] for line in text_file.read_text().splitlines()]
+    assert [e["input_ids"] for e in stream.examples(0)] == [tok(d)["input_ids"][:46] for d in docs]
+    assert all(len(row) == 1 for batch in itertools.islice(iter(stream), 5) for row in batch)
 
 
 def test_streamed_sft_rows_are_the_prepared_rows(make_config, tmp_path):
