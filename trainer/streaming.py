@@ -219,13 +219,18 @@ class StreamRows(torch.utils.data.Dataset):
         raise TypeError("a stream has no length")
 
 
-def check_stream(cfg: Config, tokenizer) -> None:
-    """Open every dataset and read its first row before the model loads: a bad path or column fails now."""
+def check_stream(cfg: Config, tokenizer, world_size: int = 1) -> None:
+    """Before the model loads, on every rank alike: every dataset opens and has a row, and there are at least
+    as many rows as processes (row i goes to rank i mod world size), so no rank starts with nothing."""
     stream = Stream(cfg, tokenizer)
+    total = 0
     for entry in stream.entries:
-        first = next(iter(_open(entry)), None)
-        if first is None:
+        rows = sum(1 for _ in itertools.islice(iter(_open(entry)), world_size))
+        if rows == 0:
             raise DataError(f"dataset {entry.path} is empty")
+        total += rows
+    if total < world_size:
+        raise DataError(f"the stream has {total} row(s) for {world_size} processes; each process needs its own rows")
 
 
 def fresh_model(cfg: Config, source: str, dtype, attention: str, extra: dict):

@@ -152,7 +152,7 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
         from trainer.data import Prepared
         from trainer.streaming import check_stream
 
-        check_stream(cfg, tokenizer)
+        check_stream(cfg, tokenizer, world)
         data = Prepared(None, None, {"train_rows": "streamed"}, None)
     else:
         data = prepare(cfg, tokenizer, rank, log=say)

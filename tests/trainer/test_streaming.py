@@ -272,3 +272,13 @@ def test_preprocess_and_evaluate_say_a_stream_has_nothing_to_prepare(pretrain_co
     for command in ("preprocess", "evaluate"):
         result = run_cli(command, str(pretrain_config()))
         assert result.returncode == 2 and "streamed data" in result.stderr.strip().splitlines()[-1], result.stderr
+
+
+def test_too_few_rows_for_the_processes_is_said_before_training(pretrain_config, tmp_path):
+    from trainer.streaming import check_stream
+
+    data = write_jsonl(tmp_path / "two.jsonl", texts(2))
+    stream, cfg = stream_of(pretrain_config(pretraining_dataset=[{"path": str(data)}]))
+    check_stream(cfg, stream.tokenizer, world_size=2)
+    with pytest.raises(DataError, match="2 row\\(s\\) for 3 processes"):
+        check_stream(cfg, stream.tokenizer, world_size=3)
