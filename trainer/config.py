@@ -93,7 +93,7 @@ class PretrainingDatasetConfig(BaseModel):
     data_files: str | list[str] | None = None
     ds_type: Literal["json", "parquet", "csv"] | None = None
     skip: int | None = Field(None, ge=0)  # rows of the stream to skip before training
-    trust_remote_code: bool = False
+    trust_remote_code: bool = False  # inert: datasets >= 4 runs no dataset loading scripts
 
 
 class Config(BaseModel):
@@ -278,7 +278,7 @@ class Config(BaseModel):
     def stream_buffer_size(self) -> int:
         return self.streaming_multipack_buffer_size or self.pretrain_multipack_buffer_size or 10_000
 
-    def _check_streaming(self) -> None:
+    def _check_pretraining(self) -> None:
         if not self.datasets and not self.pretraining_dataset:
             raise ValueError("datasets: Field required (or pretraining_dataset for streamed pretraining)")
         if self.datasets and self.pretraining_dataset:
@@ -323,7 +323,7 @@ class Config(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> Config:
-        self._check_streaming()
+        self._check_pretraining()
         self._check_preference()
         if self.warmup_ratio is not None and self.warmup_steps is not None:
             raise ValueError("set warmup_ratio or warmup_steps, not both")
