@@ -41,9 +41,11 @@ def set_rng_state(state: dict) -> None:
 
 
 def save(output_dir: Path, step: int, model, optimizer, scheduler, scaler, state: dict,
-         rank: int, timeout_s: float, keep: int | None = None, engine=None) -> Path:
+         rank: int, timeout_s: float, keep: int | None = None, engine=None, model_only: bool = False) -> Path:
     """engine: the accelerator-prepared model; under DeepSpeed its engine writes each rank's partition of the
-    optimizer (and ZeRO-3 weights) with save_checkpoint; under FSDP2 the full states are gathered first."""
+    optimizer (and ZeRO-3 weights) with save_checkpoint; under FSDP2 the full states are gathered first.
+    model_only (save_only_model): the weights and trainer state only -- no optimizer, scheduler, scaler or RNG
+    state, as the HF Trainer's save_only_model; trainer_state.json says so, and load() restarts the optimizer."""
     from trainer import distributed
 
     final = output_dir / f"checkpoint-{step}"
@@ -52,21 +54,24 @@ def save(output_dir: Path, step: int, model, optimizer, scheduler, scaler, state
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     barrier("checkpoint save (start)", rank, timeout_s)
-    torch.save(rng_state(), tmp / f"rng_state_{rank}.pt")
+    if not model_only:
+        torch.save(rng_state(), tmp / f"rng_state_{rank}.pt")
     barrier("checkpoint save (RNG states)", rank, timeout_s)
     deepspeed = engine is not None and distributed.is_deepspeed(engine)
     model_state = distributed.gathered_model_state(engine, model)  # collectives: every rank
-    optimizer_state = distributed.full_optimizer_state(model, optimizer)
-    if deepspeed:
+    optimizer_state = None if model_only else distributed.full_optimizer_state(model, optimizer)
+    if deepspeed and not model_only:
         engine.save_checkpoint(str(tmp), tag=DEEPSPEED_TAG)  # every rank writes its own partition
     if rank == 0:
         model.save_pretrained(tmp, state_dict=model_state)  # a PeftModel saves only its adapter
-        if not deepspeed:
-            torch.save(optimizer_state if optimizer_state is not None else optimizer.state_dict(), tmp / "optimizer.pt")
-        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-        if scaler is not None:
-            torch.save(scaler.state_dict(), tmp / "scaler.pt")
-        (tmp / STATE_FILE).write_text(json.dumps(state, indent=2))
+        if not model_only:
+            if not deepspeed:
+                torch.save(optimizer_state if optimizer_state is not None else optimizer.state_dict(),
+                           tmp / "optimizer.pt")
+            torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+            if scaler is not None:
+                torch.save(scaler.state_dict(), tmp / "scaler.pt")
+        (tmp / STATE_FILE).write_text(json.dumps({**state, "model_only": True} if model_only else state, indent=2))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         if keep:
@@ -101,6 +106,26 @@ def _load_weights(model, path: Path) -> None:
         raise TrainingError(f"checkpoint {path} does not match the model (missing {missing[:3]}, unexpected {unexpected[:3]})")
 
 
+def _load_sharded_weights(model, path: Path) -> None:
+    """The checkpoint's full weights into an FSDP-sharded model (or adapter)."""
+    from safetensors.torch import load_file
+
+    from trainer import distributed
+
+    weights = {k: v for f in sorted(path.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+    if hasattr(model, "peft_config"):  # adapter files drop the adapter's name from the parameter names
+        adapter = f".{model.active_adapter}"
+        names = {fqn.replace(adapter, ""): fqn for fqn in model.state_dict() if adapter in fqn}
+        missing = [k for k in weights if k not in names]
+        if missing:
+            raise TrainingError(f"checkpoint {path} does not match the adapter (unexpected {missing[:3]})")
+        weights = {names[k]: v for k, v in weights.items()}
+    unexpected = [k for k in weights if k not in model.state_dict()]
+    if unexpected:
+        raise TrainingError(f"checkpoint {path} does not match the model (unexpected {unexpected[:3]})")
+    distributed.load_full_model_state(model, weights)
+
+
 def load(path: Path, model, optimizer, scheduler, scaler, rank: int, world_size: int, engine=None) -> dict:
     """Restore everything save() wrote; return the trainer state."""
     from trainer import distributed
@@ -112,6 +137,8 @@ def load(path: Path, model, optimizer, scheduler, scaler, rank: int, world_size:
     if state["world_size"] != world_size:
         raise TrainingError(f"checkpoint {path} was written by {state['world_size']} processes; resume it with "
                             f"the same number (got {world_size}) so the data order continues exactly")
+    if state.get("model_only"):
+        return _load_model_only(path, state, model, scheduler, engine)
     if engine is not None and distributed.is_deepspeed(engine):
         if not (path / DEEPSPEED_TAG).is_dir():
             raise TrainingError(f"checkpoint {path} has no DeepSpeed state ({DEEPSPEED_TAG}/); it was not written "
@@ -124,20 +151,7 @@ def load(path: Path, model, optimizer, scheduler, scaler, rank: int, world_size:
         if inner is not None and inner is not scheduler.optimizer:
             scheduler.optimizer = inner
     elif distributed.is_sharded(model):
-        from safetensors.torch import load_file
-
-        weights = {k: v for f in sorted(path.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
-        if hasattr(model, "peft_config"):  # adapter files drop the adapter's name from the parameter names
-            adapter = f".{model.active_adapter}"
-            names = {fqn.replace(adapter, ""): fqn for fqn in model.state_dict() if adapter in fqn}
-            missing = [k for k in weights if k not in names]
-            if missing:
-                raise TrainingError(f"checkpoint {path} does not match the adapter (unexpected {missing[:3]})")
-            weights = {names[k]: v for k, v in weights.items()}
-        unexpected = [k for k in weights if k not in model.state_dict()]
-        if unexpected:
-            raise TrainingError(f"checkpoint {path} does not match the model (unexpected {unexpected[:3]})")
-        distributed.load_full_model_state(model, weights)
+        _load_sharded_weights(model, path)
         distributed.load_full_optimizer_state(model, optimizer, torch.load(path / "optimizer.pt", weights_only=False))
     else:
         _load_weights(model, path)
@@ -148,3 +162,26 @@ def load(path: Path, model, optimizer, scheduler, scaler, rank: int, world_size:
     set_rng_state(torch.load(path / f"rng_state_{rank}.pt", weights_only=False))
     return state
 
+
+
+def _load_model_only(path: Path, state: dict, model, scheduler, engine) -> dict:
+    """A save_only_model checkpoint: its weights, step and data position. The optimizer starts afresh (its
+    moments are not in the checkpoint), the RNG stays as seeded, and the learning-rate schedule is moved to the
+    checkpoint's step (it is a function of the step). The HF Trainer resumes such checkpoints the same way,
+    except that its schedule restarts from step 0."""
+    import warnings
+
+    from trainer import distributed
+
+    if engine is not None and distributed.is_deepspeed(engine):
+        raise TrainingError(f"checkpoint {path} was written with save_only_model (no DeepSpeed state); resuming it "
+                            "under DeepSpeed is not supported: resume without deepspeed, or use a full checkpoint")
+    if distributed.is_sharded(model):
+        _load_sharded_weights(model, path)
+    else:
+        _load_weights(model, path)
+    with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()": intended, nothing is trained
+        warnings.simplefilter("ignore")
+        for _ in range(state["step"]):
+            scheduler.step()
+    return state

@@ -33,9 +33,10 @@ def _setup(args, gpu: str | None = None):
 def feature_notes(cfg, runtime, plan) -> list[str]:
     """What quantized loading, the optimizer and the kernels become on this GPU (each floor from matrices/).
     Raises HardwareError where the GPU cannot do what the config asks. Sets runtime.kernels (liger on?)."""
-    from trainer import kernels, optim, quantization
+    from trainer import kernels, optim, qat, quantization
 
     notes = quantization.hardware_notes(cfg, runtime.gpu) + optim.hardware_notes(cfg.optimizer, runtime.gpu)
+    notes += qat.hardware_notes(cfg, runtime.gpu)  # qat dtypes' and fp8's floors
     runtime.kernels, kernel_notes = kernels.plan_notes(cfg, runtime.gpu, plan)
     from trainer import distributed
 
@@ -66,6 +67,8 @@ def cmd_validate(args) -> int:
     if cfg.reinit_weights:
         print("  weights:    fresh, from the model's config and the seed (reinit_weights)")
     print(f"  optimizer:  {cfg.optimizer} ({optim.check(cfg.optimizer)['library']})")
+    if cfg.qat is not None:
+        print(f"  qat:        {cfg.qat.describe()} (torchao fake quantization; plain layers again at the end)")
     if distributed.enabled(cfg) or cfg.deepspeed:
         print(f"  sharding:   {'deepspeed ' + str(distributed.deepspeed_path(cfg.deepspeed)) if cfg.deepspeed else 'FSDP' + str(distributed.fsdp_settings(cfg)['fsdp_version'])}")
     if cfg.streamed:
@@ -204,7 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("make-tiny-model", help="write a tiny local model + tokenizer (no downloads)")
     p.add_argument("dir")
-    p.add_argument("--family", choices=["llama", "qwen2"], default="llama")
+    p.add_argument("--family", choices=["llama", "qwen2", "mistral"], default="llama")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_make_tiny_model)
     return parser
@@ -212,6 +215,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    import logging  # torchao (qat extra), when installed, is imported by transformers/peft and logs one warning per
+
+    for name in ("torchao", "torch.utils._pytree"):  # CUDA-only extension it cannot load, and per enum it registers
+        logging.getLogger(name).setLevel(logging.ERROR)
     rank = os.environ.get("RANK")
     prefix = f"error (rank {rank}): " if rank not in (None, "0") else "error: "
     try:

@@ -19,6 +19,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from trainer.errors import ConfigError
+from trainer.qat import QatConfig
 
 Attention = Literal["flash_attention_2", "flash_attention_3", "sdpa", "xformers", "eager"]
 PromptFormat = Literal["alpaca", "chat_template", "completion", "input_output"]
@@ -159,7 +160,7 @@ class Config(BaseModel):
     lr_scheduler: Literal["cosine", "linear", "constant", "constant_with_warmup"] = "cosine"
     cosine_min_lr_ratio: float | None = Field(None, ge=0, le=1)  # cosine decays to this fraction of learning_rate
     warmup_ratio: float | None = Field(None, ge=0, lt=1)
-    warmup_steps: int | None = Field(None, ge=0)
+    warmup_steps: int | float | None = Field(None, ge=0)  # a float < 1 is a fraction of the steps (transformers v5)
     optimizer: str = "adamw_torch"  # a name in trainer.optim (checked against matrices/optimizers.toml)
     optim_args: dict[str, Any] | str | None = None  # extra optimizer arguments, as transformers' optim_args
     weight_decay: float = Field(0.0, ge=0)
@@ -240,6 +241,24 @@ class Config(BaseModel):
     pretrain_multipack_buffer_size: int | None = Field(None, ge=1)  # Axolotl's deprecated spelling of the above
     pretrain_multipack_attn: bool = True  # packed documents do not attend to each other
     reinit_weights: bool = False  # train from the model's config with freshly initialised weights
+    # --- mistral-common tokenizer (trainer/mistral_tokenizer.py) ------------------------------------------
+    # Mistral's own tokenizer; chat_template data encoded by it. Unset: true for Magistral models, as in Axolotl
+    tokenizer_use_mistral_common: bool | None = None
+
+    # --- quantization-aware training, fp8, schedule and checkpoint keys that come with them (trainer/qat.py) ---
+    qat: QatConfig | None = None  # torchao fake quantization while training (Axolotl's QATConfig)
+    fp8: bool = False  # torchao float8 training: refused with its hardware floor (trainer.qat.hardware_notes)
+    fp8_enable_fsdp_float8_all_gather: bool = False
+    cosine_constant_lr_ratio: float | None = Field(None, ge=0, le=1)  # cosine to cosine_min_lr_ratio by this fraction of the steps, then flat
+    save_only_model: bool = False  # checkpoints without optimizer/scheduler/RNG state (resume restarts the optimizer)
+    # --- N-D parallelism (trainer/parallelism.py; context_parallel_size above 1 refused) ----------------------
+    dp_shard_size: int | None = Field(None, ge=1)  # FSDP shards over this many ranks (unset/1: all left)
+    dp_replicate_size: int | None = Field(None, ge=1)  # replicas of the sharded model (HSDP with dp_shard_size)
+    tensor_parallel_size: int | None = Field(None, ge=1)
+    context_parallel_size: int | None = Field(None, ge=1)
+    # accelerate's AcceleratorConfig, as Axolotl passes it: only gradient_accumulation_kwargs.sync_each_batch
+    accelerator_config: dict[str, Any] | None = None
+    min_sample_len: int | None = Field(None, ge=1)  # SFT rows with fewer tokens are dropped (Axolotl's filter)
     # ------------------------------------------------------------------------------------------------------
 
     # --- preference training (Axolotl's names; defaults as TRL's configs) --------------------------------
@@ -327,6 +346,11 @@ class Config(BaseModel):
         self._check_preference()
         if self.warmup_ratio is not None and self.warmup_steps is not None:
             raise ValueError("set warmup_ratio or warmup_steps, not both")
+        if self.min_sample_len is not None and (self.rl or self.min_sample_len > self.sequence_len):
+            raise ValueError(f"min_sample_len: {self.min_sample_len} must be at most sequence_len ({self.sequence_len})"
+                             if not self.rl else "min_sample_len: applies to SFT data, not to rl: preference pairs")
+        if isinstance(self.warmup_steps, float) and self.warmup_steps >= 1 and not self.warmup_steps.is_integer():
+            raise ValueError(f"warmup_steps: {self.warmup_steps} is neither a step count nor a fraction (< 1) of the steps")
         if self.bf16 is True and self.fp16:
             raise ValueError("bf16 and fp16 are both true; choose one (or bf16: auto)")
         if self.eval_steps and self.evals_per_epoch:
@@ -395,6 +419,8 @@ INERT_KEYS: dict[str, str] = {
     "flash_attn_rms_norm": "a flash-attn kernel option; the model's own RMSNorm is used",
     "flash_attn_fuse_qkv": "a flash-attn kernel option",
     "flash_attn_fuse_mlp": "a flash-attn kernel option",
+    "eta_min": "not a key of Axolotl's config schema: Axolotl drops it and trains its usual cosine schedule, and "
+               "so does this trainer; for a floor set cosine_min_lr_ratio (floor / learning_rate)",
 }
 
 # Speed/memory switches with no effect on what is trained: accepted with a note saying they are off here.
@@ -421,16 +447,16 @@ PERFORMANCE_KEYS: dict[str, str] = {
 UNSUPPORTED_KEYS: dict[str, str] = {
     **{k: "GPTQ/AWQ/torchao quantized loading is not supported (use load_in_4bit or load_in_8bit)" for k in (
         "gptq", "gptq_disable_exllama", "model_quantization_config", "model_quantization_config_kwargs",
-        "qat", "fp8", "fp8_enable_fsdp_float8_all_gather", "llmcompressor")},
+        "llmcompressor")},
     **{k: "this adapter option is not supported" for k in (
         "lora_fan_in_fan_out", "peft_layers_to_transform", "loraplus_lr_ratio", "loraplus_lr_embedding",
         "peft")},
     **{k: "only rl: dpo, ipo, orpo, kto and simpo are supported (no GRPO, reward models or TRL pass-through)" for k in (
         "trl", "reward_model", "process_reward_model", "dpo_use_weighting", "dpo_use_liger_kernel",
         "dpo_padding_free", "dpo_loss_weights", "rl_adapter_ref_model", "dpo_norm_loss")},
-    **{k: "tensor/context/expert parallelism is not supported (use FSDP, DeepSpeed or DDP)" for k in (
-        "tensor_parallel_size", "context_parallel_size", "sequence_parallel_degree", "dp_shard_size",
-        "dp_replicate_size", "expert_parallel_size")},
+    **{k: "context and expert parallelism are not supported (use FSDP, DeepSpeed or DDP)" for k in (
+        "sequence_parallel_degree",
+        "expert_parallel_size")},
     **{k: "not supported" for k in (
         "group_by_length", "curriculum_sampling", "early_stopping_patience",
         "neftune_noise_alpha", "noisy_embedding_alpha", "s2_attention", "flex_attention", "sage_attention",
@@ -438,17 +464,20 @@ UNSUPPORTED_KEYS: dict[str, str] = {
         "lr_quadratic_warmup", "lr_div_factor", "eval_table_size",
         "eval_causal_lm_metrics", "do_causal_lm_eval", "test_datasets",
         "sample_packing_eff_est", "sample_packing_group_size", "sample_packing_bin_size",
-        "multipack_real_batches", "save_only_model", "hub_strategy_every_save",
+        "multipack_real_batches", "hub_strategy_every_save",
         "chat_template_kwargs", "default_system_message", "dataset_shard_num", "dataset_shard_idx",
         "skip_prepare_dataset", "dataset_keep_in_memory", "push_dataset_to_hub",
         "base_model_config", "xformers_attention_backend", "lr_groups",
         "optim_target_modules", "sequence_len_overflow_handling", "max_packed_sequence_len",
-        "cosine_constant_lr_ratio", "torchdistx_path")},
+        "torchdistx_path")},
 }
 
-UNSUPPORTED_KEYS["tokenizer_use_mistral_common"] = (
-    "mistral-common tokenizers render conversations straight to token ids, and chat_template training here "
-    "locates trained turns in the rendered text: use the model's Hugging Face tokenizer (tokenizer_default)")
+UNSUPPORTED_KEYS["use_onebitllms"] = (
+    "Falcon-E's BitNet training swaps every linear layer for onebitllms' ternary BitLinear, a different model "
+    "and training that this trainer does not implement")
+PERFORMANCE_KEYS.update({k: "ALST's tiled MLP (the MLP computed in sequence chunks) is a memory option this trainer "
+                            "does not implement (same training, more memory)"
+                         for k in ("tiled_mlp", "tiled_mlp_num_shards", "tiled_mlp_use_original_mlp")})
 
 # Legacy dtype switches: the same as bf16/fp16 (float32: neither).
 LEGACY_DTYPE_KEYS = {"bfloat16": ("bf16", True), "float16": ("fp16", True), "float32": ("bf16", False)}
@@ -559,7 +588,7 @@ def parse_config(raw: Any) -> tuple[Config, list[str]]:
 
 def _named_choices(cfg: Config, notes: list[str]) -> list[str]:
     """Choices checked against data tables: optimizer, chat templates, plugins, FSDP settings."""
-    from trainer import chat_templates, distributed, kernels, muon, optim
+    from trainer import chat_templates, distributed, kernels, mistral_tokenizer, muon, optim, parallelism, qat, schedule
 
     problems = []
     if cfg.gradient_checkpointing == "offload":
@@ -573,6 +602,9 @@ def _named_choices(cfg: Config, notes: list[str]) -> list[str]:
     checks += [lambda ds=ds: chat_templates.check(ds.chat_template, ds.chat_template_jinja)
                for ds in cfg.datasets if ds.chat_template]
     checks += [lambda: notes.extend(kernels.check_plugins(cfg)), lambda: notes.extend(distributed.check(cfg))]
+    checks += [lambda: notes.extend(mistral_tokenizer.check(cfg))]
+    checks += [lambda: qat.check_config(cfg), lambda: notes.extend(schedule.notes(cfg))]
+    checks += [lambda: notes.extend(parallelism.check(cfg, distributed.enabled(cfg)))]
     for check in checks:
         try:
             check()

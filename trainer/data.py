@@ -33,6 +33,10 @@ def default_workers(cfg: Config) -> int:
 def load_tokenizer(cfg: Config):
     from transformers import AutoTokenizer
 
+    if cfg.tokenizer_use_mistral_common:
+        from trainer import mistral_tokenizer
+
+        return mistral_tokenizer.load(cfg)
     source = cfg.tokenizer_config or cfg.base_model
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)
@@ -68,6 +72,10 @@ def _data_identity(ds: DatasetConfig) -> str:
 
 
 def tokenizer_identity(tokenizer) -> str:
+    from trainer import mistral_tokenizer
+
+    if mistral_tokenizer.is_mistral(tokenizer):
+        return mistral_tokenizer.identity(tokenizer)
     backend = getattr(tokenizer, "backend_tokenizer", None)
     vocab = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
     extra = json.dumps([type(tokenizer).__name__, tokenizer.chat_template, str(tokenizer.special_tokens_map)])
@@ -83,7 +91,7 @@ def cache_key(cfg: Config, tokenizer, hub_fingerprints: list[str]) -> str:
         "kind": "kto" if cfg.rl == "kto" else "pairs" if cfg.rl else "sft",  # DPO/ORPO/SimPO share their tokens
         **{k: getattr(cfg, k) for k in ("sequence_len", "excess_length_strategy", "train_on_inputs", "val_set_size",
                                        "seed", "shuffle_merged_datasets", "chat_template", "chat_template_jinja",
-                                       "eot_tokens", "dataset_exact_deduplication")},
+                                       "eot_tokens", "dataset_exact_deduplication", "min_sample_len")},
     }
     return hashlib.sha256(json.dumps(relevant, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
@@ -169,6 +177,10 @@ def filter_and_split(cfg: Config, data) -> tuple[object, object | None, dict]:
             if targets > 0 and not (long and drop)]
     stats["dropped_no_targets"] = len(data) - len(keep) - stats["dropped_too_long"]
     data = data.select(keep).remove_columns(["too_long"])
+    if cfg.min_sample_len:  # Axolotl's lower bound on a row's tokens (SFT only: checked by Config)
+        long_enough = [i for i, n in enumerate(data["length"]) if n >= cfg.min_sample_len]
+        stats["dropped_too_short"] = len(data) - len(long_enough)
+        data = data.select(long_enough)
     if cfg.dataset_exact_deduplication:
         seen, unique = set(), []
         for i, row in enumerate(data):

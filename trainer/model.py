@@ -17,7 +17,7 @@ from trainer.hardware import Runtime
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def load_model(cfg: Config, runtime: Runtime, tokenizer, source: str | None = None):
+def load_model(cfg: Config, runtime: Runtime, tokenizer, source: str | None = None, load_kwargs: dict | None = None):
     from transformers import AutoModelForCausalLM
 
     from trainer.quantization import bnb_config
@@ -30,6 +30,7 @@ def load_model(cfg: Config, runtime: Runtime, tokenizer, source: str | None = No
         extra["quantization_config"] = quantization
     if cfg.revision_of_model:
         extra["revision"] = cfg.revision_of_model
+    extra.update(load_kwargs or {})  # tensor parallelism: transformers' DistributedConfig (trainer/parallelism.py)
     try:
         if cfg.reinit_weights:  # Axolotl's from_config: the architecture only, weights drawn from the seed
             from trainer.streaming import fresh_model
@@ -41,6 +42,10 @@ def load_model(cfg: Config, runtime: Runtime, tokenizer, source: str | None = No
                 **extra)
     except OSError as err:
         raise ConfigError(f"cannot load the model from {source}: {str(err).splitlines()[0]}") from None
+    except ValueError as err:  # e.g. a model with no tp_plan asked for tensor_parallel_size
+        if not load_kwargs:
+            raise
+        raise ConfigError(f"tensor_parallel_size: cannot shard {source}: {str(err).splitlines()[0]}") from None
     resize_embeddings(cfg, model, tokenizer)
     model.config.use_cache = False  # no KV cache in training; the collator's mask keeps packed rows apart
     checkpointing = {"use_reentrant": reentrant(cfg)}

@@ -140,7 +140,8 @@ class Stream:
                     yield {"input_ids": ids, "labels": list(ids)}
                 continue
             out = tokenize_example(row, entry, cfg, self.tokenizer)
-            if out["targets"] > 0 and not (out["too_long"] and cfg.excess_length_strategy == "drop"):
+            too_short = cfg.min_sample_len is not None and out["length"] < cfg.min_sample_len
+            if out["targets"] > 0 and not too_short and not (out["too_long"] and cfg.excess_length_strategy == "drop"):
                 yield {"input_ids": out["input_ids"], "labels": out["labels"]}
 
     def _rows(self, examples: list[dict], rng: np.random.Generator) -> list[list[dict]]:

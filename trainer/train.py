@@ -56,7 +56,12 @@ def make_accelerator(cfg: Config, runtime: Runtime):
         world = int(os.environ.get("WORLD_SIZE", "1"))  # "auto" in Axolotl's files; DeepSpeed checks the product
         deepspeed.deepspeed_config["train_batch_size"] = cfg.micro_batch_size * cfg.gradient_accumulation_steps * world
     # gradient_accumulation_steps stays 1: the loop accumulates itself, normalising by the step's token count
-    fsdp = fsdp_plugin(cfg, runtime)
+    from trainer import distributed, parallelism
+
+    mesh = parallelism.mesh_for(cfg, parallelism.world_size(), distributed.enabled(cfg))  # sizes vs processes
+    mesh_config = parallelism.parallelism_config(mesh)
+    # with tensor parallelism transformers shards the model as it loads (FSDP included): accelerate wraps nothing
+    fsdp = fsdp_plugin(cfg, runtime) if mesh is None or mesh.tp == 1 else None
     if deepspeed is not None and runtime.device == "cpu":
         # DeepSpeed's CPU accelerator over gloo: accelerate skips DeepSpeed when told cpu=True, and with no GPU
         # and no backend named it would count one process; name gloo and the DeepSpeed launch path
@@ -70,12 +75,16 @@ def make_accelerator(cfg: Config, runtime: Runtime):
         cpu=runtime.device == "cpu" and deepspeed is None,
         deepspeed_plugin=deepspeed,
         fsdp_plugin=fsdp,
+        parallelism_config=mesh_config if runtime.device == "cuda" else None,  # CPU: attached below
         kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.ddp_timeout))] + ddp_kwargs(cfg),
     )
     if fsdp is not None and runtime.device == "cpu":
         from trainer.distributed import use_fsdp_on_cpu
 
         use_fsdp_on_cpu(accelerator, fsdp)
+        if mesh_config is not None:
+            parallelism.attach(accelerator, mesh_config)
+    accelerator.mesh = mesh
     return accelerator
 
 
@@ -125,7 +134,7 @@ class MetricsLog:
 
 def train(cfg: Config, runtime: Runtime, log=print) -> Path:
     from tqdm.auto import tqdm
-    from transformers import get_scheduler, set_seed
+    from transformers import set_seed
 
     # 1. processes, precision, timeouts
     accelerator = make_accelerator(cfg, runtime)
@@ -158,8 +167,18 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
         data = prepare(cfg, tokenizer, rank, log=say)
 
     # 3. model
-    model = load_model(cfg, runtime, tokenizer)
+    from trainer import parallelism
+
+    mesh = accelerator.mesh
+    model = load_model(cfg, runtime, tokenizer, load_kwargs=parallelism.load_kwargs(mesh))
+    parallelism.after_load(model, mesh)
+    tp = mesh.tp if mesh is not None else 1
+    data_rank, data_world = rank // tp, world // tp  # the ranks of a tensor-parallel group share their batches
     kernels.apply(cfg, model, getattr(runtime, "kernels", False), say)  # liger, where the plan says triton runs
+    if cfg.qat is not None:  # torchao fake quantization of the linear layers (before sharding, as Axolotl)
+        from trainer import qat
+
+        say(f"qat: {qat.prepare(model, cfg.qat)} layers fake-quantized ({cfg.qat.describe()})")
 
     # 4. the objective (how batches are built and the loss computed), sampler and collator
     pad_multiple = 8 if runtime.device == "cuda" else 1
@@ -169,11 +188,11 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
     if cfg.streamed:  # max_steps x accumulation micro-batches from the stream, every rank its own rows
         from trainer.streaming import StreamSampler
 
-        sampler = StreamSampler(cfg, tokenizer, rank, world)
+        sampler = StreamSampler(cfg, tokenizer, data_rank, data_world)
     else:
         sampler = MultipackBatchSampler(objective.lengths(data.train), cfg.micro_batch_size,
                                         objectives.capacity(cfg, cfg.sample_packing), seed=cfg.seed,
-                                        rank=rank, world_size=world, drop_last=True)
+                                        rank=data_rank, world_size=data_world, drop_last=True)
     ga = cfg.gradient_accumulation_steps
     steps_per_epoch = len(sampler) // ga
     if steps_per_epoch == 0:
@@ -186,15 +205,19 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
 
     # 5. optimizer and schedule
     optimizer = make_optimizer(cfg, model)
-    warmup = cfg.warmup_steps if cfg.warmup_steps is not None else math.ceil((cfg.warmup_ratio or 0) * total_steps)
-    schedule = "constant_with_warmup" if cfg.lr_scheduler == "constant" else cfg.lr_scheduler
-    extra = {}
-    if cfg.cosine_min_lr_ratio is not None and schedule == "cosine":  # Axolotl's floor for the cosine decay
-        schedule, extra = "cosine_with_min_lr", {"min_lr_rate": cfg.cosine_min_lr_ratio}
-    scheduler = get_scheduler(schedule, optimizer, num_warmup_steps=warmup, num_training_steps=total_steps,
-                              scheduler_specific_kwargs=extra)
-    model, optimizer = accelerator.prepare(model, optimizer)  # the scheduler is stepped by us, once per step
+    from trainer.schedule import make_scheduler, warmup_steps  # Axolotl's choice of schedule (cosine floor, constant tail)
+
+    scheduler = make_scheduler(cfg, optimizer, warmup_steps(cfg, total_steps), total_steps)
+    if tp > 1:  # already sharded by transformers; accelerate would wrap it in DDP on CPU
+        optimizer = accelerator.prepare(optimizer)
+        model = parallelism.autocast(model, accelerator)
+    else:
+        model, optimizer = accelerator.prepare(model, optimizer)  # the scheduler is stepped by us, once per step
     unwrapped = accelerator.unwrap_model(model)
+    if accelerator.mesh is not None:
+        from trainer.parallelism import placement
+
+        say(f"parallelism: {accelerator.mesh.describe()}; {placement(unwrapped) or 'parameters not sharded'}")
 
     # 5b. reference log-probs (DPO, IPO, KTO): once, before any step and before a checkpoint's weights load,
     # from the cache when a previous run computed them. Never a second copy of the model.
@@ -228,13 +251,21 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
         step, epoch = state["step"], state["sampler"]["epoch"]
         sampler.load_state_dict(state["sampler"])
         say(f"resumed from {resume} at step {step}")
+        if state.get("model_only"):
+            say(f"note: {resume} was saved with save_only_model: its weights, step and data position continue, the "
+                "optimizer restarts with empty state (moments reset) and the RNG is not restored")
 
     # 7. the loop. Each step's loss is normalised by the step's totals on all ranks (target tokens for SFT,
     # pairs or examples for preference objectives), counted before the first backward in ONE all-reduce of a
     # fixed-size vector. DDP averages gradients over ranks and DeepSpeed divides by ga: scale to undo both.
-    loss_scale = world * (ga if cfg.deepspeed else 1)
-    evaluation = Evaluation(cfg, objective, unwrapped, data.validation, reference.get("validation"), rank, world,
-                            device, say)
+    loss_scale = data_world * (ga if cfg.deepspeed else 1)
+    # each batch counts once: the other ranks of a tensor-parallel group add zeros to the step's sums
+    vote = 1.0 if rank % tp == 0 else 0.0
+    from trainer.parallelism import sync_each_batch
+
+    sync_every = sync_each_batch(cfg)  # accelerator_config: reduce gradients after every micro-batch
+    evaluation = Evaluation(cfg, objective, unwrapped, data.validation, reference.get("validation"), data_rank,
+                            data_world, device, say, tp=tp)
     metrics = loggers.Trackers(MetricsLog(output_dir / "metrics.jsonl", main, fresh=step == 0), cfg, output_dir, main,
                                resumed=step > 0, log=say)
     progress = tqdm(total=total_steps, initial=step, disable=not main, desc="training", unit="step")
@@ -246,25 +277,29 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
             batches = iter(loader)
             for _ in range(steps_per_epoch - consumed // ga):
                 started = time.perf_counter()
+                if cfg.qat is not None and cfg.qat.fake_quant_after_n_steps is not None:
+                    from trainer import qat
+
+                    qat.set_fake_quant(unwrapped, qat.fake_quant_on(cfg.qat, step))
                 micro_batches = [next(batches) for _ in range(ga)]  # moved to the device one at a time
                 consumed += ga
                 stats = torch.zeros(len(objective.stat_names), dtype=torch.float64, device=device)
                 for batch in micro_batches:  # counts; KTO's KL forwards (no grad) run on the unwrapped model
                     batch = to_device(batch, device) if objective.stats_need_model else batch
                     stats += torch.tensor(objective.step_stats(unwrapped, batch), dtype=torch.float64, device=device)
-                stats = reduce_sum(stats, f"step {step + 1} (counting the step's totals)", rank, timeout)
+                stats = reduce_sum(stats * vote, f"step {step + 1} (counting the step's totals)", rank, timeout)
                 totals = dict(zip(objective.stat_names, stats.tolist()))
                 sums = torch.zeros(len(objective.metric_names), dtype=torch.float64, device=device)
                 for i, batch in enumerate(micro_batches):
                     batch = to_device(batch, device)
-                    sync = nullcontext() if i == ga - 1 else accelerator.no_sync(model)
+                    sync = nullcontext() if i == ga - 1 or sync_every else accelerator.no_sync(model)
                     if cfg.deepspeed:  # accelerate steps the DeepSpeed engine in every backward made with
                         accelerator.sync_gradients = i == ga - 1  # sync_gradients set: only in the step's last one
                     with sync, phase(f"step {step + 1} (backward)", rank, timeout):
                         loss, values = objective.loss(model, batch, totals)
                         accelerator.backward(loss * loss_scale)
                     sums += values.to(device)
-                sums = reduce_sum(sums, f"step {step + 1} (summing the loss)", rank, timeout)
+                sums = reduce_sum(sums * vote, f"step {step + 1} (summing the loss)", rank, timeout)
                 report = objective.report(dict(zip(objective.metric_names, sums.tolist())), totals)
                 loss = report["loss"]
                 if not math.isfinite(loss):
@@ -275,7 +310,7 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
                     norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
                     norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: a DTensor
                     grad_norm = None if norm is None else float(norm)  # None under DeepSpeed, which clips itself
-                lr = scheduler.get_last_lr()[0]
+                lr = float(scheduler.get_last_lr()[0])  # torchao optimizers keep lr as a tensor
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
@@ -294,7 +329,8 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
                 if save_every and step % save_every == 0:
                     state = {"step": step, "world_size": world, "sampler": sampler.state_dict(consumed)}
                     path = checkpoint.save(output_dir, step, unwrapped, optimizer, scheduler, accelerator.scaler,
-                                           state, rank, timeout, keep=cfg.save_total_limit, engine=model)
+                                           state, rank, timeout, keep=cfg.save_total_limit, engine=model,
+                                           model_only=cfg.save_only_model)
                     say(f"saved {path}")
                 if step >= total_steps:
                     break
@@ -314,6 +350,12 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
     from trainer.distributed import gathered_model_state
 
     full_state = gathered_model_state(model, unwrapped)  # FSDP/ZeRO-3: every rank takes part
+    if cfg.qat is not None:  # fake-quantized layers back to nn.Linear/nn.Embedding (same weights, same names)
+        from trainer import qat
+
+        qat.convert(unwrapped)
+        say("qat: converted the fake-quantized layers back to plain ones; quantize the final model with the same "
+            "qat dtypes (e.g. `axolotl quantize` with this config)")
     if main:
         tmp = output_dir / ".tmp-final"
         shutil.rmtree(tmp, ignore_errors=True)
@@ -333,11 +375,11 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
 class Evaluation:
     """The validation split, scored by the objective (each rank its share; fixed-size all-reduces only)."""
 
-    def __init__(self, cfg, objective, model, validation, reference, rank, world, device, say):
+    def __init__(self, cfg, objective, model, validation, reference, rank, world, device, say, tp=1):
         from trainer import distributed
 
         self.cfg, self.objective, self.model, self.validation, self.reference = cfg, objective, model, validation, reference
-        self.rank, self.world, self.device, self.say = rank, world, device, say
+        self.rank, self.world, self.device, self.say, self.tp = rank, world, device, say, tp
         # FSDP and ZeRO-3 gather weights in every forward (other ZeRO stages pay one extra collective here)
         self.sharded = distributed.is_sharded(model) or bool(cfg.deepspeed)
 
@@ -347,5 +389,7 @@ class Evaluation:
         result = self.objective.evaluate(self.model, self.validation, cfg.eval_batch_size or cfg.micro_batch_size,
                                          objectives.capacity(cfg, cfg.packing_for_eval), self.device, self.rank,
                                          self.world, cfg.ddp_timeout, sharded=self.sharded, **kwargs)
+        if self.tp > 1:  # SFT only (rl: is refused with tensor parallelism): each batch was summed on tp ranks
+            result["eval_tokens"] //= self.tp
         self.say(f"step {step}: {self.objective.describe_eval(result)}")
         return result
