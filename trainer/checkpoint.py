@@ -41,11 +41,14 @@ def set_rng_state(state: dict) -> None:
 
 
 def save(output_dir: Path, step: int, model, optimizer, scheduler, scaler, state: dict,
-         rank: int, timeout_s: float, keep: int | None = None, engine=None, model_only: bool = False) -> Path:
+         rank: int, timeout_s: float, keep: int | None = None, engine=None, model_only: bool = False,
+         tensors: dict | None = None, protect: str | None = None) -> Path:
     """engine: the accelerator-prepared model; under DeepSpeed its engine writes each rank's partition of the
     optimizer (and ZeRO-3 weights) with save_checkpoint; under FSDP2 the full states are gathered first.
     model_only (save_only_model): the weights and trainer state only -- no optimizer, scheduler, scaler or RNG
-    state, as the HF Trainer's save_only_model; trainer_state.json says so, and load() restarts the optimizer."""
+    state, as the HF Trainer's save_only_model; trainer_state.json says so, and load() restarts the optimizer.
+    tensors: more safetensors files for the checkpoint, {file name: {name: tensor}} (ReLoRA's merged base).
+    protect: a checkpoint name that save_total_limit does not delete (early stopping's best, as the HF Trainer)."""
     from trainer import distributed
 
     final = output_dir / f"checkpoint-{step}"
@@ -71,12 +74,18 @@ def save(output_dir: Path, step: int, model, optimizer, scheduler, scaler, state
             torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
             if scaler is not None:
                 torch.save(scaler.state_dict(), tmp / "scaler.pt")
+        for name, content in (tensors or {}).items():
+            from safetensors.torch import save_file
+
+            (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+            save_file(content, str(tmp / name))
         (tmp / STATE_FILE).write_text(json.dumps({**state, "model_only": True} if model_only else state, indent=2))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         if keep:
             for old in list_checkpoints(output_dir)[:-keep]:
-                shutil.rmtree(old, ignore_errors=True)
+                if old.name != protect:
+                    shutil.rmtree(old, ignore_errors=True)
     barrier("checkpoint save (rename)", rank, timeout_s)
     return final
 
@@ -86,6 +95,11 @@ def list_checkpoints(output_dir: Path) -> list[Path]:
     found = [p for p in Path(output_dir).glob("checkpoint-*") if re.fullmatch(r"checkpoint-\d+", p.name)
              and (p / STATE_FILE).exists()]
     return sorted(found, key=lambda p: int(p.name.split("-")[1]))
+
+
+def load_weights(model, path: Path) -> None:
+    """The model's (or adapter's) weights from a checkpoint directory, nothing else."""
+    _load_weights(model, Path(path))
 
 
 def _load_weights(model, path: Path) -> None:

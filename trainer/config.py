@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from trainer import alpaca_styles
 from trainer.errors import ConfigError
 from trainer.qat import QatConfig
 
@@ -95,6 +96,16 @@ class PretrainingDatasetConfig(BaseModel):
     ds_type: Literal["json", "parquet", "csv"] | None = None
     skip: int | None = Field(None, ge=0)  # rows of the stream to skip before training
     trust_remote_code: bool = False  # inert: datasets >= 4 runs no dataset loading scripts
+
+
+class LoftQOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    loftq_bits: Literal[4] = 4  # Axolotl's LoftQConfig: 4-bit NF4 (peft's LoftQ also knows 8; Axolotl's examples use 4)
+
+
+class PeftOptions(BaseModel):  # Axolotl's `peft:` block
+    model_config = ConfigDict(extra="forbid")
+    loftq_config: LoftQOptions | None = None
 
 
 class Config(BaseModel):
@@ -259,6 +270,78 @@ class Config(BaseModel):
     # accelerate's AcceleratorConfig, as Axolotl passes it: only gradient_accumulation_kwargs.sync_each_batch
     accelerator_config: dict[str, Any] | None = None
     min_sample_len: int | None = Field(None, ge=1)  # SFT rows with fewer tokens are dropped (Axolotl's filter)
+
+    # --- long tail: training order, LISA, LoftQ, early stopping, quadratic warmup (Axolotl's names) -------
+    group_by_length: bool = False  # the HF Trainer's length-grouped order (no effect with sample_packing, as in Axolotl)
+    curriculum_sampling: bool = False  # the data's own order every epoch, no shuffle (trainer.ordering)
+    sample_packing_sequentially: bool = False  # next-fit packing in order instead of best-fit (trainer.ordering)
+    lisa_n_layers: int | None = Field(None, ge=1)  # LISA: train this many randomly chosen layers ... (trainer.lisa)
+    lisa_step_interval: int | None = Field(None, ge=1)  # ... re-drawn every this many steps
+    lisa_layers_attribute: str = "model.layers"  # where the layers are, under the model
+    peft: PeftOptions | None = None  # peft.loftq_config.loftq_bits: LoftQ initialisation of LoRA (trainer.loftq)
+    early_stopping_patience: int | None = Field(None, ge=1)  # stop after this many evals without a better eval_loss
+    lr_quadratic_warmup: bool = False  # cosine schedule with a quadratic warmup (trainer.schedule)
+    do_causal_lm_eval: bool = False  # eval_causal_lm_metrics at every evaluation (trainer.causal_lm_eval)
+    eval_causal_lm_metrics: list[str] | None = None  # Axolotl's default: sacrebleu, comet, ter, chrf
+    eval_max_new_tokens: int = Field(128, ge=1)  # Axolotl's default; perplexity's window length
+    eval_table_size: int | None = Field(None, ge=0)  # Axolotl logs prediction tables only to wandb/mlflow/comet
+    relora: bool = False  # ReLoRA: merge LoRA into the base every jagged_restart_steps (trainer.relora)
+    relora_prune_ratio: float | None = Field(None, ge=0, le=1)  # share of LoRA's optimizer state zeroed at a restart
+    relora_prune_method: Literal["magnitude", "random", "reset"] = "magnitude"
+    relora_cpu_offload: bool = False  # compute the merges on the CPU
+    jagged_restart_steps: int | None = Field(None, ge=1)  # LR restarts (and ReLoRA merges) every this many steps
+    jagged_restart_warmup_steps: int | None = Field(None, ge=0)  # warmup after each restart (0/unset: 10)
+    jagged_restart_anneal_steps: int | None = Field(None, ge=0)  # anneal before each restart (0/unset: 1)
+
+    def _check_longtail(self) -> None:
+        if (self.lisa_n_layers is None) != (self.lisa_step_interval is None):
+            raise ValueError("lisa_n_layers and lisa_step_interval go together: set both (or neither)")
+        if self.lisa_n_layers is not None:
+            if self.adapter or self.unfrozen_parameters:
+                raise ValueError("lisa_n_layers: LISA trains whole layers of a full fine-tune; remove adapter / "
+                                 "unfrozen_parameters")
+            if self.deepspeed or self.fsdp or self.fsdp_config or self.fsdp_version:
+                raise ValueError("lisa_n_layers: not with DeepSpeed or FSDP (their sharded optimizers fix the trained "
+                                 "parameters up front; LISA changes them every lisa_step_interval steps)")
+        if self.peft and self.peft.loftq_config and (self.adapter != "lora" or self.load_in_8bit or self.lora_model_dir):
+            raise ValueError("peft.loftq_config needs adapter: lora on an unquantized base and a fresh adapter (LoftQ "
+                             "initialises LoRA against its own 4-bit quantization of the weights)")
+        if self.early_stopping_patience:
+            if not (self.save_steps and self.eval_steps) or self.save_steps % self.eval_steps:
+                raise ValueError("early_stopping_patience needs save_steps and eval_steps, with eval_steps dividing "
+                                 "save_steps (as Axolotl requires: the best checkpoint becomes the final model)")
+            if not self.val_set_size:
+                raise ValueError("early_stopping_patience needs a validation split (val_set_size)")
+            if self.deepspeed or self.fsdp or self.fsdp_config or self.fsdp_version:
+                raise ValueError("early_stopping_patience: not with DeepSpeed or FSDP here (ending with the best "
+                                 "checkpoint's weights is not implemented for sharded weights)")
+        if self.relora:
+            if not self.jagged_restart_steps:
+                raise ValueError("relora needs jagged_restart_steps (how often LoRA is merged and restarted)")
+            if self.adapter not in ("lora", "qlora") or self.load_in_8bit:
+                raise ValueError("relora needs adapter: lora (or qlora on a 4-bit base; not load_in_8bit, whose "
+                                 "LLM.int8() weights are not re-quantized here)")
+            if self.peft_use_dora or self.lora_modules_to_save or self.lora_target_parameters:
+                raise ValueError("relora: not with peft_use_dora, lora_modules_to_save or lora_target_parameters "
+                                 "(only LoRA's low-rank update is merged at a restart)")
+            if self.deepspeed or self.fsdp or self.fsdp_config or self.fsdp_version:
+                raise ValueError("relora: not with DeepSpeed or FSDP (Axolotl refuses FSDP too: the merge needs the "
+                                 "whole weights)")
+            if self.early_stopping_patience or self.hub_model_id:
+                raise ValueError("relora: not with early_stopping_patience or hub_model_id here (a checkpoint's adapter "
+                                 "alone is not the model after merges; push or pick output_dir/final, the full model)")
+        if self.do_causal_lm_eval:
+            metrics = self.eval_causal_lm_metrics or ["sacrebleu", "comet", "ter", "chrf"]
+            other = [m for m in metrics if m != "perplexity"]
+            if other:
+                raise ValueError(f"eval_causal_lm_metrics: {', '.join(other)} not supported (Axolotl scores "
+                                 "generations with the evaluate package's metric scripts, fetched from the Hugging "
+                                 "Face Hub); only perplexity is computed here")
+            if self.rl:
+                raise ValueError("do_causal_lm_eval: for SFT only (no preference training)")
+        if self.eval_table_size and (self.wandb_project or self.use_wandb or self.use_mlflow):
+            raise ValueError("eval_table_size: prediction tables are not logged to wandb/mlflow here (Axolotl logs "
+                             "them only there, and has deprecated the key for generate_samples)")
     # ------------------------------------------------------------------------------------------------------
 
     # --- preference training (Axolotl's names; defaults as TRL's configs) --------------------------------
@@ -319,13 +402,16 @@ class Config(BaseModel):
             raise ValueError(f"{what}: not with rl: (preference data is prepared up front)")
         if self.dataset_exact_deduplication:
             raise ValueError(f"{what}: not with dataset_exact_deduplication (it needs every row up front)")
+        if self.group_by_length or self.curriculum_sampling or self.sample_packing_sequentially:
+            raise ValueError(f"{what}: not with group_by_length, curriculum_sampling or sample_packing_sequentially "
+                             "(they order prepared data; shuffle_merged_datasets: false keeps the stream's order)")
 
     def _check_preference(self) -> None:
         if self.rl is None:
             for i, ds in enumerate(self.datasets):
-                if ds.type is not None and ds.type not in PromptFormat.__args__:
+                if ds.type is not None and ds.type not in PromptFormat.__args__ and ds.type not in alpaca_styles.TYPES:
                     hint = " (a preference type: set rl: dpo, ipo, orpo, simpo or kto)" if ds.type in PAIR_TYPES + KTO_TYPES else ""
-                    raise ValueError(f"datasets.{i}.type: got {ds.type!r}{hint}; use alpaca, chat_template, completion or input_output")
+                    raise ValueError(f"datasets.{i}.type: got {ds.type!r}{hint}; use alpaca (or alpaca:instruct|chat|chatml|phi), chat_template, completion or input_output")
             return
         allowed = KTO_TYPES if self.rl == "kto" else PAIR_TYPES
         for i, ds in enumerate(self.datasets):
@@ -344,6 +430,7 @@ class Config(BaseModel):
     def _consistent(self) -> Config:
         self._check_pretraining()
         self._check_preference()
+        self._check_longtail()
         if self.warmup_ratio is not None and self.warmup_steps is not None:
             raise ValueError("set warmup_ratio or warmup_steps, not both")
         if self.min_sample_len is not None and (self.rl or self.min_sample_len > self.sequence_len):
@@ -407,7 +494,10 @@ INERT_KEYS: dict[str, str] = {
     "is_mistral_derived_model": "model family is read from the model's config",
     "is_qwen_derived_model": "model family is read from the model's config",
     "is_falcon_derived_model": "model family is read from the model's config",
-    "eval_max_new_tokens": "only used by eval_table_size, which is not supported",
+    "test_value": "not an Axolotl option: Axolotl's config schema drops keys it does not define, and one of its "
+                  "examples carries this one",
+    "adam_eps": "not an Axolotl option (Axolotl's schema drops it, so its optimizer keeps the default epsilon); "
+                "the epsilon is adam_epsilon",
     "save_safetensors": "checkpoints and the final model are always safetensors",
     "save_strategy": "checkpoints follow save_steps / saves_per_epoch",
     "eval_strategy": "evaluation follows eval_steps / evals_per_epoch",
@@ -449,8 +539,7 @@ UNSUPPORTED_KEYS: dict[str, str] = {
         "gptq", "gptq_disable_exllama", "model_quantization_config", "model_quantization_config_kwargs",
         "llmcompressor")},
     **{k: "this adapter option is not supported" for k in (
-        "lora_fan_in_fan_out", "peft_layers_to_transform", "loraplus_lr_ratio", "loraplus_lr_embedding",
-        "peft")},
+        "lora_fan_in_fan_out", "peft_layers_to_transform", "loraplus_lr_ratio", "loraplus_lr_embedding")},
     **{k: "only rl: dpo, ipo, orpo, kto and simpo are supported (no GRPO, reward models or TRL pass-through)" for k in (
         "trl", "reward_model", "process_reward_model", "dpo_use_weighting", "dpo_use_liger_kernel",
         "dpo_padding_free", "dpo_loss_weights", "rl_adapter_ref_model", "dpo_norm_loss")},
@@ -458,11 +547,10 @@ UNSUPPORTED_KEYS: dict[str, str] = {
         "sequence_parallel_degree",
         "expert_parallel_size")},
     **{k: "not supported" for k in (
-        "group_by_length", "curriculum_sampling", "early_stopping_patience",
         "neftune_noise_alpha", "noisy_embedding_alpha", "s2_attention", "flex_attention", "sage_attention",
-        "unsloth_lora_mlp", "unsloth_lora_qkv", "unsloth_lora_o", "relora_steps", "lisa_n_layers",
-        "lr_quadratic_warmup", "lr_div_factor", "eval_table_size",
-        "eval_causal_lm_metrics", "do_causal_lm_eval", "test_datasets",
+        "unsloth_lora_mlp", "unsloth_lora_qkv", "unsloth_lora_o",
+        "lr_div_factor",
+        "test_datasets",
         "sample_packing_eff_est", "sample_packing_group_size", "sample_packing_bin_size",
         "multipack_real_batches", "hub_strategy_every_save",
         "chat_template_kwargs", "default_system_message", "dataset_shard_num", "dataset_shard_idx",
@@ -478,6 +566,9 @@ UNSUPPORTED_KEYS["use_onebitllms"] = (
 PERFORMANCE_KEYS.update({k: "ALST's tiled MLP (the MLP computed in sequence chunks) is a memory option this trainer "
                             "does not implement (same training, more memory)"
                          for k in ("tiled_mlp", "tiled_mlp_num_shards", "tiled_mlp_use_original_mlp")})
+UNSUPPORTED_KEYS["relora_steps"] = ("the old name of jagged_restart_steps, which Axolotl no longer reads: set relora: true "
+                                    "and jagged_restart_steps")
+
 
 # Legacy dtype switches: the same as bf16/fp16 (float32: neither).
 LEGACY_DTYPE_KEYS = {"bfloat16": ("bf16", True), "float16": ("fp16", True), "float32": ("bf16", False)}
@@ -588,7 +679,8 @@ def parse_config(raw: Any) -> tuple[Config, list[str]]:
 
 def _named_choices(cfg: Config, notes: list[str]) -> list[str]:
     """Choices checked against data tables: optimizer, chat templates, plugins, FSDP settings."""
-    from trainer import chat_templates, distributed, kernels, mistral_tokenizer, muon, optim, parallelism, qat, schedule
+    from trainer import (causal_lm_eval, chat_templates, distributed, kernels, mistral_tokenizer, muon, optim,
+                         ordering, parallelism, qat, relora, schedule)
 
     problems = []
     if cfg.gradient_checkpointing == "offload":
@@ -603,8 +695,11 @@ def _named_choices(cfg: Config, notes: list[str]) -> list[str]:
                for ds in cfg.datasets if ds.chat_template]
     checks += [lambda: notes.extend(kernels.check_plugins(cfg)), lambda: notes.extend(distributed.check(cfg))]
     checks += [lambda: notes.extend(mistral_tokenizer.check(cfg))]
-    checks += [lambda: qat.check_config(cfg), lambda: notes.extend(schedule.notes(cfg))]
+    checks += [lambda: qat.check_config(cfg)]
     checks += [lambda: notes.extend(parallelism.check(cfg, distributed.enabled(cfg)))]
+    checks += [lambda: notes.extend(ordering.notes(cfg) + causal_lm_eval.notes(cfg) + schedule.notes(cfg))]
+    if cfg.relora:
+        checks += [lambda: relora.check_optimizer(cfg.optimizer)]
     for check in checks:
         try:
             check()

@@ -91,7 +91,8 @@ def cache_key(cfg: Config, tokenizer, hub_fingerprints: list[str]) -> str:
         "kind": "kto" if cfg.rl == "kto" else "pairs" if cfg.rl else "sft",  # DPO/ORPO/SimPO share their tokens
         **{k: getattr(cfg, k) for k in ("sequence_len", "excess_length_strategy", "train_on_inputs", "val_set_size",
                                        "seed", "shuffle_merged_datasets", "chat_template", "chat_template_jinja",
-                                       "eot_tokens", "dataset_exact_deduplication", "min_sample_len")},
+                                       "eot_tokens", "dataset_exact_deduplication", "min_sample_len",
+                                       "curriculum_sampling")},
     }
     return hashlib.sha256(json.dumps(relevant, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
@@ -193,14 +194,15 @@ def filter_and_split(cfg: Config, data) -> tuple[object, object | None, dict]:
     if len(data) == 0:
         raise DataError(f"no rows left to train on after filtering ({json.dumps(stats)}); raise sequence_len "
                         "or use excess_length_strategy: truncate")
-    if cfg.shuffle_merged_datasets:
+    # curriculum_sampling keeps a single dataset's order (merged datasets follow shuffle_merged_datasets), as Axolotl
+    if cfg.shuffle_merged_datasets and not (cfg.curriculum_sampling and len(cfg.datasets) == 1):
         data = data.shuffle(seed=cfg.seed)
     validation = None
     if cfg.val_set_size:
         size = cfg.val_set_size if cfg.val_set_size < 1 else int(cfg.val_set_size)
         if isinstance(size, int) and size >= len(data):
             raise ConfigError(f"val_set_size {size} leaves no training rows (dataset has {len(data)})")
-        split = data.train_test_split(test_size=size, seed=cfg.seed, shuffle=True)
+        split = data.train_test_split(test_size=size, seed=cfg.seed, shuffle=not cfg.curriculum_sampling)
         data, validation = split["train"], split["test"]
     return data, validation, stats
 

@@ -122,14 +122,20 @@ def add_lora(cfg: Config, model):
         targets = "all-linear"
     if cfg.lora_target_parameters and cfg.lora_target_modules is None and not cfg.lora_target_linear:
         targets = []  # only the named parameters
+    from trainer import loftq
+
+    on_cuda = torch.cuda.is_available()  # peft's LoftQ computes on CUDA whatever device the weights are on
     lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                       target_modules=targets, target_parameters=cfg.lora_target_parameters,
                       use_rslora=cfg.peft_use_rslora, use_dora=cfg.peft_use_dora,
-                      modules_to_save=cfg.lora_modules_to_save, task_type="CAUSAL_LM")
+                      modules_to_save=cfg.lora_modules_to_save, task_type="CAUSAL_LM",
+                      **loftq.lora_kwargs(cfg, on_cuda))
     try:
         model = get_peft_model(model, lora, autocast_adapter_dtype=True)
     except ValueError as err:
         raise ConfigError(f"lora_target_modules: {str(err).splitlines()[0]}") from None
+    if loftq.loftq_bits(cfg) and not on_cuda:
+        loftq.apply_on_cpu(cfg, model)
     for p in model.parameters():  # adapter weights train in fp32 whatever the base dtype
         if p.requires_grad:
             p.data = p.data.float()
@@ -142,6 +148,14 @@ def load_trained(cfg: Config, runtime: Runtime, tokenizer, model_dir=None):
 
     if model_dir is None:
         return load_model(cfg, runtime, tokenizer)
+    from trainer import loftq
+
+    if (Path(model_dir) / "adapter_config.json").exists() and loftq.loftq_bits(cfg):
+        from trainer.checkpoint import load_weights  # the LoftQ base is rebuilt, then the trained adapter loaded
+
+        model = load_model(cfg, runtime, tokenizer)
+        load_weights(model, Path(model_dir))
+        return model
     if (Path(model_dir) / "adapter_config.json").exists():
         from peft import PeftModel
         from transformers import AutoModelForCausalLM

@@ -4,7 +4,8 @@ Each format renders the row as text plus the character spans to train on; one to
 offsets then labels exactly the tokens that start inside those spans. Everything else is -100
 unless train_on_inputs.
 
-- alpaca:       {instruction, input?, output}; trains on the output and EOS.
+- alpaca:       {instruction, input?, output}; trains on the output and EOS. alpaca:<style> (instruct, chat,
+                chatml, phi) writes the prompt in Axolotl's style of that name (trainer.alpaca_styles).
 - completion:   {text}; trains on all of it and EOS.
 - input_output: {segments: [{text, label}]}; trains on segments with label: true. No special tokens added.
 - chat_template:{messages: [{role, content}]} rendered by the chat template (the tokenizer's, or one named
@@ -16,20 +17,11 @@ unless train_on_inputs.
 
 from __future__ import annotations
 
+from trainer import alpaca_styles
 from trainer.config import DatasetConfig
 from trainer.errors import DataError
 
 IGNORE = -100
-
-ALPACA_WITH_INPUT = (
-    "Below is an instruction that describes a task, paired with an input that provides further context. "
-    "Write a response that appropriately completes the request.\n\n"
-    "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
-)
-ALPACA_NO_INPUT = (
-    "Below is an instruction that describes a task. Write a response that appropriately completes the request.\n\n"
-    "### Instruction:\n{instruction}\n\n### Response:\n"
-)
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
@@ -52,7 +44,7 @@ def render_alpaca(row: dict, ds: DatasetConfig, tokenizer) -> tuple[str, Spans, 
     instruction = _field(row, ds.field_instruction, ds)
     extra = _field(row, ds.field_input, ds, required=False)
     output = _field(row, ds.field_output, ds)
-    prompt = (ALPACA_WITH_INPUT if extra else ALPACA_NO_INPUT).format(instruction=instruction, input=extra)
+    prompt = alpaca_styles.prompt(alpaca_styles.style_of(ds.type), instruction, extra)  # alpaca[:style]
     text = prompt + str(output) + (tokenizer.eos_token or "")
     return text, [(len(prompt), len(text))], True
 
@@ -165,7 +157,7 @@ def tokenize_row(row: dict, ds: DatasetConfig, tokenizer, train_on_inputs: bool,
     if ds.type == "chat_template":
         text, spans, add_special = render_chat(row, ds, tokenizer, eot_tokens)
     else:
-        text, spans, add_special = RENDERERS[ds.type](row, ds, tokenizer)
+        text, spans, add_special = RENDERERS[ds.type.partition(":")[0]](row, ds, tokenizer)
     enc = tokenizer(text, add_special_tokens=add_special, return_offsets_mapping=True)
     ids = enc["input_ids"]
     if train_on_inputs:

@@ -19,13 +19,20 @@ class MultipackBatchSampler:
     """Yields micro-batches of `batch_size` rows. With `capacity` each row is a bin of packed examples
     of at most `capacity` tokens; without it each row is one example (padded by the collator).
 
+    Order (training): `shuffle` (a seeded permutation per epoch), `group_by_length` (the HF Trainer's
+    length-grouped order: mega-batches of a shuffled order, each sorted longest first; with `group_size` the
+    number of rows an optimizer step takes), or the dataset's own order (shuffle=False: evaluation, and
+    Axolotl's curriculum_sampling). `sequential_packing` packs next-fit in that order (Axolotl's
+    sample_packing_sequentially) instead of best-fit decreasing, so packed rows keep the order too.
+
     drop_last=True (training): every rank gets exactly len(self) batches; the global remainder that
     cannot be split evenly is dropped. drop_last=False (evaluation): every batch is used once, so ranks
     may differ by one batch — evaluation has no per-batch collectives, so that is safe.
     """
 
     def __init__(self, lengths, batch_size: int, capacity: int | None, seed: int = 0,
-                 rank: int = 0, world_size: int = 1, shuffle: bool = True, drop_last: bool = True):
+                 rank: int = 0, world_size: int = 1, shuffle: bool = True, drop_last: bool = True,
+                 group_by_length: bool = False, group_size: int | None = None, sequential_packing: bool = False):
         self.lengths = np.asarray(lengths, dtype=np.int64)
         self.batch_size = batch_size
         self.capacity = capacity
@@ -34,6 +41,9 @@ class MultipackBatchSampler:
         self.world_size = world_size
         self.shuffle = shuffle
         self.drop_last = drop_last
+        self.group_by_length = group_by_length and shuffle and capacity is None  # packing decides batches
+        self.group_size = group_size or batch_size
+        self.sequential_packing = sequential_packing
         self.epoch = 0
         self.skip = 0  # batches of this epoch already consumed (set when resuming)
         self._cache: tuple[int, list[Batch]] | None = None
@@ -44,8 +54,16 @@ class MultipackBatchSampler:
             return self._cache[1]
         rng = np.random.default_rng([self.seed, epoch])
         order = rng.permutation(self.lengths.size) if self.shuffle else np.arange(self.lengths.size)
+        if self.group_by_length:
+            from trainer.ordering import length_grouped
+
+            order = length_grouped(self.lengths, self.group_size, int(rng.integers(2**62)))
         if self.capacity is None:
             rows = [[int(i)] for i in order]
+        elif self.sequential_packing:
+            from trainer.ordering import pack_sequentially
+
+            rows = pack_sequentially(self.lengths, self.capacity, order)
         else:
             bins = pack(self.lengths, self.capacity, order)
             if self.shuffle:

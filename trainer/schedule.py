@@ -10,6 +10,15 @@
 
 Axolotl tests the ratios for truth, so 0 means "not set" (its 3b-qat examples set cosine_constant_lr_ratio: 0
 with cosine_min_lr_ratio: 1.0: warmup, then a constant learning rate), and it uses them only with cosine.
+
+lr_quadratic_warmup (with cosine), checked first as Axolotl does: the warmup rises as (step / warmup)^2, then
+the usual half-cosine to zero (get_cosine_schedule_with_quadratic_warmup); cosine_min_lr_ratio is then not
+applied (a note says so).
+
+jagged_restart_steps (ReLoRA's restarts; also on its own) wraps whichever schedule was chosen: Axolotl's
+JaggedLRRestartScheduler scales it by a factor that, from the first restart on, rises linearly from
+min_lr_scale (cosine_min_lr_ratio, else 0.001) to 1 over jagged_restart_warmup_steps (default 10) after each
+restart and falls over jagged_restart_anneal_steps (default 1) before the next one.
 """
 
 from __future__ import annotations
@@ -20,6 +29,11 @@ from functools import partial
 
 def notes(cfg) -> list[str]:
     """What validate says about schedule keys that have no effect (as in Axolotl)."""
+    if cfg.lr_quadratic_warmup and cfg.lr_scheduler != "cosine":
+        return [f"lr_quadratic_warmup: no effect with lr_scheduler: {cfg.lr_scheduler} (Axolotl applies it to cosine only)"]
+    if cfg.lr_quadratic_warmup and cfg.cosine_min_lr_ratio is not None:
+        return ["cosine_min_lr_ratio: not applied with lr_quadratic_warmup (as in Axolotl: the quadratic-warmup "
+                "cosine decays to zero)"]
     if cfg.cosine_constant_lr_ratio and cfg.lr_scheduler != "cosine":
         return [f"cosine_constant_lr_ratio: no effect with lr_scheduler: {cfg.lr_scheduler} (cosine only, as in Axolotl)"]
     if cfg.cosine_constant_lr_ratio and not cfg.cosine_min_lr_ratio:
@@ -38,6 +52,26 @@ def decay_constant_factor(step: int, *, warmup: int, total: int, constant_ratio:
     return max(0.0, (1 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * num_cycles * 2.0 * progress))) + min_ratio
 
 
+def quadratic_warmup_cosine(step: int, warmup: int, total: int) -> float:
+    if step < warmup:
+        return (step / max(1, warmup)) ** 2
+    progress = (step - warmup) / max(1, total - warmup)
+    return max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+def jagged_scale(step: int, every: int, warmup: int, anneal: int, min_scale: float) -> float:
+    if step < every - anneal:
+        return 1.0
+    progress = step % every
+    if progress < warmup:
+        t = min(1.0, progress / warmup)
+    elif progress > every - anneal:
+        t = min(1.0, (every - progress) / anneal)
+    else:
+        t = 1.0
+    return t * (1 - min_scale) + min_scale
+
+
 def warmup_steps(cfg, total_steps: int) -> int:
     """warmup_steps (a float below 1 is a fraction of the steps, as transformers v5's TrainingArguments reads
     the value Axolotl passes it), else warmup_ratio of the steps, rounded up."""
@@ -48,9 +82,16 @@ def warmup_steps(cfg, total_steps: int) -> int:
 
 
 def make_scheduler(cfg, optimizer, warmup: int, total_steps: int):
+    """The schedule Axolotl builds for cfg, with jagged restarts around it when jagged_restart_steps is set."""
+    return jagged(cfg, _schedule(cfg, optimizer, warmup, total_steps))
+
+
+def _schedule(cfg, optimizer, warmup: int, total_steps: int):
     from torch.optim.lr_scheduler import LambdaLR
     from transformers import get_scheduler
 
+    if cfg.lr_quadratic_warmup and cfg.lr_scheduler == "cosine":
+        return LambdaLR(optimizer, partial(quadratic_warmup_cosine, warmup=warmup, total=total_steps))
     if cfg.lr_scheduler == "cosine" and cfg.cosine_min_lr_ratio and cfg.cosine_constant_lr_ratio:
         return LambdaLR(optimizer, partial(decay_constant_factor, warmup=warmup, total=total_steps,
                                            constant_ratio=cfg.cosine_constant_lr_ratio,
@@ -61,3 +102,18 @@ def make_scheduler(cfg, optimizer, warmup: int, total_steps: int):
         schedule, extra = "cosine_with_min_lr", {"min_lr_rate": cfg.cosine_min_lr_ratio}
     return get_scheduler(schedule, optimizer, num_warmup_steps=warmup, num_training_steps=total_steps,
                          scheduler_specific_kwargs=extra)
+
+
+def jagged(cfg, scheduler):
+    """Wrap a LambdaLR schedule with jagged restarts (jagged_restart_steps), else return it."""
+    if not cfg.jagged_restart_steps:
+        return scheduler
+    from torch.optim.lr_scheduler import LambdaLR
+
+    scale = dict(every=cfg.jagged_restart_steps, warmup=cfg.jagged_restart_warmup_steps or 10,
+                 anneal=cfg.jagged_restart_anneal_steps or 1, min_scale=cfg.cosine_min_lr_ratio or 0.001)
+    inner = scheduler.lr_lambdas
+    optimizer = scheduler.optimizer
+    for group, base in zip(optimizer.param_groups, scheduler.base_lrs):  # start over from the base rates
+        group["lr"] = base
+    return LambdaLR(optimizer, [lambda s, f=f: f(s) * jagged_scale(s, **scale) for f in inner])

@@ -192,7 +192,10 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
     else:
         sampler = MultipackBatchSampler(objective.lengths(data.train), cfg.micro_batch_size,
                                         objectives.capacity(cfg, cfg.sample_packing), seed=cfg.seed,
-                                        rank=data_rank, world_size=data_world, drop_last=True)
+                                        rank=data_rank, world_size=data_world, drop_last=True, shuffle=not cfg.curriculum_sampling,
+                                        group_by_length=cfg.group_by_length,
+                                        group_size=cfg.micro_batch_size * cfg.gradient_accumulation_steps,
+                                        sequential_packing=cfg.sample_packing_sequentially)
     ga = cfg.gradient_accumulation_steps
     steps_per_epoch = len(sampler) // ga
     if steps_per_epoch == 0:
@@ -218,6 +221,22 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
         from trainer.parallelism import placement
 
         say(f"parallelism: {accelerator.mesh.describe()}; {placement(unwrapped) or 'parameters not sharded'}")
+    lisa = None
+    if cfg.lisa_n_layers:  # after the optimizer is built over every layer: LISA then freezes all but a few
+        from trainer.lisa import Lisa
+
+        if world > 1:
+            raise ConfigError("lisa_n_layers: runs in one process here (DDP reduces a gradient for every parameter "
+                              "it was built with, so frozen layers would still be decayed and moved)")
+        lisa = Lisa(cfg, unwrapped, say)
+    relora = None
+    if cfg.relora:  # merges LoRA into the base every jagged_restart_steps (trainer.relora)
+        from trainer.model import DTYPES
+        from trainer.relora import BASE_FILE, ReLoRA
+
+        if world > 1:
+            raise ConfigError("relora: runs in one process here (each rank would re-draw its own LoRA at a restart)")
+        relora = ReLoRA(cfg, unwrapped, DTYPES[runtime.precision], say)
 
     # 5b. reference log-probs (DPO, IPO, KTO): once, before any step and before a checkpoint's weights load,
     # from the cache when a previous run computed them. Never a second copy of the model.
@@ -240,6 +259,7 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
     output_dir = Path(cfg.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     step, epoch = 0, 0
+    trainer_state = {}
     resume = cfg.resume_from_checkpoint
     if resume is None and cfg.auto_resume_from_checkpoints and checkpoint.list_checkpoints(output_dir):
         resume = str(checkpoint.list_checkpoints(output_dir)[-1])
@@ -248,7 +268,9 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
             raise ConfigError(f"resume_from_checkpoint: not found: {resume}")
         state = checkpoint.load(Path(resume), unwrapped, optimizer, scheduler, accelerator.scaler, rank, world,
                                 engine=model)
-        step, epoch = state["step"], state["sampler"]["epoch"]
+        step, epoch, trainer_state = state["step"], state["sampler"]["epoch"], state
+        if relora is not None and "relora_restarts" in state:
+            relora.load(Path(resume) / BASE_FILE, state["relora_restarts"])
         sampler.load_state_dict(state["sampler"])
         say(f"resumed from {resume} at step {step}")
         if state.get("model_only"):
@@ -266,12 +288,23 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
     sync_every = sync_each_batch(cfg)  # accelerator_config: reduce gradients after every micro-batch
     evaluation = Evaluation(cfg, objective, unwrapped, data.validation, reference.get("validation"), data_rank,
                             data_world, device, say, tp=tp)
+    if cfg.do_causal_lm_eval:  # Axolotl's perplexity of the reference answers, at every evaluation
+        from trainer.causal_lm_eval import CausalLMMetrics
+
+        evaluation.extra = CausalLMMetrics(cfg, tokenizer)
+    stopper, stopped = None, False
+    if cfg.early_stopping_patience:
+        from trainer.early_stopping import EarlyStopping
+
+        stopper = EarlyStopping(cfg.early_stopping_patience, say)
+        if "early_stopping" in trainer_state:
+            stopper.load_state_dict(trainer_state["early_stopping"])
     metrics = loggers.Trackers(MetricsLog(output_dir / "metrics.jsonl", main, fresh=step == 0), cfg, output_dir, main,
                                resumed=step > 0, log=say)
     progress = tqdm(total=total_steps, initial=step, disable=not main, desc="training", unit="step")
     model.train()
     try:  # close the progress bar on errors too, so the error is a line of its own
-        while step < total_steps:
+        while step < total_steps and not stopped:
             sampler.set_epoch(epoch)
             consumed = sampler.skip  # micro-batches of this epoch done before a resume
             batches = iter(loader)
@@ -281,6 +314,10 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
                     from trainer import qat
 
                     qat.set_fake_quant(unwrapped, qat.fake_quant_on(cfg.qat, step))
+                if lisa is not None:
+                    lisa.before_step(step)
+                if relora is not None:
+                    relora.before_step(step, optimizer)
                 micro_batches = [next(batches) for _ in range(ga)]  # moved to the device one at a time
                 consumed += ga
                 stats = torch.zeros(len(objective.stat_names), dtype=torch.float64, device=device)
@@ -325,14 +362,23 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
                     progress.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}",
                                          **{k: f"{report[k]:.3f}" for k in objective.progress_names if k in report})
                 if eval_every and step % eval_every == 0 and step < total_steps:
-                    metrics.write({"step": step, **evaluation.run(step)})
+                    result = evaluation.run(step)
+                    metrics.write({"step": step, **result})
+                    stopped = stopper is not None and stopper.evaluated(step, result["eval_loss"])
                 if save_every and step % save_every == 0:
                     state = {"step": step, "world_size": world, "sampler": sampler.state_dict(consumed)}
+                    if stopper is not None:
+                        stopper.saved(step)
+                        state["early_stopping"] = stopper.state_dict()
+                    if relora is not None:
+                        state["relora_restarts"] = relora.restarts
                     path = checkpoint.save(output_dir, step, unwrapped, optimizer, scheduler, accelerator.scaler,
                                            state, rank, timeout, keep=cfg.save_total_limit, engine=model,
-                                           model_only=cfg.save_only_model)
+                                           model_only=cfg.save_only_model,
+                                           tensors={BASE_FILE: relora.base_weights()} if relora is not None else None,
+                                           protect=stopper.best_name() if stopper is not None else None)
                     say(f"saved {path}")
-                if step >= total_steps:
+                if step >= total_steps or stopped:
                     break
             else:
                 epoch += 1
@@ -341,9 +387,16 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
         raise
     finally:
         progress.close()
-    if data.validation is not None:
-        metrics.write({"step": step, **evaluation.run(step)})
+    if data.validation is not None and not stopped:  # (an early stop has just evaluated)
+        result = evaluation.run(step)
+        metrics.write({"step": step, **result})
+        if stopper is not None:
+            stopper.evaluated(step, result["eval_loss"])
     metrics.close()
+    best = stopper.best_checkpoint(output_dir, step) if stopper is not None else None
+    if best is not None:  # early stopping ends with the best checkpoint's weights, as load_best_model_at_end
+        checkpoint.load_weights(unwrapped, best)
+        say(f"the final model is {best.name}, the lowest eval_loss ({stopper.evals[int(best.name.split('-')[1])]:.4f})")
 
     # 8. the final model (or adapter) and tokenizer, in HF format
     final = output_dir / "final"
@@ -359,7 +412,10 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
     if main:
         tmp = output_dir / ".tmp-final"
         shutil.rmtree(tmp, ignore_errors=True)
-        unwrapped.save_pretrained(tmp, state_dict=full_state)
+        if relora is not None:  # a full model: the merged base with the last LoRA folded in
+            relora.write_final(unwrapped, tmp, tokenizer)
+        else:
+            unwrapped.save_pretrained(tmp, state_dict=full_state)
         tokenizer.save_pretrained(tmp)
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
@@ -382,6 +438,7 @@ class Evaluation:
         self.rank, self.world, self.device, self.say, self.tp = rank, world, device, say, tp
         # FSDP and ZeRO-3 gather weights in every forward (other ZeRO stages pay one extra collective here)
         self.sharded = distributed.is_sharded(model) or bool(cfg.deepspeed)
+        self.extra = None  # more metrics on the validation split (do_causal_lm_eval)
 
     def run(self, step: int) -> dict:
         cfg = self.cfg
@@ -391,5 +448,7 @@ class Evaluation:
                                          self.world, cfg.ddp_timeout, sharded=self.sharded, **kwargs)
         if self.tp > 1:  # SFT only (rl: is refused with tensor parallelism): each batch was summed on tp ranks
             result["eval_tokens"] //= self.tp
+        if self.extra is not None:
+            result.update(self.extra(self.model, self.validation, self.device))
         self.say(f"step {step}: {self.objective.describe_eval(result)}")
         return result
