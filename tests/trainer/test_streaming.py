@@ -69,6 +69,8 @@ def test_stream_keys_are_checked(tiny_llama):
         parse_config({"base_model": "m"})
     with pytest.raises(ConfigError, match="reinit_weights: not with an adapter"):
         parse_config({**base, "max_steps": 3, "reinit_weights": True, "adapter": "lora"})
+    with pytest.raises(ConfigError, match="not with group_by_length"):
+        parse_config({**base, "max_steps": 3, "group_by_length": True})
     cfg, _ = parse_config({**base, "max_steps": 3, "pretrain_multipack_buffer_size": 7})
     assert cfg.stream_buffer_size == 7 and cfg.pretraining_dataset[0].text_column == "text"
 
