@@ -64,11 +64,17 @@ def cmd_validate(args) -> int:
     print(f"  adapter:    {cfg.adapter or 'none (full fine-tune)'}"
           + {"load_in_4bit": " on 4-bit (NF4) base weights", "load_in_8bit": " on 8-bit (LLM.int8) base weights"}.get(
               quantization.mode(cfg) or "", ""))
+    if cfg.reinit_weights:
+        print("  weights:    fresh, from the model's config and the seed (reinit_weights)")
     print(f"  optimizer:  {cfg.optimizer} ({optim.check(cfg.optimizer)['library']})")
     if cfg.qat is not None:
         print(f"  qat:        {cfg.qat.describe()} (torchao fake quantization; plain layers again at the end)")
     if distributed.enabled(cfg) or cfg.deepspeed:
         print(f"  sharding:   {'deepspeed ' + str(distributed.deepspeed_path(cfg.deepspeed)) if cfg.deepspeed else 'FSDP' + str(distributed.fsdp_settings(cfg)['fsdp_version'])}")
+    if cfg.streamed:
+        from trainer.streaming import describe
+
+        print(f"  data:       {describe(cfg)}")
     if cfg.rl:
         reference = ("reference log-probs computed once before training and cached" if cfg.objective in ("dpo", "ipo", "kto")
                      else "reference-free")
@@ -88,6 +94,11 @@ def cmd_preprocess(args) -> int:
     from trainer.data import load_tokenizer, prepare
 
     cfg, _ = load_config(args.config)
+    if cfg.streamed:
+        from trainer.errors import ConfigError
+
+        raise ConfigError("preprocess: streamed data (pretraining_dataset, streaming: true) is tokenized while "
+                          "training; there is nothing to prepare")
     prepared = prepare(cfg, load_tokenizer(cfg), int(os.environ.get("RANK", 0)), log=log)
     result = {"path": str(prepared.path), **prepared.stats}
     print(json.dumps(result, indent=2) if args.json else
@@ -119,6 +130,9 @@ def cmd_evaluate(args) -> int:
     from trainer.model import load_trained
 
     cfg, _, runtime = _setup(args)
+    if cfg.streamed:
+        raise ConfigError("evaluate: streamed data (pretraining_dataset, streaming: true) has no validation split; "
+                          "evaluate with a config whose datasets are prepared, with val_set_size")
     if not cfg.val_set_size:
         raise ConfigError("evaluate needs a validation split: set val_set_size")
     model_dir = Path(args.model) if args.model else Path(cfg.output_dir) / "final"

@@ -44,7 +44,8 @@ class DatasetConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     path: str
-    type: str  # a PromptFormat, or with rl: a PAIR_TYPES / KTO_TYPES entry (checked by Config)
+    # a PromptFormat, or with rl: a PAIR_TYPES / KTO_TYPES entry (checked by Config); None: pre-tokenized rows
+    type: str | None = None
     split: str = "train"
     name: str | None = None  # hub dataset configuration name
     data_files: str | list[str] | None = None
@@ -81,6 +82,22 @@ class DatasetConfig(BaseModel):
         return (self.message_property_mappings or {}).get("content") or self.message_field_content or "content"
 
 
+class PretrainingDatasetConfig(BaseModel):
+    """An entry of Axolotl's pretraining_dataset: raw text, cut into sequence_len windows (type: pretrain)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    path: str
+    name: str | None = None
+    split: str = "train"
+    type: Literal["pretrain"] = "pretrain"
+    text_column: str = "text"
+    data_files: str | list[str] | None = None
+    ds_type: Literal["json", "parquet", "csv"] | None = None
+    skip: int | None = Field(None, ge=0)  # rows of the stream to skip before training
+    trust_remote_code: bool = False  # inert: datasets >= 4 runs no dataset loading scripts
+
+
 class LoftQOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     loftq_bits: Literal[4] = 4  # Axolotl's LoftQConfig: 4-bit NF4 (peft's LoftQ also knows 8; Axolotl's examples use 4)
@@ -105,7 +122,7 @@ class Config(BaseModel):
     tokens: list[str] | None = None  # extra tokens added to the vocabulary
 
     # data
-    datasets: list[DatasetConfig] = Field(min_length=1)
+    datasets: list[DatasetConfig] = []  # required unless pretraining_dataset is set (checked below)
     val_set_size: float = Field(0.0, ge=0)  # < 1: fraction, >= 1: number of rows
     dataset_prepared_path: str = "last_run_prepared"
     dataset_exact_deduplication: bool = False  # drop rows identical after tokenising (train and validation)
@@ -228,6 +245,13 @@ class Config(BaseModel):
     resume_from_checkpoint: str | None = None
     auto_resume_from_checkpoints: bool = False
 
+    # --- pretraining and streaming (trainer/streaming.py) -------------------------------------------------
+    pretraining_dataset: list[PretrainingDatasetConfig] | None = None  # raw text, streamed, windowed, packed
+    streaming: bool = False  # stream `datasets` (tokenized while training) instead of preparing them up front
+    streaming_multipack_buffer_size: int | None = Field(None, ge=1)  # rows per shuffle/packing buffer (10000)
+    pretrain_multipack_buffer_size: int | None = Field(None, ge=1)  # Axolotl's deprecated spelling of the above
+    pretrain_multipack_attn: bool = True  # packed documents do not attend to each other
+    reinit_weights: bool = False  # train from the model's config with freshly initialised weights
     # --- mistral-common tokenizer (trainer/mistral_tokenizer.py) ------------------------------------------
     # Mistral's own tokenizer; chat_template data encoded by it. Unset: true for Magistral models, as in Axolotl
     tokenizer_use_mistral_common: bool | None = None
@@ -347,10 +371,45 @@ class Config(BaseModel):
         """The method's beta, with Axolotl's precedence: rl_beta (or dpo_beta), then orpo_alpha, else TRL's 0.1."""
         return self.rl_beta or self.dpo_beta or self.orpo_alpha or 0.1
 
+    @property
+    def streamed(self) -> bool:
+        """The training data is read as a stream (pretraining_dataset or streaming: true)."""
+        return bool(self.pretraining_dataset) or self.streaming
+
+    @property
+    def stream_buffer_size(self) -> int:
+        return self.streaming_multipack_buffer_size or self.pretrain_multipack_buffer_size or 10_000
+
+    def _check_pretraining(self) -> None:
+        if not self.datasets and not self.pretraining_dataset:
+            raise ValueError("datasets: Field required (or pretraining_dataset for streamed pretraining)")
+        if self.datasets and self.pretraining_dataset:
+            raise ValueError("set datasets or pretraining_dataset, not both")
+        if self.streaming_multipack_buffer_size and self.pretrain_multipack_buffer_size:
+            raise ValueError("pretrain_multipack_buffer_size is the deprecated spelling of "
+                             "streaming_multipack_buffer_size; set only one")
+        if self.reinit_weights and (self.adapter or self.load_in_4bit or self.load_in_8bit):
+            raise ValueError("reinit_weights: not with an adapter or quantized loading (random base weights are "
+                             "not saved, so an adapter over them could not be reloaded)")
+        if not self.streamed:
+            return
+        what = "pretraining_dataset" if self.pretraining_dataset else "streaming: true"
+        if self.max_steps is None:
+            raise ValueError(f"{what} needs max_steps (a stream has no length to count epochs by)")
+        if self.val_set_size:
+            raise ValueError(f"{what}: val_set_size must be 0 (a stream has no held-out split here)")
+        if self.rl:
+            raise ValueError(f"{what}: not with rl: (preference data is prepared up front)")
+        if self.dataset_exact_deduplication:
+            raise ValueError(f"{what}: not with dataset_exact_deduplication (it needs every row up front)")
+        if self.group_by_length or self.curriculum_sampling or self.sample_packing_sequentially:
+            raise ValueError(f"{what}: not with group_by_length, curriculum_sampling or sample_packing_sequentially "
+                             "(they order prepared data; shuffle_merged_datasets: false keeps the stream's order)")
+
     def _check_preference(self) -> None:
         if self.rl is None:
             for i, ds in enumerate(self.datasets):
-                if ds.type not in PromptFormat.__args__ and ds.type not in alpaca_styles.TYPES:
+                if ds.type is not None and ds.type not in PromptFormat.__args__ and ds.type not in alpaca_styles.TYPES:
                     hint = " (a preference type: set rl: dpo, ipo, orpo, simpo or kto)" if ds.type in PAIR_TYPES + KTO_TYPES else ""
                     raise ValueError(f"datasets.{i}.type: got {ds.type!r}{hint}; use alpaca (or alpaca:instruct|chat|chatml|phi), chat_template, completion or input_output")
             return
@@ -369,6 +428,7 @@ class Config(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> Config:
+        self._check_pretraining()
         self._check_preference()
         self._check_longtail()
         if self.warmup_ratio is not None and self.warmup_steps is not None:
@@ -490,7 +550,7 @@ UNSUPPORTED_KEYS: dict[str, str] = {
         "neftune_noise_alpha", "noisy_embedding_alpha", "s2_attention", "flex_attention", "sage_attention",
         "unsloth_lora_mlp", "unsloth_lora_qkv", "unsloth_lora_o",
         "lr_div_factor",
-        "test_datasets", "pretraining_dataset",
+        "test_datasets",
         "sample_packing_eff_est", "sample_packing_group_size", "sample_packing_bin_size",
         "multipack_real_batches", "hub_strategy_every_save",
         "chat_template_kwargs", "default_system_message", "dataset_shard_num", "dataset_shard_idx",
@@ -603,6 +663,9 @@ def parse_config(raw: Any) -> tuple[Config, list[str]]:
             cleaned.append(d)
             problems += p
         kept["datasets"] = cleaned
+    if isinstance(kept.get("pretraining_dataset"), list):  # a YAML null in an entry means unset, as above
+        kept["pretraining_dataset"] = [{k: v for k, v in e.items() if v is not None} if isinstance(e, dict) else e
+                                       for e in kept["pretraining_dataset"]]
     try:
         cfg = Config.model_validate(kept)
     except ValidationError as err:  # report key and value problems together, so one run shows them all
@@ -616,8 +679,8 @@ def parse_config(raw: Any) -> tuple[Config, list[str]]:
 
 def _named_choices(cfg: Config, notes: list[str]) -> list[str]:
     """Choices checked against data tables: optimizer, chat templates, plugins, FSDP settings."""
-    from trainer import (causal_lm_eval, chat_templates, distributed, kernels, mistral_tokenizer, optim, ordering,
-                         parallelism, qat, relora, schedule)
+    from trainer import (causal_lm_eval, chat_templates, distributed, kernels, mistral_tokenizer, muon, optim,
+                         ordering, parallelism, qat, relora, schedule)
 
     problems = []
     if cfg.gradient_checkpointing == "offload":
@@ -626,7 +689,8 @@ def _named_choices(cfg: Config, notes: list[str]) -> list[str]:
     if cfg.adapter and cfg.unfrozen_parameters:
         notes.append("unfrozen_parameters: ignored with an adapter (the adapter's weights are what is trained; "
                      "quantized base weights cannot be)")
-    checks = [lambda: optim.check(cfg.optimizer), lambda: chat_templates.check(cfg.chat_template, cfg.chat_template_jinja)]
+    checks = [lambda: optim.check(cfg.optimizer), lambda: chat_templates.check(cfg.chat_template, cfg.chat_template_jinja),
+              lambda: muon.check(cfg)]
     checks += [lambda ds=ds: chat_templates.check(ds.chat_template, ds.chat_template_jinja)
                for ds in cfg.datasets if ds.chat_template]
     checks += [lambda: notes.extend(kernels.check_plugins(cfg)), lambda: notes.extend(distributed.check(cfg))]
@@ -669,9 +733,10 @@ def looks_local(path: str) -> bool:
 def check_local_paths(cfg: Config) -> None:
     """Missing local files are bad input: say so before any work starts."""
     missing = []
-    for i, ds in enumerate(cfg.datasets):
+    entries = [("datasets", cfg.datasets), ("pretraining_dataset", cfg.pretraining_dataset or [])]
+    for key, i, ds in [(key, i, ds) for key, group in entries for i, ds in enumerate(group)]:
         if looks_local(ds.path) and not Path(ds.path).expanduser().exists():
-            missing.append(f"datasets.{i}.path: file not found: {ds.path}")
+            missing.append(f"{key}.{i}.path: file not found: {ds.path}")
     from trainer.distributed import deepspeed_path
 
     for key in ("base_model", "tokenizer_config", "deepspeed"):

@@ -129,22 +129,28 @@ def workers_for(cfg: Config, rows: int) -> int:
     return min(default_workers(cfg), max(1, rows // 1000))  # processes only pay off on bigger data
 
 
+def tokenize_example(row: dict, ds: DatasetConfig, cfg: Config, tokenizer) -> dict:
+    """One row -> input_ids, labels, too_long, length, targets (shared by prepared and streamed data)."""
+    if ds.type is None:  # no type: the row is already tokenized
+        from trainer.streaming import pretokenized_row
+
+        out = pretokenized_row(row, ds)
+    else:
+        out = tokenize_row(row, ds, tokenizer, cfg.train_on_inputs, cfg.eot_tokens)
+    limit = cfg.sequence_len
+    n = len(out["input_ids"])
+    out["too_long"] = n > limit
+    if n > limit and cfg.excess_length_strategy == "truncate":
+        out = {"input_ids": out["input_ids"][:limit], "labels": out["labels"][:limit], "too_long": True}
+    out["length"] = len(out["input_ids"])
+    out["targets"] = sum(1 for t in out["labels"][1:] if t != IGNORE)
+    return out
+
+
 def _tokenize(raw, ds: DatasetConfig, cfg: Config, tokenizer):
     workers = workers_for(cfg, len(raw))
-    limit = cfg.sequence_len
-
-    def convert(row):
-        out = tokenize_row(row, ds, tokenizer, cfg.train_on_inputs, cfg.eot_tokens)
-        n = len(out["input_ids"])
-        out["too_long"] = n > limit
-        if n > limit and cfg.excess_length_strategy == "truncate":
-            out = {"input_ids": out["input_ids"][:limit], "labels": out["labels"][:limit], "too_long": True}
-        out["length"] = len(out["input_ids"])
-        out["targets"] = sum(1 for t in out["labels"][1:] if t != IGNORE)
-        return out
-
-    return raw.map(convert, remove_columns=raw.column_names, num_proc=workers if workers > 1 else None,
-                   desc=f"tokenizing {ds.path}")
+    return raw.map(lambda row: tokenize_example(row, ds, cfg, tokenizer), remove_columns=raw.column_names,
+                   num_proc=workers if workers > 1 else None, desc=f"tokenizing {ds.path}")
 
 
 def build(cfg: Config, tokenizer) -> tuple[object, object | None, dict]:

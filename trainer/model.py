@@ -32,9 +32,14 @@ def load_model(cfg: Config, runtime: Runtime, tokenizer, source: str | None = No
         extra["revision"] = cfg.revision_of_model
     extra.update(load_kwargs or {})  # tensor parallelism: transformers' DistributedConfig (trainer/parallelism.py)
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            source, dtype=dtype, attn_implementation=runtime.attention, trust_remote_code=cfg.trust_remote_code,
-            **extra)
+        if cfg.reinit_weights:  # Axolotl's from_config: the architecture only, weights drawn from the seed
+            from trainer.streaming import fresh_model
+
+            model = fresh_model(cfg, source, dtype, runtime.attention, extra)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(
+                source, dtype=dtype, attn_implementation=runtime.attention, trust_remote_code=cfg.trust_remote_code,
+                **extra)
     except OSError as err:
         raise ConfigError(f"cannot load the model from {source}: {str(err).splitlines()[0]}") from None
     except ValueError as err:  # e.g. a model with no tp_plan asked for tensor_parallel_size

@@ -61,6 +61,10 @@ def make_optimizer(cfg, model):
     from transformers import Trainer
 
     row = check(cfg.optimizer)
+    if row.get("built_by") == "trainer.muon":  # torch's Muon + AdamW split as Axolotl's muon does it
+        from trainer.muon import build
+
+        return build(cfg, model)
     if importlib.util.find_spec(row["library"]) is None:
         raise ConfigError(f"optimizer: {cfg.optimizer} needs the {row['library']} package, which is not installed "
                           f"(pip install {row['library']}, or pick adamw_torch)")

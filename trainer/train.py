@@ -157,7 +157,14 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
     if main:
         hub.check(cfg)
     tokenizer = load_tokenizer(cfg)
-    data = prepare(cfg, tokenizer, rank, log=say)
+    if cfg.streamed:  # read while training (trainer/streaming.py); checked now, before the model loads
+        from trainer.data import Prepared
+        from trainer.streaming import check_stream
+
+        check_stream(cfg, tokenizer, world)
+        data = Prepared(None, None, {"train_rows": "streamed"}, None)
+    else:
+        data = prepare(cfg, tokenizer, rank, log=say)
 
     # 3. model
     from trainer import parallelism
@@ -178,12 +185,17 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
     collator = Collator(tokenizer.pad_token_id, runtime.attention,
                         pad_to=cfg.sequence_len if cfg.pad_to_sequence_len else None, pad_multiple=pad_multiple)
     objective = objectives.build(cfg, collator, token_loss_sum)
-    sampler = MultipackBatchSampler(objective.lengths(data.train), cfg.micro_batch_size,
-                                    objectives.capacity(cfg, cfg.sample_packing), seed=cfg.seed,
-                                    rank=data_rank, world_size=data_world, drop_last=True, shuffle=not cfg.curriculum_sampling,
-                                    group_by_length=cfg.group_by_length,
-                                    group_size=cfg.micro_batch_size * cfg.gradient_accumulation_steps,
-                                    sequential_packing=cfg.sample_packing_sequentially)
+    if cfg.streamed:  # max_steps x accumulation micro-batches from the stream, every rank its own rows
+        from trainer.streaming import StreamSampler
+
+        sampler = StreamSampler(cfg, tokenizer, data_rank, data_world)
+    else:
+        sampler = MultipackBatchSampler(objective.lengths(data.train), cfg.micro_batch_size,
+                                        objectives.capacity(cfg, cfg.sample_packing), seed=cfg.seed,
+                                        rank=data_rank, world_size=data_world, drop_last=True, shuffle=not cfg.curriculum_sampling,
+                                        group_by_length=cfg.group_by_length,
+                                        group_size=cfg.micro_batch_size * cfg.gradient_accumulation_steps,
+                                        sequential_packing=cfg.sample_packing_sequentially)
     ga = cfg.gradient_accumulation_steps
     steps_per_epoch = len(sampler) // ga
     if steps_per_epoch == 0:
@@ -236,7 +248,10 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
                                     autocast=accelerator.autocast, log=say)
     # The loader gets its own generator: starting an iterator must not draw from the global RNG, or a
     # resumed run (which starts one after restoring the RNG) would see different dropout masks.
-    loader = torch.utils.data.DataLoader(objective.rows(data.train, reference.get("train")), batch_sampler=sampler,
+    from trainer.streaming import StreamRows
+
+    rows = StreamRows() if cfg.streamed else objective.rows(data.train, reference.get("train"))
+    loader = torch.utils.data.DataLoader(rows, batch_sampler=sampler,
                                          collate_fn=objective.collate, num_workers=cfg.dataloader_num_workers,
                                          generator=torch.Generator().manual_seed(cfg.seed))
 
