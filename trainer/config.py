@@ -18,9 +18,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from trainer import facts
 from trainer.errors import ConfigError
 
-Attention = Literal["flash_attention_2", "flash_attention_3", "sdpa", "xformers", "eager"]
+# The attention backends a config may name: matrices/attention.toml's rows (one copy of the fact; the resolver
+# and trainer/hardware.py read the same table), e.g. flash_attention_2, sdpa, flex_attention, Hub kernel ids.
+Attention = Literal[tuple(row["name"] for row in facts.rows("attention", "backend"))]
 PromptFormat = Literal["alpaca", "chat_template", "completion", "input_output"]
 
 # --- preference training (rl:) -------------------------------------------------------------------------
@@ -69,6 +72,11 @@ class DatasetConfig(BaseModel):
     train_on_eos: Literal["turn", "last", "all", "none"] | None = None  # None: the whole turn tail, as rendered
     chat_template: str | None = None  # per-dataset override of the top-level chat_template
     chat_template_jinja: str | None = None
+    # --- attention, gpt-oss (attn) ---
+    # Axolotl's chat_template strategy: the message field holding the reasoning text, and the template
+    # variable it is rendered from (gpt-oss: thinking; qwen3: reasoning_content); trained with the turn
+    field_thinking: str = "reasoning_content"
+    template_thinking_key: str = "reasoning_content"
 
     @property
     def role_key(self) -> str:
@@ -216,6 +224,12 @@ class Config(BaseModel):
     resume_from_checkpoint: str | None = None
     auto_resume_from_checkpoints: bool = False
 
+    # --- attention, gpt-oss (attn) -----------------------------------------------------------------------
+    # a transformers quantization config by class name, built with these kwargs (trainer/quantization_config.py);
+    # only Mxfp4Config with dequantize: true (gpt-oss's MXFP4 experts loaded as bf16 weights to train)
+    model_quantization_config: str | None = None
+    model_quantization_config_kwargs: dict[str, Any] | None = None
+
     # --- preference training (Axolotl's names; defaults as TRL's configs) --------------------------------
     rl: Literal["dpo", "ipo", "orpo", "kto", "simpo"] | None = None
     rl_beta: float | None = Field(None, gt=0)  # DPO/IPO/KTO/SimPO beta (TRL default 0.1)
@@ -266,6 +280,11 @@ class Config(BaseModel):
     @model_validator(mode="after")
     def _consistent(self) -> Config:
         self._check_preference()
+        from trainer.quantization_config import check as check_quantization_config
+
+        check_quantization_config(self.model_quantization_config, self.model_quantization_config_kwargs)
+        if self.model_quantization_config and (self.load_in_4bit or self.load_in_8bit):
+            raise ValueError("model_quantization_config and load_in_4bit/load_in_8bit are two quantizations; choose one")
         if self.warmup_ratio is not None and self.warmup_steps is not None:
             raise ValueError("set warmup_ratio or warmup_steps, not both")
         if self.bf16 is True and self.fp16:
@@ -361,7 +380,7 @@ PERFORMANCE_KEYS: dict[str, str] = {
 # Axolotl keys this trainer does not implement. Empty values are accepted (with a note); anything else is an error.
 UNSUPPORTED_KEYS: dict[str, str] = {
     **{k: "GPTQ/AWQ/torchao quantized loading is not supported (use load_in_4bit or load_in_8bit)" for k in (
-        "gptq", "gptq_disable_exllama", "model_quantization_config", "model_quantization_config_kwargs",
+        "gptq", "gptq_disable_exllama",
         "qat", "fp8", "fp8_enable_fsdp_float8_all_gather", "llmcompressor")},
     **{k: "this adapter option is not supported" for k in (
         "lora_fan_in_fan_out", "peft_layers_to_transform", "loraplus_lr_ratio", "loraplus_lr_embedding",
@@ -386,6 +405,10 @@ UNSUPPORTED_KEYS: dict[str, str] = {
         "optim_target_modules", "sequence_len_overflow_handling", "max_packed_sequence_len",
         "cosine_constant_lr_ratio", "torchdistx_path")},
 }
+
+PERFORMANCE_KEYS["flex_attn_compile_kwargs"] = (
+    "torch.compile options for flex_attention's kernel (speed only); transformers compiles it with its own "
+    "defaults, as Axolotl does today (its patch applying them is switched off in loaders/patch_manager.py)")
 
 UNSUPPORTED_KEYS["tokenizer_use_mistral_common"] = (
     "mistral-common tokenizers render conversations straight to token ids, and chat_template training here "

@@ -28,6 +28,10 @@ def load_model(cfg: Config, runtime: Runtime, tokenizer, source: str | None = No
     extra = dict(cfg.model_config_overrides or {})  # Axolotl's model_config: overrides of the model's config
     if quantization is not None:
         extra["quantization_config"] = quantization
+    elif cfg.model_quantization_config:  # Mxfp4Config(dequantize=True): gpt-oss's MXFP4 experts as weights
+        from trainer.quantization_config import build
+
+        extra["quantization_config"] = build(cfg.model_quantization_config, cfg.model_quantization_config_kwargs)
     if cfg.revision_of_model:
         extra["revision"] = cfg.revision_of_model
     try:

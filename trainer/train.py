@@ -150,7 +150,11 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
     tokenizer = load_tokenizer(cfg)
     data = prepare(cfg, tokenizer, rank, log=say)
 
-    # 3. model
+    # 3. model (attention fitted to the model's class first: the collator's packing follows it)
+    from trainer.attention import for_model
+
+    for note in for_model(cfg, runtime, local_only=False):
+        say(f"note: {note}")
     model = load_model(cfg, runtime, tokenizer)
     kernels.apply(cfg, model, getattr(runtime, "kernels", False), say)  # liger, where the plan says triton runs
 
