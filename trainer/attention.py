@@ -7,7 +7,11 @@ backend a model's own code accepts.
   runs with a KV cache (use_cache defaults to True, even in training); measured: the logits of the second
   packed sequence differ by ~0.5 (tests/trainer/test_attention.py). So we pass an explicit 4D
   block-diagonal causal mask [batch, 1, q, k], which transformers uses as given. sdpa takes it as bool;
-  eager and flex_attention add it to the scores (flex through a score_mod), so they get 0 / -inf floats.
+  eager adds it to the scores, so it gets 0 / -inf floats.
+- row_position_ids (flex_attention): no mask; with no KV cache (every forward here passes use_cache=False)
+  transformers finds the sequences where position_ids restart and builds flex's BlockMask from them. A dense
+  mask would reach flex as a score_mod that captures the tensor, which torch 2.13's compiled CPU flex
+  corrupts memory on (checked here); the BlockMask is also the fast path on GPUs.
 """
 
 from __future__ import annotations
@@ -19,6 +23,11 @@ from trainer import facts
 PACKING = {row["transformers"]: row.get("packing", "bool_mask") for row in facts.rows("attention", "backend")}
 # backends that separate packed sequences by position_ids (one flattened row, no mask)
 FLASH_BACKENDS = tuple(name for name, packing in PACKING.items() if packing == "position_ids")
+
+
+def needs_mask(attention: str) -> bool:
+    """Whether the collator passes a 4D mask (bool_mask, float_mask) rather than position_ids alone."""
+    return PACKING.get(attention, "bool_mask") in ("bool_mask", "float_mask")
 
 
 def block_causal_mask(segments: torch.Tensor, attention: str) -> torch.Tensor:

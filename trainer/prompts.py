@@ -133,6 +133,10 @@ def render_chat(row: dict, ds: DatasetConfig, tokenizer, eot_tokens: list[str] |
             # the generation header is the assistant's; other turns start where their content does
             content = message["content"].strip() if isinstance(message["content"], str) else ""
             found_at = text.find(content, len(prefix), end) if content else -1
+            thinking = message.get(ds.template_thinking_key)  # rendered before the content, trained with it
+            thinking = thinking.strip() if isinstance(thinking, str) else ""
+            think_at = text.find(thinking, len(prefix), end) if thinking else -1
+            found_at = think_at if think_at >= 0 and (found_at < 0 or think_at < found_at) else found_at
             begin = found_at if found_at >= 0 else begin
         if policy is None:
             spans.append((begin, end))
