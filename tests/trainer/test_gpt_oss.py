@@ -12,7 +12,7 @@ import torch
 import trl
 
 from tests.trainer.helpers import train_then_resume, write_jsonl
-from trainer.attention import for_model
+from trainer.model_attention import for_model
 from trainer.cli import main
 from trainer.config import DatasetConfig, parse_config
 from trainer.errors import ConfigError
