@@ -125,11 +125,6 @@ def regenerate(data: dict[str, dict], client: Client, *, date: str,
     return report
 
 
-def _has(cls: type, field: str) -> bool:
-    """Whether the schema has a field (rows gain fields over time; only those that exist are written)."""
-    return field in cls._fields
-
-
 def _default(cls: type, field: str):
     return cls._field_defaults.get(field)
 
@@ -170,12 +165,9 @@ def _torch(data: dict, client: Client, date: str, report: Report, step) -> None:
             change("python", facts.python, f"CPython tags of torch {newest.version}'s Linux x86_64 wheels")
         if facts.triton != row.get("triton"):
             change("triton", facts.triton, facts.why)
-        if _has(cls, "triton_python"):
-            if facts.triton_python != row.get("triton_python", _default(cls, "triton_python")):
-                change("triton_python", facts.triton_python, facts.why)
-        else:
-            _triton_marker_review(report, name, facts.python or row.get("python"), facts)
-        if _has(cls, "triton_platforms") and facts.triton:
+        if facts.triton_python != row.get("triton_python", _default(cls, "triton_python")):
+            change("triton_python", facts.triton_python, facts.why)
+        if facts.triton:
             if facts.triton_platforms != list(row.get("triton_platforms", _default(cls, "triton_platforms"))):
                 change("triton_platforms", facts.triton_platforms, facts.why)
         if not row.get("build"):
@@ -199,10 +191,9 @@ def _torch(data: dict, client: Client, date: str, report: Report, step) -> None:
         abi = any(re.match(r"manylinux_2_(2[89]|[3-9]\d)_", p) for p in wheel.platforms)
         fields = {"version": str(release.version), "python": facts.python, "triton": facts.triton,
                   "cxx11abi": abi}
-        if facts.triton and _has(cls, "triton_python") and facts.triton_python:
+        if facts.triton and facts.triton_python:
             fields["triton_python"] = facts.triton_python
-        if facts.triton and _has(cls, "triton_platforms") and \
-                facts.triton_platforms != list(_default(cls, "triton_platforms") or []):
+        if facts.triton and facts.triton_platforms != list(_default(cls, "triton_platforms") or []):
             fields["triton_platforms"] = facts.triton_platforms
         fields["source"] = (f"added by envtool matrix update from PyPI metadata on {date}; {ADDED_MARK} "
                             f"(python: wheel tags; {facts.why}; cxx11abi: "
@@ -225,8 +216,6 @@ def _torch_facts(client: Client, release: Release, step) -> TorchFacts:
     machine = re.search(r"platform_machine\s*==\s*[\"'](\w+)[\"']", pin.marker)
     if machine:
         platforms = [machine.group(1)]
-    elif not _has(matrix_module.TorchRelease, "triton_platforms"):
-        platforms = list(MACHINES)  # not recorded by this schema: not worth a request
     else:  # no machine in the marker: ask the aarch64 wheel itself
         platforms = ["x86_64"]
         arm = linux_wheel(release, "aarch64")
@@ -236,19 +225,6 @@ def _torch_facts(client: Client, release: Release, step) -> TorchFacts:
                 platforms.append("aarch64")
     return TorchFacts(python, pin.version or None, f"{bound.group(1)}{bound.group(2)}" if bound else None,
                       platforms, why)
-
-
-def _triton_marker_review(report: Report, name: str, python: str | None, facts: TorchFacts) -> None:
-    """Where the schema cannot state it: a triton pin that holds only below some Python (torch 2.5.1:
-    python_version < "3.13") while the release covers that Python."""
-    if not facts.triton_python or not python:
-        return
-    cut = [f"3.{n}" for n in range(0, 40) if matrix_module.in_range(f"3.{n}", python)
-           and not matrix_module.in_range(f"3.{n}", facts.triton_python)]
-    if cut:
-        report.reviews.append(Review("torch.toml", name, f"its triton pin holds only for Python "
-                                     f"{facts.triton_python} ({facts.why}), but the row's `triton` applies to every "
-                                     f"Python of {python} (not {', '.join(cut)})"))
 
 
 def _triton_releases(data: dict, client: Client, date: str, report: Report) -> None:
@@ -322,14 +298,12 @@ def _xformers(data: dict, client: Client, report: Report, step) -> None:
                                          f"torch{pin or row['torch']}: move the row to it after checking its "
                                          "wheels_build.yml arch list (min_cc) at that tag"))
         release = project.releases[current]
-        if _has(cls, "python"):
-            python = python_range(release)
-            if python and not _same_spec(python, row.get("python")):
-                change("python", python, f"the Python tags of xformers {current}'s Linux x86_64 wheels")
-        if _has(cls, "platforms"):
-            machines = linux_machines(release)
-            if machines and machines != list(row.get("platforms", _default(cls, "platforms"))):
-                change("platforms", machines, f"the Linux wheels of xformers {current}")
+        python = python_range(release)
+        if python and not _same_spec(python, row.get("python")):
+            change("python", python, f"the Python tags of xformers {current}'s Linux x86_64 wheels")
+        machines = linux_machines(release)
+        if machines and machines != list(row.get("platforms", _default(cls, "platforms"))):
+            change("platforms", machines, f"the Linux wheels of xformers {current}")
     claimed = {max([v for v, p in pins.items() if p and _same_spec(p, r["torch"])], default=None) for r in rows}
     newest_row = max(known)
     for v, pin in sorted(pins.items()):

@@ -224,6 +224,10 @@ class Config(BaseModel):
     resume_from_checkpoint: str | None = None
     auto_resume_from_checkpoints: bool = False
 
+    # --- mistral-common tokenizer (trainer/mistral_tokenizer.py) ------------------------------------------
+    # Mistral's own tokenizer; chat_template data encoded by it. Unset: true for Magistral models, as in Axolotl
+    tokenizer_use_mistral_common: bool | None = None
+
     # --- attention, gpt-oss (attn) -----------------------------------------------------------------------
     # a transformers quantization config by class name, built with these kwargs (trainer/quantization_config.py);
     # only Mxfp4Config with dequantize: true (gpt-oss's MXFP4 experts loaded as bf16 weights to train)
@@ -410,10 +414,6 @@ PERFORMANCE_KEYS["flex_attn_compile_kwargs"] = (
     "torch.compile options for flex_attention's kernel (speed only); transformers compiles it with its own "
     "defaults, as Axolotl does today (its patch applying them is switched off in loaders/patch_manager.py)")
 
-UNSUPPORTED_KEYS["tokenizer_use_mistral_common"] = (
-    "mistral-common tokenizers render conversations straight to token ids, and chat_template training here "
-    "locates trained turns in the rendered text: use the model's Hugging Face tokenizer (tokenizer_default)")
-
 # Legacy dtype switches: the same as bf16/fp16 (float32: neither).
 LEGACY_DTYPE_KEYS = {"bfloat16": ("bf16", True), "float16": ("fp16", True), "float32": ("bf16", False)}
 TORCH_DTYPES = {"bfloat16": "bf16", "bf16": "bf16", "float16": "fp16", "fp16": "fp16", "half": "fp16",
@@ -520,7 +520,7 @@ def parse_config(raw: Any) -> tuple[Config, list[str]]:
 
 def _named_choices(cfg: Config, notes: list[str]) -> list[str]:
     """Choices checked against data tables: optimizer, chat templates, plugins, FSDP settings."""
-    from trainer import chat_templates, distributed, kernels, optim
+    from trainer import chat_templates, distributed, kernels, mistral_tokenizer, optim
 
     problems = []
     if cfg.gradient_checkpointing == "offload":
@@ -533,6 +533,7 @@ def _named_choices(cfg: Config, notes: list[str]) -> list[str]:
     checks += [lambda ds=ds: chat_templates.check(ds.chat_template, ds.chat_template_jinja)
                for ds in cfg.datasets if ds.chat_template]
     checks += [lambda: notes.extend(kernels.check_plugins(cfg)), lambda: notes.extend(distributed.check(cfg))]
+    checks += [lambda: notes.extend(mistral_tokenizer.check(cfg))]
     for check in checks:
         try:
             check()

@@ -33,6 +33,10 @@ def default_workers(cfg: Config) -> int:
 def load_tokenizer(cfg: Config):
     from transformers import AutoTokenizer
 
+    if cfg.tokenizer_use_mistral_common:
+        from trainer import mistral_tokenizer
+
+        return mistral_tokenizer.load(cfg)
     source = cfg.tokenizer_config or cfg.base_model
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)
@@ -68,6 +72,10 @@ def _data_identity(ds: DatasetConfig) -> str:
 
 
 def tokenizer_identity(tokenizer) -> str:
+    from trainer import mistral_tokenizer
+
+    if mistral_tokenizer.is_mistral(tokenizer):
+        return mistral_tokenizer.identity(tokenizer)
     backend = getattr(tokenizer, "backend_tokenizer", None)
     vocab = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
     extra = json.dumps([type(tokenizer).__name__, tokenizer.chat_template, str(tokenizer.special_tokens_map)])

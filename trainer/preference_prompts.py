@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from trainer.config import DatasetConfig
 from trainer.errors import DataError
-from trainer.prompts import IGNORE
+from trainer.prompts import IGNORE, role_alias
 
 WRAPPERS = {  # family -> (system turn, user turn + assistant header, end of the assistant turn)
     "chatml": ("<|im_start|>system\n{}<|im_end|>\n", "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n",
@@ -100,7 +100,7 @@ def _message(m, ds: DatasetConfig, default_role: str) -> dict:
     if not isinstance(m, dict) or ds.role_key not in m or ds.content_key not in m:
         raise DataError(f"dataset {ds.path}: a message has no '{ds.role_key}'/'{ds.content_key}' "
                         f"({str(m)[:80]}); set message_property_mappings")
-    alias = {name: role for role, names in (ds.roles or {}).items() for name in names}
+    alias = role_alias(ds)
     return {"role": alias.get(m[ds.role_key], m[ds.role_key]), "content": m[ds.content_key]}
 
 

@@ -73,8 +73,17 @@ def render_input_output(row: dict, ds: DatasetConfig, tokenizer) -> tuple[str, S
     return text, spans, False
 
 
+# Axolotl's mapping when a dataset sets no `roles` (ShareGPT's human/gpt), from its chat_template strategy.
+DEFAULT_ROLES = {"user": ["human", "user"], "assistant": ["gpt", "assistant"], "system": ["system"], "tool": ["tool"]}
+
+
+def role_alias(ds: DatasetConfig) -> dict[str, str]:
+    """Data role name -> template role: the dataset's `roles`, else Axolotl's default (human -> user, gpt -> assistant)."""
+    return {name: role for role, names in (ds.roles or DEFAULT_ROLES).items() for name in names}
+
+
 def _messages(row: dict, ds: DatasetConfig) -> list[dict]:
-    alias = {name: role for role, names in (ds.roles or {}).items() for name in names}
+    alias = role_alias(ds)
     messages = []
     for m in _field(row, ds.field_messages, ds):
         if ds.role_key not in m or ds.content_key not in m:
@@ -166,6 +175,10 @@ RENDERERS = {
 
 def tokenize_row(row: dict, ds: DatasetConfig, tokenizer, train_on_inputs: bool,
                  eot_tokens: list[str] | None = None) -> dict:
+    from trainer import mistral_tokenizer
+
+    if ds.type == "chat_template" and mistral_tokenizer.is_mistral(tokenizer):  # ids, not text: see that module
+        return mistral_tokenizer.tokenize_chat(row, ds, tokenizer, train_on_inputs)
     if ds.type == "chat_template":
         text, spans, add_special = render_chat(row, ds, tokenizer, eot_tokens)
     else:

@@ -2,6 +2,8 @@
 
 `python -m trainer make-tiny-model DIR [--family llama|qwen2]` writes a 2-layer, hidden-size-64 model
 and a byte-level BPE tokenizer (with a ChatML chat template) trained on a few paragraphs of text.
+`--family mistral` writes a Mistral model with a mistral-common tokenizer instead (tekken.json, see
+build_mistral_tokenizer), for `tokenizer_use_mistral_common: true`.
 """
 
 from __future__ import annotations
@@ -41,11 +43,39 @@ def build_tokenizer(texts: list[str] | None = None, vocab_size: int = 384):
     return fast
 
 
+def build_mistral_tokenizer(out_dir: str | Path, version: str = "v13", vocab: int = 1500,
+                            special: int = 64) -> Path:
+    """A real mistral-common tokenizer file, cut down from the tekken file mistral-common ships
+    (mistral_common/data/tekken_240911.json): its first `vocab` byte-level BPE ranks, `special` control tokens
+    (mistral-common's own, in its order, then fillers) and the instruct format of `version` (v3: system prompt
+    in the last user turn; v7+: [SYSTEM_PROMPT]; v13: thinking chunks). Tekken cuts a vocabulary to its first
+    ranks itself (config.default_vocab_size), so this is the same tokenizer with fewer merges. Needs the
+    mistral-common package. Returns the path of tekken.json."""
+    import json
+
+    import mistral_common
+    from mistral_common.tokens.tokenizers.base import SpecialTokens
+    from mistral_common.tokens.tokenizers.tekken import Tekkenizer
+
+    source = json.loads((Path(mistral_common.__file__).parent / "data" / "tekken_240911.json").read_text())
+    names = [t["token_str"] for t in Tekkenizer.DEPRECATED_SPECIAL_TOKENS]
+    names += [t.value for t in SpecialTokens if t.value not in names]
+    names += [Tekkenizer.SPECIAL_TOKEN_TEMPLATE.format(id=i) for i in range(len(names), special)]
+    config = dict(source["config"], version=version, num_vocab_tokens=vocab, default_vocab_size=special + vocab,
+                  default_num_special_tokens=special)
+    tekken = {"config": config, "vocab": source["vocab"][:vocab],
+              "special_tokens": [{"rank": i, "token_str": name, "is_control": True} for i, name in enumerate(names)]}
+    path = Path(out_dir) / "tekken.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(tekken))
+    return path
+
+
 def build_model(tokenizer, family: str = "llama", seed: int = 0, hidden_size: int = 64, layers: int = 2):
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
-    configs = {"llama": LlamaConfig, "qwen2": Qwen2Config}
+    configs = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}
     if family not in configs:
         raise ValueError(f"family must be one of {sorted(configs)}")
     config = configs[family](
@@ -59,6 +89,12 @@ def build_model(tokenizer, family: str = "llama", seed: int = 0, hidden_size: in
 
 def make_tiny_model(out_dir: str | Path, family: str = "llama", texts: list[str] | None = None, seed: int = 0) -> Path:
     out_dir = Path(out_dir)
+    if family == "mistral":  # the tokenizer is mistral-common's (texts do not apply: tekken is pre-trained)
+        from transformers.tokenization_mistral_common import MistralCommonBackend
+
+        tokenizer = MistralCommonBackend(build_mistral_tokenizer(out_dir))
+        build_model(tokenizer, family, seed).save_pretrained(out_dir)
+        return out_dir
     tokenizer = build_tokenizer(texts)
     model = build_model(tokenizer, family, seed)
     model.save_pretrained(out_dir)

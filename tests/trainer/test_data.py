@@ -61,6 +61,16 @@ def test_chat_template_trains_on_assistant_turns_without_their_header(tokenizer)
     assert full.startswith("<|im_start|>system\nBe brief.<|im_end|>") and "<|im_start|>user\nAnd Italy?" in full
 
 
+def test_sharegpt_roles_map_without_a_roles_key_as_in_axolotl(tokenizer):
+    """No `roles`: human/gpt are user/assistant (Axolotl's default), so the gpt turns are the trained ones."""
+    ds = DatasetConfig(path="x.jsonl", type="chat_template", field_messages="conversations",
+                       message_property_mappings={"role": "from", "content": "value"})
+    row = {"conversations": [{"from": "human", "value": "Capital of France?"}, {"from": "gpt", "value": "Paris."}]}
+    out = tokenize_row(row, ds, tokenizer, train_on_inputs=False)
+    assert trained_text(tokenizer, out) == "Paris.<|im_end|>\n"
+    assert "<|im_start|>user\nCapital of France?" in tokenizer.decode(out["input_ids"])
+
+
 def test_chat_template_needs_a_template(tokenizer):
     bare = AutoTokenizer.from_pretrained(tokenizer.name_or_path)
     bare.chat_template = None
