@@ -264,7 +264,7 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
                     norm = accelerator.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
                     norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: a DTensor
                     grad_norm = None if norm is None else float(norm)  # None under DeepSpeed, which clips itself
-                lr = scheduler.get_last_lr()[0]
+                lr = float(scheduler.get_last_lr()[0])  # torchao optimizers keep lr as a tensor
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)

@@ -176,8 +176,7 @@ def test_a_gpt_oss_example_shaped_config_trains_and_resumes_exactly(tiny_gpt_oss
     """Axolotl's examples/gpt-oss/gpt-oss-20b-sft-lora-singlegpu.yaml with a tiny local gpt-oss and local data:
     MXFP4 dequantized, the Hub FA3 kernel (sdpa on CPU, then eager: the gpt-oss class has no sdpa), thinking
     trained, packed, LoRA on every linear layer, checkpointing; the resumed run repeats the later steps. The
-    example's adamw_torch_8bit is left out: torchao's optimizer hands the scheduler a tensor lr that
-    metrics.jsonl cannot write (outside this test's subject)."""
+    example's adamw_torch_8bit needs torchao, which CI does not install (the optimizer tests cover it)."""
     model_dir, _ = tiny_gpt_oss
     data = write_jsonl(tmp_path / "thinking.jsonl", _thinking_rows(24))
     common = dict(base_model=str(model_dir), model_quantization_config="Mxfp4Config",
