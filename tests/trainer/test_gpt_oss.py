@@ -194,3 +194,22 @@ def test_a_gpt_oss_example_shaped_config_trains_and_resumes_exactly(tiny_gpt_oss
               if "loss" in json.loads(line)]
     assert len(losses) == 4 and all(torch.isfinite(torch.tensor(losses)))
     assert (full / "final" / "adapter_model.safetensors").is_file()
+
+
+def test_validate_shows_the_gpt_oss_fit_on_an_a100(tiny_gpt_oss, tmp_path):
+    """The example's Hub FA3 kernel on an A100: the hardware's fallback (flash_attention_2), then the gpt-oss
+    class's own (flex_attention, which applies its sinks), both explained; the model's config is local."""
+    from tests.trainer.helpers import run_cli
+
+    config, data = tmp_path / "gpt-oss.yml", write_jsonl(tmp_path / "thinking.jsonl", _thinking_rows(2))
+    config.write_text(json.dumps({
+        "base_model": str(tiny_gpt_oss[0]), "attn_implementation": "kernels-community/vllm-flash-attn3",
+        "model_quantization_config": "Mxfp4Config", "model_quantization_config_kwargs": {"dequantize": True},
+        "datasets": [{"path": str(data), "type": "chat_template", "field_thinking": "thinking",
+                      "template_thinking_key": "thinking"}]}))
+    result = run_cli("validate", str(config), "--gpu", "a100", "--json", env={"HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 0, result.stderr
+    runtime = json.loads(result.stdout)["runtime"]
+    assert runtime["attention"] == "flex_attention"
+    assert any(c.startswith("attention: kernels-community/vllm-flash-attn3 -> flash_attention_2") for c in runtime["changes"])
+    assert any(c.startswith("attention: flash_attention_2 -> flex_attention (GptOssForCausalLM") for c in runtime["changes"])
