@@ -30,7 +30,7 @@ def for_model(cfg, runtime, local_only: bool) -> list[str]:
     except Exception:  # not readable here (a hub id with no cache, remote code): transformers decides at load
         return []
     cc = runtime.gpu.compute_capability
-    runs = [b for b in attention_backends() if catalog.backend_runs_on(b, cc)]
+    runs = [b for b in attention_backends() if catalog.backend_runs_on(b, cc) and _installed(b, runtime.gpu)]
     attention, why = runtime.attention, ""
     compatible = getattr(cls, "_compatible_flash_implementations", None) or []
     if packing(attention) == "position_ids" and compatible and attention not in compatible:
@@ -50,6 +50,15 @@ def for_model(cfg, runtime, local_only: bool) -> list[str]:
     runtime.attention = attention
     runtime.changes.append(note)
     return [note]
+
+
+def _installed(backend: dict, gpu) -> bool:
+    """A backend's module is importable here; for `--gpu NAME` (another machine) it is assumed, as
+    trainer/hardware.py does."""
+    import importlib.util
+
+    module = backend.get("module")
+    return module is None or gpu.source == "--gpu" or importlib.util.find_spec(module) is not None
 
 
 def _config_at_hand(model: str) -> bool:
