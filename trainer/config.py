@@ -233,6 +233,7 @@ class Config(BaseModel):
     # only Mxfp4Config with dequantize: true (gpt-oss's MXFP4 experts loaded as bf16 weights to train)
     model_quantization_config: str | None = None
     model_quantization_config_kwargs: dict[str, Any] | None = None
+    flex_attention: bool | None = None  # Axolotl's deprecated flag for attn_implementation: flex_attention
 
     # --- preference training (Axolotl's names; defaults as TRL's configs) --------------------------------
     rl: Literal["dpo", "ipo", "orpo", "kto", "simpo"] | None = None
@@ -310,7 +311,8 @@ class Config(BaseModel):
             if re.search(r"\$\[\d*:\d*\]$", pattern):
                 raise ValueError(f"unfrozen_parameters: range patterns ({pattern}) are not supported; "
                                  "freeze or train whole parameters")
-        flags = [f for f in ("flash_attention", "sdp_attention", "xformers_attention", "eager_attention") if getattr(self, f)]
+        flags = [f for f in ("flash_attention", "sdp_attention", "xformers_attention", "eager_attention",
+                             "flex_attention") if getattr(self, f)]
         if len(flags) > 1 or (flags and self.attn_implementation):
             raise ValueError(f"choose one attention setting, got {', '.join(flags + (['attn_implementation'] if self.attn_implementation else []))}")
         return self
@@ -323,6 +325,7 @@ class Config(BaseModel):
             "sdp_attention": "sdpa",
             "xformers_attention": "xformers",
             "eager_attention": "eager",
+            "flex_attention": "flex_attention",
         }
         for flag, name in legacy.items():
             if getattr(self, flag):
@@ -397,7 +400,7 @@ UNSUPPORTED_KEYS: dict[str, str] = {
         "dp_replicate_size", "expert_parallel_size")},
     **{k: "not supported" for k in (
         "group_by_length", "curriculum_sampling", "early_stopping_patience",
-        "neftune_noise_alpha", "noisy_embedding_alpha", "s2_attention", "flex_attention", "sage_attention",
+        "neftune_noise_alpha", "noisy_embedding_alpha", "s2_attention", "sage_attention",
         "unsloth_lora_mlp", "unsloth_lora_qkv", "unsloth_lora_o", "relora_steps", "lisa_n_layers",
         "lr_quadratic_warmup", "lr_div_factor", "eval_table_size",
         "eval_causal_lm_metrics", "do_causal_lm_eval", "test_datasets", "pretraining_dataset",

@@ -48,6 +48,12 @@ def test_each_backend_is_kept_where_its_row_says_it_runs_and_falls_back_with_the
         assert any(change.startswith(f"attention: {requested} -> {expected}") for change in runtime.changes)
 
 
+def test_axolotls_legacy_flex_attention_flag_means_the_backend():
+    assert parse_config({**CONFIG, "flex_attention": True})[0].requested_attention == "flex_attention"
+    with pytest.raises(ConfigError, match="choose one attention setting"):
+        parse_config({**CONFIG, "flex_attention": True, "attn_implementation": "sdpa"})
+
+
 def test_axolotls_flex_compile_kwargs_are_accepted_as_a_speed_option():
     cfg, notes = parse_config({**CONFIG, "attn_implementation": "flex_attention",
                                "flex_attn_compile_kwargs": {"dynamic": False, "mode": "max-autotune-no-cudagraphs"}})
