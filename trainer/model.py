@@ -13,6 +13,7 @@ import torch
 from trainer.config import Config
 from trainer.errors import ConfigError
 from trainer.hardware import Runtime
+from trainer.model_attention import packed_masks
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -42,6 +43,7 @@ def load_model(cfg: Config, runtime: Runtime, tokenizer, source: str | None = No
         raise ConfigError(f"cannot load the model from {source}: {str(err).splitlines()[0]}") from None
     resize_embeddings(cfg, model, tokenizer)
     model.config.use_cache = False  # no KV cache in training; the collator's mask keeps packed rows apart
+    packed_masks(model)  # hybrid sliding/full models: per-layer masks from position_ids (trainer/model_attention.py)
     checkpointing = {"use_reentrant": reentrant(cfg)}
     if quantization is not None:
         from peft import prepare_model_for_kbit_training
@@ -148,5 +150,6 @@ def load_trained(cfg: Config, runtime: Runtime, tokenizer, model_dir=None):
                                                     attn_implementation=runtime.attention,
                                                     trust_remote_code=cfg.trust_remote_code, **extra)
         resize_embeddings(cfg, base, tokenizer)
+        packed_masks(base)
         return PeftModel.from_pretrained(base, str(model_dir))
     return load_model(cfg, runtime, tokenizer, source=str(model_dir)).to(DTYPES[runtime.precision])

@@ -75,3 +75,36 @@ def _config_at_hand(model: str) -> bool:
         return isinstance(try_to_load_from_cache(model, "config.json"), str)
     except Exception:
         return False
+
+
+def packed_masks(model) -> bool:
+    """Per-layer-type masks for hybrid models (gpt-oss: sliding-window and full layers alternate), built by
+    transformers' own mask functions from the position_ids the collator restarts per packed sequence.
+
+    A single 4D mask from the collator reaches every layer as given, so sliding layers would attend past their
+    window; and gpt-oss's forward does not pass position_ids to its mask creation, so position_ids alone would
+    let packed sequences see each other. These models take `attention_mask` as a {layer type: mask} dict, which
+    a forward pre-hook on the decoder fills (causal and sliding, per sequence, in the backend's form: bool,
+    additive, or flex's BlockMask). Returns whether it was installed (not for models without sliding layers)."""
+    layer_types = set(getattr(model.config, "layer_types", None) or [])
+    if layer_types - {"full_attention"} != {"sliding_attention"}:
+        return False
+    import torch
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+    decoder = model.get_decoder()
+
+    def hook(module, args, kwargs):
+        ids, positions = kwargs.get("input_ids"), kwargs.get("position_ids")
+        if ids is None or positions is None or isinstance(kwargs.get("attention_mask"), dict) \
+                or packing(module.config._attn_implementation) == "position_ids":  # flash: cu_seqlens, its own window
+            return None
+        dtype = module.get_input_embeddings().weight.dtype  # the additive mask's dtype, as the model's own
+        shape = dict(config=module.config, inputs_embeds=torch.empty(*ids.shape, 1, dtype=dtype, device=ids.device),
+                     attention_mask=None, past_key_values=None, position_ids=positions)
+        kwargs["attention_mask"] = {"full_attention": create_causal_mask(**shape),
+                                    "sliding_attention": create_sliding_window_causal_mask(**shape)}
+        return args, kwargs
+
+    decoder.register_forward_pre_hook(hook, with_kwargs=True)
+    return True

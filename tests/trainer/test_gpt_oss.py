@@ -213,3 +213,38 @@ def test_validate_shows_the_gpt_oss_fit_on_an_a100(tiny_gpt_oss, tmp_path):
     assert runtime["attention"] == "flex_attention"
     assert any(c.startswith("attention: kernels-community/vllm-flash-attn3 -> flash_attention_2") for c in runtime["changes"])
     assert any(c.startswith("attention: flash_attention_2 -> flex_attention (GptOssForCausalLM") for c in runtime["changes"])
+
+
+def test_packed_gpt_oss_rows_get_each_layers_own_mask(tiny_gpt_oss):
+    """gpt-oss alternates sliding-window (16 tokens here) and full layers, and its forward does not pass
+    position_ids to its mask creation. The trainer's model gives every layer type its own mask, per packed
+    sequence: packed logits equal each sequence run alone by transformers with its own masks (the oracle).
+    A single 4D mask (the collator's) would differ by ~0.4 here: sliding layers would see past their window."""
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+
+    from trainer.collate import Collator
+    from trainer.data import load_tokenizer
+    from trainer.model import load_model
+
+    model_dir, _ = tiny_gpt_oss
+    cfg, _ = parse_config({"base_model": str(model_dir), "datasets": [{"path": "d.jsonl", "type": "completion"}],
+                           "model_quantization_config": "Mxfp4Config",
+                           "model_quantization_config_kwargs": {"dequantize": True}})
+    runtime = adapt(cfg, gpu_from_name("cpu"))
+    for_model(cfg, runtime, local_only=True)
+    model = load_model(cfg, runtime, load_tokenizer(cfg)).eval()
+    oracle = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager", dtype=torch.float32,
+                                                  quantization_config=Mxfp4Config(dequantize=True)).eval()
+    g = torch.Generator().manual_seed(0)
+    rows = [[{"input_ids": torch.randint(5, 300, (n,), generator=g).tolist(), "labels": [1] * n} for n in lengths]
+            for lengths in ([20, 25], [30])]  # longer than the window; the second row is padded
+    batch = Collator(pad_token_id=0, attention=runtime.attention)(rows)
+    with torch.no_grad():
+        packed = model(**{k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")}, use_cache=False).logits
+        for r, row in enumerate(rows):
+            start = 0
+            for example in row:
+                alone = oracle(torch.tensor([example["input_ids"]]), use_cache=False).logits[0]
+                n = len(example["input_ids"])
+                assert (packed[r, start:start + n] - alone).abs().max().item() < 1e-5, (r, start)
+                start += n
