@@ -85,14 +85,22 @@ def packed_masks(model) -> bool:
     window; and gpt-oss's forward does not pass position_ids to its mask creation, so position_ids alone would
     let packed sequences see each other. These models take `attention_mask` as a {layer type: mask} dict, which
     a forward pre-hook on the decoder fills (causal and sliding, per sequence, in the backend's form: bool,
-    additive, or flex's BlockMask). Returns whether it was installed (not for models without sliding layers)."""
+    additive, or flex's BlockMask). Returns whether it was installed (not for models without sliding layers, nor
+    for those whose forward takes no such dict)."""
     layer_types = set(getattr(model.config, "layer_types", None) or [])
     if layer_types - {"full_attention"} != {"sliding_attention"}:
         return False
+    import inspect
+
     import torch
     from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
     decoder = model.get_decoder()
+    try:  # transformers' hybrid models take a prepared {layer type: mask} dict; a few do not (then as before)
+        if "causal_mask_mapping := attention_mask, dict)" not in inspect.getsource(type(decoder).forward):
+            return False
+    except (OSError, TypeError):
+        return False
 
     def hook(module, args, kwargs):
         ids, positions = kwargs.get("input_ids"), kwargs.get("position_ids")
