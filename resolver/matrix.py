@@ -103,6 +103,7 @@ class AttentionBackend(NamedTuple):
     min_cc: str | None = None  # None: any device, CPU included
     max_cc: str | None = None
     note: str = ""
+    packing: str = "bool_mask"  # how the trainer keeps packed sequences apart (see attention.toml's header)
 
 
 class FlashAttnImpl(NamedTuple):
@@ -504,6 +505,9 @@ def _check_facts(m: Matrix, directory: Path) -> None:
         for value in (b.min_cc, b.max_cc):
             if value:
                 cc(value, f"attention.toml [[backend]] ({b.name})")
+        if b.packing not in ("position_ids", "row_position_ids", "bool_mask", "float_mask"):
+            fail(f"attention.toml [[backend]] ({b.name}): packing {b.packing!r} is not position_ids, "
+                 "row_position_ids, bool_mask or float_mask")
     for i in m.flash_attn_impls:
         if i.attention not in backends:
             fail(f"flash_attn.toml [[impl]] ({i.name}): attention {i.attention!r} has no attention.toml row")

@@ -26,6 +26,9 @@ def _setup(args, gpu: str | None = None):
     cfg, notes = load_config(args.config)
     found_gpu, plan = detect(gpu, getattr(args, "plan", None))
     runtime = adapt(cfg, found_gpu, plan)
+    from trainer.model_attention import for_model
+
+    for_model(cfg, runtime, local_only=True)  # the backend the model's class accepts, where its config is at hand
     runtime.changes += feature_notes(cfg, runtime, plan)
     return cfg, notes, runtime
 

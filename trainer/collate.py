@@ -2,7 +2,8 @@
 
 Packed or not, every row is a concatenation of examples ("segments"). Isolation between segments
 depends on the attention backend (see trainer.attention): flash-attn gets one flattened row with
-position_ids that restart per segment; sdpa and eager get a block-diagonal causal mask.
+position_ids that restart per segment; flex_attention keeps its rows and gets position_ids alone; sdpa
+and eager get a block-diagonal causal mask.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer.attention import FLASH_BACKENDS, block_causal_mask
+from trainer.attention import FLASH_BACKENDS, block_causal_mask, needs_mask
 
 IGNORE = -100
 
@@ -57,7 +58,7 @@ class Collator:
             "position_ids": torch.tensor(positions, dtype=torch.long),
             "num_tokens": torch.tensor(sum(len(r) for r in segments) - sum(r.count(-1) for r in segments)),
         }
-        if self.attention not in FLASH_BACKENDS:
+        if needs_mask(self.attention):  # else position_ids alone (flash: flattened; flex: per row)
             batch["attention_mask"] = block_causal_mask(torch.tensor(segments), self.attention)
         if self.sequence_ids:  # per-sequence sums (preference objectives) need to know whose token is whose
             ids, offset = [], 0

@@ -18,11 +18,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from trainer import alpaca_styles
+from trainer import alpaca_styles, facts
 from trainer.errors import ConfigError
 from trainer.qat import QatConfig
 
-Attention = Literal["flash_attention_2", "flash_attention_3", "sdpa", "xformers", "eager"]
+# The attention backends a config may name: matrices/attention.toml's rows (one copy of the fact; the resolver
+# and trainer/hardware.py read the same table), e.g. flash_attention_2, sdpa, flex_attention, Hub kernel ids.
+Attention = Literal[tuple(row["name"] for row in facts.rows("attention", "backend"))]
 PromptFormat = Literal["alpaca", "chat_template", "completion", "input_output"]
 
 # --- preference training (rl:) -------------------------------------------------------------------------
@@ -72,6 +74,11 @@ class DatasetConfig(BaseModel):
     train_on_eos: Literal["turn", "last", "all", "none"] | None = None  # None: the whole turn tail, as rendered
     chat_template: str | None = None  # per-dataset override of the top-level chat_template
     chat_template_jinja: str | None = None
+    # --- attention, gpt-oss (attn) ---
+    # Axolotl's chat_template strategy: the message field holding the reasoning text, and the template
+    # variable it is rendered from (gpt-oss: thinking; qwen3: reasoning_content); trained with the turn
+    field_thinking: str = "reasoning_content"
+    template_thinking_key: str = "reasoning_content"
 
     @property
     def role_key(self) -> str:
@@ -344,6 +351,13 @@ class Config(BaseModel):
                              "them only there, and has deprecated the key for generate_samples)")
     # ------------------------------------------------------------------------------------------------------
 
+    # --- attention, gpt-oss (attn) -----------------------------------------------------------------------
+    # a transformers quantization config by class name, built with these kwargs (trainer/quantization_config.py);
+    # only Mxfp4Config with dequantize: true (gpt-oss's MXFP4 experts loaded as bf16 weights to train)
+    model_quantization_config: str | None = None
+    model_quantization_config_kwargs: dict[str, Any] | None = None
+    flex_attention: bool | None = None  # Axolotl's deprecated flag for attn_implementation: flex_attention
+
     # --- preference training (Axolotl's names; defaults as TRL's configs) --------------------------------
     rl: Literal["dpo", "ipo", "orpo", "kto", "simpo"] | None = None
     rl_beta: float | None = Field(None, gt=0)  # DPO/IPO/KTO/SimPO beta (TRL default 0.1)
@@ -431,6 +445,11 @@ class Config(BaseModel):
         self._check_pretraining()
         self._check_preference()
         self._check_longtail()
+        from trainer.quantization_config import check as check_quantization_config
+
+        check_quantization_config(self.model_quantization_config, self.model_quantization_config_kwargs)
+        if self.model_quantization_config and (self.load_in_4bit or self.load_in_8bit):
+            raise ValueError("model_quantization_config and load_in_4bit/load_in_8bit are two quantizations; choose one")
         if self.warmup_ratio is not None and self.warmup_steps is not None:
             raise ValueError("set warmup_ratio or warmup_steps, not both")
         if self.min_sample_len is not None and (self.rl or self.min_sample_len > self.sequence_len):
@@ -457,7 +476,8 @@ class Config(BaseModel):
             if re.search(r"\$\[\d*:\d*\]$", pattern):
                 raise ValueError(f"unfrozen_parameters: range patterns ({pattern}) are not supported; "
                                  "freeze or train whole parameters")
-        flags = [f for f in ("flash_attention", "sdp_attention", "xformers_attention", "eager_attention") if getattr(self, f)]
+        flags = [f for f in ("flash_attention", "sdp_attention", "xformers_attention", "eager_attention",
+                             "flex_attention") if getattr(self, f)]
         if len(flags) > 1 or (flags and self.attn_implementation):
             raise ValueError(f"choose one attention setting, got {', '.join(flags + (['attn_implementation'] if self.attn_implementation else []))}")
         return self
@@ -470,6 +490,7 @@ class Config(BaseModel):
             "sdp_attention": "sdpa",
             "xformers_attention": "xformers",
             "eager_attention": "eager",
+            "flex_attention": "flex_attention",
         }
         for flag, name in legacy.items():
             if getattr(self, flag):
@@ -547,7 +568,7 @@ UNSUPPORTED_KEYS: dict[str, str] = {
         "sequence_parallel_degree",
         "expert_parallel_size")},
     **{k: "not supported" for k in (
-        "neftune_noise_alpha", "noisy_embedding_alpha", "s2_attention", "flex_attention", "sage_attention",
+        "neftune_noise_alpha", "noisy_embedding_alpha", "s2_attention", "sage_attention",
         "unsloth_lora_mlp", "unsloth_lora_qkv", "unsloth_lora_o",
         "lr_div_factor",
         "test_datasets",
@@ -569,6 +590,9 @@ PERFORMANCE_KEYS.update({k: "ALST's tiled MLP (the MLP computed in sequence chun
 UNSUPPORTED_KEYS["relora_steps"] = ("the old name of jagged_restart_steps, which Axolotl no longer reads: set relora: true "
                                     "and jagged_restart_steps")
 
+PERFORMANCE_KEYS["flex_attn_compile_kwargs"] = (
+    "torch.compile options for flex_attention's kernel (speed only); transformers compiles it with its own "
+    "defaults, as Axolotl does today (its patch applying them is switched off in loaders/patch_manager.py)")
 
 # Legacy dtype switches: the same as bf16/fp16 (float32: neither).
 LEGACY_DTYPE_KEYS = {"bfloat16": ("bf16", True), "float16": ("fp16", True), "float32": ("bf16", False)}

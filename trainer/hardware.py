@@ -34,6 +34,13 @@ def attention_backend(name: str) -> dict | None:
     return next((b for b in attention_backends() if b["name"] == name), None)
 
 
+def packing(transformers_name: str) -> str:
+    """How packed sequences are kept apart for the backend transformers runs under this name (attention.toml's
+    packing column: position_ids, row_position_ids, bool_mask or float_mask)."""
+    row = next((b for b in attention_backends() if b["transformers"] == transformers_name), {})
+    return row.get("packing", "bool_mask")
+
+
 @dataclass
 class Gpu:
     name: str

@@ -13,6 +13,7 @@ import torch
 from trainer.config import Config
 from trainer.errors import ConfigError
 from trainer.hardware import Runtime
+from trainer.model_attention import packed_masks
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -28,6 +29,10 @@ def load_model(cfg: Config, runtime: Runtime, tokenizer, source: str | None = No
     extra = dict(cfg.model_config_overrides or {})  # Axolotl's model_config: overrides of the model's config
     if quantization is not None:
         extra["quantization_config"] = quantization
+    elif cfg.model_quantization_config:  # Mxfp4Config(dequantize=True): gpt-oss's MXFP4 experts as weights
+        from trainer.quantization_config import build
+
+        extra["quantization_config"] = build(cfg.model_quantization_config, cfg.model_quantization_config_kwargs)
     if cfg.revision_of_model:
         extra["revision"] = cfg.revision_of_model
     extra.update(load_kwargs or {})  # tensor parallelism: transformers' DistributedConfig (trainer/parallelism.py)
@@ -48,6 +53,7 @@ def load_model(cfg: Config, runtime: Runtime, tokenizer, source: str | None = No
         raise ConfigError(f"tensor_parallel_size: cannot shard {source}: {str(err).splitlines()[0]}") from None
     resize_embeddings(cfg, model, tokenizer)
     model.config.use_cache = False  # no KV cache in training; the collator's mask keeps packed rows apart
+    packed_masks(model)  # hybrid sliding/full models: per-layer masks from position_ids (trainer/model_attention.py)
     checkpointing = {"use_reentrant": reentrant(cfg)}
     if quantization is not None:
         from peft import prepare_model_for_kbit_training
@@ -168,5 +174,6 @@ def load_trained(cfg: Config, runtime: Runtime, tokenizer, model_dir=None):
                                                     attn_implementation=runtime.attention,
                                                     trust_remote_code=cfg.trust_remote_code, **extra)
         resize_embeddings(cfg, base, tokenizer)
+        packed_masks(base)
         return PeftModel.from_pretrained(base, str(model_dir))
     return load_model(cfg, runtime, tokenizer, source=str(model_dir)).to(DTYPES[runtime.precision])

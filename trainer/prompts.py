@@ -10,7 +10,8 @@ unless train_on_inputs.
 - input_output: {segments: [{text, label}]}; trains on segments with label: true. No special tokens added.
 - chat_template:{messages: [{role, content}]} rendered by the chat template (the tokenizer's, or one named
                 in chat_template, see trainer.chat_templates); trains on the turns of roles_to_train
-                (default: assistant), without the turn header; train_on_eos / eot_tokens pick the
+                (default: assistant), without the turn header, with its reasoning text (field_thinking ->
+                template_thinking_key) where the template renders one; train_on_eos / eot_tokens pick the
                 end-of-turn tokens trained (turn: each trained turn's, all: every turn's, last: the
                 conversation's last, none: no EOT).
 """
@@ -80,7 +81,14 @@ def _messages(row: dict, ds: DatasetConfig) -> list[dict]:
         if ds.role_key not in m or ds.content_key not in m:
             raise DataError(f"dataset {ds.path}: a message has no '{ds.role_key}'/'{ds.content_key}' "
                             f"(keys: {sorted(m)}); set message_property_mappings")
-        messages.append({"role": alias.get(m[ds.role_key], m[ds.role_key]), "content": m[ds.content_key]})
+        message = {"role": alias.get(m[ds.role_key], m[ds.role_key]), "content": m[ds.content_key]}
+        # Axolotl's mapping: message_property_mappings' other keys, or (when it is not given) the reasoning
+        # text from field_thinking into the template's template_thinking_key; it renders, and trains, with its turn
+        extra = {k: v for k, v in (ds.message_property_mappings or {}).items() if k not in ("role", "content")}
+        if not ds.message_property_mappings:
+            extra[ds.template_thinking_key] = ds.field_thinking
+        message.update({key: m[field] for key, field in extra.items() if m.get(field) is not None})
+        messages.append(message)
     return messages
 
 
@@ -126,11 +134,20 @@ def render_chat(row: dict, ds: DatasetConfig, tokenizer, eot_tokens: list[str] |
             # the generation header is the assistant's; other turns start where their content does
             content = message["content"].strip() if isinstance(message["content"], str) else ""
             found_at = text.find(content, len(prefix), end) if content else -1
+            thinking = message.get(ds.template_thinking_key)  # rendered before the content, trained with it
+            thinking = thinking.strip() if isinstance(thinking, str) else ""
+            think_at = text.find(thinking, len(prefix), end) if thinking else -1
+            found_at = think_at if think_at >= 0 and (found_at < 0 or think_at < found_at) else found_at
             begin = found_at if found_at >= 0 else begin
         if policy is None:
             spans.append((begin, end))
             continue
-        found = [(text.find(t, begin, end), t) for t in eots]
+        # the turn's end-of-turn token follows its content: a reasoning block before the content (gpt-oss's
+        # analysis channel) may end in the same token, and is trained as part of the turn
+        body = message["content"].strip() if isinstance(message["content"], str) else ""
+        after = text.rfind(body, begin, end) if body else -1
+        after = after + len(body) if after >= 0 else begin
+        found = [(text.find(t, after, end), t) for t in eots]
         found = [(pos, t) for pos, t in found if pos >= 0]
         eot_at, eot = min(found) if found else (end, "")
         if trained:

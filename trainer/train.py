@@ -166,7 +166,11 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
     else:
         data = prepare(cfg, tokenizer, rank, log=say)
 
-    # 3. model
+    # 3. model (attention fitted to the model's class first: the collator's packing follows it)
+    from trainer.model_attention import for_model
+
+    for note in for_model(cfg, runtime, local_only=False):
+        say(f"note: {note}")
     from trainer import parallelism
 
     mesh = accelerator.mesh

@@ -2,6 +2,7 @@
 attention backend transformers has, on hardware that runs it (the trainer reads the same matrices/)."""
 
 import pytest
+from transformers.integrations.hub_kernels import is_kernel
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from matrices import catalog
@@ -33,7 +34,8 @@ def test_every_catalog_plan_reaches_transformers_as_a_backend_it_has_on_hardware
             assert attention is not None, f"{gpu}: no plan at all: {err}"
             continue  # the resolver refuses what the hardware cannot run, with a reason
         runtime = adapt(cfg, gpu_from_plan(plan.to_dict(), "plan"), plan.to_dict())
-        assert runtime.attention in TRANSFORMERS_BACKENDS, (gpu, attention, runtime)
+        # a backend transformers has, or a Hub kernel id it loads through `kernels` (attention.toml names both)
+        assert runtime.attention in TRANSFORMERS_BACKENDS or is_kernel(runtime.attention), (gpu, attention, runtime)
         backend = next(b for b in facts.rows("attention", "backend") if b["transformers"] == runtime.attention)
         assert catalog.backend_runs_on(backend, spec.compute_capability), (gpu, attention, runtime)
         if attention is None or plan.attention == attention:
