@@ -69,6 +69,10 @@ class DatasetConfig(BaseModel):
     train_on_eos: Literal["turn", "last", "all", "none"] | None = None  # None: the whole turn tail, as rendered
     chat_template: str | None = None  # per-dataset override of the top-level chat_template
     chat_template_jinja: str | None = None
+    # --- reward models: stepwise_supervised (process_reward_model), Axolotl's names and defaults ---
+    step_separator: str = "\n"  # appended to every step; the step's label sits on its last token
+    max_completion_length: int | None = Field(None, ge=1)  # steps' tokens kept (prompt not counted)
+    train_on_last_step_only: bool = False  # only the last step's label is trained
 
     @property
     def role_key(self) -> str:
@@ -216,6 +220,12 @@ class Config(BaseModel):
     resume_from_checkpoint: str | None = None
     auto_resume_from_checkpoints: bool = False
 
+    # --- reward models (Axolotl's names; TRL's RewardTrainer / PRMTrainer losses) -------------------------
+    reward_model: bool = False  # Bradley-Terry outcome reward model (AutoModelForSequenceClassification)
+    process_reward_model: bool = False  # per-step reward model (AutoModelForTokenClassification)
+    center_rewards_coefficient: float | None = Field(None, ge=0)  # TRL's mean-zero reward term
+    num_labels: int | None = Field(None, ge=1)  # head outputs: 1 for reward_model, 2 (default) for process_reward_model
+
     # --- preference training (Axolotl's names; defaults as TRL's configs) --------------------------------
     rl: Literal["dpo", "ipo", "orpo", "kto", "simpo"] | None = None
     rl_beta: float | None = Field(None, gt=0)  # DPO/IPO/KTO/SimPO beta (TRL default 0.1)
@@ -233,7 +243,9 @@ class Config(BaseModel):
 
     @property
     def objective(self) -> str:
-        """sft, or the preference method (rl: dpo with dpo_loss_type: [ipo] is ipo)."""
+        """sft, reward or prm, or the preference method (rl: dpo with dpo_loss_type: [ipo] is ipo)."""
+        if self.reward_model or self.process_reward_model:
+            return "reward" if self.reward_model else "prm"
         if self.rl == "dpo" and self.dpo_loss_type == ["ipo"]:
             return "ipo"
         return self.rl or "sft"
@@ -244,6 +256,10 @@ class Config(BaseModel):
         return self.rl_beta or self.dpo_beta or self.orpo_alpha or 0.1
 
     def _check_preference(self) -> None:
+        from trainer.reward_data import check_reward_config
+
+        if check_reward_config(self):  # reward_model / process_reward_model: their own dataset types
+            return
         if self.rl is None:
             for i, ds in enumerate(self.datasets):
                 if ds.type not in PromptFormat.__args__:
@@ -316,7 +332,8 @@ INERT_KEYS: dict[str, str] = {
     "strict": "Axolotl's key-strictness switch; this trainer always rejects unknown keys",
     "local_rank": "the rank comes from torchrun's environment",
     "debug": "use --debug on the command line",
-    "model_type": "AutoModelForCausalLM picks the class from the model's config",
+    "model_type": "the head follows the objective (causal LM; sequence classification with reward_model, token "
+                  "classification with process_reward_model) and the class within it the model's config",
     "tokenizer_type": "AutoTokenizer picks the class from the tokenizer's files",
     "tokenizer_use_fast": "the fast tokenizer is always used",
     "tokenizer_legacy": "the tokenizer's own files decide",
@@ -367,7 +384,7 @@ UNSUPPORTED_KEYS: dict[str, str] = {
         "lora_fan_in_fan_out", "peft_layers_to_transform", "loraplus_lr_ratio", "loraplus_lr_embedding",
         "peft")},
     **{k: "only rl: dpo, ipo, orpo, kto and simpo are supported (no GRPO, reward models or TRL pass-through)" for k in (
-        "trl", "reward_model", "process_reward_model", "dpo_use_weighting", "dpo_use_liger_kernel",
+        "trl", "dpo_use_weighting", "dpo_use_liger_kernel",
         "dpo_padding_free", "dpo_loss_weights", "rl_adapter_ref_model", "dpo_norm_loss")},
     **{k: "tensor/context/expert parallelism is not supported (use FSDP, DeepSpeed or DDP)" for k in (
         "tensor_parallel_size", "context_parallel_size", "sequence_parallel_degree", "dp_shard_size",

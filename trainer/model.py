@@ -18,9 +18,8 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def load_model(cfg: Config, runtime: Runtime, tokenizer, source: str | None = None):
-    from transformers import AutoModelForCausalLM
-
     from trainer.quantization import bnb_config
+    from trainer.reward_model import auto_class, load_kwargs
 
     source = source or cfg.base_model
     dtype = DTYPES[runtime.precision] if cfg.adapter else torch.float32
@@ -31,9 +30,9 @@ def load_model(cfg: Config, runtime: Runtime, tokenizer, source: str | None = No
     if cfg.revision_of_model:
         extra["revision"] = cfg.revision_of_model
     try:
-        model = AutoModelForCausalLM.from_pretrained(
+        model = auto_class(cfg).from_pretrained(  # the head follows the objective (trainer.reward_model)
             source, dtype=dtype, attn_implementation=runtime.attention, trust_remote_code=cfg.trust_remote_code,
-            **extra)
+            **load_kwargs(cfg, tokenizer), **extra)
     except OSError as err:
         raise ConfigError(f"cannot load the model from {source}: {str(err).splitlines()[0]}") from None
     resize_embeddings(cfg, model, tokenizer)
@@ -97,6 +96,8 @@ def resize_embeddings(cfg: Config, model, tokenizer) -> None:
 def add_lora(cfg: Config, model):
     from peft import LoraConfig, PeftModel, get_peft_model
 
+    from trainer.reward_model import lora_task_type
+
     if cfg.lora_model_dir:  # continue from a trained adapter (its own r, alpha and targets)
         try:
             model = PeftModel.from_pretrained(model, cfg.lora_model_dir, is_trainable=True)
@@ -115,7 +116,7 @@ def add_lora(cfg: Config, model):
     lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                       target_modules=targets, target_parameters=cfg.lora_target_parameters,
                       use_rslora=cfg.peft_use_rslora, use_dora=cfg.peft_use_dora,
-                      modules_to_save=cfg.lora_modules_to_save, task_type="CAUSAL_LM")
+                      modules_to_save=cfg.lora_modules_to_save, task_type=lora_task_type(cfg))
     try:
         model = get_peft_model(model, lora, autocast_adapter_dtype=True)
     except ValueError as err:
@@ -134,15 +135,16 @@ def load_trained(cfg: Config, runtime: Runtime, tokenizer, model_dir=None):
         return load_model(cfg, runtime, tokenizer)
     if (Path(model_dir) / "adapter_config.json").exists():
         from peft import PeftModel
-        from transformers import AutoModelForCausalLM
 
         from trainer.quantization import bnb_config
+        from trainer.reward_model import auto_class, load_kwargs
 
         quantization = bnb_config(cfg, DTYPES[runtime.precision])  # evaluate on the base the adapter trained on
         extra = {"quantization_config": quantization} if quantization is not None else {}
-        base = AutoModelForCausalLM.from_pretrained(cfg.base_model, dtype=DTYPES[runtime.precision],
-                                                    attn_implementation=runtime.attention,
-                                                    trust_remote_code=cfg.trust_remote_code, **extra)
+        base = auto_class(cfg).from_pretrained(cfg.base_model, dtype=DTYPES[runtime.precision],
+                                               attn_implementation=runtime.attention,
+                                               trust_remote_code=cfg.trust_remote_code,
+                                               **load_kwargs(cfg, tokenizer), **extra)
         resize_embeddings(cfg, base, tokenizer)
         return PeftModel.from_pretrained(base, str(model_dir))
     return load_model(cfg, runtime, tokenizer, source=str(model_dir)).to(DTYPES[runtime.precision])

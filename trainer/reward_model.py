@@ -1,0 +1,38 @@
+"""Which model head an objective trains, as Axolotl loads it (loaders/utils.py, schemas/validation.py):
+
+- SFT and preference objectives: AutoModelForCausalLM;
+- reward_model: AutoModelForSequenceClassification with num_labels 1 (the reward is the score of the last
+  non-pad token, so config.pad_token_id is the tokenizer's, as TRL's RewardTrainer sets it);
+- process_reward_model: AutoModelForTokenClassification with num_labels (default 2).
+
+With LoRA the peft task type is SEQ_CLS / TOKEN_CLS: peft then trains the new head (`score` or
+`classifier`) in full as a module to save, beside the adapter, and saves it with the adapter.
+"""
+
+from __future__ import annotations
+
+from trainer.config import Config
+
+
+def auto_class(cfg: Config):
+    import transformers
+
+    name = {"reward": "AutoModelForSequenceClassification", "prm": "AutoModelForTokenClassification"}.get(
+        cfg.objective, "AutoModelForCausalLM")
+    return getattr(transformers, name)
+
+
+def load_kwargs(cfg: Config, tokenizer) -> dict:
+    """Extra from_pretrained arguments for the head: its size and the pad token it pools by."""
+    if cfg.objective not in ("reward", "prm"):
+        return {}
+    from trainer.reward_data import num_labels
+
+    return {"num_labels": num_labels(cfg), "pad_token_id": tokenizer.pad_token_id}
+
+
+def lora_task_type(cfg: Config) -> str:
+    return {"reward": "SEQ_CLS", "prm": "TOKEN_CLS"}.get(cfg.objective, "CAUSAL_LM")
+
+
+HEAD_NAMES = ("score", "classifier")  # the heads transformers' classification models add (peft's names too)
