@@ -139,8 +139,14 @@ def _tokenize(raw, ds: DatasetConfig, cfg: Config, tokenizer, workers: int):
         return {"input_ids": ids, "labels": labels, "too_long": too_long, "length": len(ids),
                 "targets": sum(1 for t in labels if t != IGNORE)}
 
+    from datasets import Features, Sequence, Value
+
+    ids = Sequence(Value("int64"))
+    columns = ({"chosen_input_ids": ids, "rejected_input_ids": ids} if cfg.reward_model
+               else {"input_ids": ids, "labels": ids})  # stated: else map keeps a boolean `labels` column boolean
+    features = Features({**columns, "too_long": Value("bool"), "length": Value("int64"), "targets": Value("int64")})
     return raw.map(convert, remove_columns=raw.column_names, num_proc=workers if workers > 1 else None,
-                   desc=f"tokenizing {ds.path}")
+                   features=features, desc=f"tokenizing {ds.path}")
 
 
 def build_reward(cfg: Config, tokenizer, load_raw, workers_for) -> tuple[object, object | None, dict]:
