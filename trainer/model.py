@@ -96,7 +96,7 @@ def resize_embeddings(cfg: Config, model, tokenizer) -> None:
 def add_lora(cfg: Config, model):
     from peft import LoraConfig, PeftModel, get_peft_model
 
-    from trainer.reward_model import lora_task_type
+    from trainer.reward_model import lora_exclusions, lora_task_type
 
     if cfg.lora_model_dir:  # continue from a trained adapter (its own r, alpha and targets)
         try:
@@ -116,7 +116,8 @@ def add_lora(cfg: Config, model):
     lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                       target_modules=targets, target_parameters=cfg.lora_target_parameters,
                       use_rslora=cfg.peft_use_rslora, use_dora=cfg.peft_use_dora,
-                      modules_to_save=cfg.lora_modules_to_save, task_type=lora_task_type(cfg))
+                      modules_to_save=cfg.lora_modules_to_save, task_type=lora_task_type(cfg),
+                      exclude_modules=lora_exclusions(cfg))
     try:
         model = get_peft_model(model, lora, autocast_adapter_dtype=True)
     except ValueError as err:

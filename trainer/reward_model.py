@@ -36,3 +36,9 @@ def lora_task_type(cfg: Config) -> str:
 
 
 HEAD_NAMES = ("score", "classifier")  # the heads transformers' classification models add (peft's names too)
+
+
+def lora_exclusions(cfg: Config) -> list[str] | None:
+    """A classification head is trained whole (peft's modules_to_save), so LoRA must not wrap it too: peft
+    leaves it out of all-linear for SEQ_CLS only, and refuses a head that is both (TOKEN_CLS)."""
+    return list(HEAD_NAMES) if cfg.objective in ("reward", "prm") else None

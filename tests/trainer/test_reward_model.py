@@ -55,7 +55,7 @@ def rm_config(make_config, tmp_path):
         else:
             extra = dict(process_reward_model=True,
                          datasets=[{"path": str(steps), "type": "stepwise_supervised", "step_separator": "\n"}])
-        return make_config(name, sequence_len=128, learning_rate=5e-3, **{**extra, **overrides})
+        return make_config(name, **{"sequence_len": 128, "learning_rate": 5e-3, **extra, **overrides})
 
     return make
 
@@ -275,12 +275,19 @@ def test_lora_reward_model_trains_its_score_head_and_the_adapter_loads(rm_config
     raw = yaml.safe_load(config.read_text())
     base = AutoModelForSequenceClassification.from_pretrained(raw["base_model"], num_labels=1,
                                                               pad_token_id=tokenizer_of(out / "final").pad_token_id)
-    untrained = base.score.weight.detach().clone()
     model = PeftModel.from_pretrained(base, out / "final").eval()
-    trained = model.base_model.model.score.modules_to_save["default"].weight
-    assert not torch.equal(trained, untrained)
     again = score_validation(config, model)
-    assert again["eval_loss"] == pytest.approx(eval_rows(out)[-1]["eval_loss"], rel=1e-5)
+    assert again["eval_loss"] == pytest.approx(eval_rows(out)[-1]["eval_loss"], rel=1e-5)  # the trained head came back
+    # as training builds it: the head is a trained copy (modules_to_save), the rest LoRA on a frozen base
+    from trainer.config import load_config
+    from trainer.hardware import adapt, gpu_from_name
+    from trainer.model import load_model
+
+    cfg, _ = load_config(config)
+    trained = [n for n, p in load_model(cfg, adapt(cfg, gpu_from_name("cpu")), tokenizer_of(raw["base_model"]))
+               .named_parameters() if p.requires_grad]
+    assert any("score.modules_to_save" in n for n in trained) and any("lora_A" in n for n in trained)
+    assert not any("embed_tokens" in n for n in trained)
 
 
 @pytest.mark.slow
@@ -325,3 +332,35 @@ def test_packed_process_reward_model_trains(rm_config, tmp_path):
     assert main(["train", str(rm_config(kind="prm", output_dir=str(tmp_path / "p"), max_steps=2,
                                         sample_packing=True))]) == 0
     assert all(r["target_tokens"] > 6 for r in read_metrics(tmp_path / "p") if "loss" in r)  # bins of several rows
+
+
+@pytest.mark.slow
+def test_axolotl_reward_model_example_trains_with_only_model_and_data_swapped(tiny_llama, tmp_path):
+    """examples/qwen2/reward-model.yaml as Axolotl ships it (bf16, flash-attention 2, adamw_bnb_8bit, gradient
+    checkpointing): only base_model, the dataset path, outputs and a step limit are swapped."""
+    from pathlib import Path
+
+    from transformers import AutoModelForSequenceClassification
+
+    example = Path(__file__).parent / "data" / "axolotl_examples" / "qwen2__reward-model.yaml"
+    raw = yaml.safe_load(example.read_text())
+    raw.update(base_model=str(tiny_llama), output_dir=str(tmp_path / "out"), max_steps=2, sequence_len=128,
+               dataset_prepared_path=str(tmp_path / "prepared"))
+    raw["datasets"][0]["path"] = str(write_jsonl(tmp_path / "bt.jsonl", bt_rows(24)))
+    config = tmp_path / "reward-model.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    assert main(["train", str(config)]) == 0
+    rows = [r for r in read_metrics(tmp_path / "out") if "loss" in r]
+    assert [r["step"] for r in rows] == [1, 2] and all(r["pairs"] == 8 for r in rows)  # 2 pairs x accumulation 4
+    assert AutoModelForSequenceClassification.from_pretrained(tmp_path / "out" / "final").config.num_labels == 1
+
+
+@pytest.mark.slow
+def test_lora_process_reward_model_trains_its_classifier_head(rm_config, tmp_path):
+    from safetensors.torch import load_file
+
+    out = tmp_path / "lora"
+    assert main(["train", str(rm_config(kind="prm", output_dir=str(out), adapter="lora", lora_r=4,
+                                        lora_target_linear=True, max_steps=2))]) == 0
+    saved = load_file(out / "final" / "adapter_model.safetensors")
+    assert any(".score." in k and "lora_" not in k for k in saved) and any("lora_A" in k for k in saved)
