@@ -19,7 +19,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 def load_model(cfg: Config, runtime: Runtime, tokenizer, source: str | None = None):
     from trainer.quantization import bnb_config
-    from trainer.reward_model import auto_class, load_kwargs
+    from trainer.reward_model import auto_class, disable_dropout, head_init, load_kwargs
 
     source = source or cfg.base_model
     dtype = DTYPES[runtime.precision] if cfg.adapter else torch.float32
@@ -30,9 +30,10 @@ def load_model(cfg: Config, runtime: Runtime, tokenizer, source: str | None = No
     if cfg.revision_of_model:
         extra["revision"] = cfg.revision_of_model
     try:
-        model = auto_class(cfg).from_pretrained(  # the head follows the objective (trainer.reward_model)
-            source, dtype=dtype, attn_implementation=runtime.attention, trust_remote_code=cfg.trust_remote_code,
-            **load_kwargs(cfg, tokenizer), **extra)
+        with head_init(cfg):  # the head follows the objective (trainer.reward_model)
+            model = auto_class(cfg).from_pretrained(
+                source, dtype=dtype, attn_implementation=runtime.attention, trust_remote_code=cfg.trust_remote_code,
+                **load_kwargs(cfg, tokenizer), **extra)
     except OSError as err:
         raise ConfigError(f"cannot load the model from {source}: {str(err).splitlines()[0]}") from None
     resize_embeddings(cfg, model, tokenizer)
@@ -58,6 +59,7 @@ def load_model(cfg: Config, runtime: Runtime, tokenizer, source: str | None = No
         model = add_lora(cfg, model)
     elif cfg.unfrozen_parameters:
         freeze_except(model, cfg.unfrozen_parameters)
+    disable_dropout(cfg, model)  # reward models: as TRL's disable_dropout (default true)
     return model
 
 

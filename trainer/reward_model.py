@@ -31,6 +31,33 @@ def load_kwargs(cfg: Config, tokenizer) -> dict:
     return {"num_labels": num_labels(cfg), "pad_token_id": tokenizer.pad_token_id}
 
 
+def head_init(cfg: Config):
+    """The new head's random init, seeded by `seed` alone: whether this process tokenised the data (rank 0, or
+    a run without a cache) must not change it, or two processes would not train what one process trains."""
+    import contextlib
+
+    import torch
+
+    if cfg.objective not in ("reward", "prm"):
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.random.fork_rng(devices=[]))  # the global RNG continues as it was afterwards
+    torch.manual_seed(cfg.seed)
+    return stack
+
+
+def disable_dropout(cfg: Config, model) -> None:
+    """TRL's RewardConfig and PRMConfig default disable_dropout=True (Axolotl keeps it): every dropout of the
+    model is switched off after the adapter is added, lora_dropout and the token-classification head's
+    included. (It also makes a step independent of how its micro-batches are spread over processes.)"""
+    import torch
+
+    if cfg.objective in ("reward", "prm"):
+        for module in model.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.0
+
+
 def lora_task_type(cfg: Config) -> str:
     return {"reward": "SEQ_CLS", "prm": "TOKEN_CLS"}.get(cfg.objective, "CAUSAL_LM")
 

@@ -364,3 +364,12 @@ def test_lora_process_reward_model_trains_its_classifier_head(rm_config, tmp_pat
                                         lora_target_linear=True, max_steps=2))]) == 0
     saved = load_file(out / "final" / "adapter_model.safetensors")
     assert any(".score." in k and "lora_" not in k for k in saved) and any("lora_A" in k for k in saved)
+    # TRL's disable_dropout (RewardConfig/PRMConfig default): the head's dropout and lora_dropout are off
+    from trainer.config import load_config
+    from trainer.hardware import adapt, gpu_from_name
+    from trainer.model import load_model
+
+    cfg, _ = load_config(rm_config("d.yml", kind="prm", adapter="lora", lora_r=4, lora_dropout=0.1))
+    model = load_model(cfg, adapt(cfg, gpu_from_name("cpu")), tokenizer_of(cfg.base_model))
+    dropouts = [m for m in model.modules() if isinstance(m, torch.nn.Dropout)]
+    assert dropouts and all(m.p == 0 for m in dropouts)
