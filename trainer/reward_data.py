@@ -89,8 +89,13 @@ def bradley_terry(row: dict, ds: DatasetConfig, tokenizer) -> tuple[list[int], l
         answer = _field(row, side, ds)
         if not isinstance(answer, str):
             raise DataError(f"dataset {ds.path}: '{side}' must be a string for type {ds.type}, got {str(answer)[:80]}")
-        text = tokenizer.apply_chat_template(prompt + [{"role": "assistant", "content": answer}], tokenize=False,
-                                             chat_template=template)
+        try:
+            text = tokenizer.apply_chat_template(prompt + [{"role": "assistant", "content": answer}], tokenize=False,
+                                                 chat_template=template)
+        except Exception as err:  # jinja's raise_exception (e.g. "System role not supported") and template bugs
+            hint = "; set drop_system_message: true on the dataset" if prompt[0]["role"] == "system" else ""
+            raise DataError(f"dataset {ds.path}: the chat template cannot render a row: "
+                            f"{str(err).splitlines()[0] if str(err) else type(err).__name__}{hint}") from None
         out.append(list(tokenizer(text, add_special_tokens=False)["input_ids"]))
     return out[0], out[1]
 

@@ -401,3 +401,29 @@ def test_qlora_reward_model_keeps_a_trainable_full_precision_head(rm_config, tmp
     # run's to ~1e-3 (measured: 6e-4), not bitwise as full-precision models do (see the tests above)
     assert result["eval_loss"] == pytest.approx(last["eval_loss"], rel=5e-3)
     assert result["eval_accuracy"] == last["eval_accuracy"]
+
+
+@pytest.mark.parametrize("kind", ["reward", "prm"])
+def test_a_new_head_on_a_bf16_base_is_initialised(kind, rm_config):
+    """Axolotl re-initialises heads that transformers 5.8 left as uninitialised memory on bf16 bases; with the
+    transformers here the head comes out initialised (normal, initializer_range), and the same for a given seed."""
+    from trainer.config import load_config
+    from trainer.hardware import adapt, gpu_from_name
+    from trainer.model import load_model
+
+    cfg, _ = load_config(rm_config(kind=kind, adapter="lora", lora_r=4, bf16=True))
+    runtime = adapt(cfg, gpu_from_name("cpu"))
+    heads = [load_model(cfg, runtime, tokenizer_of(cfg.base_model)).base_model.model.score.modules_to_save["default"]
+             .weight.detach() for _ in range(2)]
+    assert torch.isfinite(heads[0]).all() and 0.01 < heads[0].float().std().item() < 0.04
+    assert torch.equal(heads[0], heads[1])
+
+
+def test_a_template_that_refuses_system_turns_is_one_clear_line(rm_config, tmp_path):
+    """gemma's template raises on a system turn: one line naming the fix, exit 2, not a traceback."""
+    gemma_like = ("{% for m in messages %}{% if m['role'] == 'system' %}"
+                  "{{ raise_exception('System role not supported') }}{% endif %}{{ m['content'] }}{% endfor %}")
+    config = rm_config(chat_template="jinja", chat_template_jinja=gemma_like)
+    result = run_cli("train", str(config), cwd=tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "System role not supported; set drop_system_message: true" in result.stderr
