@@ -31,6 +31,10 @@ PRM_TYPES = ("stepwise_supervised",)
 def check_reward_config(cfg: Config) -> bool:
     """Raise ValueError for inconsistent reward-model keys; True when the config trains a reward model."""
     if not (cfg.reward_model or cfg.process_reward_model):
+        for i, ds in enumerate(cfg.datasets):
+            if ds.type in REWARD_TYPES + PRM_TYPES:
+                key = "reward_model" if ds.type in REWARD_TYPES else "process_reward_model"
+                raise ValueError(f"datasets.{i}.type: {ds.type!r} is a {key} dataset type; set {key}: true")
         for key in ("num_labels", "center_rewards_coefficient"):
             if getattr(cfg, key) is not None:
                 raise ValueError(f"{key}: only with reward_model: true (or process_reward_model: true for num_labels)")

@@ -178,7 +178,8 @@ BASE = {"base_model": "org/model"}
 @pytest.mark.parametrize("raw, message", [
     ({"reward_model": True, "rl": "dpo", "datasets": [{"path": "d", "type": "bradley_terry.chat_template"}]},
      "reward_model is not an rl method"),
-    ({"datasets": [{"path": "d", "type": "bradley_terry.chat_template"}]}, "datasets.0.type"),
+    ({"datasets": [{"path": "d", "type": "bradley_terry.chat_template"}]}, "set reward_model: true"),
+    ({"rl": "dpo", "datasets": [{"path": "d", "type": "stepwise_supervised"}]}, "set process_reward_model: true"),
     ({"reward_model": True, "datasets": [{"path": "d", "type": "chat_template"}]}, "not a reward_model dataset type"),
     ({"process_reward_model": True, "datasets": [{"path": "d", "type": "bradley_terry.chat_template"}]},
      "use stepwise_supervised"),
