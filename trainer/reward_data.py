@@ -30,6 +30,12 @@ PRM_TYPES = ("stepwise_supervised",)
 
 def check_reward_config(cfg: Config) -> bool:
     """Raise ValueError for inconsistent reward-model keys; True when the config trains a reward model."""
+    for i, ds in enumerate(cfg.datasets):
+        if ds.type not in PRM_TYPES:
+            for key, default in (("step_separator", "\n"), ("max_completion_length", None),
+                                 ("train_on_last_step_only", False)):
+                if getattr(ds, key) != default:
+                    raise ValueError(f"datasets.{i}.{key}: only with type: stepwise_supervised (got type {ds.type!r})")
     if not (cfg.reward_model or cfg.process_reward_model):
         for i, ds in enumerate(cfg.datasets):
             if ds.type in REWARD_TYPES + PRM_TYPES:

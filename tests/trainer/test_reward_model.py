@@ -188,6 +188,8 @@ BASE = {"base_model": "org/model"}
     ({"reward_model": True, "sample_packing": True, "datasets": [{"path": "d", "type": "bradley_terry.chat_template"}]},
      "sample_packing: not supported with reward_model"),
     ({"num_labels": 1, "datasets": [{"path": "d", "type": "alpaca"}]}, "num_labels: only with reward_model"),
+    ({"datasets": [{"path": "d", "type": "alpaca", "train_on_last_step_only": True}]},
+     "datasets.0.train_on_last_step_only: only with type: stepwise_supervised"),
     ({"center_rewards_coefficient": 0.01, "datasets": [{"path": "d", "type": "alpaca"}]},
      "center_rewards_coefficient: only with reward_model"),
     ({"reward_model": True, "process_reward_model": True,
