@@ -82,6 +82,11 @@ def cmd_validate(args) -> int:
         reference = ("reference log-probs computed once before training and cached" if cfg.objective in ("dpo", "ipo", "kto")
                      else "reference-free")
         print(f"  objective:  {cfg.objective} (beta {cfg.beta:g}; {reference})")
+    if cfg.objective in ("reward", "prm"):
+        from trainer.reward_data import num_labels
+
+        print(f"  objective:  {cfg.objective} ({'sequence' if cfg.objective == 'reward' else 'token'} classification, "
+              f"num_labels {num_labels(cfg)})")
     print("changes for this hardware:" if runtime.changes else "no changes for this hardware")
     for change in runtime.changes:
         print(f"  - {change}")
@@ -143,7 +148,7 @@ def cmd_evaluate(args) -> int:
     prepared = prepare(cfg, tokenizer, log=log)
     device = torch.device(runtime.device)
     collator = Collator(tokenizer.pad_token_id, runtime.attention)
-    if cfg.rl:  # preference: the objective's loss and metrics, against the (cached) reference log-probs
+    if cfg.objective != "sft":  # preference, reward models: the objective's loss and metrics (and reference)
         from trainer import objectives
         from trainer.model import load_model
         from trainer.reference import reference_logps

@@ -79,6 +79,10 @@ class DatasetConfig(BaseModel):
     # variable it is rendered from (gpt-oss: thinking; qwen3: reasoning_content); trained with the turn
     field_thinking: str = "reasoning_content"
     template_thinking_key: str = "reasoning_content"
+    # --- reward models: stepwise_supervised (process_reward_model), Axolotl's names and defaults ---
+    step_separator: str = "\n"  # appended to every step; the step's label sits on its last token
+    max_completion_length: int | None = Field(None, ge=1)  # steps' tokens kept (prompt not counted)
+    train_on_last_step_only: bool = False  # only the last step's label is trained
 
     @property
     def role_key(self) -> str:
@@ -357,6 +361,11 @@ class Config(BaseModel):
     model_quantization_config: str | None = None
     model_quantization_config_kwargs: dict[str, Any] | None = None
     flex_attention: bool | None = None  # Axolotl's deprecated flag for attn_implementation: flex_attention
+    # --- reward models (Axolotl's names; TRL's RewardTrainer / PRMTrainer losses) -------------------------
+    reward_model: bool = False  # Bradley-Terry outcome reward model (AutoModelForSequenceClassification)
+    process_reward_model: bool = False  # per-step reward model (AutoModelForTokenClassification)
+    center_rewards_coefficient: float | None = Field(None, ge=0)  # TRL's mean-zero reward term
+    num_labels: int | None = Field(None, ge=1)  # head outputs: 1 for reward_model, 2 (default) for process_reward_model
 
     # --- preference training (Axolotl's names; defaults as TRL's configs) --------------------------------
     rl: Literal["dpo", "ipo", "orpo", "kto", "simpo"] | None = None
@@ -375,7 +384,9 @@ class Config(BaseModel):
 
     @property
     def objective(self) -> str:
-        """sft, or the preference method (rl: dpo with dpo_loss_type: [ipo] is ipo)."""
+        """sft, reward or prm, or the preference method (rl: dpo with dpo_loss_type: [ipo] is ipo)."""
+        if self.reward_model or self.process_reward_model:
+            return "reward" if self.reward_model else "prm"
         if self.rl == "dpo" and self.dpo_loss_type == ["ipo"]:
             return "ipo"
         return self.rl or "sft"
@@ -421,6 +432,10 @@ class Config(BaseModel):
                              "(they order prepared data; shuffle_merged_datasets: false keeps the stream's order)")
 
     def _check_preference(self) -> None:
+        from trainer.reward_data import check_reward_config
+
+        if check_reward_config(self):  # reward_model / process_reward_model: their own dataset types
+            return
         if self.rl is None:
             for i, ds in enumerate(self.datasets):
                 if ds.type is not None and ds.type not in PromptFormat.__args__ and ds.type not in alpaca_styles.TYPES:
@@ -507,7 +522,8 @@ INERT_KEYS: dict[str, str] = {
     "strict": "Axolotl's key-strictness switch; this trainer always rejects unknown keys",
     "local_rank": "the rank comes from torchrun's environment",
     "debug": "use --debug on the command line",
-    "model_type": "AutoModelForCausalLM picks the class from the model's config",
+    "model_type": "the head follows the objective (causal LM; sequence classification with reward_model, token "
+                  "classification with process_reward_model) and the class within it the model's config",
     "tokenizer_type": "AutoTokenizer picks the class from the tokenizer's files",
     "tokenizer_use_fast": "the fast tokenizer is always used",
     "tokenizer_legacy": "the tokenizer's own files decide",
@@ -561,8 +577,8 @@ UNSUPPORTED_KEYS: dict[str, str] = {
         "llmcompressor")},
     **{k: "this adapter option is not supported" for k in (
         "lora_fan_in_fan_out", "peft_layers_to_transform", "loraplus_lr_ratio", "loraplus_lr_embedding")},
-    **{k: "only rl: dpo, ipo, orpo, kto and simpo are supported (no GRPO, reward models or TRL pass-through)" for k in (
-        "trl", "reward_model", "process_reward_model", "dpo_use_weighting", "dpo_use_liger_kernel",
+    **{k: "only rl: dpo, ipo, orpo, kto and simpo are supported and reward_model / process_reward_model (no GRPO or TRL pass-through)" for k in (
+        "trl", "dpo_use_weighting", "dpo_use_liger_kernel",
         "dpo_padding_free", "dpo_loss_weights", "rl_adapter_ref_model", "dpo_norm_loss")},
     **{k: "context and expert parallelism are not supported (use FSDP, DeepSpeed or DDP)" for k in (
         "sequence_parallel_degree",

@@ -88,7 +88,8 @@ def cache_key(cfg: Config, tokenizer, hub_fingerprints: list[str]) -> str:
         "datasets": [d.model_dump() for d in cfg.datasets],
         "data": [_data_identity(d) for d in cfg.datasets] + hub_fingerprints,
         "tokenizer": tokenizer_identity(tokenizer),
-        "kind": "kto" if cfg.rl == "kto" else "pairs" if cfg.rl else "sft",  # DPO/ORPO/SimPO share their tokens
+        "kind": "kto" if cfg.rl == "kto" else "pairs" if cfg.rl else cfg.objective,  # DPO/ORPO/SimPO share their tokens
+        **({"num_labels": cfg.num_labels} if cfg.num_labels else {}),  # labels are checked against it
         **{k: getattr(cfg, k) for k in ("sequence_len", "excess_length_strategy", "train_on_inputs", "val_set_size",
                                        "seed", "shuffle_merged_datasets", "chat_template", "chat_template_jinja",
                                        "eot_tokens", "dataset_exact_deduplication", "min_sample_len",
@@ -156,6 +157,10 @@ def _tokenize(raw, ds: DatasetConfig, cfg: Config, tokenizer):
 def build(cfg: Config, tokenizer) -> tuple[object, object | None, dict]:
     import datasets
 
+    if cfg.reward_model or cfg.process_reward_model:  # reward-model pairs or stepwise rows: same cache and rules
+        from trainer.reward_data import build_reward
+
+        return build_reward(cfg, tokenizer, load_raw, lambda rows: workers_for(cfg, rows))
     if cfg.rl:  # preference pairs or KTO examples: same cache, same filtering rules
         from trainer.preference_data import build_preference
 

@@ -18,10 +18,11 @@ from trainer.model_attention import packed_masks
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def load_model(cfg: Config, runtime: Runtime, tokenizer, source: str | None = None, load_kwargs: dict | None = None):
-    from transformers import AutoModelForCausalLM
-
+def load_model(cfg: Config, runtime: Runtime, tokenizer, source: str | None = None,
+               parallel_kwargs: dict | None = None):
     from trainer.quantization import bnb_config
+    from trainer.reward_model import auto_class, disable_dropout, head_init
+    from trainer.reward_model import load_kwargs as head_kwargs
 
     source = source or cfg.base_model
     dtype = DTYPES[runtime.precision] if cfg.adapter else torch.float32
@@ -35,20 +36,21 @@ def load_model(cfg: Config, runtime: Runtime, tokenizer, source: str | None = No
         extra["quantization_config"] = build(cfg.model_quantization_config, cfg.model_quantization_config_kwargs)
     if cfg.revision_of_model:
         extra["revision"] = cfg.revision_of_model
-    extra.update(load_kwargs or {})  # tensor parallelism: transformers' DistributedConfig (trainer/parallelism.py)
+    extra.update(parallel_kwargs or {})  # tensor parallelism: transformers' DistributedConfig (trainer/parallelism.py)
     try:
         if cfg.reinit_weights:  # Axolotl's from_config: the architecture only, weights drawn from the seed
             from trainer.streaming import fresh_model
 
             model = fresh_model(cfg, source, dtype, runtime.attention, extra)
         else:
-            model = AutoModelForCausalLM.from_pretrained(
-                source, dtype=dtype, attn_implementation=runtime.attention, trust_remote_code=cfg.trust_remote_code,
-                **extra)
+            with head_init(cfg):  # the head follows the objective (trainer.reward_model)
+                model = auto_class(cfg).from_pretrained(
+                    source, dtype=dtype, attn_implementation=runtime.attention,
+                    trust_remote_code=cfg.trust_remote_code, **head_kwargs(cfg, tokenizer), **extra)
     except OSError as err:
         raise ConfigError(f"cannot load the model from {source}: {str(err).splitlines()[0]}") from None
     except ValueError as err:  # e.g. a model with no tp_plan asked for tensor_parallel_size
-        if not load_kwargs:
+        if not parallel_kwargs:
             raise
         raise ConfigError(f"tensor_parallel_size: cannot shard {source}: {str(err).splitlines()[0]}") from None
     resize_embeddings(cfg, model, tokenizer)
@@ -75,6 +77,7 @@ def load_model(cfg: Config, runtime: Runtime, tokenizer, source: str | None = No
         model = add_lora(cfg, model)
     elif cfg.unfrozen_parameters:
         freeze_except(model, cfg.unfrozen_parameters)
+    disable_dropout(cfg, model)  # reward models: as TRL's disable_dropout (default true)
     return model
 
 
@@ -113,6 +116,8 @@ def resize_embeddings(cfg: Config, model, tokenizer) -> None:
 def add_lora(cfg: Config, model):
     from peft import LoraConfig, PeftModel, get_peft_model
 
+    from trainer.reward_model import lora_exclusions, lora_task_type
+
     if cfg.lora_model_dir:  # continue from a trained adapter (its own r, alpha and targets)
         try:
             model = PeftModel.from_pretrained(model, cfg.lora_model_dir, is_trainable=True)
@@ -134,7 +139,8 @@ def add_lora(cfg: Config, model):
     lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                       target_modules=targets, target_parameters=cfg.lora_target_parameters,
                       use_rslora=cfg.peft_use_rslora, use_dora=cfg.peft_use_dora,
-                      modules_to_save=cfg.lora_modules_to_save, task_type="CAUSAL_LM",
+                      modules_to_save=cfg.lora_modules_to_save, task_type=lora_task_type(cfg),
+                      exclude_modules=lora_exclusions(cfg),
                       **loftq.lora_kwargs(cfg, on_cuda))
     try:
         model = get_peft_model(model, lora, autocast_adapter_dtype=True)
@@ -164,15 +170,16 @@ def load_trained(cfg: Config, runtime: Runtime, tokenizer, model_dir=None):
         return model
     if (Path(model_dir) / "adapter_config.json").exists():
         from peft import PeftModel
-        from transformers import AutoModelForCausalLM
 
         from trainer.quantization import bnb_config
+        from trainer.reward_model import auto_class, load_kwargs
 
         quantization = bnb_config(cfg, DTYPES[runtime.precision])  # evaluate on the base the adapter trained on
         extra = {"quantization_config": quantization} if quantization is not None else {}
-        base = AutoModelForCausalLM.from_pretrained(cfg.base_model, dtype=DTYPES[runtime.precision],
-                                                    attn_implementation=runtime.attention,
-                                                    trust_remote_code=cfg.trust_remote_code, **extra)
+        base = auto_class(cfg).from_pretrained(cfg.base_model, dtype=DTYPES[runtime.precision],
+                                               attn_implementation=runtime.attention,
+                                               trust_remote_code=cfg.trust_remote_code,
+                                               **load_kwargs(cfg, tokenizer), **extra)
         resize_embeddings(cfg, base, tokenizer)
         packed_masks(base)
         return PeftModel.from_pretrained(base, str(model_dir))

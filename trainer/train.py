@@ -174,7 +174,7 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
     from trainer import parallelism
 
     mesh = accelerator.mesh
-    model = load_model(cfg, runtime, tokenizer, load_kwargs=parallelism.load_kwargs(mesh))
+    model = load_model(cfg, runtime, tokenizer, parallel_kwargs=parallelism.load_kwargs(mesh))
     parallelism.after_load(model, mesh)
     tp = mesh.tp if mesh is not None else 1
     data_rank, data_world = rank // tp, world // tp  # the ranks of a tensor-parallel group share their batches

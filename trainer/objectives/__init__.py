@@ -1,6 +1,6 @@
 """Objectives: what the one training loop trains (see base.py for the interface).
 
-sft (the default), and with `rl:` the preference methods dpo, ipo, orpo, kto and simpo.
+sft (the default), reward and prm (reward_model / process_reward_model), and with `rl:` the preference methods dpo, ipo, orpo, kto and simpo.
 """
 
 from __future__ import annotations
@@ -17,6 +17,11 @@ def build(cfg: Config, collator: Collator, token_loss_sum) -> Objective:
         from trainer.objectives.sft import SFT
 
         return SFT(collator, token_loss_sum)
+    if kind in ("reward", "prm"):  # reward_model / process_reward_model (not rl methods, as in Axolotl)
+        from trainer.objectives.prm import PRM
+        from trainer.objectives.reward import Reward
+
+        return Reward(collator, cfg.center_rewards_coefficient) if kind == "reward" else PRM(collator)
     if kind in ("dpo", "ipo"):
         from trainer.objectives.dpo import DPO
 
@@ -36,6 +41,6 @@ def build(cfg: Config, collator: Collator, token_loss_sum) -> Objective:
 
 def capacity(cfg: Config, packing: bool) -> int | None:
     """Bin capacity for the packing sampler: pairs pack up to 2 x sequence_len (both of a pair's sequences)."""
-    if not packing:
+    if not packing or cfg.reward_model:  # a reward model's head scores one sequence per row
         return None
     return cfg.sequence_len * (2 if cfg.rl in ("dpo", "ipo", "orpo", "simpo") else 1)
