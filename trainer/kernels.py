@@ -26,12 +26,14 @@ ACCEPTED_PLUGINS = {
     "axolotl.integrations.cut_cross_entropy.plugin.CutCrossEntropyPlugin": None,
     "axolotl.integrations.kernels.KernelsPlugin": "Hugging Face hub kernels (MoE/attention speed-ups) are not "
                                                   "used by this trainer (same training, slower)",
+    # diffusion LM training: an objective (trainer/diffusion.py, trainer/objectives/diffusion.py)
+    "axolotl.integrations.diffusion.DiffusionPlugin": None,
+    "axolotl.integrations.diffusion.plugin.DiffusionPlugin": None,
     "axolotl.integrations.swanlab.SwanLabPlugin": "SwanLab logging is not supported; metrics go to "
                                                   "output_dir/metrics.jsonl",
 }
 REFUSED_PLUGINS = {
     "axolotl.integrations.expert_parallel.ExpertParallelPlugin": "expert parallelism is not supported",
-    "axolotl.integrations.diffusion.DiffusionPlugin": "diffusion language-model training is not part of this trainer",
     "axolotl.integrations.llm_compressor.LLMCompressorPlugin": "sparse fine-tuning (llmcompressor) is not supported",
     "axolotl.integrations.kd.KDPlugin": "knowledge distillation is not supported",
     "axolotl.integrations.grokfast.GrokfastPlugin": "grokfast gradient filtering is not supported",

@@ -31,6 +31,12 @@ def load_model(cfg: Config, runtime: Runtime, tokenizer, source: str | None = No
     if cfg.revision_of_model:
         extra["revision"] = cfg.revision_of_model
     extra.update(load_kwargs or {})  # tensor parallelism: transformers' DistributedConfig (trainer/parallelism.py)
+    if cfg.cls_model_config:  # Axolotl's cls_model_config: read the config with that class (trainer/config_class.py)
+        from trainer import config_class
+
+        overrides = dict(cfg.model_config_overrides or {})
+        extra = {k: v for k, v in extra.items() if k not in overrides}
+        extra["config"] = config_class.load(cfg, source, overrides, cfg.revision_of_model)
     try:
         model = AutoModelForCausalLM.from_pretrained(
             source, dtype=dtype, attn_implementation=runtime.attention, trust_remote_code=cfg.trust_remote_code,

@@ -305,6 +305,7 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
                     relora.before_step(step, optimizer)
                 micro_batches = [next(batches) for _ in range(ga)]  # moved to the device one at a time
                 consumed += ga
+                objective.step = step  # objectives that draw noise key it by the step (diffusion), so resume is exact
                 stats = torch.zeros(len(objective.stat_names), dtype=torch.float64, device=device)
                 for batch in micro_batches:  # counts; KTO's KL forwards (no grad) run on the unwrapped model
                     batch = to_device(batch, device) if objective.stats_need_model else batch

@@ -5,6 +5,7 @@ sft (the default), and with `rl:` the preference methods dpo, ipo, orpo, kto and
 
 from __future__ import annotations
 
+from trainer import diffusion
 from trainer.collate import Collator
 from trainer.config import Config
 from trainer.objectives.base import Objective
@@ -13,6 +14,15 @@ from trainer.objectives.base import Objective
 def build(cfg: Config, collator: Collator, token_loss_sum) -> Objective:
     kind = cfg.objective
     packed = cfg.sample_packing
+    if kind == "sft" and diffusion.enabled(cfg):  # Axolotl's DiffusionPlugin (trainer/diffusion.py)
+        from trainer.objectives.diffusion import Diffusion
+
+        return Diffusion(collator, cfg.diffusion, cfg.diffusion.special_ids, cfg.seed)
+    if kind == "sft" and cfg.use_eaft:  # entropy-weighted token losses (trainer/eaft.py)
+        from trainer.eaft import EaftLossSum
+        from trainer.objectives.sft import SFT
+
+        return SFT(collator, EaftLossSum(cfg.eaft_alpha, cfg.eaft_k), eval_loss_sum=EaftLossSum(cfg.eaft_alpha, cfg.eaft_k))
     if kind == "sft":
         from trainer.objectives.sft import SFT
 

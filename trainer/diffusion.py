@@ -1,0 +1,142 @@
+"""Diffusion LM training (Axolotl's `plugins: [axolotl.integrations.diffusion.DiffusionPlugin]` + `diffusion:`).
+
+The LLaDA recipe as Axolotl's DiffusionTrainer implements it (src/axolotl/integrations/diffusion/trainer.py and
+utils.py at 067b021c8b87): for each sequence draw t ~ U(0, 1), set p = (1 - eps) t + eps, replace each answer
+token (label != -100; never BOS/EOS/pad) by the mask token with probability p, run the model with
+bidirectional attention on the noisy ids, read each token's prediction from the previous position's logits
+(`shift_logits_to_input_positions`), and train cross-entropy on the masked tokens only, divided by p
+(`importance_weighting`); a sequence's loss is that sum over its answer-token count, and the batch's loss
+is the mean over sequences.
+
+Here the noise of a sequence is drawn from its own generator seeded by (seed, optimizer step, dataset
+index), so a resumed run re-draws exactly the same masks, and micro-batch size, accumulation, packing and
+the number of processes do not change what is trained (the loss is the mean over the step's sequences).
+Evaluation uses step -1: the same masks at every evaluation.
+
+noise_schedule, min_mask_ratio, max_mask_ratio and num_diffusion_steps are read by Axolotl's inference CLI
+only (its trainer samples t uniformly), so training does not use them either; they are validated as
+Axolotl does. generate_samples (and the generation_* keys) print sample completions during training in
+Axolotl; no samples are generated here (training is the same), which `validate` notes.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import numpy as np
+import torch
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+
+from trainer.errors import ConfigError
+
+PLUGIN = "axolotl.integrations.diffusion.DiffusionPlugin"
+PLUGINS = (PLUGIN, "axolotl.integrations.diffusion.plugin.DiffusionPlugin")
+DEFAULT_MASK_TOKEN = "<|diffusion_mask|>"  # Axolotl's resolve_mask_token_id default
+EVAL_STEP = -1
+
+
+class DiffusionConfig(BaseModel):
+    """Axolotl's DiffusionConfig (src/axolotl/integrations/diffusion/args.py): the same keys, ranges and defaults."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    noise_schedule: Literal["linear", "cosine"] = "linear"
+    min_mask_ratio: float = Field(0.1, ge=0.0, le=1.0)
+    max_mask_ratio: float = Field(0.9, ge=0.0, le=1.0)
+    num_diffusion_steps: int = Field(128, ge=1)
+    eps: float = Field(1e-3, ge=0.0, le=1.0)
+    importance_weighting: bool = True
+    mask_token_id: int | None = None
+    mask_token_str: str | None = None
+    generate_samples: bool = True
+    generation_interval: int = Field(100, ge=1)
+    num_generation_samples: int = Field(3, ge=1)
+    generation_steps: int = Field(128, ge=1)
+    generation_temperature: float = Field(0.0, ge=0.0)
+    generation_max_length: int = Field(100, ge=1)
+    _special_ids: list[int] = PrivateAttr(default_factory=list)  # never masked: set by prepare_tokenizer
+
+    @property
+    def special_ids(self) -> list[int]:
+        return self._special_ids
+
+    @model_validator(mode="after")
+    def _ratios(self) -> DiffusionConfig:
+        if self.min_mask_ratio > self.max_mask_ratio:
+            raise ValueError("min_mask_ratio must be <= max_mask_ratio")
+        return self
+
+
+def enabled(cfg) -> bool:
+    return any(p in PLUGINS for p in cfg.plugins or [])
+
+
+def check(cfg) -> list[str]:
+    """Config-level rules; returns notes. `diffusion:` needs the plugin (Axolotl reads it only then)."""
+    if cfg.diffusion is not None and not enabled(cfg):
+        raise ConfigError(f"diffusion: needs plugins: [{PLUGIN}]")
+    if not enabled(cfg):
+        return []
+    if cfg.rl:
+        raise ConfigError("plugins: the diffusion plugin trains SFT data, not rl: preference pairs")
+    if cfg.use_eaft:
+        raise ConfigError("use_eaft: not with the diffusion plugin (each replaces the loss)")
+    if cfg.requested_attention in ("flash_attention_2", "flash_attention_3"):
+        raise ConfigError("diffusion: needs a bidirectional attention mask, which flash-attention does not take; "
+                          "set attn_implementation: sdpa (as Axolotl's diffusion examples do) or eager")
+    if cfg.diffusion is None:  # the plugin alone: Axolotl's defaults
+        cfg.diffusion = DiffusionConfig()
+    d = cfg.diffusion
+    notes = ["diffusion: noise_schedule, min_mask_ratio, max_mask_ratio and num_diffusion_steps are read by "
+             "Axolotl's inference only (its trainer draws the mask ratio uniformly, as here)"]
+    if d.generate_samples:
+        notes.append("diffusion.generate_samples: no samples are generated during training here (training is the same)")
+    return notes
+
+
+def resolve_mask_token(cfg, tokenizer) -> int:
+    """Axolotl's resolve_mask_token_id(allow_add=True): mask_token_id if below tokenizer.vocab_size, else
+    mask_token_str or <|diffusion_mask|> if already a special token, else that token is added (the embeddings
+    grow with the tokenizer when the model loads). Stores the id in cfg.diffusion.mask_token_id."""
+    d = cfg.diffusion
+    vocab = getattr(tokenizer, "vocab_size", None)
+    if d.mask_token_id is not None and d.mask_token_id >= 0 and (vocab is None or d.mask_token_id < vocab):
+        return d.mask_token_id
+    specials = set(tokenizer.all_special_tokens or [])
+    for candidate in (d.mask_token_str, DEFAULT_MASK_TOKEN):
+        if not candidate or candidate not in specials:
+            continue
+        token_id = tokenizer.convert_tokens_to_ids(candidate)
+        if isinstance(token_id, int) and token_id >= 0 and token_id != tokenizer.unk_token_id and (
+                vocab is None or token_id < vocab):
+            d.mask_token_id = token_id
+            return token_id
+    token = d.mask_token_str or DEFAULT_MASK_TOKEN
+    tokenizer.add_special_tokens({"additional_special_tokens": [token]}, replace_extra_special_tokens=False)
+    d.mask_token_id = int(tokenizer.convert_tokens_to_ids(token))
+    return d.mask_token_id
+
+
+def prepare_tokenizer(cfg, tokenizer) -> None:
+    """Resolve the mask token (maybe adding it) and record the tokens never masked: BOS, EOS and pad (Axolotl's
+    _cache_special_token_ids)."""
+    resolve_mask_token(cfg, tokenizer)
+    ids = (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    cfg.diffusion._special_ids = sorted({i for i in ids if i is not None})
+
+
+def sequence_noise(seed: int, step: int, index: int, length: int) -> tuple[float, torch.Tensor]:
+    """(t, u[length]) for one sequence: t picks its mask probability, token j is masked where u[j] < p."""
+    key = np.random.SeedSequence([seed, step + 1, index]).generate_state(2, dtype=np.uint32)
+    g = torch.Generator().manual_seed(int(key[0]) << 32 | int(key[1]))
+    t = float(torch.rand(1, generator=g))
+    return t, torch.rand(length, generator=g)
+
+
+def bidirectional_mask(segments: torch.Tensor, attention: str) -> torch.Tensor:
+    """[batch, 1, seq, seq]: tokens attend to every token of their own sequence, both ways (padding only to
+    padding, so no query row is empty). sdpa takes bools; eager adds 0 / min-float to its scores."""
+    allowed = (segments[:, :, None] == segments[:, None, :])[:, None]
+    if attention == "eager":
+        return torch.zeros(allowed.shape, dtype=torch.float32).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    return allowed
