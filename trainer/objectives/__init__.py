@@ -5,7 +5,7 @@ sft (the default), and with `rl:` the preference methods dpo, ipo, orpo, kto and
 
 from __future__ import annotations
 
-from trainer import diffusion
+from trainer.diffusion import enabled as diffusion_enabled
 from trainer.collate import Collator
 from trainer.config import Config
 from trainer.objectives.base import Objective
@@ -14,7 +14,7 @@ from trainer.objectives.base import Objective
 def build(cfg: Config, collator: Collator, token_loss_sum) -> Objective:
     kind = cfg.objective
     packed = cfg.sample_packing
-    if kind == "sft" and diffusion.enabled(cfg):  # Axolotl's DiffusionPlugin (trainer/diffusion.py)
+    if kind == "sft" and diffusion_enabled(cfg):  # Axolotl's DiffusionPlugin (trainer/diffusion.py)
         from trainer.objectives.diffusion import Diffusion
 
         return Diffusion(collator, cfg.diffusion, cfg.diffusion.special_ids, cfg.seed)

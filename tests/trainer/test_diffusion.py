@@ -1,0 +1,149 @@
+"""Diffusion LM training (plugins: [axolotl.integrations.diffusion.DiffusionPlugin], diffusion: {...}).
+
+Oracle: Axolotl's DiffusionTrainer._compute_diffusion_loss (src/axolotl/integrations/diffusion/trainer.py and
+utils.py at 067b021c8b87) cannot be imported without Axolotl's trainer stack; `axolotl_loss` below re-derives
+it from that file for an unpacked batch, given the masked positions and mask probabilities: a bidirectional
+mask from the padding mask, logits shifted to the input positions, CE on masked tokens / p, each sample's
+sum over its answer-token count, the mean over samples.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.trainer.helpers import read_metrics, run_cli, train_then_resume
+from trainer.cli import main
+from trainer.config import load_config
+
+PLUGIN = "axolotl.integrations.diffusion.DiffusionPlugin"
+
+
+def diffusion_config(make_config, name="config.yml", **diffusion):
+    return make_config(name, plugins=[PLUGIN], diffusion={"mask_token_id": 5, "eps": 1e-3, **diffusion})
+
+
+def build(config_path):
+    from trainer import objectives
+    from trainer.collate import Collator
+    from trainer.data import load_tokenizer, prepare
+    from trainer.hardware import adapt, gpu_from_name
+    from trainer.model import load_model
+
+    cfg, _ = load_config(config_path)
+    runtime = adapt(cfg, gpu_from_name("cpu"))
+    tokenizer = load_tokenizer(cfg)
+    data = prepare(cfg, tokenizer, 0, log=lambda *_: None)
+    model = load_model(cfg, runtime, tokenizer)
+    objective = objectives.build(cfg, Collator(tokenizer.pad_token_id, runtime.attention), None)
+    return cfg, tokenizer, data, model, objective
+
+
+def axolotl_loss(model, input_ids, attention_mask, labels, masked, p_mask, mask_id, importance_weighting=True):
+    noisy = torch.where(masked, torch.full_like(input_ids, mask_id), input_ids)
+    bidirectional = ((attention_mask[:, :, None] == attention_mask[:, None, :]) & (attention_mask[:, :, None] > 0))
+    logits = model(input_ids=noisy, attention_mask=bidirectional[:, None]).logits
+    logits = torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
+    per_sample = []
+    for i in range(input_ids.shape[0]):
+        where = masked[i]
+        token_loss = F.cross_entropy(logits[i][where].float(), input_ids[i][where], reduction="none")
+        if importance_weighting:
+            token_loss = token_loss / p_mask[i][where]
+        per_sample.append(token_loss.sum() / (labels[i] != -100).sum().clamp(min=1))
+    return torch.stack(per_sample).mean()
+
+
+@pytest.mark.parametrize("weighting", [True, False])
+def test_loss_is_axolotls_on_a_fixed_batch(make_config, weighting):
+    cfg, tokenizer, data, model, objective = build(diffusion_config(make_config, importance_weighting=weighting))
+    rows = objective.rows(data.train)
+    batch = objective.collate([rows[[0]], rows[[1]], rows[[2]]])  # three rows, padded, one sequence each
+    objective.step = 3
+    with torch.no_grad():
+        loss, values = objective.loss(model, batch, {"sequences": 3})
+        masked, p = objective.noise(batch, 3)
+        # padding: Axolotl's attention_mask is 0 there; our sequence ids are -1
+        attention = (batch["sequence_ids"] >= 0).long()
+        labels = batch["labels"]
+        expected = axolotl_loss(model, batch["input_ids"], attention, labels, masked, p, 5, weighting)
+    assert float(loss) == pytest.approx(float(expected), rel=1e-5)
+    # the masks follow Axolotl's rules: only answer tokens, never BOS/EOS/pad, with probability p per sequence
+    specials = torch.tensor([tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id])
+    assert masked.any() and not (masked & (labels == -100)).any()
+    assert not (masked & torch.isin(batch["input_ids"], specials)).any()
+    for s in range(3):
+        assert p[s][batch["sequence_ids"][s] >= 0].unique().numel() == 1
+        assert 1e-3 <= float(p[s, 0]) <= 1
+    assert int(values[2]) == int(masked.sum())
+
+
+def test_packing_and_layout_do_not_change_the_loss(make_config):
+    """The same three examples, packed in one row or one per row, at the same step: the same loss."""
+    cfg, tokenizer, data, model, objective = build(diffusion_config(make_config))
+    rows = objective.rows(data.train)
+    objective.step = 1
+    with torch.no_grad():
+        apart, _ = objective.loss(model, objective.collate([rows[[0]], rows[[1]], rows[[2]]]), {"sequences": 3})
+        packed, _ = objective.loss(model, objective.collate([rows[[0, 1, 2]]]), {"sequences": 3})
+        objective.step = 2
+        later, _ = objective.loss(model, objective.collate([rows[[0, 1, 2]]]), {"sequences": 3})
+    assert float(packed) == pytest.approx(float(apart), rel=1e-5)
+    assert float(later) != pytest.approx(float(apart), rel=1e-3)  # another step draws other masks
+
+
+def test_attention_is_bidirectional(make_config):
+    """Changing the last token of a sequence changes the logits at its first positions (causal attention would not)."""
+    cfg, tokenizer, data, model, objective = build(diffusion_config(make_config))
+    rows = objective.rows(data.train)
+    batch = objective.collate([rows[[0, 1]]])
+    end = int((batch["sequence_ids"][0] == 0).sum()) - 1
+    changed = batch["input_ids"].clone()
+    changed[0, end] = (changed[0, end] + 1) % 100 + 3
+    with torch.no_grad():
+        a = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        b = model(input_ids=changed, attention_mask=batch["attention_mask"]).logits
+    assert not torch.allclose(a[0, :2], b[0, :2])
+    assert torch.allclose(a[0, end + 1:end + 4], b[0, end + 1:end + 4], atol=1e-6)  # the next sequence is apart
+
+
+def test_trains_evaluates_and_resumes_exactly(make_config, tmp_path):
+    full, _ = train_then_resume(main, make_config, tmp_path, checkpoint=2, plugins=[PLUGIN],
+                                diffusion={"mask_token_id": 5}, sample_packing=True, gradient_accumulation_steps=2,
+                                max_steps=4, save_steps=2, val_set_size=4, eval_steps=2)
+    rows = read_metrics(full)
+    train = [r for r in rows if "loss" in r]
+    assert len(train) == 4 and all(r["num_masked_tokens"] > 0 and 0 <= r["accuracy"] <= 1 for r in train)
+    evals = [r["eval_loss"] for r in rows if "eval_loss" in r]
+    assert len(evals) == 2 and evals[1] < evals[0]  # same masks at every evaluation: it learns
+
+
+def test_mask_token_is_added_when_the_id_is_not_in_the_vocabulary(make_config):
+    """Axolotl's resolve_mask_token_id: an id >= tokenizer.vocab_size (or none) adds <|diffusion_mask|>."""
+    from trainer.data import load_tokenizer
+    from trainer.hardware import adapt, gpu_from_name
+    from trainer.model import load_model
+
+    cfg, _ = load_config(make_config(plugins=[PLUGIN], diffusion={"mask_token_id": 10**6}))
+    tokenizer = load_tokenizer(cfg)
+    assert cfg.diffusion.mask_token_id == tokenizer.convert_tokens_to_ids("<|diffusion_mask|>") == len(tokenizer) - 1
+    model = load_model(cfg, adapt(cfg, gpu_from_name("cpu")), tokenizer)
+    assert model.get_input_embeddings().weight.shape[0] >= len(tokenizer)
+    cfg, _ = load_config(make_config(plugins=[PLUGIN]))
+    assert load_tokenizer(cfg) and cfg.diffusion.mask_token_id == len(tokenizer) - 1
+
+
+@pytest.mark.parametrize("extra,message", [
+    (dict(diffusion={"eps": 0.1}), "diffusion: needs plugins"),
+    (dict(plugins=[PLUGIN], diffusion={"min_mask_ratio": 0.9, "max_mask_ratio": 0.1}), "min_mask_ratio must be"),
+    (dict(plugins=[PLUGIN], diffusion={"noise_schedule": "quadratic"}), "noise_schedule"),
+    (dict(plugins=[PLUGIN], diffusion={"eps": 2}), "eps"),
+    (dict(plugins=[PLUGIN], diffusion={"mask_id": 3}), "mask_id"),
+    (dict(plugins=[PLUGIN], attn_implementation="flash_attention_2"), "bidirectional attention mask"),
+    (dict(plugins=[PLUGIN], use_eaft=True), "use_eaft"),
+])
+def test_bad_values_are_one_line_config_errors(make_config, extra, message):
+    result = run_cli("validate", str(make_config(**extra)), "--gpu", "cpu")
+    assert result.returncode == 2, result.stdout
+    assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1
