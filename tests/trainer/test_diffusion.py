@@ -9,6 +9,9 @@ sum over its answer-token count, the mean over samples.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -108,7 +111,7 @@ def test_attention_is_bidirectional(make_config):
     assert torch.allclose(a[0, end + 1:end + 4], b[0, end + 1:end + 4], atol=1e-6)  # the next sequence is apart
 
 
-def test_trains_evaluates_and_resumes_exactly(make_config, tmp_path):
+def test_trains_evaluates_and_resumes_exactly(make_config, tmp_path, capsys):
     full, _ = train_then_resume(main, make_config, tmp_path, checkpoint=2, plugins=[PLUGIN],
                                 diffusion={"mask_token_id": 5}, sample_packing=True, gradient_accumulation_steps=2,
                                 max_steps=4, save_steps=2, val_set_size=4, eval_steps=2)
@@ -117,6 +120,9 @@ def test_trains_evaluates_and_resumes_exactly(make_config, tmp_path):
     assert len(train) == 4 and all(r["num_masked_tokens"] > 0 and 0 <= r["accuracy"] <= 1 for r in train)
     evals = [r["eval_loss"] for r in rows if "eval_loss" in r]
     assert len(evals) == 2 and evals[1] < evals[0]  # same masks at every evaluation: it learns
+    capsys.readouterr()
+    assert main(["evaluate", str(tmp_path / "full.yml"), "--json"]) == 0  # the final model, scored the same way
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["eval_loss"] == pytest.approx(evals[1], rel=1e-5)
 
 
 def test_mask_token_is_added_when_the_id_is_not_in_the_vocabulary(make_config):
@@ -147,3 +153,25 @@ def test_bad_values_are_one_line_config_errors(make_config, extra, message):
     result = run_cli("validate", str(make_config(**extra)), "--gpu", "cpu")
     assert result.returncode == 2, result.stdout
     assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_axolotls_sft_example_trains_with_only_model_and_data_swapped(tiny_llama, alpaca_file, tmp_path):
+    """examples/llama-3/diffusion/sft-1b.yaml (packed, adamw_8bit, eval split, mask_token_id 128002): its id is
+    not below a tokenizer's vocab_size (Llama 3's is 128000; the tiny one's smaller), so, as in Axolotl,
+    <|diffusion_mask|> is added and used."""
+    import yaml
+
+    path = Path(__file__).parent / "data" / "axolotl_examples" / "llama-3__diffusion__sft-1b.yaml"
+    raw = yaml.safe_load(path.read_text())
+    raw.update(base_model=str(tiny_llama), output_dir=str(tmp_path / "out"),
+               dataset_prepared_path=str(tmp_path / "prepared"), max_steps=2, sequence_len=256)
+    raw["datasets"][0]["path"] = str(alpaca_file)
+    config = tmp_path / "sft-1b.yml"
+    config.write_text(yaml.safe_dump(raw))
+    assert main(["train", str(config)]) == 0
+    rows = [r for r in read_metrics(tmp_path / "out") if "loss" in r]
+    assert [r["step"] for r in rows] == [1, 2] and all(r["num_masked_tokens"] > 0 for r in rows)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "out" / "final")
+    assert "<|diffusion_mask|>" in tokenizer.all_special_tokens

@@ -7,6 +7,7 @@ num_items_in_batch (the step's target tokens) as its divisor, as transformers 5.
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -62,7 +63,7 @@ def test_loss_of_a_real_batch_on_the_tiny_model(tiny_llama):
     assert float(ours) / 16 == pytest.approx(axolotl_eaft_loss(logits, labels, 16, 1.0, 20), rel=1e-5)
 
 
-def test_alpha_zero_is_plain_sft_and_alpha_one_changes_training(make_config, tmp_path):
+def test_alpha_zero_is_plain_sft_and_alpha_one_changes_training(make_config, tmp_path, capsys):
     """With eaft_alpha 0 every weight is 1: the same losses as SFT (so the normalisation is SFT's, the step's
     target tokens over accumulation); with alpha 1 the losses differ."""
     common = dict(gradient_accumulation_steps=2, micro_batch_size=1, max_steps=3, val_set_size=4, eval_steps=3)
@@ -76,6 +77,9 @@ def test_alpha_zero_is_plain_sft_and_alpha_one_changes_training(make_config, tmp
     assert all(abs(runs["a1"][0][s] - runs["sft"][0][s]) > 1e-3 for s in runs["sft"][0])
     ratio = runs["a1"][1][0] / runs["sft"][1][0]  # eval is EAFT-weighted too: each weight is below log(20)
     assert 1.5 < ratio < math.log(20)
+    capsys.readouterr()
+    assert main(["evaluate", str(tmp_path / "a1.yml"), "--json"]) == 0  # `evaluate` scores with EAFT too
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["eval_loss"] == pytest.approx(runs["a1"][1][-1], rel=1e-5)
 
 
 def test_eaft_resumes_exactly(make_config, tmp_path):
