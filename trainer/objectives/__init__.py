@@ -22,7 +22,8 @@ def build(cfg: Config, collator: Collator, token_loss_sum) -> Objective:
         from trainer.eaft import EaftLossSum
         from trainer.objectives.sft import SFT
 
-        return SFT(collator, EaftLossSum(cfg.eaft_alpha, cfg.eaft_k), eval_loss_sum=EaftLossSum(cfg.eaft_alpha, cfg.eaft_k))
+        eaft = EaftLossSum(cfg.eaft_alpha, cfg.eaft_k)
+        return SFT(collator, eaft, eval_loss_sum=eaft)
     if kind == "sft":
         from trainer.objectives.sft import SFT
 

@@ -95,7 +95,8 @@ class Diffusion(Objective):
         loss_sum = (per_seq / lengths.clamp(min=1.0)).sum()
         with torch.no_grad():
             correct = (chosen.argmax(-1) == targets).sum()
-        values = [loss_sum.detach(), batch["num_tokens"], masked.sum(), token_loss.detach().sum(), correct, answer.sum()]
+        values = [loss_sum.detach(), batch["num_tokens"], masked.sum(), token_loss.detach().sum(), correct,
+                  answer.sum()]
         return loss_sum, torch.stack([torch.as_tensor(v).double().cpu() for v in values])
 
     def loss(self, model, batch, totals):
