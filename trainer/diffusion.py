@@ -81,6 +81,9 @@ def check(cfg) -> list[str]:
         raise ConfigError("plugins: the diffusion plugin trains SFT data, not rl: preference pairs")
     if cfg.use_eaft:
         raise ConfigError("use_eaft: not with the diffusion plugin (each replaces the loss)")
+    if cfg.tokenizer_use_mistral_common:
+        raise ConfigError("tokenizer_use_mistral_common: not with the diffusion plugin (its mask token is added to a "
+                          "transformers tokenizer)")
     if cfg.requested_attention in ("flash_attention_2", "flash_attention_3"):
         raise ConfigError("diffusion: needs a bidirectional attention mask, which flash-attention does not take; "
                           "set attn_implementation: sdpa (as Axolotl's diffusion examples do) or eager")

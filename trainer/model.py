@@ -165,6 +165,11 @@ def load_trained(cfg: Config, runtime: Runtime, tokenizer, model_dir=None):
 
         quantization = bnb_config(cfg, DTYPES[runtime.precision])  # evaluate on the base the adapter trained on
         extra = {"quantization_config": quantization} if quantization is not None else {}
+        if cfg.cls_model_config:  # the architecture the adapter trained on (trainer/config_class.py)
+            from trainer import config_class
+
+            extra["config"] = config_class.load(cfg, cfg.base_model, dict(cfg.model_config_overrides or {}),
+                                                cfg.revision_of_model)
         base = AutoModelForCausalLM.from_pretrained(cfg.base_model, dtype=DTYPES[runtime.precision],
                                                     attn_implementation=runtime.attention,
                                                     trust_remote_code=cfg.trust_remote_code, **extra)
