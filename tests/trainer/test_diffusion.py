@@ -200,3 +200,29 @@ def test_two_processes_train_as_one_accumulating(make_config, tmp_path):
     one = tmp_path / "one"
     assert main(["train", str(make_config("one.yml", output_dir=str(one), gradient_accumulation_steps=2, **common))]) == 0
     assert_same_training(one, two)
+
+
+def test_generate_samples_writes_samples_and_changes_no_training(make_config, tmp_path):
+    from trainer.data import load_tokenizer
+
+    """Every generation_interval steps the answers of validation examples are regenerated (Axolotl's reverse
+    process) into samples.jsonl; the run's losses are those of a run without samples, and it resumes exactly."""
+    gen = {"generation_interval": 2, "generation_steps": 4, "num_generation_samples": 2,
+           "generation_temperature": 0.7}
+    common = dict(plugins=[PLUGIN], max_steps=4, save_steps=2, val_set_size=4)
+    full, _ = train_then_resume(main, make_config, tmp_path, checkpoint=2, diffusion=gen, **common)
+    samples = [json.loads(line) for line in (full / "samples.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in samples] == [2, 2, 4, 4]
+    mask_id = len(load_tokenizer(load_config(tmp_path / "full.yml")[0])) - 1  # <|diffusion_mask|>, added
+    for s in samples:
+        prompt = s["total_tokens"] - s["masked_tokens"]
+        assert 0 < s["masked_tokens"] < s["total_tokens"] and mask_id not in s["generated_ids"]
+        assert s["generated_ids"][:prompt] == s["original_ids"][:prompt]  # the prompt is kept, the answer rewritten
+        assert s["generated_ids"] != s["original_ids"] and s["masked"].count("<|diffusion_mask|>") == s["masked_tokens"]
+    off = tmp_path / "off"
+    assert main(["train", str(make_config("off.yml", output_dir=str(off), diffusion={**gen, "generate_samples": False},
+                                          **common))]) == 0
+    assert not (off / "samples.jsonl").exists()
+    from tests.trainer.helpers import train_losses
+
+    assert train_losses(off) == train_losses(full)
