@@ -148,7 +148,8 @@ def cmd_evaluate(args) -> int:
     prepared = prepare(cfg, tokenizer, log=log)
     device = torch.device(runtime.device)
     collator = Collator(tokenizer.pad_token_id, runtime.attention)
-    if cfg.objective != "sft":  # preference, reward models: the objective's loss and metrics (and reference)
+    if cfg.objective != "sft" or cfg.use_eaft or cfg.diffusion is not None:  # the objective's loss and metrics
+        # (preference: against the cached reference log-probs; reward models, use_eaft and diffusion: their own losses)
         from trainer import objectives
         from trainer.model import load_model
         from trainer.reference import reference_logps

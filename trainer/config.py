@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from trainer import alpaca_styles, facts
 from trainer.errors import ConfigError
+from trainer.diffusion import DiffusionConfig
 from trainer.qat import QatConfig
 
 # The attention backends a config may name: matrices/attention.toml's rows (one copy of the fact; the resolver
@@ -366,6 +367,13 @@ class Config(BaseModel):
     process_reward_model: bool = False  # per-step reward model (AutoModelForTokenClassification)
     center_rewards_coefficient: float | None = Field(None, ge=0)  # TRL's mean-zero reward term
     num_labels: int | None = Field(None, ge=1)  # head outputs: 1 for reward_model, 2 (default) for process_reward_model
+    # --- EAFT, diffusion LM training, cls_model_config (trainer/eaft.py, trainer/diffusion.py, trainer/config_class.py)
+    use_eaft: bool = False  # entropy-aware focal training: token losses weighted by top-k entropy ** eaft_alpha
+    eaft_alpha: float = Field(1.0, ge=0)  # Axolotl's default 1.0
+    eaft_k: int = Field(20, ge=2)  # Axolotl's default 20; top-1 entropy is 0 (every weight would be 0)
+    cls_model_config: str | None = None  # transformers config class to read the model's config with
+    diffusion: DiffusionConfig | None = None  # with plugins: [axolotl.integrations.diffusion.DiffusionPlugin]
+    # ------------------------------------------------------------------------------------------------------
 
     # --- preference training (Axolotl's names; defaults as TRL's configs) --------------------------------
     rl: Literal["dpo", "ipo", "orpo", "kto", "simpo"] | None = None
@@ -736,6 +744,7 @@ def _named_choices(cfg: Config, notes: list[str]) -> list[str]:
     checks += [lambda: notes.extend(kernels.check_plugins(cfg)), lambda: notes.extend(distributed.check(cfg))]
     checks += [lambda: notes.extend(mistral_tokenizer.check(cfg))]
     checks += [lambda: qat.check_config(cfg)]
+    checks += [lambda: notes.extend(objective_notes(cfg))]
     checks += [lambda: notes.extend(parallelism.check(cfg, distributed.enabled(cfg)))]
     checks += [lambda: notes.extend(ordering.notes(cfg) + causal_lm_eval.notes(cfg) + schedule.notes(cfg))]
     if cfg.relora:
@@ -746,6 +755,19 @@ def _named_choices(cfg: Config, notes: list[str]) -> list[str]:
         except ConfigError as err:
             problems.append(str(err))
     return problems
+
+
+def objective_notes(cfg: Config) -> list[str]:
+    """use_eaft, the diffusion plugin and cls_model_config (trainer/eaft.py, trainer/diffusion.py)."""
+    from trainer import diffusion
+
+    if cfg.use_eaft and cfg.objective != "sft":
+        raise ConfigError("use_eaft: weights SFT's token losses; not with rl: preference training or reward models")
+    if cfg.cls_model_config:
+        from trainer import config_class
+
+        config_class.config_class(cfg.cls_model_config)
+    return diffusion.check(cfg)
 
 
 def load_config(path: str | Path) -> tuple[Config, list[str]]:

@@ -48,6 +48,10 @@ def load_tokenizer(cfg: Config):
         tokenizer.add_tokens(list(cfg.tokens))
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token  # padding is masked out of attention and loss
+    if cfg.diffusion is not None:  # the diffusion plugin's mask token (may add one; trainer/diffusion.py)
+        from trainer import diffusion
+
+        diffusion.prepare_tokenizer(cfg, tokenizer)
     from trainer.chat_templates import resolve
 
     tokenizer.chat_template = resolve(cfg.chat_template, cfg.chat_template_jinja, tokenizer)

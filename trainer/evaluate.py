@@ -17,8 +17,9 @@ from trainer.sampler import MultipackBatchSampler
 
 @torch.no_grad()
 def evaluate(model, dataset, collator: Collator, batch_size: int, capacity: int | None, device,
-             rank: int = 0, world_size: int = 1, timeout_s: float = 1800, sharded: bool = False) -> dict:
-    """sharded: the weights are sharded (FSDP, DeepSpeed ZeRO-3), so every forward pass is a collective and all
+             rank: int = 0, world_size: int = 1, timeout_s: float = 1800, sharded: bool = False,
+             loss_sum=token_loss_sum) -> dict:
+    """loss_sum: the summed token loss (EAFT's weighted one with use_eaft). sharded: the weights are sharded (FSDP, DeepSpeed ZeRO-3), so every forward pass is a collective and all
     ranks must run as many as the busiest rank: the others run extra forward passes whose loss is discarded."""
     sampler = MultipackBatchSampler(dataset["length"], batch_size, capacity, rank=rank, world_size=world_size,
                                     shuffle=False, drop_last=False)
@@ -40,10 +41,10 @@ def evaluate(model, dataset, collator: Collator, batch_size: int, capacity: int 
     for i in range(steps):
         if i < len(batches):
             batch = {k: v.to(device) for k, v in collator([rows[r] for r in batches[i]]).items()}
-            totals[0] += token_loss_sum(model, batch).double()
+            totals[0] += loss_sum(model, batch).double()
             totals[1] += count_targets(batch)
         else:  # takes part in the shards' all-gathers; its loss is not counted
-            token_loss_sum(model, {k: v.to(device) for k, v in collator([rows[[0]]]).items()})
+            loss_sum(model, {k: v.to(device) for k, v in collator([rows[[0]]]).items()})
     reduce_sum(totals, "evaluation (summing eval loss)", rank, timeout_s)
     model.train(was_training)
     loss_sum, tokens = totals.tolist()

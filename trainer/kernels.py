@@ -1,11 +1,11 @@
 """Kernels and plugins: Axolotl's `plugins:` paths, the liger_* keys, cut_cross_entropy and lora_*_kernel.
 
-These are speed/memory options: none changes what is trained. Liger's kernels are triton kernels, so they run
-only where the plan says triton kernels do (plan feature `liger`: a GPU the installed triton compiles for,
-from matrices/packages.toml [[triton_support]]); elsewhere (CPU included) they are switched off with one note.
+These are speed/memory options (the diffusion plugin, which changes the objective, is trainer/diffusion.py).
+Liger's kernels are triton kernels, so they run only where the plan says triton kernels do (plan feature
+`liger`: a GPU the installed triton compiles for, from matrices/packages.toml [[triton_support]]); elsewhere (CPU included) they are switched off with one note.
 Where they run, they are applied through the real liger-kernel package to the loaded model.
 
-An unknown plugin, or one whose feature changes the training itself, is an error that names it.
+An unknown plugin, or one whose feature changes the training and is not implemented, is an error that names it.
 """
 
 from __future__ import annotations
@@ -26,12 +26,14 @@ ACCEPTED_PLUGINS = {
     "axolotl.integrations.cut_cross_entropy.plugin.CutCrossEntropyPlugin": None,
     "axolotl.integrations.kernels.KernelsPlugin": "Hugging Face hub kernels (MoE/attention speed-ups) are not "
                                                   "used by this trainer (same training, slower)",
+    # diffusion LM training: an objective (trainer/diffusion.py, trainer/objectives/diffusion.py)
+    "axolotl.integrations.diffusion.DiffusionPlugin": None,
+    "axolotl.integrations.diffusion.plugin.DiffusionPlugin": None,
     "axolotl.integrations.swanlab.SwanLabPlugin": "SwanLab logging is not supported; metrics go to "
                                                   "output_dir/metrics.jsonl",
 }
 REFUSED_PLUGINS = {
     "axolotl.integrations.expert_parallel.ExpertParallelPlugin": "expert parallelism is not supported",
-    "axolotl.integrations.diffusion.DiffusionPlugin": "diffusion language-model training is not part of this trainer",
     "axolotl.integrations.llm_compressor.LLMCompressorPlugin": "sparse fine-tuning (llmcompressor) is not supported",
     "axolotl.integrations.kd.KDPlugin": "knowledge distillation is not supported",
     "axolotl.integrations.grokfast.GrokfastPlugin": "grokfast gradient filtering is not supported",

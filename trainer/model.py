@@ -37,6 +37,12 @@ def load_model(cfg: Config, runtime: Runtime, tokenizer, source: str | None = No
     if cfg.revision_of_model:
         extra["revision"] = cfg.revision_of_model
     extra.update(parallel_kwargs or {})  # tensor parallelism: transformers' DistributedConfig (trainer/parallelism.py)
+    if cfg.cls_model_config:  # Axolotl's cls_model_config: read the config with that class (trainer/config_class.py)
+        from trainer import config_class
+
+        overrides = dict(cfg.model_config_overrides or {})
+        extra = {k: v for k, v in extra.items() if k not in overrides}
+        extra["config"] = config_class.load(cfg, source, overrides, cfg.revision_of_model)
     try:
         if cfg.reinit_weights:  # Axolotl's from_config: the architecture only, weights drawn from the seed
             from trainer.streaming import fresh_model
@@ -176,6 +182,11 @@ def load_trained(cfg: Config, runtime: Runtime, tokenizer, model_dir=None):
 
         quantization = bnb_config(cfg, DTYPES[runtime.precision])  # evaluate on the base the adapter trained on
         extra = {"quantization_config": quantization} if quantization is not None else {}
+        if cfg.cls_model_config:  # the architecture the adapter trained on (trainer/config_class.py)
+            from trainer import config_class
+
+            extra["config"] = config_class.load(cfg, cfg.base_model, dict(cfg.model_config_overrides or {}),
+                                                cfg.revision_of_model)
         base = auto_class(cfg).from_pretrained(cfg.base_model, dtype=DTYPES[runtime.precision],
                                                attn_implementation=runtime.attention,
                                                trust_remote_code=cfg.trust_remote_code,

@@ -296,6 +296,12 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
         from trainer.causal_lm_eval import CausalLMMetrics
 
         evaluation.extra = CausalLMMetrics(cfg, tokenizer)
+    generate_every = None  # diffusion's generate_samples: rank 0 alone, so not where every forward is a collective
+    if cfg.diffusion is not None and cfg.diffusion.generate_samples:
+        if evaluation.sharded or tp > 1:
+            say("note: diffusion.generate_samples: no samples with sharded weights (each forward is a collective)")
+        else:
+            generate_every = cfg.diffusion.generation_interval
     stopper, stopped = None, False
     if cfg.early_stopping_patience:
         from trainer.early_stopping import EarlyStopping
@@ -324,6 +330,7 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
                     relora.before_step(step, optimizer)
                 micro_batches = [next(batches) for _ in range(ga)]  # moved to the device one at a time
                 consumed += ga
+                objective.step = step  # objectives that draw noise key it by the step (diffusion), so resume is exact
                 stats = torch.zeros(len(objective.stat_names), dtype=torch.float64, device=device)
                 for batch in micro_batches:  # counts; KTO's KL forwards (no grad) run on the unwrapped model
                     batch = to_device(batch, device) if objective.stats_need_model else batch
@@ -365,6 +372,11 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
                     metrics.write(row)
                     progress.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}",
                                          **{k: f"{report[k]:.3f}" for k in objective.progress_names if k in report})
+                if generate_every and step % generate_every == 0 and main:  # diffusion's generate_samples
+                    from trainer.diffusion import write_samples
+
+                    write_samples(unwrapped, tokenizer, data.validation if data.validation is not None else data.train,
+                                  cfg.diffusion, runtime.attention, cfg.seed, step, output_dir, say)
                 if eval_every and step % eval_every == 0 and step < total_steps:
                     result = evaluation.run(step)
                     metrics.write({"step": step, **result})

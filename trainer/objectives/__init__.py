@@ -5,6 +5,7 @@ sft (the default), reward and prm (reward_model / process_reward_model), and wit
 
 from __future__ import annotations
 
+from trainer.diffusion import enabled as diffusion_enabled
 from trainer.collate import Collator
 from trainer.config import Config
 from trainer.objectives.base import Objective
@@ -13,6 +14,16 @@ from trainer.objectives.base import Objective
 def build(cfg: Config, collator: Collator, token_loss_sum) -> Objective:
     kind = cfg.objective
     packed = cfg.sample_packing
+    if kind == "sft" and diffusion_enabled(cfg):  # Axolotl's DiffusionPlugin (trainer/diffusion.py)
+        from trainer.objectives.diffusion import Diffusion
+
+        return Diffusion(collator, cfg.diffusion, cfg.diffusion.special_ids, cfg.seed)
+    if kind == "sft" and cfg.use_eaft:  # entropy-weighted token losses (trainer/eaft.py)
+        from trainer.eaft import EaftLossSum
+        from trainer.objectives.sft import SFT
+
+        eaft = EaftLossSum(cfg.eaft_alpha, cfg.eaft_k)
+        return SFT(collator, eaft, eval_loss_sum=eaft)
     if kind == "sft":
         from trainer.objectives.sft import SFT
 

@@ -14,9 +14,10 @@ class SFT(Objective):
     stat_names = ("target_tokens",)
     metric_names = ("loss_sum", "tokens")
 
-    def __init__(self, collator: Collator, token_loss_sum):
+    def __init__(self, collator: Collator, token_loss_sum, eval_loss_sum=None):
         self.collator = collator
         self.token_loss_sum = token_loss_sum  # passed in by the loop (tests replace it there)
+        self.eval_loss_sum = eval_loss_sum  # evaluation's token loss sum, when not plain cross-entropy (use_eaft)
 
     def rows(self, dataset, reference=None):
         return Rows(dataset)
@@ -38,7 +39,7 @@ class SFT(Objective):
 
     def evaluate(self, model, dataset, batch_size, capacity, device, rank, world, timeout_s, sharded=False) -> dict:
         return evaluate(model, dataset, self.collator, batch_size, capacity, device, rank, world, timeout_s,
-                        sharded=sharded)
+                        sharded=sharded, **({"loss_sum": self.eval_loss_sum} if self.eval_loss_sum else {}))
 
     def describe_eval(self, result: dict) -> str:
         return f"eval_loss {result['eval_loss']:.4f} over {result['eval_tokens']} tokens"

@@ -1,0 +1,34 @@
+"""Axolotl's `cls_model_config`: the transformers config class to read the model's config with (e.g.
+Gemma3TextConfig) instead of AutoConfig (src/axolotl/loaders/utils.py load_model_config at 067b021c8b87:
+getattr(transformers, name).from_pretrained(base_model)). The model is then built from that config, so
+the class decides which architecture is loaded."""
+
+from __future__ import annotations
+
+from trainer.errors import ConfigError
+
+
+def config_class(name: str):
+    import transformers
+
+    try:
+        cls = getattr(transformers, name)
+    except (AttributeError, ImportError, RuntimeError):
+        cls = None
+    if not isinstance(cls, type) or not issubclass(cls, transformers.PretrainedConfig):
+        raise ConfigError(f"cls_model_config: {name!r} is not a transformers config class (e.g. LlamaConfig, "
+                          "Gemma3TextConfig)")
+    return cls
+
+
+def load(cfg, source: str, overrides: dict, revision: str | None = None):
+    """The model's config read with cls_model_config, with Axolotl's model_config overrides applied."""
+    kwargs = {"revision": revision} if revision else {}
+    try:
+        config = config_class(cfg.cls_model_config).from_pretrained(source, trust_remote_code=cfg.trust_remote_code,
+                                                                    **kwargs)
+    except OSError as err:
+        raise ConfigError(f"cannot load the model config from {source}: {str(err).splitlines()[0]}") from None
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    return config

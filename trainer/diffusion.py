@@ -1,0 +1,245 @@
+"""Diffusion LM training (Axolotl's `plugins: [axolotl.integrations.diffusion.DiffusionPlugin]` + `diffusion:`).
+
+The LLaDA recipe as Axolotl's DiffusionTrainer implements it (src/axolotl/integrations/diffusion/trainer.py and
+utils.py at 067b021c8b87): for each sequence draw t ~ U(0, 1), set p = (1 - eps) t + eps, replace each answer
+token (label != -100; never BOS/EOS/pad) by the mask token with probability p, run the model with
+bidirectional attention on the noisy ids, read each token's prediction from the previous position's logits
+(`shift_logits_to_input_positions`), and train cross-entropy on the masked tokens only, divided by p
+(`importance_weighting`); a sequence's loss is that sum over its answer-token count, and the batch's loss
+is the mean over sequences.
+
+Here the noise of a sequence is drawn from its own generator seeded by (seed, optimizer step, dataset
+index), so a resumed run re-draws exactly the same masks, and micro-batch size, accumulation, packing and
+the number of processes do not change what is trained (the loss is the mean over the step's sequences).
+Evaluation uses step -1: the same masks at every evaluation.
+
+noise_schedule, min_mask_ratio, max_mask_ratio and num_diffusion_steps are read by Axolotl's inference CLI
+only (its trainer samples t uniformly), so training does not use them either; they are validated as
+Axolotl does. generate_samples (with the generation_* keys) regenerates the answers of a few validation
+examples every generation_interval steps with Axolotl's reverse process (generation.py: confidence-ordered
+unmasking) and writes them to output_dir/samples.jsonl; it draws from its own generator, so training is the same.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import numpy as np
+import torch
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+
+from trainer.errors import ConfigError
+
+PLUGIN = "axolotl.integrations.diffusion.DiffusionPlugin"
+PLUGINS = (PLUGIN, "axolotl.integrations.diffusion.plugin.DiffusionPlugin")
+DEFAULT_MASK_TOKEN = "<|diffusion_mask|>"  # Axolotl's resolve_mask_token_id default
+EVAL_STEP = -1
+
+
+class DiffusionConfig(BaseModel):
+    """Axolotl's DiffusionConfig (src/axolotl/integrations/diffusion/args.py): the same keys, ranges and defaults."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    noise_schedule: Literal["linear", "cosine"] = "linear"
+    min_mask_ratio: float = Field(0.1, ge=0.0, le=1.0)
+    max_mask_ratio: float = Field(0.9, ge=0.0, le=1.0)
+    num_diffusion_steps: int = Field(128, ge=1)
+    eps: float = Field(1e-3, ge=0.0, le=1.0)
+    importance_weighting: bool = True
+    mask_token_id: int | None = None
+    mask_token_str: str | None = None
+    generate_samples: bool = True
+    generation_interval: int = Field(100, ge=1)
+    num_generation_samples: int = Field(3, ge=1)
+    generation_steps: int = Field(128, ge=1)
+    generation_temperature: float = Field(0.0, ge=0.0)
+    generation_max_length: int = Field(100, ge=1)
+    _special_ids: list[int] = PrivateAttr(default_factory=list)  # never masked: set by prepare_tokenizer
+
+    @property
+    def special_ids(self) -> list[int]:
+        return self._special_ids
+
+    @model_validator(mode="after")
+    def _ratios(self) -> DiffusionConfig:
+        if self.min_mask_ratio > self.max_mask_ratio:
+            raise ValueError("min_mask_ratio must be <= max_mask_ratio")
+        return self
+
+
+def enabled(cfg) -> bool:
+    return any(p in PLUGINS for p in cfg.plugins or [])
+
+
+def check(cfg) -> list[str]:
+    """Config-level rules; returns notes. `diffusion:` needs the plugin (Axolotl reads it only then)."""
+    if cfg.diffusion is not None and not enabled(cfg):
+        raise ConfigError(f"diffusion: needs plugins: [{PLUGIN}]")
+    if not enabled(cfg):
+        return []
+    if cfg.objective != "sft":
+        raise ConfigError("plugins: the diffusion plugin trains SFT data, not rl: preference pairs or reward models")
+    if cfg.use_eaft:
+        raise ConfigError("use_eaft: not with the diffusion plugin (each replaces the loss)")
+    if cfg.tokenizer_use_mistral_common:
+        raise ConfigError("tokenizer_use_mistral_common: not with the diffusion plugin (its mask token is added to a "
+                          "transformers tokenizer)")
+    if cfg.requested_attention in ("flash_attention_2", "flash_attention_3"):
+        raise ConfigError("diffusion: needs a bidirectional attention mask, which flash-attention does not take; "
+                          "set attn_implementation: sdpa (as Axolotl's diffusion examples do) or eager")
+    if cfg.diffusion is None:  # the plugin alone: Axolotl's defaults
+        cfg.diffusion = DiffusionConfig()
+    d = cfg.diffusion
+    notes = ["diffusion: noise_schedule, min_mask_ratio, max_mask_ratio and num_diffusion_steps are read by "
+             "Axolotl's inference only (its trainer draws the mask ratio uniformly, as here)"]
+    if d.generate_samples:
+        notes.append(f"diffusion.generate_samples: every {d.generation_interval} steps, samples go to "
+                     "output_dir/samples.jsonl (not with FSDP, ZeRO-3 or tensor parallelism)")
+    return notes
+
+
+def resolve_mask_token(cfg, tokenizer) -> int:
+    """Axolotl's resolve_mask_token_id(allow_add=True): mask_token_id if below tokenizer.vocab_size, else
+    mask_token_str or <|diffusion_mask|> if already a special token, else that token is added (the embeddings
+    grow with the tokenizer when the model loads). Stores the id in cfg.diffusion.mask_token_id."""
+    d = cfg.diffusion
+    vocab = getattr(tokenizer, "vocab_size", None)
+    if d.mask_token_id is not None and d.mask_token_id >= 0 and (vocab is None or d.mask_token_id < vocab):
+        return d.mask_token_id
+    specials = set(tokenizer.all_special_tokens or [])
+    for candidate in (d.mask_token_str, DEFAULT_MASK_TOKEN):
+        if not candidate or candidate not in specials:
+            continue
+        token_id = tokenizer.convert_tokens_to_ids(candidate)
+        if isinstance(token_id, int) and token_id >= 0 and token_id != tokenizer.unk_token_id and (
+                vocab is None or token_id < vocab):
+            d.mask_token_id = token_id
+            return token_id
+    token = d.mask_token_str or DEFAULT_MASK_TOKEN
+    tokenizer.add_special_tokens({"additional_special_tokens": [token]}, replace_extra_special_tokens=False)
+    d.mask_token_id = int(tokenizer.convert_tokens_to_ids(token))
+    return d.mask_token_id
+
+
+def prepare_tokenizer(cfg, tokenizer) -> None:
+    """Resolve the mask token (maybe adding it) and record the tokens never masked: BOS, EOS and pad (Axolotl's
+    _cache_special_token_ids)."""
+    resolve_mask_token(cfg, tokenizer)
+    ids = (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    cfg.diffusion._special_ids = sorted({i for i in ids if i is not None})
+
+
+def sequence_noise(seed: int, step: int, index: int, length: int) -> tuple[float, torch.Tensor]:
+    """(t, u[length]) for one sequence: t picks its mask probability, token j is masked where u[j] < p."""
+    key = np.random.SeedSequence([seed, step + 1, index]).generate_state(2, dtype=np.uint32)
+    g = torch.Generator().manual_seed(int(key[0]) << 32 | int(key[1]))
+    t = float(torch.rand(1, generator=g))
+    return t, torch.rand(length, generator=g)
+
+
+def bidirectional_mask(segments: torch.Tensor, attention: str) -> torch.Tensor:
+    """[batch, 1, seq, seq]: tokens attend to every token of their own sequence, both ways (padding only to
+    padding, so no query row is empty). sdpa takes bools; eager adds 0 / min-float to its scores."""
+    allowed = (segments[:, :, None] == segments[:, None, :])[:, None]
+    if attention == "eager":
+        return torch.zeros(allowed.shape, dtype=torch.float32).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    return allowed
+
+
+def pick_samples(dataset, d: DiffusionConfig, generator: torch.Generator) -> list[tuple[list[int], list[int]]]:
+    """Axolotl's _sample_sequences_from_dataloader, with our own generator: num_generation_samples examples of
+    at least 10 tokens, cut to generation_max_length keeping the prompt and as much answer as fits."""
+    out = []
+    for i in torch.randperm(len(dataset), generator=generator).tolist():
+        if len(out) == d.num_generation_samples:
+            break
+        ids, labels = dataset[i]["input_ids"], dataset[i]["labels"]
+        if len(ids) < 10:
+            continue
+        cap = min(len(ids), d.generation_max_length)
+        answer = [j for j, label in enumerate(labels) if label != -100]
+        if not answer:
+            continue
+        prompt = answer[0]
+        take = min(sum(1 for j in answer if j >= prompt), cap - prompt)
+        if take <= 0:
+            continue
+        out.append((ids[:prompt + take], labels[:prompt + take]))
+    return out
+
+
+@torch.no_grad()
+def generate(model, ids: list[int], labels: list[int], d: DiffusionConfig, attention: str,
+             generator: torch.Generator) -> tuple[list[int], list[bool]]:
+    """Axolotl's generate() for one sequence: mask every answer token (or, when all tokens are answer, a random
+    10-70% of them), then generation_steps reverse steps, each unmasking the most confident predictions
+    (1 / steps left of the masked tokens, at least one; temperature > 0 samples with Gumbel noise)."""
+    device = next(model.parameters()).device
+    original = torch.tensor([ids], device=device)
+    answer = torch.tensor([[label != -100 for label in labels]], device=device)
+    if answer.any() and not answer.all():
+        masked = answer
+    else:
+        ratio = float(torch.rand(1, generator=generator)) * 0.6 + 0.1
+        positions = torch.randperm(len(ids), generator=generator)[:max(1, int(len(ids) * ratio))]
+        masked = torch.zeros_like(original, dtype=torch.bool)
+        masked[0, positions.to(device)] = True
+    mask_id = int(d.mask_token_id)
+    sequence = torch.where(masked, torch.full_like(original, mask_id), original)
+    attention_mask = bidirectional_mask(torch.zeros_like(original), attention).to(device)
+    for step in range(d.generation_steps):
+        current = sequence == mask_id
+        if not current.any():
+            break
+        logits = model(input_ids=sequence, attention_mask=attention_mask, use_cache=False).logits.float()
+        logits = torch.cat([logits[:, :1], logits[:, :-1]], dim=1)[current]
+        if d.generation_temperature > 0:
+            logits = logits / d.generation_temperature
+        logits[:, mask_id] = -float("inf")
+        if d.generation_temperature > 0:
+            u = torch.rand(logits.shape, generator=generator).to(device)
+            predicted = torch.argmax(logits - torch.log(-torch.log(u)), dim=-1)
+        else:
+            predicted = torch.argmax(logits, dim=-1)
+        confidence = torch.softmax(logits, dim=-1)[torch.arange(len(predicted)), predicted]
+        remaining = int(current.sum())
+        count = remaining if step == d.generation_steps - 1 else max(1, int(remaining / (d.generation_steps - step)))
+        if count >= remaining:
+            sequence[current] = predicted
+        else:
+            top = confidence.topk(count).indices
+            sequence[0, torch.where(current)[1][top]] = predicted[top]
+    return sequence[0].tolist(), masked[0].tolist()
+
+
+def write_samples(model, tokenizer, dataset, d: DiffusionConfig, attention: str, seed: int, step: int,
+                  output_dir, log) -> int:
+    """generate_samples: every generation_interval steps, samples from the validation split (else the training
+    data) are regenerated and appended to output_dir/samples.jsonl ({step, original, masked, generated,
+    masked_tokens, total_tokens, original_ids, generated_ids}). A private generator keyed by (seed, step) picks and samples them, so
+    training (and its RNG, for exact resume) is untouched. Returns the number written."""
+    import json
+    from pathlib import Path
+
+    key = np.random.SeedSequence([seed, step, 7]).generate_state(1, dtype=np.uint32)
+    generator = torch.Generator().manual_seed(int(key[0]))
+    was_training = model.training
+    model.eval()
+    rows = []
+    try:
+        for ids, labels in pick_samples(dataset, d, generator):
+            generated, masked = generate(model, ids, labels, d, attention, generator)
+            shown = [d.mask_token_id if m else t for t, m in zip(ids, masked)]
+            rows.append({"step": step, "original": tokenizer.decode(ids, skip_special_tokens=True),
+                         "masked": tokenizer.decode(shown, skip_special_tokens=False),
+                         "generated": tokenizer.decode(generated, skip_special_tokens=True),
+                         "masked_tokens": sum(masked), "total_tokens": len(ids), "original_ids": ids,
+                         "generated_ids": generated})
+    finally:
+        model.train(was_training)
+    with open(Path(output_dir) / "samples.jsonl", "a") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    for r in rows:
+        log(f"step {step}: sample ({r['masked_tokens']}/{r['total_tokens']} masked): {r['generated']!r}")
+    return len(rows)
