@@ -320,6 +320,9 @@ class Config(BaseModel):
                              "them only there, and has deprecated the key for generate_samples)")
     # ------------------------------------------------------------------------------------------------------
 
+    # --- BitNet training (trainer/bitnet.py) -----------------------------------------------------------------
+    use_onebitllms: bool = False  # Falcon-E: every linear layer but lm_head becomes onebitllms' BitNetLinear
+
     # --- preference training (Axolotl's names; defaults as TRL's configs) --------------------------------
     rl: Literal["dpo", "ipo", "orpo", "kto", "simpo"] | None = None
     rl_beta: float | None = Field(None, gt=0)  # DPO/IPO/KTO/SimPO beta (TRL default 0.1)
@@ -500,9 +503,6 @@ UNSUPPORTED_KEYS: dict[str, str] = {
         "torchdistx_path")},
 }
 
-UNSUPPORTED_KEYS["use_onebitllms"] = (
-    "Falcon-E's BitNet training swaps every linear layer for onebitllms' ternary BitLinear, a different model "
-    "and training that this trainer does not implement")
 PERFORMANCE_KEYS.update({k: "ALST's tiled MLP (the MLP computed in sequence chunks) is a memory option this trainer "
                             "does not implement (same training, more memory)"
                          for k in ("tiled_mlp", "tiled_mlp_num_shards", "tiled_mlp_use_original_mlp")})

@@ -42,6 +42,10 @@ def load_model(cfg: Config, runtime: Runtime, tokenizer, source: str | None = No
             raise
         raise ConfigError(f"tensor_parallel_size: cannot shard {source}: {str(err).splitlines()[0]}") from None
     resize_embeddings(cfg, model, tokenizer)
+    if cfg.use_onebitllms:  # Falcon-E's BitNet layers, swapped in right after loading (as Axolotl)
+        from trainer import bitnet
+
+        bitnet.apply(model)
     model.config.use_cache = False  # no KV cache in training; the collator's mask keeps packed rows apart
     checkpointing = {"use_reentrant": reentrant(cfg)}
     if quantization is not None:
