@@ -28,9 +28,6 @@ def hardware_notes(cfg, gpu, plan: dict | None) -> list[str]:
     if cfg.adapter:
         raise ConfigError(f"use_onebitllms: not with adapter: {cfg.adapter} (BitNet training is a full fine-tune of "
                           "the linear layers; Axolotl refuses LoRA/QLoRA with it too), remove adapter")
-    if cfg.load_in_4bit or cfg.load_in_8bit:
-        raise ConfigError("use_onebitllms: not with load_in_4bit/load_in_8bit (BitNet's layers replace "
-                          "bitsandbytes' quantized ones)")
     from trainer import kernels
 
     feat = facts.feature(FEATURE)
