@@ -479,8 +479,12 @@ PERFORMANCE_KEYS: dict[str, str] = {
 # Axolotl keys this trainer does not implement. Empty values are accepted (with a note); anything else is an error.
 UNSUPPORTED_KEYS: dict[str, str] = {
     **{k: "GPTQ/AWQ/torchao quantized loading is not supported (use load_in_4bit or load_in_8bit)" for k in (
-        "gptq", "gptq_disable_exllama", "model_quantization_config", "model_quantization_config_kwargs",
+        "model_quantization_config", "model_quantization_config_kwargs",
         "llmcompressor")},
+    **{k: "GPTQ checkpoints load through gptqmodel and optimum, which this trainer does not carry: gptqmodel 7.7 "
+          "requires torch>=2.14.1 and 7.0-7.6 pin numpy==2.2.6, against the tested torch 2.13 stack. Train QLoRA "
+          "on the unquantized model instead (adapter: qlora, load_in_4bit: true)"
+       for k in ("gptq", "gptq_disable_exllama")},
     **{k: "this adapter option is not supported" for k in (
         "lora_fan_in_fan_out", "peft_layers_to_transform", "loraplus_lr_ratio", "loraplus_lr_embedding")},
     **{k: "only rl: dpo, ipo, orpo, kto and simpo are supported (no GRPO, reward models or TRL pass-through)" for k in (
