@@ -118,3 +118,25 @@ def test_loading_swaps_every_linear_but_lm_head_for_onebitllms_layers_keeping_th
 def test_without_the_key_nothing_is_swapped(onebitllms, make_config):
     model = _load(make_config())
     assert not any(isinstance(m, onebitllms.BitNetLinear) for m in model.modules())
+
+
+def test_dpo_with_it_validates_and_does_not_reuse_a_plain_models_reference_log_probs(make_config, tmp_path):
+    """Falcon-E's DPO example: the reference log-probs come from the swapped model, so they are cached apart."""
+    from types import SimpleNamespace
+
+    from trainer.config import load_config
+    from trainer.hardware import adapt, gpu_from_name
+    from trainer.reference import reference_key
+
+    rows = tmp_path / "pairs.jsonl"
+    rows.write_text('{"prompt": "hi", "chosen": "yes", "rejected": "no"}\n')
+    dpo = dict(rl="dpo", datasets=[{"path": str(rows), "type": "chatml.ultra"}])
+    bitnet = make_config("bitnet.yml", use_onebitllms=True, **dpo)
+    result = run_cli("validate", str(bitnet), "--gpu", "a100")
+    assert result.returncode == 0 and "use_onebitllms: every linear layer" in result.stdout, result.stderr
+    dpo_objective = SimpleNamespace(name="dpo", reference_names=("chosen", "rejected"))
+    keys = []
+    for config in (bitnet, make_config("plain.yml", **dpo)):
+        cfg, _ = load_config(config)
+        keys.append(reference_key(cfg, adapt(cfg, gpu_from_name("cpu")), dpo_objective))
+    assert keys[0] != keys[1]
