@@ -50,7 +50,11 @@ def apply(model) -> int:
         raise ConfigError("use_onebitllms: needs the onebitllms package, which is not installed (install envtool's "
                           "`bitnet` extra: pip install 'envtool[bitnet]')")
     import torch
-    from onebitllms import BitNetLinear, replace_linear_with_bitnet_linear
+
+    try:
+        from onebitllms import BitNetLinear, replace_linear_with_bitnet_linear
+    except ImportError as err:  # e.g. no triton: a CPU build of torch
+        raise ConfigError(f"use_onebitllms: onebitllms cannot be imported here ({err})") from None
 
     default = torch.get_default_dtype()
     try:

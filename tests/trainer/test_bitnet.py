@@ -67,12 +67,14 @@ def onebitllms(monkeypatch):
     triton.autotune = lambda *_, **__: (lambda fn: fn)
     triton.Config = lambda *args, **kwargs: (args, kwargs)
     triton.cdiv = lambda a, b: -(-a // b)
-    monkeypatch.setitem(sys.modules, "triton", triton)
-    monkeypatch.setitem(sys.modules, "triton.language", language)
     for name in [m for m in sys.modules if m == "onebitllms" or m.startswith("onebitllms.")]:
         monkeypatch.delitem(sys.modules, name)
-    import onebitllms
-
+    assert "triton" not in sys.modules  # the CPU build of torch has none
+    sys.modules.update({"triton": triton, "triton.language": language})
+    try:
+        import onebitllms
+    finally:  # only onebitllms saw the stand-in: transformers and torch must still find no triton
+        del sys.modules["triton"], sys.modules["triton.language"]
     yield onebitllms
     for name in [m for m in sys.modules if m == "onebitllms" or m.startswith("onebitllms.")]:
         del sys.modules[name]
@@ -140,3 +142,11 @@ def test_dpo_with_it_validates_and_does_not_reuse_a_plain_models_reference_log_p
         cfg, _ = load_config(config)
         keys.append(reference_key(cfg, adapt(cfg, gpu_from_name("cpu")), dpo_objective))
     assert keys[0] != keys[1]
+
+
+def test_loading_it_where_onebitllms_cannot_import_is_one_config_error(make_config):
+    from trainer.errors import ConfigError
+
+    assert "triton" not in sys.modules
+    with pytest.raises(ConfigError, match=r"use_onebitllms: onebitllms cannot be imported here \(No module named 'triton'\)"):
+        _load(make_config(use_onebitllms=True))
