@@ -40,6 +40,9 @@ def feature_notes(cfg, runtime, plan) -> list[str]:
 
     notes = quantization.hardware_notes(cfg, runtime.gpu) + optim.hardware_notes(cfg.optimizer, runtime.gpu)
     notes += qat.hardware_notes(cfg, runtime.gpu)  # qat dtypes' and fp8's floors
+    from trainer import bitnet
+
+    notes += bitnet.hardware_notes(cfg, runtime.gpu, plan)  # use_onebitllms: triton kernels, so a GPU
     runtime.kernels, kernel_notes = kernels.plan_notes(cfg, runtime.gpu, plan)
     from trainer import distributed
 

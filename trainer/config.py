@@ -374,6 +374,8 @@ class Config(BaseModel):
     cls_model_config: str | None = None  # transformers config class to read the model's config with
     diffusion: DiffusionConfig | None = None  # with plugins: [axolotl.integrations.diffusion.DiffusionPlugin]
     # ------------------------------------------------------------------------------------------------------
+    # --- BitNet training (trainer/bitnet.py) -----------------------------------------------------------------
+    use_onebitllms: bool = False  # Falcon-E: every linear layer but lm_head becomes onebitllms' BitNetLinear
 
     # --- preference training (Axolotl's names; defaults as TRL's configs) --------------------------------
     rl: Literal["dpo", "ipo", "orpo", "kto", "simpo"] | None = None
@@ -581,8 +583,12 @@ PERFORMANCE_KEYS: dict[str, str] = {
 # Axolotl keys this trainer does not implement. Empty values are accepted (with a note); anything else is an error.
 UNSUPPORTED_KEYS: dict[str, str] = {
     **{k: "GPTQ/AWQ/torchao quantized loading is not supported (use load_in_4bit or load_in_8bit)" for k in (
-        "gptq", "gptq_disable_exllama", "model_quantization_config", "model_quantization_config_kwargs",
+        "model_quantization_config", "model_quantization_config_kwargs",
         "llmcompressor")},
+    **{k: "GPTQ checkpoints load through gptqmodel and optimum, which this trainer does not carry: gptqmodel 7.7 "
+          "requires torch>=2.14.1 and 7.0-7.6 pin numpy==2.2.6, against the tested torch 2.13 stack. Train QLoRA "
+          "on the unquantized model instead (adapter: qlora, load_in_4bit: true)"
+       for k in ("gptq", "gptq_disable_exllama")},
     **{k: "this adapter option is not supported" for k in (
         "lora_fan_in_fan_out", "peft_layers_to_transform", "loraplus_lr_ratio", "loraplus_lr_embedding")},
     **{k: "only rl: dpo, ipo, orpo, kto and simpo are supported and reward_model / process_reward_model (no GRPO or TRL pass-through)" for k in (
@@ -605,9 +611,6 @@ UNSUPPORTED_KEYS: dict[str, str] = {
         "torchdistx_path")},
 }
 
-UNSUPPORTED_KEYS["use_onebitllms"] = (
-    "Falcon-E's BitNet training swaps every linear layer for onebitllms' ternary BitLinear, a different model "
-    "and training that this trainer does not implement")
 PERFORMANCE_KEYS.update({k: "ALST's tiled MLP (the MLP computed in sequence chunks) is a memory option this trainer "
                             "does not implement (same training, more memory)"
                          for k in ("tiled_mlp", "tiled_mlp_num_shards", "tiled_mlp_use_original_mlp")})

@@ -60,6 +60,10 @@ def load_model(cfg: Config, runtime: Runtime, tokenizer, source: str | None = No
             raise
         raise ConfigError(f"tensor_parallel_size: cannot shard {source}: {str(err).splitlines()[0]}") from None
     resize_embeddings(cfg, model, tokenizer)
+    if cfg.use_onebitllms:  # Falcon-E's BitNet layers, swapped in right after loading (as Axolotl)
+        from trainer import bitnet
+
+        bitnet.apply(model)
     model.config.use_cache = False  # no KV cache in training; the collator's mask keeps packed rows apart
     packed_masks(model)  # hybrid sliding/full models: per-layer masks from position_ids (trainer/model_attention.py)
     checkpointing = {"use_reentrant": reentrant(cfg)}

@@ -52,6 +52,7 @@ def reference_key(cfg, runtime, objective: Objective) -> str:
         "attention": runtime.attention,
         "adapter": cfg.adapter,
         "quantization": [getattr(cfg, k, None) for k in ("load_in_4bit", "load_in_8bit")],
+        "bitnet": getattr(cfg, "use_onebitllms", False),
         "reference": objective.reference_names,
         "kind": "kto" if objective.name == "kto" else "pairs",
     }

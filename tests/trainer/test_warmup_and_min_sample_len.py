@@ -1,6 +1,6 @@
 """Axolotl scalars next to parallelism in its examples: warmup_steps as a fraction (examples/expert_parallel),
-min_sample_len (examples/alst), accelerator_config's sync_each_batch (examples/falcon-e), and the refusals
-of use_onebitllms and the tiled MLP notes."""
+min_sample_len (examples/alst), accelerator_config's sync_each_batch (examples/falcon-e), its refusals
+and the tiled MLP notes."""
 
 from __future__ import annotations
 
@@ -55,7 +55,6 @@ def test_min_sample_len_drops_shorter_rows_and_counts_them(make_config, tmp_path
 
 @pytest.mark.parametrize("keys, message", [
     ({"min_sample_len": 4096, "sequence_len": 2048}, "min_sample_len: 4096 must be at most sequence_len (2048)"),
-    ({"use_onebitllms": True}, "use_onebitllms is an Axolotl key this trainer does not support (Falcon-E's BitNet"),
     ({"accelerator_config": {"split_batches": True}}, "accelerator_config.split_batches: not supported"),
     ({"accelerator_config": {"gradient_accumulation_kwargs": {"num_steps": 4}}},
      "accelerator_config.gradient_accumulation_kwargs.num_steps: not supported"),
