@@ -616,6 +616,9 @@ PERFORMANCE_KEYS.update({k: "ALST's tiled MLP (the MLP computed in sequence chun
                          for k in ("tiled_mlp", "tiled_mlp_num_shards", "tiled_mlp_use_original_mlp")})
 UNSUPPORTED_KEYS["relora_steps"] = ("the old name of jagged_restart_steps, which Axolotl no longer reads: set relora: true "
                                     "and jagged_restart_steps")
+UNSUPPORTED_KEYS.update({k: "merge-aware LoRA on an NVFP4 (modelopt) checkpoint runs in Axolotl's SonicMoE NVFP4 "
+                            "kernels (integrations/kernels/libs/sonicmoe), which this trainer does not implement"
+                         for k in ("nvfp4_merge_aware", "nvfp4_merge_aware_start_step")})
 
 PERFORMANCE_KEYS["flex_attn_compile_kwargs"] = (
     "torch.compile options for flex_attention's kernel (speed only); transformers compiles it with its own "
