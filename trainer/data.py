@@ -176,6 +176,18 @@ def build(cfg: Config, tokenizer) -> tuple[object, object | None, dict]:
     return data, validation, stats
 
 
+def tokenize_and_split(cfg: Config, tokenizer, load_raw, workers_for, tokenize):
+    """Each dataset tokenized by tokenize(raw, ds, cfg, tokenizer, workers), concatenated, then filter_and_split
+    (the shared tail of the preference and reward data paths)."""
+    import datasets
+
+    parts = []
+    for ds in cfg.datasets:
+        raw = load_raw(ds)
+        parts.append(tokenize(raw, ds, cfg, tokenizer, workers_for(len(raw))))
+    return filter_and_split(cfg, datasets.concatenate_datasets(parts))
+
+
 def filter_and_split(cfg: Config, data) -> tuple[object, object | None, dict]:
     """What SFT and preference data share after tokenising: drop or count over-long rows and rows with
     nothing to train on, drop exact duplicates (dataset_exact_deduplication), shuffle, split off validation."""

@@ -65,15 +65,9 @@ def add_kl_pairs(data, limit: int):
 
 
 def build_preference(cfg: Config, tokenizer, load_raw, workers_for) -> tuple[object, object | None, dict]:
-    import datasets
+    from trainer.data import tokenize_and_split
 
-    parts = []
-    for ds in cfg.datasets:
-        raw = load_raw(ds)
-        parts.append(_tokenize(raw, ds, cfg, tokenizer, workers_for(len(raw))))
-    from trainer.data import filter_and_split
-
-    data, validation, stats = filter_and_split(cfg, datasets.concatenate_datasets(parts))
+    data, validation, stats = tokenize_and_split(cfg, tokenizer, load_raw, workers_for, _tokenize)
     if cfg.rl == "kto":
         data = add_kl_pairs(data, cfg.sequence_len)
         validation = add_kl_pairs(validation, cfg.sequence_len) if validation is not None else None

@@ -165,15 +165,9 @@ def _tokenize(raw, ds: DatasetConfig, cfg: Config, tokenizer, workers: int):
 
 
 def build_reward(cfg: Config, tokenizer, load_raw, workers_for) -> tuple[object, object | None, dict]:
-    import datasets
+    from trainer.data import tokenize_and_split
 
-    from trainer.data import filter_and_split
-
-    parts = []
-    for ds in cfg.datasets:
-        raw = load_raw(ds)
-        parts.append(_tokenize(raw, ds, cfg, tokenizer, workers_for(len(raw))))
-    data, validation, stats = filter_and_split(cfg, datasets.concatenate_datasets(parts))
+    data, validation, stats = tokenize_and_split(cfg, tokenizer, load_raw, workers_for, _tokenize)
     stats.update(train_rows=len(data), train_tokens=int(sum(data["length"])),
                  validation_rows=len(validation) if validation is not None else 0)
     return data, validation, stats
