@@ -10,8 +10,10 @@ from the resumed weights, which carry the same zeros. Here the same is done by `
 loop calls right after optimizer.step().
 
 llmcompressor itself is not used: every release that has ConstantPruningModifier for this stack (0.14) pins
-transformers<=5.17, below the tested transformers. So only that modifier is implemented, with `targets`, `start`
-(0: from the first step) and `end` (none); any other modifier or option is refused in one line naming it.
+transformers<=5.17, below the tested transformers. So only that modifier is implemented, with `targets` and
+`start: 0` (or below: from the first step; llmcompressor's Modifier.should_start never starts one whose start is
+unset, and with any `end` set to -1 it never starts either, so those are refused, as are later starts and every
+other modifier or option, each in one line naming it).
 Targets are matched as llmcompressor matches them: "re:<regex>" by re.match, anything else by exact name or a
 module class name (e.g. Linear); a name is tried as the module's name and as its weight's name
 ("...q_proj.weight", the form Axolotl's example uses, which older llmcompressor matched on parameter names).
@@ -75,13 +77,15 @@ def modifiers(recipe) -> list[dict]:
             unknown = sorted(set(args) - {"targets", "start", "end"})
             if unknown:
                 raise ConfigError(f"llmcompressor.recipe.{where}.{name}: {', '.join(unknown)} not supported "
-                                  "(targets, start: 0 and end: -1 are)")
-            if args.get("start") not in (None, 0, 0.0, -1):
-                raise ConfigError(f"llmcompressor.recipe.{where}.{name}.start: only 0 (keep the zeros from the "
-                                  "first step) is supported")
-            if args.get("end") not in (None, -1, -1.0):
-                raise ConfigError(f"llmcompressor.recipe.{where}.{name}.end: only -1 (to the end of training) is "
-                                  "supported")
+                                  "(targets and start: 0 are)")
+            start = args.get("start")
+            if start is None or isinstance(start, bool) or not isinstance(start, (int, float)) or start > 0:
+                raise ConfigError(f"llmcompressor.recipe.{where}.{name}.start: set start: 0 (keep the zeros from "
+                                  "the first step; llmcompressor never starts a modifier without a start, and later "
+                                  "starts are not supported)")
+            if "end" in args:
+                raise ConfigError(f"llmcompressor.recipe.{where}.{name}.end: not supported (leave it out: the zeros "
+                                  "are kept to the end of training; llmcompressor's end: -1 would never start it)")
             targets = args.get("targets")
             targets = [targets] if isinstance(targets, str) else targets
             if not targets or not all(isinstance(t, str) for t in targets):

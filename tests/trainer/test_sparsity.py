@@ -138,6 +138,7 @@ def test_save_compressed_writes_the_model_dense_with_a_note():
 
 BASE = {"base_model": "x", "datasets": [{"path": "x", "type": "alpaca"}]}
 ONE = {"ConstantPruningModifier": {"targets": ["Linear"], "start": 0}}
+FLAT = {"finetuning_modifiers": ONE}  # a recipe without a stage level
 
 
 @pytest.mark.parametrize("raw, message", [
@@ -146,7 +147,11 @@ ONE = {"ConstantPruningModifier": {"targets": ["Linear"], "start": 0}}
     (sparse(llmcompressor={"recipe": {"s": {"m_modifiers": {"SparseGPTModifier": {"sparsity": 0.5}}}}}),
      "SparseGPTModifier: only ConstantPruningModifier"),
     (sparse(llmcompressor={"recipe": {"s": {"m_modifiers": {"ConstantPruningModifier": {
-        "targets": ["Linear"], "start": 1}}}}}), "start: only 0"),
+        "targets": ["Linear"], "start": 1}}}}}), "start: set start: 0"),
+    (sparse(llmcompressor={"recipe": {"s": {"m_modifiers": {"ConstantPruningModifier": {
+        "targets": ["Linear"]}}}}}), "never starts a modifier without a start"),
+    (sparse(llmcompressor={"recipe": {"s": {"m_modifiers": {"ConstantPruningModifier": {
+        "targets": ["Linear"], "start": 0, "end": -1}}}}}), "end: not supported"),
     (sparse(llmcompressor={"recipe": {"s": {"m_modifiers": {"ConstantPruningModifier": {
         "targets": ["Linear"], "mask_structure": "2:4"}}}}}), "mask_structure not supported"),
     (sparse(llmcompressor={"recipe": "recipe.yaml"}), "recipe files and strings are not supported"),
@@ -158,8 +163,26 @@ def test_refusals_name_the_key(raw, message):
         parse_config({**BASE, **raw})
 
 
+def test_class_name_targets_and_a_recipe_without_stages(sparse_llama):
+    """"Linear" (a class name, as compressed-tensors matches targets) takes every linear weight, lm_head included;
+    the Axolotl example's "re:.*q_proj.weight" regexes take the projections by their weights' names."""
+    from transformers import AutoModelForCausalLM
+
+    from trainer.sparsity import Pruning
+
+    model = AutoModelForCausalLM.from_pretrained(sparse_llama)
+    cfg, _ = parse_config({**BASE, **sparse(llmcompressor={"recipe": FLAT})})
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert {names[id(w)] for w, _ in Pruning(cfg, model, lambda *_: None).masks} == {
+        n for n, p in model.named_parameters() if targeted(n) or n == "lm_head.weight"}
+    cfg, _ = parse_config({**BASE, **sparse()})
+    assert {names[id(w)] for w, _ in Pruning(cfg, model, lambda *_: None).masks} == {
+        n for n, _ in model.named_parameters() if targeted(n)}
+
+
 def test_targets_matching_nothing_is_one_line_exit_2(make_config, sparse_llama, tmp_path):
-    recipe = {"recipe": {"s": {"m_modifiers": {"ConstantPruningModifier": {"targets": ["re:.*nothing"]}}}}}
+    modifier = {"ConstantPruningModifier": {"targets": ["re:.*nothing"], "start": 0}}
+    recipe = {"recipe": {"s": {"m_modifiers": modifier}}}
     config = make_config(base_model=str(sparse_llama), **sparse(llmcompressor=recipe))
     result = run_cli("train", str(config), cwd=tmp_path)
     assert result.returncode == 2 and "match no layer" in result.stderr
