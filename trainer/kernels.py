@@ -31,6 +31,7 @@ ACCEPTED_PLUGINS = {
     "axolotl.integrations.diffusion.plugin.DiffusionPlugin": None,
     # sparse fine-tuning: ConstantPruningModifier keeps the weights' zeros (trainer/sparsity.py)
     "axolotl.integrations.llm_compressor.LLMCompressorPlugin": None,
+    "axolotl.integrations.llm_compressor.plugin.LLMCompressorPlugin": None,
     "axolotl.integrations.swanlab.SwanLabPlugin": "SwanLab logging is not supported; metrics go to "
                                                   "output_dir/metrics.jsonl",
 }

@@ -34,6 +34,7 @@ from pydantic import BaseModel, ConfigDict
 from trainer.errors import ConfigError
 
 PLUGIN = "axolotl.integrations.llm_compressor.LLMCompressorPlugin"
+PLUGINS = (PLUGIN, "axolotl.integrations.llm_compressor.plugin.LLMCompressorPlugin")  # the module path works too
 EPSILON = 10e-9  # llmcompressor's ConstantPruningModifier._epsilon: |w| <= this counts as a zero
 MODIFIER = "ConstantPruningModifier"
 
@@ -47,7 +48,7 @@ class SparsityConfig(BaseModel):
 
 
 def enabled(cfg) -> bool:
-    return PLUGIN in (cfg.plugins or [])
+    return any(p in PLUGINS for p in cfg.plugins or [])
 
 
 def modifiers(recipe) -> list[dict]:
@@ -73,6 +74,8 @@ def modifiers(recipe) -> list[dict]:
             if name != MODIFIER:
                 raise ConfigError(f"llmcompressor.recipe.{where}.{name}: only {MODIFIER} is supported (keeping a "
                                   "sparse model's zeros while fine-tuning); pruning/quantizing modifiers are not")
+            if args is not None and not isinstance(args, dict):
+                raise ConfigError(f"llmcompressor.recipe.{where}.{name}: expected a mapping of its options")
             args = dict(args or {})
             unknown = sorted(set(args) - {"targets", "start", "end"})
             if unknown:

@@ -155,6 +155,8 @@ FLAT = {"finetuning_modifiers": ONE}  # a recipe without a stage level
     (sparse(llmcompressor={"recipe": {"s": {"m_modifiers": {"ConstantPruningModifier": {
         "targets": ["Linear"], "mask_structure": "2:4"}}}}}), "mask_structure not supported"),
     (sparse(llmcompressor={"recipe": "recipe.yaml"}), "recipe files and strings are not supported"),
+    (sparse(llmcompressor={"recipe": {"s": {"m_modifiers": {"ConstantPruningModifier": ["Linear"]}}}}),
+     "expected a mapping of its options"),
     (sparse(adapter="lora"), "LoRA update is dense"),
     (sparse(fsdp_version=2), "not with DeepSpeed, FSDP"),
 ])
@@ -171,7 +173,8 @@ def test_class_name_targets_and_a_recipe_without_stages(sparse_llama):
     from trainer.sparsity import Pruning
 
     model = AutoModelForCausalLM.from_pretrained(sparse_llama)
-    cfg, _ = parse_config({**BASE, **sparse(llmcompressor={"recipe": FLAT})})
+    cfg, _ = parse_config({**BASE, **sparse(llmcompressor={"recipe": FLAT},
+                                            plugins=["axolotl.integrations.llm_compressor.plugin.LLMCompressorPlugin"])})
     names = {id(p): n for n, p in model.named_parameters()}
     assert {names[id(w)] for w, _ in Pruning(cfg, model, lambda *_: None).masks} == {
         n for n, p in model.named_parameters() if targeted(n) or n == "lm_head.weight"}
