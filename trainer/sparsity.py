@@ -15,8 +15,14 @@ transformers<=5.17, below the tested transformers. So only that modifier is impl
 unset, and with any `end` set to -1 it never starts either, so those are refused, as are later starts and every
 other modifier or option, each in one line naming it).
 Targets are matched as llmcompressor matches them: "re:<regex>" by re.match, anything else by exact name or a
-module class name (e.g. Linear); a name is tried as the module's name and as its weight's name
-("...q_proj.weight", the form Axolotl's example uses, which older llmcompressor matched on parameter names).
+module class name (e.g. Linear); a name is tried as the module's name and also as its weight's name. The second is
+for Axolotl's example, whose targets name weights ("re:.*q_proj.weight"): llmcompressor 0.14 matches module names
+only (compressed-tensors' match_named_modules), so there they match nothing, and Axolotl's plugin builds its recipe
+with Recipe.model_validate(dict), which in 0.14 yields no modifiers at all: with today's llmcompressor the example
+keeps no zeros. Here it keeps them, as the example means. Checked against llmcompressor 0.14.0.1 itself (in a
+separate environment, bench/llmcompressor_oracle.py): with targets it matches (module regexes, "Linear") its
+session and this module give bit-identical weights after AdamW steps. The recipe is read as Recipe.from_dict
+reads one: <name>_stage: {<name>_modifiers: {Modifier: options}}; other keys, which it skips, are refused here.
 
 `save_compressed: true`: compressed-tensors (0.15+) no longer has sparse compressors, and llmcompressor then writes
 a sparse-only model dense (get_model_compressor warns "Sparse compression is no longer supported"); the final
@@ -52,24 +58,24 @@ def enabled(cfg) -> bool:
 
 
 def modifiers(recipe) -> list[dict]:
-    """The ConstantPruningModifier argument dicts of a recipe: {stage: {<group>_modifiers: {Name: args}}} (Axolotl's
-    example) or {<group>_modifiers: {Name: args}}; ConfigError for anything else."""
+    """The ConstantPruningModifier argument dicts of a recipe {<name>_stage: {<group>_modifiers: {Name: args}}}, the
+    form llmcompressor's Recipe.from_dict reads (it skips any other key silently: here that is an error)."""
     if not isinstance(recipe, dict) or not recipe:
         raise ConfigError("llmcompressor.recipe: give the recipe inline as a mapping "
-                          "(stage: {<name>_modifiers: {ConstantPruningModifier: {targets: [...]}}}); "
+                          "(<name>_stage: {<name>_modifiers: {ConstantPruningModifier: {targets: [...], start: 0}}}); "
                           "recipe files and strings are not supported")
     groups = []
     for key, value in recipe.items():
-        if key.endswith("_modifiers"):
-            groups.append((key, value))
-        elif isinstance(value, dict) and value and all(k.endswith("_modifiers") for k in value):
-            groups.extend((f"{key}.{k}", v) for k, v in value.items())
-        else:
-            raise ConfigError(f"llmcompressor.recipe.{key}: expected a stage of <name>_modifiers groups")
+        if not key.endswith("_stage") or not isinstance(value, dict) or not value:
+            raise ConfigError(f"llmcompressor.recipe.{key}: expected a <name>_stage mapping of <name>_modifiers "
+                              "groups (llmcompressor reads nothing else)")
+        for group, mods in value.items():
+            if not group.endswith("_modifiers") or not isinstance(mods, dict):
+                raise ConfigError(f"llmcompressor.recipe.{key}.{group}: expected a <name>_modifiers mapping of "
+                                  "modifier name to its options")
+            groups.append((f"{key}.{group}", mods))
     found = []
     for where, group in groups:
-        if not isinstance(group, dict):
-            raise ConfigError(f"llmcompressor.recipe.{where}: expected a mapping of modifier name to its options")
         for name, args in group.items():
             if name != MODIFIER:
                 raise ConfigError(f"llmcompressor.recipe.{where}.{name}: only {MODIFIER} is supported (keeping a "

@@ -138,24 +138,26 @@ def test_save_compressed_writes_the_model_dense_with_a_note():
 
 BASE = {"base_model": "x", "datasets": [{"path": "x", "type": "alpaca"}]}
 ONE = {"ConstantPruningModifier": {"targets": ["Linear"], "start": 0}}
-FLAT = {"finetuning_modifiers": ONE}  # a recipe without a stage level
+LINEAR = {"x_stage": {"finetuning_modifiers": ONE}}
 
 
 @pytest.mark.parametrize("raw, message", [
-    ({"llmcompressor": {"recipe": {"s": {"m_modifiers": ONE}}}}, "needs plugins"),
+    ({"llmcompressor": {"recipe": {"s_stage": {"m_modifiers": ONE}}}}, "needs plugins"),
     ({"plugins": [PLUGIN]}, "needs an llmcompressor: block"),
-    (sparse(llmcompressor={"recipe": {"s": {"m_modifiers": {"SparseGPTModifier": {"sparsity": 0.5}}}}}),
+    (sparse(llmcompressor={"recipe": {"s_stage": {"m_modifiers": {"SparseGPTModifier": {"sparsity": 0.5}}}}}),
      "SparseGPTModifier: only ConstantPruningModifier"),
-    (sparse(llmcompressor={"recipe": {"s": {"m_modifiers": {"ConstantPruningModifier": {
+    (sparse(llmcompressor={"recipe": {"s_stage": {"m_modifiers": {"ConstantPruningModifier": {
         "targets": ["Linear"], "start": 1}}}}}), "start: set start: 0"),
-    (sparse(llmcompressor={"recipe": {"s": {"m_modifiers": {"ConstantPruningModifier": {
+    (sparse(llmcompressor={"recipe": {"s_stage": {"m_modifiers": {"ConstantPruningModifier": {
         "targets": ["Linear"]}}}}}), "never starts a modifier without a start"),
-    (sparse(llmcompressor={"recipe": {"s": {"m_modifiers": {"ConstantPruningModifier": {
+    (sparse(llmcompressor={"recipe": {"s_stage": {"m_modifiers": {"ConstantPruningModifier": {
         "targets": ["Linear"], "start": 0, "end": -1}}}}}), "end: not supported"),
-    (sparse(llmcompressor={"recipe": {"s": {"m_modifiers": {"ConstantPruningModifier": {
+    (sparse(llmcompressor={"recipe": {"s_stage": {"m_modifiers": {"ConstantPruningModifier": {
         "targets": ["Linear"], "mask_structure": "2:4"}}}}}), "mask_structure not supported"),
     (sparse(llmcompressor={"recipe": "recipe.yaml"}), "recipe files and strings are not supported"),
-    (sparse(llmcompressor={"recipe": {"s": {"m_modifiers": {"ConstantPruningModifier": ["Linear"]}}}}),
+    (sparse(llmcompressor={"recipe": {"finetuning_modifiers": ONE}}), "finetuning_modifiers: expected a <name>_stage"),
+    (sparse(llmcompressor={"recipe": {"s_stage": {"pruning": ONE}}}), "s_stage.pruning: expected a <name>_modifiers"),
+    (sparse(llmcompressor={"recipe": {"s_stage": {"m_modifiers": {"ConstantPruningModifier": ["Linear"]}}}}),
      "expected a mapping of its options"),
     (sparse(adapter="lora"), "LoRA update is dense"),
     (sparse(fsdp_version=2), "not with DeepSpeed, FSDP"),
@@ -165,7 +167,7 @@ def test_refusals_name_the_key(raw, message):
         parse_config({**BASE, **raw})
 
 
-def test_class_name_targets_and_a_recipe_without_stages(sparse_llama):
+def test_class_name_targets_and_the_examples_weight_name_regexes(sparse_llama):
     """"Linear" (a class name, as compressed-tensors matches targets) takes every linear weight, lm_head included;
     the Axolotl example's "re:.*q_proj.weight" regexes take the projections by their weights' names."""
     from transformers import AutoModelForCausalLM
@@ -173,8 +175,8 @@ def test_class_name_targets_and_a_recipe_without_stages(sparse_llama):
     from trainer.sparsity import Pruning
 
     model = AutoModelForCausalLM.from_pretrained(sparse_llama)
-    cfg, _ = parse_config({**BASE, **sparse(llmcompressor={"recipe": FLAT},
-                                            plugins=["axolotl.integrations.llm_compressor.plugin.LLMCompressorPlugin"])})
+    module_path = "axolotl.integrations.llm_compressor.plugin.LLMCompressorPlugin"  # accepted as the short one
+    cfg, _ = parse_config({**BASE, **sparse(llmcompressor={"recipe": LINEAR}, plugins=[module_path])})
     names = {id(p): n for n, p in model.named_parameters()}
     assert {names[id(w)] for w, _ in Pruning(cfg, model, lambda *_: None).masks} == {
         n for n, p in model.named_parameters() if targeted(n) or n == "lm_head.weight"}
@@ -185,7 +187,7 @@ def test_class_name_targets_and_a_recipe_without_stages(sparse_llama):
 
 def test_targets_matching_nothing_is_one_line_exit_2(make_config, sparse_llama, tmp_path):
     modifier = {"ConstantPruningModifier": {"targets": ["re:.*nothing"], "start": 0}}
-    recipe = {"recipe": {"s": {"m_modifiers": modifier}}}
+    recipe = {"recipe": {"s_stage": {"m_modifiers": modifier}}}
     config = make_config(base_model=str(sparse_llama), **sparse(llmcompressor=recipe))
     result = run_cli("train", str(config), cwd=tmp_path)
     assert result.returncode == 2 and "match no layer" in result.stderr
