@@ -22,6 +22,7 @@ from trainer import alpaca_styles, facts
 from trainer.errors import ConfigError
 from trainer.diffusion import DiffusionConfig
 from trainer.qat import QatConfig
+from trainer.sparsity import SparsityConfig
 
 # The attention backends a config may name: matrices/attention.toml's rows (one copy of the fact; the resolver
 # and trainer/hardware.py read the same table), e.g. flash_attention_2, sdpa, flex_attention, Hub kernel ids.
@@ -377,6 +378,9 @@ class Config(BaseModel):
     # --- BitNet training (trainer/bitnet.py) -----------------------------------------------------------------
     use_onebitllms: bool = False  # Falcon-E: every linear layer but lm_head becomes onebitllms' BitNetLinear
 
+    # --- sparse fine-tuning (trainer/sparsity.py) -----------------------------------------------------------
+    llmcompressor: SparsityConfig | None = None  # with plugins: [axolotl.integrations.llm_compressor.LLMCompressorPlugin]
+
     # --- preference training (Axolotl's names; defaults as TRL's configs) --------------------------------
     rl: Literal["dpo", "ipo", "orpo", "kto", "simpo"] | None = None
     rl_beta: float | None = Field(None, gt=0)  # DPO/IPO/KTO/SimPO beta (TRL default 0.1)
@@ -583,8 +587,7 @@ PERFORMANCE_KEYS: dict[str, str] = {
 # Axolotl keys this trainer does not implement. Empty values are accepted (with a note); anything else is an error.
 UNSUPPORTED_KEYS: dict[str, str] = {
     **{k: "GPTQ/AWQ/torchao quantized loading is not supported (use load_in_4bit or load_in_8bit)" for k in (
-        "model_quantization_config", "model_quantization_config_kwargs",
-        "llmcompressor")},
+        "model_quantization_config", "model_quantization_config_kwargs")},
     **{k: "GPTQ checkpoints load through gptqmodel and optimum, which this trainer does not carry: gptqmodel 7.7 "
           "requires torch>=2.14.1 and 7.0-7.6 pin numpy==2.2.6, against the tested torch 2.13 stack. Train QLoRA "
           "on the unquantized model instead (adapter: qlora, load_in_4bit: true)"
@@ -735,6 +738,7 @@ def _named_choices(cfg: Config, notes: list[str]) -> list[str]:
     """Choices checked against data tables: optimizer, chat templates, plugins, FSDP settings."""
     from trainer import (causal_lm_eval, chat_templates, distributed, kernels, mistral_tokenizer, muon, optim,
                          ordering, parallelism, qat, relora, schedule)
+    from trainer import sparsity
 
     problems = []
     if cfg.gradient_checkpointing == "offload":
@@ -750,6 +754,7 @@ def _named_choices(cfg: Config, notes: list[str]) -> list[str]:
     checks += [lambda: notes.extend(kernels.check_plugins(cfg)), lambda: notes.extend(distributed.check(cfg))]
     checks += [lambda: notes.extend(mistral_tokenizer.check(cfg))]
     checks += [lambda: qat.check_config(cfg)]
+    checks += [lambda: notes.extend(sparsity.check(cfg))]
     checks += [lambda: notes.extend(objective_notes(cfg))]
     checks += [lambda: notes.extend(parallelism.check(cfg, distributed.enabled(cfg)))]
     checks += [lambda: notes.extend(ordering.notes(cfg) + causal_lm_eval.notes(cfg) + schedule.notes(cfg))]

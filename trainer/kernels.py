@@ -29,12 +29,14 @@ ACCEPTED_PLUGINS = {
     # diffusion LM training: an objective (trainer/diffusion.py, trainer/objectives/diffusion.py)
     "axolotl.integrations.diffusion.DiffusionPlugin": None,
     "axolotl.integrations.diffusion.plugin.DiffusionPlugin": None,
+    # sparse fine-tuning: ConstantPruningModifier keeps the weights' zeros (trainer/sparsity.py)
+    "axolotl.integrations.llm_compressor.LLMCompressorPlugin": None,
+    "axolotl.integrations.llm_compressor.plugin.LLMCompressorPlugin": None,
     "axolotl.integrations.swanlab.SwanLabPlugin": "SwanLab logging is not supported; metrics go to "
                                                   "output_dir/metrics.jsonl",
 }
 REFUSED_PLUGINS = {
     "axolotl.integrations.expert_parallel.ExpertParallelPlugin": "expert parallelism is not supported",
-    "axolotl.integrations.llm_compressor.LLMCompressorPlugin": "sparse fine-tuning (llmcompressor) is not supported",
     "axolotl.integrations.kd.KDPlugin": "knowledge distillation is not supported",
     "axolotl.integrations.grokfast.GrokfastPlugin": "grokfast gradient filtering is not supported",
     "axolotl.integrations.spectrum.SpectrumPlugin": "spectrum layer selection is not supported",

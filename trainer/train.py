@@ -281,6 +281,12 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
             say(f"note: {resume} was saved with save_only_model: its weights, step and data position continue, the "
                 "optimizer restarts with empty state (moments reset) and the RNG is not restored")
 
+    pruning = None
+    if cfg.llmcompressor is not None:  # after resume: the zero pattern of the weights training continues from
+        from trainer.sparsity import Pruning
+
+        pruning = Pruning(cfg, unwrapped, say)
+
     # 7. the loop. Each step's loss is normalised by the step's totals on all ranks (target tokens for SFT,
     # pairs or examples for preference objectives), counted before the first backward in ONE all-reduce of a
     # fixed-size vector. DDP averages gradients over ranks and DeepSpeed divides by ga: scale to undo both.
@@ -360,6 +366,8 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
                     grad_norm = None if norm is None else float(norm)  # None under DeepSpeed, which clips itself
                 lr = float(scheduler.get_last_lr()[0])  # torchao optimizers keep lr as a tensor
                 optimizer.step()
+                if pruning is not None:  # ConstantPruningModifier: the targeted weights' zeros again
+                    pruning.after_step()
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
                 step += 1
