@@ -27,8 +27,21 @@ FSDP2 = {"fsdp_version": 2, "fsdp_config": {"fsdp_auto_wrap_policy": "TRANSFORME
                                             "fsdp_reshard_after_forward": True}}
 
 
-@pytest.mark.parametrize("rl", ["dpo", "kto"])
-def test_fsdp2_and_zero3_match_ddp_evaluate_checkpoint_and_resume(rl, make_config, tmp_path):
+def trained_adapter(base: Path, out: Path) -> Path:
+    """A LoRA adapter whose B matrices are not zero (peft's init_lora_weights=False), so it changes the outputs."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base), LoraConfig(
+        r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False, task_type="CAUSAL_LM"))
+    model.save_pretrained(out)
+    return out
+
+
+@pytest.mark.parametrize("rl,adapter", [("dpo", None), ("kto", None), ("dpo", "lora")])
+def test_fsdp2_and_zero3_match_ddp_evaluate_checkpoint_and_resume(rl, adapter, make_config, tmp_path, tiny_llama):
+    """With LoRA (continuing a trained adapter, lora_model_dir) the reference is the base with the adapter
+    disabled, on the sharded model: the first step's rewards are then not zero, and the same as DDP's."""
     # 44 rows: 35 train and 9 held out, so each rank's reference pass and evaluation is a batch off the other's
     if rl == "kto":  # packed, with KL forwards in every step
         dataset = {"path": str(write_jsonl(tmp_path / "kto.jsonl", kto_rows(44, seed=4, long_every=4))),
@@ -39,6 +52,8 @@ def test_fsdp2_and_zero3_match_ddp_evaluate_checkpoint_and_resume(rl, make_confi
     common = dict(rl=rl, datasets=[dataset], sequence_len=160, val_set_size=0.2, micro_batch_size=1, max_steps=3,
                   gradient_accumulation_steps=2, eval_steps=2, save_steps=2, lr_scheduler="cosine", warmup_steps=0,
                   learning_rate=5e-3, ddp_timeout=60, dataset_prepare_timeout=60, sample_packing=rl == "kto")
+    if adapter:
+        common.update(adapter=adapter, lora_model_dir=str(trained_adapter(tiny_llama, tmp_path / "adapter")))
 
     def run(name: str, prepared: str, **extra) -> tuple[Path, str]:
         out = tmp_path / name
@@ -51,6 +66,8 @@ def test_fsdp2_and_zero3_match_ddp_evaluate_checkpoint_and_resume(rl, make_confi
     ddp, _ = run("ddp", "prepared-ddp")
     reference, ref_evals = train_losses(ddp), [r["eval_loss"] for r in read_metrics(ddp) if "eval_loss" in r]
     assert reference.keys() == {1, 2, 3} and len(ref_evals) == 2
+    if adapter:  # the policy starts with the adapter on, the reference without it
+        assert abs(next(r for r in read_metrics(ddp) if "loss" in r)["rewards/chosen"]) > 1e-4
     for backend, extra, kind in (("fsdp2", FSDP2, "FSDP"), ("zero3", {"deepspeed": str(DS_ZERO3)}, "DEEPSPEED")):
         out, log = run(backend, f"prepared-{backend}", **extra)
         assert f"sharding: {kind}" in log and "computing reference log-probs once" in log
@@ -65,8 +82,11 @@ def test_fsdp2_and_zero3_match_ddp_evaluate_checkpoint_and_resume(rl, make_confi
         metric = "kl" if rl == "kto" else "rewards/margins"
         logged = lambda o: [r[metric] for r in read_metrics(o) if "loss" in r]  # noqa: E731
         assert logged(out) == pytest.approx(logged(ddp), rel=1e-4, abs=1e-6)
-        assert (out / "checkpoint-2").is_dir() and (out / "final" / "model.safetensors").exists()
+        weights = "adapter_model.safetensors" if adapter else "model.safetensors"
+        assert (out / "checkpoint-2").is_dir() and (out / "final" / weights).exists()
 
+        if adapter and backend == "zero3":  # resuming LoRA under ZeRO-3 fails in DeepSpeed's parameter-fetch trace
+            continue  # (SFT too: not a preference matter; README, Known limits)
         resumed = tmp_path / f"{backend}-resumed"  # from the mid-run checkpoint: the last step again, exactly
         resumed.mkdir()
         shutil.copytree(out / "checkpoint-2", resumed / "checkpoint-2")
