@@ -109,7 +109,7 @@ def _shard(objective, model, dataset, batch_size: int, capacity, device, rank: i
         batch = to_device(objective.collate([rows[r] for r in batch_rows]), device)
         with autocast():
             values = objective.reference(model, batch).double().cpu().numpy()
-        index = np.array([i for row in batch_rows for i in row], dtype=np.float64)[:, None]
+        index = np.array([e for row in batch_rows for e in row], dtype=np.float64)[:, None]
         out.append(np.concatenate([index, values], axis=1))
     return np.concatenate(out)
 
