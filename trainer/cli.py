@@ -46,7 +46,6 @@ def feature_notes(cfg, runtime, plan) -> list[str]:
     runtime.kernels, kernel_notes = kernels.plan_notes(cfg, runtime.gpu, plan)
     from trainer import distributed
 
-    distributed.check_objective(cfg)
     if distributed.enabled(cfg) and runtime.device == "cpu" and distributed.fsdp_settings(cfg)["fsdp_version"] == 1:
         notes.append(distributed.CPU_FSDP1_NOTE)
     return notes + kernel_notes

@@ -215,19 +215,3 @@ def deepspeed_stage(cfg) -> int | None:
     except (OSError, ValueError) as err:
         raise ConfigError(f"deepspeed: cannot read {path}: {err}") from None
     return int(stage) if isinstance(stage, (int, str)) and str(stage).isdigit() else None
-
-
-def check_objective(cfg) -> None:
-    """Refuse what would hang: preference objectives compute reference log-probs before training, each rank
-    over its own uneven share with no collective. With weights sharded in every forward (FSDP, ZeRO-3) that
-    pass would be a collective of rank-dependent count, so those combinations are refused up front."""
-    if not cfg.rl:
-        return
-    if enabled(cfg):
-        raise ConfigError(f"rl: {cfg.rl} with FSDP is not supported (the reference pass before training runs "
-                          "uneven forwards per rank, which sharded weights would turn into a hang); use deepspeed "
-                          "ZeRO-1/2 or DDP")
-    if deepspeed_stage(cfg) == 3:
-        raise ConfigError(f"rl: {cfg.rl} with DeepSpeed ZeRO-3 is not supported (the reference pass before "
-                          "training runs uneven forwards per rank, which sharded weights would turn into a hang); "
-                          "use a ZeRO-1/2 config such as deepspeed_configs/zero2.json")

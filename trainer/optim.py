@@ -71,6 +71,9 @@ def make_optimizer(cfg, model):
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     groups = [{"params": [p for _, p in named if p.ndim >= 2], "weight_decay": cfg.weight_decay},
               {"params": [p for _, p in named if p.ndim < 2], "weight_decay": 0.0}]
+    # no empty group (LoRA has no 1-d parameters): DeepSpeed ZeRO-3 drops empty groups, leaving the schedule
+    # one group short
+    groups = [g for g in groups if g["params"]]
     optim_args = cfg.optim_args
     if isinstance(optim_args, dict):
         optim_args = ",".join(f"{k}={v}" for k, v in optim_args.items())

@@ -3,9 +3,13 @@ model is ever kept: the reference is the model as loaded, before any step (with 
 adapter disabled -- which is also right when a run resumes with a trained adapter).
 
 Each rank computes its share of the examples (the evaluation sampler's split: ranks may differ by a batch)
-with NO collective at all: it writes its shard atomically, then waits for the other ranks' shard files,
+with NO collective of its own: it writes its shard atomically, then waits for the other ranks' shard files,
 with the data-preparation timeout, naming the ranks it is still waiting for. So neither uneven lengths nor
 a slow rank can turn this into a collective that times out with a backend stack trace.
+
+With sharded weights (FSDP, DeepSpeed ZeRO-3) every forward pass is itself a collective (the shards are
+gathered), so there the ranks first agree, in one all-reduce, on the busiest rank's batch count, and the
+others run as many filler forwards (one example, its values discarded) -- as the evaluation does.
 
 Cache: <dataset cache>/reference-<key>/<split>.npy, the key hashing the model (config and weight files'
 names, sizes and mtimes), the precision, the attention backend, the adapter and quantization settings and
@@ -74,17 +78,38 @@ def _save_atomic(path: Path, array: np.ndarray) -> None:
     os.replace(tmp, path)
 
 
-def _shard(objective, model, dataset, batch_size: int, capacity, device, rank: int, world: int, autocast) -> np.ndarray:
-    """[rows, 1 + k]: example index, then its reference values."""
+def _busiest(count: int, device, rank: int, timeout_s: float) -> int:
+    """The most batches any rank has (one all-reduce: every rank calls it)."""
+    import torch.distributed as dist
+
+    from trainer.collective import phase
+
+    most = torch.tensor([count], device=device)
+    with phase("reference log-probs (counting batches)", rank, timeout_s):
+        dist.all_reduce(most, op=dist.ReduceOp.MAX)
+    return int(most.item())
+
+
+def _shard(objective, model, dataset, batch_size: int, capacity, device, rank: int, world: int, autocast,
+           sharded: bool = False, timeout_s: float = 1800) -> np.ndarray:
+    """[rows, 1 + k]: example index, then its reference values. sharded: every forward is a collective, so
+    every rank runs as many as the busiest rank (the extra ones on one example, not kept)."""
     sampler = MultipackBatchSampler(objective.lengths(dataset), batch_size, capacity, rank=rank, world_size=world,
                                     shuffle=False, drop_last=False)
     rows = objective.rows(dataset)
     out = [np.zeros((0, 1 + len(objective.reference_names)))]
-    for batch_rows in sampler:
+    batches = list(sampler)
+    steps = _busiest(len(batches), device, rank, timeout_s) if sharded and world > 1 else len(batches)
+    for i in range(steps):
+        if i >= len(batches):  # takes part in the shards' all-gathers; its values are not kept
+            with autocast():
+                objective.reference(model, to_device(objective.collate([rows[[0]]]), device))
+            continue
+        batch_rows = batches[i]
         batch = to_device(objective.collate([rows[r] for r in batch_rows]), device)
         with autocast():
             values = objective.reference(model, batch).double().cpu().numpy()
-        index = np.array([i for row in batch_rows for i in row], dtype=np.float64)[:, None]
+        index = np.array([e for row in batch_rows for e in row], dtype=np.float64)[:, None]
         out.append(np.concatenate([index, values], axis=1))
     return np.concatenate(out)
 
@@ -99,8 +124,9 @@ def _wait_for(paths: dict[int, Path], rank: int, timeout_s: float) -> None:
 
 
 def reference_logps(objective: Objective, model, data, cfg, runtime, device, rank: int = 0, world: int = 1,
-                    autocast=None, log=print) -> dict[str, np.ndarray]:
-    """{"train": [n, k], "validation": [m, k]} reference values per example, from the cache or computed now."""
+                    autocast=None, log=print, sharded: bool = False) -> dict[str, np.ndarray]:
+    """{"train": [n, k], "validation": [m, k]} reference values per example, from the cache or computed now.
+    sharded: the weights are sharded (FSDP, ZeRO-3): every rank must call this (it runs collectives)."""
     root = Path(data.path) / f"reference-{reference_key(cfg, runtime, objective)}"
     splits = {"train": data.train, "validation": data.validation}
     out, todo = {}, []
@@ -128,9 +154,11 @@ def reference_logps(objective: Objective, model, data, cfg, runtime, device, ran
     with torch.no_grad(), adapter_off:
         for split, dataset in todo:
             shard = root / f"{split}.shard-{rank}-{layout}.npy"
-            if not shard.exists():  # a shard from an interrupted run is complete (atomic) and still right
+            # a shard from an interrupted run is complete (atomic) and still right; sharded, every rank
+            # computes again (its forwards are collectives the other ranks take part in)
+            if sharded or not shard.exists():
                 _save_atomic(shard, _shard(objective, model, dataset, batch_size, bins, device, rank, world,
-                                           autocast or nullcontext))
+                                           autocast or nullcontext, sharded, cfg.dataset_prepare_timeout))
     model.train(was_training)
     for split, dataset in todo:
         shards = {r: root / f"{split}.shard-{r}-{layout}.npy" for r in range(world)}

@@ -246,10 +246,12 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
     # from the cache when a previous run computed them. Never a second copy of the model.
     reference = {}
     if objective.needs_reference:
+        from trainer import distributed
         from trainer.reference import reference_logps
 
         reference = reference_logps(objective, unwrapped, data, cfg, runtime, device, rank, world,
-                                    autocast=accelerator.autocast, log=say)
+                                    autocast=accelerator.autocast, log=say,  # FSDP/ZeRO-3: lock-step forwards
+                                    sharded=distributed.is_sharded(unwrapped) or bool(cfg.deepspeed))
     # The loader gets its own generator: starting an iterator must not draw from the global RNG, or a
     # resumed run (which starts one after restoring the RNG) would see different dropout masks.
     from trainer.streaming import StreamRows
@@ -338,7 +340,8 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
                 consumed += ga
                 objective.step = step  # objectives that draw noise key it by the step (diffusion), so resume is exact
                 stats = torch.zeros(len(objective.stat_names), dtype=torch.float64, device=device)
-                for batch in micro_batches:  # counts; KTO's KL forwards (no grad) run on the unwrapped model
+                for batch in micro_batches:  # counts; KTO's KL forwards (no grad) run on the unwrapped model,
+                    # ga per rank on every rank, so also where each forward gathers shards (FSDP2, ZeRO-3)
                     batch = to_device(batch, device) if objective.stats_need_model else batch
                     stats += torch.tensor(objective.step_stats(unwrapped, batch), dtype=torch.float64, device=device)
                 stats = reduce_sum(stats * vote, f"step {step + 1} (counting the step's totals)", rank, timeout)
