@@ -96,19 +96,33 @@ class DatasetConfig(BaseModel):
 
 
 class PretrainingDatasetConfig(BaseModel):
-    """An entry of Axolotl's pretraining_dataset: raw text, cut into sequence_len windows (type: pretrain)."""
+    """An entry of Axolotl's pretraining_dataset: raw text, cut into sequence_len windows (type: pretrain), or rows
+    tokenized as an SFT type (type: completion, ...)."""
 
     model_config = ConfigDict(extra="forbid")
 
     path: str
     name: str | None = None
     split: str = "train"
-    type: Literal["pretrain"] = "pretrain"
+    # pretrain: windows of raw text; or an SFT prompt format (completion, alpaca, ...): each streamed row is
+    # tokenized as that dataset type, as Axolotl's get_dataset_wrapper does for a typed pretraining_dataset
+    type: str = "pretrain"
     text_column: str = "text"
+    field: str | None = None  # completion's text field (default text_column; Axolotl reads `text` here)
     data_files: str | list[str] | None = None
     ds_type: Literal["json", "parquet", "csv"] | None = None
     skip: int | None = Field(None, ge=0)  # rows of the stream to skip before training
     trust_remote_code: bool = False  # inert: datasets >= 4 runs no dataset loading scripts
+
+    @model_validator(mode="after")
+    def _known_type(self) -> PretrainingDatasetConfig:
+        if self.type != "pretrain" and self.type not in PromptFormat.__args__:
+            raise ValueError(f"type: got {self.type!r}; use pretrain or an SFT type ({', '.join(PromptFormat.__args__)})")
+        return self
+
+    def as_dataset(self) -> DatasetConfig:
+        """A typed entry as the dataset entry its rows are tokenized with."""
+        return DatasetConfig(path=self.path, type=self.type, split=self.split, field=self.field or self.text_column)
 
 
 class LoftQOptions(BaseModel):

@@ -117,7 +117,12 @@ class Stream:
         self.entries = list(cfg.pretraining_dataset or cfg.datasets)
 
     def examples(self, pass_index: int) -> Iterator[dict]:
-        """This rank's tokenized examples of one pass over the data."""
+        """This rank's tokenized examples of one pass over the data, each with an `index` unique to (pass, row,
+        piece of the row): what keys per-example randomness (the diffusion objective's masks) on resume too."""
+        for i, j, example in self._examples(pass_index):
+            yield {**example, "index": (pass_index << 48) | (i << 16) | j}
+
+    def _examples(self, pass_index: int) -> Iterator[tuple[int, int, dict]]:
         from trainer.data import tokenize_example
 
         cfg = self.cfg
@@ -128,21 +133,22 @@ class Stream:
             if i % self.world != self.rank:
                 continue
             entry = self.entries[k]
-            if isinstance(entry, PretrainingDatasetConfig):
+            if isinstance(entry, PretrainingDatasetConfig) and entry.type == "pretrain":
                 text = row.get(entry.text_column)
                 if not isinstance(text, str):
                     raise DataError(f"pretraining_dataset {entry.path}: rows need a text column "
                                     f"'{entry.text_column}' (columns: {', '.join(sorted(row))}); set text_column")
                 if cfg.sample_packing:
-                    yield from pretrain_windows(text, self.tokenizer, cfg.sequence_len)
+                    yield from ((i, j, w) for j, w in enumerate(pretrain_windows(text, self.tokenizer, cfg.sequence_len)))
                 else:  # Axolotl's unpacked path (encode_streaming): the text's start only, sequence_len - 2 tokens
                     ids = self.tokenizer(text, truncation=True, max_length=cfg.sequence_len - 2)["input_ids"]
-                    yield {"input_ids": ids, "labels": list(ids)}
+                    yield i, 0, {"input_ids": ids, "labels": list(ids)}
                 continue
-            out = tokenize_example(row, entry, cfg, self.tokenizer)
+            ds = entry.as_dataset() if isinstance(entry, PretrainingDatasetConfig) else entry
+            out = tokenize_example(row, ds, cfg, self.tokenizer)
             too_short = cfg.min_sample_len is not None and out["length"] < cfg.min_sample_len
             if out["targets"] > 0 and not too_short and not (out["too_long"] and cfg.excess_length_strategy == "drop"):
-                yield {"input_ids": out["input_ids"], "labels": out["labels"]}
+                yield i, 0, {"input_ids": out["input_ids"], "labels": out["labels"]}
 
     def _rows(self, examples: list[dict], rng: np.random.Generator) -> list[list[dict]]:
         """One buffer of examples -> rows: packed bins (sample_packing) or one example per row."""

@@ -209,6 +209,52 @@ def test_axolotls_streaming_pretrain_example_trains_with_only_model_and_data_swa
     assert rows[0]["tokens"] > 8 * 1024 * 0.5  # 8 micro-batches of packed windows per step
 
 
+def test_a_typed_pretraining_dataset_streams_rows_tokenized_as_that_type(pretrain_config, tmp_path):
+    """Axolotl's diffusion pretrain example streams `type: completion` rows: each is the completion type's
+    tokens (the whole text plus EOS, every token trained), not pretrain windows."""
+    from trainer.data import tokenize_example
+    from trainer.config import DatasetConfig
+
+    config = pretrain_config(pretraining_dataset=[{"path": str(tmp_path / "text.jsonl"), "type": "completion",
+                                                   "field": "text"}], sample_packing=False, sequence_len=128)
+    stream, cfg = stream_of(config)
+    got = list(itertools.islice(stream.examples(0), 6))
+    want = [tokenize_example(row, DatasetConfig(path="x", type="completion"), cfg, stream.tokenizer)
+            for row in texts(24)]
+    by_ids = {tuple(w["input_ids"]): w for w in want}
+    for example in got:
+        match = by_ids[tuple(example["input_ids"])]
+        assert example["labels"] == match["labels"]
+        assert example["input_ids"][-1] == stream.tokenizer.eos_token_id
+    with pytest.raises(ConfigError, match="type: got 'alpaca_chat'; use pretrain or an SFT type"):
+        parse_config({"base_model": "x", "max_steps": 1, "pretraining_dataset": [{"path": "x", "type": "alpaca_chat"}]})
+
+
+def test_axolotls_diffusion_pretrain_example_trains_with_only_model_and_data_swapped(tiny_llama, text_file, tmp_path):
+    """examples/llama-3/diffusion/pretrain-1b.yaml (copy in data/axolotl_examples/): the diffusion objective on
+    streamed `type: completion` rows, 2 of its steps."""
+    import yaml
+
+    raw = yaml.safe_load((Path(__file__).parent / "data" / "axolotl_examples" / "llama-3__diffusion__pretrain-1b.yaml").read_text())
+    raw.update(base_model=str(tiny_llama), output_dir=str(tmp_path / "out"), max_steps=2, sequence_len=128)
+    raw["pretraining_dataset"][0].update(path=str(text_file), name=None)
+    raw["diffusion"]["generate_samples"] = False  # sampling is covered in test_diffusion.py
+    config = tmp_path / "pretrain-diffusion.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    assert main(["train", str(config)]) == 0
+    rows = [r for r in read_metrics(tmp_path / "out") if "loss" in r]
+    assert [r["step"] for r in rows] == [1, 2] and all(r["num_masked_tokens"] > 0 for r in rows)
+
+
+def test_diffusion_on_a_stream_resumes_exactly(pretrain_config, tmp_path):
+    """The diffusion masks are keyed by each streamed example's index (pass, row, window), which the replayed
+    stream gives again: a resumed run takes the uninterrupted run's later steps, loss for loss."""
+    from trainer.diffusion import PLUGIN
+
+    train_then_resume(main, pretrain_config, tmp_path, checkpoint=2, plugins=[PLUGIN],
+                      diffusion={"mask_token_id": 5, "eps": 1e-3}, attn_implementation="sdpa", max_steps=4)
+
+
 # --- pre-tokenized rows (a dataset entry without type) --------------------------------------------------
 
 def test_pretokenized_rows_train_as_given(make_config, tiny_llama, tmp_path):
