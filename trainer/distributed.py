@@ -191,6 +191,34 @@ def is_deepspeed(engine) -> bool:
     return type(engine).__name__ == "DeepSpeedEngine"
 
 
+def register_lora_weights(engine) -> int:
+    """ZeRO-3 with LoRA: declare each adapter's lora_A/lora_B weights as parameters of the peft layer that holds
+    them (DeepSpeed's register_external_parameter); return how many. peft's layer reads lora_A.weight (its dtype)
+    before lora_A runs. Undeclared, DeepSpeed registers it on the fly whenever that read finds it partitioned,
+    which depends on what ran before: right after engine.load_checkpoint (whose epilogue gathers the persistent
+    parameters) the micro-batch DeepSpeed records its fetch trace on finds it gathered, the next one finds it
+    released by that recording, and its fetches then depart from the trace ("tracing error at step N" on resume
+    with gradient accumulation). Declared up front, every micro-batch fetches the same parameters."""
+    if not is_deepspeed(engine) or engine.zero_optimization_stage() != 3:
+        return 0
+    from deepspeed.runtime.zero import register_external_parameter
+
+    import torch
+
+    count = 0
+    for module in engine.module.modules():
+        for attr in ("lora_A", "lora_B"):
+            adapters = getattr(module, attr, None)
+            if not isinstance(adapters, torch.nn.ModuleDict):
+                continue
+            for child in adapters.values():
+                weight = getattr(child, "weight", None)
+                if weight is not None and hasattr(weight, "ds_id"):
+                    register_external_parameter(module, weight)
+                    count += 1
+    return count
+
+
 def gathered_model_state(engine, model) -> dict | None:
     """The full weights for save_pretrained where they are sharded (FSDP2, DeepSpeed ZeRO-3); None otherwise.
     A collective: every rank calls it."""

@@ -220,6 +220,9 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
         model = parallelism.autocast(model, accelerator)
     else:
         model, optimizer = accelerator.prepare(model, optimizer)  # the scheduler is stepped by us, once per step
+        from trainer.distributed import register_lora_weights
+
+        register_lora_weights(model)  # ZeRO-3 + LoRA: the same parameter fetches in every micro-batch
     unwrapped = accelerator.unwrap_model(model)
     if accelerator.mesh is not None:
         from trainer.parallelism import placement

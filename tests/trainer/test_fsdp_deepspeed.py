@@ -125,3 +125,21 @@ def test_qlora_under_fsdp2_resumes_exactly(tmp_path, tiny_llama):
     full, after = train_losses(out), train_losses(again)
     assert sorted(after) == [3, 4, 5]
     assert all(after[s] == pytest.approx(full[s], rel=1e-6) for s in after), (full, after)
+
+
+def test_lora_under_zero3_resumes_exactly(tmp_path, tiny_llama):
+    """LoRA under ZeRO-3 with gradient accumulation: resuming from the mid-run checkpoint repeats the same steps.
+    DeepSpeed records its parameter-fetch trace on the first micro-batch after the checkpoint loads and checks
+    the next against it; peft's layer reads lora_A.weight outside lora_A, so unless the trainer declares it,
+    the two micro-batches fetch differently and the resume dies ("tracing error at step N")."""
+    lora = {**BACKENDS["zero3"], "adapter": "lora", "lora_r": 4, "lora_target_linear": True, "max_steps": 4,
+            "gradient_accumulation_steps": 2}
+    out, result = run_config(tmp_path, tiny_llama, "zero3-lora", lora)
+    assert "sharding: DEEPSPEED" in result.stderr and (out / "final" / "adapter_model.safetensors").exists()
+    resumed = tmp_path / "zero3-lora-resumed"
+    resumed.mkdir()
+    shutil.copytree(out / "checkpoint-2", resumed / "checkpoint-2")
+    again, _ = run_config(tmp_path, tiny_llama, "zero3-lora-resumed", lora, auto_resume_from_checkpoints=True)
+    full, after = train_losses(out), train_losses(again)
+    assert sorted(after) == [3, 4]
+    assert all(after[s] == pytest.approx(full[s], rel=1e-6) for s in after), (full, after)
