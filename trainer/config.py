@@ -750,8 +750,8 @@ def parse_config(raw: Any) -> tuple[Config, list[str]]:
 
 def _named_choices(cfg: Config, notes: list[str]) -> list[str]:
     """Choices checked against data tables: optimizer, chat templates, plugins, FSDP settings."""
-    from trainer import (causal_lm_eval, chat_templates, distributed, kernels, mistral_tokenizer, muon, optim,
-                         ordering, parallelism, qat, relora, schedule)
+    from trainer import (causal_lm_eval, chat_templates, distributed, kernels, mistral_tokenizer, optim, ordering,
+                         parallelism, qat, relora, schedule)
     from trainer import sparsity
 
     problems = []
@@ -762,7 +762,7 @@ def _named_choices(cfg: Config, notes: list[str]) -> list[str]:
         notes.append("unfrozen_parameters: ignored with an adapter (the adapter's weights are what is trained; "
                      "quantized base weights cannot be)")
     checks = [lambda: optim.check(cfg.optimizer), lambda: chat_templates.check(cfg.chat_template, cfg.chat_template_jinja),
-              lambda: muon.check(cfg)]
+              lambda: optim.check_muon(cfg)]
     checks += [lambda ds=ds: chat_templates.check(ds.chat_template, ds.chat_template_jinja)
                for ds in cfg.datasets if ds.chat_template]
     checks += [lambda: notes.extend(kernels.check_plugins(cfg)), lambda: notes.extend(distributed.check(cfg))]

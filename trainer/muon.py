@@ -95,17 +95,3 @@ def build(cfg, model) -> MuonWithAdamW:
     given = cfg.model_fields_set
     betas = (cfg.adam_beta1, cfg.adam_beta2) if {"adam_beta1", "adam_beta2"} <= given else AXOLOTL_ADAMW_BETAS
     return MuonWithAdamW(muon, adamw, cfg.learning_rate, cfg.weight_decay, betas, cfg.adam_epsilon, model, left_out)
-
-
-def check(cfg) -> None:
-    """Config-time: Muon needs each 2-D matrix whole, or as FSDP2's DTensor shard (torch's Muon runs on those)."""
-    if cfg.optimizer != "muon":
-        return
-    from trainer import distributed
-
-    if cfg.deepspeed:
-        raise ConfigError("optimizer: muon with deepspeed: ZeRO flattens parameters into 1-D partitions and Muon "
-                          "orthogonalises 2-D matrices; use FSDP2 (fsdp_version: 2) or DDP")
-    if distributed.enabled(cfg) and distributed.fsdp_settings(cfg)["fsdp_version"] == 1:
-        raise ConfigError("optimizer: muon with FSDP1: its flat parameters are 1-D and Muon orthogonalises 2-D "
-                          "matrices; use fsdp_version: 2")

@@ -93,3 +93,17 @@ def make_optimizer(cfg, model):
             if isinstance(module, torch.nn.Embedding):
                 manager.register_module_override(module, "weight", {"optim_bits": 32})
     return optimizer
+
+
+def check_muon(cfg) -> None:
+    """Config-time (here, not in trainer/muon.py, which needs torch): Muon needs each 2-D matrix whole, or as FSDP2's DTensor shard (torch's Muon runs on those)."""
+    if cfg.optimizer != "muon":
+        return
+    from trainer import distributed
+
+    if cfg.deepspeed:
+        raise ConfigError("optimizer: muon with deepspeed: ZeRO flattens parameters into 1-D partitions and Muon "
+                          "orthogonalises 2-D matrices; use FSDP2 (fsdp_version: 2) or DDP")
+    if distributed.enabled(cfg) and distributed.fsdp_settings(cfg)["fsdp_version"] == 1:
+        raise ConfigError("optimizer: muon with FSDP1: its flat parameters are 1-D and Muon orthogonalises 2-D "
+                          "matrices; use fsdp_version: 2")

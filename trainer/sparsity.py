@@ -32,12 +32,14 @@ model here is written dense too, with its zeros, and a note says so.
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from pydantic import BaseModel, ConfigDict
 
 from trainer.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
 
 PLUGIN = "axolotl.integrations.llm_compressor.LLMCompressorPlugin"
 PLUGINS = (PLUGIN, "axolotl.integrations.llm_compressor.plugin.LLMCompressorPlugin")  # the module path works too
@@ -146,6 +148,8 @@ class Pruning:
     """ConstantPruningModifier: the targeted weights' zero pattern, taken now, re-applied after every step."""
 
     def __init__(self, cfg, model: torch.nn.Module, say=print):
+        import torch  # here, not at the top: config validation imports this module and needs no torch
+
         targets = [t for m in modifiers(cfg.llmcompressor.recipe) for t in m["targets"]]
         self.masks: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
         seen = set()
@@ -164,7 +168,6 @@ class Pruning:
         say(f"llmcompressor: keeping the zeros of {len(self.masks)} weights ({zeros / total:.1%} of their "
             f"{total:,} values are zero)")
 
-    @torch.no_grad()
     def after_step(self) -> None:
         for weight, mask in self.masks:
-            weight.mul_(mask)
+            weight.data.mul_(mask)  # outside autograd, as under no_grad

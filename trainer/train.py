@@ -387,7 +387,7 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
                     progress.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}",
                                          **{k: f"{report[k]:.3f}" for k in objective.progress_names if k in report})
                 if generate_every and step % generate_every == 0 and main:  # diffusion's generate_samples
-                    from trainer.diffusion import write_samples
+                    from trainer.diffusion_steps import write_samples
 
                     write_samples(unwrapped, tokenizer, data.validation if data.validation is not None else data.train,
                                   cfg.diffusion, runtime.attention, cfg.seed, step, output_dir, say)

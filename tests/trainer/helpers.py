@@ -38,6 +38,20 @@ def run_cli(*args: str, env: dict | None = None, cwd: Path | None = None, timeou
                           env=full_env, cwd=cwd or REPO, timeout=timeout)
 
 
+def torchrun(*args: str, nproc: int = 2, timeout: int = 240) -> subprocess.CompletedProcess:
+    """torchrun --standalone with nproc processes (gloo on CPU, 127.0.0.1): a hang fails the test
+    (subprocess.run raises TimeoutExpired)."""
+    env = {**{k: v for k, v in os.environ.items() if k != "ENVTOOL_PLAN"},
+           "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=timeout)
+
+
+def torchrun_train(config: Path, nproc: int = 2, timeout: int = 240) -> subprocess.CompletedProcess:
+    """`python -m trainer train CONFIG` under torchrun."""
+    return torchrun("-m", "trainer", "train", str(config), nproc=nproc, timeout=timeout)
+
+
 def read_metrics(output_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()]
 

@@ -180,22 +180,14 @@ def test_axolotls_sft_example_trains_with_only_model_and_data_swapped(tiny_llama
 def test_two_processes_train_as_one_accumulating(make_config, tmp_path):
     """Masks keyed by (seed, step, example) and the loss averaged over the step's sequences on all ranks: two
     processes with one packed micro-batch each train exactly as one process accumulating two."""
-    import os
-    import subprocess
-    import sys
-
-    from tests.trainer.helpers import REPO, alpaca_rows, assert_same_training, write_jsonl
+    from tests.trainer.helpers import alpaca_rows, assert_same_training, torchrun_train, write_jsonl
 
     data = write_jsonl(tmp_path / "uneven.jsonl", alpaca_rows(80, seed=3, long_every=4))
     common = dict(datasets=[{"path": str(data), "type": "alpaca"}], sequence_len=400, sample_packing=True,
                   val_set_size=0.2, micro_batch_size=1, max_steps=3, eval_steps=2, plugins=[PLUGIN],
                   diffusion={"mask_token_id": 5})
     two = tmp_path / "two"
-    env = {**{k: v for k, v in os.environ.items() if k != "ENVTOOL_PLAN"},
-           "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                             "-m", "trainer", "train", str(make_config("two.yml", output_dir=str(two), **common))],
-                            capture_output=True, text=True, env=env, cwd=REPO, timeout=240)
+    result = torchrun_train(make_config("two.yml", output_dir=str(two), **common))
     assert result.returncode == 0, result.stderr[-3000:]
     one = tmp_path / "one"
     assert main(["train", str(make_config("one.yml", output_dir=str(one), gradient_accumulation_steps=2, **common))]) == 0

@@ -2,25 +2,14 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
-from tests.trainer.helpers import REPO, alpaca_rows, assert_same_training, read_metrics, write_jsonl
+from tests.trainer.helpers import alpaca_rows, assert_same_training, read_metrics, torchrun, write_jsonl
 from trainer.cli import main
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
-
-
-def torchrun(*args: str, timeout: int = 180) -> subprocess.CompletedProcess:
-    env = {**{k: v for k, v in os.environ.items() if k != "ENVTOOL_PLAN"},
-           "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *args]
-    # a hang fails the test: subprocess.run raises TimeoutExpired
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=timeout)
 
 
 def test_two_processes_with_uneven_lengths_evaluate_and_checkpoint_midway(make_config, tmp_path):
@@ -30,7 +19,8 @@ def test_two_processes_with_uneven_lengths_evaluate_and_checkpoint_midway(make_c
                   lr_scheduler="cosine", warmup_steps=1)
     two = tmp_path / "two-procs"
     result = torchrun("-m", "trainer", "train", str(make_config("two.yml", output_dir=str(two),
-                                                                     gradient_accumulation_steps=1, **common)))
+                                                                     gradient_accumulation_steps=1, **common)),
+                      timeout=180)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = read_metrics(two)
     assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3, 4, 5]

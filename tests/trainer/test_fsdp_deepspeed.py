@@ -8,15 +8,13 @@ rel 1e-5 — the same fp32 math, only the order of the gradient reductions diffe
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.trainer.helpers import REPO, alpaca_rows, read_metrics, train_losses, write_jsonl
+from tests.trainer.helpers import alpaca_rows, read_metrics, torchrun_train, train_losses, write_jsonl
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -37,15 +35,6 @@ BACKENDS = {
 EXPECTED_TYPE = {"fsdp2": "FSDP", "fsdp_legacy_list": "FSDP", "zero3": "DEEPSPEED", "zero2": "DEEPSPEED"}
 
 
-def torchrun(config: Path, timeout: int = 240) -> subprocess.CompletedProcess:
-    env = {**{k: v for k, v in os.environ.items() if k != "ENVTOOL_PLAN"},
-           "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "trainer", "train", str(config)]
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=timeout)  # hang = failure
-
-
-@pytest.fixture(scope="module")
 def ddp_reference(tmp_path_factory, tiny_llama):
     """The same run under plain DDP (2 processes): the losses every sharded backend must reach."""
     tmp = tmp_path_factory.mktemp("ddp")
@@ -70,7 +59,7 @@ def run_config(tmp: Path, tiny_llama: Path, name: str, extra: dict, **overrides)
     cfg = {**common(tmp, tiny_llama), "output_dir": str(out), **extra, **overrides}
     path = tmp / f"{name}.yml"
     path.write_text(yaml.safe_dump(cfg))
-    result = torchrun(path)
+    result = torchrun_train(path)
     assert result.returncode == 0, result.stderr[-4000:]
     return out, result
 

@@ -8,15 +8,12 @@ with dp_shard_size 2: the same; HSDP 2 x 2: 4 processes x accumulation 1), so th
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.trainer.helpers import REPO, read_metrics, train_losses
+from tests.trainer.helpers import read_metrics, torchrun_train, train_losses
 from tests.trainer.test_fsdp_deepspeed import FSDP2, common
 from trainer.config import parse_config
 from trainer.errors import ConfigError
@@ -94,14 +91,6 @@ def test_sizes_of_one_mean_none():
 
 # --- real runs: torchrun, gloo, tiny llama --------------------------------------------------------------
 
-def torchrun(config: Path, nproc: int, timeout: int) -> subprocess.CompletedProcess:
-    env = {**{k: v for k, v in os.environ.items() if k != "ENVTOOL_PLAN"},
-           "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           "-m", "trainer", "train", str(config)]
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=timeout)  # hang = failure
-
-
 def run(tmp: Path, tiny_llama: Path, name: str, nproc: int, extra: dict, expect_ok: bool = True, **overrides):
     import yaml
 
@@ -109,7 +98,7 @@ def run(tmp: Path, tiny_llama: Path, name: str, nproc: int, extra: dict, expect_
     config = {**common(tmp, tiny_llama), "max_steps": 4, "output_dir": str(out), **extra, **overrides}
     path = tmp / f"{name}.yml"
     path.write_text(yaml.safe_dump(config))
-    result = torchrun(path, nproc=nproc, timeout=240)
+    result = torchrun_train(path, nproc=nproc, timeout=240)
     if expect_ok:
         assert result.returncode == 0, result.stderr[-4000:]
     return out, result

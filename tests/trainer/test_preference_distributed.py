@@ -10,9 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.trainer.helpers import assert_same_training, read_metrics, train_losses
+from tests.trainer.helpers import assert_same_training, read_metrics, torchrun, train_losses
 from tests.trainer.pref_helpers import kto_rows, pair_rows, write_jsonl
-from tests.trainer.test_distributed import torchrun
 from trainer.cli import main
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]

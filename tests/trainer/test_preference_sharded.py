@@ -14,9 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.trainer.helpers import read_metrics, train_losses
+from tests.trainer.helpers import read_metrics, torchrun, train_losses
 from tests.trainer.pref_helpers import kto_rows, pair_rows, write_jsonl
-from tests.trainer.test_distributed import torchrun
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 

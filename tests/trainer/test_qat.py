@@ -10,17 +10,14 @@ final model is a plain HF model, checkpoints resume exactly.
 from __future__ import annotations
 
 import math
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
 
-from tests.trainer.helpers import REPO, read_metrics, run_cli, train_losses, train_then_resume, write_jsonl
+from tests.trainer.helpers import read_metrics, run_cli, torchrun_train, train_losses, train_then_resume, write_jsonl
 from trainer.cli import main
 
 import torchao  # noqa: E402,F401  (the `qat` extra: .ci/setup installs it; never skipped)
@@ -267,8 +264,6 @@ def test_axolotls_qat_fsdp2_example_trains_and_resumes_with_only_model_and_data_
                micro_batch_size=2, dataset_prepared_path=str(tmp_path / "prepared"), max_steps=4, save_steps=2,
                learning_rate=1e-3)
     del cfg["saves_per_epoch"]
-    env = {**{k: v for k, v in os.environ.items() if k != "ENVTOOL_PLAN"},
-           "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     runs = {}
     for name, extra in (("full", {}), ("resumed", {"auto_resume_from_checkpoints": True})):
         out = tmp_path / name
@@ -277,9 +272,7 @@ def test_axolotls_qat_fsdp2_example_trains_and_resumes_with_only_model_and_data_
             shutil.copytree(tmp_path / "full" / "checkpoint-2", out / "checkpoint-2")
         path = tmp_path / f"{name}.yml"
         path.write_text(yaml.safe_dump({**cfg, "output_dir": str(out), **extra}))
-        result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                                 "-m", "trainer", "train", str(path)], capture_output=True, text=True, env=env,
-                                cwd=REPO, timeout=300)
+        result = torchrun_train(path, timeout=300)
         assert result.returncode == 0, result.stderr[-3000:]
         assert "qat: 15 layers fake-quantized" in result.stderr and "sharding: FSDP" in result.stderr
         runs[name] = train_losses(out)

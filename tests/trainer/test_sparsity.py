@@ -196,19 +196,11 @@ def test_targets_matching_nothing_is_one_line_exit_2(make_config, sparse_llama, 
 
 def test_two_processes_keep_the_zeros_and_train_as_one_accumulating(make_config, sparse_llama, tmp_path):
     """DDP: every rank holds whole weights and applies the same mask after its (identical) optimizer step."""
-    import os
-    import subprocess
-    import sys
-
-    from tests.trainer.helpers import REPO, assert_same_training
+    from tests.trainer.helpers import assert_same_training, torchrun_train
 
     common = dict(base_model=str(sparse_llama), micro_batch_size=1, max_steps=3, **sparse())
     two = tmp_path / "two"
-    env = {**{k: v for k, v in os.environ.items() if k != "ENVTOOL_PLAN"},
-           "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                             "-m", "trainer", "train", str(make_config("two.yml", output_dir=str(two), **common))],
-                            capture_output=True, text=True, env=env, cwd=REPO, timeout=240)
+    result = torchrun_train(make_config("two.yml", output_dir=str(two), **common))
     assert result.returncode == 0, result.stderr[-3000:]
     one = tmp_path / "one"
     assert main(["train", str(make_config("one.yml", output_dir=str(one), gradient_accumulation_steps=2,

@@ -297,7 +297,8 @@ def test_two_processes_fsdp2_muon_pretraining_finish_and_resume(pretrain_config,
     by torchrun, the run continues with the same losses."""
     import shutil
 
-    from tests.trainer.test_fsdp_deepspeed import FSDP2, torchrun
+    from tests.trainer.helpers import torchrun_train as torchrun
+    from tests.trainer.test_fsdp_deepspeed import FSDP2
 
     data = write_jsonl(tmp_path / "docs.jsonl", texts(23, seed=4))
     common = dict(pretraining_dataset=[{"path": str(data), "type": "pretrain"}], reinit_weights=True,

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from trainer.attention import FLASH_BACKENDS
 from trainer.collate import IGNORE, Collator
 from trainer.collective import reduce_sum
-from trainer.diffusion import EVAL_STEP, bidirectional_mask, sequence_noise
+from trainer.diffusion import EVAL_STEP
+from trainer.diffusion_steps import bidirectional_mask, sequence_noise
 from trainer.errors import ConfigError
 from trainer.objectives.base import Objective
 from trainer.sampler import MultipackBatchSampler

@@ -11,7 +11,6 @@ TRL's compute_accuracy for PRMs.
 
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 
 from trainer.collate import IGNORE, Collator, Rows
