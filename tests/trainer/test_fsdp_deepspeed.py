@@ -35,6 +35,7 @@ BACKENDS = {
 EXPECTED_TYPE = {"fsdp2": "FSDP", "fsdp_legacy_list": "FSDP", "zero3": "DEEPSPEED", "zero2": "DEEPSPEED"}
 
 
+@pytest.fixture(scope="module")
 def ddp_reference(tmp_path_factory, tiny_llama):
     """The same run under plain DDP (2 processes): the losses every sharded backend must reach."""
     tmp = tmp_path_factory.mktemp("ddp")
