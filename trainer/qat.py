@@ -18,9 +18,16 @@ _make_qat_config at 067b021), built as explicit fake-quantize configs:
   float8 / float8          float8 e4m3 activations and weights
   float8 / int4            float8 e4m3 activations, int4 weights per group
   mxfp4 (either) / mxfp4   MXFP4 activations and weights, block 32 (torchao's emulated MX kernels)
-  nvfp4 / nvfp4            NVFP4 activations and weights, block 16 (a real FP4 GEMM: Blackwell only)
+  nvfp4 / nvfp4            NVFP4 activations and weights, block 16, e4m3 block and per-tensor scales
 
 Where each runs is a fact of matrices/packages.toml ([[feature]] torchao_qat_fake_quant, torchao_qat_nvfp4).
+torchao's NVFP4 QAT computes its forward as a real FP4 GEMM, which only FP4 tensor cores run ([[feature]]
+torchao_nvfp4_gemm, sm_100+); there it runs unchanged, and everywhere else (CPU, A100, H100) trainer/nvfp4.py
+emulates that GEMM in float32 from torchao's own quantized operands (the same numerics to float32 rounding,
+slower). Either way the end is the same: `convert` gives plain nn.Linear layers holding the trained weights
+(what torchao's QATConfig(step="convert") without a base config gives); serving them as NVFP4 afterwards
+with NVFP4 activations (torchao's NVFP4DynamicActivationNVFP4WeightConfig) runs the real FP4 GEMM, so needs
+sm_100+; NVFP4 weights alone (NVFP4WeightOnlyConfig) are dequantized for a plain matmul and serve anywhere.
 Two choices differ from Axolotl's code, which fails or drifts there: nvfp4 uses torchao's own mapping of
 NVFP4DynamicActivationNVFP4WeightConfig (Axolotl passes NVFP4WeightOnlyConfig, which torchao 0.17/0.18's
 QATConfig rejects: "Unexpected base config"); weight-only int4 fake-quantizes for bf16 activations, as
@@ -141,11 +148,19 @@ def hardware_notes(cfg, gpu) -> list[str]:
     if gpu.cc is None and not feat["cpu"]:
         raise HardwareError(f"qat: {cfg.qat.describe()} needs sm_{floor[0]}{floor[1]}+ and cannot run on the CPU "
                             f"({feat['reason']}, source: {feat['source']})")
-    if gpu.cc is None:
-        return notes + [f"{what}: torchao fake quantization on CPU (plain torch ops)"]
-    if gpu.cc < floor:
+    if gpu.cc is not None and gpu.cc < floor:
         raise HardwareError(f"qat: {cfg.qat.describe()} needs sm_{floor[0]}{floor[1]}+ but {gpu.describe()} is below "
                             f"({feat['reason']}, source: {feat['source']}), while mxfp4 and int8/int4 QAT run there")
+    if cfg.qat.weight_dtype == "nvfp4":
+        native = facts.feature("torchao_nvfp4_gemm")
+        sm = f"sm_{native['min_cc'].replace('.', '')}+"
+        if gpu.cc is not None and gpu.cc >= _cc(native["min_cc"]):
+            return notes + [f"{what}: torchao's NVFP4 QAT with the real FP4 GEMM ({gpu.describe()} is {sm})"]
+        where = "the CPU" if gpu.cc is None else gpu.describe()
+        return notes + [f"{what}: emulated on {where}, the FP4 GEMM done in float32 (FP4 tensor cores need {sm}), "
+                        "slower than on Blackwell, numerics as torchao's (trainer/nvfp4.py)"]
+    if gpu.cc is None:
+        return notes + [f"{what}: torchao fake quantization on CPU (plain torch ops)"]
     return notes + [f"{what}: torchao fake quantization (needs sm_{floor[0]}{floor[1]}+; {gpu.describe()} has it)"]
 
 
@@ -225,8 +240,14 @@ def prepare(model, qat: QatConfig) -> int:
     except (ValueError, AssertionError) as err:  # a layer shape the format cannot tile (group/block size)
         raise ConfigError(f"qat: torchao cannot fake-quantize this model with {qat.describe()}: "
                           f"{str(err).splitlines()[0]}") from None
+    from torchao.prototype.qat import MXFakeQuantizedLinear, NVFP4FakeQuantizedLinear
+
+    if qat.weight_dtype == "nvfp4":  # torchao's own FP4 GEMM on sm_100+, emulated in float32 elsewhere
+        from trainer import nvfp4
+
+        nvfp4.emulate(model)
     for module in model.modules():
-        if type(module).__name__ in ("MXFakeQuantizedLinear", "NVFP4FakeQuantizedLinear"):
+        if isinstance(module, (MXFakeQuantizedLinear, NVFP4FakeQuantizedLinear)):
             module.forward = partial(_master_precision_forward, module, module.forward)
     return sum(1 for m in model.modules() if is_fake_quantized(m))
 
