@@ -189,6 +189,7 @@ def test_axolotls_3b_qat_nvfp4_block_trains_emulated_on_cpu(make_config, tmp_pat
     assert len(layers) == 2 * 7 + 1
     assert all(type(m) is nvfp4.EmulatedNVFP4FakeQuantizedLinear for m in layers.values())
     a, b = train_losses(plain), train_losses(fq)
+    print("losses without qat", a, "with nvfp4 qat", b)
     assert all(math.isfinite(v) for v in b.values())
     assert b[6] < b[1]
     assert b[1] != pytest.approx(a[1], rel=1e-5) and b[1] == pytest.approx(a[1], rel=0.05)

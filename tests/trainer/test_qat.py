@@ -212,11 +212,7 @@ def test_a_full_checkpoint_still_resumes_exactly_with_save_only_model_off(make_c
 
 # ----------------------------------------------------------------------------------- validate and floors
 def test_qat_and_fp8_floors_come_from_the_matrices(make_config):
-    nvfp4 = make_config("nvfp4.yml", qat={"activation_dtype": "nvfp4", "weight_dtype": "nvfp4", "group_size": 16})
-    for gpu in ("a100", "h100", "cpu"):
-        result = run_cli("validate", str(nvfp4), "--gpu", gpu)
-        assert result.returncode == 2 and "sm_100+" in result.stderr and "Traceback" not in result.stderr, gpu
-    assert run_cli("validate", str(nvfp4), "--gpu", "b200").returncode == 0
+    # nvfp4: emulated below sm_100, torchao's FP4 GEMM on it (tests/trainer/test_nvfp4.py)
     fp8 = make_config("fp8.yml", fp8=True, fp8_enable_fsdp_float8_all_gather=True)
     a100 = run_cli("validate", str(fp8), "--gpu", "a100")
     assert a100.returncode == 2 and "fp8: float8 training" in a100.stderr and "needs sm_89+" in a100.stderr
