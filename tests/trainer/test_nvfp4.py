@@ -11,12 +11,15 @@ bit. A tiny llama trains with Axolotl's 3b-qat-nvfp4 qat block on CPU and resume
 from __future__ import annotations
 
 import math
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 import torchao  # noqa: F401  (the `qat` extra: .ci/setup installs it)
-from tests.trainer.helpers import run_cli, train_losses, train_then_resume
+from tests.trainer.helpers import run_cli, torchrun_train, train_losses, train_then_resume, write_jsonl
 from trainer import nvfp4, qat
 from trainer.cli import main
 
@@ -213,3 +216,42 @@ def test_qwen2_linear_biases_train_under_emulated_nvfp4(make_config, tmp_path, t
     before, after = load_file(tiny_qwen2 / "model.safetensors"), load_file(out / "final" / "model.safetensors")
     biases = [k for k in before if k.endswith("q_proj.bias")]
     assert biases and all(not torch.equal(before[k], after[k]) for k in biases)
+
+
+# ------------------------------------------------------------------ Axolotl's example, as Axolotl wrote it
+EXAMPLE = Path(__file__).parent / "data" / "axolotl_examples" / "qat_nvfp4__Qwen2.5-72B_qat.yml"
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_axolotls_qwen25_nvfp4_qat_example_trains_on_2_processes_and_resumes(tmp_path, tiny_qwen2):
+    """examples/qat_nvfp4/Qwen2.5-72B_qat.yml (nvfp4 QAT, FSDP2 with activation checkpointing, sample packing,
+    bf16, liger) with only the model (a tiny Qwen2: q/k/v biases) and data swapped, on 2 CPU processes; its
+    checkpoint resumes exactly."""
+    from safetensors.torch import load_file
+
+    cfg = yaml.safe_load(EXAMPLE.read_text())
+    data = write_jsonl(tmp_path / "data.jsonl", [{"instruction": f"Say {i}.", "input": "",
+                                                   "output": "word " * (i % 9 + 1)} for i in range(60)])
+    cfg.update(base_model=str(tiny_qwen2), datasets=[{"path": str(data), "type": "alpaca"}], sequence_len=128,
+               micro_batch_size=2, dataset_prepared_path=str(tmp_path / "prepared"), max_steps=4, save_steps=2,
+               learning_rate=1e-3)
+    del cfg["saves_per_epoch"]
+    runs = {}
+    for name, extra in (("full", {}), ("resumed", {"auto_resume_from_checkpoints": True})):
+        out = tmp_path / name
+        if extra:
+            out.mkdir()
+            shutil.copytree(tmp_path / "full" / "checkpoint-2", out / "checkpoint-2")
+        path = tmp_path / f"{name}.yml"
+        path.write_text(yaml.safe_dump({**cfg, "output_dir": str(out), **extra}))
+        result = torchrun_train(path, timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert "qat: 15 layers fake-quantized" in result.stderr and "sharding: FSDP" in result.stderr
+        assert "emulated on the CPU" in result.stderr
+        runs[name] = train_losses(out)
+    assert sorted(runs["resumed"]) == [3, 4]
+    assert [runs["resumed"][s] for s in (3, 4)] == pytest.approx([runs["full"][s] for s in (3, 4)], rel=1e-6)
+    before = load_file(tiny_qwen2 / "model.safetensors")
+    after = load_file(tmp_path / "full" / "final" / "model.safetensors")
+    assert all(not torch.equal(before[k], after[k]) for k in before if k.endswith(("q_proj.bias", "q_proj.weight")))
