@@ -79,7 +79,8 @@ def block_scaled(t: NVFP4Tensor) -> torch.Tensor:
 def emulated_addmm(a: NVFP4Tensor, w: NVFP4Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """a @ w.T (+ bias) as torchao's _addmm_nvfp4_dispatch computes it, with the FP4 GEMM done in float32."""
     out_dtype = a.orig_dtype
-    result = torch.nn.functional.linear(block_scaled(a), block_scaled(w)).to(out_dtype)
+    with torch.autocast(a.qdata.device.type, enabled=False):  # float32 whatever autocast region it is called in
+        result = torch.nn.functional.linear(block_scaled(a), block_scaled(w)).to(out_dtype)
     scales = [s for s in (a.per_tensor_scale, w.per_tensor_scale) if s is not None]
     if scales:
         result = result * (scales[0] * scales[1] if len(scales) == 2 else scales[0]).to(out_dtype)

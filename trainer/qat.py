@@ -150,7 +150,7 @@ def hardware_notes(cfg, gpu) -> list[str]:
                             f"({feat['reason']}, source: {feat['source']})")
     if gpu.cc is not None and gpu.cc < floor:
         raise HardwareError(f"qat: {cfg.qat.describe()} needs sm_{floor[0]}{floor[1]}+ but {gpu.describe()} is below "
-                            f"({feat['reason']}, source: {feat['source']}), while mxfp4 and int8/int4 QAT run there")
+                            f"({feat['reason']}, source: {feat['source']})")
     if cfg.qat.weight_dtype == "nvfp4":
         native = facts.feature("torchao_nvfp4_gemm")
         sm = f"sm_{native['min_cc'].replace('.', '')}+"

@@ -70,7 +70,12 @@ def test_emulated_forward_is_the_fp4_gemm_to_float32_rounding(seed):
     with torch.no_grad():
         out = layer(x)
     assert out.dtype == torch.float32 and out.shape == (3, 40, 64)
-    a, w = decode64(torchao_nvfp4(x.reshape(-1, 128))), decode64(torchao_nvfp4(layer.weight.detach()))
+    qa, qw = torchao_nvfp4(x.reshape(-1, 128)), torchao_nvfp4(layer.weight.detach())
+    for q in (qa, qw):  # the operands the emulated GEMM multiplies lose nothing in bf16, so nothing in TF32 either
+        operand = nvfp4.block_scaled(q)
+        assert torch.equal(operand, decode64(q).div(q.per_tensor_scale.double()).float())
+        assert torch.equal(operand.bfloat16().float(), operand)
+    a, w = decode64(qa), decode64(qw)
     exact = (a @ w.T + layer.bias.detach().double()).view(3, 40, 64)
     # float32 rounding: at most K+3 roundings of size 2^-24 of the sum of the products' magnitudes (and the bias)
     bound = (128 + 3) * 2.0 ** -24 * ((a.abs() @ w.abs().T).view(3, 40, 64) + layer.bias.detach().double().abs())
@@ -85,6 +90,19 @@ def test_emulated_forward_is_the_fp4_gemm_to_float32_rounding(seed):
     print(f"SQNR vs the exact FP4 GEMM: emulated fp32 {fp32:.1f} dB, bf16 dequantize + F.linear "
           f"{sqnr(exact, bf16):.1f} dB")
     assert fp32 > 120 and sqnr(exact, bf16) < 60
+
+
+def test_under_autocast_the_gemm_stays_float32():
+    """The trainer runs the layer outside autocast (qat._master_precision_forward); the GEMM itself also keeps
+    float32 if called inside a bf16 autocast region."""
+    layer = nvfp4_layer(seed=8)
+    x = torch.randn(32, 128)
+    with torch.no_grad():
+        plain = layer(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            a, w = nvfp4.quantize(x, layer.activation_config), nvfp4.quantize(layer.weight, layer.weight_config)
+            inside = nvfp4.emulated_addmm(a, w, layer.bias)
+    assert inside.dtype == torch.float32 and torch.equal(inside, plain)
 
 
 def test_bf16_inputs_follow_torchaos_dispatch_rounding():
