@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import importlib
 import inspect
-import sys
 from pathlib import Path
 
 from trainer.errors import DataError
@@ -54,19 +53,32 @@ def _search_path(cfg) -> list[str]:
     return ([str(config_dir)] if config_dir else []) + here
 
 
+def _from_file(module_name: str, dirs: list[str]):
+    """The module as a file (or package) under one of dirs, loaded fresh (never a stale sys.modules entry)."""
+    import importlib.util
+
+    rel = Path(*module_name.split("."))
+    for d in dirs:
+        for path in (Path(d) / rel.with_suffix(".py"), Path(d) / rel / "__init__.py"):
+            if path.is_file():
+                spec = importlib.util.spec_from_file_location(f"_ebft_transform_{module_name}", path)
+                module = importlib.util.module_from_spec(spec)
+                spec.loader.exec_module(module)
+                return module
+    return None
+
+
 def resolve(cfg, type_: str):
-    """(the transform's factory, the file it came from or None for a built-in)."""
+    """(the transform's factory, the file it came from or None for a built-in): a file in the config's directory
+    or the working directory, else an installed module of that name, else a built-in strategy."""
     module_name, _, func = type_.rpartition(".")
-    saved = list(sys.path)
-    sys.path[:0] = _search_path(cfg)
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as err:
-        if err.name != module_name.split(".")[0] and err.name != module_name:
-            raise DataError(f"transform {type_}: importing {module_name} failed: {err}") from None
-        module = None
-    finally:
-        sys.path[:] = saved
+    module = _from_file(module_name, _search_path(cfg))
+    if module is None and module_name not in BUILTIN:
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as err:
+            if err.name not in (module_name, module_name.split(".")[0]):
+                raise DataError(f"transform {type_}: importing {module_name} failed: {err}") from None
     if module is not None:
         if not hasattr(module, func):
             raise DataError(f"transform {type_}: {module.__file__} has no function {func}")
