@@ -140,6 +140,53 @@ def test_strided_layout_is_each_rollout_on_its_own_prefix(tiny):
             assert where[s * K + b] == expect
 
 
+def test_loss_is_reinforce_with_rloo_over_separate_rollouts(tiny):
+    """The objective's loss on a batch equals the method computed the slow way: each rollout run alone on its
+    document prefix (its tokens' log-probs, its features), the ground-truth block alone, rewards and RLOO by the
+    loops above, loss = -sum(A * log pi) / tokens. Same RNG seed, so the same rollouts are sampled."""
+    from types import SimpleNamespace
+
+    from trainer.objectives.ebft import EBFT, sdpa
+
+    e = ebft.EbftConfig(mode="strided", stride=3, context_length=4, generate_max_len=3, n_samples_per_prompt=3,
+                        temperature=1.0, feature_layers=[0.5, 1.0], use_whitening=True, ce_coef=0.0)
+    objective = EBFT(SimpleNamespace(ebft=e), pad_token_id=0)
+    objective.attach(tiny)  # full fine-tune: a frozen copy is the feature network
+    torch.manual_seed(7)
+    docs = [torch.randint(5, 300, (16,)).tolist() for _ in range(2)]
+    batch = objective.collate([[{"input_ids": d, "labels": d}] for d in docs])
+    totals = dict(zip(objective.stat_names, objective.step_stats(tiny, batch)))
+    torch.manual_seed(11)
+    loss, _ = objective.loss(tiny, batch, totals)
+    torch.manual_seed(11)
+    with sdpa(tiny):
+        seqs = objective.generate(tiny, batch["input_ids"].repeat_interleave(3, dim=0), batch["anchor"], batch["blocks"])
+    S, K, G, n = 16, batch["blocks"], 3, 3
+    assert K == 4 and totals["action_tokens"] == 2 * n * K * G
+
+    def last(ids, layers=(1, 2)):
+        with torch.no_grad():
+            out = tiny(input_ids=torch.tensor(ids)[None], output_hidden_states=True, use_cache=False)
+        feats = torch.cat([F.normalize(out.hidden_states[i][0, -1], dim=-1) for i in layers])
+        return feats.double().numpy(), torch.log_softmax(out.logits[0, -1].double(), -1)
+
+    gen, gt = np.zeros((2, n, K, 128)), np.zeros((2, K, 128))
+    logps = np.zeros((2, n, K, G))
+    for d in range(2):
+        for b in range(K):
+            a = 4 + 3 * b
+            gt[d, b] = last(docs[d][:a + G])[0]
+            for j in range(n):
+                rollout = [int(seqs[d * n + j, S + s * K + b]) for s in range(G)]
+                for s in range(G):
+                    logps[d, j, b, s] = float(last(docs[d][:a] + rollout[:s])[1][rollout[s]])
+                gen[d, j, b] = last(docs[d][:a] + rollout)[0]
+    reward = reference_rewards(gen, gt, True, 1.0, 1.0)[0]
+    adv = reward - (reward.sum(1, keepdims=True) - reward) / (n - 1)
+    expect = -(adv[..., None] * logps).sum() / (2 * n * K * G)
+    assert float(loss) == pytest.approx(expect, rel=1e-3, abs=1e-5)
+
+
 # --- training ----------------------------------------------------------------------------------------------------
 
 PRETRAIN = '''"""A local stand-in for Axolotl's examples/ebft/ebft_pretrain.py: text padded to sequence_len."""
