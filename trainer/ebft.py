@@ -82,7 +82,12 @@ def check(cfg) -> list[str]:
         if not ds.type or "." not in ds.type:
             raise ConfigError(f"datasets.{i}.type: rl: ebft reads rows through a transform named module.function "
                               f"(e.g. ebft_pretrain.transform, ebft_strided_structured.transform), got {ds.type!r}")
-    notes = []
+    if num_blocks(cfg.sequence_len, e.generate_max_len, e.context_length, e.stride) <= 0:
+        raise ConfigError(f"ebft: sequence_len {cfg.sequence_len} leaves no anchor (needs at least context_length + "
+                          f"generate_max_len = {e.context_length + e.generate_max_len} tokens)")
+    notes = ["rl: ebft: rollouts, features and the policy forward run with sdpa and an explicit strided mask, whatever "
+             "the attention setting (Axolotl: flex_attention block masks on GPUs, eager dense masks elsewhere: the "
+             "same attention pattern)"]
     if e.n_samples_per_prompt == 1:
         notes.append("ebft.n_samples_per_prompt: 1 has no diversity term and no leave-one-out baseline (REINFORCE "
                      "with the raw reward, as Axolotl)")
