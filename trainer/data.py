@@ -86,6 +86,12 @@ def tokenizer_identity(tokenizer) -> str:
     return hashlib.sha256((vocab + extra).encode()).hexdigest()
 
 
+def _ebft_identity(cfg: Config) -> list[str]:
+    from trainer.ebft_data import identity
+
+    return identity(cfg)
+
+
 def cache_key(cfg: Config, tokenizer, hub_fingerprints: list[str]) -> str:
     relevant = {
         "format": CACHE_FORMAT,
@@ -93,7 +99,7 @@ def cache_key(cfg: Config, tokenizer, hub_fingerprints: list[str]) -> str:
         "data": [_data_identity(d) for d in cfg.datasets] + hub_fingerprints,
         "tokenizer": tokenizer_identity(tokenizer),
         "kind": cfg.rl if cfg.rl in ("kto", "ebft") else "pairs" if cfg.rl else cfg.objective,  # DPO/ORPO/SimPO share their tokens
-        **({"ebft_transforms": __import__("trainer.ebft_data").ebft_data.identity(cfg)} if cfg.rl == "ebft" else {}),
+        **({"ebft_transforms": _ebft_identity(cfg)} if cfg.rl == "ebft" else {}),  # the transforms' source files
         **({"num_labels": cfg.num_labels} if cfg.num_labels else {}),  # labels are checked against it
         **{k: getattr(cfg, k) for k in ("sequence_len", "excess_length_strategy", "train_on_inputs", "val_set_size",
                                        "seed", "shuffle_merged_datasets", "chat_template", "chat_template_jinja",

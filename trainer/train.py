@@ -256,7 +256,9 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
                                     autocast=accelerator.autocast, log=say,  # FSDP/ZeRO-3: lock-step forwards
                                     sharded=distributed.is_sharded(unwrapped) or bool(cfg.deepspeed))
     if hasattr(objective, "attach"):  # EBFT's frozen feature network: the initial weights, before a checkpoint loads
-        objective.attach(unwrapped)
+        from trainer.model import DTYPES
+
+        objective.attach(unwrapped, DTYPES[runtime.precision])
     # The loader gets its own generator: starting an iterator must not draw from the global RNG, or a
     # resumed run (which starts one after restoring the RNG) would see different dropout masks.
     from trainer.streaming import StreamRows

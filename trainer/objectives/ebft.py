@@ -67,14 +67,16 @@ class EBFT(Objective):
         self.feature = None  # the frozen copy (full fine-tune); None with LoRA (the base with the adapter off)
 
     # --- the model --------------------------------------------------------------------------------------------
-    def attach(self, model) -> None:
+    def attach(self, model, dtype=None) -> None:
         """Called once by the loop before any step and before a checkpoint loads: the feature network is the
         initial model. With an adapter: the same weights with the adapter disabled (no copy); else a frozen copy
-        (Axolotl deep-copies too; it also casts the copy to bf16, here it keeps the model's dtype)."""
+        in the training precision (Axolotl deep-copies too, in bf16; fp32 training on CPU keeps fp32)."""
         from peft import PeftModel
 
         if not isinstance(model, PeftModel):
             self.feature = copy.deepcopy(model).eval().requires_grad_(False)
+            if dtype is not None:
+                self.feature.to(dtype)
 
     def features(self, policy, ids, mask, positions, layers: list[int]) -> torch.Tensor:
         """Per token, each feature layer's hidden state L2-normalised, concatenated: [b, L, len(layers) * H]."""
