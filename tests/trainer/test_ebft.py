@@ -149,7 +149,7 @@ def test_loss_is_reinforce_with_rloo_over_separate_rollouts(tiny):
     from trainer.objectives.ebft import EBFT, sdpa
 
     e = ebft.EbftConfig(mode="strided", stride=3, context_length=4, generate_max_len=3, n_samples_per_prompt=3,
-                        temperature=1.0, feature_layers=[0.5, 1.0], use_whitening=True, ce_coef=0.0)
+                        temperature=1.0, feature_layers=[0.5, 1.0], use_whitening=True, ce_coef=0.1)
     objective = EBFT(SimpleNamespace(ebft=e), pad_token_id=0)
     objective.attach(tiny)  # full fine-tune: a frozen copy is the feature network
     torch.manual_seed(7)
@@ -184,6 +184,10 @@ def test_loss_is_reinforce_with_rloo_over_separate_rollouts(tiny):
     reward = reference_rewards(gen, gt, True, 1.0, 1.0)[0]
     adv = reward - (reward.sum(1, keepdims=True) - reward) / (n - 1)
     expect = -(adv[..., None] * logps).sum() / (2 * n * K * G)
+    with torch.no_grad():  # ce_coef: cross-entropy over every document token (unstructured rows, as Axolotl)
+        doc_logits = torch.log_softmax(tiny(input_ids=torch.tensor(docs), use_cache=False).logits.double(), -1)
+    ce = -doc_logits[:, :-1].gather(-1, torch.tensor(docs)[:, 1:, None]).mean().item()
+    expect += 0.1 * ce
     assert float(loss) == pytest.approx(expect, rel=1e-3, abs=1e-5)
 
 
@@ -272,6 +276,7 @@ def test_structured_rows_anchor_after_the_prompt_and_train_ce(ebft_config, tmp_p
     ({"mode": "structured"}, "ebft.mode: structured"),
     ({"embed_method": "nonsense"}, "ebft.embed_method"),
     ({"embed_method": "concat"}, "ebft.embed_method: concat"),
+    ({"context_length": 30}, "leaves no anchor"),
 ])
 def test_bad_ebft_configs_are_one_line_errors(ebft_config, block, message):
     result = run_cli("validate", str(ebft_config(ebft_block=block)), "--gpu", "cpu")
