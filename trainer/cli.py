@@ -80,7 +80,12 @@ def cmd_validate(args) -> int:
         from trainer.streaming import describe
 
         print(f"  data:       {describe(cfg)}")
-    if cfg.rl:
+    if cfg.rl == "ebft":
+        e = cfg.ebft
+        print(f"  objective:  ebft strided ({e.n_samples_per_prompt} rollouts of {e.generate_max_len} tokens every "
+              f"{e.stride} tokens from {e.context_length}; feature network: "
+              f"{'the base, adapter disabled' if cfg.adapter else 'a frozen copy of the initial model'})")
+    elif cfg.rl:
         reference = ("reference log-probs computed once before training and cached" if cfg.objective in ("dpo", "ipo", "kto")
                      else "reference-free")
         print(f"  objective:  {cfg.objective} (beta {cfg.beta:g}; {reference})")

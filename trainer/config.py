@@ -16,11 +16,12 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from trainer import alpaca_styles, facts
 from trainer.errors import ConfigError
 from trainer.diffusion import DiffusionConfig
+from trainer.ebft import EbftConfig
 from trainer.qat import QatConfig
 from trainer.sparsity import SparsityConfig
 
@@ -395,8 +396,12 @@ class Config(BaseModel):
     # --- sparse fine-tuning (trainer/sparsity.py) -----------------------------------------------------------
     llmcompressor: SparsityConfig | None = None  # with plugins: [axolotl.integrations.llm_compressor.LLMCompressorPlugin]
 
+    # --- EBFT (rl: ebft, strided mode; trainer/ebft.py) ---
+    ebft: EbftConfig | None = None  # Axolotl's ebft: block (checked by trainer.ebft.check)
+    _config_dir: str | None = PrivateAttr(None)  # where the config file is: rl: ebft imports its transforms there
+
     # --- preference training (Axolotl's names; defaults as TRL's configs) --------------------------------
-    rl: Literal["dpo", "ipo", "orpo", "kto", "simpo"] | None = None
+    rl: Literal["dpo", "ipo", "orpo", "kto", "simpo", "ebft"] | None = None
     rl_beta: float | None = Field(None, gt=0)  # DPO/IPO/KTO/SimPO beta (TRL default 0.1)
     dpo_beta: float | None = Field(None, gt=0)  # deprecated spelling of rl_beta
     dpo_label_smoothing: float = Field(0.0, ge=0, lt=0.5)  # conservative DPO (cDPO); SimPO's too
@@ -469,6 +474,8 @@ class Config(BaseModel):
                 if ds.type is not None and ds.type not in PromptFormat.__args__ and ds.type not in alpaca_styles.TYPES:
                     hint = " (a preference type: set rl: dpo, ipo, orpo, simpo or kto)" if ds.type in PAIR_TYPES + KTO_TYPES else ""
                     raise ValueError(f"datasets.{i}.type: got {ds.type!r}{hint}; use alpaca (or alpaca:instruct|chat|chatml|phi), chat_template, completion or input_output")
+            return
+        if self.rl == "ebft":  # transforms named module.function (trainer/ebft.py check)
             return
         allowed = KTO_TYPES if self.rl == "kto" else PAIR_TYPES
         for i, ds in enumerate(self.datasets):
@@ -641,6 +648,10 @@ PERFORMANCE_KEYS["flex_attn_compile_kwargs"] = (
     "torch.compile options for flex_attention's kernel (speed only); transformers compiles it with its own "
     "defaults, as Axolotl does today (its patch applying them is switched off in loaders/patch_manager.py)")
 
+INERT_KEYS["ddp"] = ("Axolotl sets it from WORLD_SIZE when absent and reads it only to pass ddp_find_unused_parameters "
+                     "and to place the model on the rank's device; processes launched together still train with DDP "
+                     "here, as there")
+
 # Legacy dtype switches: the same as bf16/fp16 (float32: neither).
 LEGACY_DTYPE_KEYS = {"bfloat16": ("bf16", True), "float16": ("fp16", True), "float32": ("bf16", False)}
 TORCH_DTYPES = {"bfloat16": "bf16", "bf16": "bf16", "float16": "fp16", "fp16": "fp16", "half": "fp16",
@@ -752,7 +763,7 @@ def _named_choices(cfg: Config, notes: list[str]) -> list[str]:
     """Choices checked against data tables: optimizer, chat templates, plugins, FSDP settings."""
     from trainer import (causal_lm_eval, chat_templates, distributed, kernels, mistral_tokenizer, optim, ordering,
                          parallelism, qat, relora, schedule)
-    from trainer import sparsity
+    from trainer import ebft, sparsity
 
     problems = []
     if cfg.gradient_checkpointing == "offload":
@@ -770,6 +781,7 @@ def _named_choices(cfg: Config, notes: list[str]) -> list[str]:
     checks += [lambda: qat.check_config(cfg)]
     checks += [lambda: notes.extend(sparsity.check(cfg))]
     checks += [lambda: notes.extend(objective_notes(cfg))]
+    checks += [lambda: notes.extend(ebft.check(cfg))]  # rl: ebft (strided mode only)
     checks += [lambda: notes.extend(parallelism.check(cfg, distributed.enabled(cfg)))]
     checks += [lambda: notes.extend(ordering.notes(cfg) + causal_lm_eval.notes(cfg) + schedule.notes(cfg))]
     if cfg.relora:
@@ -808,6 +820,7 @@ def load_config(path: str | Path) -> tuple[Config, list[str]]:
         where = f" at line {mark.line + 1}" if mark else ""
         raise ConfigError(f"{path} is not valid YAML{where}: {getattr(err, 'problem', err)}") from None
     cfg, notes = parse_config(raw)
+    cfg._config_dir = str(path.resolve().parent)
     check_local_paths(cfg)
     return cfg, notes
 

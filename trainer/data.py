@@ -86,13 +86,20 @@ def tokenizer_identity(tokenizer) -> str:
     return hashlib.sha256((vocab + extra).encode()).hexdigest()
 
 
+def _ebft_identity(cfg: Config) -> list[str]:
+    from trainer.ebft_data import identity
+
+    return identity(cfg)
+
+
 def cache_key(cfg: Config, tokenizer, hub_fingerprints: list[str]) -> str:
     relevant = {
         "format": CACHE_FORMAT,
         "datasets": [d.model_dump() for d in cfg.datasets],
         "data": [_data_identity(d) for d in cfg.datasets] + hub_fingerprints,
         "tokenizer": tokenizer_identity(tokenizer),
-        "kind": "kto" if cfg.rl == "kto" else "pairs" if cfg.rl else cfg.objective,  # DPO/ORPO/SimPO share their tokens
+        "kind": cfg.rl if cfg.rl in ("kto", "ebft") else "pairs" if cfg.rl else cfg.objective,  # DPO/ORPO/SimPO share their tokens
+        **({"ebft_transforms": _ebft_identity(cfg)} if cfg.rl == "ebft" else {}),  # the transforms' source files
         **({"num_labels": cfg.num_labels} if cfg.num_labels else {}),  # labels are checked against it
         **{k: getattr(cfg, k) for k in ("sequence_len", "excess_length_strategy", "train_on_inputs", "val_set_size",
                                        "seed", "shuffle_merged_datasets", "chat_template", "chat_template_jinja",
@@ -165,6 +172,10 @@ def build(cfg: Config, tokenizer) -> tuple[object, object | None, dict]:
         from trainer.reward_data import build_reward
 
         return build_reward(cfg, tokenizer, load_raw, lambda rows: workers_for(cfg, rows))
+    if cfg.rl == "ebft":  # documents through the config's transforms (trainer/ebft_data.py)
+        from trainer.ebft_data import build_ebft
+
+        return build_ebft(cfg, tokenizer, load_raw, lambda rows: workers_for(cfg, rows))
     if cfg.rl:  # preference pairs or KTO examples: same cache, same filtering rules
         from trainer.preference_data import build_preference
 

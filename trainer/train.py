@@ -255,6 +255,10 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
         reference = reference_logps(objective, unwrapped, data, cfg, runtime, device, rank, world,
                                     autocast=accelerator.autocast, log=say,  # FSDP/ZeRO-3: lock-step forwards
                                     sharded=distributed.is_sharded(unwrapped) or bool(cfg.deepspeed))
+    if hasattr(objective, "attach"):  # EBFT's frozen feature network: the initial weights, before a checkpoint loads
+        from trainer.model import DTYPES
+
+        objective.attach(unwrapped, DTYPES[runtime.precision])
     # The loader gets its own generator: starting an iterator must not draw from the global RNG, or a
     # resumed run (which starts one after restoring the RNG) would see different dropout masks.
     from trainer.streaming import StreamRows

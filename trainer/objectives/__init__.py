@@ -1,6 +1,6 @@
 """Objectives: what the one training loop trains (see base.py for the interface).
 
-sft (the default), reward and prm (reward_model / process_reward_model), and with `rl:` the preference methods dpo, ipo, orpo, kto and simpo.
+sft (the default), reward and prm (reward_model / process_reward_model), and with `rl:` the preference methods dpo, ipo, orpo, kto and simpo, and ebft (strided).
 """
 
 from __future__ import annotations
@@ -37,6 +37,10 @@ def build(cfg: Config, collator: Collator, token_loss_sum) -> Objective:
         from trainer.objectives.dpo import DPO
 
         return DPO(collator, packed, cfg.beta, cfg.dpo_label_smoothing, ipo=kind == "ipo")
+    if kind == "ebft":  # strided EBFT (trainer/ebft.py)
+        from trainer.objectives.ebft import EBFT
+
+        return EBFT(cfg, collator.pad_token_id)
     if kind == "orpo":
         from trainer.objectives.orpo import ORPO
 
