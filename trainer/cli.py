@@ -80,7 +80,11 @@ def cmd_validate(args) -> int:
         from trainer.streaming import describe
 
         print(f"  data:       {describe(cfg)}")
-    if cfg.rl:
+    if cfg.rl in ("grpo", "gdpo"):
+        trl = cfg.trl
+        print(f"  objective:  {cfg.rl} ({trl.generations} completions per prompt, up to {trl.completion_length} tokens; "
+              f"beta {trl.kl_beta:g}; rewards {', '.join(trl.reward_funcs)})")
+    elif cfg.rl:
         reference = ("reference log-probs computed once before training and cached" if cfg.objective in ("dpo", "ipo", "kto")
                      else "reference-free")
         print(f"  objective:  {cfg.objective} (beta {cfg.beta:g}; {reference})")

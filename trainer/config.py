@@ -16,11 +16,12 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from trainer import alpaca_styles, facts
 from trainer.errors import ConfigError
 from trainer.diffusion import DiffusionConfig
+from trainer.grpo_config import TrlConfig
 from trainer.qat import QatConfig
 from trainer.sparsity import SparsityConfig
 
@@ -395,8 +396,13 @@ class Config(BaseModel):
     # --- sparse fine-tuning (trainer/sparsity.py) -----------------------------------------------------------
     llmcompressor: SparsityConfig | None = None  # with plugins: [axolotl.integrations.llm_compressor.LLMCompressorPlugin]
 
+    # --- online RL with generation: rl: grpo / gdpo (trainer/grpo_config.py, trainer/objectives/grpo.py) ---
+    trl: TrlConfig | None = None  # Axolotl's trl: block (reward_funcs, num_generations, beta, ...)
+    # set by load_config: user modules (trl.reward_funcs, `module.function` dataset types) import from here
+    _config_dir: str | None = PrivateAttr(None)
+
     # --- preference training (Axolotl's names; defaults as TRL's configs) --------------------------------
-    rl: Literal["dpo", "ipo", "orpo", "kto", "simpo"] | None = None
+    rl: Literal["dpo", "ipo", "orpo", "kto", "simpo", "grpo", "gdpo"] | None = None
     rl_beta: float | None = Field(None, gt=0)  # DPO/IPO/KTO/SimPO beta (TRL default 0.1)
     dpo_beta: float | None = Field(None, gt=0)  # deprecated spelling of rl_beta
     dpo_label_smoothing: float = Field(0.0, ge=0, lt=0.5)  # conservative DPO (cDPO); SimPO's too
@@ -463,6 +469,8 @@ class Config(BaseModel):
         from trainer.reward_data import check_reward_config
 
         if check_reward_config(self):  # reward_model / process_reward_model: their own dataset types
+            return
+        if self.rl in ("grpo", "gdpo"):  # prompt datasets with user transforms (trainer/grpo_config.py checks)
             return
         if self.rl is None:
             for i, ds in enumerate(self.datasets):
@@ -608,8 +616,8 @@ UNSUPPORTED_KEYS: dict[str, str] = {
        for k in ("gptq", "gptq_disable_exllama")},
     **{k: "this adapter option is not supported" for k in (
         "lora_fan_in_fan_out", "peft_layers_to_transform", "loraplus_lr_ratio", "loraplus_lr_embedding")},
-    **{k: "only rl: dpo, ipo, orpo, kto and simpo are supported and reward_model / process_reward_model (no GRPO or TRL pass-through)" for k in (
-        "trl", "dpo_use_weighting", "dpo_use_liger_kernel",
+    **{k: "this preference-training option is not supported (rl: dpo, ipo, orpo, kto, simpo, grpo and gdpo train with the options listed in the README)" for k in (
+        "dpo_use_weighting", "dpo_use_liger_kernel",
         "dpo_padding_free", "dpo_loss_weights", "rl_adapter_ref_model", "dpo_norm_loss")},
     **{k: "context and expert parallelism are not supported (use FSDP, DeepSpeed or DDP)" for k in (
         "sequence_parallel_degree",
@@ -788,11 +796,17 @@ def objective_notes(cfg: Config) -> list[str]:
 
     if cfg.use_eaft and cfg.objective != "sft":
         raise ConfigError("use_eaft: weights SFT's token losses; not with rl: preference training or reward models")
+    from trainer import grpo_config
+
+    try:
+        notes = grpo_config.check(cfg)  # rl: grpo / gdpo and the trl: block
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     if cfg.cls_model_config:
         from trainer import config_class
 
         config_class.config_class(cfg.cls_model_config)
-    return diffusion.check(cfg)
+    return notes + diffusion.check(cfg)
 
 
 def load_config(path: str | Path) -> tuple[Config, list[str]]:
@@ -808,6 +822,7 @@ def load_config(path: str | Path) -> tuple[Config, list[str]]:
         where = f" at line {mark.line + 1}" if mark else ""
         raise ConfigError(f"{path} is not valid YAML{where}: {getattr(err, 'problem', err)}") from None
     cfg, notes = parse_config(raw)
+    cfg._config_dir = str(path.resolve().parent)
     check_local_paths(cfg)
     return cfg, notes
 
