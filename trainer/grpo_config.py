@@ -41,6 +41,7 @@ class TrlConfig(BaseModel):
     epsilon: float | None = Field(None, gt=0)  # lower clip of the importance ratio, TRL's 0.2
     epsilon_high: float | None = Field(None, gt=0)  # upper clip, default epsilon
     loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] | None = None  # TRL's default dapo
+    use_bias_correction_kl: bool | None = None  # TRL's default true: the KL term times the importance ratio
     mask_truncated_completions: bool = False  # completions cut at max_completion_length get no loss
     multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] | None = None
     # Axolotl's keys for vLLM and the async trainer: only their off values are accepted (checked below)

@@ -19,7 +19,8 @@ Per optimizer step each process takes micro_batch_size x gradient_accumulation_s
    then computes each micro-batch's loss in train mode (TRL's _compute_loss):
      ratio = exp(logp - logp_old) (logp_old = logp detached: one update per generation batch),
      per-token loss = -min(ratio A, clip(ratio, 1 - epsilon, 1 + epsilon_high) A) + beta KL,
-     KL = exp(ref - logp) - (ref - logp) - 1 (per token, against the reference),
+     KL = (exp(ref - logp) - (ref - logp) - 1) x ratio (per token, against the reference; the ratio factor,
+     TRL's use_bias_correction_kl, is 1 in value but carries the gradient of logp),
    aggregated by loss_type: dapo (TRL's default) sums over the step's completion tokens on all processes and
    divides by their count; grpo averages each completion over its tokens, then over the step's completions;
    bnpo divides each micro-batch's sum by its tokens, then averages micro-batches; dr_grpo divides the sum by
@@ -44,7 +45,7 @@ EPS = 1e-4  # TRL's
 
 
 def grpo_per_token_loss(logps, old_logps, ref_logps, advantages, mask, beta: float, eps_low: float, eps_high: float,
-                        level: str = "token"):
+                        level: str = "token", bias_correction_kl: bool = True):
     """(per-token loss [B, T] (or [B, 1] at sequence level without KL), per-token KL or None, clipped [B, T])."""
     adv = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
     log_ratio = logps - old_logps
@@ -56,6 +57,8 @@ def grpo_per_token_loss(logps, old_logps, ref_logps, advantages, mask, beta: flo
     kl = None
     if beta != 0.0:
         kl = torch.exp(ref_logps - logps) - (ref_logps - logps) - 1
+        if bias_correction_kl:  # TRL's use_bias_correction_kl (default true): importance-weighted, with its gradient
+            kl = kl * coef_1
         per_token = per_token + beta * kl
     clipped = ((coef_1 < 1 - eps_low) & (adv < 0)) | ((coef_1 > 1 + eps_high) & (adv > 0))
     return per_token, kl, clipped
@@ -313,14 +316,14 @@ class GRPO(Objective):
         logps = self.token_logps(model, batch)
         per_token, kl, clipped = grpo_per_token_loss(
             logps, logps.detach(), batch.get("ref_logps"), batch["advantages"], mask, self.beta, trl.eps_low,
-            trl.eps_high, trl.importance_sampling_level or "token")
+            trl.eps_high, trl.importance_sampling_level or "token", trl.use_bias_correction_kl is not False)
         loss = aggregate(per_token, mask, self.loss_type, totals, trl.completion_length)
         rewards = batch["rewards"]
         weighted = (rewards * self.weights.double().unsqueeze(0)).nansum(dim=1)
         weighted[torch.isnan(rewards).all(dim=1)] = torch.nan
         ok = ~torch.isnan(weighted)
         values = [loss.detach(), float(batch["attention_mask"].sum()), float(rewards.shape[0]), batch["lengths"],
-                  float((kl * mask).sum()) if kl is not None else 0.0,
+                  float((kl.detach() * mask).sum()) if kl is not None else 0.0,
                   float((clipped.float().expand_as(mask) * mask).sum()), batch["truncated"], batch["zero_std"],
                   float(weighted[ok].sum()), float((weighted[ok] ** 2).sum()), float(ok.sum())]
         for k in range(rewards.shape[1]):
