@@ -162,6 +162,9 @@ def trl_trainer(tmp_path_factory, tiny_llama):
     trainer = GRPOTrainer(model=model, reward_funcs=[rwd.format_reward, rwd.correctness_reward], args=args,
                           train_dataset=datasets.Dataset.from_list(prompts * 4), processing_class=tokenizer)
     trainer.current_gradient_accumulation_steps = 1
+    with torch.no_grad():  # a reference apart from the policy, so the KL term (and its gradient) is not zero
+        trainer.ref_model.lm_head.weight.add_(0.05 * torch.randn(trainer.ref_model.lm_head.weight.shape,
+                                                                 generator=torch.Generator().manual_seed(0)))
     sys.path.remove(str(where))
     return trainer, [prompts[0], prompts[0], prompts[1], prompts[1]], rwd
 
