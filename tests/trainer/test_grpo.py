@@ -99,7 +99,7 @@ def test_gdpo_trains_logs_trls_metrics_and_resumes_exactly(grpo_config, tmp_path
 def test_grpo_raises_the_reward_it_is_trained_on(grpo_config, tmp_path):
     """rl: grpo with one reward (the share of the letter e): training moves the policy towards it."""
     out = tmp_path / "learn"
-    config = grpo_config("learn.yml", rl="grpo", output_dir=str(out), max_steps=14, learning_rate=3e-3,
+    config = grpo_config("learn.yml", rl="grpo", output_dir=str(out), max_steps=16, learning_rate=1e-2,
                          gradient_accumulation_steps=1, micro_batch_size=8, save_steps=None, lr_scheduler="constant",
                          trl={"multi_objective_aggregation": None, "reward_funcs": ["rwd.format_reward"],
                               "reward_weights": None, "beta": 0.0, "num_generations": 4, "temperature": 1.0,
