@@ -72,6 +72,27 @@ def test_validate_takes_the_gdpo_example_keys(grpo_config, capsys):
     assert "objective:  gdpo (2 completions per prompt, up to 6 tokens; beta 0.001; rewards rwd.format_reward" in out
 
 
+def test_axolotls_gdpo_example_trains_with_only_model_data_and_steps_swapped(grpo_config, tiny_llama, tmp_path, capsys):
+    """examples/llama-3/qlora-1b-gdpo.yaml as Axolotl ships it (128-token completions, accumulation 8, llama3
+    template, adamw_torch_fused, gradient checkpointing), on the tiny model and local GSM8K-shaped rows."""
+    import yaml
+
+    from tests.trainer.helpers import REPO
+
+    grpo_config()  # writes rwd.py and the prompt file into tmp_path
+    raw = yaml.safe_load((REPO / "tests/trainer/data/axolotl_examples/llama-3__qlora-1b-gdpo.yaml").read_text())
+    raw.update(base_model=str(tiny_llama), output_dir=str(tmp_path / "out"), max_steps=2)
+    raw["datasets"] = [{**raw["datasets"][0], "path": str(tmp_path / "gsm8k.jsonl"), "name": None, "split": "train"}]
+    raw["datasets"][0] = {k: v for k, v in raw["datasets"][0].items() if v is not None}
+    config = tmp_path / "qlora-1b-gdpo.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    assert main(["train", str(config)]) == 0
+    rows = [r for r in read_metrics(tmp_path / "out") if "loss" in r]
+    assert [r["step"] for r in rows] == [1, 2] and all(r["completions"] == 8 for r in rows)
+    assert all("kl" in r and "rewards/correctness_reward/mean" in r for r in rows)  # beta 0.001: a reference
+    assert "completions at step 2" in capsys.readouterr().err and (tmp_path / "out" / "final").is_dir()
+
+
 def test_gdpo_trains_logs_trls_metrics_and_resumes_exactly(grpo_config, tmp_path, capsys):
     """Four GDPO steps (full fine-tune, beta > 0: a frozen reference copy); the run resumed from checkpoint-2 draws
     the same completions and reaches the same losses and rewards."""
