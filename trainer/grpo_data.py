@@ -107,7 +107,7 @@ def prepare(cfg, tokenizer, log=print):
         if len(ids) > cfg.sequence_len:
             too_long += 1
             continue
-        kept.append({"prompt_ids": ids, "length": len(ids), "row": json.dumps(row, default=str)})
+        kept.append({"prompt_ids": ids, "length": len(ids), "row": json.dumps(row, default=str), "index": len(kept)})
     if too_long:
         log(f"{too_long} of {len(rows)} prompts are longer than sequence_len {cfg.sequence_len}: dropped")
     if not kept:

@@ -5,8 +5,8 @@ Per optimizer step each process takes micro_batch_size x gradient_accumulation_s
 
 1. generates num_generations completions per prompt with the policy (eval mode, no grad; sampling with
    temperature, top_p, top_k, min_p, repetition_penalty, up to max_completion_length new tokens). The sampling
-   RNG is seeded from (seed, step, rank) inside a forked RNG, so a resumed run draws the same completions and
-   the training RNG is untouched;
+   RNG is seeded from (seed, step, the prompt's index) inside a forked RNG, so a resumed run draws the same
+   completions, the number of processes does not change them, and the training RNG is untouched;
 2. scores them with the reward functions (TRL's signature: prompts, completions, completion_ids, columns);
    None is NaN (left out of the statistics; a completion every function skipped gets advantage 0);
 3. turns rewards into advantages (TRL's _generate_and_score_completions):
@@ -171,7 +171,7 @@ class GRPO(Objective):
                 "as the reference (LoRA needs none: its reference is the base with the adapter disabled)")
 
     def rows(self, dataset, reference=None):
-        return ExampleRows(dataset, ["prompt_ids", "row"])
+        return ExampleRows(dataset, ["prompt_ids", "row", "index"])
 
     def collate(self, rows):
         return {"examples": [example for row in rows for example in row]}
@@ -203,8 +203,8 @@ class GRPO(Objective):
         model.eval()
         try:
             with torch.random.fork_rng(devices=devices):
-                torch.manual_seed((self.seed * 1_000_003 + step) * 4099 + self.rank)
                 for example in examples:
+                    torch.manual_seed((self.seed * 1_000_003 + step) * 1_000_033 + example["index"])
                     prompt = torch.tensor([example["prompt_ids"]], device=device)
                     generated = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt),
                                                generation_config=config)[:, prompt.shape[1]:].tolist()
