@@ -103,7 +103,11 @@ def prepare(cfg, tokenizer, log=print):
     rows = [row for part in parts for row in part]
     kept, too_long = [], 0
     for row in rows:
-        ids = prompt_ids(row["prompt"], tokenizer)
+        try:
+            ids = prompt_ids(row["prompt"], tokenizer)
+        except (ValueError, TypeError, KeyError) as err:  # no chat template, or messages it cannot render
+            raise DataError(f"datasets: cannot tokenize the prompt {str(row['prompt'])[:80]!r}: "
+                            f"{str(err).splitlines()[0] if str(err) else type(err).__name__}") from None
         if len(ids) > cfg.sequence_len:
             too_long += 1
             continue
