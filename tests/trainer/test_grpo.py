@@ -148,9 +148,17 @@ def test_lora_reference_is_the_base_with_the_adapter_off(grpo_config, tmp_path, 
     ({"reward_funcs": ["nomodule.reward", "rwd.format_reward"]}, "trl.reward_funcs: cannot import 'nomodule.reward': no module 'nomodule'"),
     ({"reward_weights": [1.0]}, "reward_weights: 1 weights for 2 reward_funcs"),
     ({"multi_objective_aggregation": "sum_then_normalize"}, "sum_then_normalize is GRPO, but rl: gdpo"),
+    ({"num_generations": 3}, "must be a multiple of trl.num_generations (3)"),
+    ({"_fsdp": True}, "rl: gdpo with FSDP or DeepSpeed ZeRO-3 is not supported"),
+    ({"_zero3": True}, "rl: gdpo with FSDP or DeepSpeed ZeRO-3 is not supported"),
 ])
 def test_bad_input_is_one_line_and_exit_2(grpo_config, tmp_path, capsys, trl, message):
-    config = grpo_config("bad.yml", trl=trl, output_dir=str(tmp_path / "bad"))
+    extra = {}
+    if trl.pop("_fsdp", False):
+        extra = {"fsdp_version": 2, "fsdp_config": {"reshard_after_forward": True}}
+    if trl.pop("_zero3", False):
+        extra = {"deepspeed": "deepspeed_configs/zero3.json"}
+    config = grpo_config("bad.yml", trl=trl, output_dir=str(tmp_path / "bad"), **extra)
     assert main(["train", str(config)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len([line for line in err if line.startswith("error")]) == 1 and message in err[-1], err
