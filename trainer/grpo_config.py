@@ -138,9 +138,6 @@ def check(cfg) -> list[str]:
                          "sharded weights for every new token); use DDP or ZeRO-2")
     if cfg.sample_packing:
         raise ValueError(f"sample_packing: not with rl: {cfg.rl} (completions are generated, one per row)")
-    if cfg.val_set_size:
-        raise ValueError(f"val_set_size: evaluation of rl: {cfg.rl} (generating for a held-out split) is not "
-                         "implemented here; set val_set_size: 0")
     for i, ds in enumerate(cfg.datasets):
         if ds.type is not None and "." not in ds.type:
             raise ValueError(f"datasets.{i}.type: {ds.type!r}; with rl: {cfg.rl} use a transform 'module.function' "

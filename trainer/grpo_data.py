@@ -87,7 +87,7 @@ def prompt_ids(prompt, tokenizer) -> list[int]:
 
 
 def prepare(cfg, tokenizer, log=print):
-    """Prepared(train rows {prompt_ids, length, row}, no validation, stats)."""
+    """Prepared(train rows {prompt_ids, length, row, index}, validation rows (val_set_size) or None, stats)."""
     import datasets
 
     from trainer.data import Prepared, load_raw
@@ -119,6 +119,13 @@ def prepare(cfg, tokenizer, log=print):
     train = datasets.Dataset.from_list(kept)
     if cfg.shuffle_merged_datasets:
         train = train.shuffle(seed=cfg.seed)
-    stats = {"rows": len(rows), "train_rows": len(kept), "validation_rows": 0, "too_long": too_long,
-             "dropped_too_long": too_long, "train_tokens": int(sum(train["length"]))}
-    return Prepared(train, None, stats, None)
+    validation = None
+    if cfg.val_set_size:  # as SFT data: a seeded split of val_set_size rows (>= 1) or that fraction
+        size = cfg.val_set_size if cfg.val_set_size < 1 else int(cfg.val_set_size)
+        if isinstance(size, int) and size >= len(train):
+            raise ConfigError(f"val_set_size {size} leaves no training prompts (there are {len(train)})")
+        split = train.train_test_split(test_size=size, seed=cfg.seed)
+        train, validation = split["train"], split["test"]
+    stats = {"rows": len(rows), "train_rows": len(train), "validation_rows": len(validation or []),
+             "too_long": too_long, "dropped_too_long": too_long, "train_tokens": int(sum(train["length"]))}
+    return Prepared(train, validation, stats, None)

@@ -270,10 +270,12 @@ def test_advantages_and_loss_match_trls_grpo_trainer(trl_trainer, tiny_llama, rl
 @pytest.mark.slow
 def test_two_processes_train_as_one_with_twice_the_accumulation(grpo_config, tmp_path):
     """Completions are drawn per prompt (seed, step, prompt index), groups stay on one process, GDPO's batch
-    statistics and dapo's token count are summed over processes: 2 processes x accumulation 1 == 1 x 2."""
+    statistics and dapo's token count are summed over processes: 2 processes x accumulation 1 == 1 x 2, and so
+    are the evaluations of the held-out prompts (val_set_size)."""
     from tests.trainer.helpers import assert_same_training, torchrun_train
 
-    common = {"micro_batch_size": 2, "max_steps": 3, "save_steps": None, "learning_rate": 1e-2}
+    common = {"micro_batch_size": 2, "max_steps": 3, "save_steps": None, "learning_rate": 1e-2, "val_set_size": 4,
+              "eval_steps": 2}
     one = grpo_config("one.yml", output_dir=str(tmp_path / "one"), gradient_accumulation_steps=2, **common)
     two = grpo_config("two.yml", output_dir=str(tmp_path / "two"), gradient_accumulation_steps=1, **common)
     assert main(["train", str(one)]) == 0
@@ -282,3 +284,6 @@ def test_two_processes_train_as_one_with_twice_the_accumulation(grpo_config, tmp
     assert_same_training(tmp_path / "one", tmp_path / "two", rel=1e-4)
     rewards = [[r["reward"] for r in read_metrics(tmp_path / d) if "loss" in r] for d in ("one", "two")]
     assert rewards[1] == pytest.approx(rewards[0], rel=1e-6)
+    evals = [[r for r in read_metrics(tmp_path / d) if "eval_loss" in r] for d in ("one", "two")]
+    assert [r["step"] for r in evals[0]] == [2, 3] and all(r["eval_completions"] == 8 for r in evals[0])
+    assert [r["eval_reward"] for r in evals[1]] == pytest.approx([r["eval_reward"] for r in evals[0]], rel=1e-6)

@@ -42,6 +42,7 @@ from trainer.errors import TrainingError
 from trainer.objectives.base import ExampleRows, Objective
 
 EPS = 1e-4  # TRL's
+EVAL_STEP = -1  # the step the evaluation's sampling RNG is keyed by (the same prompts draw alike at every evaluation)
 
 
 def grpo_per_token_loss(logps, old_logps, ref_logps, advantages, mask, beta: float, eps_low: float, eps_high: float,
@@ -382,5 +383,42 @@ class GRPO(Objective):
             table.add_row(str(prompt)[-200:], s["text"][:400], *[f"{r:.2f}" for r in s["rewards"]], f"{s['advantage']:.2f}")
         Console(stderr=True).print(table)
 
+    # --- evaluation: the held-out prompts as one step, no grad ---------------------------------------------
+    @torch.no_grad()
+    def evaluate(self, model, dataset, batch_size, capacity, device, rank, world, timeout_s, sharded=False) -> dict:
+        """Each rank generates for its share of the validation prompts (every world-th), with the sampling RNG keyed
+        by (seed, EVAL, prompt index); rewards, advantages, the loss and its metrics as for a training step, over
+        the whole split on all processes (three fixed-size all-reduces)."""
+        if self.tokenizer is None:
+            from trainer.errors import ConfigError
+
+            raise ConfigError(f"evaluate: rl: {self.name} evaluates while training (eval_ rows in metrics.jsonl, "
+                              "with val_set_size); this command does not generate")
+        mine = [dataset[i] for i in range(rank, len(dataset), world)]
+        samples = self.generate(model, mine, EVAL_STEP)
+        rewards = self.rewards(samples, EVAL_STEP) if samples else torch.zeros(0, len(self.funcs))
+        advantages, zero_std = compute_advantages(
+            rewards, self.weights, self.G, self.aggregation, self.trl.scaling,
+            batch_moments=lambda x: _moments(x, rank, timeout_s, world > 1))
+        for s, a, z in zip(samples, advantages.tolist(), zero_std.tolist()):
+            s["advantage"], s["zero_std"] = a, z
+        was_training = model.training
+        model.eval()
+        batches = [self.tensors(samples[i:i + batch_size], device) for i in range(0, len(samples), batch_size)]
+        stats = torch.zeros(len(self.stat_names), dtype=torch.float64, device=device)
+        for batch in batches:
+            if self.beta != 0.0:
+                batch["ref_logps"] = self.reference_logps(model, batch)
+            stats += torch.tensor(self.step_stats(model, batch), dtype=torch.float64, device=device)
+        totals = dict(zip(self.stat_names, reduce_sum(stats, "evaluation (summing eval totals)", rank, timeout_s).tolist()))
+        sums = torch.zeros(len(self.metric_names), dtype=torch.float64, device=device)
+        for batch in batches:
+            sums += self.loss(model, batch, totals)[1].to(device)
+        sums = reduce_sum(sums, "evaluation (summing eval metrics)", rank, timeout_s)
+        model.train(was_training)
+        report = self.report(dict(zip(self.metric_names, sums.tolist())), totals)
+        return {f"eval_{k}": v for k, v in report.items()}
+
     def describe_eval(self, result: dict) -> str:
-        return ""
+        return (f"eval_reward {result['eval_reward']:.4f} over {result['eval_completions']} completions "
+                f"(eval_loss {result['eval_loss']:.4f})")
