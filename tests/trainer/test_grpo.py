@@ -198,13 +198,15 @@ def trl_trainer(tmp_path_factory, tiny_llama):
     return trainer, [prompts[0], prompts[0], prompts[1], prompts[1]], rwd
 
 
-@pytest.mark.parametrize("rl, aggregation, scale, loss_type", [
-    ("grpo", "sum_then_normalize", True, None),  # TRL's defaults: group scaling, dapo
-    ("grpo", "sum_then_normalize", "batch", "grpo"),
-    ("grpo", "sum_then_normalize", False, "dr_grpo"),
-    ("gdpo", "normalize_then_sum", True, "bnpo"),
+@pytest.mark.parametrize("rl, aggregation, scale, loss_type, level", [
+    ("grpo", "sum_then_normalize", True, None, "token"),  # TRL's defaults: group scaling, dapo
+    ("grpo", "sum_then_normalize", "batch", "grpo", "token"),
+    ("grpo", "sum_then_normalize", False, "dr_grpo", "token"),
+    ("gdpo", "normalize_then_sum", True, "bnpo", "token"),
+    ("grpo", "sum_then_normalize", True, "grpo", "sequence"),  # GSPO's sequence-level ratio
 ])
-def test_advantages_and_loss_match_trls_grpo_trainer(trl_trainer, tiny_llama, rl, aggregation, scale, loss_type):
+def test_advantages_and_loss_match_trls_grpo_trainer(trl_trainer, tiny_llama, rl, aggregation, scale, loss_type,
+                                                     level):
     from trainer.collate import Collator
     from trainer.config import parse_config
     from trainer.objectives.grpo import GRPO, aggregate, compute_advantages, grpo_per_token_loss
@@ -213,6 +215,7 @@ def test_advantages_and_loss_match_trls_grpo_trainer(trl_trainer, tiny_llama, rl
     trainer.multi_objective_aggregation = aggregation
     trainer.scale_rewards = {True: "group", False: "none"}.get(scale, scale)
     trainer.loss_type = loss_type or "dapo"
+    trainer.importance_sampling_level = level
     torch.manual_seed(0)
     trainer.model.train()
     out = trainer._generate_and_score_completions(batch)
@@ -226,7 +229,8 @@ def test_advantages_and_loss_match_trls_grpo_trainer(trl_trainer, tiny_llama, rl
         "base_model": str(tiny_llama), "rl": rl, "datasets": [{"path": "x.jsonl"}], "micro_batch_size": 4,
         "trl": {"beta": 0.1, "max_completion_length": 6, "num_generations": 2, "temperature": 0.7,
                 "reward_funcs": ["rwd.format_reward", "rwd.correctness_reward"], "reward_weights": [1.0, 2.0],
-                "scale_rewards": scale, "multi_objective_aggregation": aggregation, "loss_type": loss_type}})
+                "scale_rewards": scale, "multi_objective_aggregation": aggregation, "loss_type": loss_type,
+                "importance_sampling_level": level}})
     objective = GRPO(cfg, Collator(trainer.processing_class.pad_token_id, "sdpa"),
                      [rwd.format_reward, rwd.correctness_reward], ["format_reward", "correctness_reward"])
     objective.before_training(trainer.model, trainer.processing_class, 0, 60.0, None, lambda *_: None)
@@ -261,7 +265,7 @@ def test_advantages_and_loss_match_trls_grpo_trainer(trl_trainer, tiny_llama, rl
     out["old_per_token_logps"] = torch.nn.functional.pad(old, (0, width - old.shape[1]))
     trl_clipped = float(trainer._compute_loss(trainer.model, out).detach())
     per_token, _, clipped = grpo_per_token_loss(logps, old, ours["ref_logps"], ours["advantages"], mask, 0.1,
-                                                0.2, 0.2)
+                                                0.2, 0.2, level)
     assert bool((clipped * mask.bool()).any())  # the clip is exercised
     assert float(aggregate(per_token, mask, trainer.loss_type, totals, 6)) == pytest.approx(trl_clipped, rel=1e-4)
 
@@ -287,3 +291,23 @@ def test_two_processes_train_as_one_with_twice_the_accumulation(grpo_config, tmp
     evals = [[r for r in read_metrics(tmp_path / d) if "eval_loss" in r] for d in ("one", "two")]
     assert [r["step"] for r in evals[0]] == [2, 3] and all(r["eval_completions"] == 8 for r in evals[0])
     assert [r["eval_reward"] for r in evals[1]] == pytest.approx([r["eval_reward"] for r in evals[0]], rel=1e-6)
+
+
+def test_mask_truncated_completions_drops_cut_completions_from_the_loss(tiny_llama):
+    from trainer.collate import Collator
+    from trainer.config import parse_config
+    from trainer.objectives.grpo import GRPO
+
+    def mask_for(flag):
+        cfg, _ = parse_config({"base_model": str(tiny_llama), "rl": "grpo", "datasets": [{"path": "x.jsonl"}],
+                               "micro_batch_size": 2, "trl": {"num_generations": 2, "reward_funcs": ["rwd.f"],
+                                                              "mask_truncated_completions": flag}})
+        objective = GRPO(cfg, Collator(0, "sdpa"), [len], ["f"])
+        samples = [{"example": {"prompt_ids": [5, 6, 7]}, "completion_ids": [8, 9, 2], "truncated": False,
+                    "advantage": 1.0, "zero_std": False, "rewards": [0.0]},
+                   {"example": {"prompt_ids": [5, 6, 7]}, "completion_ids": [8, 9, 10, 11], "truncated": True,
+                    "advantage": -1.0, "zero_std": False, "rewards": [1.0]}]
+        return objective.tensors(samples, torch.device("cpu"))["completion_mask"].tolist()
+
+    assert mask_for(False) == [[1, 1, 1, 0], [1, 1, 1, 1]]
+    assert mask_for(True) == [[1, 1, 1, 0], [0, 0, 0, 0]]
