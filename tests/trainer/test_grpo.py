@@ -14,7 +14,7 @@ import textwrap
 import pytest
 import torch
 
-from tests.trainer.helpers import read_metrics, train_losses, train_then_resume, write_jsonl
+from tests.trainer.helpers import read_metrics, train_then_resume, write_jsonl
 from trainer.cli import main
 
 RWD = textwrap.dedent('''
