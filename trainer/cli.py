@@ -85,6 +85,10 @@ def cmd_validate(args) -> int:
         print(f"  objective:  ebft strided ({e.n_samples_per_prompt} rollouts of {e.generate_max_len} tokens every "
               f"{e.stride} tokens from {e.context_length}; feature network: "
               f"{'the base, adapter disabled' if cfg.adapter else 'a frozen copy of the initial model'})")
+    elif cfg.rl in ("grpo", "gdpo"):
+        trl = cfg.trl
+        print(f"  objective:  {cfg.rl} ({trl.generations} completions per prompt, up to {trl.completion_length} tokens; "
+              f"beta {trl.kl_beta:g}; rewards {', '.join(trl.reward_funcs)})")
     elif cfg.rl:
         reference = ("reference log-probs computed once before training and cached" if cfg.objective in ("dpo", "ipo", "kto")
                      else "reference-free")

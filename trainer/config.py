@@ -22,6 +22,7 @@ from trainer import alpaca_styles, facts
 from trainer.errors import ConfigError
 from trainer.diffusion import DiffusionConfig
 from trainer.ebft import EbftConfig
+from trainer.grpo_config import TrlConfig
 from trainer.qat import QatConfig
 from trainer.sparsity import SparsityConfig
 
@@ -398,10 +399,15 @@ class Config(BaseModel):
 
     # --- EBFT (rl: ebft, strided mode; trainer/ebft.py) ---
     ebft: EbftConfig | None = None  # Axolotl's ebft: block (checked by trainer.ebft.check)
-    _config_dir: str | None = PrivateAttr(None)  # where the config file is: rl: ebft imports its transforms there
+
+    # --- online RL with generation: rl: grpo / gdpo (trainer/grpo_config.py, trainer/objectives/grpo.py) ---
+    trl: TrlConfig | None = None  # Axolotl's trl: block (reward_funcs, num_generations, beta, ...)
+    # set by load_config: user modules (ebft and trl.reward_funcs transforms, `module.function` dataset types)
+    # import from the config's directory
+    _config_dir: str | None = PrivateAttr(None)
 
     # --- preference training (Axolotl's names; defaults as TRL's configs) --------------------------------
-    rl: Literal["dpo", "ipo", "orpo", "kto", "simpo", "ebft"] | None = None
+    rl: Literal["dpo", "ipo", "orpo", "kto", "simpo", "ebft", "grpo", "gdpo"] | None = None
     rl_beta: float | None = Field(None, gt=0)  # DPO/IPO/KTO/SimPO beta (TRL default 0.1)
     dpo_beta: float | None = Field(None, gt=0)  # deprecated spelling of rl_beta
     dpo_label_smoothing: float = Field(0.0, ge=0, lt=0.5)  # conservative DPO (cDPO); SimPO's too
@@ -468,6 +474,8 @@ class Config(BaseModel):
         from trainer.reward_data import check_reward_config
 
         if check_reward_config(self):  # reward_model / process_reward_model: their own dataset types
+            return
+        if self.rl in ("grpo", "gdpo"):  # prompt datasets with user transforms (trainer/grpo_config.py checks)
             return
         if self.rl is None:
             for i, ds in enumerate(self.datasets):
@@ -615,8 +623,8 @@ UNSUPPORTED_KEYS: dict[str, str] = {
        for k in ("gptq", "gptq_disable_exllama")},
     **{k: "this adapter option is not supported" for k in (
         "lora_fan_in_fan_out", "peft_layers_to_transform", "loraplus_lr_ratio", "loraplus_lr_embedding")},
-    **{k: "only rl: dpo, ipo, orpo, kto and simpo are supported and reward_model / process_reward_model (no GRPO or TRL pass-through)" for k in (
-        "trl", "dpo_use_weighting", "dpo_use_liger_kernel",
+    **{k: "this preference-training option is not supported (rl: dpo, ipo, orpo, kto, simpo, grpo and gdpo train with the options listed in the README)" for k in (
+        "dpo_use_weighting", "dpo_use_liger_kernel",
         "dpo_padding_free", "dpo_loss_weights", "rl_adapter_ref_model", "dpo_norm_loss")},
     **{k: "context and expert parallelism are not supported (use FSDP, DeepSpeed or DDP)" for k in (
         "sequence_parallel_degree",
@@ -800,11 +808,17 @@ def objective_notes(cfg: Config) -> list[str]:
 
     if cfg.use_eaft and cfg.objective != "sft":
         raise ConfigError("use_eaft: weights SFT's token losses; not with rl: preference training or reward models")
+    from trainer import grpo_config
+
+    try:
+        notes = grpo_config.check(cfg)  # rl: grpo / gdpo and the trl: block
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     if cfg.cls_model_config:
         from trainer import config_class
 
         config_class.config_class(cfg.cls_model_config)
-    return diffusion.check(cfg)
+    return notes + diffusion.check(cfg)
 
 
 def load_config(path: str | Path) -> tuple[Config, list[str]]:

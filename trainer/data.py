@@ -265,6 +265,10 @@ def prepare(cfg: Config, tokenizer, rank: int = 0, log=print) -> Prepared:
     """The tokenized train/validation data, from the cache or prepared now (by rank 0 only)."""
     from filelock import FileLock, Timeout
 
+    if cfg.rl in ("grpo", "gdpo"):  # prompts (user transforms), prepared in memory by every rank
+        from trainer.grpo_data import prepare as prepare_prompts
+
+        return prepare_prompts(cfg, tokenizer, log)
     root = Path(cfg.dataset_prepared_path)
     path = root / cache_key(cfg, tokenizer, _hub_fingerprints(cfg))
     if rank == 0:

@@ -189,23 +189,26 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
     collator = Collator(tokenizer.pad_token_id, runtime.attention,
                         pad_to=cfg.sequence_len if cfg.pad_to_sequence_len else None, pad_multiple=pad_multiple)
     objective = objectives.build(cfg, collator, token_loss_sum)
+    ga = cfg.gradient_accumulation_steps
+    # rows per loader batch, loader batches per step (GRPO: one batch of prompts, generated into ga micro-batches)
+    rows_per_batch, draws = objective.loader_batch(cfg.micro_batch_size, ga)
     if cfg.streamed:  # max_steps x accumulation micro-batches from the stream, every rank its own rows
         from trainer.streaming import StreamSampler
 
         sampler = StreamSampler(cfg, tokenizer, data_rank, data_world)
     else:
-        sampler = MultipackBatchSampler(objective.lengths(data.train), cfg.micro_batch_size,
+        sampler = MultipackBatchSampler(objective.lengths(data.train), rows_per_batch,
                                         objectives.capacity(cfg, cfg.sample_packing), seed=cfg.seed,
                                         rank=data_rank, world_size=data_world, drop_last=True, shuffle=not cfg.curriculum_sampling,
                                         group_by_length=cfg.group_by_length,
                                         group_size=cfg.micro_batch_size * cfg.gradient_accumulation_steps,
                                         sequential_packing=cfg.sample_packing_sequentially)
-    ga = cfg.gradient_accumulation_steps
-    steps_per_epoch = len(sampler) // ga
+    steps_per_epoch = len(sampler) // draws
     if steps_per_epoch == 0:
-        raise DataError(f"{data.stats['train_rows']} training rows make {len(sampler)} micro-batches per process, "
-                        f"fewer than gradient_accumulation_steps={ga}: add data or lower micro_batch_size/"
-                        "gradient_accumulation_steps")
+        unit = "micro-batches" if draws == ga else f"batches of {rows_per_batch} prompts"
+        raise DataError(f"{data.stats['train_rows']} training rows make {len(sampler)} {unit} per process, "
+                        f"fewer than {f'gradient_accumulation_steps={ga}' if draws == ga else 'one per step'}: add "
+                        "data or lower micro_batch_size/gradient_accumulation_steps")
     total_steps = cfg.max_steps or steps_per_epoch * cfg.num_epochs
     eval_every = cadence(cfg.eval_steps, cfg.evals_per_epoch, steps_per_epoch) if data.validation is not None else None
     save_every = cadence(cfg.save_steps, cfg.saves_per_epoch, steps_per_epoch)
@@ -259,6 +262,8 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
         from trainer.model import DTYPES
 
         objective.attach(unwrapped, DTYPES[runtime.precision])
+    if objective.generates:  # GRPO: tokenizer, eos ids, and (full fine-tune, beta > 0) the reference copy
+        objective.before_training(unwrapped, tokenizer, rank, timeout, output_dir=Path(cfg.output_dir), say=say)
     # The loader gets its own generator: starting an iterator must not draw from the global RNG, or a
     # resumed run (which starts one after restoring the RNG) would see different dropout masks.
     from trainer.streaming import StreamRows
@@ -333,7 +338,7 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
             sampler.set_epoch(epoch)
             consumed = sampler.skip  # micro-batches of this epoch done before a resume
             batches = iter(loader)
-            for _ in range(steps_per_epoch - consumed // ga):
+            for _ in range(steps_per_epoch - consumed // draws):
                 started = time.perf_counter()
                 if cfg.qat is not None and cfg.qat.fake_quant_after_n_steps is not None:
                     from trainer import qat
@@ -343,9 +348,12 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
                     lisa.before_step(step)
                 if relora is not None:
                     relora.before_step(step, optimizer)
-                micro_batches = [next(batches) for _ in range(ga)]  # moved to the device one at a time
-                consumed += ga
+                micro_batches = [next(batches) for _ in range(draws)]  # moved to the device one at a time
+                consumed += draws
                 objective.step = step  # objectives that draw noise key it by the step (diffusion), so resume is exact
+                if objective.generates:  # GRPO: generate and score the step's completions (no grad), then ga micro-batches
+                    with accelerator.autocast():
+                        micro_batches = objective.expand(unwrapped, micro_batches, ga, world > 1)
                 stats = torch.zeros(len(objective.stat_names), dtype=torch.float64, device=device)
                 for batch in micro_batches:  # counts; KTO's KL forwards (no grad) run on the unwrapped model,
                     # ga per rank on every rank, so also where each forward gathers shards (FSDP2, ZeRO-3)
@@ -384,7 +392,7 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
                 progress.update(1)
                 elapsed = time.perf_counter() - started
                 if step % cfg.logging_steps == 0 or step == total_steps:
-                    row = {"step": step, "epoch": round(epoch + consumed / (steps_per_epoch * ga), 4), **report,
+                    row = {"step": step, "epoch": round(epoch + consumed / (steps_per_epoch * draws), 4), **report,
                            "lr": lr, "grad_norm": grad_norm, "tokens_per_s": report["tokens"] / elapsed,
                            "step_time_s": elapsed}
                     metrics.write(row)

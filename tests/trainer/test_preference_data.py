@@ -146,13 +146,13 @@ def test_rl_keys_with_axolotls_names_validate():
 
 
 @pytest.mark.parametrize("raw,message", [
-    ({**BASE, "rl": "grpo"}, "rl: got 'grpo'"),
+    ({**BASE, "rl": "grpo"}, "rl: grpo needs trl.reward_funcs"),
     ({**BASE, "datasets": [{"path": "org/data", "type": "chatml.intel"}]}, "a preference type: set rl"),
     ({**BASE, "rl": "dpo", "datasets": [{"path": "o/d", "type": "alpaca"}]}, "not a preference pair dataset type"),
     ({**BASE, "rl": "kto"}, "not a KTO dataset type"),
     ({**BASE, "rl": "orpo", "dpo_loss_type": ["ipo"]}, "dpo_loss_type: only with rl: dpo"),
     ({**BASE, "rl": "dpo", "precompute_ref_log_probs": False}, "always computed once before training"),
-    ({**BASE, "rl": "dpo", "trl": {"beta": 0.1}}, "trl is an Axolotl key this trainer does not support"),
+    ({**BASE, "rl": "dpo", "trl": {"beta": 0.1}}, "trl: configures rl: grpo or gdpo, not rl: dpo"),
 ])
 def test_bad_preference_configs_are_one_clear_error(raw, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):

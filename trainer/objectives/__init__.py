@@ -1,6 +1,6 @@
 """Objectives: what the one training loop trains (see base.py for the interface).
 
-sft (the default), reward and prm (reward_model / process_reward_model), and with `rl:` the preference methods dpo, ipo, orpo, kto and simpo, and ebft (strided).
+sft (the default), reward and prm (reward_model / process_reward_model), and with `rl:` the preference methods dpo, ipo, orpo, kto and simpo, ebft (strided), and grpo / gdpo (generating).
 """
 
 from __future__ import annotations
@@ -33,6 +33,12 @@ def build(cfg: Config, collator: Collator, token_loss_sum) -> Objective:
         from trainer.objectives.reward import Reward
 
         return Reward(collator, cfg.center_rewards_coefficient) if kind == "reward" else PRM(collator)
+    if kind in ("grpo", "gdpo"):  # online RL on generated completions (trainer/objectives/grpo.py)
+        from trainer.grpo_data import reward_functions
+        from trainer.objectives.grpo import GRPO
+
+        funcs = reward_functions(cfg)
+        return GRPO(cfg, collator, funcs, [getattr(f, "__name__", n) for f, n in zip(funcs, cfg.trl.reward_funcs)])
     if kind in ("dpo", "ipo"):
         from trainer.objectives.dpo import DPO
 

@@ -31,9 +31,18 @@ class Objective:
     stat_names: tuple[str, ...] = ()  # summed over the step's micro-batches and ranks before the loss
     metric_names: tuple[str, ...] = ()  # summed after the step, turned into logged values by report()
     progress_names: tuple[str, ...] = ()  # shown beside loss and lr on the progress bar
+    generates = False  # GRPO: expand() generates each step's micro-batches; before_training() gets the tokenizer
     needs_reference = False  # reference log-probs are precomputed once (trainer.reference)
     stats_need_model = False  # step_stats runs forwards (KTO's KL), so its batch must be on the device
     reference_names: tuple[str, ...] = ()  # one column per reference value of an example
+
+    def loader_batch(self, micro_batch_size: int, ga: int) -> tuple[int, int]:
+        """(rows per loader batch, loader batches per optimizer step); GRPO draws one batch of prompts per step."""
+        return micro_batch_size, ga
+
+    def expand(self, model, loader_batches: list, ga: int, world: bool) -> list:
+        """The step's ga micro-batches from its loader batches (GRPO generates them here)."""
+        return loader_batches
 
     def lengths(self, dataset) -> np.ndarray:
         return np.asarray(dataset["length"])

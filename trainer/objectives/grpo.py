@@ -1,0 +1,424 @@
+"""GRPO and GDPO (rl: grpo / gdpo): online RL on completions the policy generates, as TRL 1.16's GRPOTrainer.
+
+Per optimizer step each process takes micro_batch_size x gradient_accumulation_steps / num_generations prompts
+(TRL's generation batch: micro_batch_size x accumulation completions per process), and:
+
+1. generates num_generations completions per prompt with the policy (eval mode, no grad; sampling with
+   temperature, top_p, top_k, min_p, repetition_penalty, up to max_completion_length new tokens). The sampling
+   RNG is seeded from (seed, step, the prompt's index) inside a forked RNG, so a resumed run draws the same
+   completions, the number of processes does not change them, and the training RNG is untouched;
+2. scores them with the reward functions (TRL's signature: prompts, completions, completion_ids, columns);
+   None is NaN (left out of the statistics; a completion every function skipped gets advantage 0);
+3. turns rewards into advantages (TRL's _generate_and_score_completions):
+   sum_then_normalize (GRPO): r = sum_k w_k r_k; A = r - mean_group(r), divided by std_group(r) + 1e-4
+     (scale_rewards group / true), by the std of the whole batch (batch), or not at all (none / false);
+   normalize_then_sum (GDPO, rl: gdpo's default): each r_k normalised within its group,
+     (r_k - mean_group) / (std_group + 1e-4), summed with the weights, then normalised over the whole batch.
+   Batch statistics are over all processes (one all-reduce of three numbers);
+4. splits the step's completions into gradient_accumulation_steps micro-batches of micro_batch_size; the loop
+   then computes each micro-batch's loss in train mode (TRL's _compute_loss):
+     ratio = exp(logp - logp_old) (logp_old = logp detached: one update per generation batch),
+     per-token loss = -min(ratio A, clip(ratio, 1 - epsilon, 1 + epsilon_high) A) + beta KL,
+     KL = (exp(ref - logp) - (ref - logp) - 1) x ratio (per token, against the reference; the ratio factor,
+     TRL's use_bias_correction_kl, is 1 in value but carries the gradient of logp),
+   aggregated by loss_type: dapo (TRL's default) sums over the step's completion tokens on all processes and
+   divides by their count; grpo averages each completion over its tokens, then over the step's completions;
+   bnpo divides each micro-batch's sum by its tokens, then averages micro-batches; dr_grpo divides the sum by
+   completions x max_completion_length. Log-probs are of logits / temperature, as TRL's.
+
+The reference (beta > 0 only) is the starting model: with LoRA the base with the adapter disabled (no copy),
+for a full fine-tune a frozen copy taken before any step (and before a checkpoint's weights load).
+"""
+
+from __future__ import annotations
+
+import json
+import types
+
+import torch
+
+from trainer.collective import reduce_sum
+from trainer.errors import TrainingError
+from trainer.objectives.base import ExampleRows, Objective
+
+EPS = 1e-4  # TRL's
+EVAL_STEP = -1  # the step the evaluation's sampling RNG is keyed by (the same prompts draw alike at every evaluation)
+
+
+def grpo_per_token_loss(logps, old_logps, ref_logps, advantages, mask, beta: float, eps_low: float, eps_high: float,
+                        level: str = "token", bias_correction_kl: bool = True):
+    """(per-token loss [B, T] (or [B, 1] at sequence level without KL), per-token KL or None, clipped [B, T])."""
+    adv = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
+    log_ratio = logps - old_logps
+    if level == "sequence":
+        log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+    coef_1 = torch.exp(log_ratio)
+    coef_2 = torch.clamp(coef_1, 1 - eps_low, 1 + eps_high)
+    per_token = -torch.min(coef_1 * adv, coef_2 * adv)
+    kl = None
+    if beta != 0.0:
+        kl = torch.exp(ref_logps - logps) - (ref_logps - logps) - 1
+        if bias_correction_kl:  # TRL's use_bias_correction_kl (default true): importance-weighted, with its gradient
+            kl = kl * coef_1
+        per_token = per_token + beta * kl
+    clipped = ((coef_1 < 1 - eps_low) & (adv < 0)) | ((coef_1 > 1 + eps_high) & (adv > 0))
+    return per_token, kl, clipped
+
+
+def aggregate(per_token, mask, loss_type: str, totals: dict, max_completion_length: int):
+    """This micro-batch's share of the step's loss (summed over micro-batches and processes it is the loss)."""
+    masked = per_token * mask
+    if loss_type == "grpo":
+        return (masked.sum(-1) / mask.sum(-1).clamp(min=1.0)).sum() / max(totals["completions"], 1)
+    if loss_type == "bnpo":
+        return masked.sum() / mask.sum().clamp(min=1.0) / max(totals["micro_batches"], 1)
+    if loss_type == "dr_grpo":
+        return masked.sum() / (max(totals["completions"], 1) * max_completion_length)
+    return masked.sum() / max(totals["completion_tokens"], 1)  # dapo
+
+
+def _moments(x: torch.Tensor, rank: int, timeout: float, world: bool):
+    """nanmean and TRL's nanstd (Bessel-corrected) of x over all processes (world) or this one."""
+    x = x.double()
+    ok = ~torch.isnan(x)
+    v = torch.stack([x[ok].sum(), (x[ok] ** 2).sum(), ok.sum().double()])
+    if world:
+        v = reduce_sum(v, "GRPO (batch reward statistics)", rank, timeout)
+    s, sq, n = v.tolist()
+    if n == 0:
+        return float("nan"), float("nan")
+    mean = s / n
+    var = max(sq / n - mean * mean, 0.0) * (n / (n - 1)) if n > 1 else float("nan")
+    return mean, var ** 0.5
+
+
+def _group_std(g: torch.Tensor, dim: int = 1) -> torch.Tensor:
+    mean = torch.nanmean(g, dim=dim, keepdim=True)
+    n = (~torch.isnan(g)).sum(dim=dim, keepdim=True)
+    var = torch.nanmean((g - mean) ** 2, dim=dim, keepdim=True) * (n / (n - 1))
+    return var.sqrt()
+
+
+def compute_advantages(rewards_per_func: torch.Tensor, weights: torch.Tensor, num_generations: int,
+                       aggregation: str, scaling: str, batch_moments=None):
+    """(advantages [N], zero-std flags [N]) from rewards [N, F] (NaN: no reward), groups of num_generations
+    consecutive completions. batch_moments(x) -> (mean, std) over the whole batch (all processes)."""
+    batch_moments = batch_moments or (lambda x: _moments(x, 0, 0, False))
+    unscorable = torch.isnan(rewards_per_func).all(dim=1)
+    if aggregation == "sum_then_normalize":
+        rewards = (rewards_per_func * weights.unsqueeze(0)).nansum(dim=1)
+        rewards[unscorable] = torch.nan
+        grouped = rewards.view(-1, num_generations)
+        mean = torch.nanmean(grouped, dim=1).repeat_interleave(num_generations)
+        if scaling == "batch":
+            std = torch.full_like(rewards, batch_moments(rewards)[1])
+        else:
+            std = _group_std(grouped).squeeze(1).repeat_interleave(num_generations)
+        advantages = rewards - mean
+        if scaling != "none":
+            advantages = advantages / (std + EPS)
+    else:  # normalize_then_sum (GDPO)
+        grouped = rewards_per_func.view(-1, num_generations, rewards_per_func.shape[1])
+        mean_k = torch.nanmean(grouped, dim=1, keepdim=True)
+        reward_k = ((grouped - mean_k) / (_group_std(grouped) + EPS)).view(-1, rewards_per_func.shape[1])
+        rewards = (reward_k * weights.unsqueeze(0)).nansum(dim=1)
+        rewards[unscorable] = torch.nan
+        mean, std_value = batch_moments(rewards)
+        std = torch.full_like(rewards, std_value)
+        advantages = (rewards - mean) / (std + EPS)
+    zero_std = torch.isclose(std, torch.zeros_like(std))
+    return torch.nan_to_num(advantages, nan=0.0), zero_std
+
+
+class GRPO(Objective):
+    stat_names = ("completions", "completion_tokens", "micro_batches")
+    progress_names = ("reward", "kl")
+    generates = True
+
+    def __init__(self, cfg, collator, reward_funcs: list, reward_names: list[str]):
+        trl = cfg.trl
+        self.name = cfg.rl
+        self.trl, self.cfg = trl, cfg
+        self.funcs, self.reward_names = reward_funcs, reward_names
+        self.weights = torch.tensor(trl.weights, dtype=torch.float32)
+        self.G, self.beta = trl.generations, trl.kl_beta
+        self.loss_type = trl.loss_type or "dapo"
+        self.aggregation = trl.multi_objective_aggregation or (
+            "normalize_then_sum" if cfg.rl == "gdpo" else "sum_then_normalize")
+        self.pad_id = collator.pad_token_id
+        self.seed, self.step = cfg.seed, 0
+        self.metric_names = ("loss", "tokens", "completions", "completion_tokens", "kl_sum", "clipped",
+                             "truncated", "zero_std", "reward_sum", "reward_sq", "reward_n",
+                             *[f"{n}/{k}" for n in reward_names for k in ("sum", "sq", "n")])
+        self.tokenizer = self.ref_model = None
+        self.rank, self.timeout, self.output_dir, self.say = 0, 1800.0, None, print
+
+    # --- the loop's hooks ---------------------------------------------------------------------------------
+    def loader_batch(self, micro_batch_size: int, ga: int) -> tuple[int, int]:
+        """Prompts per loader batch, loader batches per step: one generation batch per optimizer step."""
+        return micro_batch_size * ga // self.G, 1
+
+    def before_training(self, model, tokenizer, rank: int, timeout: float, output_dir, say) -> None:
+        """The reference (beta > 0): the base with the adapter off (LoRA), else a frozen copy of the starting model."""
+        import copy
+
+        self.tokenizer, self.rank, self.timeout, self.output_dir, self.say = tokenizer, rank, timeout, output_dir, say
+        eos = model.generation_config.eos_token_id if model.generation_config is not None else None
+        eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        self.eos_ids = ([tokenizer.eos_token_id] if tokenizer.eos_token_id not in eos else []) + eos
+        if self.beta != 0.0 and not hasattr(model, "disable_adapter"):
+            self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+            say(f"{self.name}: beta {self.beta:g} with a full fine-tune keeps a frozen copy of the starting model "
+                "as the reference (LoRA needs none: its reference is the base with the adapter disabled)")
+
+    def rows(self, dataset, reference=None):
+        return ExampleRows(dataset, ["prompt_ids", "row", "index"])
+
+    def collate(self, rows):
+        return {"examples": [example for row in rows for example in row]}
+
+    def lengths(self, dataset):
+        import numpy as np
+
+        return np.asarray(dataset["length"])
+
+    # --- generation and rewards (once per step, no grad) --------------------------------------------------
+    def generation_config(self):
+        from transformers import GenerationConfig
+
+        trl = self.trl
+        return GenerationConfig(max_new_tokens=trl.completion_length, do_sample=True, pad_token_id=self.pad_id,
+                                bos_token_id=self.tokenizer.bos_token_id, eos_token_id=self.eos_ids,
+                                temperature=trl.temperature or 1.0, top_p=trl.top_p or 1.0, top_k=trl.top_k or 0,
+                                min_p=trl.min_p, repetition_penalty=trl.repetition_penalty or 1.0,
+                                num_return_sequences=self.G)
+
+    @torch.no_grad()
+    def generate(self, model, examples: list[dict], step: int) -> list[dict]:
+        """num_generations completions per prompt, trimmed after the first end-of-sequence token."""
+        device = next(model.parameters()).device
+        config = self.generation_config()
+        out = []
+        devices = [device] if device.type == "cuda" else []
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.random.fork_rng(devices=devices):
+                for example in examples:
+                    torch.manual_seed((self.seed * 1_000_003 + step) * 1_000_033 + example["index"])
+                    prompt = torch.tensor([example["prompt_ids"]], device=device)
+                    generated = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt),
+                                               generation_config=config)[:, prompt.shape[1]:].tolist()
+                    for ids in generated:
+                        end = next((i for i, t in enumerate(ids) if t in self.eos_ids), None)
+                        out.append({"example": example, "completion_ids": ids if end is None else ids[:end + 1],
+                                    "truncated": end is None})
+        finally:
+            model.train(was_training)
+        return out
+
+    def rewards(self, samples: list[dict], step: int) -> torch.Tensor:
+        rows = [json.loads(s["example"]["row"]) for s in samples]
+        prompts = [row["prompt"] for row in rows]
+        texts = self.tokenizer.batch_decode([s["completion_ids"] for s in samples], skip_special_tokens=True)
+        completions = [[{"role": "assistant", "content": t}] if isinstance(p, list) else t
+                       for p, t in zip(prompts, texts)]
+        columns = {k: [row.get(k) for row in rows] for k in rows[0] if k not in ("prompt", "completion", "completion_ids")}
+        state = types.SimpleNamespace(global_step=step, max_steps=None)
+        out = torch.zeros(len(samples), len(self.funcs))
+        for k, (func, name) in enumerate(zip(self.funcs, self.reward_names)):
+            try:
+                values = func(prompts=prompts, completions=completions,
+                              completion_ids=[s["completion_ids"] for s in samples], trainer_state=state, **columns)
+                values = [float("nan") if v is None else float(v) for v in values]
+            except Exception as err:
+                raise TrainingError(f"trl.reward_funcs: {name} failed at step {step + 1}: "
+                                    f"{type(err).__name__}: {err}") from None
+            if len(values) != len(samples):
+                raise TrainingError(f"trl.reward_funcs: {name} returned {len(values)} rewards for {len(samples)} "
+                                    "completions (one per completion is expected)")
+            out[:, k] = torch.tensor(values)
+        for s, p, t, r in zip(samples, prompts, texts, out.tolist()):
+            s["prompt"], s["text"], s["rewards"] = p, t, r
+        return out
+
+    def expand(self, model, loader_batches: list[dict], ga: int, world: bool) -> list[dict]:
+        """The step's micro-batches: generate, score, compute advantages and (beta > 0) reference log-probs."""
+        step = self.step
+        examples = [e for b in loader_batches for e in b["examples"]]
+        samples = self.generate(model, examples, step)
+        rewards = self.rewards(samples, step)
+        advantages, zero_std = compute_advantages(
+            rewards, self.weights, self.G, self.aggregation, self.trl.scaling,
+            batch_moments=lambda x: _moments(x, self.rank, self.timeout, world))
+        for s, a, z in zip(samples, advantages.tolist(), zero_std.tolist()):
+            s["advantage"], s["zero_std"] = a, z
+        if self.trl.log_completions and self.rank == 0 and (step + 1) % self.cfg.logging_steps == 0:
+            self.log_completions(samples, step + 1)
+        per = len(samples) // ga
+        device = next(model.parameters()).device
+        batches = [self.tensors(samples[i * per:(i + 1) * per], device) for i in range(ga)]
+        if self.beta != 0.0:
+            for batch in batches:
+                batch["ref_logps"] = self.reference_logps(model, batch)
+        return batches
+
+    def tensors(self, samples: list[dict], device) -> dict:
+        """Rows of prompt + completion, right-padded; completion positions, mask, advantages, rewards."""
+        seqs = [s["example"]["prompt_ids"] + s["completion_ids"] for s in samples]
+        width = max(map(len, seqs))
+        longest = max(len(s["completion_ids"]) for s in samples)
+        ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)
+        attention = torch.zeros((len(seqs), width), dtype=torch.long)
+        positions = torch.zeros((len(seqs), longest), dtype=torch.long)
+        mask = torch.zeros((len(seqs), longest), dtype=torch.float32)
+        for b, (seq, s) in enumerate(zip(seqs, samples)):
+            ids[b, :len(seq)] = torch.tensor(seq)
+            attention[b, :len(seq)] = 1
+            p, c = len(s["example"]["prompt_ids"]), len(s["completion_ids"])
+            positions[b] = torch.arange(p - 1, p - 1 + longest).clamp(max=width - 2)
+            if not (self.trl.mask_truncated_completions and s["truncated"]):
+                mask[b, :c] = 1.0
+        return {"input_ids": ids.to(device), "attention_mask": attention.to(device), "positions": positions.to(device),
+                "completion_mask": mask.to(device),
+                "advantages": torch.tensor([s["advantage"] for s in samples], device=device),
+                "rewards": torch.tensor([s["rewards"] for s in samples], dtype=torch.float64),
+                "truncated": float(sum(s["truncated"] for s in samples)),
+                "zero_std": float(sum(s["zero_std"] for s in samples)),
+                "lengths": float(sum(len(s["completion_ids"]) for s in samples))}
+
+    def token_logps(self, model, batch) -> torch.Tensor:
+        """log p(completion token) under logits / temperature, [B, longest completion]."""
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+        pos = batch["positions"]
+        picked = logits.gather(1, pos.unsqueeze(-1).expand(-1, -1, logits.shape[-1])).float()
+        picked = picked / (self.trl.temperature or 1.0)
+        targets = batch["input_ids"].gather(1, (pos + 1).clamp(max=batch["input_ids"].shape[1] - 1))
+        return torch.log_softmax(picked, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+    @torch.no_grad()
+    def reference_logps(self, model, batch) -> torch.Tensor:
+        if self.ref_model is not None:
+            return self.token_logps(self.ref_model, batch)
+        was_training = model.training
+        model.eval()  # as TRL: the reference pass runs without dropout
+        try:
+            with model.disable_adapter():
+                return self.token_logps(model, batch)
+        finally:
+            model.train(was_training)
+
+    # --- the loss -----------------------------------------------------------------------------------------
+    def step_stats(self, model, batch):
+        return [float(batch["input_ids"].shape[0]), float(batch["completion_mask"].sum()), 1.0]
+
+    def loss(self, model, batch, totals):
+        trl, mask = self.trl, batch["completion_mask"]
+        logps = self.token_logps(model, batch)
+        per_token, kl, clipped = grpo_per_token_loss(
+            logps, logps.detach(), batch.get("ref_logps"), batch["advantages"], mask, self.beta, trl.eps_low,
+            trl.eps_high, trl.importance_sampling_level or "token", trl.use_bias_correction_kl is not False)
+        loss = aggregate(per_token, mask, self.loss_type, totals, trl.completion_length)
+        rewards = batch["rewards"]
+        weighted = (rewards * self.weights.double().unsqueeze(0)).nansum(dim=1)
+        weighted[torch.isnan(rewards).all(dim=1)] = torch.nan
+        ok = ~torch.isnan(weighted)
+        values = [loss.detach(), float(batch["attention_mask"].sum()), float(rewards.shape[0]), batch["lengths"],
+                  float((kl.detach() * mask).sum()) if kl is not None else 0.0,
+                  float((clipped.float().expand_as(mask) * mask).sum()), batch["truncated"], batch["zero_std"],
+                  float(weighted[ok].sum()), float((weighted[ok] ** 2).sum()), float(ok.sum())]
+        for k in range(rewards.shape[1]):
+            col = rewards[:, k]
+            good = ~torch.isnan(col)
+            values += [float(col[good].sum()), float((col[good] ** 2).sum()), float(good.sum())]
+        return loss, torch.tensor([float(v) for v in values], dtype=torch.float64)
+
+    def report(self, sums, totals):
+        n = max(sums["completions"], 1)
+
+        def mean_std(prefix):
+            count = sums[f"{prefix}_n" if prefix == "reward" else f"{prefix}/n"]
+            s = sums[f"{prefix}_sum" if prefix == "reward" else f"{prefix}/sum"]
+            sq = sums[f"{prefix}_sq" if prefix == "reward" else f"{prefix}/sq"]
+            if not count:
+                return float("nan"), float("nan")
+            mean = s / count
+            std = (max(sq / count - mean * mean, 0.0) * count / (count - 1)) ** 0.5 if count > 1 else float("nan")
+            return mean, std
+
+        row = {"loss": sums["loss"], "tokens": int(sums["tokens"])}
+        row["reward"], row["reward_std"] = mean_std("reward")
+        for name in self.reward_names:
+            row[f"rewards/{name}/mean"], row[f"rewards/{name}/std"] = mean_std(name)
+        row["frac_reward_zero_std"] = sums["zero_std"] / n
+        row["completions/mean_length"] = sums["completion_tokens"] / n
+        row["completions/clipped_ratio"] = sums["truncated"] / n
+        masked_tokens = max(totals["completion_tokens"], 1)
+        if self.beta != 0.0:
+            row["kl"] = sums["kl_sum"] / masked_tokens
+        row["clip_ratio/region_mean"] = sums["clipped"] / masked_tokens
+        row["completions"] = int(sums["completions"])
+        return row
+
+    def log_completions(self, samples: list[dict], step: int) -> None:
+        """A small rich table of the first num_completions_to_print completions; all of rank 0's go to
+        output_dir/completions.jsonl."""
+        if self.output_dir is not None:
+            with open(self.output_dir / "completions.jsonl", "a") as f:
+                for s in samples:
+                    f.write(json.dumps({"step": step, "prompt": s["prompt"], "completion": s["text"],
+                                        **dict(zip(self.reward_names, s["rewards"])),
+                                        "advantage": s["advantage"]}, default=str) + "\n")
+        shown = samples[: self.trl.num_completions_to_print if self.trl.num_completions_to_print is not None else len(samples)]
+        if not shown:
+            return
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title=f"completions at step {step}", show_lines=True)
+        for column in ("prompt", "completion", *self.reward_names, "advantage"):
+            table.add_column(column)
+        for s in shown:
+            prompt = s["prompt"][-1]["content"] if isinstance(s["prompt"], list) else s["prompt"]
+            table.add_row(str(prompt)[-200:], s["text"][:400], *[f"{r:.2f}" for r in s["rewards"]], f"{s['advantage']:.2f}")
+        Console(stderr=True).print(table)
+
+    # --- evaluation: the held-out prompts as one step, no grad ---------------------------------------------
+    @torch.no_grad()
+    def evaluate(self, model, dataset, batch_size, capacity, device, rank, world, timeout_s, sharded=False) -> dict:
+        """Each rank generates for its share of the validation prompts (every world-th), with the sampling RNG keyed
+        by (seed, EVAL, prompt index); rewards, advantages, the loss and its metrics as for a training step, over
+        the whole split on all processes (three fixed-size all-reduces)."""
+        if self.tokenizer is None:
+            from trainer.errors import ConfigError
+
+            raise ConfigError(f"evaluate: rl: {self.name} evaluates while training (eval_ rows in metrics.jsonl, "
+                              "with val_set_size); this command does not generate")
+        mine = [dataset[i] for i in range(rank, len(dataset), world)]
+        samples = self.generate(model, mine, EVAL_STEP)
+        rewards = self.rewards(samples, EVAL_STEP) if samples else torch.zeros(0, len(self.funcs))
+        advantages, zero_std = compute_advantages(
+            rewards, self.weights, self.G, self.aggregation, self.trl.scaling,
+            batch_moments=lambda x: _moments(x, rank, timeout_s, world > 1))
+        for s, a, z in zip(samples, advantages.tolist(), zero_std.tolist()):
+            s["advantage"], s["zero_std"] = a, z
+        was_training = model.training
+        model.eval()
+        batches = [self.tensors(samples[i:i + batch_size], device) for i in range(0, len(samples), batch_size)]
+        stats = torch.zeros(len(self.stat_names), dtype=torch.float64, device=device)
+        for batch in batches:
+            if self.beta != 0.0:
+                batch["ref_logps"] = self.reference_logps(model, batch)
+            stats += torch.tensor(self.step_stats(model, batch), dtype=torch.float64, device=device)
+        totals = dict(zip(self.stat_names, reduce_sum(stats, "evaluation (summing eval totals)", rank, timeout_s).tolist()))
+        sums = torch.zeros(len(self.metric_names), dtype=torch.float64, device=device)
+        for batch in batches:
+            sums += self.loss(model, batch, totals)[1].to(device)
+        sums = reduce_sum(sums, "evaluation (summing eval metrics)", rank, timeout_s)
+        model.train(was_training)
+        report = self.report(dict(zip(self.metric_names, sums.tolist())), totals)
+        return {f"eval_{k}": v for k, v in report.items()}
+
+    def describe_eval(self, result: dict) -> str:
+        return (f"eval_reward {result['eval_reward']:.4f} over {result['eval_completions']} completions "
+                f"(eval_loss {result['eval_loss']:.4f})")
