@@ -26,6 +26,8 @@ sequence from token to token, so their sequence cannot be split this way: such m
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from trainer.errors import ConfigError
@@ -94,14 +96,70 @@ def check_model(model, cp: int) -> None:
                           "sequence cannot be split over ranks here; use context_parallel_size: 1")
 
 
+# Keys x queries of one mask block: attention runs over blocks of local queries, each against the keys it can
+# see (from the earliest document start among its queries to its last query), so the mask never holds
+# local x whole-sequence entries at once (the point of splitting a long sequence); with more than one block,
+# each is recomputed in the backward pass (activation checkpointing) instead of keeping its mask.
+# ENVTOOL_CP_MASK_ELEMENTS overrides the size (memory only: the attention is the same).
+MASK_ELEMENTS = int(os.environ.get("ENVTOOL_CP_MASK_ELEMENTS", 1 << 26))
+
+
 class _State:
     group = None
     world = 1
     rank = 0
-    mask = None  # [batch, 1, local queries, all keys] bool, for the current micro-batch
+    query_index = None  # [local queries] global index of each local query
+    starts = None  # [rows, whole sequence] global index where each token's document starts
+    blocks = ()  # (first, end) local query indices and (lo, hi) global key indices of each block
 
 
 STATE = _State()
+
+
+def plan_blocks(starts_local, first_global: int, limit: int = MASK_ELEMENTS) -> list[tuple[int, int, int, int]]:
+    """Blocks of local queries: (a, b) local indices, (lo, hi) the global keys they may attend to. starts_local:
+    [rows, local] document starts of the local tokens."""
+    earliest = starts_local.min(0).values.cpu().tolist()
+    n = len(earliest)
+    hi_all = first_global + n
+    size = max(1, min(n, limit // max(1, hi_all)))
+    blocks = []
+    for a in range(0, n, size):
+        b = min(n, a + size)
+        blocks.append((a, b, int(min(earliest[a:b])), first_global + b))
+    return blocks
+
+
+def attend_block(module, query, key, value, query_index, starts, lo: int, hi: int, dropout, scaling, window,
+                 kwargs):
+    """SDPA (transformers' own) of a block of queries against keys lo..hi-1: causal, same document, window."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    keys = torch.arange(lo, hi, device=query.device)
+    allowed = keys[None, :] <= query_index[:, None]
+    if window:  # transformers' sliding_window_overlay: key index > query index - window
+        allowed = allowed & (keys[None, :] > query_index[:, None] - window)
+    same = starts[:, query_index][:, :, None] == starts[:, lo:hi][:, None, :]
+    mask = (allowed[None] & same)[:, None]
+    out, _ = sdpa_attention_forward(module, query, key[:, :, lo:hi], value[:, :, lo:hi], mask, dropout=dropout,
+                                    scaling=scaling, is_causal=False, **kwargs)
+    return out
+
+
+def attend(module, query, key, value, query_index, starts, blocks, dropout=0.0, scaling=None, window=None,
+           **kwargs):
+    """Local queries [rows, heads, local, dim] against the whole sequence's keys/values; returns transformers'
+    attention output layout [rows, local, heads, dim]."""
+    if len(blocks) == 1:
+        a, b, lo, hi = blocks[0]
+        return attend_block(module, query, key, value, query_index, starts, lo, hi, dropout, scaling, window, kwargs)
+    from torch.utils.checkpoint import checkpoint
+
+    outs = []
+    for a, b, lo, hi in blocks:
+        outs.append(checkpoint(attend_block, module, query[:, :, a:b], key, value, query_index[a:b], starts, lo, hi,
+                               dropout, scaling, window, kwargs, use_reentrant=False))
+    return torch.cat(outs, dim=1)
 
 
 class _GatherSeq(torch.autograd.Function):
@@ -134,20 +192,15 @@ class _GatherSeq(torch.autograd.Function):
 
 def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
     """transformers' attention interface: local queries against the gathered keys and values."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     if kwargs.get("s_aux") is not None or getattr(module, "sinks", None) is not None:
         raise ConfigError("context_parallel_size: attention sinks (gpt-oss) are not supported with context parallelism")
     key = _GatherSeq.apply(key, STATE.group, STATE.world, STATE.rank)
     value = _GatherSeq.apply(value, STATE.group, STATE.world, STATE.rank)
-    mask = STATE.mask
     window = kwargs.pop("sliding_window", None)
-    if window:  # transformers' sliding_window_overlay: key index > query index - window
-        q = STATE.query_index[:, None]
-        k = torch.arange(key.shape[2], device=key.device)[None, :]
-        mask = mask & (k > q - window)[None, None]
-    return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling,
-                                  is_causal=False, **kwargs)
+    kwargs.pop("is_causal", None)
+    out = attend(module, query, key, value, STATE.query_index, STATE.starts, STATE.blocks, dropout=dropout,
+                 scaling=scaling, window=window, **kwargs)
+    return out, None
 
 
 def _no_mask(*args, **kwargs):
@@ -199,13 +252,12 @@ class ContextParallel:
         total = length + pad
         n = total // self.cp
         local = slice(self.cp_rank * n, (self.cp_rank + 1) * n)
-        documents = torch.cumsum((positions == 0).int(), dim=1)  # a new document wherever positions restart
-        query = torch.arange(self.cp_rank * n, (self.cp_rank + 1) * n, device=ids.device)
-        keys = torch.arange(total, device=ids.device)
-        causal = keys[None, :] <= query[:, None]
-        same = documents[:, local, None] == documents[:, None, :]
-        STATE.mask = (causal[None] & same)[:, None]  # [rows, 1, n, total]
-        STATE.query_index = query
+        # a document starts where position_ids restart: its start is the token's index minus its position
+        starts = torch.arange(total, device=ids.device)[None, :] - positions
+        first = self.cp_rank * n
+        STATE.query_index = torch.arange(first, first + n, device=ids.device)
+        STATE.starts = starts
+        STATE.blocks = plan_blocks(starts[:, local], first)
         logits = model(input_ids=ids[:, local], position_ids=positions[:, local], use_cache=False).logits
         mine = F.cross_entropy(logits.flatten(0, 1).float(), shifted[:, local].flatten(), ignore_index=IGNORE,
                                reduction="sum")

@@ -110,9 +110,14 @@ def test_context_parallel_two_processes_trains_as_one_process_and_resumes_exactl
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["fsdp2", "zero3"])
-def test_context_parallel_under_fsdp2_and_zero3_trains_as_one_process(backend, one_process, tiny_llama):
+def test_context_parallel_under_fsdp2_and_zero3_trains_as_one_process(backend, one_process, tiny_llama, monkeypatch):
+    """ZeRO-3 also with gradient checkpointing (as the ALST examples) and attention in blocks of a few queries
+    (each block checkpointed inside the checkpointed layer)."""
     tmp, reference = one_process
-    extra = FSDP2 if backend == "fsdp2" else {"deepspeed": str(DS_CONFIGS / "zero3.json")}
+    extra = FSDP2 if backend == "fsdp2" else {"deepspeed": str(DS_CONFIGS / "zero3.json"),
+                                              "gradient_checkpointing": True}
+    if backend == "zero3":
+        monkeypatch.setenv("ENVTOOL_CP_MASK_ELEMENTS", "4000")  # ~300 keys: blocks of ~13 queries
     path, out = write(tmp, tiny_llama, f"cp2_{backend}", context_parallel_size=2, **extra)
     result = torchrun_train(path, nproc=2, timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
@@ -133,6 +138,49 @@ def test_context_parallel_with_tensor_parallel_under_fsdp2_trains_as_one_process
     assert result.returncode == 0, result.stderr[-4000:]
     assert "2-way context parallel x 2-way tensor parallel x no data parallelism (4 processes)" in result.stderr
     assert_same_as_one_process(out, reference)
+
+
+@pytest.mark.parametrize("limit", [1 << 26, 120, 1])  # one block; blocks of a few queries; one query each
+def test_blocked_attention_is_the_dense_block_causal_attention(limit):
+    """One rank's share: its local queries (the second half of a packed row) against every key, computed in
+    query blocks each against only the keys it can see, equals SDPA with the collator's dense block-causal mask
+    (trainer.attention.block_causal_mask), values and gradients, with GQA and a sliding window."""
+    import types
+
+    import torch
+
+    from trainer.attention import block_causal_mask
+    from trainer.context_parallel import attend, plan_blocks
+
+    torch.manual_seed(0)
+    lengths, heads, kv_heads, dim = [5, 9, 3, 7], 4, 2, 8
+    total = sum(lengths)
+    segments = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])[None]
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    q = torch.randn(1, heads, total, dim, requires_grad=True)
+    k = torch.randn(1, kv_heads, total, dim, requires_grad=True)
+    v = torch.randn(1, kv_heads, total, dim, requires_grad=True)
+    module = types.SimpleNamespace(num_key_value_groups=heads // kv_heads, is_causal=True)
+    for window in (None, 4):
+        mask = block_causal_mask(segments, "sdpa")
+        if window:
+            index = torch.arange(total)
+            mask = mask & (index[None, :] > index[:, None] - window)
+        rep = lambda t: t.repeat_interleave(heads // kv_heads, dim=1)  # noqa: E731
+        dense = torch.nn.functional.scaled_dot_product_attention(q, rep(k), rep(v), attn_mask=mask, scale=0.3)
+        first = total // 2
+        local = dense[:, :, first:].transpose(1, 2)
+        starts = torch.arange(total)[None] - positions
+        blocks = plan_blocks(starts[:, first:], first, limit=limit)
+        assert len(blocks) == (1 if limit > total * total else -(-(total - first) // max(1, limit // total)))
+        mine = attend(module, q[:, :, first:], k, v, torch.arange(first, total), starts, blocks, scaling=0.3,
+                      window=window)
+        assert mine.shape == local.shape and torch.allclose(mine, local, atol=1e-6)
+        weights = torch.randn_like(local)
+        expected = torch.autograd.grad((local * weights).sum(), (q, k, v))
+        got = torch.autograd.grad((mine * weights).sum(), (q, k, v))
+        for e, g in zip(expected, got):
+            assert torch.allclose(e, g, atol=1e-5)
 
 
 # --- sizes and bad input: one line, exit code 2 -----------------------------------------------------------
