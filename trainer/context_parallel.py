@@ -62,11 +62,38 @@ def check(cfg) -> list[str]:
                                                                            or cfg.fsdp):
         problems.append(f"context_parallel_size: {cp} with tensor_parallel_size: {cfg.tensor_parallel_size} "
                         "needs FSDP (fsdp_version: 2): the CP ranks shard the model with the data ranks")
+    local = _local_config(cfg.base_model)
+    reason = recurrent_reason(local) if local is not None else None
+    if reason is not None:
+        problems.append(_refusal(cp, reason))
     if problems:
         raise ConfigError("; ".join(problems))
     return [f"context_parallel_size: {cp}: each sequence is split over {cp} ranks, keys and values all-gathered "
             "in every attention layer (exact attention; the attention backend becomes SDPA over the gathered "
-            "keys); needs a multiple of {cp} processes, checked at launch".replace("{cp}", str(cp))]
+            "keys); needs a multiple of {cp} processes, checked at launch; a model with Mamba/SSM layers "
+            "(nemotron_h, falcon_h1, jamba, ...) is refused when it loads".replace("{cp}", str(cp))]
+
+
+def _local_config(base_model):
+    """A local model directory's config.json as attributes (None for hub ids: validate reads no network)."""
+    import json
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    path = Path(str(base_model or "")).expanduser() / "config.json"
+    try:
+        raw = json.loads(path.read_text()) if path.is_file() else None
+    except (OSError, ValueError):
+        return None
+    if not isinstance(raw, dict):
+        return None
+    wrap = lambda d: SimpleNamespace(**{k: wrap(v) if isinstance(v, dict) else v for k, v in d.items()})  # noqa: E731
+    return wrap(raw)
+
+
+def _refusal(cp: int, reason: str) -> str:
+    return (f"context_parallel_size: {cp}: {reason}, which carry state from token to token, so a sequence "
+            "cannot be split over ranks here; use context_parallel_size: 1")
 
 
 def recurrent_reason(config) -> str | None:
@@ -92,8 +119,7 @@ def recurrent_reason(config) -> str | None:
 def check_model(model, cp: int) -> None:
     reason = recurrent_reason(model.config)
     if reason is not None:
-        raise ConfigError(f"context_parallel_size: {cp}: {reason}, which carry state from token to token, so a "
-                          "sequence cannot be split over ranks here; use context_parallel_size: 1")
+        raise ConfigError(_refusal(cp, reason))
 
 
 # Keys x queries of one mask block: attention runs over blocks of local queries, each against the keys it can

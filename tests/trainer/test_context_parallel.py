@@ -246,7 +246,7 @@ def test_models_with_mamba_layers_are_refused_when_loaded():
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_mamba_model_with_context_parallel_stops_at_load_with_exit_2(tmp_path, tiny_llama):
+def test_mamba_model_with_context_parallel_is_refused_by_validate_and_at_load_exit_2(tmp_path, tiny_llama):
     from transformers import AutoTokenizer, JambaConfig, JambaForCausalLM
 
     model_dir = tmp_path / "tiny-jamba"
@@ -257,6 +257,13 @@ def test_mamba_model_with_context_parallel_stops_at_load_with_exit_2(tmp_path, t
     JambaForCausalLM(config).save_pretrained(model_dir)
     AutoTokenizer.from_pretrained(tiny_llama).save_pretrained(model_dir)
     path, _ = write(tmp_path, tiny_llama, "jamba", base_model=str(model_dir), context_parallel_size=2)
+    result = run_cli("validate", str(path))  # a local model: validate reads its config.json
+    assert result.returncode == 2 and "model_type jamba has Mamba/SSM" in result.stderr
+    assert "Traceback" not in result.stderr
+    (model_dir / "config.json").rename(model_dir / "config.json.hidden")  # what validate cannot see ...
+    path, _ = write(tmp_path, tiny_llama, "jamba", base_model=str(model_dir), context_parallel_size=2)
+    assert run_cli("validate", str(path)).returncode == 0
+    (model_dir / "config.json.hidden").rename(model_dir / "config.json")  # ... the load still refuses
     result = torchrun_train(path, nproc=2, timeout=240)
     assert "exitcode  : 2" in result.stderr
     line = next(x for x in result.stderr.splitlines() if "context_parallel_size: 2: model_type jamba" in x)
