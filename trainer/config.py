@@ -611,9 +611,9 @@ UNSUPPORTED_KEYS: dict[str, str] = {
     **{k: "only rl: dpo, ipo, orpo, kto and simpo are supported and reward_model / process_reward_model (no GRPO or TRL pass-through)" for k in (
         "trl", "dpo_use_weighting", "dpo_use_liger_kernel",
         "dpo_padding_free", "dpo_loss_weights", "rl_adapter_ref_model", "dpo_norm_loss")},
-    **{k: "context and expert parallelism are not supported (use FSDP, DeepSpeed or DDP)" for k in (
-        "sequence_parallel_degree",
-        "expert_parallel_size")},
+    "sequence_parallel_degree": "Axolotl's deprecated name for context_parallel_size: write context_parallel_size",
+    **{k: "expert parallelism is not supported (use FSDP, DeepSpeed or DDP)" for k in (
+        "expert_parallel_size",)},
     **{k: "not supported" for k in (
         "neftune_noise_alpha", "noisy_embedding_alpha", "s2_attention", "sage_attention",
         "unsloth_lora_mlp", "unsloth_lora_qkv", "unsloth_lora_o",

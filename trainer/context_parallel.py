@@ -58,6 +58,9 @@ def check(cfg) -> list[str]:
                                                else cfg.objective)
         problems.append(f"context_parallel_size: {cp} with {what}: context parallelism here splits SFT's "
                         "token loss only (preference, reward and diffusion losses are per sequence)")
+    if cfg.do_causal_lm_eval:
+        problems.append(f"context_parallel_size: {cp} with do_causal_lm_eval: its generation runs whole sequences "
+                        "in one process, not split over the CP group")
     if cfg.tensor_parallel_size and cfg.tensor_parallel_size > 1 and not (cfg.fsdp_version or cfg.fsdp_config
                                                                            or cfg.fsdp):
         problems.append(f"context_parallel_size: {cp} with tensor_parallel_size: {cfg.tensor_parallel_size} "

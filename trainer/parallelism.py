@@ -111,6 +111,8 @@ def check(cfg, fsdp: bool) -> list[str]:
     if fsdp:
         kind = (f"HSDP, {replicate} replicas of the sharded model" if replicate > 1 else "FSDP")
         shard_text = f"{shard}-way shards" if shard > 1 else "shards over the processes the other sizes leave"
+        if cp > 1:  # the CP ranks shard with the data ranks (torchtitan's dp_shard_cp)
+            shard_text += f", each shard group also spanning the {cp} ranks of a context-parallel group"
         count = f"{fixed}" if shard > 1 and replicate > 1 else f"a multiple of {fixed}"
         return notes + [f"parallelism: {kind}, {shard_text}; needs {count} processes, checked at launch"
                         if fixed > 1 else f"parallelism: sizes of 1 mean none; FSDP {shard_text}"]
