@@ -123,6 +123,13 @@ def check_model(model, cp: int) -> None:
     reason = recurrent_reason(model.config)
     if reason is not None:
         raise ConfigError(_refusal(cp, reason))
+    config = getattr(model.config, "text_config", None) or model.config
+    if getattr(config, "attn_logit_softcapping", None):
+        raise ConfigError(f"context_parallel_size: {cp}: model_type {config.model_type} soft-caps its attention "
+                          "logits, which the SDPA kernels this attention runs on cannot do")
+    if any(getattr(m, "sinks", None) is not None for m in model.modules()):
+        raise ConfigError(f"context_parallel_size: {cp}: model_type {config.model_type} has attention sinks, "
+                          "which the SDPA kernels this attention runs on cannot do")
 
 
 # Keys x queries of one mask block: attention runs over blocks of local queries, each against the keys it can
@@ -140,6 +147,7 @@ class _State:
     query_index = None  # [local queries] global index of each local query
     starts = None  # [rows, whole sequence] global index where each token's document starts
     blocks = ()  # (first, end) local query indices and (lo, hi) global key indices of each block
+    calls = 0  # attention layers that ran this forward
 
 
 STATE = _State()
@@ -221,8 +229,7 @@ class _GatherSeq(torch.autograd.Function):
 
 def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
     """transformers' attention interface: local queries against the gathered keys and values."""
-    if kwargs.get("s_aux") is not None or getattr(module, "sinks", None) is not None:
-        raise ConfigError("context_parallel_size: attention sinks (gpt-oss) are not supported with context parallelism")
+    STATE.calls += 1
     key = _GatherSeq.apply(key, STATE.group, STATE.world, STATE.rank)
     value = _GatherSeq.apply(value, STATE.group, STATE.world, STATE.rank)
     window = kwargs.pop("sliding_window", None)
@@ -287,7 +294,11 @@ class ContextParallel:
         STATE.query_index = torch.arange(first, first + n, device=ids.device)
         STATE.starts = starts
         STATE.blocks = plan_blocks(starts[:, local], first)
+        STATE.calls = 0
         logits = model(input_ids=ids[:, local], position_ids=positions[:, local], use_cache=False).logits
+        if STATE.calls == 0:  # its own attention would have seen the local slice alone: wrong, so stop
+            raise ConfigError(f"context_parallel_size: {self.cp}: this model's attention does not run through "
+                                "transformers' attention interface, so its sequence cannot be split")
         mine = F.cross_entropy(logits.flatten(0, 1).float(), shifted[:, local].flatten(), ignore_index=IGNORE,
                                reduction="sum")
         whole = mine.detach().clone()

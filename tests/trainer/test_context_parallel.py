@@ -233,20 +233,33 @@ def test_ring_attention_options_are_accepted_as_speed_options():
     assert any(n.startswith("ring_attn_func: off") for n in notes)
 
 
-def test_models_with_mamba_layers_are_refused_when_loaded():
+def test_models_with_mamba_layers_softcaps_or_sinks_are_refused_when_loaded():
     """Real transformers configs of hybrid Mamba models (the nemotron-h example's model type among them)."""
     from transformers import AutoConfig, LlamaConfig
 
     from trainer.context_parallel import check_model, recurrent_reason
 
     class Loaded:
-        def __init__(self, config):
-            self.config = config
+        def __init__(self, config, modules=()):
+            self.config, self._modules = config, list(modules)
+
+        def modules(self):
+            return iter(self._modules)
 
     for kind in ("nemotron_h", "falcon_h1", "jamba", "granitemoehybrid", "qwen3_next"):
         with pytest.raises(ConfigError, match=f"context_parallel_size: 2: model_type {kind} has .*cannot be split"):
             check_model(Loaded(AutoConfig.for_model(kind)), 2)
     assert recurrent_reason(LlamaConfig()) is None
+    check_model(Loaded(LlamaConfig()), 2)
+    # what the SDPA kernels cannot do: soft-capped logits (gemma2), attention sinks (gpt-oss)
+    with pytest.raises(ConfigError, match="model_type gemma2 soft-caps its attention logits"):
+        check_model(Loaded(AutoConfig.for_model("gemma2")), 2)
+    import types
+
+    import torch
+
+    with pytest.raises(ConfigError, match="model_type gpt_oss has attention sinks"):
+        check_model(Loaded(AutoConfig.for_model("gpt_oss"), [types.SimpleNamespace(sinks=torch.zeros(2))]), 2)
     assert recurrent_reason(AutoConfig.for_model("gemma3_text")) is None  # sliding + full attention layers
 
 
