@@ -57,7 +57,7 @@ def weights(out: Path) -> dict:
     return load_file(str(out / "final" / "model.safetensors"))
 
 
-def assert_same_as_one_process(out: Path, reference: Path) -> None:
+def assert_trains_as(out: Path, reference: Path) -> None:
     losses, expected = train_losses(out), train_losses(reference)
     assert losses.keys() == expected.keys() == {1, 2, 3, 4}
     for step in expected:
@@ -92,7 +92,7 @@ def test_context_parallel_two_processes_trains_as_one_process_and_resumes_exactl
     result = torchrun_train(path, nproc=2, timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
     assert "parallelism: 2-way context parallel x data parallel over 1 process(es) (2 processes)" in result.stderr
-    assert_same_as_one_process(out, reference)
+    assert_trains_as(out, reference)
     assert (out / "checkpoint-2").is_dir()
 
     # resume from the mid-run checkpoint: the later steps, the same losses
@@ -126,7 +126,24 @@ def test_context_parallel_under_fsdp2_and_zero3_trains_as_one_process(backend, o
     assert f"sharding: {'FSDP' if backend == 'fsdp2' else 'DEEPSPEED'}" in result.stderr
     if backend == "fsdp2":  # the CP ranks shard the model between them
         assert "mesh dim0=2, placements Shard(dim=0)" in result.stderr
-    assert_same_as_one_process(out, reference)
+    assert_trains_as(out, reference)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_two_data_ranks_of_two_context_parallel_ranks_train_as_ddp(tmp_path, tiny_llama):
+    """4 processes, 2 data ranks x CP 2, against plain DDP over 2 processes: each CP group reads its data rank's
+    batches, and every step's tokens and losses count once."""
+    path, ddp = write(tmp_path, tiny_llama, "ddp")
+    result = torchrun_train(path, nproc=2, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    path, out = write(tmp_path, tiny_llama, "dp2_cp2", context_parallel_size=2)
+    result = torchrun_train(path, nproc=4, timeout=500)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "2-way context parallel x data parallel over 2 process(es) (4 processes)" in result.stderr
+    assert_trains_as(out, ddp)
+    counts = lambda o: [(r.get("tokens"), r.get("target_tokens")) for r in read_metrics(o) if "loss" in r]  # noqa: E731
+    assert counts(out) == counts(ddp)
 
 
 @pytest.mark.distributed
@@ -139,7 +156,7 @@ def test_context_parallel_with_tensor_parallel_under_fsdp2_trains_as_one_process
     result = torchrun_train(path, nproc=4, timeout=500)
     assert result.returncode == 0, result.stderr[-4000:]
     assert "2-way context parallel x 2-way tensor parallel x no data parallelism (4 processes)" in result.stderr
-    assert_same_as_one_process(out, reference)
+    assert_trains_as(out, reference)
 
 
 @pytest.mark.parametrize("limit", [1 << 26, 120, 1])  # one block; blocks of a few queries; one query each
