@@ -38,7 +38,7 @@ IGNORE = -100
 # Model types whose layers mix tokens with something other than attention (state passed along the sequence).
 RECURRENT_TYPES = {"mamba", "mamba2", "falcon_mamba", "falcon_h1", "jamba", "zamba", "zamba2", "bamba",
                    "nemotron_h", "granitemoehybrid", "rwkv", "recurrent_gemma", "lfm2", "lfm2_moe", "qwen3_next",
-                   "minimax", "plamo2", "xlstm", "kimi_linear", "olmo3_2_hybrid", "falcon_mamba"}
+                   "minimax", "plamo2", "xlstm", "kimi_linear"}
 ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention", "attention", "global",
                          "local", "hybrid"}
 
@@ -298,7 +298,7 @@ class ContextParallel:
         logits = model(input_ids=ids[:, local], position_ids=positions[:, local], use_cache=False).logits
         if STATE.calls == 0:  # its own attention would have seen the local slice alone: wrong, so stop
             raise ConfigError(f"context_parallel_size: {self.cp}: this model's attention does not run through "
-                                "transformers' attention interface, so its sequence cannot be split")
+                              "transformers' attention interface, so its sequence cannot be split")
         mine = F.cross_entropy(logits.flatten(0, 1).float(), shifted[:, local].flatten(), ignore_index=IGNORE,
                                reduction="sum")
         whole = mine.detach().clone()
