@@ -24,6 +24,7 @@ class Collator:
     pad_to: int | None = None  # pad every row to this length (pad_to_sequence_len)
     pad_multiple: int = 1  # round row length up to a multiple (8 helps tensor cores on GPU)
     sequence_ids: bool = False  # also return which sequence (0, 1, ... over all rows; -1 = padding) each token is
+    positions_only: bool = False  # no 4D mask (context parallelism builds its own from position_ids)
 
 
     def __call__(self, rows: list[list[dict]]) -> dict[str, torch.Tensor]:
@@ -58,7 +59,7 @@ class Collator:
             "position_ids": torch.tensor(positions, dtype=torch.long),
             "num_tokens": torch.tensor(sum(len(r) for r in segments) - sum(r.count(-1) for r in segments)),
         }
-        if needs_mask(self.attention):  # else position_ids alone (flash: flattened; flex: per row)
+        if needs_mask(self.attention) and not self.positions_only:  # else position_ids alone (flash: flattened; flex: per row)
             batch["attention_mask"] = block_causal_mask(torch.tensor(segments), self.attention)
         if self.sequence_ids:  # per-sequence sums (preference objectives) need to know whose token is whose
             ids, offset = [], 0

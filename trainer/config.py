@@ -291,7 +291,7 @@ class Config(BaseModel):
     fp8_enable_fsdp_float8_all_gather: bool = False
     cosine_constant_lr_ratio: float | None = Field(None, ge=0, le=1)  # cosine to cosine_min_lr_ratio by this fraction of the steps, then flat
     save_only_model: bool = False  # checkpoints without optimizer/scheduler/RNG state (resume restarts the optimizer)
-    # --- N-D parallelism (trainer/parallelism.py; context_parallel_size above 1 refused) ----------------------
+    # --- N-D parallelism (trainer/parallelism.py; context_parallel_size: trainer/context_parallel.py) -------
     dp_shard_size: int | None = Field(None, ge=1)  # FSDP shards over this many ranks (unset/1: all left)
     dp_replicate_size: int | None = Field(None, ge=1)  # replicas of the sharded model (HSDP with dp_shard_size)
     tensor_parallel_size: int | None = Field(None, ge=1)
@@ -626,9 +626,9 @@ UNSUPPORTED_KEYS: dict[str, str] = {
     **{k: "this preference-training option is not supported (rl: dpo, ipo, orpo, kto, simpo, grpo and gdpo train with the options listed in the README)" for k in (
         "dpo_use_weighting", "dpo_use_liger_kernel",
         "dpo_padding_free", "dpo_loss_weights", "rl_adapter_ref_model", "dpo_norm_loss")},
-    **{k: "context and expert parallelism are not supported (use FSDP, DeepSpeed or DDP)" for k in (
-        "sequence_parallel_degree",
-        "expert_parallel_size")},
+    "sequence_parallel_degree": "Axolotl's deprecated name for context_parallel_size: write context_parallel_size",
+    **{k: "expert parallelism is not supported (use FSDP, DeepSpeed or DDP)" for k in (
+        "expert_parallel_size",)},
     **{k: "not supported" for k in (
         "neftune_noise_alpha", "noisy_embedding_alpha", "s2_attention", "sage_attention",
         "unsloth_lora_mlp", "unsloth_lora_qkv", "unsloth_lora_o",
@@ -651,6 +651,16 @@ UNSUPPORTED_KEYS["relora_steps"] = ("the old name of jagged_restart_steps, which
 UNSUPPORTED_KEYS.update({k: "merge-aware LoRA on an NVFP4 (modelopt) checkpoint runs in Axolotl's SonicMoE NVFP4 "
                             "kernels (integrations/kernels/libs/sonicmoe), which this trainer does not implement"
                          for k in ("nvfp4_merge_aware", "nvfp4_merge_aware_start_step")})
+
+# --- context parallelism (trainer/context_parallel.py) ---
+PERFORMANCE_KEYS.update({
+    "heads_k_stride": "ring-flash-attn's number of key/value heads communicated at a time (memory and speed); "
+                      "context parallelism here all-gathers every key/value head of a layer at once, and the "
+                      "attention computed is the same",
+    "ring_attn_func": "ring-flash-attn's communication pattern (varlen_llama3, batch_ring, batch_zigzag, "
+                      "batch_stripe: speed and load balance); context parallelism here always all-gathers keys "
+                      "and values (the varlen_llama3 scheme), and every pattern computes the same attention",
+})
 
 PERFORMANCE_KEYS["flex_attn_compile_kwargs"] = (
     "torch.compile options for flex_attention's kernel (speed only); transformers compiles it with its own "

@@ -12,8 +12,9 @@ sizes and the number of processes, before any work.
 
 Supported here: dp_shard_size and dp_replicate_size (FSDP, and HSDP through accelerate's device mesh, FSDP2
 only), and tensor_parallel_size (transformers loads the model sharded by its tp_plan, with FSDP2/HSDP over the
-ranks TP leaves), on GPUs and on CPU over gloo. context_parallel_size above 1 is refused (REFUSED says why);
-a size of 1 means "none" and is accepted. expert_parallel_size stays in config.UNSUPPORTED_KEYS.
+ranks TP leaves), on GPUs and on CPU over gloo, and context_parallel_size (trainer/context_parallel.py: the
+ranks of one CP group read the same batches and split each sequence; under FSDP they shard with the data
+ranks). A size of 1 means "none" and is accepted. expert_parallel_size stays in config.UNSUPPORTED_KEYS.
 """
 
 from __future__ import annotations
@@ -26,12 +27,7 @@ from trainer.errors import ConfigError
 SIZE_KEYS = ("dp_shard_size", "dp_replicate_size", "tensor_parallel_size", "context_parallel_size")
 
 # Sizes above 1 that this trainer refuses, with the reason (a size of 1 is "none" and accepted).
-REFUSED = {
-    "context_parallel_size": (
-        "context parallelism is not supported: Axolotl splits sequences over ranks with ring-flash-attn (flash-"
-        "attention varlen kernels, GPUs only), and torch's context parallel needs CUDA SDPA kernels and a plain "
-        "causal mask, which packed sequences do not have, so use dp_shard_size (FSDP) with gradient_checkpointing"),
-}
+REFUSED: dict[str, str] = {}
 
 
 @dataclass(frozen=True)
@@ -39,6 +35,7 @@ class Mesh:
     dp_replicate: int
     dp_shard: int
     tp: int = 1
+    cp: int = 1  # context parallel (trainer/context_parallel.py): between the data ranks and tp
 
     @property
     def data_world(self) -> int:
@@ -47,18 +44,21 @@ class Mesh:
 
     @property
     def world(self) -> int:
-        return self.data_world * self.tp
+        return self.data_world * self.cp * self.tp
 
     def data_rank(self, rank: int) -> int:
         """tp is the innermost mesh dimension (accelerate's and transformers' order): consecutive ranks form
-        one tensor-parallel group."""
-        return rank // self.tp
+        one tensor-parallel group; cp comes next (the ranks of a CP group read the same batches)."""
+        return rank // (self.tp * self.cp)
 
     @property
     def hybrid(self) -> bool:
         return self.dp_replicate > 1 and self.dp_shard > 1
 
     def describe(self) -> str:
+        if self.cp > 1:
+            rest = Mesh(self.dp_replicate, self.dp_shard, self.tp).describe()
+            return f"{self.cp}-way context parallel x {rest.rsplit(' (', 1)[0]} ({self.world} processes)"
         if self.tp > 1:
             dp = (f"{self.dp_replicate} replicas x {self.dp_shard}-way FSDP shards" if self.hybrid else
                   f"{self.dp_shard}-way FSDP shards" if self.dp_shard > 1 else "no data parallelism")
@@ -83,7 +83,8 @@ def check(cfg, fsdp: bool) -> list[str]:
     if not sizes:
         return []
     problems = [f"{key}: {sizes[key]} ({reason})" for key, reason in REFUSED.items() if sizes.get(key, 1) > 1]
-    shard, replicate, tp = (sizes.get(k, 1) for k in ("dp_shard_size", "dp_replicate_size", "tensor_parallel_size"))
+    shard, replicate, tp, cp = (sizes.get(k, 1) for k in ("dp_shard_size", "dp_replicate_size",
+                                                          "tensor_parallel_size", "context_parallel_size"))
     if shard > 1 and not fsdp:
         problems.append(f"dp_shard_size: {shard} shards the model with FSDP, so it needs fsdp_version: 2 and "
                         "fsdp_config (as Axolotl requires)" + (", not deepspeed (which shards by its ZeRO stage)" if cfg.deepspeed else ""))
@@ -99,8 +100,10 @@ def check(cfg, fsdp: bool) -> list[str]:
                 problems.append(f"tensor_parallel_size: {tp} with {why}")
     if problems:
         raise ConfigError("; ".join(problems))
-    fixed = (shard if shard > 1 else 1) * replicate * tp
-    notes = []
+    from trainer import context_parallel
+
+    fixed = (shard if shard > 1 else 1) * replicate * tp * cp
+    notes = context_parallel.check(cfg)
     if tp > 1:
         notes.append(f"tensor_parallel_size: {tp}: the model is loaded sharded by transformers (the model's tp_plan, "
                      "DistributedConfig" + (" with FSDP2 over the other ranks; fsdp_config's wrapping and offload "
@@ -108,11 +111,15 @@ def check(cfg, fsdp: bool) -> list[str]:
     if fsdp:
         kind = (f"HSDP, {replicate} replicas of the sharded model" if replicate > 1 else "FSDP")
         shard_text = f"{shard}-way shards" if shard > 1 else "shards over the processes the other sizes leave"
+        if cp > 1:  # the CP ranks shard with the data ranks (torchtitan's dp_shard_cp)
+            shard_text += f", each shard group also spanning the {cp} ranks of a context-parallel group"
         count = f"{fixed}" if shard > 1 and replicate > 1 else f"a multiple of {fixed}"
         return notes + [f"parallelism: {kind}, {shard_text}; needs {count} processes, checked at launch"
                         if fixed > 1 else f"parallelism: sizes of 1 mean none; FSDP {shard_text}"]
     if tp > 1:
         return notes + [f"parallelism: tensor parallel alone needs exactly {tp} processes, checked at launch"]
+    if cp > 1:
+        return notes
     return [f"parallelism: data parallel (DDP), dp_replicate_size {replicate} must equal the number of processes, "
             "checked at launch" if replicate > 1 else "parallelism: sizes of 1 mean none"]
 
@@ -127,18 +134,19 @@ def mesh_for(cfg, world: int, fsdp: bool) -> Mesh | None:
     shard = sizes.get("dp_shard_size") or 1
     replicate = sizes.get("dp_replicate_size")
     tp = sizes.get("tensor_parallel_size") or 1
+    cp = sizes.get("context_parallel_size") or 1
     asked = " x ".join(f"{k} {v}" for k, v in sizes.items() if v > 1)
 
     def mismatch() -> ConfigError:
-        fixed = shard * (replicate or 1) * tp
-        exact = (shard > 1 and replicate and replicate > 1) or not fsdp
+        fixed = shard * (replicate or 1) * tp * cp
+        exact = (shard > 1 and replicate and replicate > 1) or (not fsdp and cp == 1)
         need = f"= {fixed} processes" if exact else f"needs a multiple of {fixed} processes"
         return ConfigError(f"{asked} {need}, but this run has {world} (WORLD_SIZE): launch that many processes "
                            "(torchrun --nproc-per-node, times the nodes) or change the sizes")
 
-    if world % tp:
+    if world % (tp * cp):
         raise mismatch()
-    rest = world // tp
+    rest = world // (tp * cp)  # the ranks of a CP x TP block share their batches
     if replicate and replicate > 1:
         if rest % replicate:
             raise mismatch()
@@ -151,15 +159,15 @@ def mesh_for(cfg, world: int, fsdp: bool) -> Mesh | None:
             if replicate and replicate > 1:
                 raise mismatch()
             replicate = left
-        return Mesh(dp_replicate=replicate or 1, dp_shard=shard, tp=tp)
+        return Mesh(dp_replicate=replicate or 1, dp_shard=shard, tp=tp, cp=cp)
     # dp_shard_size unset or 1: under FSDP the ranks left shard (Axolotl's fill); without FSDP they are DDP
     # replicas, and dp_replicate_size, when given, must account for all of them; tensor parallelism without
     # FSDP takes every rank (accelerate does not compose DDP replicas with it)
     if fsdp:
-        return Mesh(dp_replicate=replicate or 1, dp_shard=rest, tp=tp)
+        return Mesh(dp_replicate=replicate or 1, dp_shard=rest, tp=tp, cp=cp)
     if (replicate and replicate > 1 or tp > 1) and rest != 1:
         raise mismatch()
-    return Mesh(dp_replicate=world // tp, dp_shard=1, tp=tp)
+    return Mesh(dp_replicate=world // (tp * cp), dp_shard=1, tp=tp, cp=cp)
 
 
 def world_size() -> int:
@@ -170,7 +178,7 @@ def parallelism_config(mesh: Mesh | None):
     """accelerate's ParallelismConfig for an HSDP mesh; None where plain FSDP/DDP over all ranks is the same,
     and with tensor parallelism, where transformers shards the model itself (load_kwargs)."""
     if mesh is None or not mesh.hybrid or mesh.tp > 1:
-        return None
+        return None  # (context parallel ranks shard with the data ranks: FSDP over all ranks is the same)
     try:
         from accelerate import ParallelismConfig
     except ImportError:
@@ -178,7 +186,8 @@ def parallelism_config(mesh: Mesh | None):
 
         raise ConfigError(f"dp_replicate_size: HSDP needs accelerate's ParallelismConfig (accelerate >= 1.10; "
                           f"installed: {accelerate.__version__})") from None
-    return ParallelismConfig(dp_replicate_size=mesh.dp_replicate, dp_shard_size=mesh.dp_shard)
+    # CP ranks shard with the data ranks (torchtitan's dp_shard_cp), flattened into dp_shard
+    return ParallelismConfig(dp_replicate_size=mesh.dp_replicate, dp_shard_size=mesh.dp_shard * mesh.cp)
 
 
 def attach(accelerator, config) -> None:
@@ -244,7 +253,7 @@ def load_kwargs(mesh: Mesh | None) -> dict:
     if not {"tp_size", "fsdp_size", "dp_replicate_size"} <= fields:
         raise ConfigError(f"tensor_parallel_size: needs transformers' DistributedConfig with tp_size, fsdp_size and "
                           f"dp_replicate_size (transformers 5.2x; installed: {transformers.__version__})")
-    return {"distributed_config": DistributedConfig(tp_size=mesh.tp, fsdp_size=mesh.dp_shard,
+    return {"distributed_config": DistributedConfig(tp_size=mesh.tp, fsdp_size=mesh.dp_shard * mesh.cp,
                                                     dp_replicate_size=mesh.dp_replicate)}
 
 

@@ -177,7 +177,14 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
     model = load_model(cfg, runtime, tokenizer, parallel_kwargs=parallelism.load_kwargs(mesh))
     parallelism.after_load(model, mesh)
     tp = mesh.tp if mesh is not None else 1
-    data_rank, data_world = rank // tp, world // tp  # the ranks of a tensor-parallel group share their batches
+    cp = mesh.cp if mesh is not None else 1
+    # the ranks of a tensor-parallel group, and of a context-parallel group, share their batches
+    data_rank, data_world = rank // (tp * cp), world // (tp * cp)
+    context = None
+    if cp > 1:  # each sequence split over the CP group (trainer/context_parallel.py); refuses Mamba-like models
+        from trainer.context_parallel import ContextParallel
+
+        context = ContextParallel(model, cp, tp, rank, world)
     kernels.apply(cfg, model, getattr(runtime, "kernels", False), say)  # liger, where the plan says triton runs
     if cfg.qat is not None:  # torchao fake quantization of the linear layers (before sharding, as Axolotl)
         from trainer import qat
@@ -187,8 +194,11 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
     # 4. the objective (how batches are built and the loss computed), sampler and collator
     pad_multiple = 8 if runtime.device == "cuda" else 1
     collator = Collator(tokenizer.pad_token_id, runtime.attention,
-                        pad_to=cfg.sequence_len if cfg.pad_to_sequence_len else None, pad_multiple=pad_multiple)
-    objective = objectives.build(cfg, collator, token_loss_sum)
+                        pad_to=cfg.sequence_len if cfg.pad_to_sequence_len else None, pad_multiple=pad_multiple,
+                        positions_only=context is not None)  # CP builds its masks from positions, per slice
+    objective = objectives.build(cfg, collator, token_loss_sum if context is None else context.loss_sum)
+    if context is not None:
+        objective.eval_loss_sum = context.loss_sum
     ga = cfg.gradient_accumulation_steps
     # rows per loader batch, loader batches per step (GRPO: one batch of prompts, generated into ga micro-batches)
     rows_per_batch, draws = objective.loader_batch(cfg.micro_batch_size, ga)
@@ -304,14 +314,15 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
     # 7. the loop. Each step's loss is normalised by the step's totals on all ranks (target tokens for SFT,
     # pairs or examples for preference objectives), counted before the first backward in ONE all-reduce of a
     # fixed-size vector. DDP averages gradients over ranks and DeepSpeed divides by ga: scale to undo both.
-    loss_scale = data_world * (ga if cfg.deepspeed else 1)
-    # each batch counts once: the other ranks of a tensor-parallel group add zeros to the step's sums
-    vote = 1.0 if rank % tp == 0 else 0.0
+    # (CP ranks are data ranks to DDP/FSDP/ZeRO, and each backward holds only its own slice's share)
+    loss_scale = data_world * cp * (ga if cfg.deepspeed else 1)
+    # each batch counts once: the other ranks of a tensor- or context-parallel group add zeros to the step's sums
+    vote = 1.0 if rank % (tp * cp) == 0 else 0.0
     from trainer.parallelism import sync_each_batch
 
     sync_every = sync_each_batch(cfg)  # accelerator_config: reduce gradients after every micro-batch
     evaluation = Evaluation(cfg, objective, unwrapped, data.validation, reference.get("validation"), data_rank,
-                            data_world, device, say, tp=tp)
+                            data_world, device, say, tp=tp * cp)
     if cfg.do_causal_lm_eval:  # Axolotl's perplexity of the reference answers, at every evaluation
         from trainer.causal_lm_eval import CausalLMMetrics
 

@@ -69,7 +69,6 @@ def test_no_size_keys_no_mesh():
 @pytest.mark.parametrize("keys, message", [
     ({"tensor_parallel_size": 2, "adapter": "lora"}, "tensor_parallel_size: 2 with adapter: lora (LoRA on tensor-"),
     ({"tensor_parallel_size": 2, "deepspeed": "ds.json"}, "tensor_parallel_size: 2 with deepspeed (Axolotl's DeepSpeed AutoTP"),
-    ({"context_parallel_size": 2, **FSDP2}, "context_parallel_size: 2 (context parallelism is not supported"),
     ({"tensor_parallel_size": 2, "rl": "dpo", "datasets": [{"path": "d.jsonl", "type": "chatml.intel"}]},
      "tensor_parallel_size: 2 with rl: dpo (the reference pass"),
     ({"dp_shard_size": 2}, "dp_shard_size: 2 shards the model with FSDP, so it needs fsdp_version: 2"),
