@@ -10,10 +10,9 @@ optionally prompt_length.
 from __future__ import annotations
 
 import hashlib
-import importlib
-import inspect
 from pathlib import Path
 
+from trainer import user_code
 from trainer.errors import DataError
 from trainer.prompts import IGNORE
 
@@ -44,49 +43,13 @@ def strided_structured(cfg, **_):
     return row, {"remove_columns": "__all__"}
 
 
-BUILTIN = {"ebft_strided_structured": strided_structured}
+BUILTIN = {"ebft_strided_structured.transform": strided_structured}
 
 
-def _search_path(cfg) -> list[str]:
-    here = [str(Path.cwd())]
-    config_dir = getattr(cfg, "_config_dir", None)
-    return ([str(config_dir)] if config_dir else []) + here
-
-
-def _from_file(module_name: str, dirs: list[str]):
-    """The module as a file (or package) under one of dirs, loaded fresh (never a stale sys.modules entry)."""
-    import importlib.util
-
-    rel = Path(*module_name.split("."))
-    for d in dirs:
-        for path in (Path(d) / rel.with_suffix(".py"), Path(d) / rel / "__init__.py"):
-            if path.is_file():
-                spec = importlib.util.spec_from_file_location(f"_ebft_transform_{module_name}", path)
-                module = importlib.util.module_from_spec(spec)
-                spec.loader.exec_module(module)
-                return module
-    return None
-
-
-def resolve(cfg, type_: str):
-    """(the transform's factory, the file it came from or None for a built-in): a file in the config's directory
-    or the working directory, else an installed module of that name, else a built-in strategy."""
-    module_name, _, func = type_.rpartition(".")
-    module = _from_file(module_name, _search_path(cfg))
-    if module is None and module_name not in BUILTIN:
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as err:
-            if err.name not in (module_name, module_name.split(".")[0]):
-                raise DataError(f"transform {type_}: importing {module_name} failed: {err}") from None
-    if module is not None:
-        if not hasattr(module, func):
-            raise DataError(f"transform {type_}: {module.__file__} has no function {func}")
-        return getattr(module, func), getattr(module, "__file__", None)
-    if module_name in BUILTIN and func == "transform":
-        return BUILTIN[module_name], None
-    raise DataError(f"transform {type_}: no module {module_name}.py in {' or '.join(_search_path(cfg))} and no "
-                    f"built-in one (built-in: {', '.join(k + '.transform' for k in BUILTIN)})")
+def resolve(cfg, type_: str, key: str = "datasets.type"):
+    """(the transform's factory, the file it came from or None for a built-in): trainer/user_code.py's order,
+    then the built-in strategy of that name."""
+    return user_code.find(type_, key, getattr(cfg, "_config_dir", None), BUILTIN)
 
 
 def identity(cfg) -> list[str]:
@@ -105,19 +68,9 @@ def build_ebft(cfg, tokenizer, load_raw, workers_for):
 
     parts = []
     for i, ds in enumerate(cfg.datasets):
-        factory, _ = resolve(cfg, ds.type)
-        made = factory(cfg)
-        fn, kwargs = made if isinstance(made, tuple) else (made, {})
-        if "tokenizer" in inspect.signature(fn).parameters:
-            tokenizer_fn = fn
-            fn = lambda example, f=tokenizer_fn: f(example, tokenizer=tokenizer)  # noqa: E731
-        raw = load_raw(ds)
-        kwargs = dict(kwargs)
-        if kwargs.get("remove_columns") == "__all__":
-            kwargs["remove_columns"] = raw.column_names
-        elif "remove_columns" in kwargs:
-            kwargs["remove_columns"] = [c for c in kwargs["remove_columns"] if c in raw.column_names]
-        mapped = raw.map(fn, desc=f"ebft transform {ds.type}", **kwargs)
+        factory, _ = resolve(cfg, ds.type, f"datasets.{i}.type")
+        mapped = user_code.transform(factory(cfg), load_raw(ds), tokenizer, f"datasets.{i}.type",
+                                     desc=f"ebft transform {ds.type}")
         if "input_ids" not in mapped.column_names:
             raise DataError(f"datasets.{i}: the transform {ds.type} gave no input_ids (columns: "
                             f"{', '.join(mapped.column_names)}); it must tokenize (take tokenizer=)")

@@ -15,36 +15,15 @@ see); prompts longer than sequence_len are dropped and counted.
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import json
-import sys
-from pathlib import Path
 
+from trainer import user_code
 from trainer.errors import ConfigError, DataError
 
 
-def import_user(name: str, key: str, config_dir: str | None):
-    """`module.function` from the config's directory or the working directory; a one-line ConfigError if not."""
-    module_name, _, attr = name.rpartition(".")
-    where = [d for d in (config_dir, str(Path.cwd())) if d]
-    for d in reversed(where):
-        if d not in sys.path:
-            sys.path.insert(0, d)
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as err:
-        raise ConfigError(f"{key}: cannot import {name!r}: no module {err.name!r} in {' or '.join(where)}") from None
-    except Exception as err:  # user code failing on import is bad input too
-        raise ConfigError(f"{key}: importing {module_name!r} failed: {type(err).__name__}: {err}") from None
-    func = getattr(module, attr, None)
-    if not callable(func):
-        raise ConfigError(f"{key}: {module_name!r} ({getattr(module, '__file__', '?')}) has no function {attr!r}")
-    return func
-
-
 def reward_functions(cfg) -> list:
-    funcs = [import_user(n, "trl.reward_funcs", cfg._config_dir) for n in cfg.trl.reward_funcs]
+    funcs = [user_code.find(n, "trl.reward_funcs", cfg._config_dir)[0] for n in cfg.trl.reward_funcs]
     for name, func in zip(cfg.trl.reward_funcs, funcs):
         try:
             enough = len(inspect.signature(func).parameters) >= 2 or any(
@@ -57,25 +36,9 @@ def reward_functions(cfg) -> list:
 
 
 def _transformed(cfg, i: int, ds, raw, tokenizer):
-    from functools import partial
-
-    made = import_user(ds.type, f"datasets.{i}.type", cfg._config_dir)(cfg, dataset_idx=i)
-    transform, kwargs = made if isinstance(made, tuple) else (made, {})
-    if not callable(transform):
-        raise ConfigError(f"datasets.{i}.type: {ds.type} returned {type(transform).__name__}, not a row transform")
-    kwargs = dict(kwargs or {})
-    if "remove_columns" in kwargs:  # as Axolotl: "__all__", or only the columns that exist
-        drop = kwargs["remove_columns"]
-        kwargs["remove_columns"] = list(raw.column_names) if drop == "__all__" else [c for c in drop if c in raw.column_names]
-    try:
-        if "tokenizer" in inspect.signature(transform).parameters:
-            transform = partial(transform, tokenizer=tokenizer)
-    except (TypeError, ValueError):
-        pass
-    try:
-        return raw.map(transform, desc=f"transforming {ds.path}", **kwargs)
-    except Exception as err:
-        raise DataError(f"datasets.{i}.type: {ds.type} failed on {ds.path}: {type(err).__name__}: {err}") from None
+    key = f"datasets.{i}.type"
+    factory, _ = user_code.find(ds.type, key, cfg._config_dir)
+    return user_code.transform(factory(cfg, dataset_idx=i), raw, tokenizer, key, desc=f"transforming {ds.path}")
 
 
 def prompt_ids(prompt, tokenizer) -> list[int]:

@@ -268,12 +268,11 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
         reference = reference_logps(objective, unwrapped, data, cfg, runtime, device, rank, world,
                                     autocast=accelerator.autocast, log=say,  # FSDP/ZeRO-3: lock-step forwards
                                     sharded=distributed.is_sharded(unwrapped) or bool(cfg.deepspeed))
-    if hasattr(objective, "attach"):  # EBFT's frozen feature network: the initial weights, before a checkpoint loads
-        from trainer.model import DTYPES
+    from trainer.model import DTYPES
 
-        objective.attach(unwrapped, DTYPES[runtime.precision])
-    if objective.generates:  # GRPO: tokenizer, eos ids, and (full fine-tune, beta > 0) the reference copy
-        objective.before_training(unwrapped, tokenizer, rank, timeout, output_dir=Path(cfg.output_dir), say=say)
+    # EBFT's feature network, GRPO's reference and tokenizer: from the starting weights, before a checkpoint loads
+    objective.before_training(unwrapped, tokenizer=tokenizer, dtype=DTYPES[runtime.precision], rank=rank,
+                              timeout=timeout, output_dir=Path(cfg.output_dir), say=say)
     # The loader gets its own generator: starting an iterator must not draw from the global RNG, or a
     # resumed run (which starts one after restoring the RNG) would see different dropout masks.
     from trainer.streaming import StreamRows

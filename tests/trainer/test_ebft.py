@@ -151,7 +151,7 @@ def test_loss_is_reinforce_with_rloo_over_separate_rollouts(tiny):
     e = ebft.EbftConfig(mode="strided", stride=3, context_length=4, generate_max_len=3, n_samples_per_prompt=3,
                         temperature=1.0, feature_layers=[0.5, 1.0], use_whitening=True, ce_coef=0.1)
     objective = EBFT(SimpleNamespace(ebft=e), pad_token_id=0)
-    objective.attach(tiny)  # full fine-tune: a frozen copy is the feature network
+    objective.before_training(tiny)  # full fine-tune: a frozen copy is the feature network
     torch.manual_seed(7)
     docs = [torch.randint(5, 300, (16,)).tolist() for _ in range(2)]
     batch = objective.collate([[{"input_ids": d, "labels": d}] for d in docs])

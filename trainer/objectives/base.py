@@ -31,7 +31,7 @@ class Objective:
     stat_names: tuple[str, ...] = ()  # summed over the step's micro-batches and ranks before the loss
     metric_names: tuple[str, ...] = ()  # summed after the step, turned into logged values by report()
     progress_names: tuple[str, ...] = ()  # shown beside loss and lr on the progress bar
-    generates = False  # GRPO: expand() generates each step's micro-batches; before_training() gets the tokenizer
+    generates = False  # GRPO: expand() generates each step's micro-batches
     needs_reference = False  # reference log-probs are precomputed once (trainer.reference)
     stats_need_model = False  # step_stats runs forwards (KTO's KL), so its batch must be on the device
     reference_names: tuple[str, ...] = ()  # one column per reference value of an example
@@ -39,6 +39,10 @@ class Objective:
     def loader_batch(self, micro_batch_size: int, ga: int) -> tuple[int, int]:
         """(rows per loader batch, loader batches per optimizer step); GRPO draws one batch of prompts per step."""
         return micro_batch_size, ga
+
+    def before_training(self, model, *, tokenizer, dtype, rank: int, timeout: float, output_dir, say) -> None:
+        """Called once by the loop before the first step and before a checkpoint loads, so the model is the
+        starting one (EBFT's feature network, GRPO's reference and tokenizer)."""
 
     def expand(self, model, loader_batches: list, ga: int, world: bool) -> list:
         """The step's ga micro-batches from its loader batches (GRPO generates them here)."""
@@ -89,6 +93,17 @@ class ExampleRows(torch.utils.data.Dataset):
                 example["ref"] = self.reference[i].tolist()
             out.append(example)
         return out
+
+
+def frozen_copy(model, dtype=None):
+    """The starting model, frozen, for objectives that compare against it: None for a peft model, whose starting
+    model is the base with the adapter disabled (no copy); else a deep copy in eval mode (cast to dtype if given)."""
+    import copy
+
+    if hasattr(model, "disable_adapter"):
+        return None
+    frozen = copy.deepcopy(model).eval().requires_grad_(False)
+    return frozen if dtype is None else frozen.to(dtype)
 
 
 def to_device(batch: dict, device) -> dict:

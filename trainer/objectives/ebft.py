@@ -14,7 +14,6 @@ the two agree. Sampling draws from the global torch RNG, which checkpoints save 
 from __future__ import annotations
 
 import contextlib
-import copy
 
 import numpy as np
 import torch
@@ -23,7 +22,7 @@ import torch.nn.functional as F
 from trainer import ebft
 from trainer.collate import IGNORE
 from trainer.errors import ConfigError
-from trainer.objectives.base import Objective
+from trainer.objectives.base import Objective, frozen_copy
 
 
 class DocumentRows(torch.utils.data.Dataset):
@@ -67,16 +66,11 @@ class EBFT(Objective):
         self.feature = None  # the frozen copy (full fine-tune); None with LoRA (the base with the adapter off)
 
     # --- the model --------------------------------------------------------------------------------------------
-    def attach(self, model, dtype=None) -> None:
-        """Called once by the loop before any step and before a checkpoint loads: the feature network is the
-        initial model. With an adapter: the same weights with the adapter disabled (no copy); else a frozen copy
-        in the training precision (Axolotl deep-copies too, in bf16; fp32 training on CPU keeps fp32)."""
-        from peft import PeftModel
-
-        if not isinstance(model, PeftModel):
-            self.feature = copy.deepcopy(model).eval().requires_grad_(False)
-            if dtype is not None:
-                self.feature.to(dtype)
+    def before_training(self, model, *, dtype=None, **_) -> None:
+        """The feature network is the initial model. With an adapter: the same weights with the adapter disabled
+        (no copy); else a frozen copy in the training precision (Axolotl deep-copies too, in bf16; fp32 training
+        on CPU keeps fp32)."""
+        self.feature = frozen_copy(model, dtype)
 
     def features(self, policy, ids, mask, positions, layers: list[int]) -> torch.Tensor:
         """Per token, each feature layer's hidden state L2-normalised, concatenated: [b, L, len(layers) * H]."""

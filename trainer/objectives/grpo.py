@@ -39,7 +39,7 @@ import torch
 
 from trainer.collective import reduce_sum
 from trainer.errors import TrainingError
-from trainer.objectives.base import ExampleRows, Objective
+from trainer.objectives.base import ExampleRows, Objective, frozen_copy
 
 EPS = 1e-4  # TRL's
 EVAL_STEP = -1  # the step the evaluation's sampling RNG is keyed by (the same prompts draw alike at every evaluation)
@@ -158,16 +158,14 @@ class GRPO(Objective):
         """Prompts per loader batch, loader batches per step: one generation batch per optimizer step."""
         return micro_batch_size * ga // self.G, 1
 
-    def before_training(self, model, tokenizer, rank: int, timeout: float, output_dir, say) -> None:
+    def before_training(self, model, *, tokenizer, rank: int, timeout: float, output_dir, say, **_) -> None:
         """The reference (beta > 0): the base with the adapter off (LoRA), else a frozen copy of the starting model."""
-        import copy
-
         self.tokenizer, self.rank, self.timeout, self.output_dir, self.say = tokenizer, rank, timeout, output_dir, say
         eos = model.generation_config.eos_token_id if model.generation_config is not None else None
         eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
         self.eos_ids = ([tokenizer.eos_token_id] if tokenizer.eos_token_id not in eos else []) + eos
         if self.beta != 0.0 and not hasattr(model, "disable_adapter"):
-            self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+            self.ref_model = frozen_copy(model)
             say(f"{self.name}: beta {self.beta:g} with a full fine-tune keeps a frozen copy of the starting model "
                 "as the reference (LoRA needs none: its reference is the base with the adapter disabled)")
 
