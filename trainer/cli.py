@@ -124,6 +124,11 @@ def cmd_train(args) -> int:
     for line in runtime.changes + notes:
         if int(os.environ.get("RANK", 0)) == 0:
             log(f"note: {line}")
+    from trainer import ray_launch
+
+    if cfg.use_ray and not ray_launch.in_worker():  # Ray Train starts the workers, each running this loop
+        ray_launch.launch(args.config, args.plan, cfg, runtime, log)
+        return 0
     train(cfg, runtime, log=log)
     return 0
 
