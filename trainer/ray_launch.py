@@ -67,7 +67,20 @@ def scaling(cfg, runtime, gpus_here: int | None = None) -> tuple[bool, dict[str,
     return True, {k: v for k, v in resources.items() if v}, notes
 
 
-def _import_ray():
+def describe(cfg, runtime) -> str:
+    """validate's line: how `train` will launch this config."""
+    use_gpu, resources, notes = scaling(cfg, runtime)
+    each = ", ".join(f"{v:g} {k}" for k, v in resources.items()) or "1 CPU"
+    return (f"Ray Train, {cfg.ray_num_workers} worker(s) of {each} on a local Ray cluster (127.0.0.1), "
+            f"{'nccl' if use_gpu else 'gloo'}; `train` starts them (no torchrun)" + "".join(f"; {n}" for n in notes))
+
+
+def require_ray() -> None:
+    """Import Ray Train (ConfigError naming the extra when it is missing), with RAY_ENV set first: Ray reads
+    some of it at import, and the processes it starts inherit it."""
+    for key, value in RAY_ENV.items():
+        os.environ[key] = value
+    os.environ.pop("RAY_ADDRESS", None)  # a local cluster, whatever the shell points at
     try:
         import ray  # noqa: F401
         from ray.train.torch import TorchTrainer  # noqa: F401
@@ -79,10 +92,7 @@ def _import_ray():
 def launch(config_path: str, plan_path: str | None, cfg, runtime, log) -> None:
     """Start a local Ray cluster, train on ray_num_workers workers, stop the cluster. Raises the first failed
     rank's TrainerError (same exit code as under torchrun), TrainingError for anything else."""
-    for key, value in RAY_ENV.items():  # before Ray is imported: it reads some of them at import
-        os.environ[key] = value
-    os.environ.pop("RAY_ADDRESS", None)  # a local cluster, whatever the shell points at
-    _import_ray()
+    require_ray()
     import torch
 
     use_gpu, resources, notes = scaling(cfg, runtime, torch.cuda.device_count() if runtime.device == "cuda" else None)
