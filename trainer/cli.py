@@ -134,7 +134,7 @@ def cmd_train(args) -> int:
         if int(os.environ.get("RANK", 0)) == 0:
             log(f"note: {line}")
     if with_ray:
-        ray_launch.launch(args.config, args.plan, cfg, runtime, log)
+        ray_launch.launch(args.config, args.plan, cfg, runtime, log, debug=args.debug)
         return 0
     train(cfg, runtime, log=log)
     return 0

@@ -89,9 +89,10 @@ def require_ray() -> None:
                           f"{INSTALL_HINT}") from None
 
 
-def launch(config_path: str, plan_path: str | None, cfg, runtime, log) -> None:
+def launch(config_path: str, plan_path: str | None, cfg, runtime, log, debug: bool = False) -> None:
     """Start a local Ray cluster, train on ray_num_workers workers, stop the cluster. Raises the first failed
-    rank's TrainerError (same exit code as under torchrun), TrainingError for anything else."""
+    rank's TrainerError (same exit code as under torchrun), TrainingError for anything else. Ray Train's own
+    report of a failed worker (with its traceback) is shown with --debug only, as the trainer's tracebacks are."""
     require_ray()
     import torch
 
@@ -100,7 +101,7 @@ def launch(config_path: str, plan_path: str | None, cfg, runtime, log) -> None:
         log(f"note: {note}")
 
     import ray
-    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train import FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
     workers = cfg.ray_num_workers
@@ -114,17 +115,20 @@ def launch(config_path: str, plan_path: str | None, cfg, runtime, log) -> None:
     spec = {"cwd": os.getcwd(), "config": str(Path(config_path).absolute()),
             "plan": str(Path(plan_path).absolute()) if plan_path else None, "markers": str(markers)}
     log(f"ray: starting a local Ray cluster (127.0.0.1) for {workers} worker(s), each {resources or {'CPU': 1}}")
-    # Ray's own INFO lines and its placement-group cleaner's warnings (it asks the state API, which lives in the
-    # dashboard that is left out) stay in Ray's session logs; the workers' output and errors reach this terminal
+    # The workers' output reaches this terminal as torchrun's would; Ray Train's INFO lines stay in Ray's session
+    # logs, and so do its placement-group cleaner's warnings (it polls the state API, which lives in the dashboard
+    # that is left out): _quiet_ray runs in every Ray process as it starts
     ray.init(address="local", include_dashboard=False, num_cpus=cpus, log_to_driver=True,
-             configure_logging=True, logging_level="WARNING", logging_config=ray.LoggingConfig(log_level="ERROR"))
+             configure_logging=True, logging_level="WARNING",
+             runtime_env={"worker_process_setup_hook": f"{__name__}._quiet_ray"})
     try:
         trainer = TorchTrainer(
             _worker, train_loop_config=spec,
             scaling_config=ScalingConfig(num_workers=workers, use_gpu=use_gpu, resources_per_worker=resources or None),
             torch_config=TorchConfig(timeout_s=int(cfg.ddp_timeout)),
             run_config=RunConfig(name=where.name, storage_path=str(where.parent),
-                                 failure_config=FailureConfig(max_failures=0)),
+                                 failure_config=FailureConfig(max_failures=0),
+                                 logging_config=LoggingConfig(log_level="ERROR" if debug else "CRITICAL")),
         )
         try:
             trainer.fit()
@@ -138,6 +142,12 @@ def launch(config_path: str, plan_path: str | None, cfg, runtime, log) -> None:
     log(f"ray: {workers} worker(s) trained, ranks {', '.join(map(str, ranks))}")
 
 
+def _quiet_ray() -> None:
+    import logging
+
+    logging.getLogger("ray.train.v2._internal.execution.controller.placement_group_cleaner").setLevel(logging.ERROR)
+
+
 def _worker_error(err: Exception) -> TrainerError:
     failures = getattr(err, "worker_failures", None) or {}
     for rank in sorted(failures):
@@ -148,7 +158,7 @@ def _worker_error(err: Exception) -> TrainerError:
         cause = failures[rank]
         return TrainingError(f"ray worker {rank}: {type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}")
     cause = getattr(err, "controller_failure", err)
-    return TrainingError(f"ray: {type(cause).__name__}: {str(cause).strip().splitlines()[-1] if str(cause) else ''}")
+    return TrainingError(f"ray: {type(cause).__name__}: {str(cause).strip().splitlines()[0] if str(cause).strip() else ''}")
 
 
 def _worker(spec: dict) -> None:

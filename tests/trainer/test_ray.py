@@ -165,3 +165,24 @@ def test_gpu_workers_beyond_the_machine_are_refused_before_ray_starts():
     assert scaling(half, gpu, gpus_here=2)[:2] == (True, {"GPU": 0.5, "CPU": 2.0})
     use_gpu, resources, notes = scaling(cfg, cpu)
     assert (use_gpu, resources) == (False, {}) and "GPU left out" in notes[0]
+
+
+def test_a_failed_worker_becomes_the_trainers_own_one_line_error():
+    """What trainer.fit() raises when workers fail (Ray's own WorkerGroupError, the workers' exceptions by rank,
+    as they arrive pickled): the lowest rank's trainer error, with its exit code; anything else is exit 1."""
+    import pickle
+
+    from ray.train import ControllerError, WorkerGroupError
+
+    from trainer.errors import DataError, TrainingError
+    from trainer.ray_launch import _worker_error
+
+    failures = {1: DataError("180 training rows make 1 micro-batches"), 0: RuntimeError("gloo: connection reset"),
+                2: TrainingError("collective timed out")}
+    err = pickle.loads(pickle.dumps(WorkerGroupError("snippets", failures)))
+    got = _worker_error(err)
+    assert type(got) is DataError and got.exit_code == 2 and str(got) == "180 training rows make 1 micro-batches"
+    other = _worker_error(WorkerGroupError("snippets", {1: RuntimeError("gloo: connection reset\nmore")}))
+    assert type(other) is TrainingError and str(other) == "ray worker 1: RuntimeError: gloo: connection reset"
+    controller = _worker_error(ControllerError(ValueError("no resources\nfor the workers")))
+    assert type(controller) is TrainingError and str(controller) == "ray: ValueError: no resources"
