@@ -129,7 +129,7 @@ def cmd_train(args) -> int:
 
     with_ray = cfg.use_ray and not ray_launch.in_worker()  # Ray Train starts the workers, each running this loop
     if with_ray:
-        ray_launch.require_ray()
+        ray_launch.require_ray(launched_by_torchrun=int(os.environ.get("WORLD_SIZE", "1")) > 1)
     for line in runtime.changes + notes:
         if int(os.environ.get("RANK", 0)) == 0:
             log(f"note: {line}")

@@ -75,9 +75,13 @@ def describe(cfg, runtime) -> str:
             f"{'nccl' if use_gpu else 'gloo'}; `train` starts them (no torchrun)" + "".join(f"; {n}" for n in notes))
 
 
-def require_ray() -> None:
+def require_ray(launched_by_torchrun: bool = False) -> None:
     """Import Ray Train (ConfigError naming the extra when it is missing), with RAY_ENV set first: Ray reads
-    some of it at import, and the processes it starts inherit it."""
+    some of it at import, and the processes it starts inherit it. Under torchrun every process would start its
+    own Ray cluster: refused."""
+    if launched_by_torchrun:
+        raise ConfigError("use_ray: launch this config as one process (python -m trainer train), not with torchrun: "
+                          "Ray Train starts its ray_num_workers workers itself")
     for key, value in RAY_ENV.items():
         os.environ[key] = value
     os.environ.pop("RAY_ADDRESS", None)  # a local cluster, whatever the shell points at

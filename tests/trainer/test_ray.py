@@ -186,3 +186,15 @@ def test_a_failed_worker_becomes_the_trainers_own_one_line_error():
     assert type(other) is TrainingError and str(other) == "ray worker 1: RuntimeError: gloo: connection reset"
     controller = _worker_error(ControllerError(ValueError("no resources\nfor the workers")))
     assert type(controller) is TrainingError and str(controller) == "ray: ValueError: no resources"
+
+
+def test_under_torchrun_a_use_ray_config_is_refused_before_ray_starts(make_config, monkeypatch, capsys):
+    """Every torchrun process would start its own Ray cluster and its own workers."""
+    from trainer.cli import main
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    assert main(["train", str(make_config(use_ray=True, ray_num_workers=2))]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: use_ray: launch this config as one process (python -m trainer train), not with torchrun: "
+                   "Ray Train starts its ray_num_workers workers itself"]
