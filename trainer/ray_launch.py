@@ -119,13 +119,13 @@ def launch(config_path: str, plan_path: str | None, cfg, runtime, log, debug: bo
     spec = {"cwd": os.getcwd(), "config": str(Path(config_path).absolute()),
             "plan": str(Path(plan_path).absolute()) if plan_path else None, "markers": str(markers)}
     log(f"ray: starting a local Ray cluster (127.0.0.1) for {workers} worker(s), each {resources or {'CPU': 1}}")
-    # The workers' output reaches this terminal as torchrun's would; Ray Train's INFO lines stay in Ray's session
-    # logs, and so do its placement-group cleaner's warnings (it polls the state API, which lives in the dashboard
-    # that is left out): _quiet_ray runs in every Ray process as it starts
     # The workers import the trainer this process runs (a checkout run with `python -m trainer` included: Ray
     # starts its workers elsewhere, where another installed copy could come first)
     here = str(Path(__file__).resolve().parent.parent)
     path = os.pathsep.join([here] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != here])
+    # The workers' output reaches this terminal as torchrun's would; Ray Train's INFO lines stay in Ray's session
+    # logs, and so do its placement-group cleaner's warnings (it polls the state API, which lives in the dashboard
+    # that is left out): _quiet_ray runs in every Ray process as it starts
     ray.init(address="local", include_dashboard=False, num_cpus=cpus, log_to_driver=True,
              configure_logging=True, logging_level="WARNING",
              runtime_env={"worker_process_setup_hook": f"{__name__}._quiet_ray", "env_vars": {"PYTHONPATH": path}})
