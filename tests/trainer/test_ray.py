@@ -1,7 +1,8 @@
 """use_ray: `python -m trainer train` runs the loop on Ray Train workers (a local Ray cluster on 127.0.0.1,
-gloo on CPU). Ray's start-up is slow on a small machine, so two Ray runs serve every assertion: a DDP run
-(module-scoped) checked against the same config under torchrun with 2 processes, and a DeepSpeed ZeRO-3 LoRA run
-shaped like Axolotl's lora-1b-ray.yml that resumes under Ray from torchrun's mid-run checkpoint."""
+gloo on CPU). Ray's start-up is slow on a small machine, so three Ray runs serve every assertion: a DDP run
+(module-scoped) checked against the same config under torchrun with 2 processes, FSDP2 against that DDP run, and
+a DeepSpeed ZeRO-3 LoRA run shaped like Axolotl's lora-1b-ray.yml that resumes under Ray from torchrun's mid-run
+checkpoint."""
 
 from __future__ import annotations
 
@@ -82,6 +83,29 @@ def test_two_ray_workers_train_exactly_as_two_torchrun_processes(ddp_runs):
     for part in ("checkpoint-2", "final"):
         got, want = load_file(ray_out / part / "model.safetensors"), load_file(torchrun_out / part / "model.safetensors")
         assert got.keys() == want.keys() and all((got[k] - want[k]).abs().max() < 1e-6 for k in want), part
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_fsdp2_under_ray_reaches_ddps_losses(ddp_runs, tmp_path, tiny_llama):
+    """FSDP2 on 2 Ray workers (accelerate's plugin over Ray's gloo group): DDP's losses, evaluations and weights,
+    as under torchrun (tests/trainer/test_fsdp_deepspeed.py)."""
+    torchrun_out = ddp_runs[0]
+    fsdp = {"fsdp_version": 2, "fsdp_config": {"fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+                                               "fsdp_transformer_layer_cls_to_wrap": "LlamaDecoderLayer",
+                                               "fsdp_state_dict_type": "FULL_STATE_DICT"}}
+    ray = ray_train(write_config(tmp_path, "fsdp", tiny_llama, use_ray=True, ray_num_workers=2, **fsdp))
+    assert ray.returncode == 0, ray.stderr[-4000:]
+    assert "sharding: FSDP" in ray.stderr and "ray: 2 worker(s) trained, ranks 0, 1" in ray.stderr
+    losses, reference = train_losses(tmp_path / "fsdp"), train_losses(torchrun_out)
+    assert losses.keys() == reference.keys() and all(losses[s] == pytest.approx(reference[s], rel=1e-5) for s in reference)
+    evals = lambda o: [r["eval_loss"] for r in read_metrics(o) if "eval_loss" in r]  # noqa: E731
+    assert evals(tmp_path / "fsdp") == pytest.approx(evals(torchrun_out), rel=1e-5)
+
+    from safetensors.torch import load_file
+
+    got, want = load_file(tmp_path / "fsdp" / "final" / "model.safetensors"), load_file(torchrun_out / "final" / "model.safetensors")
+    assert got.keys() == want.keys() and all((got[k] - want[k]).abs().max() < 1e-4 for k in want)
 
 
 @pytest.mark.distributed
