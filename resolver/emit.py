@@ -22,6 +22,11 @@ RDZV_PORT = 29500
 
 
 def render(kind: str, plan: Plan, launch: Launch, config: Path, dist: Distribution) -> str:
+    from .pipeline import config_pins
+
+    if config_pins(config).ray_workers is not None:
+        raise BadInput(f"--emit {kind}: {config} sets use_ray, which starts its workers through a local Ray cluster; "
+                       "these launchers run torchrun: set use_ray: false for them")
     if kind == "slurm":
         return sbatch(plan, launch, config, dist)
     return pytorchjob(plan, launch, config, dist)

@@ -231,6 +231,7 @@ class ConfigPins(NamedTuple):
     attention_key: str | None  # the config key that asked, for messages
     precision: str | None  # "bf16" | "fp16" when the config insists
     features: list[tuple[str, str]]  # (packages.toml [[feature]] name, the config key that needs it)
+    ray_workers: int | None = None  # use_ray: the Ray Train workers the trainer starts itself (ray_num_workers)
 
 
 ATTENTION_KEYS = {"flash_attention": "flash_attention_2", "sdp_attention": "sdpa", "eager_attention": "eager"}
@@ -266,7 +267,11 @@ def config_pins(path: Path) -> ConfigPins:
         features.append(("bnb_int8_loading", "load_in_8bit"))
     if EIGHT_BIT_OPTIMIZERS.fullmatch(str(cfg.get("optimizer") or "")):
         features.append(("bnb_8bit_optimizer", f"optimizer: {cfg['optimizer']}"))
-    return ConfigPins(attention, key, precision, features)
+    ray_workers = None
+    if cfg.get("use_ray") is True:
+        workers = cfg.get("ray_num_workers")
+        ray_workers = workers if isinstance(workers, int) and workers >= 1 else 1  # the trainer refuses bad counts
+    return ConfigPins(attention, key, precision, features, ray_workers)
 
 
 def plan_for_config(config: Path, opts: PlanOptions) -> tuple[Plan, list[str]]:
@@ -292,6 +297,9 @@ def plan_for_config(config: Path, opts: PlanOptions) -> tuple[Plan, list[str]]:
         raise
     if pins.attention:
         notes.append(f"attention {plan.attention}: as {config} asks ({pins.attention_key})")
+    if pins.ray_workers:
+        notes.append(f"use_ray: one trainer process, which starts {pins.ray_workers} Ray Train worker(s) on a local "
+                     "Ray cluster (no torchrun; the environment needs the trainer's ray extra)")
     gpu = plan.gpu
     on_cpu = gpu["compute_capability"] is None
     where = "CPU" if on_cpu else f"{gpu['name']} (sm_{gpu['compute_capability'].replace('.', '')})"
@@ -406,13 +414,24 @@ def default_nproc(plan: Plan, dist: Distribution) -> int:
     return max(int(plan.gpu.get("count") or 1), 1)
 
 
+def launcher_nproc(plan: Plan, config: Path, dist: Distribution) -> int:
+    """Processes to start: default_nproc, or one for a use_ray config, whose trainer starts its Ray Train
+    workers itself (torchrun around it would start that many Ray clusters)."""
+    if config_pins(config).ray_workers is None:
+        return default_nproc(plan, dist)
+    if (dist.nproc or 1) > 1 or dist.nnodes > 1:
+        raise BadInput(f"{config} sets use_ray: the trainer starts its ray_num_workers Ray Train workers itself, on "
+                       "this machine; drop --nproc/--nnodes (or set use_ray: false to launch with torchrun)")
+    return 1
+
+
 def plan_launch(plan: Plan, config: Path, opts: PlanOptions, dist: Distribution, *, venv: Path | None,
                 image: bool, isolated: bool, mounted: bool = True) -> Launch:
     """Decide where the trainer runs and the command that starts it (nothing is built or run here).
     `mounted`: the image gets the working directory at /work, so the config must be under it."""
     from .plan import image_tag
 
-    nproc = default_nproc(plan, dist)
+    nproc = launcher_nproc(plan, config, dist)
     rdzv_id = f"envtool-{_digest(plan.to_dict())[:8]}"
     plan_path = write_plan(plan)
     args = dict(nproc=nproc, nnodes=dist.nnodes, node_rank=dist.node_rank, rdzv_endpoint=dist.rdzv_endpoint,

@@ -76,6 +76,10 @@ def cmd_validate(args) -> int:
         print(f"  qat:        {cfg.qat.describe()} (torchao fake quantization; plain layers again at the end)")
     if distributed.enabled(cfg) or cfg.deepspeed:
         print(f"  sharding:   {'deepspeed ' + str(distributed.deepspeed_path(cfg.deepspeed)) if cfg.deepspeed else 'FSDP' + str(distributed.fsdp_settings(cfg)['fsdp_version'])}")
+    if cfg.use_ray:
+        from trainer import ray_launch
+
+        print(f"  launcher:   {ray_launch.describe(cfg, runtime)}")
     if cfg.streamed:
         from trainer.streaming import describe
 
@@ -130,9 +134,17 @@ def cmd_train(args) -> int:
     from trainer.train import train
 
     cfg, notes, runtime = _setup(args)
+    from trainer import ray_launch
+
+    with_ray = cfg.use_ray and not ray_launch.in_worker()  # Ray Train starts the workers, each running this loop
+    if with_ray:
+        ray_launch.require_ray(launched_by_torchrun=int(os.environ.get("WORLD_SIZE", "1")) > 1)
     for line in runtime.changes + notes:
         if int(os.environ.get("RANK", 0)) == 0:
             log(f"note: {line}")
+    if with_ray:
+        ray_launch.launch(args.config, args.plan, cfg, runtime, log, debug=args.debug)
+        return 0
     train(cfg, runtime, log=log)
     return 0
 

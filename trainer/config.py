@@ -406,6 +406,20 @@ class Config(BaseModel):
     # import from the config's directory
     _config_dir: str | None = PrivateAttr(None)
 
+    # --- Ray Train launching (trainer/ray_launch.py; Axolotl's names and defaults) ----------------------------
+    use_ray: bool = False  # `train` starts a local Ray cluster and runs the loop on ray_num_workers workers
+    ray_num_workers: int = Field(1, ge=1)  # Ray Train workers (processes), each one rank
+    resources_per_worker: dict[str, float] | None = None  # Ray resources per worker; unset: Axolotl's {GPU: 1}
+    ray_run_name: str | None = None  # the Ray run's directory under output_dir (unset: "ray")
+
+    def _check_ray(self) -> None:
+        for name, amount in (self.resources_per_worker or {}).items():
+            if amount < 0:
+                raise ValueError(f"resources_per_worker.{name}: {amount:g} is negative (give 0 or more)")
+        if self.ray_run_name is not None and (not self.ray_run_name.strip() or "/" in self.ray_run_name
+                                              or self.ray_run_name in (".", "..")):
+            raise ValueError(f"ray_run_name: {self.ray_run_name!r} must be a plain directory name")
+
     # --- preference training (Axolotl's names; defaults as TRL's configs) --------------------------------
     rl: Literal["dpo", "ipo", "orpo", "kto", "simpo", "ebft", "grpo", "gdpo"] | None = None
     rl_beta: float | None = Field(None, gt=0)  # DPO/IPO/KTO/SimPO beta (TRL default 0.1)
@@ -503,6 +517,7 @@ class Config(BaseModel):
         self._check_pretraining()
         self._check_preference()
         self._check_longtail()
+        self._check_ray()
         from trainer.quantization_config import check as check_quantization_config
 
         check_quantization_config(self.model_quantization_config, self.model_quantization_config_kwargs)
