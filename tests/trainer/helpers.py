@@ -88,3 +88,32 @@ def assert_same_training(one: Path, two: Path, rel: float = 1e-5) -> None:
         assert double[step] == pytest.approx(single[step], rel=rel), step
     evals = [[r["eval_loss"] for r in read_metrics(out) if "eval_loss" in r] for out in (one, two)]
     assert evals[1] == pytest.approx(evals[0], rel=rel)
+
+
+def example_full_then_resumed(example: dict, base_model: Path, tmp_path: Path, rows: int = 40,
+                              timeout: int = 300) -> tuple[dict[str, dict[int, float]], dict[str, str]]:
+    """An Axolotl example as written, with only the model and data swapped (a tiny alpaca set), 4 steps and a
+    checkpoint at step 2, on 2 processes; then again resuming that checkpoint. ({"full"|"resumed": losses by
+    step}, {"full"|"resumed": the run's stderr}); each run is asserted to succeed."""
+    import shutil
+
+    import yaml
+
+    data = write_jsonl(tmp_path / "data.jsonl", [{"instruction": f"Say {i}.", "input": "", "output": "word " * (i % 9 + 1)}
+                                                  for i in range(rows)])
+    cfg = {**example, "base_model": str(base_model), "datasets": [{"path": str(data), "type": "alpaca"}],
+           "sequence_len": 128, "micro_batch_size": 2, "dataset_prepared_path": str(tmp_path / "prepared"),
+           "max_steps": 4, "save_steps": 2, "learning_rate": 1e-3}
+    cfg.pop("saves_per_epoch", None)
+    losses, stderr = {}, {}
+    for name, extra in (("full", {}), ("resumed", {"auto_resume_from_checkpoints": True})):
+        out = tmp_path / name
+        if extra:
+            out.mkdir()
+            shutil.copytree(tmp_path / "full" / "checkpoint-2", out / "checkpoint-2")
+        path = tmp_path / f"{name}.yml"
+        path.write_text(yaml.safe_dump({**cfg, "output_dir": str(out), **extra}))
+        result = torchrun_train(path, timeout=timeout)
+        assert result.returncode == 0, result.stderr[-3000:]
+        losses[name], stderr[name] = train_losses(out), result.stderr
+    return losses, stderr

@@ -11,7 +11,6 @@ bit. A tiny llama trains with Axolotl's 3b-qat-nvfp4 qat block on CPU and resume
 from __future__ import annotations
 
 import math
-import shutil
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,7 @@ import torch
 import yaml
 
 import torchao  # noqa: F401  (the `qat` extra: .ci/setup installs it)
-from tests.trainer.helpers import run_cli, torchrun_train, train_losses, train_then_resume, write_jsonl
+from tests.trainer.helpers import example_full_then_resumed, run_cli, train_losses, train_then_resume
 from trainer import nvfp4, qat
 from trainer.cli import main
 
@@ -248,26 +247,10 @@ def test_axolotls_qwen25_nvfp4_qat_example_trains_on_2_processes_and_resumes(tmp
     checkpoint resumes exactly."""
     from safetensors.torch import load_file
 
-    cfg = yaml.safe_load(EXAMPLE.read_text())
-    data = write_jsonl(tmp_path / "data.jsonl", [{"instruction": f"Say {i}.", "input": "",
-                                                   "output": "word " * (i % 9 + 1)} for i in range(60)])
-    cfg.update(base_model=str(tiny_qwen2), datasets=[{"path": str(data), "type": "alpaca"}], sequence_len=128,
-               micro_batch_size=2, dataset_prepared_path=str(tmp_path / "prepared"), max_steps=4, save_steps=2,
-               learning_rate=1e-3)
-    del cfg["saves_per_epoch"]
-    runs = {}
-    for name, extra in (("full", {}), ("resumed", {"auto_resume_from_checkpoints": True})):
-        out = tmp_path / name
-        if extra:
-            out.mkdir()
-            shutil.copytree(tmp_path / "full" / "checkpoint-2", out / "checkpoint-2")
-        path = tmp_path / f"{name}.yml"
-        path.write_text(yaml.safe_dump({**cfg, "output_dir": str(out), **extra}))
-        result = torchrun_train(path, timeout=300)
-        assert result.returncode == 0, result.stderr[-3000:]
-        assert "qat: 15 layers fake-quantized" in result.stderr and "sharding: FSDP" in result.stderr
-        assert "emulated on the CPU" in result.stderr
-        runs[name] = train_losses(out)
+    runs, stderr = example_full_then_resumed(yaml.safe_load(EXAMPLE.read_text()), tiny_qwen2, tmp_path, rows=60)
+    for text in stderr.values():
+        assert "qat: 15 layers fake-quantized" in text and "sharding: FSDP" in text
+        assert "emulated on the CPU" in text
     assert sorted(runs["resumed"]) == [3, 4]
     assert [runs["resumed"][s] for s in (3, 4)] == pytest.approx([runs["full"][s] for s in (3, 4)], rel=1e-6)
     before = load_file(tiny_qwen2 / "model.safetensors")

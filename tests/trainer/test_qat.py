@@ -17,7 +17,7 @@ import pytest
 import torch
 import yaml
 
-from tests.trainer.helpers import read_metrics, run_cli, torchrun_train, train_losses, train_then_resume, write_jsonl
+from tests.trainer.helpers import example_full_then_resumed, read_metrics, run_cli, train_losses, train_then_resume
 from trainer.cli import main
 
 import torchao  # noqa: E402,F401  (the `qat` extra: .ci/setup installs it; never skipped)
@@ -253,24 +253,7 @@ def test_a_layer_the_group_size_does_not_tile_is_a_config_error(make_config):
 def test_axolotls_qat_fsdp2_example_trains_and_resumes_with_only_model_and_data_swapped(tmp_path, tiny_llama):
     """examples/llama-3/3b-qat-fsdp2.yaml (qat int8/int4, FSDP2, cosine_constant_lr_ratio, save_only_model, liger
     off on CPU) on 2 processes; then its save_only_model checkpoint resumes (fresh optimizer, same step 3 loss)."""
-    cfg = yaml.safe_load(EXAMPLE.read_text())
-    data = write_jsonl(tmp_path / "data.jsonl", [{"instruction": f"Say {i}.", "input": "", "output": "word " * (i % 9 + 1)}
-                                                  for i in range(40)])
-    cfg.update(base_model=str(tiny_llama), datasets=[{"path": str(data), "type": "alpaca"}], sequence_len=128,
-               micro_batch_size=2, dataset_prepared_path=str(tmp_path / "prepared"), max_steps=4, save_steps=2,
-               learning_rate=1e-3)
-    del cfg["saves_per_epoch"]
-    runs = {}
-    for name, extra in (("full", {}), ("resumed", {"auto_resume_from_checkpoints": True})):
-        out = tmp_path / name
-        if extra:
-            out.mkdir()
-            shutil.copytree(tmp_path / "full" / "checkpoint-2", out / "checkpoint-2")
-        path = tmp_path / f"{name}.yml"
-        path.write_text(yaml.safe_dump({**cfg, "output_dir": str(out), **extra}))
-        result = torchrun_train(path, timeout=300)
-        assert result.returncode == 0, result.stderr[-3000:]
-        assert "qat: 15 layers fake-quantized" in result.stderr and "sharding: FSDP" in result.stderr
-        runs[name] = train_losses(out)
+    runs, stderr = example_full_then_resumed(yaml.safe_load(EXAMPLE.read_text()), tiny_llama, tmp_path)
+    assert all("qat: 15 layers fake-quantized" in t and "sharding: FSDP" in t for t in stderr.values())
     assert not (tmp_path / "full" / "checkpoint-2" / "optimizer.pt").exists()
     assert sorted(runs["resumed"]) == [3, 4] and runs["resumed"][3] == pytest.approx(runs["full"][3], rel=1e-6)
