@@ -65,6 +65,14 @@ def run_config(tmp: Path, tiny_llama: Path, name: str, extra: dict, **overrides)
     return out, result
 
 
+def resume_run(tmp: Path, tiny_llama: Path, name: str, extra: dict) -> tuple[Path, subprocess.CompletedProcess]:
+    """Run `name` again as `name`-resumed, starting from a copy of its checkpoint-2."""
+    resumed = tmp / f"{name}-resumed"
+    resumed.mkdir()
+    shutil.copytree(tmp / name / "checkpoint-2", resumed / "checkpoint-2")
+    return run_config(tmp, tiny_llama, f"{name}-resumed", extra, auto_resume_from_checkpoints=True)
+
+
 @pytest.mark.parametrize("backend", list(BACKENDS))
 def test_sharded_training_evaluates_checkpoints_resumes_and_matches_ddp(backend, tmp_path, tiny_llama, ddp_reference):
     ddp_out, _ = ddp_reference
@@ -90,11 +98,7 @@ def test_sharded_training_evaluates_checkpoints_resumes_and_matches_ddp(backend,
     assert all((final[k] - ref[k]).abs().max() < 1e-4 for k in ref)  # the full weights, gathered from the shards
 
     if backend in ("fsdp2", "zero3", "zero2"):  # resume from the mid-run checkpoint: the same steps again
-        resumed = tmp_path / f"{backend}-resumed"
-        resumed.mkdir()
-        shutil.copytree(out / "checkpoint-2", resumed / "checkpoint-2")
-        again, result = run_config(tmp_path, tiny_llama, f"{backend}-resumed", BACKENDS[backend],
-                                   auto_resume_from_checkpoints=True)
+        again, result = resume_run(tmp_path, tiny_llama, backend, BACKENDS[backend])
         assert "resumed from" in result.stderr
         after = train_losses(again)
         assert sorted(after) == [3, 4, 5]
@@ -108,10 +112,7 @@ def test_qlora_under_fsdp2_resumes_exactly(tmp_path, tiny_llama):
     qlora = {**FSDP2, "adapter": "qlora", "load_in_4bit": True, "lora_r": 4, "lora_target_linear": True}
     out, result = run_config(tmp_path, tiny_llama, "fsdp-qlora", qlora)
     assert "sharding: FSDP" in result.stderr and (out / "final" / "adapter_model.safetensors").exists()
-    resumed = tmp_path / "fsdp-qlora-resumed"
-    resumed.mkdir()
-    shutil.copytree(out / "checkpoint-2", resumed / "checkpoint-2")
-    again, _ = run_config(tmp_path, tiny_llama, "fsdp-qlora-resumed", qlora, auto_resume_from_checkpoints=True)
+    again, _ = resume_run(tmp_path, tiny_llama, "fsdp-qlora", qlora)
     full, after = train_losses(out), train_losses(again)
     assert sorted(after) == [3, 4, 5]
     assert all(after[s] == pytest.approx(full[s], rel=1e-6) for s in after), (full, after)
@@ -126,10 +127,7 @@ def test_lora_under_zero3_resumes_exactly(tmp_path, tiny_llama):
             "gradient_accumulation_steps": 2}
     out, result = run_config(tmp_path, tiny_llama, "zero3-lora", lora)
     assert "sharding: DEEPSPEED" in result.stderr and (out / "final" / "adapter_model.safetensors").exists()
-    resumed = tmp_path / "zero3-lora-resumed"
-    resumed.mkdir()
-    shutil.copytree(out / "checkpoint-2", resumed / "checkpoint-2")
-    again, _ = run_config(tmp_path, tiny_llama, "zero3-lora-resumed", lora, auto_resume_from_checkpoints=True)
+    again, _ = resume_run(tmp_path, tiny_llama, "zero3-lora", lora)
     full, after = train_losses(out), train_losses(again)
     assert sorted(after) == [3, 4]
     assert all(after[s] == pytest.approx(full[s], rel=1e-6) for s in after), (full, after)
