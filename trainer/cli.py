@@ -20,35 +20,9 @@ def log(message: str) -> None:
 
 
 def _setup(args, gpu: str | None = None):
-    from trainer.config import load_config
-    from trainer.hardware import adapt, detect
+    from trainer.setup import start
 
-    cfg, notes = load_config(args.config)
-    found_gpu, plan = detect(gpu, getattr(args, "plan", None))
-    runtime = adapt(cfg, found_gpu, plan)
-    from trainer.model_attention import for_model
-
-    for_model(cfg, runtime, local_only=True)  # the backend the model's class accepts, where its config is at hand
-    runtime.changes += feature_notes(cfg, runtime, plan)
-    return cfg, notes, runtime
-
-
-def feature_notes(cfg, runtime, plan) -> list[str]:
-    """What quantized loading, the optimizer and the kernels become on this GPU (each floor from matrices/).
-    Raises HardwareError where the GPU cannot do what the config asks. Sets runtime.kernels (liger on?)."""
-    from trainer import kernels, optim, qat, quantization
-
-    notes = quantization.hardware_notes(cfg, runtime.gpu) + optim.hardware_notes(cfg.optimizer, runtime.gpu)
-    notes += qat.hardware_notes(cfg, runtime.gpu)  # qat dtypes' and fp8's floors
-    from trainer import bitnet
-
-    notes += bitnet.hardware_notes(cfg, runtime.gpu, plan)  # use_onebitllms: triton kernels, so a GPU
-    runtime.kernels, kernel_notes = kernels.plan_notes(cfg, runtime.gpu, plan)
-    from trainer import distributed
-
-    if distributed.enabled(cfg) and runtime.device == "cpu" and distributed.fsdp_settings(cfg)["fsdp_version"] == 1:
-        notes.append(distributed.CPU_FSDP1_NOTE)
-    return notes + kernel_notes
+    return start(args.config, gpu, getattr(args, "plan", None))
 
 
 def cmd_validate(args) -> int:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-from argparse import Namespace
 from pathlib import Path
 
 from trainer.errors import ConfigError, HardwareError, TrainerError, TrainingError
@@ -176,7 +175,7 @@ def _worker(spec: dict) -> None:
     os.environ[WORKER_ENV] = "1"
     import torch.distributed as dist
 
-    from trainer import cli
+    from trainer.setup import start
     from trainer.train import train
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -188,7 +187,7 @@ def _worker(spec: dict) -> None:
     tmp.write_text(json.dumps(marker))
     tmp.replace(markers / f"rank-{rank}.json")
     try:
-        cfg, _, runtime = cli._setup(Namespace(config=spec["config"], plan=spec["plan"]))
+        cfg, _, runtime = start(spec["config"], None, spec["plan"])
         train(cfg, runtime, log=cli.log)
     except TrainerError as err:  # the driver re-raises it: one line, the exit code torchrun's run would have
         raise type(err)(str(err)) from None  # (a fresh instance: picklable, no chained traceback)
