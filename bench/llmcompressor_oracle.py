@@ -1,4 +1,4 @@
-"""Cross-check trainer/sparsity.py against llmcompressor's own ConstantPruningModifier (a one-off, not CI).
+"""Cross-check trainer/model/sparsity.py against llmcompressor's own ConstantPruningModifier (a one-off, not CI).
 
 llmcompressor 0.14 pins transformers<=5.17, so it cannot live in the project's environment. Run this in a
 throwaway venv that sees the project's packages and adds llmcompressor without its dependencies:
@@ -29,8 +29,8 @@ from llmcompressor.core import callbacks
 from llmcompressor.recipe import Recipe
 
 from trainer.config import parse_config
-from trainer.sparsity import PLUGIN, Pruning
-from trainer.tiny import build_model, build_tokenizer
+from trainer.model.sparsity import PLUGIN, Pruning
+from trainer.model.tiny import build_model, build_tokenizer
 
 EXAMPLE = Path(__file__).parents[1] / "tests/trainer/data/axolotl_examples/llama-3__sparse-finetuning.yaml"
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

@@ -23,17 +23,18 @@ from pathlib import Path
 
 import torch
 
-from trainer import checkpoint, objectives
-from trainer.collate import Collator
-from trainer.collective import barrier, phase, reduce_sum
+from trainer import objectives
+from trainer.batch.collate import Collator
+from trainer.batch.sampler import MultipackBatchSampler
 from trainer.config import Config
-from trainer.data import load_tokenizer, prepare
+from trainer.data.prepare import load_tokenizer
 from trainer.errors import ConfigError, DataError, TrainingError
-from trainer.hardware import Runtime
-from trainer.loss import token_loss_sum
-from trainer.model import load_model
+from trainer.model.load import load_model, load_weights
 from trainer.objectives.base import to_device
-from trainer.sampler import MultipackBatchSampler
+from trainer.objectives.loss import token_loss_sum
+from trainer.outputs import checkpoint
+from trainer.parallel.collective import barrier, phase, reduce_sum
+from trainer.runtime.hardware import Runtime
 
 MIXED_PRECISION = {"bf16": "bf16", "fp16": "fp16", "fp32": "no"}
 
@@ -48,7 +49,7 @@ def make_accelerator(cfg: Config, runtime: Runtime):
     if cfg.deepspeed:  # passed through to accelerate; DeepSpeed then owns accumulation, clipping and stepping
         if importlib.util.find_spec("deepspeed") is None:
             raise ConfigError("deepspeed: the deepspeed package is not installed in this environment")
-        from trainer.distributed import deepspeed_path
+        from trainer.parallel.distributed import deepspeed_path
 
         deepspeed = DeepSpeedPlugin(hf_ds_config=str(deepspeed_path(cfg.deepspeed)), gradient_accumulation_steps=cfg.gradient_accumulation_steps,
                                     gradient_clipping=cfg.max_grad_norm or 0.0)
@@ -56,7 +57,8 @@ def make_accelerator(cfg: Config, runtime: Runtime):
         world = int(os.environ.get("WORLD_SIZE", "1"))  # "auto" in Axolotl's files; DeepSpeed checks the product
         deepspeed.deepspeed_config["train_batch_size"] = cfg.micro_batch_size * cfg.gradient_accumulation_steps * world
     # gradient_accumulation_steps stays 1: the loop accumulates itself, normalising by the step's token count
-    from trainer import distributed, parallelism
+    from trainer.parallel import distributed
+    from trainer.parallel import mesh as parallelism
 
     mesh = parallelism.mesh_for(cfg, parallelism.world_size(), distributed.enabled(cfg))  # sizes vs processes
     mesh_config = parallelism.parallelism_config(mesh)
@@ -79,7 +81,7 @@ def make_accelerator(cfg: Config, runtime: Runtime):
         kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.ddp_timeout))] + ddp_kwargs(cfg),
     )
     if fsdp is not None and runtime.device == "cpu":
-        from trainer.distributed import use_fsdp_on_cpu
+        from trainer.parallel.distributed import use_fsdp_on_cpu
 
         use_fsdp_on_cpu(accelerator, fsdp)
         if mesh_config is not None:
@@ -98,13 +100,13 @@ def ddp_kwargs(cfg: Config) -> list:
 
 
 def fsdp_plugin(cfg: Config, runtime: Runtime):
-    from trainer import distributed
+    from trainer.parallel import distributed
 
     return distributed.fsdp_plugin(cfg, runtime) if distributed.enabled(cfg) else None
 
 
 def make_optimizer(cfg: Config, model) -> torch.optim.Optimizer:
-    from trainer.optim import make_optimizer as build  # the optimizer named in the config, by its library
+    from trainer.optim.optimizers import make_optimizer as build  # the optimizer named in the config, by its library
 
     return build(cfg, model)
 
@@ -151,27 +153,28 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
         say(f"sharding: {accelerator.distributed_type.value}")
 
     # 2. tokenizer and data
-    from trainer import hub, kernels, loggers
+    from trainer.model import kernels
+    from trainer.outputs import hub, loggers
 
     loggers.check(cfg)  # trackers installed, hub reachable: fail now, not after training
     if main:
         hub.check(cfg)
     tokenizer = load_tokenizer(cfg)
-    if cfg.streamed:  # read while training (trainer/streaming.py); checked now, before the model loads
-        from trainer.data import Prepared
-        from trainer.streaming import check_stream
+    if cfg.streamed:  # read while training (trainer/data/streaming.py); checked now, before the model loads
+        from trainer.data.prepare import Prepared
+        from trainer.data.streaming import check_stream
 
         check_stream(cfg, tokenizer, world)
         data = Prepared(None, None, {"train_rows": "streamed"}, None)
     else:
-        data = prepare(cfg, tokenizer, rank, log=say)
+        data = objectives.prepare(cfg, tokenizer, rank, log=say)
 
     # 3. model (attention fitted to the model's class first: the collator's packing follows it)
-    from trainer.model_attention import for_model
+    from trainer.model.attention import for_model
 
     for note in for_model(cfg, runtime, local_only=False):
         say(f"note: {note}")
-    from trainer import parallelism
+    from trainer.parallel import mesh as parallelism
 
     mesh = accelerator.mesh
     model = load_model(cfg, runtime, tokenizer, parallel_kwargs=parallelism.load_kwargs(mesh))
@@ -181,13 +184,13 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
     # the ranks of a tensor-parallel group, and of a context-parallel group, share their batches
     data_rank, data_world = rank // (tp * cp), world // (tp * cp)
     context = None
-    if cp > 1:  # each sequence split over the CP group (trainer/context_parallel.py); refuses Mamba-like models
-        from trainer.context_parallel import ContextParallel
+    if cp > 1:  # each sequence split over the CP group (trainer/parallel/context_parallel.py); refuses Mamba-like models
+        from trainer.parallel.context_parallel import ContextParallel
 
         context = ContextParallel(model, cp, tp, rank, world)
     kernels.apply(cfg, model, getattr(runtime, "kernels", False), say)  # liger, where the plan says triton runs
     if cfg.qat is not None:  # torchao fake quantization of the linear layers (before sharding, as Axolotl)
-        from trainer import qat
+        from trainer.model import qat
 
         say(f"qat: {qat.prepare(model, cfg.qat)} layers fake-quantized ({cfg.qat.describe()})")
 
@@ -203,7 +206,7 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
     # rows per loader batch, loader batches per step (GRPO: one batch of prompts, generated into ga micro-batches)
     rows_per_batch, draws = objective.loader_batch(cfg.micro_batch_size, ga)
     if cfg.streamed:  # max_steps x accumulation micro-batches from the stream, every rank its own rows
-        from trainer.streaming import StreamSampler
+        from trainer.data.streaming import StreamSampler
 
         sampler = StreamSampler(cfg, tokenizer, data_rank, data_world)
     else:
@@ -225,7 +228,10 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
 
     # 5. optimizer and schedule
     optimizer = make_optimizer(cfg, model)
-    from trainer.schedule import make_scheduler, warmup_steps  # Axolotl's choice of schedule (cosine floor, constant tail)
+    from trainer.optim.schedule import (  # Axolotl's choice of schedule (cosine floor, constant tail)
+        make_scheduler,
+        warmup_steps,
+    )
 
     scheduler = make_scheduler(cfg, optimizer, warmup_steps(cfg, total_steps), total_steps)
     if tp > 1:  # already sharded by transformers; accelerate would wrap it in DDP on CPU
@@ -233,26 +239,26 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
         model = parallelism.autocast(model, accelerator)
     else:
         model, optimizer = accelerator.prepare(model, optimizer)  # the scheduler is stepped by us, once per step
-        from trainer.distributed import register_lora_weights
+        from trainer.parallel.distributed import register_lora_weights
 
         register_lora_weights(model)  # ZeRO-3 + LoRA: the same parameter fetches in every micro-batch
     unwrapped = accelerator.unwrap_model(model)
     if accelerator.mesh is not None:
-        from trainer.parallelism import placement
+        from trainer.parallel.mesh import placement
 
         say(f"parallelism: {accelerator.mesh.describe()}; {placement(unwrapped) or 'parameters not sharded'}")
     lisa = None
     if cfg.lisa_n_layers:  # after the optimizer is built over every layer: LISA then freezes all but a few
-        from trainer.lisa import Lisa
+        from trainer.optim.lisa import Lisa
 
         if world > 1:
             raise ConfigError("lisa_n_layers: runs in one process here (DDP reduces a gradient for every parameter "
                               "it was built with, so frozen layers would still be decayed and moved)")
         lisa = Lisa(cfg, unwrapped, say)
     relora = None
-    if cfg.relora:  # merges LoRA into the base every jagged_restart_steps (trainer.relora)
-        from trainer.model import DTYPES
-        from trainer.relora import BASE_FILE, ReLoRA
+    if cfg.relora:  # merges LoRA into the base every jagged_restart_steps (trainer.model.relora)
+        from trainer.model.load import DTYPES
+        from trainer.model.relora import BASE_FILE, ReLoRA
 
         if world > 1:
             raise ConfigError("relora: runs in one process here (each rank would re-draw its own LoRA at a restart)")
@@ -262,20 +268,20 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
     # from the cache when a previous run computed them. Never a second copy of the model.
     reference = {}
     if objective.needs_reference:
-        from trainer import distributed
-        from trainer.reference import reference_logps
+        from trainer.objectives.reference import reference_logps
+        from trainer.parallel import distributed
 
         reference = reference_logps(objective, unwrapped, data, cfg, runtime, device, rank, world,
                                     autocast=accelerator.autocast, log=say,  # FSDP/ZeRO-3: lock-step forwards
                                     sharded=distributed.is_sharded(unwrapped) or bool(cfg.deepspeed))
-    from trainer.model import DTYPES
+    from trainer.model.load import DTYPES
 
     # EBFT's feature network, GRPO's reference and tokenizer: from the starting weights, before a checkpoint loads
     objective.before_training(unwrapped, tokenizer=tokenizer, dtype=DTYPES[runtime.precision], rank=rank,
                               timeout=timeout, output_dir=Path(cfg.output_dir), say=say)
     # The loader gets its own generator: starting an iterator must not draw from the global RNG, or a
     # resumed run (which starts one after restoring the RNG) would see different dropout masks.
-    from trainer.streaming import StreamRows
+    from trainer.data.streaming import StreamRows
 
     rows = StreamRows() if cfg.streamed else objective.rows(data.train, reference.get("train"))
     loader = torch.utils.data.DataLoader(rows, batch_sampler=sampler,
@@ -306,7 +312,7 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
 
     pruning = None
     if cfg.llmcompressor is not None:  # after resume: the zero pattern of the weights training continues from
-        from trainer.sparsity import Pruning
+        from trainer.model.sparsity import Pruning
 
         pruning = Pruning(cfg, unwrapped, say)
 
@@ -317,13 +323,13 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
     loss_scale = data_world * cp * (ga if cfg.deepspeed else 1)
     # each batch counts once: the other ranks of a tensor- or context-parallel group add zeros to the step's sums
     vote = 1.0 if rank % (tp * cp) == 0 else 0.0
-    from trainer.parallelism import sync_each_batch
+    from trainer.parallel.mesh import sync_each_batch
 
     sync_every = sync_each_batch(cfg)  # accelerator_config: reduce gradients after every micro-batch
     evaluation = Evaluation(cfg, objective, unwrapped, data.validation, reference.get("validation"), data_rank,
                             data_world, device, say, tp=tp * cp)
     if cfg.do_causal_lm_eval:  # Axolotl's perplexity of the reference answers, at every evaluation
-        from trainer.causal_lm_eval import CausalLMMetrics
+        from trainer.objectives.causal_lm_eval import CausalLMMetrics
 
         evaluation.extra = CausalLMMetrics(cfg, tokenizer)
     generate_every = None  # diffusion's generate_samples: rank 0 alone, so not where every forward is a collective
@@ -334,7 +340,7 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
             generate_every = cfg.diffusion.generation_interval
     stopper, stopped = None, False
     if cfg.early_stopping_patience:
-        from trainer.early_stopping import EarlyStopping
+        from trainer.outputs.early_stopping import EarlyStopping
 
         stopper = EarlyStopping(cfg.early_stopping_patience, say)
         if "early_stopping" in trainer_state:
@@ -351,7 +357,7 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
             for _ in range(steps_per_epoch - consumed // draws):
                 started = time.perf_counter()
                 if cfg.qat is not None and cfg.qat.fake_quant_after_n_steps is not None:
-                    from trainer import qat
+                    from trainer.model import qat
 
                     qat.set_fake_quant(unwrapped, qat.fake_quant_on(cfg.qat, step))
                 if lisa is not None:
@@ -409,7 +415,7 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
                     progress.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}",
                                          **{k: f"{report[k]:.3f}" for k in objective.progress_names if k in report})
                 if generate_every and step % generate_every == 0 and main:  # diffusion's generate_samples
-                    from trainer.diffusion_steps import write_samples
+                    from trainer.objectives.diffusion_steps import write_samples
 
                     write_samples(unwrapped, tokenizer, data.validation if data.validation is not None else data.train,
                                   cfg.diffusion, runtime.attention, cfg.seed, step, output_dir, say)
@@ -447,16 +453,16 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
     metrics.close()
     best = stopper.best_checkpoint(output_dir, step) if stopper is not None else None
     if best is not None:  # early stopping ends with the best checkpoint's weights, as load_best_model_at_end
-        checkpoint.load_weights(unwrapped, best)
+        load_weights(unwrapped, best)
         say(f"the final model is {best.name}, the lowest eval_loss ({stopper.evals[int(best.name.split('-')[1])]:.4f})")
 
     # 8. the final model (or adapter) and tokenizer, in HF format
     final = output_dir / "final"
-    from trainer.distributed import gathered_model_state
+    from trainer.parallel.distributed import gathered_model_state
 
     full_state = gathered_model_state(model, unwrapped)  # FSDP/ZeRO-3: every rank takes part
     if cfg.qat is not None:  # fake-quantized layers back to nn.Linear/nn.Embedding (same weights, same names)
-        from trainer import qat
+        from trainer.model import qat
 
         qat.convert(unwrapped)
         say("qat: converted the fake-quantized layers back to plain ones; quantize the final model with the same "
@@ -484,7 +490,7 @@ class Evaluation:
     """The validation split, scored by the objective (each rank its share; fixed-size all-reduces only)."""
 
     def __init__(self, cfg, objective, model, validation, reference, rank, world, device, say, tp=1):
-        from trainer import distributed
+        from trainer.parallel import distributed
 
         self.cfg, self.objective, self.model, self.validation, self.reference = cfg, objective, model, validation, reference
         self.rank, self.world, self.device, self.say, self.tp = rank, world, device, say, tp

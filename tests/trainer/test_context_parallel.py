@@ -1,4 +1,4 @@
-"""Context parallelism (trainer/context_parallel.py): context_parallel_size 2 splits every sequence over two
+"""Context parallelism (trainer/parallel/context_parallel.py): context_parallel_size 2 splits every sequence over two
 processes (torchrun, gloo on 127.0.0.1, hard timeouts), with packing, long-tailed lengths, gradient
 accumulation, an evaluation and a checkpoint mid-run.
 
@@ -17,7 +17,7 @@ import pytest
 from tests.trainer.helpers import alpaca_rows, read_metrics, run_cli, torchrun_train, train_losses, write_jsonl
 from trainer.config import parse_config
 from trainer.errors import ConfigError
-from trainer.parallelism import Mesh, mesh_for
+from trainer.parallel.mesh import Mesh, mesh_for
 
 DS_CONFIGS = Path(__file__).parent / "data" / "deepspeed_configs"  # Axolotl's zero3.json, verbatim
 FSDP2 = {"fsdp_version": 2, "fsdp_config": {"fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
@@ -168,8 +168,8 @@ def test_blocked_attention_is_the_dense_block_causal_attention(limit):
 
     import torch
 
-    from trainer.attention import block_causal_mask
-    from trainer.context_parallel import attend, plan_blocks
+    from trainer.batch.attention import block_causal_mask
+    from trainer.parallel.context_parallel import attend, plan_blocks
 
     torch.manual_seed(0)
     lengths, heads, kv_heads, dim = [5, 9, 3, 7], 4, 2, 8
@@ -254,7 +254,7 @@ def test_models_with_mamba_layers_softcaps_or_sinks_are_refused_when_loaded():
     """Real transformers configs of hybrid Mamba models (the nemotron-h example's model type among them)."""
     from transformers import AutoConfig, LlamaConfig
 
-    from trainer.context_parallel import check_model, recurrent_reason
+    from trainer.parallel.context_parallel import check_model, recurrent_reason
 
     class Loaded:
         def __init__(self, config, modules=()):

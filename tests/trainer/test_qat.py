@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 import torch
+import torchao  # noqa: E402,F401  (the `qat` extra: .ci/setup installs it; never skipped)
 import yaml
 
 from tests.trainer.helpers import example_full_then_resumed, read_metrics, run_cli, train_losses, train_then_resume
 from trainer.cli import main
 
-import torchao  # noqa: E402,F401  (the `qat` extra: .ci/setup installs it; never skipped)
 INT8_INT4 = {"activation_dtype": "int8", "weight_dtype": "int4", "group_size": 32}
 EXAMPLE = Path(__file__).parent / "data" / "axolotl_examples" / "llama-3__3b-qat-fsdp2.yaml"
 
@@ -29,7 +29,7 @@ EXAMPLE = Path(__file__).parent / "data" / "axolotl_examples" / "llama-3__3b-qat
 def captured(monkeypatch):
     """What the trainer's QAT preparation built (trainer.qat.prepare wrapped, not replaced): the model, and its
     modules right after preparation (training ends by converting them back to plain layers)."""
-    from trainer import qat
+    from trainer.model import qat
 
     seen, real = [], qat.prepare
 

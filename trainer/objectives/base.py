@@ -22,8 +22,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from trainer.collate import IGNORE
-from trainer.loss import MODEL_INPUTS
+from trainer.batch.labels import IGNORE
+from trainer.data.prepare import prepare
+from trainer.objectives.loss import MODEL_INPUTS
 
 
 class Objective:
@@ -32,9 +33,25 @@ class Objective:
     metric_names: tuple[str, ...] = ()  # summed after the step, turned into logged values by report()
     progress_names: tuple[str, ...] = ()  # shown beside loss and lr on the progress bar
     generates = False  # GRPO: expand() generates each step's micro-batches
-    needs_reference = False  # reference log-probs are precomputed once (trainer.reference)
+    needs_reference = False  # reference log-probs are precomputed once (trainer.objectives.reference)
     stats_need_model = False  # step_stats runs forwards (KTO's KL), so its batch must be on the device
     reference_names: tuple[str, ...] = ()  # one column per reference value of an example
+
+    @classmethod
+    def from_config(cls, cfg, collator, token_loss_sum) -> Objective:
+        """The objective a config asks for (trainer.objectives.objective_class picks the class)."""
+        raise NotImplementedError
+
+    @classmethod
+    def prepare_data(cls, cfg, tokenizer, rank: int = 0, log=print):
+        """The data hook: the rows this objective trains on, prepared once (trainer/data/prepare.py caches them,
+        rank 0 prepares, the others wait). SFT's prompt formats unless the objective builds its own rows."""
+        return prepare(cfg, tokenizer, rank, log)
+
+    @classmethod
+    def capacity(cls, cfg, packing: bool) -> int | None:
+        """Tokens per packed row for the sampler (None: one example per row)."""
+        return cfg.sequence_len if packing else None
 
     def loader_batch(self, micro_batch_size: int, ga: int) -> tuple[int, int]:
         """(rows per loader batch, loader batches per optimizer step); GRPO draws one batch of prompts per step."""

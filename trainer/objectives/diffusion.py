@@ -1,4 +1,4 @@
-"""Diffusion LM training as an objective (the recipe and its sources: trainer/diffusion.py).
+"""Diffusion LM training as an objective (the recipe and its sources: trainer/config/diffusion.py).
 
 A step's loss is the mean over the step's sequences (all micro-batches, all ranks) of each sequence's
 sum over its masked tokens of cross-entropy / p, divided by its answer-token count: Axolotl's per-sample
@@ -12,14 +12,15 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from trainer.attention import FLASH_BACKENDS
-from trainer.collate import IGNORE, Collator
-from trainer.collective import reduce_sum
-from trainer.diffusion import EVAL_STEP
-from trainer.diffusion_steps import bidirectional_mask, sequence_noise
+from trainer.batch.attention import FLASH_BACKENDS
+from trainer.batch.collate import Collator
+from trainer.batch.labels import IGNORE
+from trainer.batch.sampler import MultipackBatchSampler
+from trainer.config.diffusion import EVAL_STEP
 from trainer.errors import ConfigError
 from trainer.objectives.base import Objective
-from trainer.sampler import MultipackBatchSampler
+from trainer.objectives.diffusion_steps import bidirectional_mask, sequence_noise
+from trainer.parallel.collective import reduce_sum
 
 
 class IndexedRows(torch.utils.data.Dataset):
@@ -40,6 +41,10 @@ class Diffusion(Objective):
     stat_names = ("sequences",)
     metric_names = ("loss_sum", "tokens", "masked", "ce_sum", "correct", "answer_tokens")
     progress_names = ("accuracy",)
+
+    @classmethod
+    def from_config(cls, cfg, collator, token_loss_sum):
+        return cls(collator, cfg.diffusion, cfg.diffusion.special_ids, cfg.seed)
 
     def __init__(self, collator: Collator, diffusion, special_ids: list[int], seed: int):
         if collator.attention in FLASH_BACKENDS:
@@ -121,7 +126,7 @@ class Diffusion(Objective):
         if sharded and world > 1:
             import torch.distributed as dist
 
-            from trainer.collective import phase
+            from trainer.parallel.collective import phase
 
             most = torch.tensor([steps], device=device)
             with phase("evaluation (counting batches)", rank, timeout_s):

@@ -37,9 +37,9 @@ import types
 
 import torch
 
-from trainer.collective import reduce_sum
 from trainer.errors import TrainingError
 from trainer.objectives.base import ExampleRows, Objective, frozen_copy
+from trainer.parallel.collective import reduce_sum
 
 EPS = 1e-4  # TRL's
 EVAL_STEP = -1  # the step the evaluation's sampling RNG is keyed by (the same prompts draw alike at every evaluation)
@@ -134,6 +134,21 @@ class GRPO(Objective):
     stat_names = ("completions", "completion_tokens", "micro_batches")
     progress_names = ("reward", "kl")
     generates = True
+
+    @classmethod
+    def from_config(cls, cfg, collator, token_loss_sum):
+        from trainer.objectives.grpo_data import reward_functions
+
+        funcs = reward_functions(cfg)
+        return cls(cfg, collator, funcs, [getattr(f, "__name__", n) for f, n in zip(funcs, cfg.trl.reward_funcs)])
+
+    @classmethod
+    def prepare_data(cls, cfg, tokenizer, rank=0, log=print):
+        """Prompts through the user's transforms, prepared in memory by every process, never cached
+        (trainer/objectives/grpo_data.py says why)."""
+        from trainer.objectives.grpo_data import prepare as prepare_prompts
+
+        return prepare_prompts(cfg, tokenizer, log)
 
     def __init__(self, cfg, collator, reward_funcs: list, reward_names: list[str]):
         trl = cfg.trl

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import torch
 
-from trainer.collate import Collator
-from trainer.collective import reduce_sum
+from trainer.batch.collate import Collator
+from trainer.batch.sampler import MultipackBatchSampler
+from trainer.data.prepare import prepare
 from trainer.objectives.base import ExampleRows, Objective, sequence_counts, sequence_logps, to_device
-from trainer.sampler import MultipackBatchSampler
+from trainer.parallel.collective import reduce_sum
 
 PAIR_COLUMNS = ["chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels"]
 PAIR_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
@@ -23,6 +24,18 @@ PAIR_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rew
 class PairObjective(Objective):
     stat_names = ("pairs", "chosen_tokens")
     progress_names = ("rewards/margins", "rewards/accuracies")
+
+    @classmethod
+    def prepare_data(cls, cfg, tokenizer, rank=0, log=print):
+        """Preference pairs (trainer/objectives/preference_data.py); DPO, IPO, ORPO and SimPO share their tokens."""
+        from trainer.objectives.preference_data import build_preference
+
+        return prepare(cfg, tokenizer, rank, log, builder=build_preference, kind={"kind": "pairs"})
+
+    @classmethod
+    def capacity(cls, cfg, packing: bool) -> int | None:
+        """A packed row holds whole pairs: up to 2 x sequence_len tokens (both of a pair's sequences)."""
+        return cfg.sequence_len * 2 if packing else None
 
     def __init__(self, collator: Collator, packed: bool):
         self.collator = Collator(collator.pad_token_id, collator.attention, collator.pad_to, collator.pad_multiple,
@@ -116,7 +129,7 @@ def evaluate_objective(objective: Objective, model, dataset, reference, batch_si
     if sharded and world > 1:
         import torch.distributed as dist
 
-        from trainer.collective import phase
+        from trainer.parallel.collective import phase
 
         most = torch.tensor([len(batches)], device=device)
         with phase("evaluation (counting batches)", rank, timeout_s):

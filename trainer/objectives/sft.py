@@ -4,15 +4,24 @@ from __future__ import annotations
 
 import torch
 
-from trainer.collate import Collator, Rows, count_targets
-from trainer.evaluate import evaluate
+from trainer.batch.collate import Collator, Rows, count_targets
 from trainer.objectives.base import Objective
+from trainer.objectives.evaluate import evaluate
 
 
 class SFT(Objective):
     name = "sft"
     stat_names = ("target_tokens",)
     metric_names = ("loss_sum", "tokens")
+
+    @classmethod
+    def from_config(cls, cfg, collator, token_loss_sum):
+        if cfg.use_eaft:  # entropy-weighted token losses (trainer/objectives/eaft.py), in evaluation too
+            from trainer.objectives.eaft import EaftLossSum
+
+            eaft = EaftLossSum(cfg.eaft_alpha, cfg.eaft_k)
+            return cls(collator, eaft, eval_loss_sum=eaft)
+        return cls(collator, token_loss_sum)
 
     def __init__(self, collator: Collator, token_loss_sum, eval_loss_sum=None):
         self.collator = collator
