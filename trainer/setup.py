@@ -8,6 +8,7 @@ torch (no ``gpu`` and no plan), so the resolver can judge a config in an environ
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 
@@ -16,9 +17,11 @@ def start(config: str | Path, gpu: str | None = None, plan: str | None = None):
     plan found by trainer/runtime/planfile.py's rule, else torch's probe. Raises the trainer's typed errors (ConfigError,
     HardwareError, ...) for what the config or GPU cannot do."""
     from trainer.config import load_config
+    from trainer.config.training import one_process_only
     from trainer.runtime.hardware import adapt, detect
 
     cfg, notes = load_config(config)
+    one_process_only(cfg, processes(cfg))  # before the model loads (minutes on a real one), not after
     found_gpu, found_plan = detect(gpu, plan)
     runtime = adapt(cfg, found_gpu, found_plan)
     from trainer.model.attention import for_model
@@ -26,6 +29,12 @@ def start(config: str | Path, gpu: str | None = None, plan: str | None = None):
     for_model(cfg, runtime, local_only=True)  # the backend the model's class accepts, where its config is at hand
     runtime.changes += feature_notes(cfg, runtime, found_plan)
     return cfg, notes, runtime
+
+
+def processes(cfg) -> int:
+    """How many processes the run trains on: torchrun's WORLD_SIZE, or the Ray Train workers use_ray starts."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    return max(world, cfg.ray_num_workers) if cfg.use_ray else world
 
 
 def feature_notes(cfg, runtime, plan) -> list[str]:

@@ -149,8 +149,8 @@ def test_use_reentrant_true_is_honoured_and_trains_the_same(make_config, tmp_pat
 
 def test_ddp_find_unused_parameters_reaches_ddp(make_config):
     from trainer.config import load_config
+    from trainer.parallel.accelerator import make_accelerator
     from trainer.runtime.hardware import adapt, gpu_from_name
-    from trainer.train import make_accelerator
 
     cfg, _ = load_config(make_config(ddp_find_unused_parameters=True))
     accelerator = make_accelerator(cfg, adapt(cfg, gpu_from_name("cpu")))

@@ -8,7 +8,9 @@ import subprocess
 import sys
 import tomllib
 
-from tests.trainer.helpers import REPO
+import pytest
+
+from tests.trainer.helpers import REPO, run_cli
 
 HEAVY = ("torch", "transformers", "peft", "datasets", "accelerate")
 CONFIGS = sorted([*(REPO / "tests/trainer/data/axolotl_examples").glob("*.y*ml"), *(REPO / "examples").glob("*.yml")])
@@ -65,3 +67,21 @@ def test_every_part_of_trainer_sits_in_a_layer_of_the_contract():
              if (p.suffix == ".py" and p.stem not in ("__init__", "__main__")) or (p / "__init__.py").is_file()}
     assert parts - named == set()
     assert named - parts == set()
+
+
+@pytest.mark.parametrize("feature, message", [
+    ({"lisa_n_layers": 1, "lisa_step_interval": 2}, "lisa_n_layers: runs in one process here"),
+    ({"adapter": "lora", "lora_target_linear": True, "relora": True, "jagged_restart_steps": 2},
+     "relora: runs in one process here"),
+])
+def test_one_process_features_are_refused_before_anything_loads(make_config, tmp_path, feature, message):
+    """Launched as one of two processes (torchrun's WORLD_SIZE), LISA and ReLoRA are refused by the run's start:
+    one line, exit 2, before the data is prepared or the model loads (no process group is ever joined, so this
+    process would otherwise wait for a second one that does not exist)."""
+    config = make_config(dataset_prepared_path=str(tmp_path / "prepared"), output_dir=str(tmp_path / "out"), **feature)
+    result = run_cli("train", str(config), env={"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}, timeout=120)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {message} (")
+    assert "training on" not in result.stderr
+    assert not (tmp_path / "prepared").exists() and not (tmp_path / "out").exists()

@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 import trainer.outputs.checkpoint as checkpoint_mod
+import trainer.parallel.accelerator as accelerator_mod
 import trainer.train as train_mod
 from tests.trainer.helpers import read_metrics, run_cli, train_losses
 from trainer.cli import main
@@ -210,8 +211,8 @@ def test_resume_from_a_checkpoint_at_the_end_of_an_epoch(make_config, tmp_path):
 def test_deepspeed_key_is_passed_through_or_refused_clearly(make_config, tmp_path, capsys, monkeypatch):
     ds = tmp_path / "ds.json"
     ds.write_text('{"zero_optimization": {"stage": 2}}')
-    real = train_mod.importlib.util.find_spec
-    monkeypatch.setattr(train_mod.importlib.util, "find_spec", lambda n, *a: None if n == "deepspeed" else real(n, *a))
+    real = accelerator_mod.importlib.util.find_spec
+    monkeypatch.setattr(accelerator_mod.importlib.util, "find_spec", lambda n, *a: None if n == "deepspeed" else real(n, *a))
     code = train(make_config(deepspeed=str(ds)))
     monkeypatch.undo()
     err = capsys.readouterr().err

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from trainer.config import Config, DatasetConfig, PretrainingDatasetConfig, looks_local
+from trainer.config import Config, PretrainingDatasetConfig, looks_local
 from trainer.errors import DataError, TrainerError
 
 

@@ -44,6 +44,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from trainer import facts
 from trainer.errors import ConfigError, HardwareError
+from trainer.hooks import Hook
 
 QatDtype = Literal["int4", "int8", "float8_e4m3fn", "nvfp4", "mxfp4"]
 ALIASES = {"fp8": "float8_e4m3fn", "float8": "float8_e4m3fn"}  # Axolotl's validate_ao_dtype
@@ -303,3 +304,30 @@ def convert(model) -> None:
     from torchao.quantization.qat import QATConfig
 
     quantize_(model, QATConfig(step="convert"), filter_fn=lambda m, _: is_fake_quantized(m))
+
+
+def apply(cfg, model, say=print) -> None:
+    """qat: fake-quantize the model's layers at set-up (before sharding, as Axolotl); nothing without it."""
+    if cfg.qat is not None:
+        say(f"qat: {prepare(model, cfg.qat)} layers fake-quantized ({cfg.qat.describe()})")
+
+
+class FakeQuantSchedule(Hook):
+    """In the loop: fake quantization off until fake_quant_after_n_steps; at the end, plain layers again."""
+
+    def __init__(self, qat: QatConfig, model, say=print):
+        self.qat, self.model, self.say = qat, model, say
+
+    def before_step(self, step: int) -> None:
+        if self.qat.fake_quant_after_n_steps is not None:
+            set_fake_quant(self.model, fake_quant_on(self.qat, step))
+
+    def save_final(self, model, directory, tokenizer) -> bool:
+        convert(model)  # fake-quantized layers back to nn.Linear/nn.Embedding (same weights, same names)
+        self.say("qat: converted the fake-quantized layers back to plain ones; quantize the final model with the "
+                 "same qat dtypes (e.g. `axolotl quantize` with this config)")
+        return False
+
+
+def hook(cfg, model, say=print) -> Hook | None:
+    return FakeQuantSchedule(cfg.qat, model, say) if cfg.qat is not None else None

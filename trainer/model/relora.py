@@ -21,6 +21,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from trainer.errors import ConfigError, TrainingError
+from trainer.hooks import Hook, Saved
 
 BASE_FILE = "relora/base.safetensors"  # a subfolder: the checkpoint's own *.safetensors are the model/adapter
 FULL_RESET_RATIO = 0.999  # Axolotl's (and the paper's) near-full reset
@@ -104,11 +105,11 @@ def read_base_weights(cfg, keys: set[str], dtype) -> dict:
     return out
 
 
-class ReLoRA:
-    def __init__(self, cfg, model, dtype, log=print):
+class ReLoRA(Hook):
+    def __init__(self, cfg, model, dtype, log=print, optimizer=None):
         import peft
 
-        self.cfg, self.log, self.dtype = cfg, log, dtype
+        self.cfg, self.log, self.dtype, self.optimizer = cfg, log, dtype, optimizer
         self.every = cfg.jagged_restart_steps
         self.quantized = bool(cfg.load_in_4bit)
         self.method = cfg.relora_prune_method
@@ -166,12 +167,23 @@ class ReLoRA:
                 self._set_base(layer, weights[key])
         self.restarts = restarts
 
-    # -- the restart -----------------------------------------------------------------------------------------
-    def before_step(self, step: int, optimizer) -> bool:
-        if step == 0 or step % self.every:
-            return False
-        self.restart(optimizer, step)
+    # -- the loop's hook --------------------------------------------------------------------------------------
+    def start(self, state: dict, checkpoint: Path | None) -> None:
+        if checkpoint is not None and "relora_restarts" in state:  # the merged base the checkpoint continues from
+            self.load(checkpoint / BASE_FILE, state["relora_restarts"])
+
+    def before_step(self, step: int) -> None:
+        if step and step % self.every == 0:
+            self.restart(self.optimizer, step)
+
+    def on_save(self, step: int) -> Saved:
+        return Saved(state={"relora_restarts": self.restarts}, tensors={BASE_FILE: self.base_weights()})
+
+    def save_final(self, model, directory: Path, tokenizer) -> bool:
+        self.write_final(model, directory, tokenizer)  # a full model: the merged base with the last LoRA folded in
         return True
+
+    # -- the restart -----------------------------------------------------------------------------------------
 
     def restart(self, optimizer, step: int) -> None:
         import torch
@@ -218,3 +230,7 @@ class ReLoRA:
                 params[key].copy_((self.master[key] + self._delta(layer).to("cpu", self.master[key].dtype)).to(params[key].dtype))
         full.save_pretrained(out_dir)
 
+
+def hook(cfg, model, optimizer, dtype, say=print) -> Hook | None:
+    """ReLoRA merges LoRA into the base every jagged_restart_steps (one process only: checked by trainer.setup)."""
+    return ReLoRA(cfg, model, dtype, say, optimizer=optimizer) if cfg.relora else None

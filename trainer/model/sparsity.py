@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, ConfigDict
 
 from trainer.errors import ConfigError
+from trainer.hooks import Hook
 
 if TYPE_CHECKING:
     import torch
@@ -171,3 +172,21 @@ class Pruning:
     def after_step(self) -> None:
         for weight, mask in self.masks:
             weight.data.mul_(mask)  # outside autograd, as under no_grad
+
+
+class KeepZeros(Hook):
+    """The loop's part: the masks are taken when training starts (after a resumed checkpoint's weights load, so
+    from the zeros training continues from), and applied again after every optimizer step."""
+
+    def __init__(self, cfg, model, say=print):
+        self.cfg, self.model, self.say, self.pruning = cfg, model, say, None
+
+    def start(self, state: dict, checkpoint) -> None:
+        self.pruning = Pruning(self.cfg, self.model, self.say)
+
+    def after_step(self, step: int) -> None:
+        self.pruning.after_step()
+
+
+def hook(cfg, model, say=print) -> Hook | None:
+    return KeepZeros(cfg, model, say) if cfg.llmcompressor is not None else None

@@ -70,3 +70,8 @@ class CausalLMMetrics:
     def __call__(self, model, validation, device) -> dict:
         texts = references(validation, self.tokenizer)
         return {"eval_perplexity": perplexity(model, self.tokenizer, texts, self.max_new_tokens, device)}
+
+
+def metrics(cfg, tokenizer) -> CausalLMMetrics | None:
+    """do_causal_lm_eval: more metrics at every evaluation (None without it)."""
+    return CausalLMMetrics(cfg, tokenizer) if cfg.do_causal_lm_eval else None

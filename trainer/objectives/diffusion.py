@@ -116,14 +116,15 @@ class Diffusion(Objective):
                 "mask_ratio": sums["masked"] / max(sums["answer_tokens"], 1), "num_masked_tokens": int(sums["masked"])}
 
     @torch.no_grad()
-    def evaluate(self, model, dataset, batch_size, capacity, device, rank, world, timeout_s, sharded=False) -> dict:
+    def score(self, model, dataset, where, reference=None) -> dict:
         """The diffusion loss of the validation split with fixed masks (step -1): the same at every evaluation.
-        sharded: every rank runs as many forwards as the busiest one (the extra ones are not counted)."""
-        sampler = MultipackBatchSampler(dataset["length"], batch_size, capacity, rank=rank, world_size=world,
-                                        shuffle=False, drop_last=False)
+        Sharded weights: every rank runs as many forwards as the busiest one (the extra ones are not counted)."""
+        device, rank, world, timeout_s = where.device, where.rank, where.world, where.timeout_s
+        sampler = MultipackBatchSampler(dataset["length"], where.batch_size, where.capacity, rank=rank,
+                                        world_size=world, shuffle=False, drop_last=False)
         rows, batches = IndexedRows(dataset), list(sampler)
         steps = len(batches)
-        if sharded and world > 1:
+        if where.sharded and world > 1:
             import torch.distributed as dist
 
             from trainer.parallel.collective import phase

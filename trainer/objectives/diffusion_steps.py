@@ -7,6 +7,7 @@ import numpy as np
 import torch
 
 from trainer.config.diffusion import DiffusionConfig
+from trainer.hooks import Hook
 
 
 def sequence_noise(seed: int, step: int, index: int, length: int) -> tuple[float, torch.Tensor]:
@@ -122,3 +123,27 @@ def write_samples(model, tokenizer, dataset, d: DiffusionConfig, attention: str,
     for r in rows:
         log(f"step {step}: sample ({r['masked_tokens']}/{r['total_tokens']} masked): {r['generated']!r}")
     return len(rows)
+
+
+class Samples(Hook):
+    """generate_samples in the loop: every generation_interval steps, by rank 0 alone."""
+
+    def __init__(self, cfg, model, tokenizer, dataset, attention: str, output_dir, say=print):
+        self.cfg, self.model, self.tokenizer, self.dataset = cfg, model, tokenizer, dataset
+        self.attention, self.output_dir, self.say = attention, output_dir, say
+
+    def after_step(self, step: int) -> None:
+        if step % self.cfg.diffusion.generation_interval == 0:
+            write_samples(self.model, self.tokenizer, self.dataset, self.cfg.diffusion, self.attention, self.cfg.seed,
+                          step, self.output_dir, self.say)
+
+
+def hook(cfg, model, tokenizer, data, attention: str, output_dir, main: bool, sharded: bool, say=print) -> Hook | None:
+    """Samples on rank 0 only, so not where every forward is a collective (sharded weights, tensor parallel)."""
+    if cfg.diffusion is None or not cfg.diffusion.generate_samples:
+        return None
+    if sharded:
+        say("note: diffusion.generate_samples: no samples with sharded weights (each forward is a collective)")
+        return None
+    dataset = data.validation if data.validation is not None else data.train
+    return Samples(cfg, model, tokenizer, dataset, attention, output_dir, say) if main else None

@@ -214,5 +214,5 @@ class EBFT(Objective):
                 "ebft/diversity": sums["diversity_sum"] / m, "ebft/advantages_std": max(var, 0.0) ** 0.5,
                 "ebft/num_blocks": sums["blocks"] / max(sums["micro_batches"], 1)}
 
-    def evaluate(self, *args, **kwargs):
+    def score(self, model, dataset, where, reference=None):
         raise ConfigError("rl: ebft has no evaluation loss here (set val_set_size: 0)")

@@ -17,7 +17,7 @@ import torch
 from trainer.batch.collate import Collator
 from trainer.data.prepare import prepare
 from trainer.objectives.base import ExampleRows, Objective, sequence_logps
-from trainer.objectives.pairs import evaluate_objective, vector
+from trainer.objectives.pairs import vector
 
 KTO_COLUMNS = ["input_ids", "labels", "label", "kl_input_ids", "kl_labels"]
 
@@ -115,11 +115,6 @@ class KTO(Objective):
     @torch.no_grad()
     def reference(self, model, batch):
         return torch.stack([sequence_logps(model, batch), sequence_logps(model, self.kl_batch(batch))], dim=1)
-
-    def evaluate(self, model, dataset, batch_size, capacity, device, rank, world, timeout_s, reference=None,
-                 sharded=False) -> dict:
-        return evaluate_objective(self, model, dataset, reference, batch_size, capacity, device, rank, world, timeout_s,
-                                  sharded)
 
     def describe_eval(self, result: dict) -> str:
         return f"eval_loss {result['eval_loss']:.4f}, eval_kl {result['eval_kl']:.4f}"

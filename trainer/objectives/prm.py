@@ -18,7 +18,7 @@ from trainer.batch.labels import IGNORE
 from trainer.data.prepare import prepare
 from trainer.objectives.base import Objective
 from trainer.objectives.loss import MODEL_INPUTS
-from trainer.objectives.pairs import evaluate_objective, vector
+from trainer.objectives.pairs import vector
 from trainer.objectives.reward_data import build_reward, reward_kind
 
 
@@ -62,9 +62,6 @@ class PRM(Objective):
         n = max(totals["target_tokens"], 1)
         return {"loss": sums["loss_sum"] / n, "accuracy": sums["correct"] / n, "tokens": int(sums["tokens"]),
                 "target_tokens": int(totals["target_tokens"])}
-
-    def evaluate(self, model, dataset, batch_size, capacity, device, rank, world, timeout_s, sharded=False) -> dict:
-        return evaluate_objective(self, model, dataset, None, batch_size, capacity, device, rank, world, timeout_s, sharded)
 
     def describe_eval(self, result: dict) -> str:
         return f"eval_loss {result['eval_loss']:.4f}, eval_accuracy {result['eval_accuracy']:.3f}"

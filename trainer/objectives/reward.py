@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from trainer.batch.collate import Collator
 from trainer.data.prepare import prepare
 from trainer.objectives.base import ExampleRows, Objective
-from trainer.objectives.pairs import evaluate_objective, vector
+from trainer.objectives.pairs import vector
 from trainer.objectives.reward_data import build_reward, reward_kind
 
 COLUMNS = ["chosen_input_ids", "rejected_input_ids"]
@@ -92,9 +92,6 @@ class Reward(Objective):
         return {"loss": sums["loss"], "accuracy": sums["correct"] / pairs, "margin": sums["margin"] / pairs,
                 "mean_reward": (chosen + rejected) / 2, "rewards/chosen": chosen, "rewards/rejected": rejected,
                 "tokens": int(sums["tokens"]), "pairs": int(totals["pairs"])}
-
-    def evaluate(self, model, dataset, batch_size, capacity, device, rank, world, timeout_s, sharded=False) -> dict:
-        return evaluate_objective(self, model, dataset, None, batch_size, None, device, rank, world, timeout_s, sharded)
 
     def describe_eval(self, result: dict) -> str:
         return f"eval_loss {result['eval_loss']:.4f}, eval_accuracy {result['eval_accuracy']:.3f}"

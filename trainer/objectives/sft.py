@@ -46,9 +46,11 @@ class SFT(Objective):
         return {"loss": sums["loss_sum"] / max(totals["target_tokens"], 1), "tokens": int(sums["tokens"]),
                 "target_tokens": int(totals["target_tokens"])}
 
-    def evaluate(self, model, dataset, batch_size, capacity, device, rank, world, timeout_s, sharded=False) -> dict:
-        return evaluate(model, dataset, self.collator, batch_size, capacity, device, rank, world, timeout_s,
-                        sharded=sharded, **({"loss_sum": self.eval_loss_sum} if self.eval_loss_sum else {}))
+    def score(self, model, dataset, where, reference=None) -> dict:
+        """Mean token loss over the split (trainer/objectives/evaluate.py)."""
+        return evaluate(model, dataset, self.collator, where.batch_size, where.capacity, where.device, where.rank,
+                        where.world, where.timeout_s, sharded=where.sharded,
+                        **({"loss_sum": self.eval_loss_sum} if self.eval_loss_sum else {}))
 
     def describe_eval(self, result: dict) -> str:
         return f"eval_loss {result['eval_loss']:.4f} over {result['eval_tokens']} tokens"

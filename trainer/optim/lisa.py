@@ -15,9 +15,10 @@ from functools import reduce
 import numpy as np
 
 from trainer.errors import ConfigError
+from trainer.hooks import Hook
 
 
-class Lisa:
+class Lisa(Hook):
     def __init__(self, cfg, model, log=print):
         self.n, self.interval, self.seed = cfg.lisa_n_layers, cfg.lisa_step_interval, cfg.seed
         try:
@@ -51,3 +52,8 @@ class Lisa:
             self.current = active
             self.log(f"LISA: step {step + 1} trains layers {active}")
         return active
+
+
+def hook(cfg, model, say=print) -> Hook | None:
+    """LISA's layer draws (made after the optimizer is built over every layer: LISA then freezes all but a few)."""
+    return Lisa(cfg, model, say) if cfg.lisa_n_layers else None

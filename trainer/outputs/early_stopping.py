@@ -13,10 +13,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from trainer.hooks import Hook, Saved
 
-class EarlyStopping:
-    def __init__(self, patience: int, log=print):
+
+class EarlyStopping(Hook):
+    def __init__(self, patience: int, log=print, model=None, output_dir: Path | None = None):
         self.patience, self.log = patience, log
+        self.model, self.output_dir = model, output_dir  # the run's model ends with the best checkpoint's weights
         self.best: float | None = None
         self.bad = 0
         self.evals: dict[int, float] = {}  # step -> eval_loss, for the steps that have a checkpoint
@@ -56,6 +59,27 @@ class EarlyStopping:
             return None
         return Path(output_dir) / f"checkpoint-{step}"
 
+    # -- the loop's hook --------------------------------------------------------------------------------------
+    def start(self, state: dict, checkpoint) -> None:
+        if "early_stopping" in state:
+            self.load_state_dict(state["early_stopping"])
+
+    def after_evaluation(self, step: int, result: dict) -> bool:
+        return self.evaluated(step, result["eval_loss"])
+
+    def on_save(self, step: int) -> Saved:
+        self.saved(step)
+        return Saved(state={"early_stopping": self.state_dict()}, keep=self.best_name())
+
+    def end(self, step: int) -> None:
+        """Early stopping ends with the best checkpoint's weights, as load_best_model_at_end."""
+        best = self.best_checkpoint(self.output_dir, step)
+        if best is not None:
+            from trainer.model.load import load_weights
+
+            load_weights(self.model, best)
+            self.log(f"the final model is {best.name}, the lowest eval_loss ({self.evals[int(best.name.split('-')[1])]:.4f})")
+
     def state_dict(self) -> dict:
         return {"best": self.best, "bad": self.bad, "evals": {str(k): v for k, v in self.evals.items()},
                 "last_eval": self.last_eval}
@@ -64,3 +88,7 @@ class EarlyStopping:
         self.best, self.bad = state["best"], state["bad"]
         self.evals = {int(k): v for k, v in state["evals"].items()}
         self.last_eval = tuple(state["last_eval"]) if state["last_eval"] else None
+
+
+def hook(cfg, model, output_dir: Path, say=print) -> Hook | None:
+    return EarlyStopping(cfg.early_stopping_patience, say, model, output_dir) if cfg.early_stopping_patience else None

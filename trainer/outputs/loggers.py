@@ -1,4 +1,4 @@
-"""Where metrics go besides output_dir/metrics.jsonl: Weights & Biases, TensorBoard, MLflow; and the loss watchdog.
+"""Where metrics go: output_dir/metrics.jsonl (MetricsLog), Weights & Biases, TensorBoard, MLflow; and the loss watchdog.
 
 - wandb_project (or use_wandb): a wandb run in output_dir/wandb. wandb_mode online/offline/disabled as given;
   unset, it is online when wandb has credentials (WANDB_API_KEY or a `wandb login`) and offline otherwise, so
@@ -14,6 +14,7 @@ Only rank 0 logs. A missing package is a ConfigError naming it, raised before tr
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from pathlib import Path
 
@@ -47,6 +48,20 @@ def _numbers(row: dict) -> dict:
 
 def _prefixed(row: dict) -> dict:
     return {(k if k.startswith("eval_") else f"train/{k}").replace("eval_", "eval/", 1): v for k, v in _numbers(row).items()}
+
+
+class MetricsLog:
+    """output_dir/metrics.jsonl, one JSON object per line, written by rank 0."""
+
+    def __init__(self, path: Path, enabled: bool, fresh: bool):
+        self.path, self.enabled = path, enabled
+        if enabled and fresh:  # a new run replaces an old log; a resumed run appends to it
+            path.write_text("")
+
+    def write(self, row: dict) -> None:
+        if self.enabled:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(row) + "\n")
 
 
 class Trackers:
