@@ -29,7 +29,8 @@ from llmcompressor.core import callbacks
 from llmcompressor.recipe import Recipe
 
 from trainer.config import parse_config
-from trainer.model.sparsity import PLUGIN, Pruning
+from trainer.config.sparsity import PLUGIN
+from trainer.model.sparsity import Pruning
 from trainer.model.tiny import build_model, build_tokenizer
 
 EXAMPLE = Path(__file__).parents[1] / "tests/trainer/data/axolotl_examples/llama-3__sparse-finetuning.yaml"

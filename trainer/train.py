@@ -30,6 +30,7 @@ from trainer import objectives
 from trainer.batch.collate import Collator
 from trainer.batch.sampler import MultipackBatchSampler
 from trainer.config import Config
+from trainer.config.parallel import sync_each_batch
 from trainer.data.prepare import Prepared, load_tokenizer
 from trainer.errors import ConfigError, DataError, TrainingError
 from trainer.hooks import Hooks
@@ -199,7 +200,7 @@ class Training:
         self.loss_scale = self.data_world * self.cp * (ga if cfg.deepspeed else 1)
         # each batch counts once: the other ranks of a tensor- or context-parallel group add zeros to the step's sums
         self.vote = 1.0 if self.rank % group == 0 else 0.0
-        self.sync_every = parallelism.sync_each_batch(cfg)  # accelerator_config: reduce after every micro-batch
+        self.sync_every = sync_each_batch(cfg)  # accelerator_config: reduce after every micro-batch
         from trainer.objectives.causal_lm_eval import metrics as causal_lm_metrics
 
         self.eval_extra = causal_lm_metrics(cfg, tokenizer)  # do_causal_lm_eval's perplexity, at every evaluation

@@ -18,8 +18,8 @@ from safetensors.torch import load_file
 from tests.trainer.helpers import read_metrics, run_cli, train_then_resume
 from trainer.cli import main
 from trainer.config import parse_config
+from trainer.config.sparsity import PLUGIN
 from trainer.errors import ConfigError
-from trainer.model.sparsity import PLUGIN
 
 EXAMPLE = Path(__file__).parent / "data" / "axolotl_examples" / "llama-3__sparse-finetuning.yaml"
 RECIPE = yaml.safe_load(EXAMPLE.read_text())["llmcompressor"]  # Axolotl's example recipe, unchanged

@@ -69,6 +69,6 @@ def test_tiled_mlp_is_a_memory_note_and_sync_each_batch_is_accepted():
     cfg, notes = parse_config({**BASE, "tiled_mlp": True,
                                "accelerator_config": {"gradient_accumulation_kwargs": {"sync_each_batch": True}}})
     assert any(n.startswith("tiled_mlp: off (ALST's tiled MLP") for n in notes)
-    from trainer.parallel.mesh import sync_each_batch
+    from trainer.config.parallel import sync_each_batch
 
     assert sync_each_batch(cfg) is True

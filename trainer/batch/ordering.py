@@ -39,20 +39,3 @@ def pack_sequentially(lengths: np.ndarray, capacity: int, order: np.ndarray) -> 
     if current:
         rows.append(current)
     return rows
-
-
-def notes(cfg) -> list[str]:
-    """What validate says about these keys where Axolotl would behave in a way a user may not expect."""
-    out = []
-    if cfg.group_by_length and cfg.sample_packing:
-        out.append("group_by_length: no effect with sample_packing (the packer decides the batches, as in Axolotl)")
-    if cfg.curriculum_sampling and len(cfg.datasets) > 1 and cfg.shuffle_merged_datasets:
-        out.append("curriculum_sampling: the merged datasets are shuffled once (shuffle_merged_datasets, as Axolotl "
-                   "does), then trained in that order every epoch; set shuffle_merged_datasets: false to keep the "
-                   "datasets' own order")
-    if cfg.sample_packing_sequentially and not cfg.sample_packing:
-        out.append("sample_packing_sequentially: no effect without sample_packing")
-    elif cfg.sample_packing_sequentially and not cfg.curriculum_sampling:
-        out.append("sample_packing_sequentially: packs in the shuffled order (set curriculum_sampling: true for the "
-                   "data's own order, as Axolotl's warning says)")
-    return out

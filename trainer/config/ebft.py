@@ -84,3 +84,7 @@ def check(cfg) -> list[str]:
 def num_blocks(seq_len: int, gen_len: int, anchor: int, stride: int) -> int:
     """Anchors a_b = anchor + b * stride whose ground-truth block [a_b, a_b + gen_len) lies in the document."""
     return (seq_len - gen_len - anchor) // stride + 1
+
+
+class EbftKeys(BaseModel):
+    ebft: EbftConfig | None = None  # Axolotl's ebft: block (rl: ebft, strided mode; checked by check below)

@@ -152,10 +152,15 @@ def _zero3(cfg) -> bool:
     if not cfg.deepspeed:
         return False
     import json
+    from pathlib import Path
 
-    from trainer.parallel.distributed import deepspeed_path
+    from trainer.config.parallel import deepspeed_path
 
-    try:
-        return json.loads(deepspeed_path(cfg.deepspeed).read_text()).get("zero_optimization", {}).get("stage") == 3
+    try:  # (deepspeed_path gives the path as written when it exists)
+        return json.loads(Path(deepspeed_path(cfg.deepspeed)).read_text()).get("zero_optimization", {}).get("stage") == 3
     except (OSError, ValueError):
         return "zero3" in str(cfg.deepspeed)
+
+
+class TrlKeys(BaseModel):
+    trl: TrlConfig | None = None  # Axolotl's trl: block (reward_funcs, num_generations, beta, ...)

@@ -1,10 +1,233 @@
-"""Parallelism keys: their rules, read without torch (the mesh, FSDP, DeepSpeed and context parallelism
-themselves are trainer/parallel/)."""
+"""Parallelism keys and their rules, read without torch: FSDP/DeepSpeed, the N-D mesh sizes, context parallelism,
+Ray Train's launcher (the mesh, FSDP, DeepSpeed and context parallelism themselves are trainer/parallel/)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
 from trainer.errors import ConfigError
 
+
+class ParallelKeys(BaseModel):
+    """More than one process: FSDP or DeepSpeed, the N-D mesh sizes, timeouts, and Ray Train's launcher."""
+
+    deepspeed: str | None = None  # passed through to accelerate's DeepSpeed plugin
+    fsdp: list[str] | str | None = None  # legacy Axolotl/HF list: full_shard, auto_wrap, offload, ...
+    fsdp_config: dict[str, Any] | None = None  # Axolotl's keys, with or without the fsdp_ prefix
+    fsdp_version: Literal[1, 2] | None = None
+    ddp_find_unused_parameters: bool | None = None
+    ddp_timeout: int = Field(1800, ge=1)  # seconds a collective may wait before the run stops
+    # --- N-D parallelism (trainer/parallel/mesh.py; context_parallel_size: trainer/parallel/context_parallel.py) -------
+    dp_shard_size: int | None = Field(None, ge=1)  # FSDP shards over this many ranks (unset/1: all left)
+    dp_replicate_size: int | None = Field(None, ge=1)  # replicas of the sharded model (HSDP with dp_shard_size)
+    tensor_parallel_size: int | None = Field(None, ge=1)
+    context_parallel_size: int | None = Field(None, ge=1)
+    # accelerate's AcceleratorConfig, as Axolotl passes it: only gradient_accumulation_kwargs.sync_each_batch
+    accelerator_config: dict[str, Any] | None = None
+    # --- Ray Train launching (trainer/ray_launch.py; Axolotl's names and defaults) ----------------------------
+    use_ray: bool = False  # `train` starts a local Ray cluster and runs the loop on ray_num_workers workers
+    ray_num_workers: int = Field(1, ge=1)  # Ray Train workers (processes), each one rank
+    resources_per_worker: dict[str, float] | None = None  # Ray resources per worker; unset: Axolotl's {GPU: 1}
+    ray_run_name: str | None = None  # the Ray run's directory under output_dir (unset: "ray")
+
+    def _check_launch(self) -> None:
+        for name, amount in (self.resources_per_worker or {}).items():
+            if amount < 0:
+                raise ValueError(f"resources_per_worker.{name}: {amount:g} is negative (give 0 or more)")
+        if self.ray_run_name is not None and (not self.ray_run_name.strip() or "/" in self.ray_run_name
+                                              or self.ray_run_name in (".", "..")):
+            raise ValueError(f"ray_run_name: {self.ray_run_name!r} must be a plain directory name")
+
+
+# --- FSDP and DeepSpeed (trainer/parallel/distributed.py runs them) ----------------------------------------------
+# FSDP is configured as Axolotl configures it: `fsdp_version` (1 or 2), `fsdp_config` with Axolotl's keys, with or
+# without the `fsdp_` prefix, and the legacy `fsdp:` list (full_shard, auto_wrap, offload, ...). `deepspeed:` is a
+# JSON file; Axolotl's configs name its own deepspeed_configs/*.json relative to Axolotl's checkout, and when such a
+# path does not exist here the copy bundled in trainer/deepspeed_configs/ (same file, source in its SOURCES.toml)
+# is used, with a note.
+BUNDLED_DS = Path(__file__).parents[1] / "deepspeed_configs"
+
+# Axolotl's fsdp_config keys (prefix removed) -> accelerate's FullyShardedDataParallelPlugin argument.
+FSDP_KEYS = {
+    "version": "fsdp_version",
+    "sharding_strategy": "sharding_strategy",
+    "reshard_after_forward": "reshard_after_forward",
+    "offload_params": "cpu_offload",
+    "auto_wrap_policy": "auto_wrap_policy",
+    "transformer_layer_cls_to_wrap": "transformer_cls_names_to_wrap",
+    "state_dict_type": "state_dict_type",
+    "backward_prefetch": "backward_prefetch",
+    "forward_prefetch": "forward_prefetch",
+    "use_orig_params": "use_orig_params",
+    "sync_module_states": "sync_module_states",
+    "cpu_ram_efficient_loading": "cpu_ram_efficient_loading",
+    "limit_all_gathers": "limit_all_gathers",
+    "activation_checkpointing": "activation_checkpointing",
+    "min_num_params": "min_num_params",
+}
+# The legacy `fsdp:` list.
+FSDP_LIST = {"full_shard": ("sharding_strategy", "FULL_SHARD"), "shard_grad_op": ("sharding_strategy", "SHARD_GRAD_OP"),
+             "hybrid_shard": ("sharding_strategy", "HYBRID_SHARD"), "no_shard": ("sharding_strategy", "NO_SHARD"),
+             "offload": ("cpu_offload", True), "auto_wrap": ("auto_wrap_policy", "TRANSFORMER_BASED_WRAP")}
+
+
+def fsdp_enabled(cfg) -> bool:
+    return bool(cfg.fsdp or cfg.fsdp_config or cfg.fsdp_version)
+
+
+
+
+def fsdp_settings(cfg, cpu: bool = False) -> dict:
+    """The FSDP settings as accelerate's plugin arguments (raises ConfigError naming a bad key). cpu: FSDP1
+    configs become FSDP2, which runs over gloo."""
+    settings: dict = {}
+    items = cfg.fsdp if isinstance(cfg.fsdp, list) else (cfg.fsdp or "").split()
+    for item in items:
+        if item not in FSDP_LIST:
+            raise ConfigError(f"fsdp: unknown option '{item}' (known: {', '.join(FSDP_LIST)})")
+        key, value = FSDP_LIST[item]
+        settings[key] = value
+    for raw_key, value in (cfg.fsdp_config or {}).items():
+        key = raw_key.removeprefix("fsdp_")
+        if key not in FSDP_KEYS:
+            raise ConfigError(f"fsdp_config.{raw_key}: unknown FSDP setting (known: {', '.join(sorted(FSDP_KEYS))}, "
+                              "each also with an fsdp_ prefix)")
+        if value is not None:
+            settings[FSDP_KEYS[key]] = value
+    if cfg.fsdp_version:
+        settings["fsdp_version"] = cfg.fsdp_version
+    settings.setdefault("fsdp_version", 1)
+    if cpu:
+        settings["fsdp_version"] = 2
+    names = settings.get("transformer_cls_names_to_wrap")
+    if isinstance(names, str):
+        settings["transformer_cls_names_to_wrap"] = [n.strip() for n in names.split(",") if n.strip()]
+    if isinstance(settings.get("auto_wrap_policy"), str):
+        settings["auto_wrap_policy"] = settings["auto_wrap_policy"].lower()
+    if settings["fsdp_version"] == 2:
+        # FSDP2 has no sharding strategies: FULL_SHARD is reshard_after_forward=True, SHARD_GRAD_OP False.
+        strategy = str(settings.pop("sharding_strategy", "") or "").upper()
+        if strategy and "reshard_after_forward" not in settings:
+            settings["reshard_after_forward"] = strategy != "SHARD_GRAD_OP"
+        for legacy in ("use_orig_params", "sync_module_states", "limit_all_gathers", "forward_prefetch",
+                       "backward_prefetch"):
+            settings.pop(legacy, None)  # FSDP1-only; FSDP2 always behaves as these ask
+    return settings
+
+
+def check_backend(cfg) -> list[str]:
+    """FSDP or DeepSpeed (not both), the FSDP settings, the DeepSpeed file; returns notes."""
+    notes = []
+    if fsdp_enabled(cfg):
+        if cfg.deepspeed:
+            raise ConfigError("deepspeed and fsdp/fsdp_config are both set; choose one sharding backend")
+        settings = fsdp_settings(cfg)
+        if settings["fsdp_version"] == 1:
+            notes.append("fsdp_version: 1 (FSDP1, as accelerate runs it); fsdp_version: 2 is the newer API")
+        if settings.get("activation_checkpointing") and cfg.gradient_checkpointing:
+            notes.append("fsdp_config.activation_checkpointing and gradient_checkpointing are both on: "
+                         "the model's own gradient checkpointing is used")
+    if cfg.deepspeed:
+        resolved = deepspeed_path(cfg.deepspeed)
+        if resolved != cfg.deepspeed:
+            notes.append(f"deepspeed: {cfg.deepspeed} not found here; using the bundled copy of Axolotl's {resolved.name}")
+    return notes
+
+
+def deepspeed_path(path: str):
+    """The DeepSpeed JSON to use: the path as given, else Axolotl's file of that name bundled here."""
+    given = Path(path).expanduser()
+    if given.exists():
+        return path
+    bundled = BUNDLED_DS / given.name
+    if bundled.exists() and given.parent.name == "deepspeed_configs":
+        return bundled
+    return path
+
+
+# --- the N-D mesh sizes (trainer/parallel/mesh.py builds the mesh) ---------------------------------------------
+SIZE_KEYS = ("dp_shard_size", "dp_replicate_size", "tensor_parallel_size", "context_parallel_size")
+
+# Sizes above 1 that this trainer refuses, with the reason (a size of 1 is "none" and accepted).
+REFUSED: dict[str, str] = {}
+
+
+def given(cfg) -> dict[str, int]:
+    """The size keys the config sets (to any value)."""
+    return {k: getattr(cfg, k) for k in SIZE_KEYS if getattr(cfg, k) is not None}
+
+
+def check_sizes(cfg, fsdp: bool) -> list[str]:
+    """The N-D parallelism sizes (trainer/parallel/mesh.py), checked before the world size is known; returns notes."""
+    sync_each_batch(cfg)
+    sizes = given(cfg)
+    if not sizes:
+        return []
+    problems = [f"{key}: {sizes[key]} ({reason})" for key, reason in REFUSED.items() if sizes.get(key, 1) > 1]
+    shard, replicate, tp, cp = (sizes.get(k, 1) for k in ("dp_shard_size", "dp_replicate_size",
+                                                          "tensor_parallel_size", "context_parallel_size"))
+    if shard > 1 and not fsdp:
+        problems.append(f"dp_shard_size: {shard} shards the model with FSDP, so it needs fsdp_version: 2 and "
+                        "fsdp_config (as Axolotl requires)" + (", not deepspeed (which shards by its ZeRO stage)" if cfg.deepspeed else ""))
+    if fsdp and replicate > 1 and (cfg.fsdp_version or (cfg.fsdp_config or {}).get("fsdp_version")
+                                   or (cfg.fsdp_config or {}).get("version") or 1) != 2:
+        problems.append(f"dp_replicate_size: {replicate} with FSDP (HSDP) needs fsdp_version: 2 (accelerate "
+                        "builds HSDP on FSDP2's device mesh)")
+    if tp > 1:
+        for clash, why in ((cfg.deepspeed, "deepspeed (Axolotl's DeepSpeed AutoTP is not supported)"),
+                           (cfg.adapter, f"adapter: {cfg.adapter} (LoRA on tensor-parallel weights is not supported)"),
+                           (cfg.rl, f"rl: {cfg.rl} (the reference pass runs each rank's own share of pairs)")):
+            if clash:
+                problems.append(f"tensor_parallel_size: {tp} with {why}")
+    if problems:
+        raise ConfigError("; ".join(problems))
+    fixed = (shard if shard > 1 else 1) * replicate * tp * cp
+    notes = check_context_parallel(cfg)
+    if tp > 1:
+        notes.append(f"tensor_parallel_size: {tp}: the model is loaded sharded by transformers (the model's tp_plan, "
+                     "DistributedConfig" + (" with FSDP2 over the other ranks; fsdp_config's wrapping and offload "
+                                            "settings are transformers' own there)" if fsdp else ")"))
+    if fsdp:
+        kind = (f"HSDP, {replicate} replicas of the sharded model" if replicate > 1 else "FSDP")
+        shard_text = f"{shard}-way shards" if shard > 1 else "shards over the processes the other sizes leave"
+        if cp > 1:  # the CP ranks shard with the data ranks (torchtitan's dp_shard_cp)
+            shard_text += f", each shard group also spanning the {cp} ranks of a context-parallel group"
+        count = f"{fixed}" if shard > 1 and replicate > 1 else f"a multiple of {fixed}"
+        return notes + [f"parallelism: {kind}, {shard_text}; needs {count} processes, checked at launch"
+                        if fixed > 1 else f"parallelism: sizes of 1 mean none; FSDP {shard_text}"]
+    if tp > 1:
+        return notes + [f"parallelism: tensor parallel alone needs exactly {tp} processes, checked at launch"]
+    if cp > 1:
+        return notes
+    return [f"parallelism: data parallel (DDP), dp_replicate_size {replicate} must equal the number of processes, "
+            "checked at launch" if replicate > 1 else "parallelism: sizes of 1 mean none"]
+
+
+def sync_each_batch(cfg) -> bool:
+    """accelerator_config.gradient_accumulation_kwargs.sync_each_batch: reduce gradients after every micro-batch
+    instead of once per step (FSDP then keeps only sharded gradients between micro-batches: less memory, the same
+    sums). The rest of accelerate's AcceleratorConfig concerns accelerate's data loaders and accumulation, which
+    this loop does not use: refused with the reason."""
+    options = dict(cfg.accelerator_config or {})
+    accumulation = options.pop("gradient_accumulation_kwargs", None) or {}
+    if not isinstance(accumulation, dict):
+        raise ConfigError("accelerator_config.gradient_accumulation_kwargs: must be a mapping")
+    accumulation = dict(accumulation)
+    value = accumulation.pop("sync_each_batch", False)
+    unknown = [f"accelerator_config.{k}" for k in options] + [
+        f"accelerator_config.gradient_accumulation_kwargs.{k}" for k in accumulation]
+    if unknown:
+        raise ConfigError(f"{', '.join(unknown)}: not supported (this trainer shards, batches and accumulates "
+                          "itself; only gradient_accumulation_kwargs.sync_each_batch applies)")
+    if not isinstance(value, bool):
+        raise ConfigError("accelerator_config.gradient_accumulation_kwargs.sync_each_batch: must be true or false")
+    return value
+
+
+# --- context parallelism (trainer/parallel/context_parallel.py) --------------------------------------------------
 # Model types whose layers mix tokens with something other than attention (state passed along the sequence).
 RECURRENT_TYPES = {"mamba", "mamba2", "falcon_mamba", "falcon_h1", "jamba", "zamba", "zamba2", "bamba",
                    "nemotron_h", "granitemoehybrid", "rwkv", "recurrent_gemma", "lfm2", "lfm2_moe", "qwen3_next",

@@ -50,13 +50,45 @@ def load_tokenizer(cfg: Config):
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token  # padding is masked out of attention and loss
     if cfg.diffusion is not None:  # the diffusion plugin's mask token (may add one; trainer/config/diffusion.py)
-        from trainer.config import diffusion
-
-        diffusion.prepare_tokenizer(cfg, tokenizer)
+        prepare_diffusion_tokenizer(cfg, tokenizer)
     from trainer.data.formats.chat_templates import resolve
 
     tokenizer.chat_template = resolve(cfg.chat_template, cfg.chat_template_jinja, tokenizer)
     return tokenizer
+
+
+DEFAULT_MASK_TOKEN = "<|diffusion_mask|>"  # Axolotl's resolve_mask_token_id default
+
+
+def resolve_mask_token(cfg, tokenizer) -> int:
+    """Axolotl's resolve_mask_token_id(allow_add=True): mask_token_id if below tokenizer.vocab_size, else
+    mask_token_str or <|diffusion_mask|> if already a special token, else that token is added (the embeddings
+    grow with the tokenizer when the model loads). Stores the id in cfg.diffusion.mask_token_id."""
+    d = cfg.diffusion
+    vocab = getattr(tokenizer, "vocab_size", None)
+    if d.mask_token_id is not None and d.mask_token_id >= 0 and (vocab is None or d.mask_token_id < vocab):
+        return d.mask_token_id
+    specials = set(tokenizer.all_special_tokens or [])
+    for candidate in (d.mask_token_str, DEFAULT_MASK_TOKEN):
+        if not candidate or candidate not in specials:
+            continue
+        token_id = tokenizer.convert_tokens_to_ids(candidate)
+        if isinstance(token_id, int) and token_id >= 0 and token_id != tokenizer.unk_token_id and (
+                vocab is None or token_id < vocab):
+            d.mask_token_id = token_id
+            return token_id
+    token = d.mask_token_str or DEFAULT_MASK_TOKEN
+    tokenizer.add_special_tokens({"additional_special_tokens": [token]}, replace_extra_special_tokens=False)
+    d.mask_token_id = int(tokenizer.convert_tokens_to_ids(token))
+    return d.mask_token_id
+
+
+def prepare_diffusion_tokenizer(cfg, tokenizer) -> None:
+    """Resolve the mask token (maybe adding it) and record the tokens never masked: BOS, EOS and pad (Axolotl's
+    _cache_special_token_ids)."""
+    resolve_mask_token(cfg, tokenizer)
+    ids = (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    cfg.diffusion._special_ids = sorted({i for i in ids if i is not None})
 
 
 def _sha256_file(path: Path) -> str:

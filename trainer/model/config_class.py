@@ -5,20 +5,8 @@ the class decides which architecture is loaded."""
 
 from __future__ import annotations
 
+from trainer.config.model import config_class  # the lookup, checked with the config
 from trainer.errors import ConfigError
-
-
-def config_class(name: str):
-    import transformers
-
-    try:
-        cls = getattr(transformers, name)
-    except (AttributeError, ImportError, RuntimeError):
-        cls = None
-    if not isinstance(cls, type) or not issubclass(cls, transformers.PretrainedConfig):
-        raise ConfigError(f"cls_model_config: {name!r} is not a transformers config class (e.g. LlamaConfig, "
-                          "Gemma3TextConfig)")
-    return cls
 
 
 def load(cfg, source: str, overrides: dict, revision: str | None = None):

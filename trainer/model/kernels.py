@@ -5,7 +5,8 @@ Liger's kernels are triton kernels, so they run only where the plan says triton 
 `liger`: a GPU the installed triton compiles for, from matrices/packages.toml [[triton_support]]); elsewhere (CPU included) they are switched off with one note.
 Where they run, they are applied through the real liger-kernel package to the loaded model.
 
-An unknown plugin, or one whose feature changes the training and is not implemented, is an error that names it.
+An unknown plugin, or one whose feature changes the training and is not implemented, is an error that names it
+(trainer/config/hardware.py checks the plugin paths with the config).
 """
 
 from __future__ import annotations
@@ -13,35 +14,6 @@ from __future__ import annotations
 import importlib.util
 
 from trainer import facts
-from trainer.errors import ConfigError
-
-LIGER = "axolotl.integrations.liger.LigerPlugin"
-CCE = "axolotl.integrations.cut_cross_entropy.CutCrossEntropyPlugin"
-
-# Plugin path -> None (accepted: its keys are handled here) or the note/refusal for it.
-ACCEPTED_PLUGINS = {
-    LIGER: None,
-    "axolotl.integrations.liger.plugin.LigerPlugin": None,
-    CCE: None,
-    "axolotl.integrations.cut_cross_entropy.plugin.CutCrossEntropyPlugin": None,
-    "axolotl.integrations.kernels.KernelsPlugin": "Hugging Face hub kernels (MoE/attention speed-ups) are not "
-                                                  "used by this trainer (same training, slower)",
-    # diffusion LM training: an objective (trainer/config/diffusion.py, trainer/objectives/diffusion.py)
-    "axolotl.integrations.diffusion.DiffusionPlugin": None,
-    "axolotl.integrations.diffusion.plugin.DiffusionPlugin": None,
-    # sparse fine-tuning: ConstantPruningModifier keeps the weights' zeros (trainer/model/sparsity.py)
-    "axolotl.integrations.llm_compressor.LLMCompressorPlugin": None,
-    "axolotl.integrations.llm_compressor.plugin.LLMCompressorPlugin": None,
-    "axolotl.integrations.swanlab.SwanLabPlugin": "SwanLab logging is not supported; metrics go to "
-                                                  "output_dir/metrics.jsonl",
-}
-REFUSED_PLUGINS = {
-    "axolotl.integrations.expert_parallel.ExpertParallelPlugin": "expert parallelism is not supported",
-    "axolotl.integrations.kd.KDPlugin": "knowledge distillation is not supported",
-    "axolotl.integrations.grokfast.GrokfastPlugin": "grokfast gradient filtering is not supported",
-    "axolotl.integrations.spectrum.SpectrumPlugin": "spectrum layer selection is not supported",
-    "axolotl.integrations.lm_eval.LMEvalPlugin": "lm-eval runs are not part of training here",
-}
 
 LIGER_KEYS = {  # config key -> liger-kernel's _apply_liger_kernel_to_instance argument
     "liger_rope": "rope", "liger_rms_norm": "rms_norm", "liger_layer_norm": "layer_norm",
@@ -49,21 +21,6 @@ LIGER_KEYS = {  # config key -> liger-kernel's _apply_liger_kernel_to_instance a
     "liger_fused_linear_cross_entropy": "fused_linear_cross_entropy", "liger_rms_norm_gated": None,
 }
 LORA_KERNEL_KEYS = ("lora_mlp_kernel", "lora_qkv_kernel", "lora_o_kernel")
-
-
-def check_plugins(cfg) -> list[str]:
-    """Raise ConfigError for unknown or refused plugins; return notes for the accepted ones."""
-    notes, problems = [], []
-    for path in cfg.plugins or []:
-        if path in REFUSED_PLUGINS:
-            problems.append(f"plugins: {path} is not supported ({REFUSED_PLUGINS[path]})")
-        elif path not in ACCEPTED_PLUGINS:
-            problems.append(f"plugins: unknown plugin {path} (known: {', '.join(sorted(ACCEPTED_PLUGINS))})")
-        elif ACCEPTED_PLUGINS[path]:
-            notes.append(f"plugins: {path} is off ({ACCEPTED_PLUGINS[path]})")
-    if problems:
-        raise ConfigError("; ".join(problems))
-    return notes
 
 
 def requested(cfg) -> list[str]:

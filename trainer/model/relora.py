@@ -20,22 +20,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from trainer.errors import ConfigError, TrainingError
+from trainer.errors import TrainingError
 from trainer.hooks import Hook, Saved
 
 BASE_FILE = "relora/base.safetensors"  # a subfolder: the checkpoint's own *.safetensors are the model/adapter
 FULL_RESET_RATIO = 0.999  # Axolotl's (and the paper's) near-full reset
 STATE_KEYS = {"exp_avg": None, "exp_avg_sq": None, "state1": ("absmax1", "qmap1"), "state2": ("absmax2", "qmap2")}
-
-
-def check_optimizer(name: str) -> None:
-    """Axolotl prunes Adam moments only (and refuses other optimizers); 8-bit state comes from bitsandbytes."""
-    from trainer.optim.optimizers import check
-
-    row = check(name)
-    if "adam" not in name or row["library"] not in ("torch", "bitsandbytes") or "ademamix" in name:
-        raise ConfigError(f"relora: optimizer {name} is not supported with ReLoRA (its Adam moments are pruned at "
-                          "each restart: use an AdamW from torch or bitsandbytes)")
 
 
 def _prune(tensor, method: str, ratio: float, generator) -> None:

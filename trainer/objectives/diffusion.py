@@ -16,11 +16,12 @@ from trainer.batch.attention import FLASH_BACKENDS
 from trainer.batch.collate import Collator
 from trainer.batch.labels import IGNORE
 from trainer.batch.sampler import MultipackBatchSampler
-from trainer.config.diffusion import EVAL_STEP
 from trainer.errors import ConfigError
 from trainer.objectives.base import Objective
 from trainer.objectives.diffusion_steps import bidirectional_mask, sequence_noise
 from trainer.parallel.collective import reduce_sum
+
+EVAL_STEP = -1  # the step evaluation draws its noise by: the same masks at every evaluation
 
 
 class IndexedRows(torch.utils.data.Dataset):

@@ -13,27 +13,9 @@ import importlib.util
 from types import SimpleNamespace
 
 from trainer import facts
+from trainer.config.training import check_optimizer as check
+from trainer.config.training import optimizer_table as table  # noqa: F401 (the names, by library)
 from trainer.errors import ConfigError, HardwareError
-
-
-def table() -> dict[str, dict]:
-    return {row["name"]: row for row in facts.rows("optimizers", "optimizer")}
-
-
-def check(name: str) -> dict:
-    """The optimizers.toml row of a config's optimizer, or a ConfigError naming the choices."""
-    rows = table()
-    row = rows.get(name)
-    if row is None:
-        import difflib
-
-        close = difflib.get_close_matches(name, list(rows), n=1)
-        hint = f"; did you mean '{close[0]}'?" if close else ""
-        supported = ", ".join(n for n, r in rows.items() if "unsupported" not in r)
-        raise ConfigError(f"optimizer: unknown optimizer '{name}'{hint} (supported: {supported})")
-    if "unsupported" in row:
-        raise ConfigError(f"optimizer: {name} is not supported ({row['unsupported']})")
-    return row
 
 
 def hardware_notes(name: str, gpu) -> list[str]:
@@ -94,17 +76,3 @@ def make_optimizer(cfg, model):
             if isinstance(module, torch.nn.Embedding):
                 manager.register_module_override(module, "weight", {"optim_bits": 32})
     return optimizer
-
-
-def check_muon(cfg) -> None:
-    """Config-time (here, not in trainer/optim/muon.py, which needs torch): Muon needs each 2-D matrix whole, or as FSDP2's DTensor shard (torch's Muon runs on those)."""
-    if cfg.optimizer != "muon":
-        return
-    from trainer.parallel import distributed
-
-    if cfg.deepspeed:
-        raise ConfigError("optimizer: muon with deepspeed: ZeRO flattens parameters into 1-D partitions and Muon "
-                          "orthogonalises 2-D matrices; use FSDP2 (fsdp_version: 2) or DDP")
-    if distributed.enabled(cfg) and distributed.fsdp_settings(cfg)["fsdp_version"] == 1:
-        raise ConfigError("optimizer: muon with FSDP1: its flat parameters are 1-D and Muon orthogonalises 2-D "
-                          "matrices; use fsdp_version: 2")

@@ -27,20 +27,6 @@ import math
 from functools import partial
 
 
-def notes(cfg) -> list[str]:
-    """What validate says about schedule keys that have no effect (as in Axolotl)."""
-    if cfg.lr_quadratic_warmup and cfg.lr_scheduler != "cosine":
-        return [f"lr_quadratic_warmup: no effect with lr_scheduler: {cfg.lr_scheduler} (Axolotl applies it to cosine only)"]
-    if cfg.lr_quadratic_warmup and cfg.cosine_min_lr_ratio is not None:
-        return ["cosine_min_lr_ratio: not applied with lr_quadratic_warmup (as in Axolotl: the quadratic-warmup "
-                "cosine decays to zero)"]
-    if cfg.cosine_constant_lr_ratio and cfg.lr_scheduler != "cosine":
-        return [f"cosine_constant_lr_ratio: no effect with lr_scheduler: {cfg.lr_scheduler} (cosine only, as in Axolotl)"]
-    if cfg.cosine_constant_lr_ratio and not cfg.cosine_min_lr_ratio:
-        return ["cosine_constant_lr_ratio: no effect without a non-zero cosine_min_lr_ratio (as in Axolotl)"]
-    return []
-
-
 def decay_constant_factor(step: int, *, warmup: int, total: int, constant_ratio: float, min_ratio: float,
                           num_cycles: float = 0.5) -> float:
     """The learning-rate multiplier of Axolotl's _get_cosine_schedule_with_warmup_decay_constant_lr_lambda

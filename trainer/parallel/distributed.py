@@ -13,108 +13,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from trainer.config.parallel import deepspeed_path, fsdp_settings  # noqa: F401 (how the config reads them)
+from trainer.config.parallel import fsdp_enabled as enabled  # noqa: F401
 from trainer.errors import ConfigError
-
-BUNDLED_DS = Path(__file__).parents[1] / "deepspeed_configs"
-
-# Axolotl's fsdp_config keys (prefix removed) -> accelerate's FullyShardedDataParallelPlugin argument.
-FSDP_KEYS = {
-    "version": "fsdp_version",
-    "sharding_strategy": "sharding_strategy",
-    "reshard_after_forward": "reshard_after_forward",
-    "offload_params": "cpu_offload",
-    "auto_wrap_policy": "auto_wrap_policy",
-    "transformer_layer_cls_to_wrap": "transformer_cls_names_to_wrap",
-    "state_dict_type": "state_dict_type",
-    "backward_prefetch": "backward_prefetch",
-    "forward_prefetch": "forward_prefetch",
-    "use_orig_params": "use_orig_params",
-    "sync_module_states": "sync_module_states",
-    "cpu_ram_efficient_loading": "cpu_ram_efficient_loading",
-    "limit_all_gathers": "limit_all_gathers",
-    "activation_checkpointing": "activation_checkpointing",
-    "min_num_params": "min_num_params",
-}
-# The legacy `fsdp:` list.
-FSDP_LIST = {"full_shard": ("sharding_strategy", "FULL_SHARD"), "shard_grad_op": ("sharding_strategy", "SHARD_GRAD_OP"),
-             "hybrid_shard": ("sharding_strategy", "HYBRID_SHARD"), "no_shard": ("sharding_strategy", "NO_SHARD"),
-             "offload": ("cpu_offload", True), "auto_wrap": ("auto_wrap_policy", "TRANSFORMER_BASED_WRAP")}
-
-
-def enabled(cfg) -> bool:
-    return bool(cfg.fsdp or cfg.fsdp_config or cfg.fsdp_version)
-
 
 CPU_FSDP1_NOTE = ("fsdp_version: 1 runs as FSDP2 on CPU (accelerate's FSDP1 needs a GPU device; FSDP2 shards "
                   "parameters, gradients and optimizer state the same way)")
-
-
-def fsdp_settings(cfg, cpu: bool = False) -> dict:
-    """The FSDP settings as accelerate's plugin arguments (raises ConfigError naming a bad key). cpu: FSDP1
-    configs become FSDP2, which runs over gloo."""
-    settings: dict = {}
-    items = cfg.fsdp if isinstance(cfg.fsdp, list) else (cfg.fsdp or "").split()
-    for item in items:
-        if item not in FSDP_LIST:
-            raise ConfigError(f"fsdp: unknown option '{item}' (known: {', '.join(FSDP_LIST)})")
-        key, value = FSDP_LIST[item]
-        settings[key] = value
-    for raw_key, value in (cfg.fsdp_config or {}).items():
-        key = raw_key.removeprefix("fsdp_")
-        if key not in FSDP_KEYS:
-            raise ConfigError(f"fsdp_config.{raw_key}: unknown FSDP setting (known: {', '.join(sorted(FSDP_KEYS))}, "
-                              "each also with an fsdp_ prefix)")
-        if value is not None:
-            settings[FSDP_KEYS[key]] = value
-    if cfg.fsdp_version:
-        settings["fsdp_version"] = cfg.fsdp_version
-    settings.setdefault("fsdp_version", 1)
-    if cpu:
-        settings["fsdp_version"] = 2
-    names = settings.get("transformer_cls_names_to_wrap")
-    if isinstance(names, str):
-        settings["transformer_cls_names_to_wrap"] = [n.strip() for n in names.split(",") if n.strip()]
-    if isinstance(settings.get("auto_wrap_policy"), str):
-        settings["auto_wrap_policy"] = settings["auto_wrap_policy"].lower()
-    if settings["fsdp_version"] == 2:
-        # FSDP2 has no sharding strategies: FULL_SHARD is reshard_after_forward=True, SHARD_GRAD_OP False.
-        strategy = str(settings.pop("sharding_strategy", "") or "").upper()
-        if strategy and "reshard_after_forward" not in settings:
-            settings["reshard_after_forward"] = strategy != "SHARD_GRAD_OP"
-        for legacy in ("use_orig_params", "sync_module_states", "limit_all_gathers", "forward_prefetch",
-                       "backward_prefetch"):
-            settings.pop(legacy, None)  # FSDP1-only; FSDP2 always behaves as these ask
-    return settings
-
-
-def check(cfg) -> list[str]:
-    """Config-time checks of the distributed backend; returns notes."""
-    notes = []
-    if enabled(cfg):
-        if cfg.deepspeed:
-            raise ConfigError("deepspeed and fsdp/fsdp_config are both set; choose one sharding backend")
-        settings = fsdp_settings(cfg)
-        if settings["fsdp_version"] == 1:
-            notes.append("fsdp_version: 1 (FSDP1, as accelerate runs it); fsdp_version: 2 is the newer API")
-        if settings.get("activation_checkpointing") and cfg.gradient_checkpointing:
-            notes.append("fsdp_config.activation_checkpointing and gradient_checkpointing are both on: "
-                         "the model's own gradient checkpointing is used")
-    if cfg.deepspeed:
-        resolved = deepspeed_path(cfg.deepspeed)
-        if resolved != cfg.deepspeed:
-            notes.append(f"deepspeed: {cfg.deepspeed} not found here; using the bundled copy of Axolotl's {resolved.name}")
-    return notes
-
-
-def deepspeed_path(path: str):
-    """The DeepSpeed JSON to use: the path as given, else Axolotl's file of that name bundled here."""
-    given = Path(path).expanduser()
-    if given.exists():
-        return path
-    bundled = BUNDLED_DS / given.name
-    if bundled.exists() and given.parent.name == "deepspeed_configs":
-        return bundled
-    return path
 
 
 def fsdp_plugin(cfg, runtime):

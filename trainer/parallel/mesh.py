@@ -14,7 +14,8 @@ Supported here: dp_shard_size and dp_replicate_size (FSDP, and HSDP through acce
 only), and tensor_parallel_size (transformers loads the model sharded by its tp_plan, with FSDP2/HSDP over the
 ranks TP leaves), on GPUs and on CPU over gloo, and context_parallel_size (trainer/parallel/context_parallel.py: the
 ranks of one CP group read the same batches and split each sequence; under FSDP they shard with the data
-ranks). A size of 1 means "none" and is accepted. expert_parallel_size stays in config.UNSUPPORTED_KEYS.
+ranks). A size of 1 means "none" and is accepted. expert_parallel_size stays in trainer/config/keys.py UNSUPPORTED_KEYS.
+The sizes' rules are checked with the config (trainer/config/parallel.py).
 """
 
 from __future__ import annotations
@@ -22,12 +23,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from trainer.config.parallel import check_sizes, given  # the size keys the config sets, and their rules
 from trainer.errors import ConfigError
-
-SIZE_KEYS = ("dp_shard_size", "dp_replicate_size", "tensor_parallel_size", "context_parallel_size")
-
-# Sizes above 1 that this trainer refuses, with the reason (a size of 1 is "none" and accepted).
-REFUSED: dict[str, str] = {}
 
 
 @dataclass(frozen=True)
@@ -71,66 +68,13 @@ class Mesh:
         return f"data parallel over {self.dp_replicate} process(es)"
 
 
-def given(cfg) -> dict[str, int]:
-    """The size keys the config sets (to any value)."""
-    return {k: getattr(cfg, k) for k in SIZE_KEYS if getattr(cfg, k) is not None}
-
-
-def check(cfg, fsdp: bool) -> list[str]:
-    """Config-time checks (the world size is not known yet); returns notes."""
-    sync_each_batch(cfg)
-    sizes = given(cfg)
-    if not sizes:
-        return []
-    problems = [f"{key}: {sizes[key]} ({reason})" for key, reason in REFUSED.items() if sizes.get(key, 1) > 1]
-    shard, replicate, tp, cp = (sizes.get(k, 1) for k in ("dp_shard_size", "dp_replicate_size",
-                                                          "tensor_parallel_size", "context_parallel_size"))
-    if shard > 1 and not fsdp:
-        problems.append(f"dp_shard_size: {shard} shards the model with FSDP, so it needs fsdp_version: 2 and "
-                        "fsdp_config (as Axolotl requires)" + (", not deepspeed (which shards by its ZeRO stage)" if cfg.deepspeed else ""))
-    if fsdp and replicate > 1 and (cfg.fsdp_version or (cfg.fsdp_config or {}).get("fsdp_version")
-                                   or (cfg.fsdp_config or {}).get("version") or 1) != 2:
-        problems.append(f"dp_replicate_size: {replicate} with FSDP (HSDP) needs fsdp_version: 2 (accelerate "
-                        "builds HSDP on FSDP2's device mesh)")
-    if tp > 1:
-        for clash, why in ((cfg.deepspeed, "deepspeed (Axolotl's DeepSpeed AutoTP is not supported)"),
-                           (cfg.adapter, f"adapter: {cfg.adapter} (LoRA on tensor-parallel weights is not supported)"),
-                           (cfg.rl, f"rl: {cfg.rl} (the reference pass runs each rank's own share of pairs)")):
-            if clash:
-                problems.append(f"tensor_parallel_size: {tp} with {why}")
-    if problems:
-        raise ConfigError("; ".join(problems))
-    from trainer.config.parallel import check_context_parallel
-
-    fixed = (shard if shard > 1 else 1) * replicate * tp * cp
-    notes = check_context_parallel(cfg)
-    if tp > 1:
-        notes.append(f"tensor_parallel_size: {tp}: the model is loaded sharded by transformers (the model's tp_plan, "
-                     "DistributedConfig" + (" with FSDP2 over the other ranks; fsdp_config's wrapping and offload "
-                                            "settings are transformers' own there)" if fsdp else ")"))
-    if fsdp:
-        kind = (f"HSDP, {replicate} replicas of the sharded model" if replicate > 1 else "FSDP")
-        shard_text = f"{shard}-way shards" if shard > 1 else "shards over the processes the other sizes leave"
-        if cp > 1:  # the CP ranks shard with the data ranks (torchtitan's dp_shard_cp)
-            shard_text += f", each shard group also spanning the {cp} ranks of a context-parallel group"
-        count = f"{fixed}" if shard > 1 and replicate > 1 else f"a multiple of {fixed}"
-        return notes + [f"parallelism: {kind}, {shard_text}; needs {count} processes, checked at launch"
-                        if fixed > 1 else f"parallelism: sizes of 1 mean none; FSDP {shard_text}"]
-    if tp > 1:
-        return notes + [f"parallelism: tensor parallel alone needs exactly {tp} processes, checked at launch"]
-    if cp > 1:
-        return notes
-    return [f"parallelism: data parallel (DDP), dp_replicate_size {replicate} must equal the number of processes, "
-            "checked at launch" if replicate > 1 else "parallelism: sizes of 1 mean none"]
-
-
 def mesh_for(cfg, world: int, fsdp: bool) -> Mesh | None:
     """The mesh for `world` processes (None when no size key is set). Raises ConfigError naming the sizes when
     they do not fit the number of processes."""
     sizes = given(cfg)
     if not sizes:
         return None
-    check(cfg, fsdp)
+    check_sizes(cfg, fsdp)
     shard = sizes.get("dp_shard_size") or 1
     replicate = sizes.get("dp_replicate_size")
     tp = sizes.get("tensor_parallel_size") or 1
@@ -213,27 +157,6 @@ def placement(model) -> str | None:
     names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
     dims = " x ".join(f"{n}={s}" for n, s in zip(names, mesh.shape))
     return f"mesh {dims}, placements {', '.join(repr(p) for p in param.placements)}"
-
-
-def sync_each_batch(cfg) -> bool:
-    """accelerator_config.gradient_accumulation_kwargs.sync_each_batch: reduce gradients after every micro-batch
-    instead of once per step (FSDP then keeps only sharded gradients between micro-batches: less memory, the same
-    sums). The rest of accelerate's AcceleratorConfig concerns accelerate's data loaders and accumulation, which
-    this loop does not use: refused with the reason."""
-    options = dict(cfg.accelerator_config or {})
-    accumulation = options.pop("gradient_accumulation_kwargs", None) or {}
-    if not isinstance(accumulation, dict):
-        raise ConfigError("accelerator_config.gradient_accumulation_kwargs: must be a mapping")
-    accumulation = dict(accumulation)
-    value = accumulation.pop("sync_each_batch", False)
-    unknown = [f"accelerator_config.{k}" for k in options] + [
-        f"accelerator_config.gradient_accumulation_kwargs.{k}" for k in accumulation]
-    if unknown:
-        raise ConfigError(f"{', '.join(unknown)}: not supported (this trainer shards, batches and accumulates "
-                          "itself; only gradient_accumulation_kwargs.sync_each_batch applies)")
-    if not isinstance(value, bool):
-        raise ConfigError("accelerator_config.gradient_accumulation_kwargs.sync_each_batch: must be true or false")
-    return value
 
 
 def load_kwargs(mesh: Mesh | None) -> dict:

@@ -8,6 +8,8 @@ The output follows the prompt, then EOS; only the output and EOS are trained (un
 
 from __future__ import annotations
 
+from trainer.config.datasets import ALPACA_TYPES
+
 SYSTEM_WITH_INPUT = ("Below is an instruction that describes a task, paired with an input that provides further "
                      "context. Write a response that appropriately completes the request.")
 SYSTEM_NO_INPUT = "Below is an instruction that describes a task. Write a response that appropriately completes the request."
@@ -27,7 +29,8 @@ STYLES: dict[str, tuple[str, str, str]] = {
             "<|user|>\n{instruction}<|end|>{input}<|assistant|>",
             "<|user|>\n{instruction}<|end|>\n<|assistant|>\n"),
 }
-TYPES = ("alpaca", *(f"alpaca:{style}" for style in STYLES))
+TYPES = ALPACA_TYPES  # (the names, which the config checks a dataset's type against)
+assert TYPES == ("alpaca", *(f"alpaca:{style}" for style in STYLES)), "trainer/config/datasets.py ALPACA_TYPES"
 
 
 def style_of(dataset_type: str) -> str:

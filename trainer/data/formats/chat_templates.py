@@ -10,42 +10,14 @@ A dataset may override the top-level choice with its own chat_template / chat_te
 
 from __future__ import annotations
 
-import tomllib
-from functools import lru_cache
 from pathlib import Path
 
+from trainer.config.datasets import FALLBACK, TEMPLATE_DIR, check_chat_template, template_names, template_sources
 from trainer.errors import ConfigError
 
-TEMPLATE_DIR = Path(__file__).parents[2] / "templates"
-FALLBACK = "tokenizer_default_fallback_"
-
-
-@lru_cache(maxsize=1)
-def sources() -> dict[str, dict]:
-    with open(TEMPLATE_DIR / "SOURCES.toml", "rb") as f:
-        return {row["name"]: row for row in tomllib.load(f)["template"]}
-
-
-def names() -> list[str]:
-    return sorted(sources())
-
-
-def check(choice: str, jinja: str | None) -> None:
-    """Validate a chat_template choice without a tokenizer (validate runs offline)."""
-    if choice in ("tokenizer_default",):
-        return
-    if choice == "jinja":
-        if not jinja:
-            raise ConfigError("chat_template: jinja needs chat_template_jinja (the template text or a .jinja file)")
-        return
-    name = choice.removeprefix(FALLBACK)
-    if name not in sources():
-        import difflib
-
-        close = difflib.get_close_matches(name, names(), n=1)
-        hint = f"; did you mean '{close[0]}'?" if close else ""
-        raise ConfigError(f"chat_template: unknown template '{choice}'{hint} (known: tokenizer_default, jinja, "
-                          f"{', '.join(names())})")
+# the catalog and the check of a choice live with the config (read without a tokenizer, in the resolver too)
+check = check_chat_template
+sources, names = template_sources, template_names
 
 
 def template_text(name: str) -> str:

@@ -34,42 +34,6 @@ def is_mistral(tokenizer) -> bool:
     return getattr(tokenizer, "backend", None) == "mistral_common"
 
 
-def check(cfg) -> list[str]:
-    """What a config with tokenizer_use_mistral_common may not ask for (as Axolotl's validation refuses, plus what
-    this trainer cannot do with it). Raises ConfigError listing every problem; returns notes."""
-    notes = []
-    named = " ".join(str(getattr(cfg, key) or "") for key in ("base_model", "tokenizer_config")).lower()
-    if cfg.tokenizer_use_mistral_common is None and "magistral" in named:
-        cfg.tokenizer_use_mistral_common = True
-        notes.append("tokenizer_use_mistral_common: unset, read as true for a Magistral model (as Axolotl infers it; "
-                     "set it to false for the model's Hugging Face tokenizer)")
-    if not cfg.tokenizer_use_mistral_common:
-        return notes
-    why = "mistral-common tokenizers cannot add tokens"
-    problems = [f"{key} cannot be used with tokenizer_use_mistral_common ({why})"
-                for key in ("special_tokens", "tokens") if getattr(cfg, key)]
-    fixed_format = "the conversation format is the tokenizer's own"
-    for key in ("chat_template", "chat_template_jinja"):
-        if key in cfg.model_fields_set:
-            problems.append(f"{key} cannot be set with tokenizer_use_mistral_common ({fixed_format})")
-    if cfg.rl:
-        problems.append("rl: preference training with tokenizer_use_mistral_common is not supported "
-                        "(only chat_template SFT datasets)")
-    for i, ds in enumerate(cfg.datasets):
-        if ds.type != "chat_template" and not cfg.rl:
-            problems.append(f"datasets.{i}.type: {ds.type} with tokenizer_use_mistral_common is not supported; "
-                            "use chat_template (mistral-common encodes conversations, not text)")
-        for key in ("chat_template", "chat_template_jinja"):
-            if getattr(ds, key):
-                problems.append(f"datasets.{i}.{key} cannot be set with tokenizer_use_mistral_common ({fixed_format})")
-    if problems:
-        raise ConfigError("; ".join(problems))
-    if cfg.eot_tokens:
-        notes.append("eot_tokens: ignored with tokenizer_use_mistral_common (an assistant turn ends with the "
-                     "tokenizer's </s>, which train_on_eos governs, as in Axolotl's Mistral strategy)")
-    return notes
-
-
 def load(cfg):
     """MistralCommonBackend from tokenizer_config or base_model (a local directory holding tekken.json or
     tokenizer.model.vN, or a hub id), in finetuning mode."""
