@@ -130,9 +130,23 @@ class Setup:
         return self.autocast and self.weight_bytes == 4
 
     @property
+    def kbit_fp32(self) -> bool:
+        """peft's prepare_model_for_kbit_training casts every parameter that is not 4/8-bit (embeddings, norms,
+        head) to fp32: the embeddings' output and so the residual stream are fp32, and bitsandbytes' layers return
+        their output in their input's dtype (Linear4bit: `.to(inp_dtype)`), so q/k/v, gate, up and down come out
+        in fp32 too."""
+        return self.quant is not None
+
+    @property
     def stream_bytes(self) -> int:
-        """The residual stream's dtype: fp32 when the weights are fp32 (autocast's outputs add onto it)."""
-        return 4 if self.weight_bytes == 4 else self.e
+        """The residual stream's dtype: fp32 when the weights are fp32 (autocast's outputs add onto it) or after
+        peft's k-bit preparation (fp32 embeddings)."""
+        return 4 if self.weight_bytes == 4 or self.kbit_fp32 else self.e
+
+    @property
+    def mlp_bytes(self) -> int:
+        """The MLP's intermediate activations: the compute dtype, fp32 behind bitsandbytes layers fed fp32."""
+        return 4 if self.kbit_fp32 else self.e
 
     @property
     def attention_kind(self) -> str:
@@ -241,10 +255,8 @@ def lora_targeted(shape, targets) -> list:
 
     chosen = []
     for lin in shape.linears:
-        if lin.fan_out == 1 and "gate" in lin.name:
-            pass
         if targets == "all-linear":
-            ok = lin.in_layer or lin.name not in ("lm_head",)
+            ok = True  # the head is not among shape.linears
         elif isinstance(targets, str):
             ok = re.fullmatch(targets, lin.name) is not None or re.search(rf"(^|\.){targets}$", lin.name) is not None
         else:
@@ -375,6 +387,8 @@ def static_terms(shape, s: Setup) -> Static:
     if s.world > 1 and trained:
         buffers += trained * grad_bytes  # DDP's flat gradient buckets (gradient_as_bucket_view off)
     weight_copies = adapters * s.e if s.autocast and not s.full else 0.0  # the fp32 adapters' casts
+    if kbit and s.autocast:  # the fp32 head (k-bit preparation) cast for its matmul, kept for the backward
+        weight_copies += (shape.lm_head or shape.embedding) * s.e
     if s.recast:
         cast = sum(lin.fan_in * lin.fan_out * lin.count for lin in linear_groups) + shape.lm_head + \
             (shape.embedding if shape.tied else 0) + shape.expert_params
@@ -543,9 +557,10 @@ def layer_bytes_per_token(layer, shape, s: Setup, targeted: set[str], first: boo
         per_token += (4 + e) * layer.experts  # router logits and their fp32 softmax
     if layer.mlp_width:
         iw = layer.mlp_width / s.tp
+        m = s.mlp_bytes
         per_token += linear_inputs(h, st, ["gate_proj", "up_proj"] if layer.gated else ["up_proj"])
-        per_token += e * (3 if layer.gated else 1) * iw  # gate and up outputs, the activation's output
-        per_token += linear_inputs(iw, e, ["down_proj"])
+        per_token += m * (3 if layer.gated else 1) * iw  # gate and up outputs, the activation's output
+        per_token += linear_inputs(iw, m, ["down_proj"])
     return per_token, per_key
 
 
@@ -647,6 +662,8 @@ class Estimate:
     overhead: float
     low: float
     high: float
+    allocated_low: float = 0.0  # the band of `allocated` alone (what torch.cuda.max_memory_allocated reports)
+    allocated_high: float = 0.0
     notes: list[str] = field(default_factory=list)
     suggestions: list[dict] = field(default_factory=list)
 
@@ -718,7 +735,8 @@ def estimate(shape, s: Setup, gpu: Gpu, suggest: bool = True) -> Estimate:
     overhead = CUDA_CONTEXT_GB[1] * GB + (NCCL_GB[1] * GB if s.world > 1 else 0) + ALLOCATOR_SLACK[1] * allocated
     analytic = getattr(shape, "counted", "meta") == "analytic"
 
-    def bound(side: int) -> float:
+    def bound(side: int) -> tuple[float, float]:
+        """(allocated, whole) at the low (side 0) or high (side 2) end of the band."""
         best = 0.0
         for m in moments:
             total = 0.0
@@ -728,19 +746,20 @@ def estimate(shape, s: Setup, gpu: Gpu, suggest: bool = True) -> Estimate:
                     lo, hi = lo + ANALYTIC_EXTRA, hi + ANALYTIC_EXTRA
                 total += v * (1 - lo if side == 0 else 1 + hi)
             best = max(best, total)
-        ctx = CUDA_CONTEXT_GB[0 if side == 0 else 2] * GB
-        nccl = (NCCL_GB[0 if side == 0 else 2] * GB) if s.world > 1 else 0
-        return best * (1 + ALLOCATOR_SLACK[0 if side == 0 else 2]) + ctx + nccl
+        ctx = CUDA_CONTEXT_GB[side] * GB
+        nccl = (NCCL_GB[side] * GB) if s.world > 1 else 0
+        return best, best * (1 + ALLOCATOR_SLACK[side]) + ctx + nccl
 
+    (alloc_low, low), (alloc_high, high) = bound(0), bound(2)
     est = Estimate(gpu=gpu, setup=s, shape=shape, static=st, acts=acts, logits=logits, moments=moments,
-                   peak_moment=peak_moment, allocated=allocated, overhead=overhead, low=bound(0), high=bound(2),
+                   peak_moment=peak_moment, allocated=allocated, overhead=overhead, low=low, high=high,
+                   allocated_low=alloc_low, allocated_high=alloc_high,
                    notes=list(st.notes) + list(getattr(shape, "notes", [])))
     if s.objective in ("grpo", "gdpo", "kto", "ebft", "reward", "prm"):
         est.notes.append(f"{s.objective}: estimated as supervised training of the same batches (generation, "
                          "reference models and per-method buffers not counted): the band is a guide only")
         est.high *= 1.3
-    if s.quant and any(o for o in [optimizer_row(s.optimizer).get("paged")]):
-        pass
+        est.allocated_high *= 1.3
     if optimizer_row(s.optimizer).get("paged"):
         est.notes.append(f"{s.optimizer}: paged states live in CUDA unified memory; under pressure the driver "
                          "pages them out to host memory (slower, not an out-of-memory error)")
@@ -786,10 +805,12 @@ def suggestions(shape, s: Setup, gpu: Gpu, current: Estimate) -> list[dict]:
         out.append({"kind": "max_micro_batch_size", "change": {"micro_batch_size": mb},
                     "text": f"largest micro_batch_size that fits at sequence_len {s.sequence_len}: {mb}",
                     "peak_gb": round(_fits(shape, replace(s, micro_batch=mb), gpu)[1], 2)})
-    seq = largest(lambda v: replace(s, sequence_len=v), shape, gpu, 128, 1 << 20, step=128)
+    longest = max(s.sequence_len, shape.max_positions or 0) or 1 << 20  # the model's trained context at most
+    seq = largest(lambda v: replace(s, sequence_len=v), shape, gpu, 128, longest, step=128)
     if seq:
+        cap = " (the model's max_position_embeddings)" if shape.max_positions and seq + 128 > longest else ""
         out.append({"kind": "max_sequence_len", "change": {"sequence_len": seq},
-                    "text": f"longest sequence_len that fits at micro_batch_size {s.micro_batch}: {seq}",
+                    "text": f"longest sequence_len that fits at micro_batch_size {s.micro_batch}: {seq}{cap}",
                     "peak_gb": round(_fits(shape, replace(s, sequence_len=seq), gpu)[1], 2)})
     return out
 

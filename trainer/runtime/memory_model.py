@@ -86,6 +86,7 @@ class ModelShape:
     layers: list[Layer] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     names: dict[str, int] = field(default_factory=dict)  # module name -> params, for unfrozen_parameters regexes
+    max_positions: int | None = None  # max_position_embeddings: the context the model was trained for
 
     @property
     def linear_params(self) -> int:
@@ -314,7 +315,8 @@ def shape_of(model, source: str = "model") -> ModelShape:
     shape = ModelShape(model_type=tc.model_type, source=source, counted="meta", hidden_size=hidden,
                        num_layers=tc.num_hidden_layers, vocab_size=emb // hidden if emb else tc.vocab_size,
                        params=params, embedding=emb, lm_head=head_params, tied=tied, linears=list(linears.values()),
-                       expert_params=expert, other_matrices=other, vectors=vectors, layers=layers, names=names)
+                       expert_params=expert, other_matrices=other, vectors=vectors, layers=layers, names=names,
+                       max_positions=getattr(tc, "max_position_embeddings", None))
     if expert:
         shape.notes.append(f"{expert / 1e9:.2f}B parameters are 3-D expert tensors (MoE), outside nn.Linear: "
                            "bitsandbytes leaves them in the compute dtype and LoRA reaches them only through "
@@ -485,7 +487,7 @@ def analytic_shape(config: dict, source: str = "config") -> ModelShape:
     shape = ModelShape(model_type=model_type, source=source, counted="analytic", hidden_size=hidden,
                        num_layers=layers_n, vocab_size=vocab, params=0, embedding=embedding, lm_head=lm_head,
                        tied=tied, linears=linears, expert_params=expert_params, other_matrices=other,
-                       vectors=vectors)
+                       vectors=vectors, max_positions=get("max_position_embeddings", "n_positions"))
     shape.params = embedding + lm_head + sum(lin.params for lin in linears) + expert_params + other + vectors
     norm_kind = family.get("norm", "rms")
     if dense_layers:
