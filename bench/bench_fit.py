@@ -121,7 +121,7 @@ def run(include_all: bool) -> dict:
                 continue
             est = estimate(entry, models, Path(tmp))
             point, low, high = in_metric(entry, est)
-            row = {"id": entry["id"], "outcome": entry["outcome"], "metric": entry.get("metric", "max_context"),
+            row = {"id": entry["id"], "outcome": entry["outcome"], "metric": entry.get("metric", entry["outcome"]),
                    "estimate_gb": round(point, 2), "low_gb": round(low, 2), "high_gb": round(high, 2),
                    "fits": est.fits, "verdict": est.verdict, "peak_at": est.peak_moment.name}
             if "measured_gb" in entry:

@@ -102,6 +102,8 @@ class Setup:
     full_weight_bytes: int = 4  # a full fine-tune's master weights (trainer/model.py loads them in fp32)
     attention_dropout: float = 0.0
     device: str = "cuda"  # cuda | cpu: dropout's mask is 1 byte on CUDA (native_dropout), the input's dtype on CPU
+    liger_norm: bool = False  # liger's RMSNorm/LayerNorm kernels (trainer/kernels.py applies them where triton runs)
+    liger_glu: bool = False  # liger's SwiGLU/GeGLU kernel
 
     @property
     def e(self) -> int:
@@ -206,7 +208,7 @@ def setup_from(cfg, runtime, world: int) -> Setup:
         targets = "all-linear"
     if cfg.lora_target_parameters and cfg.lora_target_modules is None and not cfg.lora_target_linear:
         targets = []
-    kernels_on = bool(getattr(runtime, "kernels", False)) or runtime.gpu.cc is not None
+    kernels_on = bool(getattr(runtime, "kernels", False))  # trainer/kernels.py's verdict: triton runs here
     return Setup(
         precision=runtime.precision, attention=runtime.attention, adapter=cfg.adapter, quant=quant,
         double_quant=double_quant, lora_r=cfg.lora_r, lora_targets=targets, lora_dropout=cfg.lora_dropout,
@@ -215,7 +217,11 @@ def setup_from(cfg, runtime, world: int) -> Setup:
         optimizer=cfg.optimizer, micro_batch=cfg.micro_batch_size, sequence_len=cfg.sequence_len,
         packing=cfg.sample_packing, grad_accum=cfg.gradient_accumulation_steps,
         checkpointing=bool(cfg.gradient_checkpointing),
-        liger_flce=kernels_on and bool(cfg.liger_fused_linear_cross_entropy or cfg.cut_cross_entropy),
+        # the trainer computes its loss itself (token sums across micro-batches and ranks): liger's loss kernels and
+        # cut_cross_entropy stay off there (trainer/kernels.py), so the logits are always materialised
+        liger_flce=False,
+        liger_norm=kernels_on and bool(cfg.liger_rms_norm or cfg.liger_layer_norm),
+        liger_glu=kernels_on and bool(cfg.liger_glu_activation or cfg.liger_swiglu),
         objective=cfg.objective, world=world, shard=shard, zero=zero, fsdp=fsdp, offload_optimizer=offload_opt,
         offload_params=offload_params, ds=ds, tp=tp, cp=cp, device=runtime.device)
 
@@ -497,7 +503,13 @@ def layer_bytes_per_token(layer, shape, s: Setup, targeted: set[str], first: boo
 
     def norm(width: float, input_grad: bool = True) -> float:
         """RMSNorm keeps its input in fp32 (x.float(), kept by pow) and rsqrt, and the normalized input in the
-        stream's dtype when its weight trains; LayerNorm keeps its fp32 input, mean and rstd."""
+        stream's dtype when its weight trains; LayerNorm keeps its fp32 input, mean and rstd. Liger's kernels
+        keep the input as it comes and an fp32 rstd per row (Liger-Kernel ops/rms_norm.py and layer_norm.py:
+        save_for_backward(X, W, RSTD) / (X, W, B, Mean, RSTD))."""
+        if not input_grad and not trains:
+            return 0.0
+        if s.liger_norm:
+            return st * width + (8 if layer.norm_kind == "layer" else 4)
         if not input_grad:
             return 0.0
         if layer.norm_kind == "layer":
@@ -559,7 +571,9 @@ def layer_bytes_per_token(layer, shape, s: Setup, targeted: set[str], first: boo
         iw = layer.mlp_width / s.tp
         m = s.mlp_bytes
         per_token += linear_inputs(h, st, ["gate_proj", "up_proj"] if layer.gated else ["up_proj"])
-        per_token += m * (3 if layer.gated else 1) * iw  # gate and up outputs, the activation's output
+        # gate and up outputs and the activation's output; liger's fused SiLU/GELU x up keeps only gate and up
+        # (Liger-Kernel ops/swiglu.py, geglu.py: save_for_backward(a, b))
+        per_token += m * ((2 if s.liger_glu else 3) if layer.gated else 1) * iw
         per_token += linear_inputs(iw, m, ["down_proj"])
     return per_token, per_key
 
@@ -771,9 +785,10 @@ def estimate(shape, s: Setup, gpu: Gpu, suggest: bool = True) -> Estimate:
 # --------------------------------------------------------------------------- suggestions
 
 
-def _fits(shape, s: Setup, gpu: Gpu) -> tuple[bool, float]:
+def _fits(shape, s: Setup, gpu: Gpu, surely: bool = False) -> tuple[bool, float]:
+    """(fits at the estimate, or with `surely` at the band's high end; the estimated peak in GB)."""
     e = estimate(shape, s, gpu, suggest=False)
-    return e.peak <= gpu.memory_gb * GB, e.peak / GB
+    return (e.high if surely else e.peak) <= gpu.memory_gb * GB, e.peak / GB
 
 
 def suggestions(shape, s: Setup, gpu: Gpu, current: Estimate) -> list[dict]:
@@ -802,13 +817,18 @@ def suggestions(shape, s: Setup, gpu: Gpu, current: Estimate) -> list[dict]:
                     break
     mb = largest(lambda v: replace(s, micro_batch=v), shape, gpu, 1, 1024)
     if mb:
+        safe = largest(lambda v: replace(s, micro_batch=v), shape, gpu, 1, mb, surely=True)
         out.append({"kind": "max_micro_batch_size", "change": {"micro_batch_size": mb},
-                    "text": f"largest micro_batch_size that fits at sequence_len {s.sequence_len}: {mb}",
+                    "text": f"largest micro_batch_size that fits at sequence_len {s.sequence_len}: {mb}"
+                            + (f" ({safe} with the band's high end)" if safe != mb else ""),
                     "peak_gb": round(_fits(shape, replace(s, micro_batch=mb), gpu)[1], 2)})
     longest = max(s.sequence_len, shape.max_positions or 0) or 1 << 20  # the model's trained context at most
     seq = largest(lambda v: replace(s, sequence_len=v), shape, gpu, 128, longest, step=128)
     if seq:
         cap = " (the model's max_position_embeddings)" if shape.max_positions and seq + 128 > longest else ""
+        safe = largest(lambda v: replace(s, sequence_len=v), shape, gpu, 128, seq, step=128, surely=True)
+        if safe != seq:
+            cap += f" ({safe or 'none'} with the band's high end)"
         out.append({"kind": "max_sequence_len", "change": {"sequence_len": seq},
                     "text": f"longest sequence_len that fits at micro_batch_size {s.micro_batch}: {seq}{cap}",
                     "peak_gb": round(_fits(shape, replace(s, sequence_len=seq), gpu)[1], 2)})
@@ -870,20 +890,20 @@ def _halvings(value: int, floor: int = 1):
         v //= 2
 
 
-def largest(make, shape, gpu: Gpu, lo: int, hi: int, step: int = 1) -> int | None:
+def largest(make, shape, gpu: Gpu, lo: int, hi: int, step: int = 1, surely: bool = False) -> int | None:
     """The largest value in [lo, hi] (a multiple of step) whose Setup fits, by bisection (memory grows with it)."""
-    if not _fits(shape, make(lo), gpu)[0]:
+    if not _fits(shape, make(lo), gpu, surely)[0]:
         return None
     good, bad = lo, None
     probe = lo * 2
-    while probe <= hi and _fits(shape, make(probe), gpu)[0]:
+    while probe <= hi and _fits(shape, make(probe), gpu, surely)[0]:
         good, probe = probe, probe * 2
     bad = min(probe, hi + step)
     while bad - good > step:
         mid = (good + bad) // 2 // step * step
         if mid <= good:
             break
-        if _fits(shape, make(mid), gpu)[0]:
+        if _fits(shape, make(mid), gpu, surely)[0]:
             good = mid
         else:
             bad = mid
