@@ -114,6 +114,16 @@ def _field_call(value: ast.expr | None) -> dict[str, ast.expr]:
     return {}
 
 
+def _default(value: ast.expr | None, call: dict[str, ast.expr]):
+    """The field's default when it is a plain bool, number or string (None: unset, or not a literal)."""
+    node = call.get("default", None if call else value)
+    try:
+        literal = ast.literal_eval(node) if node is not None else None
+    except ValueError:
+        return None
+    return literal if isinstance(literal, bool | int | float | str) else None
+
+
 class Schema:
     """The pydantic models of one release's files, by class name."""
 
@@ -164,12 +174,15 @@ class Schema:
             if isinstance(alias, ast.Constant) and isinstance(alias.value, str):
                 names = [alias.value, field]
             deprecated = call.get("deprecated")
+            default = _default(stmt.value, call)
             for i, key in enumerate(names):
                 row = {"type": type_text(stmt.annotation), "schema": owner}
                 if i:
                     row["alias_of"] = prefix + names[0]
                 if isinstance(deprecated, ast.Constant) and isinstance(deprecated.value, str):
                     row["deprecated"] = deprecated.value
+                if default is not None:
+                    row["default"] = default
                 rows[prefix + key] = row
             nested = sorted(n for n in _names(stmt.annotation)
                             if n in self.classes and self.is_model(n) and n not in seen)
@@ -266,13 +279,23 @@ def trainer_decision(key: str) -> dict[str, str]:
     sys.path.insert(0, str(ROOT))
     try:
         import trainer.config as tc
+        from trainer.distributed import FSDP_KEYS
     except Exception:  # noqa: BLE001  (a checkout mid-change: no decisions offered)
         return {}
-    if key.startswith("datasets[]."):
-        sub = key.removeprefix("datasets[].")
-        return {"decision": "honoured"} if sub in tc.DatasetConfig.model_fields else {}
-    if "." in key or "[]" in key:
-        return {}
+    head, _, rest = key.partition(".")
+    if rest:  # a key inside a block: the trainer's model of the block (or its known keys) says
+        if head == "fsdp_config":
+            return {"decision": "honoured"} if rest.removeprefix("fsdp_") in FSDP_KEYS else {}
+        if head == "special_tokens":
+            return {"decision": "honoured"}
+        model = ({"datasets[]": tc.DatasetConfig, "pretraining_dataset[]": tc.PretrainingDatasetConfig}.get(head)
+                 or _model_of(tc.Config.model_fields.get(head)))
+        for part in rest.split("."):
+            if model is None or part not in model.model_fields:
+                return {}
+            inner = _model_of(model.model_fields[part])
+            model = inner if inner is not None else None
+        return {"decision": "honoured"}
     if key in tc.Config.model_fields or key == "model_config":
         return {"decision": "honoured"}
     for table, decision in ((tc.INERT_KEYS, "inert"), (tc.PERFORMANCE_KEYS, "inert"), (tc.UNSUPPORTED_KEYS, "refused")):
@@ -282,6 +305,29 @@ def trainer_decision(key: str) -> dict[str, str]:
         target, value = tc.LEGACY_DTYPE_KEYS[key]
         return {"decision": "migrated", "to": f"{target}: {str(value).lower()}"}
     return {}
+
+
+def _model_of(field):
+    """The pydantic model a field holds (through Optional/list), else None."""
+    import typing
+
+    from pydantic import BaseModel
+
+    stack = [getattr(field, "annotation", None)]
+    while stack:
+        ann = stack.pop()
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            return ann
+        stack += list(typing.get_args(ann))
+    return None
+
+
+def toml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    return toml_str(str(value))
 
 
 def toml_str(value: str) -> str:
@@ -300,18 +346,25 @@ HEADER = """\
 #   name      the key as a user writes it: top level `lora_r`, a dataset entry's `datasets[].conversation`,
 #             a block's `trl.beta`, a user-defined prompt format's `datasets[].type.format`
 #   releases  the releases whose schema declared it (ranges of consecutive releases in the order of `releases`
-#             below; "main" is the branch head named in the source line)
+#             below; "main" is the branch head named in the source line); empty, with schema "none": a key no
+#             release declared that users' configs carry, listed for the decision this trainer takes on it
 #   type      its type in the newest release that declared it (Optional unwrapped), as Axolotl wrote it
 #   schema    where that release declared it: the pydantic class (a plugin's: "plugin NAME: Class"), or, for
 #             keys only v0.4.0 knew, "README" (its "All yaml options" block) / "utils/config.py" (read by it)
 #   alias_of  the key is the field name behind an alias (Axolotl accepts both spellings)
 #   deprecated  Axolotl's own deprecation message, where the newest release declaring the key has one
+#   default   Axolotl's default for it in that release, where it is a plain value: a refused key given this value
+#             (or an empty one) asks for nothing and is accepted as ignored
 #   decision  honoured (the trainer acts on it) | inert (accepted and named in the "ignored:" note; reason says
 #             why the run is the same) | migrated (rewritten to `to`, with a note) | refused (exit 2; reason
 #             says why ignoring it would change what the user asked for, and what to write instead);
 #             empty: undecided (tests/trainer/test_axolotl_keys.py fails)
 #   reason    why (inert, refused; optional for honoured and migrated)
 #   to        migrated: what the key becomes
+#
+# A key without a decision of its own takes one by these rules: a key of a `test_datasets[]` or
+# `pretraining_dataset[]` entry the decision of the same key of a `datasets[]` entry; a key inside a block
+# (`vllm.port`) its block's decision where that is inert or refused (the block is ignored or refused whole).
 """
 
 
@@ -324,13 +377,20 @@ def build(git_dir: str, ref: str, old: dict[str, dict]) -> tuple[str, dict[str, 
         keys, read = schema_keys(git_dir, tag)
         per_release.append(keys)
         reads.add(read)
-    names = sorted({k for keys in per_release for k in keys}, key=lambda k: (k.count(".") > 0, k))
+    history = {k for keys in per_release for k in keys}
+    extras = {k for k, row in old.items() if k not in history and row.get("decision")}
+    names = sorted(history | extras, key=lambda k: (k in extras, "." in k or "[]" in k, k))
     table = {}
     for name in names:
+        if name in extras:  # a key users write that no release declared: kept for its decision
+            row = {"name": name, "releases": "", "type": "", "schema": "none"}
+            row.update({k: v for k, v in old[name].items() if k in ("decision", "reason", "to")})
+            table[name] = row
+            continue
         present = [name in keys for keys in per_release]
         newest = next(keys[name] for keys in reversed(per_release) if name in keys)
         row = {"name": name, "releases": ranges(present, labels), "type": newest["type"], "schema": newest["schema"]}
-        for extra in ("alias_of", "deprecated"):
+        for extra in ("alias_of", "deprecated", "default"):
             if extra in newest:
                 row[extra] = newest[extra]
         decided = {k: v for k, v in old.get(name, {}).items() if k in ("decision", "reason", "to")}
@@ -342,9 +402,9 @@ def build(git_dir: str, ref: str, old: dict[str, dict]) -> tuple[str, dict[str, 
              "releases = [" + ", ".join(toml_str(t) for t in labels) + "]", f"main = {toml_str(head)}", ""]
     for row in table.values():
         lines.append("[[key]]")
-        for col in ("name", "releases", "type", "schema", "alias_of", "deprecated", "decision", "reason", "to"):
+        for col in ("name", "releases", "type", "schema", "alias_of", "deprecated", "default", "decision", "reason", "to"):
             if col in row:
-                lines.append(f"{col} = {toml_str(str(row[col]))}")
+                lines.append(f"{col} = {toml_value(row[col])}")
         lines.append("")
     return "\n".join(lines), table
 
