@@ -322,6 +322,23 @@ def _model_of(field):
     return None
 
 
+def effective(rows: dict[str, dict], name: str) -> dict:
+    """A key's decision by the table's rules (its header): its own, else its datasets[] twin's (test_datasets[],
+    pretraining_dataset[]), else its block's where the block is ignored or refused whole; {} when none."""
+    row = rows.get(name, {})
+    if row.get("decision"):
+        return row
+    for prefix in ("test_datasets[].", "pretraining_dataset[]."):
+        if name.startswith(prefix):
+            return effective(rows, "datasets[]." + name.removeprefix(prefix))
+    parts = name.replace("[]", "").split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        for block in (".".join(parts[:i]), ".".join(parts[:i]) + "[]"):
+            if rows.get(block, {}).get("decision") in ("inert", "refused"):
+                return rows[block]
+    return {}
+
+
 def toml_value(value) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
@@ -425,9 +442,11 @@ def main(argv=None) -> int:
     with os.fdopen(fd, "w") as f:
         f.write(text)
     os.replace(tmp, out)
-    undecided = [n for n, r in table.items() if not r.get("decision")]
-    counts = {d: sum(r.get("decision") == d for r in table.values()) for d in DECISIONS}
-    print(f"{out}: {len(table)} keys; " + ", ".join(f"{n} {d}" for d, n in counts.items()) + f", {len(undecided)} undecided")
+    decided = {n: effective(table, n).get("decision") for n in table}
+    counts = {d: sum(v == d for v in decided.values()) for d in DECISIONS}
+    undecided = sorted(n for n, v in decided.items() if not v)
+    print(f"{out}: {len(table)} keys; " + ", ".join(f"{n} {d}" for d, n in counts.items())
+          + f", {len(undecided)} undecided" + (f" ({', '.join(undecided[:10])}, ...)" if undecided else ""))
     return 0
 
 

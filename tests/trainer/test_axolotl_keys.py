@@ -14,25 +14,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 TABLE = ROOT / "matrices" / "axolotl_keys.toml"
 DECISIONS = {"honoured", "inert", "migrated", "refused"}
-
-
-def effective(rows: dict[str, dict], name: str) -> dict:
-    """The key's decision by the table's own rules (see its header): its own, else its datasets[] twin's, else its
-    block's where the block is ignored or refused whole."""
-    row = rows.get(name, {})
-    if row.get("decision"):
-        return row
-    for prefix in ("test_datasets[].", "pretraining_dataset[]."):
-        if name.startswith(prefix):
-            return effective(rows, "datasets[]." + name.removeprefix(prefix))
-    parts = name.replace("[]", "").split(".")
-    for i in range(len(parts) - 1, 0, -1):
-        block = ".".join(parts[:i])
-        for candidate in (block, block + "[]"):
-            decided = rows.get(candidate, {})
-            if decided.get("decision") in ("inert", "refused"):
-                return decided
-    return row
+sys.path.insert(0, str(ROOT / "scripts"))
+from axolotl_keys import effective  # noqa: E402  (the table's rules, one copy)
 
 
 @pytest.fixture(scope="module")
