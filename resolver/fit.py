@@ -57,6 +57,7 @@ def fit(config: Path, gpu: str = "auto", nproc: int | None = None) -> FitResult:
     name, memory_gb, count, trainer_gpu = resolve_gpu(gpu, nproc)
     gpu_json = {"name": name, "memory_gb": memory_gb, "count": count}
     try:
+        import trainer.config  # noqa: F401 (pydantic, pyyaml: the trainer's config reader)
         from trainer.errors import TrainerError
         from trainer.setup import start
     except ImportError as err:  # the trainer's config reader needs pydantic and pyyaml
@@ -66,9 +67,11 @@ def fit(config: Path, gpu: str = "auto", nproc: int | None = None) -> FitResult:
 
     previous = os.environ.get("WORLD_SIZE")
     os.environ["WORLD_SIZE"] = str(count)  # the config's parallelism sizes are checked against the processes
+    from trainer.runtime import memory, memory_model
+
     try:
-        cfg, config_notes, runtime = start(config, gpu=trainer_gpu)
-        from trainer.runtime import memory, memory_model
+        with memory_model.quiet_imports():  # the config reader may import transformers' model modules
+            cfg, config_notes, runtime = start(config, gpu=trainer_gpu)
 
         setup = memory.setup_from(cfg, runtime, count)
     except TrainerError as err:

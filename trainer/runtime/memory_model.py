@@ -233,9 +233,32 @@ def text_config(config: dict) -> dict:
         else config
 
 
+def quiet_imports():
+    """Import torch and transformers' model and quantizer modules without their import-time warnings (torchao's
+    missing CUDA extensions on a CPU machine, torch's pytree deprecations): the estimate only reads shapes."""
+    import contextlib
+    import logging
+    import warnings
+
+    @contextlib.contextmanager
+    def quiet():
+        previous = logging.root.manager.disable
+        logging.disable(logging.WARNING)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                yield
+        finally:
+            logging.disable(previous)
+
+    return quiet()
+
+
 def _meta_shape(config: dict, source: str, directory: Path, trust_remote_code: bool) -> ModelShape:
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    with quiet_imports():
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+        import transformers.quantizers.base  # noqa: F401 (imports every quantizer: torchao's warnings)
 
     import warnings
 
