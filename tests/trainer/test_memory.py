@@ -327,3 +327,72 @@ def test_analytic_count_refuses_an_unknown_family(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "rwkv", "hidden_size": 8}')
     with pytest.raises(memory_model.ModelConfigError, match="rwkv"):
         memory_model.model_shape(str(tmp_path), exact=False)
+
+
+# --------------------------------------------------------------------------- other decoder families
+
+
+def family_model(root, model_type: str, **extra):
+    """A 3-layer model of `model_type` with random weights and the tiny tokenizer (its vocabulary)."""
+    import shutil
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder = root / model_type
+    if not folder.exists():
+        config = AutoConfig.for_model(model_type, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=384,
+                                      pad_token_id=2, bos_token_id=0, eos_token_id=1, **extra)
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+        from trainer.tiny import build_tokenizer
+
+        build_tokenizer().save_pretrained(folder)
+    return folder
+
+
+FAMILIES = {"qwen3": {}, "gemma2": {}, "gemma3_text": {}, "phi3": {}, "qwen2": {},
+            "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2}}
+
+
+def family_cases():
+    for model_type in FAMILIES:
+        for regime, attention in (("full-fp32", "sdpa"), ("lora-bf16-autocast", "eager")):
+            if model_type == "gemma2" and attention == "sdpa":
+                attention = "eager"  # transformers has no sdpa path for Gemma 2 (soft-capped attention)
+            yield pytest.param(model_type, regime, attention, id=f"{model_type}-{regime}-{attention}")
+
+
+@pytest.mark.parametrize("model_type,regime,attention", list(family_cases()))
+def test_activations_of_other_families_within_10_percent(tmp_path_factory, model_type, regime, attention):
+    """Qwen 3 and Gemma 3 (per-head q/k norms), Gemma 2 (four norms, soft-capped attention and logits), Phi-3
+    (fused q/k/v and gate/up), Mixtral (routed experts; LoRA reaches them through peft's ParamWrapper, which keeps
+    each layer's merged expert weights for the backward)."""
+    root = tmp_path_factory.getbasetemp() / "families"
+    model_dir = family_model(root, model_type, **FAMILIES[model_type])
+    keys, precision, autocast, _ = ACT_REGIMES[regime]
+    if regime.startswith("lora"):
+        keys = {"adapter": "lora", "lora_target_linear": True}
+    cfg = config(model_dir, attn_implementation=attention, **keys)
+    rt = runtime(cfg, precision)
+    tokenizer = load_tokenizer(cfg)
+    model = load_model(cfg, rt, tokenizer)
+    batch = batch_for(tokenizer, rt.attention, packed=True)
+    measured, _ = saved_in_forward(model, batch, autocast)
+    shape = memory_model.model_shape(str(model_dir))
+    term = memory.activation_terms(shape, memory.setup_from(cfg, rt, 1), tokens=batch["input_ids"].numel(),
+                                   row_len=batch["input_ids"].shape[1]).saved
+    assert abs(term - measured) <= 0.10 * measured, f"term {term:.0f} B, measured {measured} B"
+
+
+def test_moe_lora_static_terms_equal_the_bytes_after_a_step(tmp_path_factory):
+    """LoRA all-linear on Mixtral: peft wraps the attention's linear layers, the router and the fused 3-D experts;
+    the estimate counts what peft creates (built on the meta device), exactly."""
+    model_dir = family_model(tmp_path_factory.getbasetemp() / "families", "mixtral", **FAMILIES["mixtral"])
+    cfg = config(model_dir, adapter="lora", lora_target_linear=True)
+    rt = runtime(cfg)
+    model, optimizer = one_step(cfg, rt)
+    static = memory.static_terms(memory_model.model_shape(str(model_dir)), memory.setup_from(cfg, rt, 1))
+    grads = storage_bytes([p.grad for p in model.parameters() if p.grad is not None])
+    assert (parameter_bytes(model), grads, optimizer_bytes(optimizer)) == \
+        (static.weights, static.gradients, static.optimizer)

@@ -104,6 +104,7 @@ class Setup:
     device: str = "cuda"  # cuda | cpu: dropout's mask is 1 byte on CUDA (native_dropout), the input's dtype on CPU
     liger_norm: bool = False  # liger's RMSNorm/LayerNorm kernels (trainer/kernels.py applies them where triton runs)
     liger_glu: bool = False  # liger's SwiGLU/GeGLU kernel
+    lora_kwargs: dict = field(default_factory=dict)  # peft.LoraConfig's arguments, as trainer/model.py builds them
 
     @property
     def e(self) -> int:
@@ -209,6 +210,13 @@ def setup_from(cfg, runtime, world: int) -> Setup:
     if cfg.lora_target_parameters and cfg.lora_target_modules is None and not cfg.lora_target_linear:
         targets = []
     kernels_on = bool(getattr(runtime, "kernels", False))  # trainer/kernels.py's verdict: triton runs here
+    from trainer.reward_model import lora_exclusions, lora_task_type
+
+    lora_kwargs = {"r": cfg.lora_r, "lora_alpha": cfg.lora_alpha, "lora_dropout": cfg.lora_dropout,
+                   "target_modules": targets, "target_parameters": cfg.lora_target_parameters,
+                   "use_rslora": cfg.peft_use_rslora, "use_dora": cfg.peft_use_dora,
+                   "modules_to_save": cfg.lora_modules_to_save, "task_type": lora_task_type(cfg),
+                   "exclude_modules": lora_exclusions(cfg)} if cfg.adapter else {}
     return Setup(
         precision=runtime.precision, attention=runtime.attention, adapter=cfg.adapter, quant=quant,
         double_quant=double_quant, lora_r=cfg.lora_r, lora_targets=targets, lora_dropout=cfg.lora_dropout,
@@ -223,7 +231,7 @@ def setup_from(cfg, runtime, world: int) -> Setup:
         liger_norm=kernels_on and bool(cfg.liger_rms_norm or cfg.liger_layer_norm),
         liger_glu=kernels_on and bool(cfg.liger_glu_activation or cfg.liger_swiglu),
         objective=cfg.objective, world=world, shard=shard, zero=zero, fsdp=fsdp, offload_optimizer=offload_opt,
-        offload_params=offload_params, ds=ds, tp=tp, cp=cp, device=runtime.device)
+        offload_params=offload_params, ds=ds, tp=tp, cp=cp, device=runtime.device, lora_kwargs=lora_kwargs)
 
 
 # --------------------------------------------------------------------------- static terms
@@ -251,6 +259,15 @@ def nf4_bytes(n: int, double_quant: bool = True, blocksize: int = 64) -> int:
 def int8_bytes(fan_in: int, fan_out: int) -> int:
     """LLM.int8 weight: int8 values and an fp32 scale per output row (bitsandbytes Int8Params CB/SCB)."""
     return fan_in * fan_out + 4 * fan_out
+
+
+def layout(shape, s: Setup):
+    """peft's own LoRA layout for the Setup's LoraConfig (memory_model.lora_layout), None without peft."""
+    if s.full or not s.lora_kwargs:
+        return None
+    from trainer.runtime.memory_model import lora_layout
+
+    return lora_layout(shape, s.lora_kwargs)
 
 
 def lora_targeted(shape, targets) -> list:
@@ -323,7 +340,12 @@ def static_terms(shape, s: Setup) -> Static:
             else:
                 notes.append("unfrozen_parameters: the analytic count has no parameter names; counted as a full "
                              "fine-tune")
+    elif layout(shape, s) is not None:  # counted by peft itself on the meta-device model
+        adapters = layout(shape, s).params
+        base += adapters * 4  # adapters (and modules_to_save copies) train in fp32 (trainer/model.py)
+        trained = adapters
     else:
+        notes.append("LoRA counted on the nn.Linear layers by rule (peft is not importable here)")
         targeted = lora_targeted(shape, s.lora_targets)
         adapters = sum(s.lora_r * (lin.fan_in + lin.fan_out) * lin.count for lin in targeted)
         if s.lora_dora:
@@ -462,6 +484,9 @@ def trained_tensors(shape, s: Setup) -> list[tuple[int, int]]:
         if shape.vectors:
             out.append((shape.hidden_size, max(1, shape.vectors // shape.hidden_size)))
         return out
+    found = layout(shape, s)
+    if found is not None:
+        return list(found.tensors)
     out = []
     for lin in lora_targeted(shape, s.lora_targets):
         out += [(s.lora_r * lin.fan_in, lin.count), (s.lora_r * lin.fan_out, lin.count)]
@@ -492,7 +517,8 @@ def zero3_live_bytes(shape, s: Setup) -> float:
 # --------------------------------------------------------------------------- activations
 
 
-def layer_bytes_per_token(layer, shape, s: Setup, targeted: set[str], first: bool = False) -> tuple[float, float]:
+def layer_bytes_per_token(layer, shape, s: Setup, targeted: set[str], first: bool = False,
+                          experts_train: bool = False) -> tuple[float, float]:
     """(bytes per token, bytes per token per key position) autograd keeps for one decoder layer of this shape.
     `first`: the first layer of a model whose embeddings do not train (its input requires no gradient, so its
     first norm keeps nothing)."""
@@ -555,6 +581,8 @@ def layer_bytes_per_token(layer, shape, s: Setup, targeted: set[str], first: boo
     else:  # eager: q, repeated k and v; fp32 softmax probabilities and their cast
         per_token += e * 3 * q
         per_key += heads * (4 + (e if e != 4 else 0)) + (heads if s.attention_dropout > 0 else 0)
+        if getattr(shape, "attn_softcap", False):  # Gemma 2: tanh(scores / cap) * cap keeps tanh's output
+            per_key += heads * e
     # o_proj reads the attention's output, which flash/sdpa keep already; eager's is a fresh contiguous copy
     per_token += linear_inputs(q, e, ["o_proj"], shared_elsewhere=kind != "eager")
     # MLP block
@@ -564,7 +592,7 @@ def layer_bytes_per_token(layer, shape, s: Setup, targeted: set[str], first: boo
     if layer.experts:
         k, iw = layer.top_k, layer.expert_width / s.tp
         per_token += k * (e * 3 * iw + e * h)  # per routed token: gate/up output, activation, weighted output
-        if trains:
+        if trains or experts_train:
             per_token += k * e * (h + iw)  # the gathered input of gate_up and of down
         per_token += (4 + e) * layer.experts  # router logits and their fp32 softmax
     if layer.mlp_width:
@@ -592,19 +620,30 @@ def activation_terms(shape, s: Setup, tokens: int | None = None, row_len: int | 
     tokens = tokens if tokens is not None else s.micro_batch * s.sequence_len * pair_factor(s)
     tokens = tokens / s.cp
     key_len = row_len  # a query row attends over its row (the whole sequence under context parallelism)
-    targeted = {lin.name.rsplit(".", 1)[-1] for lin in lora_targeted(shape, s.lora_targets)} if not s.full else set()
+    found = layout(shape, s)
+    if s.full:
+        targeted = set()
+    elif found is not None:
+        targeted = found.wrapped
+    else:
+        targeted = {lin.name.rsplit(".", 1)[-1] for lin in lora_targeted(shape, s.lora_targets)}
+    experts_wrapped = bool(found and found.expert_params)
     embeddings_train = s.full
     saved = 0.0
     full_layer = 0.0
     first_done = False
+    # peft's ParamWrapper merges each wrapped 3-D expert tensor with its adapter in every forward and keeps the
+    # merged copy for the backward: weight-sized, per layer
+    merged = s.e * found.expert_params / max(1, found.layers_with_experts) if experts_wrapped else 0.0
     for layer in shape.layers:
-        per_tok, per_key = layer_bytes_per_token(layer, shape, s, targeted)
-        one = tokens * (per_tok + per_key * key_len)
+        per_tok, per_key = layer_bytes_per_token(layer, shape, s, targeted, experts_train=experts_wrapped)
+        one = tokens * (per_tok + per_key * key_len) + (merged if layer.experts else 0.0)
         full_layer = max(full_layer, one)
         count = layer.count
         if not first_done and not embeddings_train:
-            f_tok, f_key = layer_bytes_per_token(layer, shape, s, targeted, first=True)
-            first = tokens * (f_tok + f_key * key_len)
+            f_tok, f_key = layer_bytes_per_token(layer, shape, s, targeted, first=True,
+                                                 experts_train=experts_wrapped)
+            first = tokens * (f_tok + f_key * key_len) + (merged if layer.experts else 0.0)
             layer_sum = first + one * (count - 1)
         else:
             layer_sum = one * count
@@ -621,6 +660,8 @@ def activation_terms(shape, s: Setup, tokens: int | None = None, row_len: int | 
     outside = tokens * 8 if embeddings_train else 0.0
     head_dim = shape.layers[0].q_dim // max(1, shape.layers[0].heads) if shape.layers else 0
     outside += tokens * 2 * head_dim * s.stream_bytes  # RoPE's cos and sin per position, shared by the layers
+    if getattr(shape, "final_softcap", False):  # Gemma 2 soft-caps the logits inside the model: tanh's output
+        outside += tokens * shape.vocab_size / s.tp * s.e
     outside += tokens * (4 * h + 4 + (s.stream_bytes * h if s.full else 0))
     if s.full:
         outside += tokens * (s.e if s.recast else s.stream_bytes) * h

@@ -87,6 +87,10 @@ class ModelShape:
     notes: list[str] = field(default_factory=list)
     names: dict[str, int] = field(default_factory=dict)  # module name -> params, for unfrozen_parameters regexes
     max_positions: int | None = None  # max_position_embeddings: the context the model was trained for
+    config: dict = field(default_factory=dict, repr=False)  # the config.json read (to build the model again)
+    trust_remote_code: bool = False
+    attn_softcap: bool = False  # attention logits soft-capped (Gemma 2): eager keeps tanh's output too
+    final_softcap: bool = False  # output logits soft-capped inside the model (Gemma 2)
 
     @property
     def linear_params(self) -> int:
@@ -213,7 +217,9 @@ def model_shape(model: str, revision: str | None = None, trust_remote_code: bool
     config = {**config, **(overrides or {})}
     if exact is not False:
         try:
-            return _meta_shape(config, source, directory, trust_remote_code)
+            shape = _meta_shape(config, source, directory, trust_remote_code)
+            shape.config, shape.trust_remote_code = config, trust_remote_code
+            return shape
         except ImportError:
             if exact:
                 raise
@@ -221,6 +227,7 @@ def model_shape(model: str, revision: str | None = None, trust_remote_code: bool
             if exact:
                 raise
     shape = analytic_shape(config, source)
+    shape.config = config
     shape.notes.append("parameters counted from config.json's sizes (transformers is not importable here, or "
                        "could not build this model on the meta device): the band is wider")
     return shape
@@ -339,7 +346,9 @@ def shape_of(model, source: str = "model") -> ModelShape:
                        num_layers=tc.num_hidden_layers, vocab_size=emb // hidden if emb else tc.vocab_size,
                        params=params, embedding=emb, lm_head=head_params, tied=tied, linears=list(linears.values()),
                        expert_params=expert, other_matrices=other, vectors=vectors, layers=layers, names=names,
-                       max_positions=getattr(tc, "max_position_embeddings", None))
+                       max_positions=getattr(tc, "max_position_embeddings", None),
+                       attn_softcap=bool(getattr(tc, "attn_logit_softcapping", None)),
+                       final_softcap=bool(getattr(tc, "final_logit_softcapping", None)))
     if expert:
         shape.notes.append(f"{expert / 1e9:.2f}B parameters are 3-D expert tensors (MoE), outside nn.Linear: "
                            "bitsandbytes leaves them in the compute dtype and LoRA reaches them only through "
@@ -510,7 +519,9 @@ def analytic_shape(config: dict, source: str = "config") -> ModelShape:
     shape = ModelShape(model_type=model_type, source=source, counted="analytic", hidden_size=hidden,
                        num_layers=layers_n, vocab_size=vocab, params=0, embedding=embedding, lm_head=lm_head,
                        tied=tied, linears=linears, expert_params=expert_params, other_matrices=other,
-                       vectors=vectors, max_positions=get("max_position_embeddings", "n_positions"))
+                       vectors=vectors, max_positions=get("max_position_embeddings", "n_positions"),
+                       attn_softcap=bool(get("attn_logit_softcapping")),
+                       final_softcap=bool(get("final_logit_softcapping")))
     shape.params = embedding + lm_head + sum(lin.params for lin in linears) + expert_params + other + vectors
     norm_kind = family.get("norm", "rms")
     if dense_layers:
@@ -521,3 +532,75 @@ def analytic_shape(config: dict, source: str = "config") -> ModelShape:
                                   norm_kind=norm_kind, qk_norm=qk_norm, experts=experts, top_k=top_k,
                                   expert_width=expert_width, count=moe_layers))
     return shape
+
+
+# --------------------------------------------------------------------------- what LoRA adds
+
+
+@dataclass
+class LoraLayout:
+    """What peft wraps and trains for a LoraConfig, counted by applying peft itself to the meta-device model (its
+    v4 -> v5 MoE conversion included: all-linear on Mixtral or Qwen2-MoE also wraps the fused 3-D experts)."""
+
+    params: int  # trainable parameters (adapters, DoRA magnitudes, modules_to_save copies)
+    tensors: list[tuple[int, int]]  # (values, how many) per trainable tensor: optimizers quantize per tensor
+    wrapped: set[str]  # leaf names of the nn.Linear modules wrapped (q_proj, ...)
+    expert_params: int  # base parameters wrapped whole (3-D experts): peft merges them with the adapter each forward
+    layers_with_experts: int  # decoder layers holding such parameters
+
+
+_LAYOUTS: dict[str, LoraLayout] = {}
+
+
+def lora_layout(shape: ModelShape, lora_kwargs: dict) -> LoraLayout | None:
+    """LoraLayout for peft.LoraConfig(**lora_kwargs) on `shape`'s model, or None where peft or transformers do not
+    import (the estimate then counts adapters on the nn.Linear layers by rule)."""
+    key = json.dumps([shape.config, lora_kwargs], sort_keys=True, default=str)
+    if key in _LAYOUTS:
+        return _LAYOUTS[key]
+    if not shape.config or "model_type" not in shape.config:
+        return None
+    try:
+        with quiet_imports():
+            import torch
+            from peft import LoraConfig, get_peft_model
+            from transformers import AutoConfig, AutoModelForCausalLM
+            from transformers import AutoModelForSequenceClassification, AutoModelForTokenClassification
+    except ImportError:
+        return None
+    classes = {"SEQ_CLS": AutoModelForSequenceClassification, "TOKEN_CLS": AutoModelForTokenClassification}
+    try:
+        with quiet_imports():
+            cfg = AutoConfig.for_model(**shape.config)
+            with torch.device("meta"):
+                model = classes.get(lora_kwargs.get("task_type"), AutoModelForCausalLM).from_config(
+                    cfg, trust_remote_code=getattr(shape, "trust_remote_code", False))
+                model = get_peft_model(model, LoraConfig(**lora_kwargs))
+    except Exception:  # a target peft refuses: the trainer says so when it loads; the estimate counts by rule
+        return None
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    trained = {id(p): p for p in model.parameters() if p.requires_grad}
+    tensors: dict[int, int] = {}
+    for p in trained.values():
+        tensors[p.numel()] = tensors.get(p.numel(), 0) + 1
+    wrapped, expert, layers = set(), 0, set()
+    import re
+
+    for name, module in model.named_modules():
+        if not isinstance(module, BaseTunerLayer):
+            continue
+        base = module.get_base_layer()
+        parameter = getattr(module, "parameter_name", None)  # peft's ParamWrapper: one parameter of `base`
+        if parameter is not None:
+            param = getattr(base, parameter, None)
+            if param is not None and param.ndim >= 3:
+                expert += param.numel()
+                found = re.search(r"layers\.(\d+)\.", name)
+                layers.add(found.group(1) if found else name)
+        elif isinstance(base, torch.nn.Linear):
+            wrapped.add(name.rsplit(".", 1)[-1])
+    layout = LoraLayout(params=sum(p.numel() for p in trained.values()), tensors=sorted(tensors.items()),
+                        wrapped=wrapped, expert_params=expert, layers_with_experts=len(layers))
+    _LAYOUTS[key] = layout
+    return layout
