@@ -14,10 +14,11 @@ import sys
 from collections import deque
 from pathlib import Path
 
-from . import __version__
+from . import DISTRIBUTION, __version__
 from .errors import BadInput, EnvtoolError
 from .matrix import Matrix
 from .plan import Plan
+from .selfwheel import wheel_prefix
 from .uvrun import uv_binary
 from .wheelhouse import REQUIREMENTS
 
@@ -85,10 +86,10 @@ def prepare_context(plan: Plan, m: Matrix, env_dir: Path, wheelhouse: Path, cont
     deps.mkdir(parents=True, exist_ok=True)
     project.mkdir(parents=True, exist_ok=True)
     lines = (wheelhouse / REQUIREMENTS).read_text().splitlines()
-    kept = [line for line in lines if not line.startswith("envtool==")]
+    kept = [line for line in lines if not line.startswith(f"{DISTRIBUTION}==")]
     (deps / REQUIREMENTS).write_text("\n".join(kept) + "\n")
     for wheel in wheelhouse.glob("*.whl"):
-        target = (project if wheel.name.startswith("envtool-") else deps) / wheel.name
+        target = (project if wheel.name.startswith(wheel_prefix()) else deps) / wheel.name
         try:
             os.link(wheel, target)  # same filesystem: no copy of gigabytes
         except OSError:

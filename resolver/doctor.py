@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import NamedTuple
 
+from . import DISTRIBUTION
 from .errors import BadInput
 from .hardware import GpuSpec
 from matrices.catalog import backend_runs_on
@@ -33,7 +34,8 @@ def version(name):
 
 info = {"python": "%d.%d" % sys.version_info[:2], "prefix": sys.prefix,
         "packages": {n: version(n) for n in ("torch", "triton", "flash-attn", "flash-attn-3", "xformers",
-                                              "transformers", "bitsandbytes", "deepspeed", "envtool")}}
+                                              "transformers", "bitsandbytes", "deepspeed")}}
+info["packages"]["envtool"] = version(__DISTRIBUTION__)  # the key names the tool; the distribution is envtool-llm
 try:
     import torch
     info["torch"] = {"version": torch.__version__, "cuda": torch.version.cuda,
@@ -43,7 +45,7 @@ except Exception as e:  # a broken torch is a finding, not a crash
 plan = Path(sys.prefix) / "plan.json"
 info["plan"] = json.loads(plan.read_text()) if plan.is_file() else None
 print(json.dumps(info))
-"""
+""".replace("__DISTRIBUTION__", repr(DISTRIBUTION))
 
 
 SM = re.compile(r"^sm_(\d+?)(\d)a?$")  # sm_86 -> (8, 6); sm_100 -> (10, 0); sm_90a -> (9, 0)

@@ -1,7 +1,7 @@
 """envtool lock / export: a self-contained project directory that pins a plan, locked by uv.
 
 The directory holds `pyproject.toml` (the plan's pins and where each package comes from), `uv.lock` (uv's
-resolution, with hashes), `plan.json` and `wheels/envtool-*.whl` (the bundled trainer and `envtool doctor`).
+resolution, with hashes), `plan.json` and `wheels/envtool_llm-*.whl` (the bundled trainer and `envtool doctor`).
 We choose constraints and sources; uv resolves. Nothing is built from source that must not be: the plan's
 CUDA packages are listed under uv's `no-build-package`.
 """
@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 from typing import NamedTuple
 
-from . import selfwheel
+from . import DISTRIBUTION, selfwheel
 from .errors import BadInput
 from .matrix import Matrix
 from .plan import PLAN_FILE, Plan
@@ -40,7 +40,7 @@ def requirements(plan: Plan) -> list[str]:
     """What the environment asks for: envtool itself (trainer, doctor) and every package the plan pins.
     triton is left to torch's own pin (torch 2.14+ pins it as `~=`)."""
     pins = [f"{name}=={version}" for name, version in plan.packages.items() if name != "triton"]
-    return ["envtool[train]", *pins]
+    return [f"{DISTRIBUTION}[train]", *pins]
 
 
 def _toml_list(items: list[str]) -> str:
@@ -92,7 +92,7 @@ def pyproject_text(plan: Plan, sources: Sources, envtool_wheel: str, no_build: l
         if flag:
             lines.append(flag)
     lines += ["", "[tool.uv.sources]", f'torch = {{ index = "pytorch-{plan.torch.variant}" }}',
-              f'envtool = {{ path = "wheels/{envtool_wheel}" }}']
+              f'{DISTRIBUTION} = {{ path = "wheels/{envtool_wheel}" }}']
     if plan.flash_attn:
         lines.append(f"{plan.flash_attn.package} = {{ url = {json.dumps(plan.flash_attn.wheel_url)} }}")
     return "\n".join(lines) + "\n"

@@ -78,7 +78,7 @@ def test_lock_pins_the_plan_with_hashes_and_routes_each_source(tmp_path, a100_in
     assert lock["flash-attn"]["source"] == {"url": index_env(url)["ENVTOOL_FLASH_ATTN_URL"].format(
         version=plan["flash_attn"]["version"], filename=plan["flash_attn"]["filename"])}
     assert lock["transformers"]["version"] == plan["packages"]["transformers"]
-    assert lock["envtool"]["source"] == {"path": f"wheels/{next((env_dir / 'wheels').iterdir()).name}"}
+    assert lock["envtool-llm"]["source"] == {"path": f"wheels/{next((env_dir / 'wheels').iterdir()).name}"}
     for package in lock.values():
         for wheel in package.get("wheels", []):
             assert wheel["hash"].startswith("sha256:"), package["name"]
