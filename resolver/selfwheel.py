@@ -11,8 +11,9 @@ import base64
 import hashlib
 import importlib.util
 import re
+import sys
 import zipfile
-from importlib.metadata import distribution
+from importlib.metadata import PackageNotFoundError, distribution
 from pathlib import Path
 
 from . import DISTRIBUTION
@@ -40,7 +41,14 @@ def wheel_prefix() -> str:
 
 def build(dest: Path) -> Path:
     """Write `envtool_llm-VERSION-py3-none-any.whl` into `dest` and return its path."""
-    dist = distribution(DISTRIBUTION)
+    try:
+        dist = distribution(DISTRIBUTION)
+    except PackageNotFoundError:
+        from .errors import EnvtoolError
+
+        raise EnvtoolError(f"the distribution {DISTRIBUTION} is not installed in {sys.prefix} (a checkout installed "
+                           f"before the rename is named envtool): install it again, `pip install -e .` in the clone "
+                           f"or `bash .ci/setup`") from None
     version = dist.version
     info = f"{wheel_prefix()}{version}.dist-info"
     entries: list[tuple[str, bytes]] = []
