@@ -94,8 +94,18 @@ def pyproject_text(plan: Plan, sources: Sources, envtool_wheel: str, no_build: l
     lines += ["", "[tool.uv.sources]", f'torch = {{ index = "pytorch-{plan.torch.variant}" }}',
               f'{DISTRIBUTION} = {{ path = "wheels/{envtool_wheel}" }}']
     if plan.flash_attn:
-        lines.append(f"{plan.flash_attn.package} = {{ url = {json.dumps(plan.flash_attn.wheel_url)} }}")
+        lines.append(f"{plan.flash_attn.package} = {wheel_source(plan.flash_attn.wheel_url)}")
     return "\n".join(lines) + "\n"
+
+
+def wheel_source(url: str) -> str:
+    """A wheel URL as a [tool.uv.sources] entry: a `file://` URL (a mirror on disk) is a path, which uv takes
+    where it refuses the file scheme in a `url` source."""
+    from urllib.parse import unquote, urlsplit
+
+    if urlsplit(url).scheme == "file":
+        return f"{{ path = {json.dumps(unquote(urlsplit(url).path))} }}"
+    return f"{{ url = {json.dumps(url)} }}"
 
 
 def lock(plan: Plan, out: Path, sources: Sources, m: Matrix, quiet: bool = False) -> Path:

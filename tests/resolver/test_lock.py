@@ -4,8 +4,10 @@ The index serves the real wheels of .ci-cache/pypi-mirror (filled by .ci/setup) 
 plan's CUDA packages (torch+cu126, triton, flash-attn ...) named and versioned as the plan says.
 """
 
+import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.pypi import MIRROR, build_indexes, index_env, make_wheel, serve, write_simple_index
+from tests.support.pypi import LINUX_CP311, MIRROR, build_indexes, index_env, make_wheel, serve, write_simple_index
 
 from .conftest import run_envtool
 
@@ -104,15 +106,9 @@ def test_a_package_with_only_an_sdist_is_never_built_and_the_nearest_wheel_is_na
     # the index holds bitsandbytes as an sdist only at the plan's version, and a wheel of an older release
     version = plan["packages"]["bitsandbytes"]
     older = make_wheel(tmp_path / "other", "bitsandbytes", "0.45.5")
-    (root / "pypi" / "bitsandbytes").mkdir(exist_ok=True)
-    sdist = root / "files" / f"bitsandbytes-{version}.tar.gz"
+    sdist = tmp_path / "other" / f"bitsandbytes-{version}.tar.gz"
     sdist.write_bytes(b"not really an sdist")
-    write_simple_index(root, "pypi", [older])
-    page = root / "pypi" / "bitsandbytes" / "index.html"
-    import hashlib
-    page.write_text(page.read_text().replace(
-        "</body>", f'<a href="../../files/{sdist.name}#sha256={hashlib.sha256(sdist.read_bytes()).hexdigest()}">'
-        f"{sdist.name}</a></body>"))
+    write_simple_index(root, "pypi", [older, sdist])
     with serve(root) as url:
         out = lock_a100(tmp_path, url, env)
     assert out.returncode == 2, out.stderr
@@ -158,6 +154,41 @@ def test_install_is_atomic_and_offline_install_needs_no_network(tmp_path, a100_i
     assert "hash" in out.stderr.lower()
     assert venv.resolve() == Path(second["path"]).resolve()
     assert subprocess.run([str(python), "-c", "import torch"]).returncode == 0
+
+
+def test_a_file_index_and_find_links_fill_the_wheelhouse_from_where_the_wheels_are(tmp_path, uv_cache, m):
+    """Indexes on disk (file://, as an air-gapped site keeps them) and a --find-links directory: uv records their
+    wheels by path, and `lock --wheelhouse` copies each from that path, then `install --offline` installs."""
+    env = {**os.environ, "UV_CACHE_DIR": uv_cache, "UV_PYTHON_DOWNLOADS": "never"}
+    plan = plan_for(A100, env)
+    root = tmp_path / "site"
+    build_indexes(root, plan, sass_of(plan, m), on_disk=True)
+    links = tmp_path / "links"  # bitsandbytes only there (uv records no hash for a --find-links file)
+    links.mkdir()
+    shutil.rmtree(root / "pypi" / "bitsandbytes")
+    bnb = next((root / "files").glob("bitsandbytes-*.whl"))
+    bnb = bnb.rename(links / bnb.name)
+    env_dir, wheelhouse, venv = tmp_path / "envs" / "a100", tmp_path / "wheelhouse", tmp_path / ".venv"
+    uri = root.as_uri()
+    out = run_envtool("lock", *A100, "--out", str(env_dir), "--index-url", f"{uri}/pypi/", "--find-links",
+                      str(links), "--wheelhouse", str(wheelhouse),
+                      env={**env, "ENVTOOL_TORCH_INDEX_URL": f"{uri}/torch/{{variant}}/",
+                           "ENVTOOL_FLASH_ATTN_URL": f"{uri}/gh/v{{version}}/{{filename}}"})
+    assert out.returncode == 0, out.stderr
+    lock = {p["name"]: p for p in tomllib.loads((env_dir / "uv.lock").read_text())["package"]}
+    assert "path" in lock["torch"]["wheels"][0]  # by path, not beside the lock
+    assert lock["bitsandbytes"]["source"] == {"registry": str(links)} and "hash" not in lock["bitsandbytes"]["wheels"][0]
+    torch = next(wheelhouse.glob("torch-*.whl"))
+    assert torch.name == f"torch-2.8.0+cu126-{LINUX_CP311}.whl"
+    assert torch.read_bytes() == (root / "files" / torch.name).read_bytes()
+    requirements = (wheelhouse / "requirements.txt").read_text()
+    assert "torch==2.8.0+cu126 --hash=sha256:" in requirements
+    assert f"bitsandbytes=={plan['packages']['bitsandbytes']} --hash=sha256:{hashlib.sha256(bnb.read_bytes()).hexdigest()}" \
+        in requirements
+    out = run_envtool("install", str(env_dir), "--venv", str(venv), "--offline", "--wheelhouse", str(wheelhouse),
+                      "--json", env=env)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["torch"] == "2.8.0+cu126"
 
 
 def test_killing_an_install_midway_leaves_the_previous_venv(tmp_path, a100_index):
