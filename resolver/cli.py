@@ -92,6 +92,9 @@ ExtraIndexOpt = Annotated[Optional[list[str]], typer.Option("--extra-index-url",
 TorchIndexOpt = Annotated[Optional[str], typer.Option(
     "--torch-index", help="Replace the PyTorch index: a URL, '{variant}' is replaced by cu126, cpu, ...")]
 FindLinksOpt = Annotated[Optional[list[str]], typer.Option("--find-links", help="A directory of wheels; repeatable.")]
+UserOpt = Annotated[str, typer.Option(
+    "--user", help="Who the container runs as: 'invoking' (default: your uid:gid, so files written to mounted "
+    "directories are yours), 'image' (the image's user, uid 1000), or UID[:GID] / a name.")]
 
 # The plan options every plan-making command takes (resolve, lock, install, dockerfile, build, train), in one
 # list: `@plan_options` adds them to a command's signature and hands the command one PlanOptions.
@@ -567,6 +570,7 @@ def run(
     env: Annotated[Optional[list[str]], typer.Option("-e", "--env", help="Pass this environment variable "
                                                      "(e.g. HF_TOKEN) at run time; repeatable.")] = None,
     volume: Annotated[Optional[list[str]], typer.Option("-v", "--volume", help="HOST:CONTAINER; repeatable.")] = None,
+    user: UserOpt = "invoking",
 ) -> None:
     """Run a command in an image with what training needs: GPUs, shared memory, the HF cache, tokens.
 
@@ -580,7 +584,7 @@ def run(
     if not image:
         raise BadInput("--image is required")
     code = do_run(image, command or [], gpus=gpus, shm_size=shm_size, hf_cache=hf_cache, env_names=env or [],
-                  volumes=volume or [])
+                  volumes=volume or [], user=user)
     raise typer.Exit(code)
 
 
