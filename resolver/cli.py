@@ -475,6 +475,8 @@ def train(
                                                    "stdout).")] = None,
     hf_cache: Annotated[Optional[Path], typer.Option("--hf-cache", help="With --image: host directory mounted "
                                                      "as the Hugging Face cache.")] = None,
+    pvc: Annotated[Optional[str], typer.Option("--pvc", help="With --emit k8s: the PersistentVolumeClaim every pod "
+                                               "works in, at /work (data, output_dir; default envtool-work).")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan, where it runs and the exact "
                                           "command; build and run nothing.")] = False,
     json_out: JsonOpt = False,
@@ -506,6 +508,8 @@ def train(
         raise BadInput(f"--emit {emit!r}: choose slurm or k8s")
     if output is not None and emit is None:
         raise BadInput("-o/--output goes with --emit")
+    if pvc is not None and emit != "k8s":
+        raise BadInput("--pvc goes with --emit k8s (a Slurm job uses the filesystem its nodes share)")
     dist = Distribution(nproc, nnodes, node_rank, rdzv_endpoint)
     if emit is None:
         dist.check()
@@ -521,7 +525,7 @@ def train(
 
         if not dry_run:
             prepare(launch, plan, sources, quiet=quiet, say=log)
-        text = emitters.render(emit, plan, launch, config, dist)
+        text = emitters.render(emit, plan, launch, config, dist, pvc=pvc, warn=log)
         if output is None:
             sys.stdout.write(text)
         else:
