@@ -77,8 +77,32 @@ def probe_python(python: str, name: str | None = None) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def diagnose(info: dict, gpu: GpuSpec, driver: str | None, m: Matrix, venv: str) -> list[Finding]:
-    fix = f"envtool install --gpu auto --venv {venv}"
+def is_managed_venv(path: Path) -> bool:
+    """A venv `envtool install` made: a symlink into <venv>.versions/ (the only kind it replaces)."""
+    return path.is_symlink() and path.resolve().parent == (path.parent / f"{path.name}.versions").resolve()
+
+
+def fix_command(venv: Path | None, target: str, driver: str | None) -> str:
+    """The install that fixes the environment doctor checked, for the GPU it checked against (`target`, as the
+    user named it) and the driver they gave: into the interpreter running envtool (--system), into a venv
+    `envtool install` made or a new one (--venv), or into any other existing environment (--python PATH, which
+    install accepts where it refuses to replace a venv it did not make)."""
+    import shlex
+
+    gpu = f"--gpu {shlex.quote(target)}" + (f" --driver {shlex.quote(driver)}" if driver else "")
+    if venv is None:
+        return f"envtool install --system {gpu}"
+    path = Path(venv)
+    if not path.exists() or is_managed_venv(path):
+        return f"envtool install {gpu} --venv {shlex.quote(str(venv))}"
+    return f"envtool install --python {shlex.quote(str(path / 'bin' / 'python'))} {gpu}"
+
+
+def diagnose(info: dict, gpu: GpuSpec, driver: str | None, m: Matrix, venv: str,
+             fix: str | None = None) -> list[Finding]:
+    """Findings for the environment `info` describes on `gpu` with `driver`; `fix` is the command each error
+    names (default: a new install for this machine into `venv`)."""
+    fix = fix or f"envtool install --gpu auto --venv {venv}"
     torch = info.get("torch") or {}
     findings: list[Finding] = []
     add = findings.append

@@ -43,6 +43,20 @@ PRESENCE_CHECK = (  # the default: the interpreter starts and finds them, at the
 )
 
 
+def find_python(version: str) -> str:
+    """The interpreter uv would make a Python `version` venv from (never downloading one), or a one-line refusal
+    before anything is locked or built."""
+    from .uvrun import uv_binary
+
+    env = uv_env(None, {"UV_PYTHON_DOWNLOADS": "never"})
+    out = subprocess.run([uv_binary(), "python", "find", "--no-project", version], capture_output=True, text=True,
+                         env=env)
+    if out.returncode != 0:
+        raise BadInput(f"the plan is for Python {version} and uv finds no Python {version} interpreter on this "
+                       f"machine: install one (`uv python install {version}`) or drop --python to plan for this one")
+    return out.stdout.strip()
+
+
 def versions_dir(venv: Path) -> Path:
     return venv.parent / f"{venv.name}.versions"
 

@@ -174,6 +174,23 @@ def nearest_wheels(plan: Plan, sources: Sources, name: str, version: str | None)
     return sorted(published, key=lambda f: (abs(order.index(published[f]) - at), f))[:3]
 
 
+def install_hint(env_dir: Path, cwd: Path | None = None) -> str:
+    """The `envtool install` command that installs this lock, with a --venv that install will accept: .venv, or
+    when a venv envtool did not make is there already (install refuses to replace it), .venv-<lock name>,
+    numbered if that is taken too."""
+    import re
+    import shlex
+
+    from .doctor import is_managed_venv
+
+    cwd = cwd or Path.cwd()
+    slug = re.sub(r"[^A-Za-z0-9_.-]+", "-", env_dir.resolve().name).strip("-") or "env"
+    names = [".venv", f".venv-{slug}", *(f".venv-{slug}-{n}" for n in range(2, 100))]
+    venv = next(n for n in names if not (cwd / n).exists() and not (cwd / n).is_symlink()
+                or is_managed_venv(cwd / n))
+    return f"envtool install {shlex.quote(str(env_dir))} --venv {venv}"
+
+
 def load_plan(env_dir: Path) -> Plan:
     path = env_dir / PLAN_FILE
     if not path.is_file():

@@ -19,7 +19,9 @@ import pytest
 
 from tests.support.pypi import LINUX_CP311, MIRROR, build_indexes, index_env, make_wheel, serve, write_simple_index
 
-from .conftest import run_envtool
+from resolver.matrix import load
+
+from .conftest import ENVTOOL, run_envtool
 
 pytestmark = pytest.mark.slow
 A100 = ["--gpu", "a100", "--python", "3.11", "--platform", "x86_64", "--torch", "2.8"]
@@ -284,6 +286,27 @@ def test_cpu_end_to_end_with_the_real_torch(tmp_path, uv_cache):
     assert json.loads(doctor.stdout)["ok"]
 
 
+def test_the_next_step_lock_prints_is_an_install_that_works(tmp_path, a100_index):
+    """Where a venv envtool did not make is in the way (install refuses to replace it), the hint names another."""
+    import shlex
+
+    root, env, start = a100_index
+    start()
+    work = tmp_path / "project"
+    (work / ".venv" / "bin").mkdir(parents=True)  # the user's own venv
+    with serve(root) as url:
+        out = subprocess.run([str(ENVTOOL), "lock", *A100, "--out", "envs/a100", "--index-url", f"{url}/pypi/"],
+                             capture_output=True, text=True, cwd=work, env={**env, **index_env(url)}, timeout=300)
+        assert out.returncode == 0, out.stderr
+        hint = out.stdout.strip().splitlines()[-1]
+        assert hint == "next: envtool install envs/a100 --venv .venv-a100"
+        command = shlex.split(hint.removeprefix("next: "))
+        done = subprocess.run([str(ENVTOOL), *command[1:]], capture_output=True, text=True, cwd=work, env=env,
+                              timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert (work / ".venv-a100").is_symlink() and (work / ".venv" / "bin").is_dir()  # the user's venv untouched
+
+
 def test_doctor_on_an_installed_a100_environment_run_on_a_t4(tmp_path, a100_index):
     root, env, start = a100_index
     start()
@@ -295,9 +318,21 @@ def test_doctor_on_an_installed_a100_environment_run_on_a_t4(tmp_path, a100_inde
     assert out.returncode == 1
     found = {f["check"]: f for f in json.loads(out.stdout)["findings"]}
     assert found["flash-attn"]["level"] == "error" and found["precision"]["level"] == "error"
-    assert found["flash-attn"]["fix"] == f"envtool install --gpu auto --venv {venv}"
+    fix = found["flash-attn"]["fix"]
+    assert fix == f"envtool install --gpu t4 --driver 560.35.03 --venv {venv}"  # the GPU it checked, not auto
     ok = run_envtool("doctor", "--venv", str(venv), "--gpu", "a100", "--driver", "560.35.03", "--json", env=env)
     assert ok.returncode == 0, ok.stdout
+
+    # the fix fixes: run as printed (with this test's index for the T4 plan), then doctor finds nothing wrong
+    t4 = plan_for(["--gpu", "t4", "--driver", "560.35.03"], env)
+    t4_root = tmp_path / "t4-index"
+    build_indexes(t4_root, t4, sass_of(t4, load()))
+    with serve(t4_root) as url:
+        fixed = run_envtool(*fix.split()[1:], "--index-url", f"{url}/pypi/", env={**env, **index_env(url)},
+                            timeout=300)
+    assert fixed.returncode == 0, fixed.stderr
+    again = run_envtool("doctor", "--venv", str(venv), "--gpu", "t4", "--driver", "560.35.03", "--json", env=env)
+    assert again.returncode == 0, again.stdout
 
 
 def test_an_index_behind_a_private_ca_needs_ca_bundle(tmp_path, a100_index):
