@@ -624,6 +624,43 @@ def gpus(json_out: bool = typer.Option(False, "--json", help="Print the catalog 
     gpus_table(m)
 
 
+# ---------------------------------------------------------------------------- envtool fit (will it fit?)
+
+FitNprocOpt = Annotated[Optional[int], typer.Option(
+    "--nproc", help="GPUs (processes) the run uses; ZeRO and FSDP shard over them (default: 1, or every GPU "
+    "detected with --gpu auto).")]
+
+
+@app.command()
+@reported
+def fit(
+    config: Annotated[Path, typer.Argument(help="The trainer config (Axolotl keys).")],
+    gpu: GpuOpt = "auto",
+    nproc: FitNprocOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Will the config fit the GPU? The estimated peak memory per GPU, term by term, with a band, a verdict
+    (fits, tight, does_not_fit, unknown) and the cheapest changes that fit. Reads the model's config.json only.
+
+    Exit 0 whether or not it fits; 2 for bad input.
+
+      envtool fit examples/t4-qlora.yml --gpu t4
+
+      envtool fit config.yml --gpu a100-80gb --nproc 4 --json
+    """
+    from .fit import fit as do_fit
+
+    found = do_fit(config, gpu, nproc)
+    if found.reason:
+        say(f"envtool: {found.reason}")
+    if json_out:
+        print(json.dumps(found.result, indent=2))
+        return
+    from .render import fit_report
+
+    fit_report(found)
+
+
 # ---------------------------------------------------------------------------- envtool matrix (update, verify)
 # Network commands for maintainers: requests, tomlkit and rich are imported inside them, never by `resolve`.
 
