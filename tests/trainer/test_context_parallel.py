@@ -16,8 +16,8 @@ import pytest
 
 from tests.trainer.helpers import alpaca_rows, read_metrics, run_cli, torchrun_train, train_losses, write_jsonl
 from trainer.config import parse_config
+from trainer.config.parallel import Mesh, mesh_for
 from trainer.errors import ConfigError
-from trainer.parallel.mesh import Mesh, mesh_for
 
 DS_CONFIGS = Path(__file__).parent / "data" / "deepspeed_configs"  # Axolotl's zero3.json, verbatim
 FSDP2 = {"fsdp_version": 2, "fsdp_config": {"fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",

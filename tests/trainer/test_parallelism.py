@@ -16,8 +16,8 @@ import pytest
 from tests.trainer.helpers import read_metrics, torchrun_train, train_losses
 from tests.trainer.test_fsdp_deepspeed import FSDP2, common
 from trainer.config import parse_config
+from trainer.config.parallel import Mesh, mesh_for
 from trainer.errors import ConfigError
-from trainer.parallel.mesh import Mesh, mesh_for
 
 BASE = {"base_model": "m", "datasets": [{"path": "d.jsonl", "type": "alpaca"}]}
 

@@ -18,8 +18,10 @@ Each section owns its keys and their rules; no section imports a feature's runti
 
 from trainer.config.datasets import DatasetConfig, PretrainingDatasetConfig, PromptFormat
 from trainer.config.hardware import Attention
+from trainer.config.keys import INERT_KEYS, LEGACY_DTYPE_KEYS, PERFORMANCE_KEYS, UNSUPPORTED_KEYS
 from trainer.config.load import check_local_paths, load_config, looks_local, parse_config
 from trainer.config.schema import Config
 
-__all__ = ["Attention", "Config", "DatasetConfig", "PretrainingDatasetConfig", "PromptFormat", "check_local_paths",
-           "load_config", "looks_local", "parse_config"]
+__all__ = ["INERT_KEYS", "LEGACY_DTYPE_KEYS", "PERFORMANCE_KEYS", "UNSUPPORTED_KEYS", "Attention", "Config",
+           "DatasetConfig", "PretrainingDatasetConfig", "PromptFormat", "check_local_paths", "load_config",
+           "looks_local", "parse_config"]

@@ -108,6 +108,20 @@ def notes(cfg) -> list[str]:
     return out
 
 
+# --- LoRA on a classification head (reward models; trainer/model/reward_model.py loads the head) -------------
+def lora_task_type(cfg) -> str:
+    return {"reward": "SEQ_CLS", "prm": "TOKEN_CLS"}.get(cfg.objective, "CAUSAL_LM")
+
+
+HEAD_NAMES = ("score", "classifier")  # the heads transformers' classification models add (peft's names too)
+
+
+def lora_exclusions(cfg) -> list[str] | None:
+    """A classification head is trained whole (peft's modules_to_save), so LoRA must not wrap it too: peft
+    leaves it out of all-linear for SEQ_CLS only, and refuses a head that is both (TOKEN_CLS)."""
+    return list(HEAD_NAMES) if cfg.objective in ("reward", "prm") else None
+
+
 # --- model_quantization_config ---------------------------------------------------------------------------------
 # Only the case Axolotl's gpt-oss examples use is supported: `Mxfp4Config` with `dequantize: true`. gpt-oss
 # checkpoints store their MoE experts in MXFP4 (4-bit values in blocks of 32 sharing an 8-bit exponent);

@@ -3,6 +3,7 @@ Ray Train's launcher (the mesh, FSDP, DeepSpeed and context parallelism themselv
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -204,6 +205,93 @@ def check_sizes(cfg, fsdp: bool) -> list[str]:
         return notes
     return [f"parallelism: data parallel (DDP), dp_replicate_size {replicate} must equal the number of processes, "
             "checked at launch" if replicate > 1 else "parallelism: sizes of 1 mean none"]
+
+
+@dataclass(frozen=True)
+class Mesh:
+    dp_replicate: int
+    dp_shard: int
+    tp: int = 1
+    cp: int = 1  # context parallel (trainer/parallel/context_parallel.py): between the data ranks and tp
+
+    @property
+    def data_world(self) -> int:
+        """Ranks that see different batches (the ranks of one tensor-parallel group share theirs)."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def world(self) -> int:
+        return self.data_world * self.cp * self.tp
+
+    def data_rank(self, rank: int) -> int:
+        """tp is the innermost mesh dimension (accelerate's and transformers' order): consecutive ranks form
+        one tensor-parallel group; cp comes next (the ranks of a CP group read the same batches)."""
+        return rank // (self.tp * self.cp)
+
+    @property
+    def hybrid(self) -> bool:
+        return self.dp_replicate > 1 and self.dp_shard > 1
+
+    def describe(self) -> str:
+        if self.cp > 1:
+            rest = Mesh(self.dp_replicate, self.dp_shard, self.tp).describe()
+            return f"{self.cp}-way context parallel x {rest.rsplit(' (', 1)[0]} ({self.world} processes)"
+        if self.tp > 1:
+            dp = (f"{self.dp_replicate} replicas x {self.dp_shard}-way FSDP shards" if self.hybrid else
+                  f"{self.dp_shard}-way FSDP shards" if self.dp_shard > 1 else "no data parallelism")
+            return f"{self.tp}-way tensor parallel x {dp} ({self.world} processes)"
+        if self.hybrid:
+            return (f"HSDP: {self.dp_replicate} replicas x {self.dp_shard}-way FSDP shards "
+                    f"({self.world} processes)")
+        if self.dp_shard > 1:
+            return f"FSDP over {self.dp_shard} processes"
+        return f"data parallel over {self.dp_replicate} process(es)"
+
+
+def mesh_for(cfg, world: int, fsdp: bool) -> Mesh | None:
+    """The mesh for `world` processes (None when no size key is set). Raises ConfigError naming the sizes when
+    they do not fit the number of processes."""
+    sizes = given(cfg)
+    if not sizes:
+        return None
+    check_sizes(cfg, fsdp)
+    shard = sizes.get("dp_shard_size") or 1
+    replicate = sizes.get("dp_replicate_size")
+    tp = sizes.get("tensor_parallel_size") or 1
+    cp = sizes.get("context_parallel_size") or 1
+    asked = " x ".join(f"{k} {v}" for k, v in sizes.items() if v > 1)
+
+    def mismatch() -> ConfigError:
+        fixed = shard * (replicate or 1) * tp * cp
+        exact = (shard > 1 and replicate and replicate > 1) or (not fsdp and cp == 1)
+        need = f"= {fixed} processes" if exact else f"needs a multiple of {fixed} processes"
+        return ConfigError(f"{asked} {need}, but this run has {world} (WORLD_SIZE): launch that many processes "
+                           "(torchrun --nproc-per-node, times the nodes) or change the sizes")
+
+    if world % (tp * cp):
+        raise mismatch()
+    rest = world // (tp * cp)  # the ranks of a CP x TP block share their batches
+    if replicate and replicate > 1:
+        if rest % replicate:
+            raise mismatch()
+        rest //= replicate
+    if shard > 1:
+        if rest % shard:
+            raise mismatch()
+        left = rest // shard
+        if left > 1:  # ranks over: they replicate, unless dp_replicate_size was given (then it is a mismatch)
+            if replicate and replicate > 1:
+                raise mismatch()
+            replicate = left
+        return Mesh(dp_replicate=replicate or 1, dp_shard=shard, tp=tp, cp=cp)
+    # dp_shard_size unset or 1: under FSDP the ranks left shard (Axolotl's fill); without FSDP they are DDP
+    # replicas, and dp_replicate_size, when given, must account for all of them; tensor parallelism without
+    # FSDP takes every rank (accelerate does not compose DDP replicas with it)
+    if fsdp:
+        return Mesh(dp_replicate=replicate or 1, dp_shard=rest, tp=tp, cp=cp)
+    if (replicate and replicate > 1 or tp > 1) and rest != 1:
+        raise mismatch()
+    return Mesh(dp_replicate=world // (tp * cp), dp_shard=1, tp=tp, cp=cp)
 
 
 def sync_each_batch(cfg) -> bool:

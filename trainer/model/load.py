@@ -138,7 +138,7 @@ def resize_embeddings(cfg: Config, model, tokenizer) -> None:
 def add_lora(cfg: Config, model):
     from peft import LoraConfig, PeftModel, get_peft_model
 
-    from trainer.model.reward_model import lora_exclusions, lora_task_type
+    from trainer.config.model import lora_exclusions, lora_task_type
 
     if cfg.lora_model_dir:  # continue from a trained adapter (its own r, alpha and targets)
         try:

@@ -56,16 +56,3 @@ def disable_dropout(cfg: Config, model) -> None:
         for module in model.modules():
             if isinstance(module, torch.nn.Dropout):
                 module.p = 0.0
-
-
-def lora_task_type(cfg: Config) -> str:
-    return {"reward": "SEQ_CLS", "prm": "TOKEN_CLS"}.get(cfg.objective, "CAUSAL_LM")
-
-
-HEAD_NAMES = ("score", "classifier")  # the heads transformers' classification models add (peft's names too)
-
-
-def lora_exclusions(cfg: Config) -> list[str] | None:
-    """A classification head is trained whole (peft's modules_to_save), so LoRA must not wrap it too: peft
-    leaves it out of all-linear for SEQ_CLS only, and refuses a head that is both (TOKEN_CLS)."""
-    return list(HEAD_NAMES) if cfg.objective in ("reward", "prm") else None

@@ -13,6 +13,7 @@ from datetime import timedelta
 import torch
 
 from trainer.config import Config
+from trainer.config.parallel import mesh_for
 from trainer.errors import ConfigError, TrainingError
 from trainer.parallel import distributed
 from trainer.parallel import mesh as parallelism
@@ -40,7 +41,7 @@ def make_accelerator(cfg: Config, runtime: Runtime):
         world = int(os.environ.get("WORLD_SIZE", "1"))  # "auto" in Axolotl's files; DeepSpeed checks the product
         deepspeed.deepspeed_config["train_batch_size"] = cfg.micro_batch_size * cfg.gradient_accumulation_steps * world
     # gradient_accumulation_steps stays 1: the loop accumulates itself, normalising by the step's token count
-    mesh = parallelism.mesh_for(cfg, parallelism.world_size(), distributed.enabled(cfg))  # sizes vs processes
+    mesh = mesh_for(cfg, parallelism.world_size(), distributed.enabled(cfg))  # sizes vs processes
     mesh_config = parallelism.parallelism_config(mesh)
     # with tensor parallelism transformers shards the model as it loads (FSDP included): accelerate wraps nothing
     fsdp = fsdp_plugin(cfg, runtime) if mesh is None or mesh.tp == 1 else None
