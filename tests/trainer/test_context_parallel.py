@@ -163,7 +163,7 @@ def test_context_parallel_with_tensor_parallel_under_fsdp2_trains_as_one_process
 def test_blocked_attention_is_the_dense_block_causal_attention(limit):
     """One rank's share: its local queries (the second half of a packed row) against every key, computed in
     query blocks each against only the keys it can see, equals SDPA with the collator's dense block-causal mask
-    (trainer.attention.block_causal_mask), values and gradients, with GQA and a sliding window."""
+    (trainer.batch.attention.block_causal_mask), values and gradients, with GQA and a sliding window."""
     import types
 
     import torch
