@@ -298,12 +298,12 @@ def wheel_fits(rel: FlashAttnRelease, req: Request, c: Candidate) -> bool:
     torch_mm = ".".join(c.release.version.split(".")[:2])
     py = req.python
     if rel.min_torch:
-        if Version(torch_mm) < Version(rel.min_torch):
+        if _v(torch_mm) < _v(rel.min_torch):
             return False
     elif torch_mm not in rel.torch:
         return False
     if rel.min_python:
-        if Version(py) < Version(rel.min_python):
+        if _v(py) < _v(rel.min_python):
             return False
     elif py not in rel.python:
         return False
@@ -343,10 +343,10 @@ def find_flash_attn(req: Request, m: Matrix, c: Candidate) -> None:
             c.fa_missing[impl.name] = f"{impl.package} needs CUDA >= {impl.min_cuda}, not {c.cuda}"
             continue
         fits = [r for r in releases if wheel_fits(r, req, c)]
-        found += [(Version(r.version), impl, r) for r in fits]
+        found += [(_v(r.version), impl, r) for r in fits]
         if not fits:
             which = f"{impl.package} {req.flash_attn}" if req.flash_attn else impl.package
-            newest = max(releases, key=lambda r: Version(r.version), default=None)
+            newest = max(releases, key=lambda r: _v(r.version), default=None)
             publishes = f" (its wheels: {_wheel_range(newest)})" if newest else ""
             c.fa_missing[impl.name] = (f"{which} publishes no prebuilt wheel for torch {torch_mm}+{c.variant} + "
                                        f"Python {py} + {req.platform}{publishes}; never built from source")
@@ -453,6 +453,15 @@ def attention_for(req: Request, m: Matrix, c: Candidate) -> Attention:
     """The backend a plan on this candidate names: the one asked for, else the first `auto` backend of
     attention.toml that runs here, counting torch's own varlen kernel as fast as the backend it `counts_as`
     (where both a wheel and torch itself offer the same class, torch's own wins: no extra package)."""
+    cached = getattr(c, "_attention", None)
+    if cached is not None and cached[0] is req and cached[1] is m:
+        return cached[2]
+    choice = _attention_for(req, m, c)
+    c._attention = (req, m, choice)
+    return choice
+
+
+def _attention_for(req: Request, m: Matrix, c: Candidate) -> Attention:
     gpu = req.gpu
     if req.attention:
         backend = m.backend(req.attention)
@@ -558,26 +567,43 @@ def first_failure(rules, req: Request, m: Matrix, c: Candidate) -> tuple[str, st
 
 
 PREFERENCE = ("attention", "assumed_driver", "torch", "stable", "native_driver", "cuda")
+_LAST_PREFERENCE: list = [None, None, None]  # (req, m, key): one solve asks for its key many times
+
+
+@lru_cache(maxsize=256)
+def _v(text: str) -> Version:
+    return Version(text)
 
 
 def preference(req: Request, m: Matrix):
+    if _LAST_PREFERENCE[0] is req and _LAST_PREFERENCE[1] is m:
+        return _LAST_PREFERENCE[2]
+    key = _preference(req, m)
+    _LAST_PREFERENCE[:] = [req, m, key]
+    return key
+
+
+def _preference(req: Request, m: Matrix):
     """Sort key, best last: the fastest attention the candidate runs (attention.toml's order, torch's own
     varlen kernel counted as the backend it matches; no preference when --attention names one); with the
     driver unknown, a build that runs on the driver cuda.toml assumes then; the newest torch; a stable build; a
     driver that runs the toolkit natively; then the newest CUDA the driver runs, or, driver unknown, the CUDA
     that runs on the oldest drivers. The parts are named in PREFERENCE (the reasons say which part decided)."""
-    cache: dict[int, int] = {}
+    cache: dict[int, tuple] = {}
 
     def key(c: Candidate):
-        cuda = Version(c.cuda).release if c.build else (0, 0)
-        if id(c) not in cache:
-            cache[id(c)] = 0 if req.attention else -attention_for(req, m, c).tier
-        speed = cache[id(c)]
+        if id(c) in cache:
+            return cache[id(c)][1]
+        cuda = _v(c.cuda).release if c.build else (0, 0)
+        speed = 0 if req.attention else -attention_for(req, m, c).tier
         stable = c.build is None or c.build.status == "stable"
         if req.driver is None:
-            return (speed, c.build is None or runs_on(m, c.cuda, m.assumed_driver), Version(c.release.version),
-                    stable, True, tuple(-x for x in cuda))
-        return (speed, True, Version(c.release.version), stable, c.native_driver, cuda)
+            value = (speed, c.build is None or runs_on(m, c.cuda, m.assumed_driver), _v(c.release.version),
+                     stable, True, tuple(-x for x in cuda))
+        else:
+            value = (speed, True, _v(c.release.version), stable, c.native_driver, cuda)
+        cache[id(c)] = (c, value)  # (c kept alive, so its id is not reused)
+        return value
 
     return key
 
