@@ -121,7 +121,7 @@ def test_wheelhouse_offline_install_and_doctor_on_the_gpu(tmp_path, hopper):
     code, found = doctor("--gpu", "h100")
     assert code == 1 and found["flash-attn-3"]["level"] == "error"
     assert "undefined symbol: aoti_torch_abi_version" in found["flash-attn-3"]["message"]
-    assert found["flash-attn-3"]["fix"] == f"envtool install --gpu auto --venv {venv}"
+    assert found["flash-attn-3"]["fix"] == f"envtool install --gpu h100 --driver 580.65.06 --venv {venv}"
     # the same environment on an A100: FA3 is Hopper-only
     code, found = doctor("--gpu", "a100")
     assert code == 1 and "cannot run FlashAttention-3 (needs sm_90 only)" in found["flash-attn-3"]["message"]
