@@ -670,6 +670,8 @@ app.add_typer(matrix_app)
 
 _PYPI_HELP = "PyPI-compatible index to read (default: $ENVTOOL_PYPI_URL, else https://pypi.org)."
 _DIR_HELP = "The matrices directory (default: $ENVTOOL_MATRIX_DIR, else the installed matrices/)."
+_TORCH_INDEX_HELP = ("torch index template with {variant} (default: $ENVTOOL_TORCH_INDEX_URL, else torch.toml's "
+                     "index_url); flash-attn-3's wheels are read from the same index.")
 
 
 @matrix_app.command("update")
@@ -678,13 +680,16 @@ def matrix_update(
     check: bool = typer.Option(False, "--check", help="Write nothing; exit 1 when the matrices are stale."),
     json_out: bool = typer.Option(False, "--json", help="Print the changes as JSON."),
     pypi_url: Optional[str] = typer.Option(None, "--pypi-url", help=_PYPI_HELP),
+    torch_index_url: Optional[str] = typer.Option(None, "--torch-index-url", help=_TORCH_INDEX_HELP),
     matrix_dir: Optional[Path] = typer.Option(None, "--matrix-dir", help=_DIR_HELP),
 ) -> None:
     """Regenerate what PyPI metadata states (torch releases, Python ranges, triton pins; xformers' torch pins;
-    the training stack's newest versions), print the diff, and write it after the schema check."""
+    the training stack's newest versions; new kernels releases) and where the PyTorch index holds flash-attn-3
+    (its variant folders and platforms), print the diff, and write it after the schema check."""
     from .update import command
 
-    raise typer.Exit(command(check=check, json_out=json_out, pypi_url=pypi_url, matrix_dir=matrix_dir))
+    raise typer.Exit(command(check=check, json_out=json_out, pypi_url=pypi_url, matrix_dir=matrix_dir,
+                             torch_index_url=torch_index_url))
 
 
 @matrix_app.command("verify")
@@ -692,9 +697,7 @@ def matrix_update(
 def matrix_verify(
     json_out: bool = typer.Option(False, "--json", help="Print the result as JSON."),
     pypi_url: Optional[str] = typer.Option(None, "--pypi-url", help=_PYPI_HELP),
-    torch_index_url: Optional[str] = typer.Option(
-        None, "--torch-index-url", help="torch index template with {variant} (default: $ENVTOOL_TORCH_INDEX_URL, "
-        "else torch.toml's index_url)."),
+    torch_index_url: Optional[str] = typer.Option(None, "--torch-index-url", help=_TORCH_INDEX_HELP),
     flash_attn_url: Optional[str] = typer.Option(
         None, "--flash-attn-url", help="flash-attn wheel URL template with {version} and {filename} (default: "
         "$ENVTOOL_FLASH_ATTN_URL, else flash_attn.toml's wheel_url)."),

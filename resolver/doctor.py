@@ -17,7 +17,7 @@ from typing import NamedTuple
 from . import DISTRIBUTION
 from .errors import BadInput
 from .hardware import GpuSpec
-from matrices.catalog import backend_runs_on
+from matrices.catalog import backend_range, backend_runs_on
 
 from .matrix import Matrix, cc_tuple
 from .solve import runs_on
@@ -44,6 +44,21 @@ except Exception as e:  # a broken torch is a finding, not a crash
     info["torch"] = {"error": f"{type(e).__name__}: {e}"}
 plan = Path(sys.prefix) / "plan.json"
 info["plan"] = json.loads(plan.read_text()) if plan.is_file() else None
+# compiled attention kernels load their CUDA code at import: try them only where torch sees a GPU
+info["imports"] = {}
+try:
+    on_gpu = bool(info["torch"].get("cuda")) and torch.cuda.is_available()
+except Exception:
+    on_gpu = False
+for module, package in (("flash_attn_interface", "flash-attn-3"),):
+    if info["packages"].get(package):
+        info["imports"][module] = None
+        if on_gpu:
+            try:
+                __import__(module)
+                info["imports"][module] = "ok"
+            except Exception as e:
+                info["imports"][module] = f"{type(e).__name__}: {e}"
 print(json.dumps(info))
 """.replace("__DISTRIBUTION__", repr(DISTRIBUTION))
 
@@ -142,6 +157,10 @@ def diagnose(info: dict, gpu: GpuSpec, driver: str | None, m: Matrix, venv: str,
         add(Finding("error", "flash-attn", f"flash-attn {fa} is installed but {gpu.describe()} cannot run it "
                     f"('FlashAttention only supports Ampere GPUs or newer'); the plan for this GPU uses SDPA", fix))
 
+    fa3 = packages.get("flash-attn-3")
+    if fa3:
+        findings.extend(flash_attn_3_findings(info, fa3, gpu, m, fix))
+
     triton = packages.get("triton")
     plan = info.get("plan") or {}
     support = next(iter(m.triton_support), None)
@@ -160,6 +179,25 @@ def diagnose(info: dict, gpu: GpuSpec, driver: str | None, m: Matrix, venv: str,
         planned = f"sm_{planned_cc.replace('.', '')}" if planned_cc else "CPU"
         add(Finding("warning", "plan", f"the environment was planned for {planned}, this machine is {gpu.sm}", fix))
     return findings
+
+
+def flash_attn_3_findings(info: dict, version: str, gpu: GpuSpec, m: Matrix, fix: str) -> list[Finding]:
+    """flash-attn-3 installed: the GPU must run it (attention.toml), and on the GPU `flash_attn_interface` must
+    import (its compiled kernels load torch's stable-ABI symbols: a torch older than the wheel's target fails
+    here, with 'undefined symbol: aoti_torch_...')."""
+    backend = m.backend(m.flash_attn_impl("fa3").attention)
+    if not backend_runs_on(backend, gpu.compute_capability):
+        return [Finding("error", "flash-attn-3", f"flash-attn-3 {version} is installed but {gpu.describe()} cannot run "
+                        f"FlashAttention-3 (needs {backend_range(backend)}); the plan for this GPU uses another "
+                        f"attention", fix)]
+    result = (info.get("imports") or {}).get("flash_attn_interface")
+    if result == "ok":
+        return [Finding("ok", "flash-attn-3", f"flash-attn-3 {version}: flash_attn_interface imports on the GPU")]
+    if result is None:
+        return [Finding("warning", "flash-attn-3", f"flash-attn-3 {version} is installed; flash_attn_interface was not "
+                        f"imported, since torch sees no CUDA device here")]
+    return [Finding("error", "flash-attn-3", f"flash-attn-3 {version} is installed but flash_attn_interface does not "
+                    f"import on the GPU: {result}", fix)]
 
 
 def report(findings: list[Finding]) -> dict:

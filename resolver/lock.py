@@ -51,7 +51,11 @@ def with_sources(plan: Plan, sources: Sources) -> Plan:
     """The plan as this lock will install it: --torch-index replaces the PyTorch index it names."""
     if not sources.torch_index:
         return plan
-    return plan._replace(torch=plan.torch._replace(index_url=sources.torch_index.format(variant=plan.torch.variant)))
+    index = sources.torch_index.format(variant=plan.torch.variant)
+    fa = plan.flash_attn
+    if fa is not None and fa.index_url == plan.torch.index_url:  # flash-attn-3 lives on the torch index: follow it
+        fa = fa._replace(index_url=index, wheel_url=f"{index.rstrip('/')}/{fa.filename}")
+    return plan._replace(torch=plan.torch._replace(index_url=index), flash_attn=fa)
 
 
 def pyproject_text(plan: Plan, sources: Sources, envtool_wheel: str, no_build: list[str]) -> str:
@@ -87,14 +91,21 @@ def pyproject_text(plan: Plan, sources: Sources, envtool_wheel: str, no_build: l
         indexes.append(("default", sources.index_url, "default = true"))
     indexes += [(f"extra-{i + 1}", url, None) for i, url in enumerate(sources.extra_index_urls)]
     indexes.append((f"pytorch-{plan.torch.variant}", torch_index, "explicit = true"))
+    fa = plan.flash_attn
+    fa_index = f"pytorch-{plan.torch.variant}"  # an index-hosted wheel (flash-attn-3) comes from the torch index
+    if fa is not None and fa.index_url and fa.index_url != torch_index:
+        fa_index = f"{fa.package}-index"
+        indexes.append((fa_index, fa.index_url, "explicit = true"))
     for name, url, flag in indexes:
         lines += ["", "[[tool.uv.index]]", f'name = "{name}"', f"url = {json.dumps(url)}"]
         if flag:
             lines.append(flag)
     lines += ["", "[tool.uv.sources]", f'torch = {{ index = "pytorch-{plan.torch.variant}" }}',
               f'{DISTRIBUTION} = {{ path = "wheels/{envtool_wheel}" }}']
-    if plan.flash_attn:
-        lines.append(f"{plan.flash_attn.package} = {wheel_source(plan.flash_attn.wheel_url)}")
+    if fa is not None and fa.index_url:
+        lines.append(f'{fa.package} = {{ index = "{fa_index}" }}')
+    elif fa is not None:
+        lines.append(f"{fa.package} = {wheel_source(fa.wheel_url)}")
     return "\n".join(lines) + "\n"
 
 
@@ -125,6 +136,10 @@ def lock(plan: Plan, out: Path, sources: Sources, m: Matrix, quiet: bool = False
         try:
             run_uv(["lock", "--project", str(staging)], what="Locking with uv", env=env, quiet=quiet)
         except MissingWheel as e:
+            fa = plan.flash_attn
+            if fa is not None and fa.index_url and e.name == fa.package:
+                e.args = (f"{e}: {fa.index_url} lists no {fa.filename} (`envtool resolve --no-flash-attn` plans "
+                          f"without it)",)
             nearest = nearest_wheels(plan, sources, e.name, e.version)
             if nearest:
                 e.args = (f"{e}; nearest published: {', '.join(nearest)}",)
@@ -154,8 +169,8 @@ def nearest_wheels(plan: Plan, sources: Sources, name: str, version: str | None)
     import requests
     from packaging.version import InvalidVersion, Version
 
-    if name == "torch":
-        index = plan.torch.index_url
+    if name == "torch" or (plan.flash_attn and plan.flash_attn.index_url and name == plan.flash_attn.package):
+        index = plan.torch.index_url if name == "torch" else plan.flash_attn.index_url
     else:
         index = sources.index_url or "https://pypi.org/simple/"
     project = re.sub(r"[-_.]+", "-", name).lower()

@@ -26,8 +26,14 @@ def plan_table(plan: Plan, explain: bool = False, console: Console | None = None
                   else "unknown (pass --driver)")
     table.add_row("python", f"{plan.python} · {plan.platform}")
     table.add_row("attention", plan.attention)
+    packing = "varlen (cu_seqlens, no mask)" if plan.packing == "varlen" else "mask (block-diagonal)"
+    if plan.mask_without_cudnn:
+        packing += "; masked SDPA calls without cuDNN"
+    table.add_row("packing", packing)
     if plan.flash_attn:
-        table.add_row("flash-attn", plan.flash_attn.wheel_url)
+        where = f"  (from the index {plan.flash_attn.index_url})" if plan.flash_attn.index_url else ""
+        table.add_row("flash-attn", f"{plan.flash_attn.wheel_url}{where}" if not where
+                      else f"{plan.flash_attn.package}=={plan.flash_attn.version}{where}")
     table.add_row("precision", plan.precision)
     kernels = "on" if plan.features["torch_compile"] else "off"
     table.add_row("triton", f"{plan.triton or '-'} (torch.compile / liger kernels: {kernels})")

@@ -223,6 +223,19 @@ def torch_standin(directory: Path, version: str, variant: str, arch_list: list[s
     return make_wheel(directory, "torch", f"{version}+{variant}", tag=LINUX_CP311, requires=requires, files=files)
 
 
+def fa3_standin(directory: Path, filename: str) -> Path:
+    """flash_attn_3 as download.pytorch.org serves it (flash_attn_3-3.0.0-cp39-abi3-manylinux_2_28_x86_64.whl):
+    its Requires-Dist (hopper/setup.py install_requires) and its modules: `flash_attn_interface`, which loads
+    the compiled `flash_attn_3._C` (a stand-in here; the real one needs a GPU)."""
+    _, version, tag = filename.removesuffix(".whl").split("-", 2)
+    return make_wheel(directory, "flash_attn_3", version, tag=tag, requires=["torch", "einops", "packaging", "ninja"],
+                      files={"flash_attn_interface.py": "import flash_attn_3._C as _C\n\n"
+                                                        "def flash_attn_varlen_func(*args, **kwargs):\n"
+                                                        "    return _C.fwd(*args, **kwargs)\n",
+                             "flash_attn_3/__init__.py": f'__version__ = "{version}"\n',
+                             "flash_attn_3/_C.py": "def fwd(*args, **kwargs):\n    raise RuntimeError('no GPU')\n"})
+
+
 def standins(plan: dict, directory: Path, sass: list[str]) -> dict[str, Path]:
     """Small wheels for every package of the plan that is big or CUDA-specific, with the plan's versions."""
     made = {}
@@ -234,6 +247,10 @@ def standins(plan: dict, directory: Path, sass: list[str]) -> dict[str, Path]:
             fa = plan["flash_attn"]
             made[name] = make_wheel(directory / "fa", "flash_attn", fa["filename"].split("-")[1],
                                     tag=fa["filename"].split("-", 2)[2].removesuffix(".whl"))
+            assert made[name].name == fa["filename"], made[name].name
+        elif name == "flash-attn-3":  # shaped like PyTorch's: abi3 tag, manylinux platform, its metadata
+            fa = plan["flash_attn"]
+            made[name] = fa3_standin(directory / "fa3", fa["filename"])
             assert made[name].name == fa["filename"], made[name].name
         elif name in ("triton", "bitsandbytes", "deepspeed", "xformers"):
             made[name] = make_wheel(directory, name, version, tag=LINUX_CP311 if name == "triton" else "py3-none-any")
@@ -252,9 +269,11 @@ def build_indexes(root: Path, plan: dict, sass: list[str], *, serve_flash_attn: 
         made["torch"] = real_torch
     replaced = {normalize(n) for n in made}
     mirror = [w for w in sorted(MIRROR.glob("*.whl")) if project_of(w.name) not in replaced]
-    pypi = mirror + [w for n, w in made.items() if n not in ("torch", "flash-attn")] + list(extra_pypi)
+    pypi = mirror + [w for n, w in made.items() if n not in ("torch", "flash-attn", "flash-attn-3")] + list(extra_pypi)
     write_simple_index(root, "pypi", pypi, style="local" if on_disk else "pypi")
-    write_simple_index(root, f"torch/{plan['torch']['variant']}", [made["torch"]],
+    # flash-attn-3 is on the PyTorch index, in the torch build's variant folder
+    torch_index = [made["torch"]] + ([made["flash-attn-3"]] if serve_flash_attn and "flash-attn-3" in made else [])
+    write_simple_index(root, f"torch/{plan['torch']['variant']}", torch_index,
                        style="local" if on_disk else "pytorch")
     if serve_flash_attn and "flash-attn" in made:
         fa = plan["flash_attn"]
