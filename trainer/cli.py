@@ -26,7 +26,9 @@ def _setup(args, gpu: str | None = None):
 
 
 def cmd_validate(args) -> int:
-    from trainer import distributed, optim, quantization
+    from trainer.model import quantization
+    from trainer.optim import optimizers
+    from trainer.parallel import distributed
 
     cfg, notes, runtime = _setup(args, args.gpu)
     if args.json:
@@ -45,7 +47,7 @@ def cmd_validate(args) -> int:
               quantization.mode(cfg) or "", ""))
     if cfg.reinit_weights:
         print("  weights:    fresh, from the model's config and the seed (reinit_weights)")
-    print(f"  optimizer:  {cfg.optimizer} ({optim.check(cfg.optimizer)['library']})")
+    print(f"  optimizer:  {cfg.optimizer} ({optimizers.check(cfg.optimizer)['library']})")
     if cfg.qat is not None:
         print(f"  qat:        {cfg.qat.describe()} (torchao fake quantization; plain layers again at the end)")
     if distributed.enabled(cfg) or cfg.deepspeed:
@@ -55,7 +57,7 @@ def cmd_validate(args) -> int:
 
         print(f"  launcher:   {ray_launch.describe(cfg, runtime)}")
     if cfg.streamed:
-        from trainer.streaming import describe
+        from trainer.data.streaming import describe
 
         print(f"  data:       {describe(cfg)}")
     if cfg.rl == "ebft":
@@ -72,7 +74,7 @@ def cmd_validate(args) -> int:
                      else "reference-free")
         print(f"  objective:  {cfg.objective} (beta {cfg.beta:g}; {reference})")
     if cfg.objective in ("reward", "prm"):
-        from trainer.reward_data import num_labels
+        from trainer.config.rl import num_labels
 
         print(f"  objective:  {cfg.objective} ({'sequence' if cfg.objective == 'reward' else 'token'} classification, "
               f"num_labels {num_labels(cfg)})")
@@ -88,7 +90,8 @@ def cmd_validate(args) -> int:
 
 def cmd_preprocess(args) -> int:
     from trainer.config import load_config
-    from trainer.data import load_tokenizer, prepare
+    from trainer.data.prepare import load_tokenizer
+    from trainer.objectives import prepare
 
     cfg, _ = load_config(args.config)
     if cfg.streamed:
@@ -128,11 +131,12 @@ def cmd_evaluate(args) -> int:
 
     import torch
 
-    from trainer.collate import Collator
-    from trainer.data import load_tokenizer, prepare
+    from trainer.batch.collate import Collator
+    from trainer.data.prepare import load_tokenizer
     from trainer.errors import ConfigError
-    from trainer.evaluate import evaluate
-    from trainer.model import load_trained
+    from trainer.model.load import load_trained
+    from trainer.objectives import prepare
+    from trainer.objectives.evaluate import evaluate
 
     cfg, _, runtime = _setup(args)
     if cfg.streamed:
@@ -148,8 +152,8 @@ def cmd_evaluate(args) -> int:
     if cfg.objective != "sft" or cfg.use_eaft or cfg.diffusion is not None:  # the objective's loss and metrics
         # (preference: against the cached reference log-probs; reward models, use_eaft and diffusion: their own losses)
         from trainer import objectives
-        from trainer.model import load_model
-        from trainer.reference import reference_logps
+        from trainer.model.load import load_model
+        from trainer.objectives.reference import reference_logps
 
         objective = objectives.build(cfg, collator, None)
         kwargs = {}
@@ -174,7 +178,7 @@ def cmd_evaluate(args) -> int:
 
 
 def cmd_make_tiny_model(args) -> int:
-    from trainer.tiny import make_tiny_model
+    from trainer.model.tiny import make_tiny_model
 
     path = make_tiny_model(args.dir, family=args.family, seed=args.seed)
     print(f"wrote a tiny {args.family} model and tokenizer to {path}")

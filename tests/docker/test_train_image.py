@@ -20,7 +20,7 @@ CPU = ["--gpu", "cpu", "--torch", "2.13", "--python", "3.11", "--platform", "x86
 
 
 def test_train_in_the_plans_image(tmp_path, docker_host, docker_client):
-    from trainer.tiny import make_tiny_model
+    from trainer.model.tiny import make_tiny_model
 
     plan, built = build_image(tmp_path / "build", docker_host, CPU, next(MIRROR.glob("torch-2.13.0+cpu-*.whl")))
     work = tmp_path / "work"

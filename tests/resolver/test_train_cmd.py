@@ -24,7 +24,7 @@ CPU = ["--gpu", "cpu"]
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
-    from trainer.tiny import make_tiny_model
+    from trainer.model.tiny import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny-model"), family="llama", seed=0)
 

@@ -1,0 +1,256 @@
+"""Which GPU we train on, and what the config's attention and precision become on it.
+
+The GPU comes from, in order: ``validate --gpu NAME`` / ``--plan``, the plan envtool wrote (found by the one
+rule in trainer/runtime/planfile.py), or torch's own probe. The facts (GPU catalog, architectures, attention backends)
+are matrices/' rows, read through trainer/facts.py; each change carries its reason so ``validate`` can explain it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import asdict, dataclass, field
+
+from matrices import catalog
+from trainer import facts
+from trainer.config import Config
+from trainer.errors import ConfigError, HardwareError
+from trainer.runtime.planfile import find_plan, read_plan  # noqa: F401 (the one rule for finding the plan)
+
+# Every fact below comes from matrices/ (gpus.toml, archs.toml, attention.toml), the same files the resolver
+# reads: the GPU catalog, what each architecture can do, and which attention backends run where.
+
+
+def _arch(cc: str | None) -> dict | None:
+    """The archs.toml row for a compute capability (nearest lower minor of its major), or None."""
+    return None if cc is None else catalog.arch_for(cc, facts.rows("archs", "arch"))
+
+
+def attention_backends() -> list[dict]:
+    """attention.toml's rows, best first."""
+    return facts.rows("attention", "backend")
+
+
+def attention_backend(name: str) -> dict | None:
+    return next((b for b in attention_backends() if b["name"] == name), None)
+
+
+def packing(transformers_name: str) -> str:
+    """How packed sequences are kept apart for the backend transformers runs under this name (attention.toml's
+    packing column: position_ids, row_position_ids, bool_mask or float_mask)."""
+    row = next((b for b in attention_backends() if b["transformers"] == transformers_name), {})
+    return row.get("packing", "bool_mask")
+
+
+@dataclass
+class Gpu:
+    name: str
+    compute_capability: str | None  # "7.5"; None on CPU
+    count: int = 1
+    source: str = "probe"
+
+    @property
+    def cc(self) -> tuple[int, int] | None:
+        if self.compute_capability is None:
+            return None
+        major, minor = self.compute_capability.split(".")
+        return int(major), int(minor)
+
+    @property
+    def arch(self) -> str:
+        if self.cc is None:
+            return "cpu"
+        row = _arch(self.compute_capability)
+        return row["name"] if row else f"sm_{self.cc[0]}{self.cc[1]}"
+
+    def has(self, feature: str) -> bool:
+        """An archs.toml capability column ('bf16', 'tf32', 'fp8', 'tensor_cores'); False on CPU or for a
+        compute capability the matrix does not know."""
+        row = _arch(self.compute_capability)
+        return bool(row and row.get(feature, False))
+
+    def describe(self) -> str:
+        if self.cc is None:
+            return f"{self.name} (no GPU)"
+        return f"{self.name} (sm_{self.cc[0]}{self.cc[1]}, {self.arch})"
+
+
+@dataclass
+class Runtime:
+    """What the trainer will actually use, with the reason for every change from the config."""
+
+    gpu: Gpu
+    attention: str
+    precision: str  # bf16 | fp16 | fp32
+    tf32: bool
+    changes: list[str] = field(default_factory=list)
+
+    @property
+    def device(self) -> str:
+        return "cpu" if self.gpu.cc is None else "cuda"
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["gpu"]["arch"] = self.gpu.arch
+        d["device"] = self.device
+        return d
+
+
+def gpu_from_name(name: str) -> Gpu:
+    """'t4', 'A100', 'NVIDIA H100 80GB HBM3', 'sm_75', '7.5', 'cpu' -> Gpu, by the catalog in gpus.toml."""
+    if catalog.normalize_name(name) in ("cpu", "none"):
+        return Gpu(name="cpu", compute_capability=None, count=0, source="--gpu")
+    cc = catalog.cc_from_text(name)
+    if cc is not None:
+        return Gpu(name=name, compute_capability=cc, source="--gpu")
+    row = catalog.find_gpu(name, facts.rows("gpus", "gpu"))
+    if row is not None:
+        return Gpu(name=row["name"], compute_capability=row["compute_capability"], source="--gpu")
+    import difflib
+
+    aliases = sorted({catalog.normalize_name(a) for g in facts.rows("gpus", "gpu") for a in g["aliases"]})
+    close = difflib.get_close_matches(catalog.normalize_name(name), aliases, n=3, cutoff=0.5)
+    hint = f"; did you mean {', '.join(close)}?" if close else ""
+    raise ConfigError(f"unknown GPU '{name}'{hint} (the catalog is matrices/gpus.toml, `envtool gpus` lists it; "
+                      f"or give a compute capability like sm_75 or 7.5)")
+
+
+def gpu_from_plan(plan: dict, source: str) -> Gpu:
+    g = plan["gpu"]
+    return Gpu(name=g.get("name") or "gpu", compute_capability=g.get("compute_capability"),
+               count=int(g.get("count") or 1), source=source)
+
+
+def probe_gpu() -> Gpu:
+    """Ask torch. Compute capability decides bf16 — never torch.cuda.is_bf16_supported(), which says
+    True on T4/V100 because it counts emulation."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return Gpu(name="cpu", compute_capability=None, count=0, source="torch probe")
+    major, minor = torch.cuda.get_device_capability()
+    return Gpu(name=torch.cuda.get_device_name(), compute_capability=f"{major}.{minor}",
+               count=torch.cuda.device_count(), source="torch probe")
+
+
+def _bf16_floor() -> str:
+    """'sm_80': the oldest architecture with native bf16 (archs.toml)."""
+    ccs = [catalog.cc_tuple(a["compute_capability"]) for a in facts.rows("archs", "arch") if a["bf16"]]
+    major, minor = min(ccs)
+    return f"sm_{major}{minor}"
+
+
+def resolve_attention(cfg: Config, gpu: Gpu, plan: dict | None, changes: list[str]) -> str:
+    """The attn_implementation transformers gets: what the config asks for, else what the plan chose, else the
+    best backend attention.toml lists for this GPU; anything that cannot run here falls back with a reason."""
+    requested = cfg.requested_attention
+    if requested is None and plan and plan.get("attention"):
+        requested = plan["attention"]
+        changes.append(f"attention: {requested} (chosen by the plan)")
+    if requested is None:
+        backend = _best_available(gpu, plan)
+        changes.append(f"attention: {backend['name']} (not set; best available on {gpu.describe()})")
+        return backend["transformers"]
+    backend = attention_backend(requested)
+    if backend is None:
+        known = ", ".join(b["name"] for b in attention_backends())
+        raise ConfigError(f"attention backend {requested!r} is not one of {known} (matrices/attention.toml)")
+    why = None
+    if not catalog.backend_runs_on(backend, gpu.compute_capability):
+        why = (f"{requested} needs a CUDA GPU; running on CPU" if gpu.cc is None else
+               f"{requested} needs {catalog.backend_range(backend)}; {gpu.describe()} is outside that")
+    elif not _available(backend, plan, gpu):
+        why = (f"the plan has no {backend['module'].replace('_', '-')} wheel" if plan is not None
+               else f"module {backend['module']} is not installed")
+    if why:
+        fallback = _best_available(gpu, plan)
+        changes.append(f"attention: {requested} -> {fallback['transformers']} ({why})")
+        return fallback["transformers"]
+    if backend["transformers"] != requested:
+        changes.append(f"attention: {requested} -> {backend['transformers']} ({backend.get('note', '')})")
+    return backend["transformers"]
+
+
+def _best_available(gpu: Gpu, plan: dict | None) -> dict:
+    """The first automatic backend (attention.toml order) that runs on this GPU and is installed."""
+    for backend in attention_backends():
+        if backend["auto"] and catalog.backend_runs_on(backend, gpu.compute_capability) \
+                and _available(backend, plan, gpu):
+            return backend
+    raise HardwareError(f"no attention backend in matrices/attention.toml runs on {gpu.describe()}")
+
+
+def _available(backend: dict, plan: dict | None, gpu: Gpu) -> bool:
+    """Is the backend's module there? The plan says (it installs the backend it names, with its wheel); for
+    `--gpu NAME` (another machine) assume the environment envtool builds for that GPU has it; otherwise look in
+    this environment."""
+    module = backend.get("module")
+    if module is None:
+        return True
+    if plan is not None:
+        return plan.get("attention") == backend["name"]
+    if gpu.source == "--gpu":
+        return True
+    return importlib.util.find_spec(module) is not None
+
+
+def resolve_precision(cfg: Config, gpu: Gpu, plan: dict | None, changes: list[str]) -> str:
+    native_bf16 = gpu.has("bf16")
+    if cfg.bf16 is True:
+        if gpu.cc is not None and not native_bf16:
+            raise HardwareError(
+                f"bf16: true needs native bf16 ({_bf16_floor()}+, Ampere or newer) but {gpu.describe()} "
+                f"only emulates it; set bf16: auto (fp16 with loss scaling) or fp16: true")
+        return "bf16"
+    if cfg.fp16:
+        if gpu.cc is None:
+            raise HardwareError("fp16: true needs a CUDA GPU (fp16 autocast with loss scaling); on CPU use bf16: auto (fp32)")
+        if native_bf16:
+            changes.append(f"precision: fp16 as set; {gpu.describe()} has native bf16, which bf16: auto would pick "
+                           "(no loss scaling, wider range)")
+        return "fp16"
+    if cfg.bf16 == "auto":
+        if plan and plan.get("precision") in ("bf16", "fp16", "fp32") and not (plan["precision"] == "bf16" and not native_bf16):
+            choice, why = plan["precision"], "chosen by the plan"
+        elif gpu.cc is None:
+            choice, why = "fp32", "no GPU: CPU trains in fp32"
+        elif native_bf16:
+            choice, why = "bf16", f"{gpu.describe()} has native bf16"
+        else:
+            choice, why = "fp16", f"{gpu.describe()} has no native bf16; fp16 with dynamic loss scaling"
+        changes.append(f"precision: bf16: auto -> {choice} ({why})")
+        return choice
+    return "fp32"  # bf16: false and fp16 unset
+
+
+def resolve_tf32(cfg: Config, gpu: Gpu, changes: list[str]) -> bool:
+    """TF32 tensor-core math arrived with bf16 (Ampere): archs.toml's bf16 column says both."""
+    capable = gpu.has("bf16")
+    if cfg.tf32 == "auto":
+        return capable
+    if cfg.tf32 and not capable:
+        changes.append(f"tf32: true -> false (tf32 needs {_bf16_floor()}+; {gpu.describe()} has none)")
+        return False
+    return bool(cfg.tf32)
+
+
+def adapt(cfg: Config, gpu: Gpu, plan: dict | None = None) -> Runtime:
+    """Resolve attention, precision and tf32 for this GPU; raise HardwareError for impossible requests."""
+    changes: list[str] = []
+    attention = resolve_attention(cfg, gpu, plan, changes)
+    precision = resolve_precision(cfg, gpu, plan, changes)
+    tf32 = resolve_tf32(cfg, gpu, changes)
+    return Runtime(gpu=gpu, attention=attention, precision=precision, tf32=tf32, changes=changes)
+
+
+def detect(gpu_name: str | None = None, plan_path: str | None = None) -> tuple[Gpu, dict | None]:
+    """The GPU to plan for: --gpu, then --plan, then ENVTOOL_PLAN/./plan.json, then torch."""
+    if gpu_name:
+        return gpu_from_name(gpu_name), None
+    if plan_path:
+        plan = read_plan(plan_path)
+        return gpu_from_plan(plan, f"--plan {plan_path}"), plan
+    found = find_plan()
+    if found:
+        plan, source = found
+        return gpu_from_plan(plan, source), plan
+    return probe_gpu(), None
