@@ -14,7 +14,7 @@ from pathlib import Path
 
 from .errors import BadInput
 from .files import write_atomic
-from .pipeline import Distribution, Launch, default_nproc
+from .launch import Distribution, Launch, default_nproc
 from .plan import Plan
 
 HF_HOME = "/home/trainer/.cache/huggingface"  # the image's HF_HOME (dockerfiles/Dockerfile.j2)
@@ -22,11 +22,7 @@ RDZV_PORT = 29500
 
 
 def render(kind: str, plan: Plan, launch: Launch, config: Path, dist: Distribution) -> str:
-    from .pipeline import config_pins
-
-    if config_pins(config).ray_workers is not None:
-        raise BadInput(f"--emit {kind}: {config} sets use_ray, which starts its workers through a local Ray cluster; "
-                       "these launchers run torchrun: set use_ray: false for them")
+    """The launcher for a config resolver/launch.py has read and checked (use_ray configs are refused there)."""
     if kind == "slurm":
         return sbatch(plan, launch, config, dist)
     return pytorchjob(plan, launch, config, dist)

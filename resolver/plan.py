@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 PLAN_FILE = "plan.json"  # the one name of a plan on disk: lock directories, environments, images
-PLAN_VERSION = "1.0"
+PLAN_VERSION = "1.1"  # 1.1: `pinned` (choices set on the command line, which win over a trainer config)
 
 
 class TorchChoice(NamedTuple):
@@ -57,12 +57,17 @@ class Plan(NamedTuple):
     matrix_version: str
     target: str  # what the user asked for: "t4", "auto", "sm_80"
     rejected: list[Rejected] = []
+    # Choices set on the command line, each with the option that set it ({"attention": "--attention sdpa"}): the
+    # trainer follows them over its config, as a command-line option wins. Written only when there is one.
+    pinned: dict[str, str] = {}
     plan_version: str = PLAN_VERSION
 
     def to_dict(self, explain: bool = False) -> dict:
         data = _plain(self)
         if not explain:
             data.pop("rejected")
+        if not data["pinned"]:
+            data.pop("pinned")
         return data
 
     def to_json(self, explain: bool = False) -> str:
