@@ -116,15 +116,15 @@ def _attention_plan(cfg, config: Path, opts: PlanOptions) -> Plan:
     ask = None  # the config's backend, asked of the solver
     if opts.attention:
         if asked and asked != opts.attention:
-            why = f"{opts.attention}: --attention wins over {key} in {config}"
+            why = f"{opts.attention}: --attention {opts.attention} wins over {key} in {config}"
         elif off and opts.attention in flash:
-            why = f"{opts.attention}: --attention wins over flash_attention: false in {config}"
+            why = f"{opts.attention}: --attention {opts.attention} wins over flash_attention: false in {config}"
     elif opts.no_flash_attn and asked in flash:
         why = f"--no-flash-attn wins over {key} in {config}"
     elif asked:
         backend = m.backend(asked) if asked in {b.name for b in m.attention} else None
-        if backend is not None and backend.transformers == backend.name:  # (xformers runs as sdpa: nothing to pin)
-            ask = asked
+        if backend is not None:  # the backend transformers will run for it (xformers: sdpa, nothing to install)
+            ask = backend.transformers if backend.transformers in {b.name for b in m.attention} else asked
     elif off:
         opts = opts._replace(no_flash_attn=True)
         why = f"no flash-attn: flash_attention: false in {config}"
@@ -530,6 +530,8 @@ def run_torchrun(command: list[str], env: dict, stdout) -> int:
 
     from trainer.errors import ERROR_DIR_ENV
 
+    # torchrun sets OMP_NUM_THREADS=1 for its workers when it is unset, with a 3-line banner saying so: the same, quietly
+    env = {"OMP_NUM_THREADS": "1", **env}
     with tempfile.TemporaryDirectory(prefix="envtool-run-") as folder:
         proc = subprocess.Popen(command, env={**env, ERROR_DIR_ENV: folder}, stdout=stdout, stderr=subprocess.PIPE)
         held: list[str] = []

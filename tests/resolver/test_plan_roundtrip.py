@@ -36,7 +36,7 @@ def test_every_plan_reads_back_equal_with_its_types(plans):
 
 def test_plan_version_is_written_and_an_unknown_major_is_a_clear_error(plans):
     data = plans[0].to_dict()
-    assert data["plan_version"] == PLAN_VERSION == "1.0"
+    assert data["plan_version"] == PLAN_VERSION == "1.1"
     newer_minor = {**data, "plan_version": "1.7", "a_field_from_the_future": 1}
     newer_minor["torch"] = {**newer_minor["torch"], "another": "field"}
     assert Plan.from_dict(newer_minor) == plans[0]  # minor: new fields ignored
