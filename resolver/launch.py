@@ -504,7 +504,9 @@ def run(launch: Launch, plan: Plan, *, hf_cache: Path | None = None, shm_size: s
         return docker_run(launch.path, launch.command, gpus=gpus, shm_size=shm_size, hf_cache=hf_cache,
                           env_names=[], volumes=[f"{Path.cwd()}:/work"], workdir="/work",
                           network_mode="host" if "--rdzv-backend=c10d" in launch.command else None)
-    env = {**os.environ, **launch.env}
+    from trainer.errors import ERROR_DIR_ENV
+
+    env = {k: v for k, v in {**os.environ, **launch.env}.items() if k != ERROR_DIR_ENV}  # one process prints its own
     stdout = sys.stderr if stdout_to_stderr else None
     try:
         if "torch.distributed.run" in launch.command:
