@@ -133,7 +133,7 @@ def _attention_plan(cfg, config: Path, opts: PlanOptions) -> Plan:
     else:
         try:
             plan = one_plan(opts._replace(attention=ask))
-            why = f"{plan.attention}: as {key} in {config} asks"
+            why = f"as {key} in {config} asks" + (f"; transformers runs {ask} for {asked}" if ask != asked else "")
         except Unsatisfiable as e:
             plan = one_plan(opts)  # the request was the obstacle, or this raises the real one
             backend = m.backend(ask)
@@ -142,17 +142,22 @@ def _attention_plan(cfg, config: Path, opts: PlanOptions) -> Plan:
                 where = "the CPU" if gpu["compute_capability"] is None else \
                     f"{gpu['name']} (sm_{gpu['compute_capability'].replace('.', '')})"
                 cause = f"{ask} needs {backend_range(backend)}; {where} is outside that"
-            else:
-                cause = str(e)
+            else:  # the solver's words, less its command-line framing ("--attention X with GPU: ...; use ...")
+                cause = re.sub(r"; use --attention \S+$", "", re.sub(r"^--attention \S+ with [^:]+: ", "", str(e)))
             why = f"{key} in {config} -> {plan.attention}: {cause}; the fastest attention that runs here"
     reasons = list(plan.reasons)
-    if why:  # beside the solver's attention reason, whose wording is the command line's: say what the config did
+    if why:  # the solver's attention reason speaks of the command line: say what the config did, in it or beside it
         at = next((i for i, r in enumerate(reasons) if r.startswith((f"{plan.attention}:", f"{plan.attention} ("))),
                   None)
-        if at is not None and not pins:
-            reasons[at] = reasons[at].replace(f"(--attention {plan.attention}", f"({key} in {config}").replace(
-                "turned off by --no-flash-attn", f"turned off by flash_attention: false in {config}")
-        reasons.insert(len(reasons) if at is None else at + 1, why)
+        said = reasons[at] if at is not None else ""
+        if why.startswith("as ") and f"(--attention {plan.attention}" in said:
+            reasons[at] = said.replace(f"(--attention {plan.attention}", f"({why}")
+        else:
+            if at is not None and not pins:
+                reasons[at] = said.replace("turned off by --no-flash-attn",
+                                           f"turned off by flash_attention: false in {config}")
+            reasons.insert(len(reasons) if at is None else at + 1,
+                           f"{plan.attention}: {why}" if why.startswith("as ") else why)
     return plan._replace(reasons=reasons, pinned=pins)
 
 
