@@ -50,9 +50,10 @@ def test_train_in_the_plans_image(tmp_path, docker_host, docker_client):
     rows = [json.loads(line) for line in (work / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3]
     assert (work / "out" / "final").is_dir()
-    # a config the image's trainer refuses: its one line and exit code come back through envtool and docker
+    # a config the trainer refuses: read by the trainer's reader before any container starts, its one line, exit 2
     (work / "bad.yml").write_text(yaml.safe_dump({**cfg, "learning_rate": "fast"}))
     (work / "bad.yml").chmod(0o666)
     bad = subprocess.run([str(ENVTOOL), "train", "bad.yml", *CPU, "--image"], capture_output=True, text=True,
                          env=env, cwd=work, timeout=600)
-    assert bad.returncode == 2 and "learning_rate" in bad.stdout + bad.stderr
+    assert bad.returncode == 2 and bad.stdout == "" and bad.stderr.startswith("envtool: error: bad.yml: learning_rate")
+    assert len(bad.stderr.strip().splitlines()) == 1
