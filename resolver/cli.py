@@ -68,9 +68,12 @@ def reported(command):
 
 # ---------------------------------------------------------------------------- options, declared once
 
+_GPU_HELP = ("'auto' (detect this machine), a GPU name or alias (t4, a100, 'Tesla V100'), a compute capability "
+             "(sm_80, 8.6) or 'cpu'")
 GpuOpt = Annotated[str, typer.Option(
-    "--gpu", help="'auto' (detect this machine), a GPU name or alias (t4, a100, 'Tesla V100'), a compute "
-    "capability (sm_80, 8.6), 'cpu', or a comma list for one plan per target. `envtool gpus` lists the names.")]
+    "--gpu", help=f"{_GPU_HELP}: one target. `envtool gpus` lists the names.")]
+GpuListOpt = Annotated[str, typer.Option(  # resolve and build: one plan (one image) per target
+    "--gpu", help=f"{_GPU_HELP}, or a comma list (t4,v100,a100) for one per target. `envtool gpus` lists the names.")]
 DriverOpt = Annotated[Optional[str], typer.Option(
     "--driver", help="NVIDIA driver of the run host, e.g. 550.54.14 (default: detected with --gpu auto, "
     "unknown otherwise).")]
@@ -92,6 +95,9 @@ ExtraIndexOpt = Annotated[Optional[list[str]], typer.Option("--extra-index-url",
 TorchIndexOpt = Annotated[Optional[str], typer.Option(
     "--torch-index", help="Replace the PyTorch index: a URL, '{variant}' is replaced by cu126, cpu, ...")]
 FindLinksOpt = Annotated[Optional[list[str]], typer.Option("--find-links", help="A directory of wheels; repeatable.")]
+UserOpt = Annotated[str, typer.Option(
+    "--user", help="Who the container runs as: 'invoking' (default: your uid:gid, so files written to mounted "
+    "directories are yours), 'image' (the image's user, uid 1000), or UID[:GID] / a name.")]
 
 # The plan options every plan-making command takes (resolve, lock, install, dockerfile, build, train), in one
 # list: `@plan_options` adds them to a command's signature and hands the command one PlanOptions.
@@ -143,10 +149,16 @@ def _with_options(options, into: str, build, overrides: dict | None = None):
     return decorate
 
 
-def plan_options(**overrides):
+def _plan_options(values: dict):
+    from .hardware import check_target_text
     from .pipeline import PlanOptions
 
-    return _with_options(PLAN_OPTIONS, "opts", lambda v: PlanOptions(**v), overrides)
+    check_target_text(values.get("gpu"))  # `--gpu ''` or `--gpu None` is an error, not a CPU plan
+    return PlanOptions(**values)
+
+
+def plan_options(**overrides):
+    return _with_options(PLAN_OPTIONS, "opts", _plan_options, overrides)
 
 
 def _sources(values: dict):
@@ -167,7 +179,7 @@ def say(message: str) -> None:
 
 @app.command()
 @reported
-@plan_options()
+@plan_options(gpu=(GpuListOpt, "auto"))
 def resolve(
     json_out: Annotated[bool, typer.Option("--json", help="Print the plan as JSON (a list for several targets).")] = False,
     fmt: Annotated[str, typer.Option("--format", help="table, json, github (a CI strategy matrix) or markdown.")] = "table",
@@ -244,12 +256,14 @@ def lock(
           f"{plan.precision}) in {result['out']}")
     if wheelhouse:
         print(f"wheelhouse: {result['wheelhouse']['wheels']} wheels in {result['wheelhouse']['path']}")
-    print(f"next: envtool install {out} --venv .venv")
+    from .lock import install_hint
+
+    print(f"next: {install_hint(out)}")
 
 
 InstallGpuOpt = Annotated[Optional[str], typer.Option(
-    "--gpu", help="Without ENV_DIR: resolve and lock for this GPU first ('auto' detects), into <venv>.lock/ "
-    "(with --system / --python PATH: default auto).")]
+    "--gpu", help="Without ENV_DIR: resolve and lock for this GPU first (one target; 'auto' detects), into "
+    "<venv>.lock/ (with --system / --python PATH: default auto).")]
 InstallPythonOpt = Annotated[Optional[str], typer.Option(
     "--python", help="A version (3.11): the Python of the new venv. A path (/usr/bin/python3): install into that "
     "existing interpreter instead of a venv, like --system.")]
@@ -340,13 +354,13 @@ def recommended(target, python: str, m) -> dict | None:
 def doctor(
     venv: Annotated[Optional[Path], typer.Option("--venv", help="The environment to check (default: the "
                                                  "interpreter running envtool).")] = None,
-    gpu: Annotated[str, typer.Option("--gpu", help="The GPU to check against ('auto': this machine's).")] = "auto",
+    gpu: GpuOpt = "auto",
     driver: DriverOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Check an environment against this machine: torch's CUDA build and arch list, the driver, flash-attn,
     triton, bf16. Exits 1 on any error-level finding; each finding names the envtool command that fixes it."""
-    from .doctor import diagnose, probe, report
+    from .doctor import diagnose, fix_command, probe, report
     from .hardware import targets
     from .matrix import load
 
@@ -358,7 +372,8 @@ def doctor(
         raise BadInput("doctor checks against one GPU: give --gpu a single target")
     target = found[0]
     info = probe(venv)
-    findings = diagnose(info, target.gpu, target.driver, m, str(venv or info.get("prefix", ".venv")))
+    findings = diagnose(info, target.gpu, target.driver, m, str(venv or info.get("prefix", ".venv")),
+                        fix=fix_command(venv, target.label, driver))
     result = {**report(findings), "gpu": target.gpu.describe(), "driver": target.driver, "venv": info["prefix"],
               "packages": info.get("packages", {}), "recommended": recommended(target, info["python"], m)}
     if json_out:
@@ -416,7 +431,7 @@ def dockerfile(
 @app.command()
 @reported
 @source_options
-@plan_options()
+@plan_options(gpu=(GpuListOpt, "auto"))
 def build(
     tag: Annotated[Optional[str], typer.Option("--tag", help="Image tag (default: envtool-trainer:"
                                                "sm75-cu126-torch2.9-py3.11 style). One target only.")] = None,
@@ -472,6 +487,8 @@ def train(
                                                    "stdout).")] = None,
     hf_cache: Annotated[Optional[Path], typer.Option("--hf-cache", help="With --image: host directory mounted "
                                                      "as the Hugging Face cache.")] = None,
+    pvc: Annotated[Optional[str], typer.Option("--pvc", help="With --emit k8s: the PersistentVolumeClaim every pod "
+                                               "works in, at /work (data, output_dir; default envtool-work).")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan, where it runs and the exact "
                                           "command; build and run nothing.")] = False,
     json_out: JsonOpt = False,
@@ -510,11 +527,14 @@ def train(
         raise BadInput(f"--emit {emit!r}: choose slurm or k8s")
     if output is not None and emit is None:
         raise BadInput("-o/--output goes with --emit")
+    if pvc is not None and emit != "k8s":
+        raise BadInput("--pvc goes with --emit k8s (a Slurm job uses the filesystem its nodes share)")
     dist = Distribution(nproc, nnodes, node_rank, rdzv_endpoint)
     training = plan_training(config, opts, dist, venv=venv, image=image, isolated=isolated, emit=emit)
     log = (lambda s: None) if json_out else say
     if emit:
-        text = write_launcher(training, emit, dist, sources, output=output, dry_run=dry_run, quiet=json_out, say=log)
+        text = write_launcher(training, emit, dist, sources, output=output, dry_run=dry_run, pvc=pvc,
+                              quiet=json_out, say=log)
         if text is not None:
             sys.stdout.write(text)
         return
@@ -563,6 +583,7 @@ def run(
     env: Annotated[Optional[list[str]], typer.Option("-e", "--env", help="Pass this environment variable "
                                                      "(e.g. HF_TOKEN) at run time; repeatable.")] = None,
     volume: Annotated[Optional[list[str]], typer.Option("-v", "--volume", help="HOST:CONTAINER; repeatable.")] = None,
+    user: UserOpt = "invoking",
 ) -> None:
     """Run a command in an image with what training needs: GPUs, shared memory, the HF cache, tokens.
 
@@ -576,7 +597,7 @@ def run(
     if not image:
         raise BadInput("--image is required")
     code = do_run(image, command or [], gpus=gpus, shm_size=shm_size, hf_cache=hf_cache, env_names=env or [],
-                  volumes=volume or [])
+                  volumes=volume or [], user=user)
     raise typer.Exit(code)
 
 
@@ -598,6 +619,43 @@ def gpus(json_out: bool = typer.Option(False, "--json", help="Print the catalog 
     from .render import gpus_table
 
     gpus_table(m)
+
+
+# ---------------------------------------------------------------------------- envtool fit (will it fit?)
+
+FitNprocOpt = Annotated[Optional[int], typer.Option(
+    "--nproc", help="GPUs (processes) the run uses; ZeRO and FSDP shard over them (default: 1, or every GPU "
+    "detected with --gpu auto).")]
+
+
+@app.command()
+@reported
+def fit(
+    config: Annotated[Path, typer.Argument(help="The trainer config (Axolotl keys).")],
+    gpu: GpuOpt = "auto",
+    nproc: FitNprocOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Will the config fit the GPU? The estimated peak memory per GPU, term by term, with a band, a verdict
+    (fits, tight, does_not_fit, unknown) and the cheapest changes that fit. Reads the model's config.json only.
+
+    Exit 0 whether or not it fits; 2 for bad input.
+
+      envtool fit examples/t4-qlora.yml --gpu t4
+
+      envtool fit config.yml --gpu a100-80gb --nproc 4 --json
+    """
+    from .fit import fit as do_fit
+
+    found = do_fit(config, gpu, nproc)
+    if found.reason:
+        say(f"envtool: {found.reason}")
+    if json_out:
+        print(json.dumps(found.result, indent=2))
+        return
+    from .render import fit_report
+
+    fit_report(found)
 
 
 # ---------------------------------------------------------------------------- envtool matrix (update, verify)

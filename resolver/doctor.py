@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import NamedTuple
 
+from . import DISTRIBUTION
 from .errors import BadInput
 from .hardware import GpuSpec
 from matrices.catalog import backend_runs_on
@@ -33,7 +34,8 @@ def version(name):
 
 info = {"python": "%d.%d" % sys.version_info[:2], "prefix": sys.prefix,
         "packages": {n: version(n) for n in ("torch", "triton", "flash-attn", "flash-attn-3", "xformers",
-                                              "transformers", "bitsandbytes", "deepspeed", "envtool")}}
+                                              "transformers", "bitsandbytes", "deepspeed")}}
+info["packages"]["envtool"] = version(__DISTRIBUTION__)  # the key names the tool; the distribution is envtool-llm
 try:
     import torch
     info["torch"] = {"version": torch.__version__, "cuda": torch.version.cuda,
@@ -43,7 +45,7 @@ except Exception as e:  # a broken torch is a finding, not a crash
 plan = Path(sys.prefix) / "plan.json"
 info["plan"] = json.loads(plan.read_text()) if plan.is_file() else None
 print(json.dumps(info))
-"""
+""".replace("__DISTRIBUTION__", repr(DISTRIBUTION))
 
 
 SM = re.compile(r"^sm_(\d+?)(\d)a?$")  # sm_86 -> (8, 6); sm_100 -> (10, 0); sm_90a -> (9, 0)
@@ -75,8 +77,32 @@ def probe_python(python: str, name: str | None = None) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def diagnose(info: dict, gpu: GpuSpec, driver: str | None, m: Matrix, venv: str) -> list[Finding]:
-    fix = f"envtool install --gpu auto --venv {venv}"
+def is_managed_venv(path: Path) -> bool:
+    """A venv `envtool install` made: a symlink into <venv>.versions/ (the only kind it replaces)."""
+    return path.is_symlink() and path.resolve().parent == (path.parent / f"{path.name}.versions").resolve()
+
+
+def fix_command(venv: Path | None, target: str, driver: str | None) -> str:
+    """The install that fixes the environment doctor checked, for the GPU it checked against (`target`, as the
+    user named it) and the driver they gave: into the interpreter running envtool (--system), into a venv
+    `envtool install` made or a new one (--venv), or into any other existing environment (--python PATH, which
+    install accepts where it refuses to replace a venv it did not make)."""
+    import shlex
+
+    gpu = f"--gpu {shlex.quote(target)}" + (f" --driver {shlex.quote(driver)}" if driver else "")
+    if venv is None:
+        return f"envtool install --system {gpu}"
+    path = Path(venv)
+    if not path.exists() or is_managed_venv(path):
+        return f"envtool install {gpu} --venv {shlex.quote(str(venv))}"
+    return f"envtool install --python {shlex.quote(str(path / 'bin' / 'python'))} {gpu}"
+
+
+def diagnose(info: dict, gpu: GpuSpec, driver: str | None, m: Matrix, venv: str,
+             fix: str | None = None) -> list[Finding]:
+    """Findings for the environment `info` describes on `gpu` with `driver`; `fix` is the command each error
+    names (default: a new install for this machine into `venv`)."""
+    fix = fix or f"envtool install --gpu auto --venv {venv}"
     torch = info.get("torch") or {}
     findings: list[Finding] = []
     add = findings.append

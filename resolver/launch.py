@@ -274,6 +274,8 @@ def active_env_runs(plan: Plan, opts: PlanOptions, required: tuple[str, ...] = (
     missing += [n for n in required if n in packages and not packages[n]]  # (the probe lists what it looks for)
     if missing:
         return False, f"the active environment lacks {', '.join(missing)}"
+    if info.get("python") != plan.python:
+        return False, f"the active environment runs Python {info.get('python')}, the plan is for {plan.python}"
     errors = [f for f in diagnose(info, target.gpu, target.driver, m, sys.prefix) if f.level == "error"]
     if errors:
         return False, f"doctor finds the active environment wrong for this plan: {errors[0].message}"
@@ -397,7 +399,7 @@ def venv_runs(venv: Path, plan: Plan, opts: PlanOptions) -> bool:
         info = probe(venv)
     except EnvtoolError:
         return False
-    if not (info.get("packages") or {}).get("transformers"):
+    if not (info.get("packages") or {}).get("transformers") or info.get("python") != plan.python:
         return False
     return not any(f.level == "error" for f in diagnose(info, target.gpu, target.driver, m, str(venv)))
 
@@ -450,14 +452,15 @@ def plan_training(config: Path, opts: PlanOptions, dist: Distribution, *, venv: 
 
 
 def emit(training: Training, kind: str, dist: Distribution, sources, *, output: Path | None, dry_run: bool,
-         quiet: bool = False, say: Callable[[str], None] = lambda s: None) -> str | None:
+         pvc: str | None = None, quiet: bool = False, say: Callable[[str], None] = lambda s: None) -> str | None:
     """Write the launcher for an existing engine (its environment built first unless dry_run). Returns the text
-    when there is no `output` to write it to."""
+    when there is no `output` to write it to. `pvc`: the k8s job's PersistentVolumeClaim (resolver/emit.py)."""
     from . import emit as emitters
 
     if not dry_run:
         prepare(training.launch, training.plan, sources, quiet=quiet, say=say)
-    text = emitters.render(kind, training.plan, training.launch, training.config, dist)
+    text = emitters.render(kind, training.plan, training.launch, training.config, dist, cfg=training.cfg, pvc=pvc,
+                           warn=say)
     if output is None:
         return text
     emitters.write(output, text, executable=kind == "slurm")
@@ -470,6 +473,10 @@ def prepare(launch: Launch, plan: Plan, sources, *, quiet: bool = False,
     """Build what `launch` needs and does not have yet: the cached or named venv, or the image."""
     if launch.ready:
         return
+    if launch.kind != "image":
+        from .install import find_python
+
+        find_python(plan.python)  # no interpreter for the plan's Python: one line now, not after the lock
     if launch.kind == "image":
         build([plan], sources, tag=launch.path, quiet=quiet, say=say)
         return

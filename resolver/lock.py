@@ -1,7 +1,7 @@
 """envtool lock / export: a self-contained project directory that pins a plan, locked by uv.
 
 The directory holds `pyproject.toml` (the plan's pins and where each package comes from), `uv.lock` (uv's
-resolution, with hashes), `plan.json` and `wheels/envtool-*.whl` (the bundled trainer and `envtool doctor`).
+resolution, with hashes), `plan.json` and `wheels/envtool_llm-*.whl` (the bundled trainer and `envtool doctor`).
 We choose constraints and sources; uv resolves. Nothing is built from source that must not be: the plan's
 CUDA packages are listed under uv's `no-build-package`.
 """
@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 from typing import NamedTuple
 
-from . import selfwheel
+from . import DISTRIBUTION, selfwheel
 from .errors import BadInput
 from .matrix import Matrix
 from .plan import PLAN_FILE, Plan
@@ -40,7 +40,7 @@ def requirements(plan: Plan) -> list[str]:
     """What the environment asks for: envtool itself (trainer, doctor) and every package the plan pins.
     triton is left to torch's own pin (torch 2.14+ pins it as `~=`)."""
     pins = [f"{name}=={version}" for name, version in plan.packages.items() if name != "triton"]
-    return ["envtool[train]", *pins]
+    return [f"{DISTRIBUTION}[train]", *pins]
 
 
 def _toml_list(items: list[str]) -> str:
@@ -92,10 +92,20 @@ def pyproject_text(plan: Plan, sources: Sources, envtool_wheel: str, no_build: l
         if flag:
             lines.append(flag)
     lines += ["", "[tool.uv.sources]", f'torch = {{ index = "pytorch-{plan.torch.variant}" }}',
-              f'envtool = {{ path = "wheels/{envtool_wheel}" }}']
+              f'{DISTRIBUTION} = {{ path = "wheels/{envtool_wheel}" }}']
     if plan.flash_attn:
-        lines.append(f"{plan.flash_attn.package} = {{ url = {json.dumps(plan.flash_attn.wheel_url)} }}")
+        lines.append(f"{plan.flash_attn.package} = {wheel_source(plan.flash_attn.wheel_url)}")
     return "\n".join(lines) + "\n"
+
+
+def wheel_source(url: str) -> str:
+    """A wheel URL as a [tool.uv.sources] entry: a `file://` URL (a mirror on disk) is a path, which uv takes
+    where it refuses the file scheme in a `url` source."""
+    from urllib.parse import unquote, urlsplit
+
+    if urlsplit(url).scheme == "file":
+        return f"{{ path = {json.dumps(unquote(urlsplit(url).path))} }}"
+    return f"{{ url = {json.dumps(url)} }}"
 
 
 def lock(plan: Plan, out: Path, sources: Sources, m: Matrix, quiet: bool = False) -> Path:
@@ -162,6 +172,23 @@ def nearest_wheels(plan: Plan, sources: Sources, name: str, version: str | None)
     order = sorted({*published.values(), Version(version)})
     at = order.index(Version(version))
     return sorted(published, key=lambda f: (abs(order.index(published[f]) - at), f))[:3]
+
+
+def install_hint(env_dir: Path, cwd: Path | None = None) -> str:
+    """The `envtool install` command that installs this lock, with a --venv that install will accept: .venv, or
+    when a venv envtool did not make is there already (install refuses to replace it), .venv-<lock name>,
+    numbered if that is taken too."""
+    import re
+    import shlex
+
+    from .doctor import is_managed_venv
+
+    cwd = cwd or Path.cwd()
+    slug = re.sub(r"[^A-Za-z0-9_.-]+", "-", env_dir.resolve().name).strip("-") or "env"
+    names = [".venv", f".venv-{slug}", *(f".venv-{slug}-{n}" for n in range(2, 100))]
+    venv = next(n for n in names if not (cwd / n).exists() and not (cwd / n).is_symlink()
+                or is_managed_venv(cwd / n))
+    return f"envtool install {shlex.quote(str(env_dir))} --venv {venv}"
 
 
 def load_plan(env_dir: Path) -> Plan:

@@ -153,16 +153,18 @@ def rule_gpu_platform(req: Request, m: Matrix, c: Candidate) -> str | None:
 
 
 def rule_driver_supports_gpu(req: Request, m: Matrix, c: Candidate) -> str | None:
-    """The driver must know the GPU at all: too old for Blackwell, or past the last branch for Kepler/Maxwell/
-    Pascal/Volta. A fact of the GPU and the driver, so it rejects every candidate alike."""
+    """The driver must know the GPU at all: older than the GPU's first branch (R450 for the A100, R520 for Ada and
+    Hopper, R570 for Blackwell), or past the last branch for Kepler/Maxwell/Pascal/Volta. A fact of the GPU and
+    the driver, so it rejects every candidate alike."""
     if req.driver is None:
         return None
     arch = m.arch_for(req.gpu.compute_capability)
     if arch is None:
         return None
     if arch.min_driver and Version(req.driver) < Version(arch.min_driver):
+        needs = f"R{arch.min_driver} or newer" if "." not in arch.min_driver else f"≥ {arch.min_driver}"
         return (f"driver {req.driver} cannot run {req.gpu.describe()}: {arch.driver_note} "
-                f"(needs ≥ {arch.min_driver}); upgrade the NVIDIA driver")
+                f"(needs {needs}); upgrade the NVIDIA driver")
     if arch.max_driver_branch is not None and Version(req.driver).release[0] > arch.max_driver_branch:
         return (f"driver {req.driver} no longer supports {req.gpu.describe()}: {arch.driver_note}; "
                 f"use an R{arch.max_driver_branch} driver ({arch.max_driver_branch}.x), the last that drives it")

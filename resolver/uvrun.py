@@ -30,7 +30,7 @@ def uv_binary() -> str:
         found = shutil.which("uv")
         if found:
             return found
-        raise EnvtoolError("uv not found: install envtool with its dependencies (`pip install envtool`) "
+        raise EnvtoolError("uv not found: install envtool with its dependencies (`pip install envtool-llm`) "
                            "or put uv on PATH") from None
 
 

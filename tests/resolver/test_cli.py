@@ -122,7 +122,7 @@ def test_auto_through_nvml_with_mixed_gpus():
 
 def test_auto_without_gpu_is_a_cpu_plan(tmp_path):
     plan = resolve_json("--gpu", "auto", "--python", "3.11", PATH="/usr/bin:/bin", PYTHONPATH=str(FAKES),
-                        ENVTOOL_GPU="")
+                        ENVTOOL_GPU=None)
     assert plan["torch"]["variant"] == "cpu" and plan["precision"] == "fp32"
 
 
