@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 PLAN_FILE = "plan.json"  # the one name of a plan on disk: lock directories, environments, images
-PLAN_VERSION = "1.1"  # 1.1: packing, mask_without_cudnn, flash_attn.index_url
+PLAN_VERSION = "1.1"  # 1.1: packing, mask_without_cudnn, flash_attn.index_url, pinned (command-line choices)
 
 
 class TorchChoice(NamedTuple):
@@ -60,12 +60,17 @@ class Plan(NamedTuple):
     packing: str = "mask"  # how packed rows are kept apart: "varlen" (cu_seqlens, no mask) | "mask"
     mask_without_cudnn: bool = False  # masked SDPA calls must run with cuDNN attention switched off
     rejected: list[Rejected] = []
+    # Choices set on the command line, each with the option that set it ({"attention": "--attention sdpa"}): the
+    # trainer follows them over its config, as a command-line option wins. Written only when there is one.
+    pinned: dict[str, str] = {}
     plan_version: str = PLAN_VERSION
 
     def to_dict(self, explain: bool = False) -> dict:
         data = _plain(self)
         if not explain:
             data.pop("rejected")
+        if not data["pinned"]:
+            data.pop("pinned")
         return data
 
     def to_json(self, explain: bool = False) -> str:

@@ -231,12 +231,15 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger(name).setLevel(logging.ERROR)
     rank = os.environ.get("RANK")
     prefix = f"error (rank {rank}): " if rank not in (None, "0") else "error: "
+    from trainer.errors import record  # under envtool's torchrun launcher the line goes to it, printed once
+
     try:
         return args.func(args)
     except TrainerError as err:
         if args.debug:
             raise
-        print(prefix + str(err), file=sys.stderr)
+        if not record(prefix + str(err), err.exit_code):
+            print(prefix + str(err), file=sys.stderr)
         return err.exit_code
     except KeyboardInterrupt:
         print(prefix + "interrupted", file=sys.stderr)
@@ -244,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as err:  # a bug or an environment problem: still one line unless --debug
         if args.debug:
             raise
-        print(f"{prefix}{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''} "
-              "(run with --debug for the traceback)", file=sys.stderr)
+        line = (f"{prefix}{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''} "
+                "(run with --debug for the traceback)")
+        if not record(line, 1):
+            print(line, file=sys.stderr)
         return 1

@@ -2,7 +2,8 @@
 
 One entry point for everything that begins a run or judges a config: ``python -m trainer validate|train|evaluate``,
 the Ray Train workers (trainer/ray_launch.py) and the resolver's ``envtool train`` (which reads a config through
-this reader, never a second one). It imports no torch, transformers or peft unless asked to probe the GPU with
+this reader, never a second one: ``load_config`` once, then ``fit`` against the plan it made, and ``needs`` for the
+libraries the plan must carry). It imports no torch, transformers or peft unless asked to probe the GPU with
 torch (no ``gpu`` and no plan), so the resolver can judge a config in an environment without the training stack.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import NamedTuple
 
 
 def start(config: str | Path, gpu: str | None = None, plan: str | None = None):
@@ -18,17 +20,37 @@ def start(config: str | Path, gpu: str | None = None, plan: str | None = None):
     HardwareError, ...) for what the config or GPU cannot do."""
     from trainer.config import load_config
     from trainer.config.training import one_process_only
-    from trainer.runtime.hardware import adapt, detect
+    from trainer.runtime.hardware import detect
 
     cfg, notes = load_config(config)
     one_process_only(cfg, processes(cfg))  # before the model loads (minutes on a real one), not after
     found_gpu, found_plan = detect(gpu, plan)
-    runtime = adapt(cfg, found_gpu, found_plan)
-    from trainer.model.attention import for_model
+    return cfg, notes, fit(cfg, found_gpu, found_plan)
 
-    for_model(cfg, runtime, local_only=True)  # the backend the model's class accepts, where its config is at hand
-    runtime.changes += feature_notes(cfg, runtime, found_plan)
-    return cfg, notes, runtime
+
+def fit(cfg, gpu, plan: dict | None, model_class: bool = True):
+    """The Runtime `cfg` trains with on `gpu` under `plan` (a plan dict, or None): attention, precision and tf32
+    adapted with a reason for each change, the model class's attention, every feature's floor. Raises
+    HardwareError where the GPU cannot do what the config pins. `model_class=False` leaves out the model class's
+    attention (it imports transformers when the model's config is on this machine, and never refuses anything):
+    the trainer fits it at start."""
+    from trainer.runtime.hardware import adapt
+
+    runtime = adapt(cfg, gpu, plan)
+    if model_class:
+        from trainer.model.attention import for_model
+
+        for_model(cfg, runtime, local_only=True)  # the backend the model's class accepts, where its config is at hand
+    runtime.changes += feature_notes(cfg, runtime, plan)
+    return runtime
+
+
+def for_plan(cfg, plan: dict, source: str = "the plan"):
+    """`fit` on the GPU a plan names, without the model class (what ``envtool train`` checks before it builds or
+    starts anything, in an environment that may have no torch or transformers)."""
+    from trainer.runtime.hardware import gpu_from_plan
+
+    return fit(cfg, gpu_from_plan(plan, source), plan, model_class=False)
 
 
 def processes(cfg) -> int:
@@ -51,3 +73,42 @@ def feature_notes(cfg, runtime, plan) -> list[str]:
     if distributed.enabled(cfg) and runtime.device == "cpu" and distributed.fsdp_settings(cfg)["fsdp_version"] == 1:
         notes.append(distributed.CPU_FSDP1_NOTE)
     return notes + kernel_notes
+
+
+class Need(NamedTuple):
+    """A library a config's choice runs on, beyond torch and transformers."""
+
+    key: str  # the config key that asks for it, as a user reads it ("optimizer: paged_adamw_8bit")
+    package: str  # the distribution the environment must carry
+    feature: str | None  # its matrices/packages.toml [[feature]] row (the hardware floor), None when it has none
+
+
+def needs(cfg) -> list[Need]:
+    """The libraries `cfg` needs, by the trainer's own classification (the modules that build each part):
+    quantized loading (trainer/model/quantization.py), the optimizer's library (matrices/optimizers.toml through
+    trainer/config/training.py), qat (trainer/model/qat.py), use_onebitllms, deepspeed and use_ray. The resolver asks this
+    rather than reading the config's keys itself, so the plan carries what the trainer will import."""
+    from trainer import facts
+    from trainer.config.training import check_optimizer
+    from trainer.model import bitnet, quantization
+
+    found = []
+    mode = quantization.mode(cfg)
+    if mode:
+        feature = quantization.MODES[mode]
+        key = f"{mode} (adapter: qlora)" if cfg.adapter == "qlora" else mode
+        found.append(Need(key, facts.feature(feature)["package"], feature))
+    row = check_optimizer(cfg.optimizer)
+    if row["library"] not in ("torch", "transformers"):
+        feature = row.get("feature")
+        package = facts.feature(feature)["package"] if feature else row["library"]
+        found.append(Need(f"optimizer: {cfg.optimizer}", package, feature))
+    if cfg.qat is not None:
+        found.append(Need(f"qat ({cfg.qat.describe()})", facts.feature(cfg.qat.feature)["package"], cfg.qat.feature))
+    if cfg.use_onebitllms:
+        found.append(Need("use_onebitllms", facts.feature(bitnet.FEATURE)["package"], bitnet.FEATURE))
+    if cfg.deepspeed:
+        found.append(Need(f"deepspeed: {cfg.deepspeed}", "deepspeed", None))
+    if cfg.use_ray:
+        found.append(Need("use_ray", "ray", None))
+    return found

@@ -9,11 +9,15 @@
 
 from __future__ import annotations
 
-import numpy as np
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # numpy is imported where it is used: validate and `envtool train` read configs without it
+    import numpy as np
 
 
 def length_grouped(lengths: np.ndarray, group_size: int, seed: int) -> np.ndarray:
     """Indices such that each run of `group_size` consecutive ones has similar lengths (the longest first)."""
+    import numpy as np
     import torch
     from transformers.trainer_pt_utils import get_length_grouped_indices
 

@@ -140,15 +140,24 @@ def _bf16_floor() -> str:
 
 
 def resolve_attention(cfg: Config, gpu: Gpu, plan: dict | None, changes: list[str]) -> str:
-    """The attn_implementation transformers gets: what the config asks for, else what the plan chose, else the
-    best backend attention.toml lists for this GPU; anything that cannot run here falls back with a reason."""
+    """The attn_implementation transformers gets: the plan's when it was set on envtool's command line (the plan's
+    `pinned`: a command-line option wins over the config), else what the config asks for, else what the plan chose,
+    else the best backend attention.toml lists for this GPU; anything that cannot run here falls back with a reason.
+    `flash_attention: false` means no flash attention (neither the plan's nor the best available)."""
     requested = cfg.requested_attention
-    if requested is None and plan and plan.get("attention"):
+    pinned = ((plan or {}).get("pinned") or {}).get("attention")
+    if pinned and plan.get("attention"):
+        asked = f"; the config asks for {requested}" if requested and requested != plan["attention"] else ""
+        requested = plan["attention"]
+        changes.append(f"attention: {requested} (set on the command line: {pinned}{asked})")
+    no_flash = requested is None and cfg.flash_attention is False
+    if requested is None and plan and plan.get("attention") and not (no_flash and _is_flash(plan["attention"])):
         requested = plan["attention"]
         changes.append(f"attention: {requested} (chosen by the plan)")
     if requested is None:
-        backend = _best_available(gpu, plan)
-        changes.append(f"attention: {backend['name']} (not set; best available on {gpu.describe()})")
+        backend = _best_available(gpu, plan, no_flash)
+        why = "flash_attention: false" if no_flash else "not set"
+        changes.append(f"attention: {backend['name']} ({why}; best available on {gpu.describe()})")
         return backend["transformers"]
     backend = attention_backend(requested)
     if backend is None:
@@ -170,11 +179,16 @@ def resolve_attention(cfg: Config, gpu: Gpu, plan: dict | None, changes: list[st
     return backend["transformers"]
 
 
-def _best_available(gpu: Gpu, plan: dict | None) -> dict:
+def _is_flash(name: str) -> bool:
+    """A flash-attn backend (flash_attention_2, flash_attention_3): what `flash_attention: false` turns off."""
+    return name.startswith("flash_attention")
+
+
+def _best_available(gpu: Gpu, plan: dict | None, no_flash: bool = False) -> dict:
     """The first automatic backend (attention.toml order) that runs on this GPU and is installed."""
     for backend in attention_backends():
         if backend["auto"] and catalog.backend_runs_on(backend, gpu.compute_capability) \
-                and _available(backend, plan, gpu):
+                and _available(backend, plan, gpu) and not (no_flash and _is_flash(backend["name"])):
             return backend
     raise HardwareError(f"no attention backend in matrices/attention.toml runs on {gpu.describe()}")
 
