@@ -11,24 +11,33 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 
-# Runs in a fresh interpreter: import what the command will import, note the peak RSS so far, run the command
-# (or, for the control, load the whole model), and print how far the peak rose. ru_maxrss is in KiB on Linux.
+# Runs in a fresh interpreter: import what the command will import, reset the kernel's peak-RSS mark (writing 5 to
+# /proc/self/clear_refs sets VmHWM to the current RSS, so a transient peak while importing does not hide what
+# follows), run the command (or, for the control, load the whole model and read every weight), and print how far
+# the peak rose above the RSS it started from.
 HARNESS = r"""
-import json, resource, sys
+import json, sys
 import torch, transformers, peft, safetensors, safetensors.torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 import trainer.cli, trainer.setup, trainer.hardware, trainer.outputs.merge, trainer.outputs.chat_check
 import peft.utils.other
+
+def status(key):
+    for line in open("/proc/self/status"):
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+
 mode, arg = sys.argv[1], sys.argv[2:]
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")
+before = status("VmRSS")
 if mode == "merge":
     rc = trainer.cli.main(["merge-lora", *arg])
 else:  # the control: the whole model in memory at once, as a non-streaming merge holds it
     model = AutoModelForCausalLM.from_pretrained(arg[0], dtype=torch.float32)
     total = sum(float(p.sum()) for p in model.parameters())  # every weight read: all of it resident
     rc = 0
-after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-print(json.dumps({"rc": rc, "peak_rise_bytes": (after - before) * 1024}))
+print(json.dumps({"rc": rc, "peak_rise_bytes": status("VmHWM") - before}))
 """
 
 

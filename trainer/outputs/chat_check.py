@@ -172,14 +172,13 @@ def chat_check(cfg, model: str | None = None, max_new_tokens: int = MAX_NEW_TOKE
     model, tokenizer = load(cfg, model_dir)
     eot = end_of_turn(tokenizer)
     wanted = stop_ids(tokenizer, cfg.eot_tokens)
-    gen = model.generation_config
-    saved = gen.eos_token_id if isinstance(gen.eos_token_id, list) else [gen.eos_token_id]
-    saved = [i for i in saved if i is not None]
-    if (model_dir / "generation_config.json").is_file():  # an adapter directory's own file (peft ignores it)
+    gen = model.generation_config  # a full model's generation_config.json, or the base's under an adapter ...
+    if (model_dir / "generation_config.json").is_file():  # ... unless the adapter directory has its own
         from transformers import GenerationConfig
 
         gen = GenerationConfig.from_pretrained(model_dir)
-        saved = gen.eos_token_id if isinstance(gen.eos_token_id, list) else [gen.eos_token_id]
+    saved = [i for i in (gen.eos_token_id if isinstance(gen.eos_token_id, list) else [gen.eos_token_id])
+             if i is not None]
     ids = tokenizer.apply_chat_template(CONVERSATION, add_generation_prompt=True, tokenize=True)
     if isinstance(ids, dict) or hasattr(ids, "keys"):
         ids = ids["input_ids"]
@@ -187,11 +186,12 @@ def chat_check(cfg, model: str | None = None, max_new_tokens: int = MAX_NEW_TOKE
     with torch.no_grad():
         out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=max_new_tokens,
                              do_sample=False, eos_token_id=saved or None,
-                             pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else saved[0])
+                             pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None
+                             else (saved or [0])[0])
     new = out[0, prompt.shape[1]:].tolist()
     eot_id = tokenizer.convert_tokens_to_ids(eot) if eot else None
-    stopped = bool(new) and new[-1] in wanted
     emitted_at = next((i for i, t in enumerate(new) if t in wanted), None)
+    stopped = emitted_at is not None and emitted_at == len(new) - 1  # ended at its first end-of-turn token
     report = {
         "model": str(model_dir),
         "end_of_turn_token": eot,

@@ -131,6 +131,7 @@ def read_adapter(final: Path) -> Adapter:
     adapter = Adapter(config=config)
     rank_pattern, alpha_pattern = config.get("rank_pattern") or {}, config.get("alpha_pattern") or {}
     parts: dict[str, Delta] = {}
+    copies = {}
     for key, tensor in tensors.items():
         name = key[len(PREFIX):] if key.startswith(PREFIX) else key
         for suffix, slot, kind in ((".lora_A.weight", "A", "linear"), (".lora_B.weight", "B", "linear"),
@@ -148,7 +149,14 @@ def read_adapter(final: Path) -> Adapter:
             if "lora_" in name or "trainable_tokens" in name:
                 raise ConfigError(f"merge-lora: the adapter holds {key}, a kind of tensor this merge does not know; "
                                   "merge it with peft's merge_and_unload instead")
-            adapter.whole[name.replace(".base_layer.", ".").replace(".modules_to_save.", ".")] = tensor
+            if ".original_module." in name:  # the wrapped base layer (saved with resized embeddings): not used
+                continue
+            if ".modules_to_save." in name:  # the same trained copy as the plain key, which peft loads
+                copies[name.replace(".modules_to_save.", ".")] = tensor
+                continue
+            adapter.whole[name.replace(".base_layer.", ".")] = tensor
+    for name, tensor in copies.items():
+        adapter.whole.setdefault(name, tensor)
     for module, part in parts.items():
         if part.A is None or part.B is None:
             raise ConfigError(f"merge-lora: the adapter has only half of {module}'s LoRA factors")
