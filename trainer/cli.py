@@ -247,9 +247,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_evaluate)
 
-    p = sub.add_parser("merge-lora", help="merge the adapter in output_dir/final into the base model; writes a full "
-                       "model (safetensors shards, config, tokenizer, chat template, generation_config.json) to "
-                       "output_dir/merged, one shard at a time",
+    p = sub.add_parser("merge-lora", help="merge output_dir/final's adapter into the base: a full model in "
+                       "output_dir/merged, streamed shard by shard",
                        description="Merge the LoRA/QLoRA adapter in output_dir/final (SFT, DPO, ORPO, KTO, ...) into "
                        "base_model and write a full model to output_dir/merged (or --output): the base's safetensors "
                        "shards with the LoRA deltas added, config.json, the tokenizer and chat template the run saved, "
@@ -266,8 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_merge_lora)
 
-    p = sub.add_parser("export", help="write the merged (or fully fine-tuned) model as one GGUF file for llama.cpp / "
-                       "Ollama (default output_dir/<name>-<outtype>.gguf)",
+    p = sub.add_parser("export", help="the merged (or fully fine-tuned) model as one GGUF file for llama.cpp / Ollama: "
+                       "output_dir/<name>-<outtype>.gguf",
                        description="Write output_dir/merged (after merge-lora) or output_dir/final (a full "
                        "fine-tune) as one GGUF file, with the tokenizer, chat template, eos and end-of-turn ids in its "
                        "metadata, using the gguf package (no llama.cpp checkout). Default file: "
@@ -282,8 +281,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_export)
 
-    p = sub.add_parser("chat-check", help="does the trained model stop? render one conversation with the saved chat "
-                       "template, generate greedily on CPU, report whether the reply ends with an end-of-turn token",
+    p = sub.add_parser("chat-check", help="does the trained model stop? one greedy chat turn on CPU; exit 0 when it "
+                       "ends with an end-of-turn token, 1 when not",
                        description="Load output_dir/merged, else output_dir/final (a full model, or the adapter on "
                        "base_model), render one conversation with the saved chat template, generate up to "
                        "--max-new-tokens greedily on CPU with the saved generation_config.json, and report whether "

@@ -51,6 +51,15 @@ def models(work) -> dict[str, Path]:
     build_model(tokenizer, "mistral").save_pretrained(work / "tiny-mistral-hf")
     tokenizer.save_pretrained(work / "tiny-mistral-hf")
     out["mistral-hf"] = work / "tiny-mistral-hf"
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    torch.manual_seed(0)  # Qwen3 with its usual head size, 128 (transformers' GGUF reader assumes it for qwen3)
+    AutoModelForCausalLM.from_config(Qwen3Config(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=128, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False)).save_pretrained(work / "tiny-qwen3")
+    tokenizer.save_pretrained(work / "tiny-qwen3")
+    out["qwen3"] = work / "tiny-qwen3"
     return out
 
 
@@ -69,6 +78,7 @@ RUNS = {  # name -> (model, dataset, extra keys): each trains for 2 steps once p
                                                       "lora_modules_to_save": ["lm_head"]}),
     "llama-dpo": ("llama", "pairs", {**LORA, "rl": "dpo", "rl_beta": 0.1}),
     "mistral-hf-full": ("mistral-hf", "alpaca", {}),
+    "qwen3-full": ("qwen3", "alpaca", {}),
     "mistral-qlora-mistral-common": ("mistral", "chat", {**LORA, "adapter": "qlora", "load_in_4bit": True,
                                                          "tokenizer_use_mistral_common": True}),
 }
@@ -237,6 +247,7 @@ def test_merge_streams_one_shard_at_a_time(work, data):
     ("llama-lora-added-token", "f32", 1e-3),  # llama: q/k rows permuted as llama.cpp does, undone by transformers
     ("mistral-hf-full", "f32", 1e-3),  # a full fine-tune's final/, written as llama.cpp's `llama` architecture
     ("qwen2-dora-rslora-lm-head", "q8_0", 2e-2),  # q8_0: 8-bit blocks of 32, measured 8e-3 on these models
+    ("qwen3-full", "f16", 1e-3),  # f16 weights: measured 3e-4; qwen3's per-head q/k norms
 ])
 def test_gguf_round_trip(trained, run, outtype, tolerance):
     """`export --format gguf` writes one file that transformers loads back (from_pretrained(dir, gguf_file=)) with
@@ -260,11 +271,12 @@ def test_gguf_round_trip(trained, run, outtype, tolerance):
     reader = gguf.GGUFReader(path)
     field = lambda key: reader.fields[key].contents()  # noqa: E731
     model_type = json.loads((source / "config.json").read_text())["model_type"]
-    assert field("general.architecture") == {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}[model_type]
+    assert field("general.architecture") == {"llama": "llama", "mistral": "llama", "qwen2": "qwen2",
+                                                "qwen3": "qwen3"}[model_type]
     assert field("tokenizer.chat_template") == tokenizer.chat_template
     assert field("tokenizer.ggml.eos_token_id") == tokenizer.eos_token_id
     assert field("tokenizer.ggml.eot_token_id") == tokenizer.convert_tokens_to_ids("<|im_end|>")
-    assert field("general.file_type") == {"f32": 0, "q8_0": 7}[outtype]
+    assert field("general.file_type") == {"f32": 0, "f16": 1, "q8_0": 7}[outtype]
 
     source_model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
     back = AutoModelForCausalLM.from_pretrained(out, gguf_file=path.name, dtype=torch.float32)
@@ -388,7 +400,7 @@ def test_export_bad_input(trained, work, models, capsys):
     config = write_config(work, "gpt2-run", base_model=str(gpt2 / "final"),
                           datasets=[{"path": str(work / "alpaca.jsonl"), "type": "alpaca"}])
     code, line = export(config)
-    assert code == 2 and "'gpt2' is not exported" in line and "llama, mistral, qwen2" in line and "gpt2" in line
+    assert code == 2 and "'gpt2' is not exported" in line and "llama, mistral, qwen2, qwen3" in line and "gpt2" in line
     assert not list(gpt2.glob("*.gguf*"))
 
     full = trained("mistral-hf-full")

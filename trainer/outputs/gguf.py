@@ -32,6 +32,7 @@ FAMILIES = {
     "llama": ("llama", True),
     "mistral": ("llama", True),  # llama.cpp's converter registers MistralForCausalLM as LlamaModel
     "qwen2": ("qwen2", False),
+    "qwen3": ("qwen3", False),  # + per-head q/k norms (attn_q_norm, attn_k_norm)
 }
 OUTTYPES = ("f32", "f16", "bf16", "q8_0")
 
@@ -285,6 +286,9 @@ def export_gguf(config: str | Path, outtype: str = "f16", output: str | Path | N
         if arch_name == "llama":
             writer.add_vocab_size(vocab_size)
             writer.add_rope_dimension_count(head_dim)
+        if model_config.get("head_dim"):  # as llama.cpp's TextModel writes a head size the config states
+            writer.add_key_length(head_dim)
+            writer.add_value_length(head_dim)
         file_type = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
                      "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[outtype]
         writer.add_file_type(file_type)
