@@ -386,8 +386,9 @@ def test_export_bad_input(trained, work, models, capsys):
         code = main(["export", str(config), *args])
         return code, one_line(capsys.readouterr().err)
 
-    lora = trained("llama-dpo")  # an adapter, not merged
-    code, line = export(lora)
+    shutil.copytree(output_dir(trained("llama-dpo")) / "final", work / "unmerged" / "final")  # an adapter alone
+    code, line = export(write_config(work, "unmerged", base_model=str(models["llama"]),
+                                     datasets=[{"path": str(work / "alpaca.jsonl"), "type": "alpaca"}]))
     assert code == 2 and "merge it first" in line and "merge-lora" in line
 
     from transformers import GPT2Config, GPT2LMHeadModel
