@@ -1,0 +1,109 @@
+"""How many users' own Axolotl configs `python -m trainer validate` takes unchanged, for their GPU and for a T4.
+
+The corpus is tests/trainer/data/user_configs/: whole config files from public repositories of fine-tuned models,
+courses and cloud recipes (none from Axolotl's examples/), each with a first line `# source: URL (date)` and, where
+the author named the GPU it ran on, `# gpu: NAME`. Each config is validated by the real CLI, in this process, with no
+network (validate loads no tokenizer or model; HF_HUB_OFFLINE=1 makes sure), twice: for the author's GPU (else an
+A100) and for a T4.
+
+A refusal is counted by its cause: only a real hardware limit of that GPU (the trainer's HardwareError), only a local
+file the config names that is not on this machine (the authors' data and models), or anything else (a key or value
+the trainer does not take: these are what the corpus is for). Prints the figure per GPU, the refusals grouped by the
+key they name, and any config that failed with something other than a one-line refusal (a bug). Usage:
+
+    python bench/user_configs.py [--dir tests/trainer/data/user_configs] [-v]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+from collections import Counter, defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+from axolotl_examples import refused_keys, validate  # noqa: E402  (the same CLI call and refusal parsing)
+
+CORPUS = ROOT / "tests" / "trainer" / "data" / "user_configs"
+MISSING = re.compile(r"(file not found|: not found): ")
+
+
+def author_gpu(text: str) -> str | None:
+    m = re.search(r"^# gpu: (\S+)", text, re.M)
+    return m.group(1) if m else None
+
+
+def cause(path: Path, gpu: str, message: str) -> str:
+    """hardware | missing file | config: why `validate` refused (the error's type, then its parts)."""
+    from trainer.errors import HardwareError, TrainerError
+    from trainer.setup import start
+
+    try:
+        start(path, gpu)
+    except HardwareError:
+        return "hardware"
+    except TrainerError:
+        pass
+    parts = message.removeprefix("error: ").split("; ")
+    return "missing file" if all(MISSING.search(p) for p in parts) else "config"
+
+
+def run(configs: list[Path], which: str, verbose: bool) -> bool:
+    results = {}  # path -> (gpu, code, message, cause)
+    for path in configs:
+        gpu = (author_gpu(path.read_text()) or "a100") if which == "author" else which
+        code, err = validate(path, gpu)
+        line = err.splitlines()[-1] if err else ""
+        if code == 0:
+            results[path] = (gpu, 0, "", "ok")
+        elif "(run with --debug for the traceback)" in err or code not in (1, 2):
+            results[path] = (gpu, code, line, "crash")
+        else:
+            results[path] = (gpu, code, line, cause(path, gpu, line))
+    total = len(results)
+    counts = Counter(r[3] for r in results.values())
+    label = "the author's GPU (else a100)" if which == "author" else which
+    accepted = counts["ok"] + counts["hardware"] + counts["missing file"]
+    print(f"--gpu {label}: {counts['ok']}/{total} validate; {counts['hardware']} refused only for a hardware limit, "
+          f"{counts['missing file']} only for a missing local file; {counts['config']} refused for the config, "
+          f"{counts['crash']} crashed -> {accepted}/{total} ({100 * accepted / max(total, 1):.1f}%) validate or are "
+          "refused only for hardware or a missing file")
+    by_key: dict[str, list[str]] = defaultdict(list)
+    for path, (_, _, message, why) in results.items():
+        if why == "config":
+            for key in refused_keys(message):
+                by_key[key].append(path.name)
+    if by_key:
+        print("  config refusals by key (a config may name several):")
+        for key, names in sorted(by_key.items(), key=lambda kv: (-len(kv[1]), kv[0])):
+            print(f"    {len(names):4d}  {key}: e.g. {names[0]}")
+    for path, (gpu, _, message, why) in sorted(results.items()):
+        if why == "crash" or (verbose and why != "ok"):
+            print(f"  {why.upper() if why == 'crash' else why}: {path.name} (--gpu {gpu}): {message}")
+    return counts["crash"] == 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dir", default=str(CORPUS))
+    ap.add_argument("-v", "--verbose", action="store_true", help="print every refusal")
+    args = ap.parse_args(argv)
+    configs = sorted(p for p in Path(args.dir).iterdir() if p.suffix in (".yml", ".yaml"))
+    years = Counter(m.group(1) for p in configs if (m := re.search(r"^# source: \S+ \((\d{4})", p.read_text(), re.M)))
+    print(f"{len(configs)} users' configs from {len({p.name.split('__')[0] + p.name.split('__')[1] for p in configs})} "
+          f"repositories ({', '.join(f'{y}: {n}' for y, n in sorted(years.items()))})")
+    ok = True
+    for which in ("author", "t4"):
+        ok &= run(configs, which, args.verbose)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
