@@ -184,7 +184,8 @@ def cmd_make_tiny_model(args) -> int:
 def cmd_merge_lora(args) -> int:
     from trainer.outputs.merge import merge_lora
 
-    result = merge_lora(args.config, args.output, args.dtype, log=log)
+    result = merge_lora(args.config, args.output, args.dtype, log=log,
+                        precision=lambda: _setup(args)[2].precision)  # asked only once the inputs are checked
     if args.json:
         print(json.dumps(result, indent=2))
     elif not result["merged"]:

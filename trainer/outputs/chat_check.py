@@ -55,7 +55,8 @@ def end_of_turn(tokenizer) -> str | None:
 def stop_ids(tokenizer, eot_tokens: list[str] | None = None) -> list[int]:
     """The token ids a generation should stop on: the eos, the template's end-of-turn token, the config's
     eot_tokens (in that order, without repeats)."""
-    names = [tokenizer.eos_token, end_of_turn(tokenizer), *(eot_tokens or [])]
+    templated = is_mistral_common(tokenizer) or getattr(tokenizer, "chat_template", None)
+    names = [tokenizer.eos_token, end_of_turn(tokenizer) if templated else None, *(eot_tokens or [])]
     ids: list[int] = []
     for name in names:
         if not name:
@@ -68,13 +69,16 @@ def stop_ids(tokenizer, eot_tokens: list[str] | None = None) -> list[int]:
 
 
 def generation_config(model_dir: str | Path, tokenizer, base: str | Path | None = None,
-                      eot_tokens: list[str] | None = None):
-    """The generation config for a trained model: the base's generation_config.json (or the model config's token
-    ids) with eos_token_id extended by stop_ids, pad_token_id set where it was not."""
+                      eot_tokens: list[str] | None = None, start=None):
+    """The generation config for a trained model: `start` (a GenerationConfig, e.g. the trained model's own), else
+    model_dir's or the base's generation_config.json, else the model config's token ids; with eos_token_id extended
+    by stop_ids, pad_token_id set where it was not."""
+    import copy
+
     from transformers import GenerationConfig
 
-    gen = None
-    for source in (model_dir, base):
+    gen = copy.deepcopy(start) if start is not None else None
+    for source in (model_dir, base) if gen is None else ():
         if source is not None and (Path(source) / "generation_config.json").is_file():
             gen = GenerationConfig.from_pretrained(source)
             break
@@ -99,10 +103,11 @@ def generation_config(model_dir: str | Path, tokenizer, base: str | Path | None 
 
 
 def write_generation_config(model_dir: str | Path, tokenizer, base: str | Path | None = None,
-                            eot_tokens: list[str] | None = None) -> list[int]:
+                            eot_tokens: list[str] | None = None, start=None) -> list[int]:
     """Write model_dir/generation_config.json (atomically) whose eos_token_id includes the chat template's
-    end-of-turn token; return its eos ids. For final/ (the train loop) and merged/ (merge-lora)."""
-    gen = generation_config(model_dir, tokenizer, base, eot_tokens)
+    end-of-turn token (when the tokenizer has a template); return its eos ids. For final/ (the train loop: pass
+    start=model.generation_config) and merged/ (merge-lora)."""
+    gen = generation_config(model_dir, tokenizer, base, eot_tokens, start)
     path = Path(model_dir) / "generation_config.json"
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.write_text(gen.to_json_string(use_diff=True))

@@ -258,8 +258,11 @@ def write_safetensors(path: Path, header: dict, tensors) -> int:
     return offset
 
 
-def merge_lora(config: str | Path, output: str | Path | None = None, dtype: str | None = None, log=print) -> dict:
-    """Merge output_dir/final into the base, streaming shard by shard; return what was written (see module doc)."""
+def merge_lora(config: str | Path, output: str | Path | None = None, dtype: str | None = None, log=print,
+               precision=None) -> dict:
+    """Merge output_dir/final into the base, streaming shard by shard; return what was written (see module doc).
+    dtype: bf16 | fp16 | fp32, else `precision()` (the CLI passes the run's training precision on this machine,
+    from trainer.setup, which this layer does not import), else the base checkpoint's own dtype."""
     import torch
     from safetensors import safe_open
 
@@ -292,10 +295,11 @@ def merge_lora(config: str | Path, output: str | Path | None = None, dtype: str 
         raise ConfigError(f"merge-lora: the adapter changes {missing[0]}"
                           f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}, which the base checkpoint "
                           f"{base} does not hold (tied weights, or a different base)")
+    if dtype is None and precision is not None:
+        dtype = precision()
     if dtype is None:
-        from trainer.setup import start
-
-        dtype = start(config)[2].precision
+        dtype = {"bfloat16": "bf16", "float16": "fp16"}.get(base_config.get("dtype") or base_config.get("torch_dtype"),
+                                                            "fp32")
     target = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
 
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
