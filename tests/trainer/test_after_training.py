@@ -277,12 +277,15 @@ def test_gguf_round_trip(trained, run, outtype, tolerance):
     assert field("tokenizer.ggml.eos_token_id") == tokenizer.eos_token_id
     assert field("tokenizer.ggml.eot_token_id") == tokenizer.convert_tokens_to_ids("<|im_end|>")
     assert field("general.file_type") == {"f32": 0, "f16": 1, "q8_0": 7}[outtype]
+    # the tiny Qwen2's tokenizer is transformers' Qwen2Tokenizer, which splits with Qwen2's regex (as Qwen2/Qwen3
+    # checkpoints' tokenizer.json do): llama.cpp's `qwen2`; the others split with ByteLevel's own: `gpt-2`
+    assert field("tokenizer.ggml.pre") == ("qwen2" if run.startswith("qwen2") else "gpt-2")
 
     source_model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
     back = AutoModelForCausalLM.from_pretrained(out, gguf_file=path.name, dtype=torch.float32)
     ids = batch(len(tokenizer))
     assert (logits(back, ids) - logits(source_model, ids)).abs().max() <= tolerance
-    text = "<|im_start|>user\nParis is the capital of France, 123 times.<|im_end|>\n"
+    text = "<|im_start|>user\nParis is the capital of France, 123 times.\n\n  It's 42!<|im_end|>\n"
     assert AutoTokenizer.from_pretrained(out, gguf_file=path.name)(text)["input_ids"] == tokenizer(text)["input_ids"]
 
 
