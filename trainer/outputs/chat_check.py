@@ -55,8 +55,13 @@ def end_of_turn(tokenizer) -> str | None:
 def stop_ids(tokenizer, eot_tokens: list[str] | None = None) -> list[int]:
     """The token ids a generation should stop on: the eos, the template's end-of-turn token, the config's
     eot_tokens (in that order, without repeats)."""
-    templated = is_mistral_common(tokenizer) or getattr(tokenizer, "chat_template", None)
-    names = [tokenizer.eos_token, end_of_turn(tokenizer) if templated else None, *(eot_tokens or [])]
+    eot = None
+    if is_mistral_common(tokenizer) or getattr(tokenizer, "chat_template", None):
+        try:
+            eot = end_of_turn(tokenizer)
+        except Exception:  # a template that cannot render this conversation (roles it refuses): the eos alone
+            eot = None
+    names = [tokenizer.eos_token, eot, *(eot_tokens or [])]
     ids: list[int] = []
     for name in names:
         if not name:
