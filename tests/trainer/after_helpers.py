@@ -19,7 +19,7 @@ HARNESS = r"""
 import json, sys
 import torch, transformers, peft, safetensors, safetensors.torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
-import trainer.cli, trainer.setup, trainer.hardware, trainer.outputs.merge, trainer.outputs.chat_check
+import trainer.cli, trainer.setup, trainer.runtime.hardware, trainer.outputs.merge, trainer.outputs.chat_check
 import peft.utils.other
 
 def status(key):
@@ -44,7 +44,7 @@ print(json.dumps({"rc": rc, "peak_rise_bytes": status("VmHWM") - before}))
 def write_sharded_model(out: Path, hidden: int = 512, layers: int = 12, shard: str = "30MB") -> int:
     """A llama with the tiny tokenizer, hidden size `hidden`, written in shards of at most `shard`; returns the
     bytes of its weights."""
-    from trainer.tiny import build_model, build_tokenizer
+    from trainer.model.tiny import build_model, build_tokenizer
 
     tokenizer = build_tokenizer()
     model = build_model(tokenizer, "llama", seed=0, hidden_size=hidden, layers=layers)

@@ -18,7 +18,7 @@ import yaml
 from tests.trainer.after_helpers import peak_rise, write_sharded_model
 from tests.trainer.helpers import REPO, alpaca_rows, run_cli, write_jsonl
 from trainer.cli import main
-from trainer.tiny import build_model, build_tokenizer, make_tiny_model
+from trainer.model.tiny import build_model, build_tokenizer, make_tiny_model
 
 pytestmark = pytest.mark.slow
 
