@@ -16,7 +16,7 @@ from matrices import catalog
 from matrices.catalog import matrix_dir, normalize_name
 
 from ..errors import MatrixError
-from ..matrix import _read, _rows, _scalar, load as load_matrix
+from ..matrix import _build, _read, _rows, _scalar, load as load_matrix
 
 FILES = ("amd", "rocm", "intel", "apple")
 
@@ -72,6 +72,16 @@ class BnbRocm(NamedTuple):
     source: str
 
 
+class Container(NamedTuple):
+    """How a container reaches the GPUs ([container] of rocm.toml / intel.toml)."""
+
+    devices: list[str]
+    groups: list[str]  # host groups owning the device nodes, added to the container user by GID
+    k8s_resource: str
+    source: str
+    security_opt: list[str] = []
+
+
 # ---------------------------------------------------------------------------- Intel (intel.toml)
 
 
@@ -125,11 +135,13 @@ class Vendors(NamedTuple):
     rocm_builds: list[RocmBuild]
     aotriton: list[Aotriton]
     bnb_rocm: list[BnbRocm]
+    rocm_container: Container
     intel_targets: list[IntelTarget]
     intel_gpus: list[IntelGpu]
     xpu_index_url: str
     xpu_builds: list[XpuBuild]
     bnb_xpu: list[BnbXpu]
+    xpu_container: Container
     mps_min_macos: str
     bf16_min_macos: str
     mac_builds: list[MacBuild]
@@ -162,11 +174,13 @@ def load(directory: Path | None = None) -> Vendors:
         rocm_builds=_rows(rocm, "build", RocmBuild, directory / "rocm.toml"),
         aotriton=_rows(rocm, "aotriton", Aotriton, directory / "rocm.toml"),
         bnb_rocm=_rows(rocm, "bitsandbytes", BnbRocm, directory / "rocm.toml"),
+        rocm_container=_build(Container, rocm.get("container"), "rocm.toml [container]", directory / "rocm.toml"),
         intel_targets=_rows(intel, "target", IntelTarget, directory / "intel.toml"),
         intel_gpus=_rows(intel, "gpu", IntelGpu, directory / "intel.toml"),
         xpu_index_url=_scalar(intel, "index_url", directory / "intel.toml"),
         xpu_builds=_rows(intel, "build", XpuBuild, directory / "intel.toml"),
         bnb_xpu=_rows(intel, "bitsandbytes", BnbXpu, directory / "intel.toml"),
+        xpu_container=_build(Container, intel.get("container"), "intel.toml [container]", directory / "intel.toml"),
         mps_min_macos=_scalar(apple, "mps_min_macos", directory / "apple.toml"),
         bf16_min_macos=_scalar(apple, "bf16_min_macos", directory / "apple.toml"),
         mac_builds=_rows(apple, "build", MacBuild, directory / "apple.toml"),
