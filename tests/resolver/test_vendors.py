@@ -149,16 +149,16 @@ def test_malformed_rows_are_refused_naming_the_row(tmp_path, monkeypatch, file, 
 # ---------------------------------------------------------------------------- parsers on captured outputs
 
 
-def test_rocminfo_on_four_mi300x():
-    seen, driver = amd.parse_rocminfo((CAPTURED / "amd/rocminfo-4xmi300x.txt").read_text())
-    assert len(seen) == 4  # the two CPU agents are not GPUs
-    assert {(s.name, s.gfx, s.pci_id) for s in seen} == {("AMD Instinct MI300X", "gfx942", "0x74a1")}
-    assert {s.memory_gb for s in seen} == {192.0}
+def test_rocminfo_on_seven_mi25():
+    seen, driver = amd.parse_rocminfo((CAPTURED / "amd/rocminfo-7xmi25.txt").read_text())
+    assert len(seen) == 7  # the CPU agent is not a GPU
+    assert {(s.name, s.gfx, s.pci_id) for s in seen} == {("Radeon Instinct MI25", "gfx900", "0x6860")}
+    assert {s.memory_gb for s in seen} == {16.0}  # 16760832 KB in the first coarse-grained pool
     assert driver is None  # this ROCm prints 'ROCk module is loaded' without a version
 
 
 def test_rocminfo_header_carries_the_kernel_driver_version():
-    text = "ROCk module version 6.12.12 is loaded\n" + (CAPTURED / "amd/rocminfo-4xmi300x.txt").read_text()
+    text = "ROCk module version 6.12.12 is loaded\n" + (CAPTURED / "amd/rocminfo-7xmi25.txt").read_text()
     assert amd.parse_rocminfo(text)[1] == "6.12.12"
 
 
@@ -204,18 +204,19 @@ def test_kfd_topology_of_eight_mi210(v):
     assert (a.name, a.target, a.count, a.memory_gb) == ("AMD Instinct MI210", "gfx90a", 8, None) and skipped == []
 
 
-def test_kfd_topology_of_a_partitioned_mi308x_reports_each_partition_s_memory(v):
+def test_kfd_topology_of_a_partitioned_mi308x_is_planned_by_its_target(v):
     seen, _ = amd.parse_kfd(CAPTURED / "amd/kfd-mi308x-cpx")
     (a,) = vendors._count_amd(seen, "kfd", v, [])
-    # 0x74a2 is not in the catalog: the target still makes the plan; memory is the partition's, from its bank
-    assert (a.name, a.target, a.count, a.memory_gb) == ("AMD gfx942 GPU", "gfx942", 32, 48.0)
+    # nodes 0-9 of the capture: two CPU nodes and eight CPX partitions (two MI308X of four XCDs each).
+    # 0x74a2 is not in the catalog: the target still makes the plan; a partition reports local_mem_size 0
+    assert (a.name, a.target, a.count, a.memory_gb) == ("AMD gfx942 GPU", "gfx942", 8, None)
 
 
 def test_kfd_topology_of_an_mi300x_in_cpx_mode_does_not_claim_the_package_memory(v):
     seen, _ = amd.parse_kfd(CAPTURED / "amd/kfd-mi300x-cpx")
     (a,) = vendors._count_amd(seen, "kfd", v, [])
-    # the capture holds nodes 0-64: two CPU nodes and 63 XCD nodes; no memory is reported per node
-    assert (a.name, a.target, a.count, a.memory_gb) == ("AMD Instinct MI300X", "gfx942", 63, None)
+    # nodes 0-9 of the capture: two CPU nodes and the eight XCDs of one MI300X; no memory is reported per node
+    assert (a.name, a.target, a.count, a.memory_gb) == ("AMD Instinct MI300X", "gfx942", 8, None)
 
 
 def test_kfd_of_a_kernel_without_gfx_target_version_says_so(v):
@@ -223,7 +224,7 @@ def test_kfd_of_a_kernel_without_gfx_target_version_says_so(v):
     notes = []
     assert vendors._count_amd(seen, "kfd", v, notes) == []
     assert notes == ["kfd: AMD GPU 0x6860: it reports no gfx target and the catalog does not know it"]
-    assert {s.memory_gb for s in seen} == {16.0}  # from the frame-buffer memory bank
+    assert {s.memory_gb for s in seen} == {16.0}  # local_mem_size 17163091968
 
 
 def test_xpu_smi_table_on_an_aurora_node(v):
@@ -241,9 +242,9 @@ def test_xpu_smi_json_and_table_agree_on_a_device_the_driver_does_not_name(v):
 
 
 def test_pci_sysfs_plans_for_data_center_gpus_and_names_vga_controllers(v):
-    gpus, vga = intel.parse_pci(CAPTURED / "intel/pci-3xmax1550")
+    gpus, vga = intel.parse_pci(CAPTURED / "intel/pci-4xmax1550")
     (a,) = vendors._count_intel(gpus, "pci", v)
-    assert (a.name, a.target, a.count) == ("Intel Data Center GPU Max 1550", "pvc", 3) and vga == []
+    assert (a.name, a.target, a.count) == ("Intel Data Center GPU Max 1550", "pvc", 4) and vga == []
     gpus, vga = intel.parse_pci(CAPTURED / "intel/pci-uhd770")
     assert gpus == [] and vga == ["0000:00:02.0 0x4680"]
 
@@ -282,7 +283,7 @@ def test_nothing_found_says_why_for_every_source(bare):
 
 def test_amd_smi_is_asked_first(bare):
     _tool(bare, "amd-smi", f'exec /bin/cat "{CAPTURED}/amd/amd-smi-static-mi350x.txt"\n')
-    _tool(bare, "rocminfo", f'exec /bin/cat "{CAPTURED}/amd/rocminfo-4xmi300x.txt"\n')
+    _tool(bare, "rocminfo", f'exec /bin/cat "{CAPTURED}/amd/rocminfo-7xmi25.txt"\n')
     found = vendors.detect()
     (a,) = found.gpus
     assert (a.name, a.target, a.source, found.driver) == ("AMD Instinct MI350X", "gfx950", "amd-smi", "6.18.3")
@@ -290,10 +291,10 @@ def test_amd_smi_is_asked_first(bare):
 
 def test_a_failing_amd_smi_falls_through_to_rocminfo(bare):
     _tool(bare, "amd-smi", 'echo "ERROR:root:Unable to get devices, driver not initialized (amdgpu not found in modules)" >&2\nexit 1\n')
-    _tool(bare, "rocminfo", f'exec /bin/cat "{CAPTURED}/amd/rocminfo-4xmi300x.txt"\n')
+    _tool(bare, "rocminfo", f'exec /bin/cat "{CAPTURED}/amd/rocminfo-7xmi25.txt"\n')
     found = vendors.detect()
     (a,) = found.gpus
-    assert (a.name, a.target, a.count, a.memory_gb, a.source) == ("AMD Instinct MI300X", "gfx942", 4, 192.0, "rocminfo")
+    assert (a.name, a.target, a.count, a.memory_gb, a.source) == ("AMD Instinct MI25", "gfx900", 7, 16.0, "rocminfo")
     assert any(n.startswith("amd-smi: exit 1: ERROR:root:Unable to get devices") for n in found.notes)
 
 
