@@ -92,7 +92,7 @@ def main() -> None:
         full = timed_build(context, "envtool-bench:multi", nocache=True)
         timed_build(naive, "envtool-bench:naive", nocache=True)
         multi_size, naive_size = size_of("envtool-bench:multi"), size_of("envtool-bench:naive")
-        change_trainer(next((context / "wheelhouse" / "project").glob("envtool-*.whl")))
+        change_trainer(next((context / "wheelhouse" / "project").glob("envtool_llm-*.whl")))
         rebuild = timed_build(context, "envtool-bench:multi", nocache=False)
 
     print(f"CPU plan (torch {plan.torch.version}+cpu, transformers {plan.packages['transformers']}), base {BASE}")

@@ -1,8 +1,9 @@
 """How many users' own Axolotl configs `python -m trainer validate` takes unchanged, for their GPU and for a T4.
 
 The corpus is tests/trainer/data/user_configs/: whole config files from public repositories of fine-tuned models,
-courses and cloud recipes (none from Axolotl's examples/), each with a first line `# source: URL (date)` and, where
-the author named the GPU it ran on, `# gpu: NAME`. Each config is validated by the real CLI, in this process, with no
+courses and cloud recipes (none from Axolotl's examples/), read through the search index (SOURCES.md there), each with
+a first line `# source: URL (date)` (no date where it is not known) and, where the author named the GPU it ran on,
+`# gpu: NAME`. Each config is validated by the real CLI, in this process, with no
 network (validate loads no tokenizer or model; HF_HUB_OFFLINE=1 makes sure), twice: for the author's GPU (else an
 A100) and for a T4.
 
@@ -97,8 +98,10 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     configs = sorted(p for p in Path(args.dir).iterdir() if p.suffix in (".yml", ".yaml"))
     years = Counter(m.group(1) for p in configs if (m := re.search(r"^# source: \S+ \((\d{4})", p.read_text(), re.M)))
+    undated = len(configs) - sum(years.values())
     print(f"{len(configs)} users' configs from {len({p.name.split('__')[0] + p.name.split('__')[1] for p in configs})} "
-          f"repositories ({', '.join(f'{y}: {n}' for y, n in sorted(years.items()))})")
+          f"repositories ({', '.join(f'{y}: {n}' for y, n in sorted(years.items()))}"
+          f"{f', undated: {undated}' if undated else ''})")
     ok = True
     for which in ("author", "t4"):
         ok &= run(configs, which, args.verbose)

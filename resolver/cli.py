@@ -68,9 +68,12 @@ def reported(command):
 
 # ---------------------------------------------------------------------------- options, declared once
 
+_GPU_HELP = ("'auto' (detect this machine), a GPU name or alias (t4, a100, 'Tesla V100'), a compute capability "
+             "(sm_80, 8.6) or 'cpu'")
 GpuOpt = Annotated[str, typer.Option(
-    "--gpu", help="'auto' (detect this machine), a GPU name or alias (t4, a100, 'Tesla V100'), a compute "
-    "capability (sm_80, 8.6), 'cpu', or a comma list for one plan per target. `envtool gpus` lists the names.")]
+    "--gpu", help=f"{_GPU_HELP}: one target. `envtool gpus` lists the names.")]
+GpuListOpt = Annotated[str, typer.Option(  # resolve and build: one plan (one image) per target
+    "--gpu", help=f"{_GPU_HELP}, or a comma list (t4,v100,a100) for one per target. `envtool gpus` lists the names.")]
 DriverOpt = Annotated[Optional[str], typer.Option(
     "--driver", help="NVIDIA driver of the run host, e.g. 550.54.14 (default: detected with --gpu auto, "
     "unknown otherwise).")]
@@ -92,6 +95,9 @@ ExtraIndexOpt = Annotated[Optional[list[str]], typer.Option("--extra-index-url",
 TorchIndexOpt = Annotated[Optional[str], typer.Option(
     "--torch-index", help="Replace the PyTorch index: a URL, '{variant}' is replaced by cu126, cpu, ...")]
 FindLinksOpt = Annotated[Optional[list[str]], typer.Option("--find-links", help="A directory of wheels; repeatable.")]
+UserOpt = Annotated[str, typer.Option(
+    "--user", help="Who the container runs as: 'invoking' (default: your uid:gid, so files written to mounted "
+    "directories are yours), 'image' (the image's user, uid 1000), or UID[:GID] / a name.")]
 
 # The plan options every plan-making command takes (resolve, lock, install, dockerfile, build, train), in one
 # list: `@plan_options` adds them to a command's signature and hands the command one PlanOptions.
@@ -143,10 +149,16 @@ def _with_options(options, into: str, build, overrides: dict | None = None):
     return decorate
 
 
-def plan_options(**overrides):
+def _plan_options(values: dict):
+    from .hardware import check_target_text
     from .pipeline import PlanOptions
 
-    return _with_options(PLAN_OPTIONS, "opts", lambda v: PlanOptions(**v), overrides)
+    check_target_text(values.get("gpu"))  # `--gpu ''` or `--gpu None` is an error, not a CPU plan
+    return PlanOptions(**values)
+
+
+def plan_options(**overrides):
+    return _with_options(PLAN_OPTIONS, "opts", _plan_options, overrides)
 
 
 def _sources(values: dict):
@@ -167,7 +179,7 @@ def say(message: str) -> None:
 
 @app.command()
 @reported
-@plan_options()
+@plan_options(gpu=(GpuListOpt, "auto"))
 def resolve(
     json_out: Annotated[bool, typer.Option("--json", help="Print the plan as JSON (a list for several targets).")] = False,
     fmt: Annotated[str, typer.Option("--format", help="table, json, github (a CI strategy matrix) or markdown.")] = "table",
@@ -244,12 +256,14 @@ def lock(
           f"{plan.precision}) in {result['out']}")
     if wheelhouse:
         print(f"wheelhouse: {result['wheelhouse']['wheels']} wheels in {result['wheelhouse']['path']}")
-    print(f"next: envtool install {out} --venv .venv")
+    from .lock import install_hint
+
+    print(f"next: {install_hint(out)}")
 
 
 InstallGpuOpt = Annotated[Optional[str], typer.Option(
-    "--gpu", help="Without ENV_DIR: resolve and lock for this GPU first ('auto' detects), into <venv>.lock/ "
-    "(with --system / --python PATH: default auto).")]
+    "--gpu", help="Without ENV_DIR: resolve and lock for this GPU first (one target; 'auto' detects), into "
+    "<venv>.lock/ (with --system / --python PATH: default auto).")]
 InstallPythonOpt = Annotated[Optional[str], typer.Option(
     "--python", help="A version (3.11): the Python of the new venv. A path (/usr/bin/python3): install into that "
     "existing interpreter instead of a venv, like --system.")]
@@ -340,13 +354,13 @@ def recommended(target, python: str, m) -> dict | None:
 def doctor(
     venv: Annotated[Optional[Path], typer.Option("--venv", help="The environment to check (default: the "
                                                  "interpreter running envtool).")] = None,
-    gpu: Annotated[str, typer.Option("--gpu", help="The GPU to check against ('auto': this machine's).")] = "auto",
+    gpu: GpuOpt = "auto",
     driver: DriverOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Check an environment against this machine: torch's CUDA build and arch list, the driver, flash-attn,
     triton, bf16. Exits 1 on any error-level finding; each finding names the envtool command that fixes it."""
-    from .doctor import diagnose, probe, report
+    from .doctor import diagnose, fix_command, probe, report
     from .hardware import targets
     from .matrix import load
 
@@ -358,7 +372,8 @@ def doctor(
         raise BadInput("doctor checks against one GPU: give --gpu a single target")
     target = found[0]
     info = probe(venv)
-    findings = diagnose(info, target.gpu, target.driver, m, str(venv or info.get("prefix", ".venv")))
+    findings = diagnose(info, target.gpu, target.driver, m, str(venv or info.get("prefix", ".venv")),
+                        fix=fix_command(venv, target.label, driver))
     result = {**report(findings), "gpu": target.gpu.describe(), "driver": target.driver, "venv": info["prefix"],
               "packages": info.get("packages", {}), "recommended": recommended(target, info["python"], m)}
     if json_out:
@@ -416,7 +431,7 @@ def dockerfile(
 @app.command()
 @reported
 @source_options
-@plan_options()
+@plan_options(gpu=(GpuListOpt, "auto"))
 def build(
     tag: Annotated[Optional[str], typer.Option("--tag", help="Image tag (default: envtool-trainer:"
                                                "sm75-cu126-torch2.9-py3.11 style). One target only.")] = None,
@@ -472,6 +487,8 @@ def train(
                                                    "stdout).")] = None,
     hf_cache: Annotated[Optional[Path], typer.Option("--hf-cache", help="With --image: host directory mounted "
                                                      "as the Hugging Face cache.")] = None,
+    pvc: Annotated[Optional[str], typer.Option("--pvc", help="With --emit k8s: the PersistentVolumeClaim every pod "
+                                               "works in, at /work (data, output_dir; default envtool-work).")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan, where it runs and the exact "
                                           "command; build and run nothing.")] = False,
     json_out: JsonOpt = False,
@@ -503,6 +520,8 @@ def train(
         raise BadInput(f"--emit {emit!r}: choose slurm or k8s")
     if output is not None and emit is None:
         raise BadInput("-o/--output goes with --emit")
+    if pvc is not None and emit != "k8s":
+        raise BadInput("--pvc goes with --emit k8s (a Slurm job uses the filesystem its nodes share)")
     dist = Distribution(nproc, nnodes, node_rank, rdzv_endpoint)
     if emit is None:
         dist.check()
@@ -518,7 +537,7 @@ def train(
 
         if not dry_run:
             prepare(launch, plan, sources, quiet=quiet, say=log)
-        text = emitters.render(emit, plan, launch, config, dist)
+        text = emitters.render(emit, plan, launch, config, dist, pvc=pvc, warn=log)
         if output is None:
             sys.stdout.write(text)
         else:
@@ -567,6 +586,7 @@ def run(
     env: Annotated[Optional[list[str]], typer.Option("-e", "--env", help="Pass this environment variable "
                                                      "(e.g. HF_TOKEN) at run time; repeatable.")] = None,
     volume: Annotated[Optional[list[str]], typer.Option("-v", "--volume", help="HOST:CONTAINER; repeatable.")] = None,
+    user: UserOpt = "invoking",
 ) -> None:
     """Run a command in an image with what training needs: GPUs, shared memory, the HF cache, tokens.
 
@@ -580,7 +600,7 @@ def run(
     if not image:
         raise BadInput("--image is required")
     code = do_run(image, command or [], gpus=gpus, shm_size=shm_size, hf_cache=hf_cache, env_names=env or [],
-                  volumes=volume or [])
+                  volumes=volume or [], user=user)
     raise typer.Exit(code)
 
 
@@ -604,6 +624,43 @@ def gpus(json_out: bool = typer.Option(False, "--json", help="Print the catalog 
     gpus_table(m)
 
 
+# ---------------------------------------------------------------------------- envtool fit (will it fit?)
+
+FitNprocOpt = Annotated[Optional[int], typer.Option(
+    "--nproc", help="GPUs (processes) the run uses; ZeRO and FSDP shard over them (default: 1, or every GPU "
+    "detected with --gpu auto).")]
+
+
+@app.command()
+@reported
+def fit(
+    config: Annotated[Path, typer.Argument(help="The trainer config (Axolotl keys).")],
+    gpu: GpuOpt = "auto",
+    nproc: FitNprocOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Will the config fit the GPU? The estimated peak memory per GPU, term by term, with a band, a verdict
+    (fits, tight, does_not_fit, unknown) and the cheapest changes that fit. Reads the model's config.json only.
+
+    Exit 0 whether or not it fits; 2 for bad input.
+
+      envtool fit examples/t4-qlora.yml --gpu t4
+
+      envtool fit config.yml --gpu a100-80gb --nproc 4 --json
+    """
+    from .fit import fit as do_fit
+
+    found = do_fit(config, gpu, nproc)
+    if found.reason:
+        say(f"envtool: {found.reason}")
+    if json_out:
+        print(json.dumps(found.result, indent=2))
+        return
+    from .render import fit_report
+
+    fit_report(found)
+
+
 # ---------------------------------------------------------------------------- envtool matrix (update, verify)
 # Network commands for maintainers: requests, tomlkit and rich are imported inside them, never by `resolve`.
 
@@ -613,6 +670,8 @@ app.add_typer(matrix_app)
 
 _PYPI_HELP = "PyPI-compatible index to read (default: $ENVTOOL_PYPI_URL, else https://pypi.org)."
 _DIR_HELP = "The matrices directory (default: $ENVTOOL_MATRIX_DIR, else the installed matrices/)."
+_TORCH_INDEX_HELP = ("torch index template with {variant} (default: $ENVTOOL_TORCH_INDEX_URL, else torch.toml's "
+                     "index_url); flash-attn-3's wheels are read from the same index.")
 
 
 @matrix_app.command("update")
@@ -621,13 +680,16 @@ def matrix_update(
     check: bool = typer.Option(False, "--check", help="Write nothing; exit 1 when the matrices are stale."),
     json_out: bool = typer.Option(False, "--json", help="Print the changes as JSON."),
     pypi_url: Optional[str] = typer.Option(None, "--pypi-url", help=_PYPI_HELP),
+    torch_index_url: Optional[str] = typer.Option(None, "--torch-index-url", help=_TORCH_INDEX_HELP),
     matrix_dir: Optional[Path] = typer.Option(None, "--matrix-dir", help=_DIR_HELP),
 ) -> None:
     """Regenerate what PyPI metadata states (torch releases, Python ranges, triton pins; xformers' torch pins;
-    the training stack's newest versions), print the diff, and write it after the schema check."""
+    the training stack's newest versions; new kernels releases) and where the PyTorch index holds flash-attn-3
+    (its variant folders and platforms), print the diff, and write it after the schema check."""
     from .update import command
 
-    raise typer.Exit(command(check=check, json_out=json_out, pypi_url=pypi_url, matrix_dir=matrix_dir))
+    raise typer.Exit(command(check=check, json_out=json_out, pypi_url=pypi_url, matrix_dir=matrix_dir,
+                             torch_index_url=torch_index_url))
 
 
 @matrix_app.command("verify")
@@ -635,9 +697,7 @@ def matrix_update(
 def matrix_verify(
     json_out: bool = typer.Option(False, "--json", help="Print the result as JSON."),
     pypi_url: Optional[str] = typer.Option(None, "--pypi-url", help=_PYPI_HELP),
-    torch_index_url: Optional[str] = typer.Option(
-        None, "--torch-index-url", help="torch index template with {variant} (default: $ENVTOOL_TORCH_INDEX_URL, "
-        "else torch.toml's index_url)."),
+    torch_index_url: Optional[str] = typer.Option(None, "--torch-index-url", help=_TORCH_INDEX_HELP),
     flash_attn_url: Optional[str] = typer.Option(
         None, "--flash-attn-url", help="flash-attn wheel URL template with {version} and {filename} (default: "
         "$ENVTOOL_FLASH_ATTN_URL, else flash_attn.toml's wheel_url)."),

@@ -14,10 +14,11 @@ import sys
 from collections import deque
 from pathlib import Path
 
-from . import __version__
+from . import DISTRIBUTION, __version__
 from .errors import BadInput, EnvtoolError
 from .matrix import Matrix
 from .plan import Plan
+from .selfwheel import wheel_prefix
 from .uvrun import uv_binary
 from .wheelhouse import REQUIREMENTS
 
@@ -85,27 +86,90 @@ def prepare_context(plan: Plan, m: Matrix, env_dir: Path, wheelhouse: Path, cont
     deps.mkdir(parents=True, exist_ok=True)
     project.mkdir(parents=True, exist_ok=True)
     lines = (wheelhouse / REQUIREMENTS).read_text().splitlines()
-    kept = [line for line in lines if not line.startswith("envtool==")]
+    kept = [line for line in lines if not line.startswith(f"{DISTRIBUTION}==")]
     (deps / REQUIREMENTS).write_text("\n".join(kept) + "\n")
     for wheel in wheelhouse.glob("*.whl"):
-        target = (project if wheel.name.startswith("envtool-") else deps) / wheel.name
+        target = (project if wheel.name.startswith(wheel_prefix()) else deps) / wheel.name
         try:
             os.link(wheel, target)  # same filesystem: no copy of gigabytes
         except OSError:
             shutil.copy2(wheel, target)
 
 
+DEFAULT_SOCKET = "unix:///var/run/docker.sock"
+ADDRESS_FILE = Path(".ci-cache") / "docker-host"  # written by .ci/docker-up (the set-up's private engine)
+
+
+def address_files() -> list[Path]:
+    """Where .ci/docker-up leaves the address of the engine it started: the checkout envtool runs from (an
+    editable install), then the working directory (a clone, with envtool installed from a wheel)."""
+    checkout = Path(__file__).resolve().parents[1]
+    found = []
+    for root in (checkout, Path.cwd()):
+        path = root / ADDRESS_FILE
+        if path.is_file() and path.resolve() not in [f.resolve() for f in found]:
+            found.append(path)
+    return found
+
+
+def engines() -> tuple[list[tuple[str, str]], bool]:
+    """The Docker engines to try, in order, each with where its address came from; and whether the first was
+    chosen explicitly (then it alone is tried, as the docker CLI would). The order:
+
+    1. DOCKER_HOST, when set;
+    2. the docker CLI's current context (DOCKER_CONTEXT, else `currentContext` in ~/.docker/config.json), when it
+       is not `default`;
+    3. the default socket, unix:///var/run/docker.sock;
+    4. the address .ci/docker-up wrote to .ci-cache/docker-host (the engine `bash .ci/setup` started)."""
+    if os.environ.get("DOCKER_HOST"):
+        return [(os.environ["DOCKER_HOST"], "DOCKER_HOST")], True
+    try:
+        from docker.context import ContextAPI
+
+        context = ContextAPI.get_context(os.environ.get("DOCKER_CONTEXT"))
+    except Exception:  # an unreadable docker config: the CLI's default context
+        context = None
+    if context is not None and context.Name != "default" and context.Host:
+        return [(context.Host, f"docker context {context.Name}")], True
+    found = [(DEFAULT_SOCKET, "the default socket")]
+    for path in address_files():
+        address = path.read_text().strip()
+        if address and address not in (a for a, _ in found):
+            found.append((address, f"{path}, written by .ci/docker-up"))
+    return found, False
+
+
+def _why(error: Exception) -> str:
+    """Why an engine did not answer, in a few words."""
+    text = str(error)
+    for needle, why in (("FileNotFoundError", "no such socket"), ("No such file", "no such socket"),
+                        ("Connection refused", "connection refused"),
+                        ("Permission denied", "permission denied: join the docker group or use sudo"),
+                        ("PermissionError", "permission denied: join the docker group or use sudo"),
+                        ("timed out", "timed out")):
+        if needle in text:
+            return why
+    first = text.splitlines()[0] if text else type(error).__name__
+    return first if len(first) <= 100 else first[:97] + "..."
+
+
 def client():
+    """A client of the first engine that answers (see `engines`); one line naming what was tried if none does."""
     import docker
 
-    try:
-        c = docker.from_env(version="auto", timeout=600)
-        c.ping()
-        return c
-    except docker.errors.DockerException as e:
-        where = os.environ.get("DOCKER_HOST", "unix:///var/run/docker.sock")
-        raise NoEngine(f"no Docker engine answers at {where} ({str(e).splitlines()[0][:120]}): start one "
-                       f"(`sudo systemctl start docker`, or `dockerd &`) or point DOCKER_HOST at it") from None
+    candidates, explicit = engines()
+    tried = []
+    for address, origin in candidates:
+        try:
+            c = docker.DockerClient(base_url=address, version="auto", timeout=600)
+            c.ping()
+            return c
+        except docker.errors.DockerException as e:
+            tried.append(f"{address} ({origin}: {_why(e)})")
+    hint = ("point DOCKER_HOST at an engine that answers, or unset it" if explicit else
+            "start one (`sudo systemctl start docker`, `dockerd &`, or `bash .ci/docker-up` in a clone of envtool) "
+            "or point DOCKER_HOST at it")
+    raise NoEngine(f"no Docker engine answers at {'; '.join(tried)}: {hint}")
 
 
 def build(context: Path, tag: str, network: str | None = None, quiet: bool = False) -> str:
@@ -147,18 +211,49 @@ def push(tag: str, quiet: bool = False) -> None:
             raise EnvtoolError(f"docker push {tag} failed: {chunk['error']}")
 
 
+INVOKING_USER = "invoking"  # `run(user=...)`: the uid:gid running envtool
+IMAGE_USER = "image"  # the image's own USER (uid 1000, `trainer`)
+CONTAINER_HOME = "/tmp/envtool-home"  # HOME for a user the image's /etc/passwd does not know
+
+
+def container_user(user: str | None) -> str | None:
+    """What `docker run --user` gets: the invoking uid:gid by default, so that files written to a mounted
+    directory are the user's and the container can write where the user can (root, a cluster's uid, a CI
+    runner's); `image` keeps the image's user; anything else is passed as it is (NAME, UID or UID:GID)."""
+    if user in (None, INVOKING_USER):
+        return f"{os.getuid()}:{os.getgid()}"
+    if user == IMAGE_USER:
+        return None
+    import re
+
+    if not re.fullmatch(r"[\w.-]+(:[\w.-]+)?", user):
+        raise BadInput(f"--user {user!r}: give UID[:GID], a user name, '{INVOKING_USER}' or '{IMAGE_USER}'")
+    return user
+
+
 def run(image: str, command: list[str], *, gpus: str | None, shm_size: str, hf_cache: Path | None,
         env_names: list[str], volumes: list[str], workdir: str | None = None,
-        environment: dict[str, str] | None = None, network_mode: str | None = None) -> int:
-    """Run `command` in `image` with what training needs; secrets travel as run-time environment only."""
+        environment: dict[str, str] | None = None, network_mode: str | None = None,
+        user: str | None = INVOKING_USER) -> int:
+    """Run `command` in `image` with what training needs; secrets travel as run-time environment only.
+    `user`: see container_user (default: the invoking uid:gid)."""
     import docker
 
+    run_as = container_user(user)
     c = client()
     try:
         c.images.get(image)
     except docker.errors.ImageNotFound:
         raise BadInput(f"no image {image}; build it with `envtool build`") from None
     environment = dict(environment or {})
+    if run_as is not None:
+        # The image's /etc/passwd knows uid 1000 only: give any other user a HOME it can write (torch, triton
+        # and the Hugging Face hub keep caches there) and a name (getpass.getuser(), which torch's compile cache
+        # calls, reads USER before the passwd file).
+        environment.setdefault("HOME", CONTAINER_HOME)
+        environment.setdefault("USER", os.environ.get("USER") or "envtool")
+        if not hf_cache:
+            environment.setdefault("HF_HOME", f"{CONTAINER_HOME}/.cache/huggingface")
     for name in env_names:
         if name not in os.environ:
             raise BadInput(f"-e {name}: not set in this environment (envtool passes values through, never stores them)")
@@ -178,7 +273,7 @@ def run(image: str, command: list[str], *, gpus: str | None, shm_size: str, hf_c
         device_requests = [docker.types.DeviceRequest(count=count, capabilities=[["gpu"]])]
     container = c.containers.run(image, command or None, detach=True, environment=environment, volumes=mounts,
                                  shm_size=shm_size, device_requests=device_requests or None, network_mode=network_mode,
-                                 working_dir=workdir)
+                                 working_dir=workdir, user=run_as or "")
     try:
         for chunk in container.logs(stream=True, follow=True):
             sys.stdout.buffer.write(chunk)

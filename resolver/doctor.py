@@ -14,9 +14,10 @@ import sys
 from pathlib import Path
 from typing import NamedTuple
 
+from . import DISTRIBUTION
 from .errors import BadInput
 from .hardware import GpuSpec
-from matrices.catalog import backend_runs_on
+from matrices.catalog import backend_range, backend_runs_on
 
 from .matrix import Matrix, cc_tuple
 from .solve import runs_on
@@ -33,7 +34,8 @@ def version(name):
 
 info = {"python": "%d.%d" % sys.version_info[:2], "prefix": sys.prefix,
         "packages": {n: version(n) for n in ("torch", "triton", "flash-attn", "flash-attn-3", "xformers",
-                                              "transformers", "bitsandbytes", "deepspeed", "envtool")}}
+                                              "transformers", "bitsandbytes", "deepspeed")}}
+info["packages"]["envtool"] = version(__DISTRIBUTION__)  # the key names the tool; the distribution is envtool-llm
 try:
     import torch
     info["torch"] = {"version": torch.__version__, "cuda": torch.version.cuda,
@@ -42,8 +44,23 @@ except Exception as e:  # a broken torch is a finding, not a crash
     info["torch"] = {"error": f"{type(e).__name__}: {e}"}
 plan = Path(sys.prefix) / "plan.json"
 info["plan"] = json.loads(plan.read_text()) if plan.is_file() else None
+# compiled attention kernels load their CUDA code at import: try them only where torch sees a GPU
+info["imports"] = {}
+try:
+    on_gpu = bool(info["torch"].get("cuda")) and torch.cuda.is_available()
+except Exception:
+    on_gpu = False
+for module, package in (("flash_attn_interface", "flash-attn-3"),):
+    if info["packages"].get(package):
+        info["imports"][module] = None
+        if on_gpu:
+            try:
+                __import__(module)
+                info["imports"][module] = "ok"
+            except Exception as e:
+                info["imports"][module] = f"{type(e).__name__}: {e}"
 print(json.dumps(info))
-"""
+""".replace("__DISTRIBUTION__", repr(DISTRIBUTION))
 
 
 SM = re.compile(r"^sm_(\d+?)(\d)a?$")  # sm_86 -> (8, 6); sm_100 -> (10, 0); sm_90a -> (9, 0)
@@ -75,8 +92,32 @@ def probe_python(python: str, name: str | None = None) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def diagnose(info: dict, gpu: GpuSpec, driver: str | None, m: Matrix, venv: str) -> list[Finding]:
-    fix = f"envtool install --gpu auto --venv {venv}"
+def is_managed_venv(path: Path) -> bool:
+    """A venv `envtool install` made: a symlink into <venv>.versions/ (the only kind it replaces)."""
+    return path.is_symlink() and path.resolve().parent == (path.parent / f"{path.name}.versions").resolve()
+
+
+def fix_command(venv: Path | None, target: str, driver: str | None) -> str:
+    """The install that fixes the environment doctor checked, for the GPU it checked against (`target`, as the
+    user named it) and the driver they gave: into the interpreter running envtool (--system), into a venv
+    `envtool install` made or a new one (--venv), or into any other existing environment (--python PATH, which
+    install accepts where it refuses to replace a venv it did not make)."""
+    import shlex
+
+    gpu = f"--gpu {shlex.quote(target)}" + (f" --driver {shlex.quote(driver)}" if driver else "")
+    if venv is None:
+        return f"envtool install --system {gpu}"
+    path = Path(venv)
+    if not path.exists() or is_managed_venv(path):
+        return f"envtool install {gpu} --venv {shlex.quote(str(venv))}"
+    return f"envtool install --python {shlex.quote(str(path / 'bin' / 'python'))} {gpu}"
+
+
+def diagnose(info: dict, gpu: GpuSpec, driver: str | None, m: Matrix, venv: str,
+             fix: str | None = None) -> list[Finding]:
+    """Findings for the environment `info` describes on `gpu` with `driver`; `fix` is the command each error
+    names (default: a new install for this machine into `venv`)."""
+    fix = fix or f"envtool install --gpu auto --venv {venv}"
     torch = info.get("torch") or {}
     findings: list[Finding] = []
     add = findings.append
@@ -116,6 +157,10 @@ def diagnose(info: dict, gpu: GpuSpec, driver: str | None, m: Matrix, venv: str)
         add(Finding("error", "flash-attn", f"flash-attn {fa} is installed but {gpu.describe()} cannot run it "
                     f"('FlashAttention only supports Ampere GPUs or newer'); the plan for this GPU uses SDPA", fix))
 
+    fa3 = packages.get("flash-attn-3")
+    if fa3:
+        findings.extend(flash_attn_3_findings(info, fa3, gpu, m, fix))
+
     triton = packages.get("triton")
     plan = info.get("plan") or {}
     support = next(iter(m.triton_support), None)
@@ -134,6 +179,25 @@ def diagnose(info: dict, gpu: GpuSpec, driver: str | None, m: Matrix, venv: str)
         planned = f"sm_{planned_cc.replace('.', '')}" if planned_cc else "CPU"
         add(Finding("warning", "plan", f"the environment was planned for {planned}, this machine is {gpu.sm}", fix))
     return findings
+
+
+def flash_attn_3_findings(info: dict, version: str, gpu: GpuSpec, m: Matrix, fix: str) -> list[Finding]:
+    """flash-attn-3 installed: the GPU must run it (attention.toml), and on the GPU `flash_attn_interface` must
+    import (its compiled kernels load torch's stable-ABI symbols: a torch older than the wheel's target fails
+    here, with 'undefined symbol: aoti_torch_...')."""
+    backend = m.backend(m.flash_attn_impl("fa3").attention)
+    if not backend_runs_on(backend, gpu.compute_capability):
+        return [Finding("error", "flash-attn-3", f"flash-attn-3 {version} is installed but {gpu.describe()} cannot run "
+                        f"FlashAttention-3 (needs {backend_range(backend)}); the plan for this GPU uses another "
+                        f"attention", fix)]
+    result = (info.get("imports") or {}).get("flash_attn_interface")
+    if result == "ok":
+        return [Finding("ok", "flash-attn-3", f"flash-attn-3 {version}: flash_attn_interface imports on the GPU")]
+    if result is None:
+        return [Finding("warning", "flash-attn-3", f"flash-attn-3 {version} is installed; flash_attn_interface was not "
+                        f"imported, since torch sees no CUDA device here")]
+    return [Finding("error", "flash-attn-3", f"flash-attn-3 {version} is installed but flash_attn_interface does not "
+                    f"import on the GPU: {result}", fix)]
 
 
 def report(findings: list[Finding]) -> dict:

@@ -3,14 +3,18 @@
 Both start the same thing `envtool train` starts on one machine: torchrun over the plan's environment, one
 process per GPU, machines joined by a c10d rendezvous. The Kubernetes job runs the plan's image with what
 `envtool run` gives a container: the GPUs, shared memory for data-loader workers and NCCL (an in-memory
-emptyDir at /dev/shm) and the Hugging Face cache (a volume at the image's HF_HOME).
+emptyDir at /dev/shm) and the Hugging Face cache (a volume at the image's HF_HOME), and it works in a
+persistent volume mounted at /work: the config's relative output_dir and dataset_prepared_path land there, so
+the trained model outlives the pod and every node reads the one prepared dataset.
 """
 
 from __future__ import annotations
 
 import re
 import shlex
+import sys
 from pathlib import Path
+from typing import Callable
 
 from .errors import BadInput
 from .files import write_atomic
@@ -19,17 +23,78 @@ from .plan import Plan
 
 HF_HOME = "/home/trainer/.cache/huggingface"  # the image's HF_HOME (dockerfiles/Dockerfile.j2)
 RDZV_PORT = 29500
+WORK = "/work"  # where the job's volume is mounted, and the trainer's working directory
+DEFAULT_PVC = "envtool-work"
 
 
-def render(kind: str, plan: Plan, launch: Launch, config: Path, dist: Distribution) -> str:
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def render(kind: str, plan: Plan, launch: Launch, config: Path, dist: Distribution, *, pvc: str | None = None,
+           warn: Callable[[str], None] = _stderr) -> str:
+    """The launcher text. `pvc` (k8s): the PersistentVolumeClaim for data and outputs (default envtool-work);
+    `warn` gets one line per path in the config that the pods would not see."""
     from .pipeline import config_pins
 
     if config_pins(config).ray_workers is not None:
         raise BadInput(f"--emit {kind}: {config} sets use_ray, which starts its workers through a local Ray cluster; "
                        "these launchers run torchrun: set use_ray: false for them")
     if kind == "slurm":
+        if pvc is not None:
+            raise BadInput("--pvc goes with --emit k8s (a Slurm job uses the filesystem its nodes share)")
         return sbatch(plan, launch, config, dist)
-    return pytorchjob(plan, launch, config, dist)
+    claim = DEFAULT_PVC if pvc is None else check_claim(pvc)
+    for line in volume_warnings(config, claim, dist):
+        warn(f"envtool: warning: {line}")
+    return pytorchjob(plan, launch, config, dist, work_claim=claim)
+
+
+def check_claim(name: str) -> str:
+    if not re.fullmatch(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?", name):
+        raise BadInput(f"--pvc {name!r}: a PersistentVolumeClaim name is lower-case letters, digits, '-' and '.'")
+    return name
+
+
+def _looks_local(value: str) -> bool:
+    """A dataset or model path the trainer reads from disk (it exists here, or is written as a path), not a
+    Hugging Face Hub id like `yahma/alpaca-cleaned`."""
+    return (Path(value).exists() or value.startswith(("/", "./", "../", "~"))
+            or value.endswith((".json", ".jsonl", ".parquet", ".csv", ".arrow", ".txt")))
+
+
+def volume_warnings(config: Path, claim: str, dist: Distribution) -> list[str]:
+    """What the pods would not find or would lose: outputs written outside the volume, and local files (data,
+    a local model) that must be copied onto it first."""
+    import yaml
+
+    try:
+        cfg = yaml.safe_load(config.read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return []  # the trainer reports a broken config, in its own words
+    if not isinstance(cfg, dict):
+        return []
+    lines = []
+    for key, default in (("output_dir", "./outputs"), ("dataset_prepared_path", "last_run_prepared")):
+        value = str(cfg.get(key) or default)
+        if value.startswith("/") and not (value == WORK or value.startswith(WORK + "/")):
+            lines.append(f"{config}: {key} {value} is outside the volume (the claim {claim} is mounted at {WORK}): "
+                         f"what is written there is lost with the pod; use a relative path")
+    local = []
+    if isinstance(cfg.get("base_model"), str) and _looks_local(cfg["base_model"]):
+        local.append(("base_model", cfg["base_model"]))
+    for section in ("datasets", "test_datasets"):
+        for i, ds in enumerate(cfg.get(section) or []):
+            if isinstance(ds, dict) and isinstance(ds.get("path"), str) and _looks_local(ds["path"]):
+                local.append((f"{section}[{i}].path", ds["path"]))
+    for key, value in local:
+        inside = value if value.startswith("/") else f"{WORK}/{value.removeprefix('./')}"
+        lines.append(f"{config}: {key} {value} is a local path: the pods read {inside}; copy it onto the claim "
+                     f"{claim} first (e.g. kubectl cp into a pod that mounts it)")
+    if dist.nnodes > 1:
+        lines.append(f"--nnodes {dist.nnodes}: every pod mounts the claim {claim}, so it must be ReadWriteMany "
+                     f"(rank 0 prepares the dataset there and the other nodes read it)")
+    return lines
 
 
 def write(path: Path, text: str, executable: bool = False) -> None:
@@ -100,10 +165,11 @@ def quantity(size: str) -> str:
 
 
 def pytorchjob(plan: Plan, launch: Launch, config: Path, dist: Distribution, *, shm_size: str = "8g",
-               hf_cache_claim: str = "envtool-hf-cache") -> str:
+               hf_cache_claim: str = "envtool-hf-cache", work_claim: str = DEFAULT_PVC) -> str:
     """A ConfigMap with the config and a kubeflow.org/v1 PyTorchJob: Master (node rank 0) and nnodes-1
     Workers, each a pod running torchrun with --nproc-per-node GPUs, joined by c10d at the master's service.
-    The training operator sets MASTER_ADDR / MASTER_PORT / RANK in every replica."""
+    The training operator sets MASTER_ADDR / MASTER_PORT / RANK in every replica. Every pod works in the claim
+    `work_claim` at /work: the config's relative paths (output_dir, dataset_prepared_path, local data) are there."""
     import yaml
 
     gpus = _gpus(plan, dist)
@@ -121,13 +187,16 @@ def pytorchjob(plan: Plan, launch: Launch, config: Path, dist: Distribution, *, 
         "command": command,
         "env": [{"name": "HF_HOME", "value": HF_HOME}],
         "resources": resources,
+        "workingDir": WORK,
         "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"},
                          {"name": "hf-cache", "mountPath": HF_HOME},
+                         {"name": "work", "mountPath": WORK},
                          {"name": "config", "mountPath": "/etc/envtool", "readOnly": True}],
     }
     pod = {"spec": {"containers": [container], "volumes": [
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": quantity(shm_size)}},
         {"name": "hf-cache", "persistentVolumeClaim": {"claimName": hf_cache_claim}},
+        {"name": "work", "persistentVolumeClaim": {"claimName": work_claim}},
         {"name": "config", "configMap": {"name": f"{name}-config"}},
     ]}}
     replicas = {"Master": {"replicas": 1, "restartPolicy": "OnFailure", "template": pod}}
@@ -145,7 +214,13 @@ def pytorchjob(plan: Plan, launch: Launch, config: Path, dist: Distribution, *, 
     }
     config_map = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": f"{name}-config"},
                   "data": {config.name: config.read_text()}}
-    header = (f"# Written by `envtool train {config} --emit k8s` for {plan.gpu['name']}. Needs the Kubeflow "
-              f"training operator, the image {launch.path} in a registry the cluster pulls from (envtool build "
-              f"--push), and a PersistentVolumeClaim {hf_cache_claim} for the Hugging Face cache.\n")
+    access = "ReadWriteMany: every pod mounts it" if dist.nnodes > 1 else "ReadWriteOnce is enough for one pod"
+    import textwrap
+
+    header = "".join(f"# {line}\n" for line in textwrap.wrap(
+        f"Written by `envtool train {config} --emit k8s` for {plan.gpu['name']}. Needs the Kubeflow training "
+        f"operator, the image {launch.path} in a registry the cluster pulls from (envtool build --push), a "
+        f"PersistentVolumeClaim {hf_cache_claim} for the Hugging Face cache, and the PersistentVolumeClaim "
+        f"{work_claim} ({access}) mounted at {WORK}, the working directory: the config's relative paths "
+        f"(output_dir, dataset_prepared_path, local data) are on it, so the model outlives the pods.", 110))
     return header + yaml.safe_dump_all([config_map, job], sort_keys=False)

@@ -70,10 +70,30 @@ class Seen(NamedTuple):
 # ---------------------------------------------------------------------------- named GPUs
 
 
+NOT_A_TARGET = ("none", "null", "nil", "undefined")  # what a script's unset variable prints as
+
+
+def check_target_text(text: str | None, where: str = "--gpu") -> None:
+    """An empty --gpu / ENVTOOL_GPU, or None printed by a script, is an error rather than a CPU plan: exit 2."""
+    if text is None:
+        return
+    if not text.strip():
+        if where == GPU_ENV:
+            raise BadInput(f"{GPU_ENV} is set but empty: unset it to detect this machine's GPU, or give one (t4, "
+                           f"sm_80, cpu)")
+        raise BadInput(f"{where} is empty: give a GPU name or alias (t4, a100), a compute capability (sm_80), "
+                       f"'cpu' or 'auto'")
+    for name in text.split(","):
+        if normalize_name(name) in NOT_A_TARGET:
+            raise BadInput(f"{where} {name.strip()!r} is not a GPU (a script's unset variable?): give a GPU name, a "
+                           f"compute capability (sm_80), or 'cpu' for a CPU plan")
+
+
 def lookup(text: str, m: Matrix, source: str = "catalog") -> GpuSpec:
     """A GPU by alias ("t4"), full name ("Tesla T4"), or compute capability ("sm_75", "7.5"), or "cpu"."""
+    check_target_text(text, GPU_ENV if source == GPU_ENV else "--gpu")
     key = normalize_name(text)
-    if key in ("cpu", "none"):
+    if key == "cpu":
         return CPU
     cc = catalog.cc_from_text(key)
     if cc:
@@ -115,7 +135,8 @@ def detect(m: Matrix) -> Detection:
     notes: list[str] = []
     driver_override = os.environ.get(DRIVER_ENV)
     override = os.environ.get(GPU_ENV)
-    if override:
+    if override is not None:
+        check_target_text(override, GPU_ENV)
         gpu = lookup(override, m, source=GPU_ENV)
         driver = check_driver(driver_override, DRIVER_ENV) if driver_override else None
         return Detection(gpu, driver, [f"GPU from {GPU_ENV}={override} (detection skipped)"])
@@ -276,9 +297,8 @@ class Target(NamedTuple):
 
 def targets(text: str, m: Matrix, driver: str | None) -> list[Target]:
     """`--gpu auto`, `--gpu t4` or `--gpu t4,v100,a100` (one plan each)."""
+    check_target_text(text)
     names = [t.strip() for t in text.split(",") if t.strip()]
-    if not names:
-        raise BadInput("--gpu needs a GPU name, a compute capability (sm_80), 'cpu' or 'auto'")
     if driver is not None:
         driver = check_driver(driver)
     if "auto" in (n.lower() for n in names):

@@ -21,6 +21,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from . import DISTRIBUTION
 from .errors import BadInput, EnvtoolError
 from .files import write_atomic
 from .lock import load_plan
@@ -31,14 +32,29 @@ from .wheelhouse import check as check_wheelhouse
 IMPORT_CHECK = (  # --check-imports: runs them (torch's native libraries load); seconds, mostly compiling bytecode
     "import json, importlib.metadata as md, torch, transformers, trainer; "
     "print(json.dumps({'torch': torch.__version__, 'transformers': transformers.__version__, "
-    "'envtool': md.version('envtool')}))"
+    f"'envtool': md.version({DISTRIBUTION!r})}}))"
 )
 PRESENCE_CHECK = (  # the default: the interpreter starts and finds them, at the installed versions; ~0.1 s
     "import json, importlib.metadata as md, importlib.util as u; "
     "missing = [m for m in ('torch', 'transformers', 'trainer') if u.find_spec(m) is None]; "
     "assert not missing, 'cannot find ' + ', '.join(missing); "
-    "print(json.dumps({n: md.version(n) for n in ('torch', 'transformers', 'envtool')}))"
+    "print(json.dumps({**{n: md.version(n) for n in ('torch', 'transformers')}, "
+    f"'envtool': md.version({DISTRIBUTION!r})}}))"
 )
+
+
+def find_python(version: str) -> str:
+    """The interpreter uv would make a Python `version` venv from (never downloading one), or a one-line refusal
+    before anything is locked or built."""
+    from .uvrun import uv_binary
+
+    env = uv_env(None, {"UV_PYTHON_DOWNLOADS": "never"})
+    out = subprocess.run([uv_binary(), "python", "find", "--no-project", version], capture_output=True, text=True,
+                         env=env)
+    if out.returncode != 0:
+        raise BadInput(f"the plan is for Python {version} and uv finds no Python {version} interpreter on this "
+                       f"machine: install one (`uv python install {version}`) or drop --python to plan for this one")
+    return out.stdout.strip()
 
 
 def versions_dir(venv: Path) -> Path:

@@ -1,7 +1,7 @@
 """envtool lock / export: a self-contained project directory that pins a plan, locked by uv.
 
 The directory holds `pyproject.toml` (the plan's pins and where each package comes from), `uv.lock` (uv's
-resolution, with hashes), `plan.json` and `wheels/envtool-*.whl` (the bundled trainer and `envtool doctor`).
+resolution, with hashes), `plan.json` and `wheels/envtool_llm-*.whl` (the bundled trainer and `envtool doctor`).
 We choose constraints and sources; uv resolves. Nothing is built from source that must not be: the plan's
 CUDA packages are listed under uv's `no-build-package`.
 """
@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 from typing import NamedTuple
 
-from . import selfwheel
+from . import DISTRIBUTION, selfwheel
 from .errors import BadInput
 from .matrix import Matrix
 from .plan import PLAN_FILE, Plan
@@ -40,7 +40,7 @@ def requirements(plan: Plan) -> list[str]:
     """What the environment asks for: envtool itself (trainer, doctor) and every package the plan pins.
     triton is left to torch's own pin (torch 2.14+ pins it as `~=`)."""
     pins = [f"{name}=={version}" for name, version in plan.packages.items() if name != "triton"]
-    return ["envtool[train]", *pins]
+    return [f"{DISTRIBUTION}[train]", *pins]
 
 
 def _toml_list(items: list[str]) -> str:
@@ -51,7 +51,11 @@ def with_sources(plan: Plan, sources: Sources) -> Plan:
     """The plan as this lock will install it: --torch-index replaces the PyTorch index it names."""
     if not sources.torch_index:
         return plan
-    return plan._replace(torch=plan.torch._replace(index_url=sources.torch_index.format(variant=plan.torch.variant)))
+    index = sources.torch_index.format(variant=plan.torch.variant)
+    fa = plan.flash_attn
+    if fa is not None and fa.index_url == plan.torch.index_url:  # flash-attn-3 lives on the torch index: follow it
+        fa = fa._replace(index_url=index, wheel_url=f"{index.rstrip('/')}/{fa.filename}")
+    return plan._replace(torch=plan.torch._replace(index_url=index), flash_attn=fa)
 
 
 def pyproject_text(plan: Plan, sources: Sources, envtool_wheel: str, no_build: list[str]) -> str:
@@ -87,15 +91,32 @@ def pyproject_text(plan: Plan, sources: Sources, envtool_wheel: str, no_build: l
         indexes.append(("default", sources.index_url, "default = true"))
     indexes += [(f"extra-{i + 1}", url, None) for i, url in enumerate(sources.extra_index_urls)]
     indexes.append((f"pytorch-{plan.torch.variant}", torch_index, "explicit = true"))
+    fa = plan.flash_attn
+    fa_index = f"pytorch-{plan.torch.variant}"  # an index-hosted wheel (flash-attn-3) comes from the torch index
+    if fa is not None and fa.index_url and fa.index_url != torch_index:
+        fa_index = f"{fa.package}-index"
+        indexes.append((fa_index, fa.index_url, "explicit = true"))
     for name, url, flag in indexes:
         lines += ["", "[[tool.uv.index]]", f'name = "{name}"', f"url = {json.dumps(url)}"]
         if flag:
             lines.append(flag)
     lines += ["", "[tool.uv.sources]", f'torch = {{ index = "pytorch-{plan.torch.variant}" }}',
-              f'envtool = {{ path = "wheels/{envtool_wheel}" }}']
-    if plan.flash_attn:
-        lines.append(f"{plan.flash_attn.package} = {{ url = {json.dumps(plan.flash_attn.wheel_url)} }}")
+              f'{DISTRIBUTION} = {{ path = "wheels/{envtool_wheel}" }}']
+    if fa is not None and fa.index_url:
+        lines.append(f'{fa.package} = {{ index = "{fa_index}" }}')
+    elif fa is not None:
+        lines.append(f"{fa.package} = {wheel_source(fa.wheel_url)}")
     return "\n".join(lines) + "\n"
+
+
+def wheel_source(url: str) -> str:
+    """A wheel URL as a [tool.uv.sources] entry: a `file://` URL (a mirror on disk) is a path, which uv takes
+    where it refuses the file scheme in a `url` source."""
+    from urllib.parse import unquote, urlsplit
+
+    if urlsplit(url).scheme == "file":
+        return f"{{ path = {json.dumps(unquote(urlsplit(url).path))} }}"
+    return f"{{ url = {json.dumps(url)} }}"
 
 
 def lock(plan: Plan, out: Path, sources: Sources, m: Matrix, quiet: bool = False) -> Path:
@@ -115,6 +136,10 @@ def lock(plan: Plan, out: Path, sources: Sources, m: Matrix, quiet: bool = False
         try:
             run_uv(["lock", "--project", str(staging)], what="Locking with uv", env=env, quiet=quiet)
         except MissingWheel as e:
+            fa = plan.flash_attn
+            if fa is not None and fa.index_url and e.name == fa.package:
+                e.args = (f"{e}: {fa.index_url} lists no {fa.filename} (`envtool resolve --no-flash-attn` plans "
+                          f"without it)",)
             nearest = nearest_wheels(plan, sources, e.name, e.version)
             if nearest:
                 e.args = (f"{e}; nearest published: {', '.join(nearest)}",)
@@ -144,8 +169,8 @@ def nearest_wheels(plan: Plan, sources: Sources, name: str, version: str | None)
     import requests
     from packaging.version import InvalidVersion, Version
 
-    if name == "torch":
-        index = plan.torch.index_url
+    if name == "torch" or (plan.flash_attn and plan.flash_attn.index_url and name == plan.flash_attn.package):
+        index = plan.torch.index_url if name == "torch" else plan.flash_attn.index_url
     else:
         index = sources.index_url or "https://pypi.org/simple/"
     project = re.sub(r"[-_.]+", "-", name).lower()
@@ -162,6 +187,23 @@ def nearest_wheels(plan: Plan, sources: Sources, name: str, version: str | None)
     order = sorted({*published.values(), Version(version)})
     at = order.index(Version(version))
     return sorted(published, key=lambda f: (abs(order.index(published[f]) - at), f))[:3]
+
+
+def install_hint(env_dir: Path, cwd: Path | None = None) -> str:
+    """The `envtool install` command that installs this lock, with a --venv that install will accept: .venv, or
+    when a venv envtool did not make is there already (install refuses to replace it), .venv-<lock name>,
+    numbered if that is taken too."""
+    import re
+    import shlex
+
+    from .doctor import is_managed_venv
+
+    cwd = cwd or Path.cwd()
+    slug = re.sub(r"[^A-Za-z0-9_.-]+", "-", env_dir.resolve().name).strip("-") or "env"
+    names = [".venv", f".venv-{slug}", *(f".venv-{slug}-{n}" for n in range(2, 100))]
+    venv = next(n for n in names if not (cwd / n).exists() and not (cwd / n).is_symlink()
+                or is_managed_venv(cwd / n))
+    return f"envtool install {shlex.quote(str(env_dir))} --venv {venv}"
 
 
 def load_plan(env_dir: Path) -> Plan:

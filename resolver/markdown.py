@@ -8,8 +8,8 @@ from matrices.catalog import backend_range, backend_runs_on
 from .matrix import Matrix
 from .plan import Plan
 
-HEADER = ("| GPU | arch | torch | attention | precision | triton (kernels) | flash-attn wheel |\n"
-          "|---|---|---|---|---|---|---|")
+HEADER = ("| GPU | arch | torch | attention | packing | precision | triton (kernels) | flash-attn wheel |\n"
+          "|---|---|---|---|---|---|---|---|")
 
 
 def plans_markdown(plans: list[Plan], m: Matrix) -> str:
@@ -24,10 +24,14 @@ def _row(plan: Plan, m: Matrix) -> str:
     triton = f"{plan.triton} ({kernels})" if plan.triton else "—"
     fa2 = m.backend(m.flash_attn_impl("fa2").attention)
     if plan.flash_attn:
-        wheel = f"`{plan.flash_attn.filename}`"
+        where = " (PyTorch index)" if plan.flash_attn.index_url else ""
+        wheel = f"`{plan.flash_attn.filename}`{where}"
     elif not backend_runs_on(fa2, cc) or cc is None:
         wheel = f"— (needs {'a CUDA GPU' if cc is None else backend_range(fa2)})"
+    elif plan.packing == "varlen":
+        wheel = "— (not needed: torch's own varlen_attn)"
     else:
         wheel = "— (no prebuilt wheel for this torch)"
     torch = f"{plan.torch.version}+{plan.torch.variant}"
-    return f"| {gpu['name']} | {arch} | {torch} | {plan.attention} | {plan.precision} | {triton} | {wheel} |"
+    return (f"| {gpu['name']} | {arch} | {torch} | {plan.attention} | {plan.packing} | {plan.precision} | {triton} "
+            f"| {wheel} |")

@@ -115,16 +115,62 @@ class FlashAttnImpl(NamedTuple):
 
 
 class FlashAttnRelease(NamedTuple):
+    """A release's prebuilt wheels: at a URL (wheel_url, one per torch/CUDA/Python/ABI/platform), or on the
+    PyTorch index (`index = "torch"`: in the folder of the torch build's variant, one abi3 wheel per platform
+    for every torch from `min_torch` on)."""
+
     version: str
     impl: str
-    filename: str  # template: {version} {cuda} {torch} {abi} {py} {platform}
-    torch: list[str]  # major.minor
-    cuda: dict[str, str]  # CUDA major of the torch build -> its tag in the filename ("12" -> "12")
-    python: list[str]  # "3.11"
+    filename: str  # template: {version} {cuda} {torch} {abi} {py} {platform} {platform_tag}
     cxx11abi: list[bool]
     platforms: list[str]
     source: str
+    torch: list[str] = []  # major.minor
+    cuda: dict[str, str] = {}  # CUDA major of the torch build -> its tag in the filename ("12" -> "12")
+    python: list[str] = []  # "3.11"
     exclude: list[str] = []  # "torch2.4-py3.13" combinations without a wheel
+    min_torch: str | None = None  # every torch from this major.minor on (a libtorch-stable-ABI wheel)
+    min_python: str | None = None  # every Python from this one on (an abi3 wheel)
+    index: str | None = None  # "torch": the wheel is on the PyTorch index of the torch build's variant
+    variants: list[str] = []  # index rows: the torch variants whose index folder holds the wheel
+    platform_tags: dict[str, str] = {}  # platform -> the wheel's platform tag ({platform_tag})
+
+
+class VarlenKernel(NamedTuple):
+    """torch.toml [[varlen]]: a kernel built into torch that keeps packed sequences apart without a mask."""
+
+    name: str
+    function: str  # what the trainer calls
+    torch: str  # the torch releases that have it (a range)
+    min_cc: str
+    attention: str  # the plan's attention when packing goes through it
+    counts_as: str  # the attention.toml backend whose kernels it runs (its speed class)
+    source: str
+    note: str = ""
+
+
+class CudnnSdpa(NamedTuple):
+    """torch.toml [[cudnn_sdpa]]: builds whose SDPA puts cuDNN attention first on these GPUs."""
+
+    torch: str  # range
+    cuda: str  # range over the build's CUDA version
+    min_cc: str
+    max_cc: str
+    bugs: str
+    source: str
+
+
+class KernelsRequirement(NamedTuple):
+    """packages.toml: the `kernels` range a transformers release requires (Hub kernels load through it)."""
+
+    transformers: str
+    kernels: str  # range
+    source: str
+
+
+class KernelsRelease(NamedTuple):
+    version: str
+    source: str
 
 
 class Xformers(NamedTuple):
@@ -207,6 +253,11 @@ class Matrix(NamedTuple):
     features: list[Feature]
     base_images: list[BaseImage]
     triton_releases: list[TritonRelease] = []
+    varlen: list[VarlenKernel] = []
+    cudnn_sdpa: list[CudnnSdpa] = []
+    kernels_requirements: list[KernelsRequirement] = []
+    kernels_releases: list[KernelsRelease] = []
+    flash_attn_reviewed: list[str] = []  # releases looked at and deliberately not recorded
 
     # Queries used by the solver; kept here so the data's shape stays in one file.
     def arch_for(self, cc: str) -> Arch | None:
@@ -335,8 +386,15 @@ def _load(directory: Path) -> Matrix:
                              directory / "packages.toml"),
         features=_rows(files["packages"], "feature", Feature, directory / "packages.toml"),
         base_images=_rows(files["images"], "base", BaseImage, directory / "images.toml"),
-        triton_releases=_rows(files["packages"], "triton_release", TritonRelease, directory / "packages.toml")
-        if "triton_release" in files["packages"] else [],
+        triton_releases=_optional_rows(files["packages"], "triton_release", TritonRelease, directory / "packages.toml"),
+        varlen=_optional_rows(files["torch"], "varlen", VarlenKernel, directory / "torch.toml"),
+        cudnn_sdpa=_optional_rows(files["torch"], "cudnn_sdpa", CudnnSdpa, directory / "torch.toml"),
+        kernels_requirements=_optional_rows(files["packages"], "kernels_requirement", KernelsRequirement,
+                                            directory / "packages.toml"),
+        kernels_releases=_optional_rows(files["packages"], "kernels_release", KernelsRelease,
+                                        directory / "packages.toml"),
+        flash_attn_reviewed=_typed(list[str], files["flash_attn"].get("reviewed", []), "flash_attn.toml: reviewed",
+                                   directory / "flash_attn.toml"),
     )
     _check_facts(m, directory)
     return m
@@ -364,6 +422,11 @@ def _rows(data: dict, table: str, cls: type, path: Path) -> list:
     if not isinstance(rows, list) or not rows:
         raise MatrixError(f"{path}: no [[{table}]] rows")
     return [_build(cls, row, f"{path.name} [[{table}]] #{i + 1}{_label(row)}", path) for i, row in enumerate(rows)]
+
+
+def _optional_rows(data: dict, table: str, cls: type, path: Path) -> list:
+    """Rows of a table a matrix may leave out (older matrices, the tests' synthetic ones)."""
+    return _rows(data, table, cls, path) if table in data else []
 
 
 def _label(row: object) -> str:
@@ -516,6 +579,44 @@ def _check_facts(m: Matrix, directory: Path) -> None:
         version(fa.version, where)
         if fa.impl not in impls:
             fail(f"{where}: impl {fa.impl!r} has no [[impl]] row")
+        platforms(fa.platforms, where)
+        if bool(fa.torch) == bool(fa.min_torch):
+            fail(f"{where}: give either `torch` (the releases with a wheel) or `min_torch` (every one from it on)")
+        if bool(fa.python) == bool(fa.min_python):
+            fail(f"{where}: give either `python` or `min_python`")
+        for value in filter(None, (fa.min_torch, fa.min_python)):
+            version(value, where)
+        if fa.index is None:
+            if not fa.cuda or fa.variants:
+                fail(f"{where}: a wheel at a URL needs `cuda` (CUDA major -> filename tag) and no `variants`")
+        else:
+            if fa.index != "torch":
+                fail(f"{where}: index {fa.index!r}: the only index a release row can name is \"torch\"")
+            if not fa.variants or fa.cuda:
+                fail(f"{where}: a wheel on the PyTorch index needs `variants` (the index folders) and no `cuda`")
+        if "{platform_tag}" in fa.filename:
+            missing = [p for p in fa.platforms if p not in fa.platform_tags]
+            if missing:
+                fail(f"{where}: platform_tags has no tag for {missing[0]}")
+    for v in m.varlen:
+        where = f"torch.toml [[varlen]] ({v.name})"
+        spec(v.torch, where)
+        cc(v.min_cc, where)
+        for name in (v.attention, v.counts_as):
+            if name not in backends:
+                fail(f"{where}: {name!r} has no attention.toml row")
+    for c in m.cudnn_sdpa:
+        where = f"torch.toml [[cudnn_sdpa]] (torch{c.torch})"
+        spec(c.torch, where)
+        spec(c.cuda, where)
+        cc(c.min_cc, where)
+        cc(c.max_cc, where)
+    for k in m.kernels_requirements:
+        where = f"packages.toml [[kernels_requirement]] (transformers={k.transformers})"
+        version(k.transformers, where)
+        spec(k.kernels, where)
+    for k in m.kernels_releases:
+        version(k.version, f"packages.toml [[kernels_release]] (version={k.version})")
     for x in m.xformers:
         where = f"xformers.toml [[release]] (version={x.version})"
         version(x.version, where)

@@ -359,6 +359,8 @@ def active_env_runs(plan: Plan, opts: PlanOptions) -> tuple[bool, str]:
     missing = [n for n in ("torch", "transformers", "envtool") if not packages.get(n)]
     if missing:
         return False, f"the active environment lacks {', '.join(missing)}"
+    if info.get("python") != plan.python:
+        return False, f"the active environment runs Python {info.get('python')}, the plan is for {plan.python}"
     errors = [f for f in diagnose(info, target.gpu, target.driver, m, sys.prefix) if f.level == "error"]
     if errors:
         return False, f"doctor finds the active environment wrong for this plan: {errors[0].message}"
@@ -479,7 +481,7 @@ def venv_runs(venv: Path, plan: Plan, opts: PlanOptions) -> bool:
         info = probe(venv)
     except EnvtoolError:
         return False
-    if not (info.get("packages") or {}).get("transformers"):
+    if not (info.get("packages") or {}).get("transformers") or info.get("python") != plan.python:
         return False
     return not any(f.level == "error" for f in diagnose(info, target.gpu, target.driver, m, str(venv)))
 
@@ -499,6 +501,10 @@ def prepare(launch: Launch, plan: Plan, sources, *, quiet: bool = False,
     """Build what `launch` needs and does not have yet: the cached or named venv, or the image."""
     if launch.ready:
         return
+    if launch.kind != "image":
+        from .install import find_python
+
+        find_python(plan.python)  # no interpreter for the plan's Python: one line now, not after the lock
     if launch.kind == "image":
         build([plan], sources, tag=launch.path, quiet=quiet, say=say)
         return

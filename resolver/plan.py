@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 PLAN_FILE = "plan.json"  # the one name of a plan on disk: lock directories, environments, images
-PLAN_VERSION = "1.0"
+PLAN_VERSION = "1.1"  # 1.1: packing, mask_without_cudnn, flash_attn.index_url
 
 
 class TorchChoice(NamedTuple):
@@ -30,6 +30,7 @@ class FlashAttnChoice(NamedTuple):
     package: str
     filename: str
     wheel_url: str
+    index_url: str | None = None  # on a package index (flash-attn-3: the torch build's PyTorch index); None: the URL
 
 
 class Rejected(NamedTuple):
@@ -56,6 +57,8 @@ class Plan(NamedTuple):
     reasons: list[str]
     matrix_version: str
     target: str  # what the user asked for: "t4", "auto", "sm_80"
+    packing: str = "mask"  # how packed rows are kept apart: "varlen" (cu_seqlens, no mask) | "mask"
+    mask_without_cudnn: bool = False  # masked SDPA calls must run with cuDNN attention switched off
     rejected: list[Rejected] = []
     plan_version: str = PLAN_VERSION
 
@@ -81,6 +84,8 @@ class Plan(NamedTuple):
         if missing:
             raise BadInput(f"{where} lacks {', '.join(missing)}; was it written by envtool?")
         values = {k: v for k, v in data.items() if k in known}
+        if "packing" not in values:  # a 1.0 plan: flash-attn packed by cu_seqlens, everything else by a mask
+            values["packing"] = "varlen" if str(values.get("attention", "")).startswith("flash_attention") else "mask"
         try:
             values["torch"] = TorchChoice(**_known(TorchChoice, values["torch"]))
             if values.get("flash_attn"):

@@ -26,8 +26,14 @@ def plan_table(plan: Plan, explain: bool = False, console: Console | None = None
                   else "unknown (pass --driver)")
     table.add_row("python", f"{plan.python} · {plan.platform}")
     table.add_row("attention", plan.attention)
+    packing = "varlen (cu_seqlens, no mask)" if plan.packing == "varlen" else "mask (block-diagonal)"
+    if plan.mask_without_cudnn:
+        packing += "; masked SDPA calls without cuDNN"
+    table.add_row("packing", packing)
     if plan.flash_attn:
-        table.add_row("flash-attn", plan.flash_attn.wheel_url)
+        where = f"  (from the index {plan.flash_attn.index_url})" if plan.flash_attn.index_url else ""
+        table.add_row("flash-attn", f"{plan.flash_attn.wheel_url}{where}" if not where
+                      else f"{plan.flash_attn.package}=={plan.flash_attn.version}{where}")
     table.add_row("precision", plan.precision)
     kernels = "on" if plan.features["torch_compile"] else "off"
     table.add_row("triton", f"{plan.triton or '-'} (torch.compile / liger kernels: {kernels})")
@@ -73,3 +79,36 @@ def doctor_table(result: dict, console: Console | None = None) -> None:
     if plan:
         console.print(f"envtool's plan for this machine: torch {plan['torch']}, {plan['attention']}, "
                       f"{plan['precision']}", highlight=False)
+
+
+def fit_report(found, console: Console | None = None) -> None:
+    """`envtool fit`: the verdict, the terms at the peak, what was assumed, the suggestions."""
+    console = console or Console(highlight=False)
+    r = found.result
+    gpu = r["gpu"]
+    memory = f"{gpu['memory_gb']:g} GB" if gpu["memory_gb"] else "memory unknown"
+    where = f"{gpu['name']} ({memory}) x {gpu['count']}"
+    if r["peak_gb"] is None:
+        console.print(f"{found.model} on {where}: [bold]unknown[/bold] ({found.reason})")
+        return
+    colour = {"fits": "green", "tight": "yellow", "does_not_fit": "red", "unknown": "white"}[r["verdict"]]
+    est = found.estimate
+    console.print(f"{found.model} on {where}: peak [bold]{r['peak_gb']:.1f} GB[/bold] per GPU "
+                  f"(band {r['low_gb']:.1f}-{r['high_gb']:.1f}) -> [bold {colour}]{r['verdict'].replace('_', ' ')}"
+                  f"[/bold {colour}]")
+    table = Table(title=f"at the peak ({est.peak_moment.name.replace('_', ' ')})", title_justify="left")
+    table.add_column("term")
+    table.add_column("GB", justify="right")
+    for term, value in r["breakdown"].items():
+        if value:
+            table.add_row(term.replace("_", " "), f"{value:.2f}")
+    console.print(table)
+    s = est.setup
+    console.print(f"counted: {est.static.total / 1e9:.2f}B parameters ({est.shape.counted}), "
+                  f"{est.static.trained / 1e6:.1f}M trained; {s.micro_batch} x {s.sequence_len} tokens per "
+                  f"micro-batch; {s.precision}, attention {s.attention}, optimizer {s.optimizer}"
+                  f"{', gradient checkpointing' if s.checkpointing else ''}")
+    for note in found.notes:
+        console.print(f"note: {note}")
+    for suggestion in r["suggestions"]:
+        console.print(f"  • {suggestion['text']} -> {suggestion['peak_gb']:.1f} GB")

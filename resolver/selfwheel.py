@@ -10,9 +10,13 @@ from __future__ import annotations
 import base64
 import hashlib
 import importlib.util
+import re
+import sys
 import zipfile
-from importlib.metadata import distribution
+from importlib.metadata import PackageNotFoundError, distribution
 from pathlib import Path
+
+from . import DISTRIBUTION
 
 PACKAGES = ("resolver", "trainer", "matrices", "dockerfiles")
 FIXED_TIME = (1980, 1, 1, 0, 0, 0)
@@ -30,11 +34,23 @@ def _package_files(name: str) -> list[tuple[str, Path]]:
     )
 
 
+def wheel_prefix() -> str:
+    """The start of envtool's wheel file names, `envtool_llm-` (the distribution name as wheels spell it)."""
+    return re.sub(r"[-_.]+", "_", DISTRIBUTION).lower() + "-"
+
+
 def build(dest: Path) -> Path:
-    """Write `envtool-VERSION-py3-none-any.whl` into `dest` and return its path."""
-    dist = distribution("envtool")
+    """Write `envtool_llm-VERSION-py3-none-any.whl` into `dest` and return its path."""
+    try:
+        dist = distribution(DISTRIBUTION)
+    except PackageNotFoundError:
+        from .errors import EnvtoolError
+
+        raise EnvtoolError(f"the distribution {DISTRIBUTION} is not installed in {sys.prefix} (a checkout installed "
+                           f"before the rename is named envtool): install it again, `pip install -e .` in the clone "
+                           f"or `bash .ci/setup`") from None
     version = dist.version
-    info = f"envtool-{version}.dist-info"
+    info = f"{wheel_prefix()}{version}.dist-info"
     entries: list[tuple[str, bytes]] = []
     for name in PACKAGES:
         entries += [(arcname, path.read_bytes()) for arcname, path in _package_files(name)]
@@ -48,7 +64,7 @@ def build(dest: Path) -> Path:
     entries.append((f"{info}/RECORD", (record + f"{info}/RECORD,,\n").encode()))
 
     dest.mkdir(parents=True, exist_ok=True)
-    path = dest / f"envtool-{version}-py3-none-any.whl"
+    path = dest / f"{wheel_prefix()}{version}-py3-none-any.whl"
     tmp = path.with_suffix(".tmp")
     with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as z:
         for arcname, data in entries:

@@ -19,7 +19,8 @@ from .errors import BadInput, Unsatisfiable
 from .hardware import GpuSpec
 from matrices.catalog import backend_range, backend_runs_on
 
-from .matrix import FlashAttnImpl, Matrix, TorchBuild, TorchRelease, Xformers, cc_tuple, in_range
+from .matrix import (CudnnSdpa, FlashAttnImpl, FlashAttnRelease, KernelsRelease, Matrix, TorchBuild,
+                     TorchRelease, VarlenKernel, Xformers, cc_tuple, in_range)
 from .plan import FlashAttnChoice, Plan, Rejected, TorchChoice
 
 PLATFORMS = ("x86_64", "aarch64")
@@ -58,6 +59,8 @@ class Candidate:
         self.flash_attn: FlashAttnChoice | None = None
         self.flash_attn_impl: FlashAttnImpl | None = None
         self.flash_attn_missing = ""  # why no wheel, when the GPU could run flash-attn
+        self.fa_missing: dict[str, str] = {}  # per implementation ("fa2", "fa3"): why it has no wheel here
+        self.varlen: VarlenKernel | None = None  # torch's own mask-free packing kernel, where it runs
         self.xformers: Xformers | None = None
         self.xformers_missing = ""  # why no xformers release fits, when none does
 
@@ -153,16 +156,18 @@ def rule_gpu_platform(req: Request, m: Matrix, c: Candidate) -> str | None:
 
 
 def rule_driver_supports_gpu(req: Request, m: Matrix, c: Candidate) -> str | None:
-    """The driver must know the GPU at all: too old for Blackwell, or past the last branch for Kepler/Maxwell/
-    Pascal/Volta. A fact of the GPU and the driver, so it rejects every candidate alike."""
+    """The driver must know the GPU at all: older than the GPU's first branch (R450 for the A100, R520 for Ada and
+    Hopper, R570 for Blackwell), or past the last branch for Kepler/Maxwell/Pascal/Volta. A fact of the GPU and
+    the driver, so it rejects every candidate alike."""
     if req.driver is None:
         return None
     arch = m.arch_for(req.gpu.compute_capability)
     if arch is None:
         return None
     if arch.min_driver and Version(req.driver) < Version(arch.min_driver):
+        needs = f"R{arch.min_driver} or newer" if "." not in arch.min_driver else f"≥ {arch.min_driver}"
         return (f"driver {req.driver} cannot run {req.gpu.describe()}: {arch.driver_note} "
-                f"(needs ≥ {arch.min_driver}); upgrade the NVIDIA driver")
+                f"(needs {needs}); upgrade the NVIDIA driver")
     if arch.max_driver_branch is not None and Version(req.driver).release[0] > arch.max_driver_branch:
         return (f"driver {req.driver} no longer supports {req.gpu.describe()}: {arch.driver_note}; "
                 f"use an R{arch.max_driver_branch} driver ({arch.max_driver_branch}.x), the last that drives it")
@@ -227,10 +232,43 @@ def rule_attention_pin(req: Request, m: Matrix, c: Candidate) -> str | None:
     return None
 
 
+def rule_hub_kernels(req: Request, m: Matrix, c: Candidate) -> str | None:
+    """A Hub kernel (an attention.toml name with a slash) loads through `kernels`, in the range the stack's
+    transformers requires: a plan names one only where a recorded kernels release fits that range, and only
+    with the newest training stack for the Python (never an older transformers and torch to fit a kernels)."""
+    if not req.attention or "/" not in req.attention:
+        return None
+    newest = next((s for s in m.stacks if in_range(req.python, s.python)), None)
+    stack = stack_for(m, c.release.version, req.python)
+    if newest is None or stack is None:
+        return None  # rule_training_stack says why
+    if stack is not newest:
+        return (f"{c.label} takes transformers {stack.packages.get('transformers')}; Hub kernels are planned with "
+                f"the newest training stack for Python {req.python} (transformers "
+                f"{newest.packages.get('transformers')}) only, never by holding torch back")
+    release, why = hub_kernels_release(m, stack.packages.get("transformers"))
+    return None if release else why
+
+
+def hub_kernels_release(m: Matrix, transformers: str | None) -> tuple[KernelsRelease | None, str]:
+    """The newest recorded `kernels` release inside this transformers' range, or why there is none."""
+    need = next((k for k in m.kernels_requirements if k.transformers == transformers), None)
+    if need is None:
+        return None, (f"Hub kernels load through the `kernels` package, and packages.toml records no kernels "
+                      f"requirement for transformers {transformers}")
+    fits = [k for k in m.kernels_releases if in_range(k.version, need.kernels)]
+    if not fits:
+        newest = max((k.version for k in m.kernels_releases), key=Version, default="none recorded")
+        return None, (f"transformers {transformers} loads Hub kernels through kernels{need.kernels}, and no "
+                      f"kernels release in that range exists (PyPI's newest: {newest}), so none installs "
+                      f"beside it")
+    return max(fits, key=lambda k: Version(k.version)), ""
+
+
 PIN_RULES = (rule_python, rule_torch_pin, rule_cuda_pin)
 GPU_RULES = (rule_gpu_platform, rule_driver_supports_gpu, rule_platform_build, rule_cuda_major_supports_gpu,
              rule_sass, rule_driver)
-LATE_RULES = (rule_training_stack, rule_attention_pin)
+LATE_RULES = (rule_training_stack, rule_attention_pin, rule_hub_kernels)
 
 
 def sass_for(build: TorchBuild, platform: str = "x86_64") -> list[str] | None:
@@ -257,39 +295,213 @@ def gpu_can_run(m: Matrix, impl: FlashAttnImpl, gpu: GpuSpec) -> bool:
     return not gpu.is_cpu and backend_runs_on(m.backend(impl.attention), gpu.compute_capability)
 
 
+def wheel_fits(rel: FlashAttnRelease, req: Request, c: Candidate) -> bool:
+    """Whether the release publishes a wheel for this torch build, Python and platform."""
+    torch_mm = ".".join(c.release.version.split(".")[:2])
+    py = req.python
+    if rel.min_torch:
+        if _v(torch_mm) < _v(rel.min_torch):
+            return False
+    elif torch_mm not in rel.torch:
+        return False
+    if rel.min_python:
+        if _v(py) < _v(rel.min_python):
+            return False
+    elif py not in rel.python:
+        return False
+    if rel.index is not None:
+        if c.variant not in rel.variants:
+            return False
+    elif c.cuda.split(".")[0] not in rel.cuda:
+        return False
+    return (c.cxx11abi in rel.cxx11abi and req.platform in rel.platforms
+            and f"torch{torch_mm}-py{py}" not in rel.exclude)
+
+
+def _wheel_range(rel: FlashAttnRelease) -> str:
+    """What a release publishes wheels for, for the reasons: 'torch 2.4-2.8, CUDA 12' / 'torch >= 2.9 in cu126, ...'."""
+    if rel.index is not None:
+        torch = f"torch >= {rel.min_torch}" if rel.min_torch else f"torch {rel.torch[0]}-{rel.torch[-1]}"
+        return f"{torch} builds {', '.join(rel.variants)} on {'/'.join(rel.platforms)}"
+    torch = f"torch >= {rel.min_torch}" if rel.min_torch else f"torch {rel.torch[0]}-{rel.torch[-1]}"
+    return f"{torch}, CUDA {'/'.join(rel.cuda)}, {'/'.join(rel.platforms)}"
+
+
 def find_flash_attn(req: Request, m: Matrix, c: Candidate) -> None:
     """Attach the newest prebuilt flash-attn wheel that exists for this candidate, or why there is none."""
     usable = [i for i in m.flash_attn_impls if gpu_can_run(m, i, req.gpu)]
+    pinned = {i.attention: i for i in m.flash_attn_impls}.get(req.attention or "")
+    if pinned is not None:  # --attention flash_attention_N: only that implementation's wheels
+        usable = [i for i in usable if i is pinned]
     if req.no_flash_attn or not usable or c.build is None:
         return
     torch_mm = ".".join(c.release.version.split(".")[:2])
-    cuda_major = c.cuda.split(".")[0]
     py = req.python
-    found: list[tuple[Version, FlashAttnImpl, object]] = []
+    found: list[tuple[Version, FlashAttnImpl, FlashAttnRelease]] = []
     for impl in usable:
+        releases = [r for r in m.flash_attn_releases
+                    if r.impl == impl.name and (not req.flash_attn or r.version == req.flash_attn)]
         if impl.min_cuda and Version(c.cuda) < Version(impl.min_cuda):
+            c.fa_missing[impl.name] = f"{impl.package} needs CUDA >= {impl.min_cuda}, not {c.cuda}"
             continue
-        for rel in m.flash_attn_releases:
-            if rel.impl != impl.name or (req.flash_attn and rel.version != req.flash_attn):
-                continue
-            if (torch_mm in rel.torch and cuda_major in rel.cuda and py in rel.python
-                    and c.cxx11abi in rel.cxx11abi and req.platform in rel.platforms
-                    and f"torch{torch_mm}-py{py}" not in rel.exclude):
-                found.append((Version(rel.version), impl, rel))
+        fits = [r for r in releases if wheel_fits(r, req, c)]
+        found += [(_v(r.version), impl, r) for r in fits]
+        if not fits:
+            which = f"{impl.package} {req.flash_attn}" if req.flash_attn else impl.package
+            newest = max(releases, key=lambda r: _v(r.version), default=None)
+            publishes = f" (its wheels: {_wheel_range(newest)})" if newest else ""
+            c.fa_missing[impl.name] = (f"{which} publishes no prebuilt wheel for torch {torch_mm}+{c.variant} + "
+                                       f"Python {py} + {req.platform}{publishes}; never built from source")
     if not found:
         which = f"flash-attn {req.flash_attn}" if req.flash_attn else "flash-attn"
         c.flash_attn_missing = (f"{which} publishes no prebuilt wheel for torch {torch_mm} + CUDA "
-                                f"{cuda_major} + Python {py} + {req.platform} (never built from source)")
+                                f"{c.cuda.split('.')[0]} + Python {py} + {req.platform} (never built from source)")
+        if len(c.fa_missing) == 1 or pinned is not None:
+            c.flash_attn_missing = next(iter(c.fa_missing.values()), c.flash_attn_missing)
         return
     # FA3 before FA2 where both exist (Hopper), then the newest release.
     _, impl, rel = max(found, key=lambda f: (f[1].name, f[0]))
-    abi = "TRUE" if c.cxx11abi else "FALSE"
-    filename = rel.filename.format(version=rel.version, cuda=rel.cuda[cuda_major], torch=torch_mm, abi=abi,
-                                   py=py.replace(".", ""), platform=req.platform)
-    template = os.environ.get(FLASH_ATTN_URL_ENV) or m.flash_attn_url
-    url = template.format(version=rel.version, filename=filename)
-    c.flash_attn = FlashAttnChoice(version=rel.version, package=impl.package, filename=filename, wheel_url=url)
+    c.flash_attn = flash_attn_choice(req, m, c, impl, rel)
     c.flash_attn_impl = impl
+
+
+def flash_attn_choice(req: Request, m: Matrix, c: Candidate, impl: FlashAttnImpl,
+                      rel: FlashAttnRelease) -> FlashAttnChoice:
+    """The exact wheel: its file name, and where uv gets it (a URL, or the PyTorch index of the build)."""
+    torch_mm = ".".join(c.release.version.split(".")[:2])
+    abi = "TRUE" if c.cxx11abi else "FALSE"
+    filename = rel.filename.format(version=rel.version, cuda=rel.cuda.get(c.cuda.split(".")[0], ""),
+                                   torch=torch_mm, abi=abi, py=req.python.replace(".", ""), platform=req.platform,
+                                   platform_tag=rel.platform_tags.get(req.platform, f"linux_{req.platform}"))
+    if rel.index == "torch":
+        index = torch_index_url(m, c.variant)
+        return FlashAttnChoice(version=rel.version, package=impl.package, filename=filename,
+                               wheel_url=f"{index.rstrip('/')}/{filename}", index_url=index)
+    template = os.environ.get(FLASH_ATTN_URL_ENV) or m.flash_attn_url
+    return FlashAttnChoice(version=rel.version, package=impl.package, filename=filename,
+                           wheel_url=template.format(version=rel.version, filename=filename))
+
+
+def torch_index_url(m: Matrix, variant: str) -> str:
+    """The PyTorch index of a variant: the matrix's, or the mirror $ENVTOOL_TORCH_INDEX_URL names."""
+    return (os.environ.get(TORCH_INDEX_ENV) or m.torch_index_url).format(variant=variant)
+
+
+def find_varlen(req: Request, m: Matrix, c: Candidate) -> None:
+    """torch's own kernel that keeps packed rows apart without a mask, where this build and GPU run it."""
+    if c.build is None:
+        return
+    cc = cc_tuple(req.gpu.compute_capability)
+    c.varlen = next((v for v in m.varlen if in_range(c.release.version, v.torch) and cc >= cc_tuple(v.min_cc)),
+                    None)
+
+
+def cudnn_sdpa_first(m: Matrix, gpu: GpuSpec, c: Candidate) -> CudnnSdpa | None:
+    """The [[cudnn_sdpa]] row when this build's SDPA puts cuDNN attention first on this GPU."""
+    if c.build is None:
+        return None
+    cc = cc_tuple(gpu.compute_capability)
+    return next((r for r in m.cudnn_sdpa if in_range(c.release.version, r.torch) and in_range(c.cuda, r.cuda)
+                 and cc_tuple(r.min_cc) <= cc <= cc_tuple(r.max_cc)), None)
+
+
+# ---------------------------------------------------------------------------- which attention a candidate gets
+
+
+class Attention(NamedTuple):
+    """The attention a plan on this candidate would name, how it packs, and how fast it ranks."""
+
+    backend: str  # attention.toml name: the plan's `attention`
+    packing: str  # "varlen" (cu_seqlens, no mask) | "mask"
+    tier: int  # attention.toml position of the backend whose kernels run (lower is faster)
+    kernel: str  # the kernel that runs, for the reasons
+    passed_over: tuple[str, ...] = ()  # backends not taken on this candidate, each with why
+    short: str = ""  # the kernel in a few words: "the flash-attn-3 3.0.0 wheel", "torch's varlen_attn"
+
+    def describe(self) -> str:
+        if self.packing == "varlen":
+            return f"{self.backend} through {self.short}"
+        return f"{self.backend} with a packing mask"
+
+
+PACKING_OF = {"position_ids": "varlen", "row_position_ids": "mask", "bool_mask": "mask", "float_mask": "mask"}
+
+
+def _tier(m: Matrix, backend: str) -> int:
+    return next(i for i, b in enumerate(m.attention) if b.name == backend)
+
+
+def _fa_kernel(c: Candidate) -> str:
+    fa = c.flash_attn
+    where = f"from the PyTorch index {fa.index_url}" if fa.index_url else "its release wheel"
+    return f"{fa.package} {fa.version} ({where}: {fa.filename})"
+
+
+def _fa_short(c: Candidate) -> str:
+    return f"the {c.flash_attn.package} {c.flash_attn.version} wheel"
+
+
+def _varlen_short(c: Candidate) -> str:
+    return f"torch's {c.varlen.name}"
+
+
+def _varlen_kernel(c: Candidate) -> str:
+    v = c.varlen
+    return (f"torch {c.release.version}'s own {v.name} ({v.function}: {v.counts_as}-class kernels built into "
+            f"torch{v.torch}, sm_{v.min_cc.replace('.', '')}+)")
+
+
+def attention_for(req: Request, m: Matrix, c: Candidate) -> Attention:
+    """The backend a plan on this candidate names: the one asked for, else the first `auto` backend of
+    attention.toml that runs here, counting torch's own varlen kernel as fast as the backend it `counts_as`
+    (where both a wheel and torch itself offer the same class, torch's own wins: no extra package)."""
+    cached = getattr(c, "_attention", None)
+    if cached is not None and cached[0] is req and cached[1] is m:
+        return cached[2]
+    choice = _attention_for(req, m, c)
+    c._attention = (req, m, choice)
+    return choice
+
+
+def _attention_for(req: Request, m: Matrix, c: Candidate) -> Attention:
+    gpu = req.gpu
+    if req.attention:
+        backend = m.backend(req.attention)
+        if c.flash_attn_impl is not None and c.flash_attn_impl.attention == backend.name:
+            return Attention(backend.name, "varlen", 0, _fa_kernel(c), short=_fa_short(c))
+        if c.varlen is not None and c.varlen.attention == backend.name:
+            return Attention(backend.name, "varlen", 0, _varlen_kernel(c), short=_varlen_short(c))
+        return Attention(backend.name, PACKING_OF[backend.packing], 0, backend.transformers,
+                         short=backend.transformers)
+    passed_over = []
+    for i, backend in enumerate(m.attention):
+        if not backend.auto:
+            continue
+        if not backend_runs_on(backend, gpu.compute_capability):
+            passed_over.append(f"{backend.name} (needs {'a CUDA GPU' if gpu.is_cpu else backend_range(backend)})")
+            continue
+        impl = next((x for x in m.flash_attn_impls if x.attention == backend.name), None)
+        builtin = c.varlen is not None and c.varlen.counts_as == backend.name
+        if impl is not None:
+            has_wheel = c.flash_attn_impl is not None and c.flash_attn_impl.name == impl.name
+            if has_wheel and not builtin:
+                return Attention(backend.name, "varlen", i, _fa_kernel(c), tuple(passed_over), _fa_short(c))
+            if has_wheel:
+                why = (f"{impl.package} {c.flash_attn.version} has a wheel, but torch {c.release.version}'s own "
+                       f"{c.varlen.name} runs the same kernels without it")
+            else:
+                why = "turned off by --no-flash-attn" if req.no_flash_attn else (
+                    c.fa_missing.get(impl.name) or c.flash_attn_missing or f"no {impl.package} wheel")
+                if builtin:
+                    why += f"; torch {c.release.version}'s own {c.varlen.name} runs the same kernels"
+            passed_over.append(f"{backend.name} ({why})")
+            continue
+        if c.varlen is not None and c.varlen.attention == backend.name:
+            return Attention(backend.name, "varlen", _tier(m, c.varlen.counts_as), _varlen_kernel(c),
+                             tuple(passed_over), _varlen_short(c))
+        return Attention(backend.name, PACKING_OF[backend.packing], i, backend.transformers, tuple(passed_over),
+                         backend.transformers)
+    raise Unsatisfiable(f"{gpu.describe()}: no attention backend in attention.toml runs on it")
 
 
 @lru_cache(maxsize=512)
@@ -337,6 +549,7 @@ def evaluate(req: Request, m: Matrix) -> tuple[list[Candidate], list[Rejected]]:
         failed = first_failure(rules, req, m, c)
         if failed is None:
             find_flash_attn(req, m, c)
+            find_varlen(req, m, c)
             find_xformers(req, m, c)
             failed = first_failure(LATE_RULES, req, m, c)
         if failed:
@@ -355,19 +568,44 @@ def first_failure(rules, req: Request, m: Matrix, c: Candidate) -> tuple[str, st
     return None
 
 
+PREFERENCE = ("attention", "assumed_driver", "torch", "stable", "native_driver", "cuda")
+_LAST_PREFERENCE: list = [None, None, None]  # (req, m, key): one solve asks for its key many times
+
+
+@lru_cache(maxsize=256)
+def _v(text: str) -> Version:
+    return Version(text)
+
+
 def preference(req: Request, m: Matrix):
-    """Sort key, best last: a flash-attn wheel; with the driver unknown, a build that runs on the driver
-    cuda.toml assumes then; the newest torch; a stable build; a driver that runs the toolkit natively; then
-    the newest CUDA the driver runs, or, driver unknown, the CUDA that runs on the oldest drivers."""
+    if _LAST_PREFERENCE[0] is req and _LAST_PREFERENCE[1] is m:
+        return _LAST_PREFERENCE[2]
+    key = _preference(req, m)
+    _LAST_PREFERENCE[:] = [req, m, key]
+    return key
+
+
+def _preference(req: Request, m: Matrix):
+    """Sort key, best last: the fastest attention the candidate runs (attention.toml's order, torch's own
+    varlen kernel counted as the backend it matches; no preference when --attention names one); with the
+    driver unknown, a build that runs on the driver cuda.toml assumes then; the newest torch; a stable build; a
+    driver that runs the toolkit natively; then the newest CUDA the driver runs, or, driver unknown, the CUDA
+    that runs on the oldest drivers. The parts are named in PREFERENCE (the reasons say which part decided)."""
+    cache: dict[int, tuple] = {}
 
     def key(c: Candidate):
-        cuda = Version(c.cuda).release if c.build else (0, 0)
-        fa_rank = 0 if c.flash_attn_impl is None else (2 if c.flash_attn_impl.name == "fa3" else 1)
+        if id(c) in cache:
+            return cache[id(c)][1]
+        cuda = _v(c.cuda).release if c.build else (0, 0)
+        speed = 0 if req.attention else -attention_for(req, m, c).tier
         stable = c.build is None or c.build.status == "stable"
         if req.driver is None:
-            return (fa_rank, c.build is None or runs_on(m, c.cuda, m.assumed_driver), Version(c.release.version),
-                    stable, True, tuple(-x for x in cuda))
-        return (fa_rank, True, Version(c.release.version), stable, c.native_driver, cuda)
+            value = (speed, c.build is None or runs_on(m, c.cuda, m.assumed_driver), _v(c.release.version),
+                     stable, True, tuple(-x for x in cuda))
+        else:
+            value = (speed, True, _v(c.release.version), stable, c.native_driver, cuda)
+        cache[id(c)] = (c, value)  # (c kept alive, so its id is not reused)
+        return value
 
     return key
 
@@ -440,8 +678,13 @@ def build_plan(req: Request, m: Matrix, best: Candidate, survivors: list[Candida
     reasons.append(torch_reason(req, m, best, survivors))
     if best.build is not None:
         reasons.append(driver_reason(req, m, best))
-    attention, why = choose_attention(req, m, best)
+    chosen, why = choose_attention(req, m, best)
+    attention = chosen.backend
     reasons.append(why)
+    reasons.extend(attention_alternatives(req, m, best, chosen, survivors))
+    mask_without_cudnn, why = cudnn_reason(req, m, best, chosen)
+    if why:
+        reasons.append(why)
     precision, why = choose_precision(gpu)
     reasons.append(why)
     triton, features, why = choose_triton(req, m, best)
@@ -456,10 +699,12 @@ def build_plan(req: Request, m: Matrix, best: Candidate, survivors: list[Candida
         python=req.python,
         platform=req.platform,
         torch=TorchChoice(version=best.release.version, cuda=best.cuda, variant=best.variant,
-                          index_url=(os.environ.get(TORCH_INDEX_ENV) or m.torch_index_url).format(variant=best.variant),
+                          index_url=torch_index_url(m, best.variant),
                           min_driver=toolkit.min_driver if toolkit else None),
         attention=attention,
-        flash_attn=best.flash_attn if attention.startswith("flash_attention") else None,
+        flash_attn=best.flash_attn if best.flash_attn_impl and best.flash_attn_impl.attention == attention else None,
+        packing=chosen.packing,
+        mask_without_cudnn=mask_without_cudnn,
         precision=precision,
         triton=triton,
         features=features,
@@ -467,7 +712,7 @@ def build_plan(req: Request, m: Matrix, best: Candidate, survivors: list[Candida
         reasons=reasons,
         matrix_version=m.version,
         target=req.target,
-        rejected=rejected,
+        rejected=rejected + preference_rejections(req, m, best, survivors),
     )
 
 
@@ -484,14 +729,19 @@ def torch_reason(req: Request, m: Matrix, best: Candidate, survivors: list[Candi
         return f"torch {best.release.version} (cpu): the newest release for Python {req.python}"
     sass = f"carries {req.gpu.sm} code (SASS {' '.join(sass_for(best.build, req.platform))})"
     rank = preference(req, m)
-    without_fa = max(survivors, key=lambda c: rank(c)[1:])
+    slower = max(survivors, key=lambda c: rank(c)[1:])  # the best candidate had attention speed not counted
     newest = max(survivors, key=lambda c: Version(c.release.version))
     status = "" if best.build.status == "stable" else f" (an experimental build of {best.release.version})"
     text = f"{best.label}{status}: newest build that {sass}"
-    if best.flash_attn and Version(without_fa.release.version) > Version(best.release.version):
-        text += (f"; torch {without_fa.release.version} is newer but flash-attn publishes no prebuilt wheel for "
-                 f"it, so torch {best.release.version} was chosen for flash-attn {best.flash_attn.version} "
-                 f"(--no-flash-attn gives torch {without_fa.release.version} with SDPA)")
+    if slower is not best and rank(slower)[0] < rank(best)[0]:
+        here, there = attention_for(req, m, slower), attention_for(req, m, best)
+        newer = Version(slower.release.version) > Version(best.release.version)
+        what = (f"torch {slower.release.version} is newer" if newer else
+                f"{slower.label} ranks higher by its build ({why_not(req, m, best, slower, skip=1)})")
+        text += (f"; {what}, but its fastest attention here is {here.describe()}, slower than "
+                 f"{there.describe()}, so {best.label} was chosen for it")
+        if best.flash_attn:
+            text += f" (--no-flash-attn gives {slower.label} with {here.backend})"
     elif req.driver is None and Version(newest.release.version) > Version(best.release.version):
         floor = m.cuda_major(int(newest.cuda.split(".")[0])).compat_min_driver
         text += (f"; torch {newest.release.version} is newer but needs CUDA {newest.cuda} (driver ≥ {floor}): "
@@ -513,55 +763,118 @@ def driver_reason(req: Request, m: Matrix, best: Candidate) -> str:
             f"through minor-version compatibility (≥ {major.compat_min_driver}, no PTX JIT of newer PTX)")
 
 
-def choose_attention(req: Request, m: Matrix, best: Candidate) -> tuple[str, str]:
+def choose_attention(req: Request, m: Matrix, best: Candidate) -> tuple[Attention, str]:
     """The backend asked for, else the first `auto` backend of attention.toml (its preference order) that runs
-    on the GPU and that the plan can install; every backend passed over is named with why."""
+    on the GPU and that the plan can install; every backend passed over is named with why, and so is how
+    packed rows are kept apart (the plan's `packing`)."""
     gpu = req.gpu
+    choice = attention_for(req, m, best)
+    backend = m.backend(choice.backend)
+    packing = _packing_reason(choice)
     if req.attention:
-        return _requested_attention(req, m, best)
-    passed_over = []
-    for backend in m.attention:
-        if not backend.auto:
-            continue
+        # (an xformers release whose kernels miss this GPU never got here: find_xformers/rule_attention_pin drop it)
         if not backend_runs_on(backend, gpu.compute_capability):
-            passed_over.append(f"{backend.name} (needs {'a CUDA GPU' if gpu.is_cpu else backend_range(backend)})")
-            continue
-        impl = next((i for i in m.flash_attn_impls if i.attention == backend.name), None)
-        if impl is not None:
-            if best.flash_attn_impl is not None and best.flash_attn_impl.name == impl.name:
-                return backend.name, _fa_reason(gpu, backend, best)
-            why = "turned off by --no-flash-attn" if req.no_flash_attn else best.flash_attn_missing
-            passed_over.append(f"{backend.name} ({why})")
-            continue
-        return backend.name, _auto_reason(gpu, backend, passed_over)
-    raise Unsatisfiable(f"{gpu.describe()}: no attention backend in attention.toml runs on it")
+            raise Unsatisfiable(f"--attention {backend.name} with {gpu.describe()}: {backend.name} needs "
+                                f"{backend_range(backend)}")
+    if best.flash_attn_impl is not None and best.flash_attn_impl.attention == backend.name:
+        packing = _packing_reason(choice._replace(kernel=choice.short))
+        return choice, f"{_fa_reason(gpu, backend, best)}; {packing}{_skipped(gpu, choice)}"
+    note = f"; {backend.note}" if backend.note else ""
+    if req.attention == "xformers":
+        return choice, (f"xformers {best.xformers.version} (--attention xformers; needs "
+                        f"torch{best.xformers.torch}){note}; {packing}")
+    if req.attention and "/" in req.attention:
+        stack = stack_for(m, best.release.version, req.python)
+        kernels, _ = hub_kernels_release(m, stack.packages.get("transformers"))
+        return choice, (f"{backend.name} (--attention {backend.name}){note}; kernels {kernels.version}: the newest "
+                        f"release inside the range transformers requires; {packing}")
+    if req.attention and req.attention != "sdpa":
+        return choice, f"{backend.name} (--attention {backend.name}){note}; {packing}"
+    kernel = "torch's scaled_dot_product_attention" + (" (math/CPU kernels)" if gpu.is_cpu else "")
+    asked = " (--attention sdpa)" if req.attention else ""
+    return choice, f"{backend.name}{asked}: {kernel}; {packing}{_skipped(gpu, choice)}"
+
+
+def _packing_reason(choice: Attention) -> str:
+    if choice.packing == "varlen":
+        return f"packed rows kept apart by cu_seqlens, no mask (packing: varlen), through {choice.kernel}"
+    return "packed rows kept apart by a block-diagonal attention mask (packing: mask): no varlen kernel runs here"
+
+
+def _skipped(gpu: GpuSpec, choice: Attention) -> str:
+    return f"; passed over on {gpu.describe()}: {', '.join(choice.passed_over)}" if choice.passed_over else ""
 
 
 def _fa_reason(gpu: GpuSpec, backend, best: Candidate) -> str:
+    fa = best.flash_attn
+    where = f" from the PyTorch index {fa.index_url}" if fa.index_url else ""
     return (f"{backend.name}: {gpu.describe()} runs it (needs {backend_range(backend)}); exact prebuilt wheel "
-            f"{best.flash_attn.filename}")
+            f"{fa.filename}{where}")
 
 
-def _auto_reason(gpu: GpuSpec, backend, passed_over: list[str]) -> str:
-    kernel = "torch's scaled_dot_product_attention" + (" (math/CPU kernels)" if gpu.is_cpu else "")
-    skipped = f"; passed over on {gpu.describe()}: {', '.join(passed_over)}" if passed_over else ""
-    return f"{backend.name}: {kernel}{skipped}"
+def attention_alternatives(req: Request, m: Matrix, best: Candidate, chosen: Attention,
+                           survivors: list[Candidate]) -> list[str]:
+    """Other (torch build, attention) pairs as fast as the chosen one that the plan did not take, one line each:
+    why the plan holds to the newer torch instead of, say, an older torch with a flash-attn wheel."""
+    if req.attention or req.flash_attn:
+        return []
+    rank = preference(req, m)
+    seen = {(chosen.backend, chosen.short.split(" ")[1] if chosen.short.startswith("the ") else chosen.short)}
+    lines = []
+    for c in sorted(survivors, key=rank, reverse=True):
+        if c is best:
+            continue
+        other = attention_for(req, m, c)
+        kind = (other.backend, other.short.split(" ")[1] if other.short.startswith("the ") else other.short)
+        if other.tier != chosen.tier or kind in seen:
+            continue
+        seen.add(kind)
+        lines.append(f"not taken: {other.describe()} on {c.label}: the same attention class as "
+                     f"{chosen.describe()} on {best.label}, and {why_not(req, m, c, best)}")
+    return lines
 
 
-def _requested_attention(req: Request, m: Matrix, best: Candidate) -> tuple[str, str]:
-    gpu = req.gpu
-    backend = m.backend(req.attention)
-    if best.flash_attn_impl is not None and best.flash_attn_impl.attention == backend.name:
-        return backend.name, _fa_reason(gpu, backend, best)
-    # (an xformers release whose kernels miss this GPU never got here: find_xformers/rule_attention_pin drop it)
-    if not backend_runs_on(backend, gpu.compute_capability):
-        raise Unsatisfiable(f"--attention {backend.name} with {gpu.describe()}: {backend.name} needs "
-                            f"{backend_range(backend)}")
-    note = f"; {backend.note}" if backend.note else ""
-    if backend.name == "xformers":
-        return backend.name, (f"xformers {best.xformers.version} (--attention xformers; needs "
-                              f"torch{best.xformers.torch}){note}")
-    return backend.name, f"{backend.name} (--attention {backend.name}){note}"
+def why_not(req: Request, m: Matrix, c: Candidate, best: Candidate, skip: int = 0) -> str:
+    """The part of the preference where `c` lost to `best` (its first `skip` parts left out), as a clause."""
+    rank = preference(req, m)
+    mine, theirs = rank(c), rank(best)
+    part = next((name for name, a, b in list(zip(PREFERENCE, mine, theirs))[skip:] if a != b), "cuda")
+    if part == "attention":
+        here, there = attention_for(req, m, c), attention_for(req, m, best)
+        return f"its fastest attention here is {here.describe()}, slower than {there.describe()}"
+    if part == "assumed_driver":
+        floor = m.cuda_major(int(c.cuda.split(".")[0])).compat_min_driver
+        return (f"it needs CUDA {c.cuda} (driver ≥ {floor}), above the driver assumed when none is given "
+                f"({m.assumed_driver}): pass --driver")
+    if part == "torch":
+        return f"torch {c.release.version} is older than {best.release.version}"
+    if part == "stable":
+        return f"{c.label} is an experimental build"
+    if part == "native_driver":
+        return f"driver {req.driver} runs CUDA {c.cuda} only through minor-version compatibility"
+    if req.driver is None:
+        return f"CUDA {c.cuda} needs a newer driver than CUDA {best.cuda}"
+    return f"CUDA {c.cuda} is older than CUDA {best.cuda}, which the driver runs"
+
+
+def preference_rejections(req: Request, m: Matrix, best: Candidate, survivors: list[Candidate]) -> list[Rejected]:
+    """For --explain: every candidate that passed the rules but ranked below the chosen one, with why."""
+    return [Rejected(c.release.version, c.variant, "preference", f"{c.label}: {why_not(req, m, c, best)}")
+            for c in sorted(survivors, key=preference(req, m), reverse=True) if c is not best]
+
+
+def cudnn_reason(req: Request, m: Matrix, best: Candidate, chosen: Attention) -> tuple[bool, str | None]:
+    """Whether masked SDPA calls must run with cuDNN attention switched off, and the reason line."""
+    if m.backend(chosen.backend).transformers != "sdpa":
+        return False, None
+    row = cudnn_sdpa_first(m, req.gpu, best)
+    if row is None:
+        return False, None
+    calls = "padding masks" + ("" if chosen.packing == "varlen" else " and the packing mask")
+    return True, (f"cuDNN SDPA off for masked calls ({calls}; mask_without_cudnn): {best.label} puts cuDNN "
+                  f"attention first on {req.gpu.sm} (torch{row.torch}, CUDA {best.cuda}), and cuDNN SDPA has open "
+                  f"correctness bugs with explicit masks: {row.bugs}; the trainer runs those calls on flash or "
+                  f"memory-efficient SDPA instead")
 
 
 def choose_precision(gpu: GpuSpec) -> tuple[str, str]:
@@ -614,10 +927,12 @@ def choose_packages(req: Request, m: Matrix, best: Candidate, triton: str | None
     packages = {"torch": best.release.version}
     if triton:
         packages["triton"] = triton
-    if attention.startswith("flash_attention"):
+    if best.flash_attn_impl is not None and best.flash_attn_impl.attention == attention:
         packages[best.flash_attn.package] = best.flash_attn.version
     if attention == "xformers":
         packages["xformers"] = best.xformers.version
+    if "/" in attention:  # a Hub kernel: the `kernels` release inside transformers' range (rule_hub_kernels)
+        packages["kernels"] = hub_kernels_release(m, stack.packages.get("transformers"))[0].version
     notes = [f"training stack: {stack.source}"]
     for name, version in stack.packages.items():
         need = next((r for r in m.gpu_requirements if r.package == name), None)

@@ -39,7 +39,8 @@ from .errors import MatrixError
 from .upstream import (MACHINES, Client, Project, Release, admits_python, linux_machines, linux_wheel,
                        python_range, requirement)
 
-UPDATED_RE = re.compile(r"; (?:[\w, ]+ )?updated by envtool matrix update from PyPI metadata on \d{4}-\d{2}-\d{2}"
+UPDATED_RE = re.compile(r"; (?:[\w, ]+ )?updated by envtool matrix update from (?:PyPI metadata|the PyTorch index) "
+                        r"on \d{4}-\d{2}-\d{2}"
                         r"(?: \([^)]*\))?")
 ADDED_MARK = "builds not yet checked"
 
@@ -53,6 +54,7 @@ class Change(NamedTuple):
     old: object
     new: object
     why: str
+    origin: str = "PyPI metadata"  # where the new value was read: "PyPI metadata" | "the PyTorch index"
 
 
 class Addition(NamedTuple):
@@ -108,9 +110,10 @@ def _lowest_python(spec: str) -> str:
 # ---------------------------------------------------------------------------- regeneration
 
 
-def regenerate(data: dict[str, dict], client: Client, *, date: str,
+def regenerate(data: dict[str, dict], client: Client, *, date: str, torch_index: str | None = None,
                step: Callable[[str], None] = lambda what: None) -> Report:
-    """Compare the matrices (tomllib data per file stem) with upstream; nothing is written here."""
+    """Compare the matrices (tomllib data per file stem) with upstream; nothing is written here. torch_index:
+    the PyTorch index template ({variant}) whose pages say where index-hosted wheels (flash-attn-3) are."""
     report = Report([], [], [])
     step("torch")
     _torch(data["torch"], client, date, report, step)
@@ -121,7 +124,13 @@ def regenerate(data: dict[str, dict], client: Client, *, date: str,
         _triton_releases(data, client, date, report)
     step("flash-attn")
     _flash_attn(data["flash_attn"], client, report)
+    if torch_index:
+        step("flash-attn-3 on the PyTorch index")
+        _flash_attn_index(data["flash_attn"], client, torch_index, report)
     _stacks(data["packages"], client, report, step)
+    if "kernels_release" in data["packages"]:
+        step("kernels")
+        _kernels(data["packages"], client, date, report)
     return report
 
 
@@ -315,14 +324,89 @@ def _xformers(data: dict, client: Client, report: Report, step) -> None:
 
 def _flash_attn(data: dict, client: Client, report: Report) -> None:
     recorded = {Version(r["version"]) for r in data.get("release", []) if r.get("impl") == "fa2"}
+    reviewed = {Version(v) for v in data.get("reviewed", [])}  # looked at, deliberately not recorded
     if not recorded:
         return
     for release in client.project("flash-attn").final():
-        if release.version > max(recorded):
+        if release.version > max(recorded) and release.version not in reviewed:
             report.reviews.append(Review("flash_attn.toml", f"flash-attn {release.version}",
                                          "new release on PyPI: its prebuilt wheels (torch, CUDA, Python, ABI, "
                                          "platforms) come from .github/workflows/publish.yml at its tag and its "
                                          "GitHub release assets; `envtool matrix verify` checks the URLs once added"))
+
+
+def _flash_attn_index(data: dict, client: Client, torch_index: str, report: Report) -> None:
+    """Release rows on the PyTorch index (`index = "torch"`): the index's own project page, across all variant
+    folders (download.pytorch.org/whl/flash-attn-3/ links /whl/<variant>/<file>), says which folders and
+    platforms hold each recorded version (written), and which newer versions exist (for review: their build,
+    hopper/setup.py at the tag, decides the torch and Python floors)."""
+    from urllib.parse import unquote, urlsplit
+
+    from packaging.utils import InvalidWheelFilename, canonicalize_name, parse_wheel_filename
+
+    rows = [(i, r) for i, r in enumerate(data.get("release", [])) if r.get("index") == "torch"]
+    packages = {i["name"]: i["package"] for i in data.get("impl", [])}
+    root = torch_index.split("{variant}")[0].rstrip("/")
+    for package in sorted({packages[r["impl"]] for _, r in rows}):
+        page = f"{root}/{canonicalize_name(package)}/"
+        answer = client.get(page, ok=(200, 404))
+        if answer.status_code == 404:
+            report.reviews.append(Review("flash_attn.toml", package, f"{page}: no such page on the PyTorch index"))
+            continue
+        held: dict[Version, dict[str, set[str]]] = {}  # version -> variant folder -> machines
+        for href in re.findall(r'href="([^"#]+)', answer.text):
+            parts = unquote(urlsplit(href).path).rstrip("/").split("/")
+            try:
+                _, version, _, tags = parse_wheel_filename(parts[-1])
+            except (InvalidWheelFilename, IndexError):
+                continue
+            if version.local or len(parts) < 2 or not re.fullmatch(r"cu\d+", parts[-2]):
+                continue  # test builds carry a local version; only the CUDA folders are plans' variants
+            machines = {m for m in MACHINES for tag in tags if tag.platform.endswith(m)}
+            held.setdefault(version, {}).setdefault(parts[-2], set()).update(machines)
+        mine = [(i, r) for i, r in rows if packages[r["impl"]] == package]
+        for i, row in mine:
+            name = f"{package} {row['version']}"
+            folders = held.get(Version(row["version"]))
+            if not folders:
+                report.reviews.append(Review("flash_attn.toml", name, f"{page} lists no wheel of it"))
+                continue
+            variants = sorted(folders, key=lambda v: int(v[2:]))
+            why = f"the variant folders {page} links {name} from"
+            if variants != list(row.get("variants", [])):
+                report.changes.append(Change("flash_attn.toml", "release", i, name, "variants",
+                                             row.get("variants"), variants, why, "the PyTorch index"))
+            machines = [m for m in MACHINES if any(m in ms for ms in folders.values())]
+            if machines != list(row.get("platforms", [])):
+                report.changes.append(Change("flash_attn.toml", "release", i, name, "platforms",
+                                             row.get("platforms"), machines, f"the platform tags of {name}'s wheels "
+                                             f"on {page}", "the PyTorch index"))
+        newest = max(Version(r["version"]) for _, r in mine)
+        for version in sorted(v for v in held if v > newest and not v.is_prerelease):
+            report.reviews.append(Review("flash_attn.toml", f"{package} {version}",
+                                         f"new release on the PyTorch index (folders {', '.join(sorted(held[version]))}): "
+                                         "its torch and Python floors come from hopper/setup.py at its tag "
+                                         "(TORCH_TARGET_VERSION, the abi3 tag); add a row once checked"))
+
+
+def _kernels(data: dict, client: Client, date: str, report: Report) -> None:
+    """`kernels` (Hub kernels load through it): a release newer than the recorded ones is a fact of PyPI and
+    becomes a row (plans pin it where it fits transformers' range); a stack whose transformers has no
+    [[kernels_requirement]] row needs a human to read its Requires-Dist."""
+    recorded = {Version(r["version"]) for r in data.get("kernels_release", [])}
+    final = client.project("kernels").final()
+    if final and recorded and final[-1].version > max(recorded):
+        newest = final[-1]
+        report.additions.append(Addition("packages.toml", "kernels_release", f"kernels {newest.version}", {
+            "version": str(newest.version),
+            "source": f"added by envtool matrix update from PyPI metadata on {date} (the newest kernels release)"},
+            "a kernels release newer than the recorded ones is on PyPI"))
+    required = {r["transformers"] for r in data.get("kernels_requirement", [])}
+    for version in sorted({s["packages"].get("transformers") for s in data.get("stack", [])} - required - {None},
+                          key=Version):
+        report.reviews.append(Review("packages.toml", f"transformers {version}",
+                                     "no [[kernels_requirement]] row: Hub kernel plans with this stack are refused "
+                                     "until its Requires-Dist kernels (extra 'kernels') is recorded"))
 
 
 def _stacks(data: dict, client: Client, report: Report, step) -> None:
@@ -365,6 +449,7 @@ def apply(directory: Path, report: Report, *, date: str) -> dict[str, tuple[str,
         texts[name] = (old, old)
         docs[name] = tomlkit.parse(old)
     touched: dict[tuple[str, str, int], list[str]] = {}
+    origins = {(c.file, c.table, c.index): c.origin for c in report.changes}
     for c in report.changes:
         row = docs[c.file][c.table][c.index]
         parent, key = (row[c.field.split(".", 1)[0]], c.field.split(".", 1)[1]) if "." in c.field else (row, c.field)
@@ -378,7 +463,7 @@ def apply(directory: Path, report: Report, *, date: str) -> dict[str, tuple[str,
         if "source" in row:
             kept = UPDATED_RE.sub("", str(row["source"]))
             row["source"] = (f"{kept}; {', '.join(dict.fromkeys(fields))} updated by envtool matrix update "
-                             f"from PyPI metadata on {date}")
+                             f"from {origins[(file, table, index)]} on {date}")
     for a in report.additions:
         table = tomlkit.table()
         for key, value in a.fields.items():
@@ -452,20 +537,23 @@ def as_json(report: Report, *, texts: dict[str, tuple[str, str]], written: bool,
     }
 
 
-def command(*, check: bool, json_out: bool, pypi_url: str | None, matrix_dir) -> int:
+def command(*, check: bool, json_out: bool, pypi_url: str | None, matrix_dir,
+            torch_index_url: str | None = None) -> int:
     """`envtool matrix update [--check]`; returns the exit code."""
     import json
 
     from .progress import progress
+    from .solve import TORCH_INDEX_ENV
     from .upstream import pypi_url as resolve_pypi_url
 
     directory = Path(matrix_dir) if matrix_dir else matrix_module.matrix_dir()
     data = read(directory)
     base = resolve_pypi_url(pypi_url)
+    torch_index = torch_index_url or os.environ.get(TORCH_INDEX_ENV) or data["torch"].get("index_url")
     date = today()
     with progress(f"reading {base}", None) as advance:
         client = Client(base, on_request=lambda url: advance(1))
-        report = regenerate(data, client, date=date)
+        report = regenerate(data, client, date=date, torch_index=torch_index)
     texts = apply(directory, report, date=date)
     written = False
     if texts and not check:

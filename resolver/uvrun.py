@@ -30,7 +30,7 @@ def uv_binary() -> str:
         found = shutil.which("uv")
         if found:
             return found
-        raise EnvtoolError("uv not found: install envtool with its dependencies (`pip install envtool`) "
+        raise EnvtoolError("uv not found: install envtool with its dependencies (`pip install envtool-llm`) "
                            "or put uv on PATH") from None
 
 
@@ -72,6 +72,7 @@ def run_uv(args: list[str], *, what: str, env: dict[str, str], cwd: Path | None 
 MISSING_WHEEL = re.compile(r"Because (?P<name>[\w.\-]+)==(?P<version>[\w.+\-]+) has no (?:usable|.*?-compatible) wheels")
 MISSING_URL = re.compile(r"Failed to download `(?P<name>[\w.\-]+) @ (?P<url>\S+)`")
 HTTP_STATUS = re.compile(r"HTTP status (?:client|server) error \((?P<status>[^)]+)\)")
+NOT_ON_INDEX = re.compile(r"Because (?P<name>[\w.\-]+) was not found in the package registry")
 
 
 def explain_failure(stderr: str, what: str) -> EnvtoolError:
@@ -80,6 +81,10 @@ def explain_failure(stderr: str, what: str) -> EnvtoolError:
     if missing:
         name, version = missing["name"], missing["version"]
         return MissingWheel(name, version, None, stderr)
+    absent = NOT_ON_INDEX.search(stderr)
+    if absent:  # an index that does not carry the package at all (flash-attn-3 on a PyTorch index folder)
+        pin = re.search(rf"depends on {re.escape(absent['name'])}==(?P<version>[\w.+\-]+?)[,\s]", stderr)
+        return MissingWheel(absent["name"], pin["version"] if pin else None, None, stderr, "not on its index")
     url = MISSING_URL.search(stderr)
     status = HTTP_STATUS.search(stderr)
     if url and status and status["status"].startswith("404"):
@@ -102,6 +107,9 @@ class MissingWheel(Unsatisfiable):
             text = (f"{name}: the prebuilt wheel {url.rsplit('/', 1)[-1]} could not be downloaded from {url}"
                     f"{f' ({status})' if status else ''}; envtool never builds {name} from source: "
                     f"`envtool resolve --no-flash-attn` skips it, or ENVTOOL_FLASH_ATTN_URL names a mirror")
+        elif status == "not on its index":
+            text = (f"{name}=={version or '(any)'} is not on the index it comes from; envtool never builds {name} "
+                    f"from source")
         else:
             text = (f"no prebuilt wheel of {name}=={version} for the target (Python, platform); "
                     f"envtool never builds {name} from source")

@@ -4,8 +4,10 @@ What a plan can name, enumerated from the matrix the way the solver uses it:
 - torch: for every [[release]] and each of its builds (and the CPU build), the index page
   `{torch index}/torch/` (index_url with {variant}) must list a wheel of that version and variant for every
   Python of the release's range, on each platform (x86_64, aarch64);
-- flash-attn: every wheel URL the solver produces for some GPU, Python, platform and `--flash-attn` pin
-  (found by running the solver's own candidate evaluation), checked with HEAD requests (redirects followed);
+- flash-attn: every wheel the solver names for some GPU, Python, platform and `--flash-attn` pin (found by
+  running the solver's own candidate evaluation): a wheel taken by its URL (flash-attn 2's release assets) with
+  a HEAD request (redirects followed), a wheel on a package index (flash-attn-3 on the PyTorch index of each
+  torch variant) by reading that index's project page, as uv does;
 - PyPI: every package version a plan pins: the training stack rows, xformers, and triton (a Linux wheel for
   every Python and platform a plan names it with).
 URLs come from the matrix, $ENVTOOL_TORCH_INDEX_URL, $ENVTOOL_FLASH_ATTN_URL and --pypi-url/$ENVTOOL_PYPI_URL.
@@ -30,7 +32,7 @@ PLATFORMS = ("x86_64", "aarch64")
 
 
 class Check(NamedTuple):
-    kind: str  # "torch index" | "flash-attn wheel" | "pypi"
+    kind: str  # "torch index" | "flash-attn wheel" | "flash-attn index" | "pypi"
     what: str  # what a plan names: "torch 2.8.0+cu128 cp311 x86_64"
     url: str  # what is fetched: the index page, the wheel URL, the project's JSON
     match: tuple = ()  # listing/pypi: (name, version, local, python, machine); head: ()
@@ -53,8 +55,8 @@ def checks(m: Matrix, *, torch_index: str, pypi: str) -> list[Check]:
                     out.append(Check("torch index", f"torch {r.version}+{variant} cp{py.replace('.', '')} {machine}",
                                      page, ("torch", r.version, variant, py, machine)))
     # flash-attn: what the solver names
-    for url, what in flash_attn_urls(m).items():
-        out.append(Check("flash-attn wheel", what, url))
+    for (url, match), what in flash_attn_wheels(m).items():
+        out.append(Check("flash-attn index" if match else "flash-attn wheel", what, url, match))
     # PyPI: pinned versions
     pinned: dict[tuple[str, str], str] = {}
     for s in m.stacks:
@@ -62,6 +64,8 @@ def checks(m: Matrix, *, torch_index: str, pypi: str) -> list[Check]:
             pinned.setdefault((name, version), f"{name} {version} ([[stack]] torch{s.torch} python{s.python})")
     for x in m.xformers:
         pinned.setdefault(("xformers", x.version), f"xformers {x.version} (--attention xformers)")
+    for k in m.kernels_releases:
+        pinned.setdefault(("kernels", k.version), f"kernels {k.version} (Hub kernels, --attention <org>/<kernel>)")
     xformers: dict[tuple[str, str, str], str] = {}
     for r in m.torch:  # the release `--attention xformers` picks for this torch, on each Python and platform
         for py in pythons(r.python):
@@ -106,14 +110,21 @@ def names_triton(m: Matrix, r, py: str, machine: str) -> bool:
 
 
 def flash_attn_urls(m: Matrix) -> dict[str, str]:
-    """Every flash-attn wheel URL a plan can name: the solver's own search, for a GPU each implementation runs
-    on, every Python a torch release covers, each platform, and each release pinned with --flash-attn."""
+    """The wheel URLs of flash_attn_wheels (what a plan names as `wheel_url`)."""
+    return {url: what for (url, match), what in flash_attn_wheels(m).items() if not match}
+
+
+def flash_attn_wheels(m: Matrix) -> dict[tuple[str, tuple], str]:
+    """Every flash-attn wheel a plan can name, as (URL to fetch, listing match) -> what: the solver's own search,
+    for a GPU each implementation runs on, every Python a torch release covers, each platform, and each release
+    pinned with --flash-attn. A wheel taken by its URL: (its URL, ()); a wheel on an index: (the project page,
+    (name, version, None, python, machine)), the wheel uv would take from it."""
     from .errors import EnvtoolError
     from .hardware import from_cc
     from .solve import Request, evaluate
 
     all_pythons = sorted({py for r in m.torch for py in pythons(r.python)}, key=Version)
-    urls: dict[str, str] = {}
+    urls: dict[tuple[str, tuple], str] = {}
     for impl in m.flash_attn_impls:
         min_cc = m.backend(impl.attention).min_cc  # the oldest GPU it runs on (attention.toml)
         try:
@@ -128,9 +139,16 @@ def flash_attn_urls(m: Matrix) -> dict[str, str]:
                     req = Request(gpu=gpu, driver=None, python=py, platform=machine, flash_attn=rel.version)
                     survivors, _ = evaluate(req, m)
                     for c in survivors:
-                        if c.flash_attn is not None:
-                            urls.setdefault(c.flash_attn.wheel_url, f"flash-attn {c.flash_attn.version} for "
-                                            f"{c.label} cp{py.replace('.', '')} {machine}")
+                        fa = c.flash_attn
+                        if fa is None:
+                            continue
+                        what = f"{fa.package} {fa.version} for {c.label} cp{py.replace('.', '')} {machine}"
+                        if fa.index_url:
+                            page = f"{fa.index_url.rstrip('/')}/{canonicalize_name(fa.package)}/"
+                            key = (page, (fa.package, fa.version, None, py, machine))
+                            urls.setdefault(key, what + f" (on {fa.index_url})")
+                        else:
+                            urls.setdefault((fa.wheel_url, ()), what)
     return urls
 
 
@@ -174,7 +192,7 @@ def wheel_matches(filename: str, name: str, version: str, local: str | None, pyt
 def run(all_checks: list[Check], client: Client, *, jobs: int = 8,
         advance: Callable[[int], None] = lambda n: None) -> list[Missing]:
     """Fetch every page and project once and HEAD every wheel URL, `jobs` at a time; what is missing."""
-    pages = sorted({c.url for c in all_checks if c.kind == "torch index"})
+    pages = sorted({c.url for c in all_checks if c.kind in ("torch index", "flash-attn index")})
     projects = sorted({c.url for c in all_checks if c.kind == "pypi"})
     heads = sorted({c.url for c in all_checks if c.kind == "flash-attn wheel"})
     fetched: dict[str, object] = {}
@@ -216,7 +234,7 @@ def run(all_checks: list[Check], client: Client, *, jobs: int = 8,
             _, found, said = result
             if not found:
                 missing.append(Missing(c, said))
-        elif c.kind == "torch index":
+        elif c.kind in ("torch index", "flash-attn index"):
             _, status, names = result
             if status != 200:
                 missing.append(Missing(c, f"index page: HTTP {status}"))
@@ -275,11 +293,13 @@ def command(*, json_out: bool, pypi_url: str | None, torch_index_url: str | None
 
     from . import matrix as matrix_module
     from .progress import progress
-    from .solve import FLASH_ATTN_URL_ENV
+    from .solve import FLASH_ATTN_URL_ENV, TORCH_INDEX_ENV
     from .upstream import pypi_url as resolve_pypi_url
 
-    if flash_attn_url:  # the solver reads the template from the environment
+    if flash_attn_url:  # the solver reads the templates from the environment
         os.environ[FLASH_ATTN_URL_ENV] = flash_attn_url
+    if torch_index_url:  # (flash-attn-3 is on the torch index: the solver names it there)
+        os.environ[TORCH_INDEX_ENV] = torch_index_url
     m = matrix_module._load(matrix_dir) if matrix_dir else matrix_module.load()
     pypi = resolve_pypi_url(pypi_url)
     todo = checks(m, torch_index=torch_index_template(torch_index_url, m), pypi=pypi)

@@ -27,7 +27,7 @@ class Wheel(NamedTuple):
     name: str
     version: str
     filename: str
-    url: str | None  # None: a path inside the lock directory
+    url: str | None  # None: a local file (envtool's own wheel, a file:// index, a --find-links directory)
     path: Path | None
     sha256: str
 
@@ -44,9 +44,35 @@ def supported_tags(python: str, platform: str) -> list:
             *compatible_tags(version, interpreter=f"cp{python.replace('.', '')}", platforms=platforms)]
 
 
+def wheel_location(env_dir: Path, package: dict, wheel: dict) -> tuple[str, str | None, Path | None]:
+    """Where a uv.lock wheel entry lives: (file name, URL to download, local path), exactly one of the last two.
+
+    Indexes write links as they like and uv keeps them as served: download.pytorch.org percent-encodes the `+` of
+    a local version (`torch-2.8.0%2Bcu126-...whl`), so the file name is the URL's last segment *unquoted*. Wheels
+    of a local (`file://`) index or a --find-links directory are recorded as a `path` (absolute, or relative to
+    the lock directory); a `file://` URL is a path too. Only a wheel with neither (envtool's own, from a `path`
+    source) lives beside the lock."""
+    from urllib.parse import unquote, urlsplit
+
+    url = wheel.get("url")
+    if url and urlsplit(url).scheme == "file":
+        url, local = None, unquote(urlsplit(url).path)
+    else:
+        local = wheel.get("path")
+    if url:
+        return unquote(urlsplit(url).path.rsplit("/", 1)[-1]), url, None
+    if local:
+        path = env_dir / local  # an absolute path stays itself
+        return path.name, None, path
+    source = package.get("source", {})
+    base = env_dir / source["path"] if "path" in source else env_dir
+    path = base if base.is_file() else base / wheel["filename"]
+    return path.name, None, path
+
+
 def locked_wheels(env_dir: Path, python: str, platform: str) -> list[Wheel]:
     """For each package in uv.lock, the wheel that installs on the target (best tag first)."""
-    from packaging.utils import parse_wheel_filename
+    from packaging.utils import InvalidWheelFilename, parse_wheel_filename
 
     lock = tomllib.loads((env_dir / "uv.lock").read_text())
     rank = {tag: i for i, tag in enumerate(supported_tags(python, platform))}
@@ -56,23 +82,25 @@ def locked_wheels(env_dir: Path, python: str, platform: str) -> list[Wheel]:
             continue
         options = []
         for wheel in package.get("wheels", []):
-            location = wheel.get("url") or wheel.get("path") or wheel.get("filename")
-            filename = location.rsplit("/", 1)[-1]
-            tags = parse_wheel_filename(filename)[3]
+            filename, url, path = wheel_location(env_dir, package, wheel)
+            try:
+                tags = parse_wheel_filename(filename)[3]
+            except InvalidWheelFilename as e:
+                raise EnvtoolError(f"uv.lock: {package['name']}=={package['version']}: {e}") from None
             best = min((rank[t] for t in tags if t in rank), default=None)
             if best is not None:
-                options.append((best, filename, wheel))
+                options.append((best, filename, url, path, wheel))
         if not options:
             raise EnvtoolError(f"uv.lock has no wheel of {package['name']}=={package['version']} for Python "
                                f"{python} on {platform} (an sdist-only package cannot go into a wheelhouse)")
-        _, filename, wheel = min(options, key=lambda o: o[0])
-        source = package.get("source", {})
-        path = None
-        if "url" not in wheel:
-            base = env_dir / source["path"] if "path" in source else env_dir
-            path = base if base.is_file() else base / filename
-        chosen.append(Wheel(package["name"], package["version"], filename, wheel.get("url"), path,
-                            wheel["hash"].removeprefix("sha256:")))
+        _, filename, url, path, wheel = min(options, key=lambda o: o[0])
+        if "hash" in wheel:
+            sha256 = wheel["hash"].removeprefix("sha256:")
+        elif path is not None and path.is_file():
+            sha256 = _sha256(path)  # uv records no hash for a --find-links file: the file itself is the source
+        else:
+            raise EnvtoolError(f"uv.lock has no hash for {filename} and it is not on this disk ({path or url})")
+        chosen.append(Wheel(package["name"], package["version"], filename, url, path, sha256))
     return chosen
 
 
@@ -114,7 +142,10 @@ def _sha256(path: Path) -> str:
 def _fetch(w: Wheel, wheelhouse: Path, progress, task, requests, ca_bundle: str | None) -> None:
     tmp = wheelhouse / f".{w.filename}.part"
     if w.url is None:
-        shutil.copyfile(w.path, tmp)
+        try:
+            shutil.copyfile(w.path, tmp)
+        except OSError as e:
+            raise EnvtoolError(f"copying {w.filename} from {w.path} failed: {e.strerror}") from None
     else:
         try:
             with requests.get(w.url, stream=True, timeout=60, verify=tls_verify(ca_bundle)) as r:

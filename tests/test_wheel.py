@@ -1,4 +1,6 @@
-"""A wheel built from the repo carries the matrices: install it into a fresh venv, with no index, and resolve."""
+"""The install route of README's "Install" section: a wheel built from the repo with `uv build` installs into a
+fresh venv with no index (dependencies from the local mirror), as the distribution `envtool-llm` with the command
+`envtool`; it carries the matrices, and `envtool --help` and `envtool resolve` work there with no network."""
 
 import json
 import os
@@ -8,6 +10,8 @@ import zipfile
 from pathlib import Path
 
 import pytest
+
+from resolver import DISTRIBUTION, __version__
 
 ROOT = Path(__file__).resolve().parents[1]
 WHEELHOUSE = ROOT / ".ci-cache" / "pypi-mirror"
@@ -19,7 +23,8 @@ def test_wheel_installs_and_resolves_from_a_fresh_venv(tmp_path):
     dist = tmp_path / "dist"
     uv = Path(sys.executable).parent / "uv"
     subprocess.run([str(uv), "build", "--wheel", "--offline", "-q", "--out-dir", str(dist), str(ROOT)], check=True)
-    (wheel,) = dist.glob("envtool-*.whl")
+    (wheel,) = dist.glob("envtool_llm-*.whl")
+    assert f"-{__version__}-py3-none-any.whl" in wheel.name
     names = zipfile.ZipFile(wheel).namelist()
     shipped = {n for n in names if n.startswith("matrices/") and n.endswith(".toml")}
     assert shipped == {f"matrices/{p.name}" for p in (ROOT / "matrices").glob("*.toml")}
@@ -29,6 +34,13 @@ def test_wheel_installs_and_resolves_from_a_fresh_venv(tmp_path):
     subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--no-index",
                     "--find-links", str(WHEELHOUSE), str(wheel)], check=True)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "ENVTOOL_MATRIX_DIR", "VIRTUAL_ENV")}
+    shown = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "show", DISTRIBUTION], capture_output=True,
+                           text=True, env=env, check=True).stdout
+    assert f"Name: {DISTRIBUTION}" in shown and f"Version: {__version__}" in shown
+    helped = subprocess.run([str(venv / "bin" / "envtool"), "--help"], capture_output=True, text=True, cwd=tmp_path,
+                            env=env, timeout=120)
+    assert helped.returncode == 0, helped.stderr
+    assert "Usage: envtool" in helped.stdout and "train" in helped.stdout and "install" in helped.stdout
     out = subprocess.run([str(venv / "bin" / "envtool"), "resolve", "--gpu", "t4", "--json"],
                          capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -40,3 +52,20 @@ def test_wheel_installs_and_resolves_from_a_fresh_venv(tmp_path):
     where = subprocess.run([str(venv / "bin" / "python"), "-c", "import matrices; print(matrices.__file__)"],
                            capture_output=True, text=True, cwd=tmp_path, env=env, check=True).stdout
     assert str(venv) in where
+
+
+def test_every_install_line_installs_this_project_not_pypis_envtool():
+    """PyPI's `envtool` is an unrelated project: no README command, notebook cell or workflow may install it."""
+    import re
+
+    texts = {p: p.read_text() for p in [ROOT / "README.md", *sorted((ROOT / ".github" / "workflows").glob("*.yml"))]}
+    for path, text in texts.items():
+        for line in text.splitlines():
+            assert not re.search(r"pip install (-\S+ )*['\"]?envtool(['\"\s\[]|$)", line), f"{path.name}: {line}"
+    readme = texts[ROOT / "README.md"]
+    install = readme.split("\n## Install\n", 1)[1].split("\n## ", 1)[0]
+    assert "uv build --wheel" in install and "envtool_llm-" in install
+    assert f'pip install "{DISTRIBUTION} @ git+https://github.com/' in install
+    assert "pip install -q envtool_llm-" in readme  # the notebook cell
+    workflow = (ROOT / ".github" / "workflows" / "gpu-matrix.yml").read_text()
+    assert 'pip install "$ENVTOOL_SPEC"' in workflow or "pip install --quiet \"$ENVTOOL_SPEC\"" in workflow

@@ -33,10 +33,10 @@ def test_train_in_the_plans_image(tmp_path, docker_host, docker_client):
     for key in ("saves_per_epoch", "evals_per_epoch", "save_total_limit"):
         cfg.pop(key)
     (work / "config.yml").write_text(yaml.safe_dump(cfg))
-    for path in [work, *work.rglob("*")]:  # the image trains as uid 1000
-        path.chmod(0o777 if path.is_dir() else 0o666)
-    env = {**{k: v for k, v in os.environ.items() if k != "ENVTOOL_PLAN"}, "DOCKER_HOST": docker_host,
-           "ENVTOOL_CACHE_DIR": str(tmp_path / "cache")}
+    work.chmod(0o700)  # only this uid may write here (root's, a cluster account's, a CI runner's directory)
+    # no DOCKER_HOST: envtool finds the engine .ci/setup started (.ci-cache/docker-host)
+    env = {**{k: v for k, v in os.environ.items() if k not in ("ENVTOOL_PLAN", "DOCKER_HOST")},
+           "ENVTOOL_CACHE_DIR": str(tmp_path / "cache"), "DOCKER_CONFIG": str(tmp_path / "docker-config")}
     dry = subprocess.run([str(ENVTOOL), "train", "config.yml", *CPU, "--image", "--dry-run", "--json"],
                          capture_output=True, text=True, env=env, cwd=work)
     assert dry.returncode == 0, dry.stderr
@@ -50,9 +50,11 @@ def test_train_in_the_plans_image(tmp_path, docker_host, docker_client):
     rows = [json.loads(line) for line in (work / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3]
     assert (work / "out" / "final").is_dir()
+    # the container ran as the invoking user: what it wrote is theirs
+    written = [work / "out" / "final", *(work / "out").rglob("*"), *(work / "prepared").rglob("*")]
+    assert {(p.stat().st_uid, p.stat().st_gid) for p in written} == {(os.getuid(), os.getgid())}
     # a config the image's trainer refuses: its one line and exit code come back through envtool and docker
     (work / "bad.yml").write_text(yaml.safe_dump({**cfg, "learning_rate": "fast"}))
-    (work / "bad.yml").chmod(0o666)
     bad = subprocess.run([str(ENVTOOL), "train", "bad.yml", *CPU, "--image"], capture_output=True, text=True,
                          env=env, cwd=work, timeout=600)
     assert bad.returncode == 2 and "learning_rate" in bad.stdout + bad.stderr

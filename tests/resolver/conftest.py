@@ -61,6 +61,11 @@ def fake_smi(no_gpu):
 
 
 def run_envtool(*args, env=None, timeout=120, **extra_env):
+    """Run the envtool command; `NAME=None` in extra_env removes NAME from its environment."""
     environment = dict(os.environ if env is None else env)
-    environment.update(extra_env)
+    for name, value in extra_env.items():
+        if value is None:
+            environment.pop(name, None)
+        else:
+            environment[name] = value
     return subprocess.run([str(ENVTOOL), *args], capture_output=True, text=True, timeout=timeout, env=environment)

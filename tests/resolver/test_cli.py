@@ -9,14 +9,15 @@ from .conftest import DATA, FAKES, run_envtool, write_nvidia_smi
 # The --json contract (README, "The --json contract"): exactly these keys, so an addition is a decision
 # recorded here and in the README, never an accident.
 TOP_LEVEL = {"gpu", "driver", "python", "platform", "torch", "attention", "flash_attn", "precision", "triton",
-             "features", "packages", "reasons", "matrix_version", "target", "plan_version"}
+             "features", "packages", "reasons", "matrix_version", "target", "packing", "mask_without_cudnn",
+             "plan_version"}
 CONTRACT = {
     "gpu": {"name", "compute_capability", "arch", "count", "memory_gb", "source", "bf16"},
     "driver": {"version", "max_cuda"},
     "torch": {"version", "cuda", "variant", "index_url", "min_driver"},
     "features": {"torch_compile", "liger"},
 }
-FLASH_ATTN = {"version", "package", "filename", "wheel_url"}
+FLASH_ATTN = {"version", "package", "filename", "wheel_url", "index_url"}
 
 
 def resolve_json(*args, **env):
@@ -33,6 +34,7 @@ def test_json_contract_for_t4():
     assert plan["gpu"]["compute_capability"] == "7.5" and plan["gpu"]["arch"] == "turing"
     assert plan["torch"]["cuda"] == "12.6" and plan["torch"]["variant"] == "cu126"
     assert plan["attention"] == "sdpa" and plan["flash_attn"] is None and plan["precision"] == "fp16"
+    assert plan["packing"] == "mask" and plan["mask_without_cudnn"] is False  # Turing: no varlen kernel runs
     assert isinstance(plan["reasons"], list) and all(isinstance(r, str) for r in plan["reasons"])
     assert "rejected" not in plan
 
@@ -40,9 +42,20 @@ def test_json_contract_for_t4():
 def test_json_for_sm80_with_a_driver():
     plan = resolve_json("--gpu", "sm_80", "--driver", "550.54.14", "--python", "3.11")
     assert plan["driver"] == {"version": "550.54.14", "max_cuda": "12.4"}
-    assert plan["attention"] == "flash_attention_2" and plan["precision"] == "bf16"
+    assert (plan["attention"], plan["packing"], plan["precision"]) == ("sdpa", "varlen", "bf16")
+    assert plan["flash_attn"] is None
+
+
+def test_json_for_hopper_names_the_flash_attn_3_wheel_and_its_index():
+    plan = resolve_json("--gpu", "h100", "--driver", "580.65.06", "--python", "3.11")
+    assert (plan["attention"], plan["packing"]) == ("flash_attention_3", "varlen")
     assert set(plan["flash_attn"]) == FLASH_ATTN
-    assert plan["flash_attn"]["wheel_url"].startswith("https://github.com/Dao-AILab/flash-attention/releases/download/")
+    fa = plan["flash_attn"]
+    assert fa["package"] == "flash-attn-3" and fa["index_url"] == plan["torch"]["index_url"]
+    assert fa["wheel_url"] == f"https://download.pytorch.org/whl/{plan['torch']['variant']}/{fa['filename']}"
+    fa2 = resolve_json("--gpu", "a100", "--attention", "flash_attention_2", "--python", "3.11")["flash_attn"]
+    assert fa2["index_url"] is None  # a release asset: uv takes the URL
+    assert fa2["wheel_url"].startswith("https://github.com/Dao-AILab/flash-attention/releases/download/")
 
 
 def test_several_targets_give_a_list():
@@ -59,7 +72,7 @@ def test_github_matrix_format():
     assert set(rows) == {"t4", "v100", "a100"}
     assert rows["t4"]["image"] == f"envtool-trainer:sm75-{rows['t4']['variant']}-torch" \
         f"{'.'.join(rows['t4']['torch'].split('.')[:2])}-py3.11"
-    assert rows["a100"]["attention"] == "flash_attention_2" and rows["v100"]["precision"] == "fp16"
+    assert rows["a100"]["attention"] == "sdpa" and rows["v100"]["precision"] == "fp16"
 
 
 def test_table_output_shows_choices_and_reasons():
@@ -122,7 +135,7 @@ def test_auto_through_nvml_with_mixed_gpus():
 
 def test_auto_without_gpu_is_a_cpu_plan(tmp_path):
     plan = resolve_json("--gpu", "auto", "--python", "3.11", PATH="/usr/bin:/bin", PYTHONPATH=str(FAKES),
-                        ENVTOOL_GPU="")
+                        ENVTOOL_GPU=None)
     assert plan["torch"]["variant"] == "cpu" and plan["precision"] == "fp32"
 
 
@@ -147,12 +160,15 @@ def test_help_explains():
 
 
 def test_mirror_urls_replace_the_public_ones():
-    plan = resolve_json("--gpu", "a100", "--python", "3.11",
-                        ENVTOOL_TORCH_INDEX_URL="http://127.0.0.1:8080/torch/{variant}/",
-                        ENVTOOL_FLASH_ATTN_URL="http://127.0.0.1:8080/fa/{version}/{filename}")
+    mirrors = {"ENVTOOL_TORCH_INDEX_URL": "http://127.0.0.1:8080/torch/{variant}/",
+               "ENVTOOL_FLASH_ATTN_URL": "http://127.0.0.1:8080/fa/{version}/{filename}"}
+    plan = resolve_json("--gpu", "a100", "--attention", "flash_attention_2", "--python", "3.11", **mirrors)
     assert plan["torch"]["index_url"] == f"http://127.0.0.1:8080/torch/{plan['torch']['variant']}/"
     assert plan["flash_attn"]["wheel_url"] == (f"http://127.0.0.1:8080/fa/{plan['flash_attn']['version']}/"
                                                f"{plan['flash_attn']['filename']}")
+    hopper = resolve_json("--gpu", "h100", "--python", "3.11", **mirrors)  # FA3 lives on the torch index: its mirror
+    assert hopper["flash_attn"]["index_url"] == hopper["torch"]["index_url"] == (
+        f"http://127.0.0.1:8080/torch/{hopper['torch']['variant']}/")
 
 
 def test_resolve_imports_nothing_heavy():
@@ -174,8 +190,11 @@ def test_readme_plan_table_is_what_the_matrices_give_today():
     from pathlib import Path
 
     readme = (Path(__file__).parents[2] / "README.md").read_text()
-    block = re.search(r"<!-- plans:begin -->\n(.*?)\n<!-- plans:end -->", readme, re.S).group(1)
-    command = re.search(r"`envtool resolve --gpu\s+([^`]*?--format markdown)`", readme).group(1).split()
-    out = run_envtool("resolve", "--gpu", *command)
-    assert out.returncode == 0, out.stderr
-    assert block == out.stdout.strip(), "README's plan table is stale: paste the command's output between the markers"
+    blocks = list(re.finditer(r"<!-- plans:begin -->\n(.*?)\n<!-- plans:end -->", readme, re.S))
+    assert len(blocks) == 2  # driver unknown; a CUDA 13 driver
+    for block in blocks:  # each table is the output of the last `envtool resolve ... --format markdown` before it
+        command = re.findall(r"`envtool resolve --gpu\s+([^`]*?--format markdown)`", readme[:block.start()])[-1]
+        out = run_envtool("resolve", "--gpu", *command.split())
+        assert out.returncode == 0, out.stderr
+        assert block.group(1) == out.stdout.strip(), (f"README's plan table for `{command}` is stale: paste the "
+                                                      f"command's output between the markers")

@@ -69,7 +69,7 @@ def test_cpu_torch_on_a_gpu_machine_and_a_broken_torch(m):
 
 
 def test_doctor_cli_on_this_cpu_machine(tmp_path):
-    out = run_envtool("doctor", "--json", PATH="/usr/bin:/bin", PYTHONPATH=str(FAKES), ENVTOOL_GPU="")
+    out = run_envtool("doctor", "--json", PATH="/usr/bin:/bin", PYTHONPATH=str(FAKES), ENVTOOL_GPU=None)
     assert out.returncode == 0, out.stdout + out.stderr
     result = json.loads(out.stdout)
     assert result["ok"] and result["gpu"] == "CPU"
@@ -80,5 +80,22 @@ def test_doctor_cli_on_this_cpu_machine(tmp_path):
 def test_doctor_cli_exits_1_on_errors_with_a_table():
     out = run_envtool("doctor", "--gpu", "sm_120", "--driver", "580.65.06", COLUMNS="200")
     assert out.returncode == 1
-    assert "torch is the CPU build" in out.stdout and "envtool install --gpu auto" in out.stdout
+    assert "torch is the CPU build" in out.stdout
+    # the fix names the GPU doctor checked against and installs into the interpreter it checked (no --venv)
+    assert "envtool install --system --gpu sm_120 --driver 580.65.06" in out.stdout
     assert "envtool's plan for this machine: torch" in out.stdout
+
+
+def test_the_fix_installs_where_install_accepts(tmp_path):
+    """A venv envtool made (or none yet) takes --venv; any other environment --python PATH, since install refuses
+    to replace a venv it did not make; the interpreter running envtool --system."""
+    from resolver.doctor import fix_command
+
+    assert fix_command(tmp_path / "new", "t4", None) == f"envtool install --gpu t4 --venv {tmp_path / 'new'}"
+    (tmp_path / "theirs" / "bin").mkdir(parents=True)
+    assert fix_command(tmp_path / "theirs", "a100", "550.54.14") == \
+        f"envtool install --python {tmp_path / 'theirs' / 'bin' / 'python'} --gpu a100 --driver 550.54.14"
+    (tmp_path / ".venv.versions" / "v1").mkdir(parents=True)
+    (tmp_path / ".venv").symlink_to(tmp_path / ".venv.versions" / "v1")
+    assert fix_command(tmp_path / ".venv", "auto", None) == f"envtool install --gpu auto --venv {tmp_path / '.venv'}"
+    assert fix_command(None, "t4", None) == "envtool install --system --gpu t4"

@@ -143,3 +143,71 @@ def test_the_slurm_script_runs_the_command_it_says(tmp_path):
 def test_emit_refuses_what_it_cannot_write(tmp_path):
     out = emit("examples/a100.yml", *A100, "--emit", "nomad", tmp_path=tmp_path)
     assert out.returncode == 2 and out.stderr.strip() == "envtool: error: --emit 'nomad': choose slurm or k8s"
+
+
+def on_a_claim(pod: dict, path: str) -> str | None:
+    """The PersistentVolumeClaim that holds `path` (as the trainer in the pod resolves it), if any."""
+    import posixpath
+
+    container = pod["containers"][0]
+    where = posixpath.normpath(posixpath.join(container.get("workingDir", "/home/trainer"), path))
+    claims = {v["name"]: v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"] if "persistentVolumeClaim" in v}
+    for mount in container["volumeMounts"]:
+        if mount["name"] in claims and (where == mount["mountPath"] or where.startswith(mount["mountPath"] + "/")):
+            return claims[mount["name"]]
+    return None
+
+
+def test_k8s_pods_train_on_a_volume_so_outputs_and_prepared_data_outlive_them(tmp_path, schema):
+    """A one-pod job keeps final/ (output_dir is on the claim, not in the container), and every node of a
+    multi-node job reads the one prepared dataset; --pvc names the claim."""
+    out = emit("examples/a100.yml", *A100, "--emit", "k8s", "--dry-run", tmp_path=tmp_path)
+    assert out.returncode == 0, out.stderr
+    config_map, job = list(yaml.safe_load_all(out.stdout))
+    jsonschema.validate(job, schema)
+    pod = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
+    cfg = yaml.safe_load(config_map["data"]["a100.yml"])
+    assert on_a_claim(pod, cfg["output_dir"] + "/final") == "envtool-work"
+    assert on_a_claim(pod, cfg["dataset_prepared_path"]) == "envtool-work"
+    assert "envtool-work" in out.stdout.split("apiVersion")[0]  # the header says the claim must exist
+    assert out.stderr == ""  # a hub model and a hub dataset: nothing to copy, nothing to warn about
+
+    out = emit("examples/a100.yml", *A100, "--nnodes", "3", "--emit", "k8s", "--pvc", "team-scratch", "--dry-run",
+               tmp_path=tmp_path)
+    assert out.returncode == 0, out.stderr
+    job = list(yaml.safe_load_all(out.stdout))[1]
+    jsonschema.validate(job, schema)
+    for role in ("Master", "Worker"):
+        assert on_a_claim(job["spec"]["pytorchReplicaSpecs"][role]["template"]["spec"],
+                          "last_run_prepared") == "team-scratch"
+    assert "ReadWriteMany" in out.stderr and len(out.stderr.strip().splitlines()) == 1
+
+
+def test_k8s_warns_about_paths_the_pods_would_not_see(tmp_path):
+    work = tmp_path / "work"
+    (work / "data").mkdir(parents=True)
+    (work / "data" / "train.jsonl").write_text("{}\n")
+    (work / "tiny-model").mkdir()
+    cfg = yaml.safe_load((REPO / "examples" / "tiny-cpu.yml").read_text())
+    cfg.update(base_model="tiny-model", datasets=[{"path": "data/train.jsonl", "type": "alpaca"}],
+               output_dir="/scratch/me/out", dataset_prepared_path="prepared")
+    (work / "job.yml").write_text(yaml.safe_dump(cfg))
+    out = emit("job.yml", "--gpu", "cpu", "--emit", "k8s", "--dry-run", cwd=work, tmp_path=tmp_path)
+    assert out.returncode == 0, out.stderr
+    warnings = out.stderr.strip().splitlines()
+    assert all(w.startswith("envtool: warning: job.yml: ") for w in warnings), warnings
+    assert any("output_dir /scratch/me/out is outside the volume" in w and "lost with the pod" in w for w in warnings)
+    assert any("base_model tiny-model is a local path: the pods read /work/tiny-model" in w for w in warnings)
+    assert any("datasets[0].path data/train.jsonl is a local path: the pods read /work/data/train.jsonl" in w
+               and "envtool-work" in w for w in warnings)
+    assert len(warnings) == 3  # prepared (relative) is on the volume: no warning
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--emit", "k8s", "--pvc", "Not_A_Name"], "--pvc 'Not_A_Name': a PersistentVolumeClaim name is lower-case"),
+    (["--emit", "slurm", "--pvc", "scratch"], "--pvc goes with --emit k8s"),
+    (["--pvc", "scratch"], "--pvc goes with --emit k8s"),
+])
+def test_pvc_is_checked(tmp_path, args, message):
+    out = emit("examples/a100.yml", *A100, *args, "--dry-run", tmp_path=tmp_path)
+    assert out.returncode == 2 and message in out.stderr and len(out.stderr.strip().splitlines()) == 1

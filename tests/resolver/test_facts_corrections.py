@@ -98,7 +98,10 @@ def test_aarch64_gh200_plan_uses_the_aarch64_sass(m):
     build = build_of(m, p)
     assert build.sass_aarch64 and "9.0" in build.sass_aarch64
     assert f"SASS {' '.join(build.sass_aarch64)})" in p.reasons[1]
-    assert p.flash_attn is None  # flash-attn publishes no aarch64 wheels: never a source build
+    # flash-attn 2 publishes no aarch64 wheels (never a source build); FA3's aarch64 wheel is on the PyTorch index
+    assert p.flash_attn.package == "flash-attn-3" and p.flash_attn.filename.endswith("-manylinux_2_34_aarch64.whl")
+    assert "flash-attn publishes no prebuilt wheel" in refusal(m, "gh200", platform="aarch64",
+                                                               attention="flash_attention_2")
 
 
 def test_aarch64_skips_builds_without_a_recorded_aarch64_wheel(m):

@@ -4,8 +4,10 @@ The index serves the real wheels of .ci-cache/pypi-mirror (filled by .ci/setup) 
 plan's CUDA packages (torch+cu126, triton, flash-attn ...) named and versioned as the plan says.
 """
 
+import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,9 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.pypi import MIRROR, build_indexes, index_env, make_wheel, serve, write_simple_index
+from tests.support.pypi import LINUX_CP311, MIRROR, build_indexes, index_env, make_wheel, serve, write_simple_index
 
-from .conftest import run_envtool
+from resolver.matrix import load
+
+from .conftest import ENVTOOL, run_envtool
 
 pytestmark = pytest.mark.slow
 A100 = ["--gpu", "a100", "--python", "3.11", "--platform", "x86_64", "--torch", "2.8"]
@@ -78,7 +82,7 @@ def test_lock_pins_the_plan_with_hashes_and_routes_each_source(tmp_path, a100_in
     assert lock["flash-attn"]["source"] == {"url": index_env(url)["ENVTOOL_FLASH_ATTN_URL"].format(
         version=plan["flash_attn"]["version"], filename=plan["flash_attn"]["filename"])}
     assert lock["transformers"]["version"] == plan["packages"]["transformers"]
-    assert lock["envtool"]["source"] == {"path": f"wheels/{next((env_dir / 'wheels').iterdir()).name}"}
+    assert lock["envtool-llm"]["source"] == {"path": f"wheels/{next((env_dir / 'wheels').iterdir()).name}"}
     for package in lock.values():
         for wheel in package.get("wheels", []):
             assert wheel["hash"].startswith("sha256:"), package["name"]
@@ -104,15 +108,9 @@ def test_a_package_with_only_an_sdist_is_never_built_and_the_nearest_wheel_is_na
     # the index holds bitsandbytes as an sdist only at the plan's version, and a wheel of an older release
     version = plan["packages"]["bitsandbytes"]
     older = make_wheel(tmp_path / "other", "bitsandbytes", "0.45.5")
-    (root / "pypi" / "bitsandbytes").mkdir(exist_ok=True)
-    sdist = root / "files" / f"bitsandbytes-{version}.tar.gz"
+    sdist = tmp_path / "other" / f"bitsandbytes-{version}.tar.gz"
     sdist.write_bytes(b"not really an sdist")
-    write_simple_index(root, "pypi", [older])
-    page = root / "pypi" / "bitsandbytes" / "index.html"
-    import hashlib
-    page.write_text(page.read_text().replace(
-        "</body>", f'<a href="../../files/{sdist.name}#sha256={hashlib.sha256(sdist.read_bytes()).hexdigest()}">'
-        f"{sdist.name}</a></body>"))
+    write_simple_index(root, "pypi", [older, sdist])
     with serve(root) as url:
         out = lock_a100(tmp_path, url, env)
     assert out.returncode == 2, out.stderr
@@ -158,6 +156,41 @@ def test_install_is_atomic_and_offline_install_needs_no_network(tmp_path, a100_i
     assert "hash" in out.stderr.lower()
     assert venv.resolve() == Path(second["path"]).resolve()
     assert subprocess.run([str(python), "-c", "import torch"]).returncode == 0
+
+
+def test_a_file_index_and_find_links_fill_the_wheelhouse_from_where_the_wheels_are(tmp_path, uv_cache, m):
+    """Indexes on disk (file://, as an air-gapped site keeps them) and a --find-links directory: uv records their
+    wheels by path, and `lock --wheelhouse` copies each from that path, then `install --offline` installs."""
+    env = {**os.environ, "UV_CACHE_DIR": uv_cache, "UV_PYTHON_DOWNLOADS": "never"}
+    plan = plan_for(A100, env)
+    root = tmp_path / "site"
+    build_indexes(root, plan, sass_of(plan, m), on_disk=True)
+    links = tmp_path / "links"  # bitsandbytes only there (uv records no hash for a --find-links file)
+    links.mkdir()
+    shutil.rmtree(root / "pypi" / "bitsandbytes")
+    bnb = next((root / "files").glob("bitsandbytes-*.whl"))
+    bnb = bnb.rename(links / bnb.name)
+    env_dir, wheelhouse, venv = tmp_path / "envs" / "a100", tmp_path / "wheelhouse", tmp_path / ".venv"
+    uri = root.as_uri()
+    out = run_envtool("lock", *A100, "--out", str(env_dir), "--index-url", f"{uri}/pypi/", "--find-links",
+                      str(links), "--wheelhouse", str(wheelhouse),
+                      env={**env, "ENVTOOL_TORCH_INDEX_URL": f"{uri}/torch/{{variant}}/",
+                           "ENVTOOL_FLASH_ATTN_URL": f"{uri}/gh/v{{version}}/{{filename}}"})
+    assert out.returncode == 0, out.stderr
+    lock = {p["name"]: p for p in tomllib.loads((env_dir / "uv.lock").read_text())["package"]}
+    assert "path" in lock["torch"]["wheels"][0]  # by path, not beside the lock
+    assert lock["bitsandbytes"]["source"] == {"registry": str(links)} and "hash" not in lock["bitsandbytes"]["wheels"][0]
+    torch = next(wheelhouse.glob("torch-*.whl"))
+    assert torch.name == f"torch-2.8.0+cu126-{LINUX_CP311}.whl"
+    assert torch.read_bytes() == (root / "files" / torch.name).read_bytes()
+    requirements = (wheelhouse / "requirements.txt").read_text()
+    assert "torch==2.8.0+cu126 --hash=sha256:" in requirements
+    assert f"bitsandbytes=={plan['packages']['bitsandbytes']} --hash=sha256:{hashlib.sha256(bnb.read_bytes()).hexdigest()}" \
+        in requirements
+    out = run_envtool("install", str(env_dir), "--venv", str(venv), "--offline", "--wheelhouse", str(wheelhouse),
+                      "--json", env=env)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["torch"] == "2.8.0+cu126"
 
 
 def test_killing_an_install_midway_leaves_the_previous_venv(tmp_path, a100_index):
@@ -253,6 +286,27 @@ def test_cpu_end_to_end_with_the_real_torch(tmp_path, uv_cache):
     assert json.loads(doctor.stdout)["ok"]
 
 
+def test_the_next_step_lock_prints_is_an_install_that_works(tmp_path, a100_index):
+    """Where a venv envtool did not make is in the way (install refuses to replace it), the hint names another."""
+    import shlex
+
+    root, env, start = a100_index
+    start()
+    work = tmp_path / "project"
+    (work / ".venv" / "bin").mkdir(parents=True)  # the user's own venv
+    with serve(root) as url:
+        out = subprocess.run([str(ENVTOOL), "lock", *A100, "--out", "envs/a100", "--index-url", f"{url}/pypi/"],
+                             capture_output=True, text=True, cwd=work, env={**env, **index_env(url)}, timeout=300)
+        assert out.returncode == 0, out.stderr
+        hint = out.stdout.strip().splitlines()[-1]
+        assert hint == "next: envtool install envs/a100 --venv .venv-a100"
+        command = shlex.split(hint.removeprefix("next: "))
+        done = subprocess.run([str(ENVTOOL), *command[1:]], capture_output=True, text=True, cwd=work, env=env,
+                              timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert (work / ".venv-a100").is_symlink() and (work / ".venv" / "bin").is_dir()  # the user's venv untouched
+
+
 def test_doctor_on_an_installed_a100_environment_run_on_a_t4(tmp_path, a100_index):
     root, env, start = a100_index
     start()
@@ -264,9 +318,21 @@ def test_doctor_on_an_installed_a100_environment_run_on_a_t4(tmp_path, a100_inde
     assert out.returncode == 1
     found = {f["check"]: f for f in json.loads(out.stdout)["findings"]}
     assert found["flash-attn"]["level"] == "error" and found["precision"]["level"] == "error"
-    assert found["flash-attn"]["fix"] == f"envtool install --gpu auto --venv {venv}"
+    fix = found["flash-attn"]["fix"]
+    assert fix == f"envtool install --gpu t4 --driver 560.35.03 --venv {venv}"  # the GPU it checked, not auto
     ok = run_envtool("doctor", "--venv", str(venv), "--gpu", "a100", "--driver", "560.35.03", "--json", env=env)
     assert ok.returncode == 0, ok.stdout
+
+    # the fix fixes: run as printed (with this test's index for the T4 plan), then doctor finds nothing wrong
+    t4 = plan_for(["--gpu", "t4", "--driver", "560.35.03"], env)
+    t4_root = tmp_path / "t4-index"
+    build_indexes(t4_root, t4, sass_of(t4, load()))
+    with serve(t4_root) as url:
+        fixed = run_envtool(*fix.split()[1:], "--index-url", f"{url}/pypi/", env={**env, **index_env(url)},
+                            timeout=300)
+    assert fixed.returncode == 0, fixed.stderr
+    again = run_envtool("doctor", "--venv", str(venv), "--gpu", "t4", "--driver", "560.35.03", "--json", env=env)
+    assert again.returncode == 0, again.stdout
 
 
 def test_an_index_behind_a_private_ca_needs_ca_bundle(tmp_path, a100_index):

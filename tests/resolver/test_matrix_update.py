@@ -32,11 +32,34 @@ def envtool(*args, **env):
     return run_envtool(*args, **env)
 
 
+FA3_FILES = {variant: [f"flash_attn_3-3.0.0-cp39-abi3-{tag}.whl"
+                       for tag in ("manylinux_2_28_x86_64", "manylinux_2_34_aarch64")]
+             for variant in ("cu126", "cu128", "cu129", "cu130")}
+
+
+def pytorch_index_page(project: str, files: dict[str, list[str]]) -> bytes:
+    """A download.pytorch.org project page, as pytorch/test-infra s3_management/manage_v2.py
+    to_simple_package_html writes it: links to /whl/<folder>/<file> with #sha256= and PEP 658 attributes (the
+    root page whl/<project>/ links every folder's files; a folder's page, its own)."""
+    links = "".join(f'    <a href="/whl/{folder}/{f.replace("+", "%2B")}#sha256={"0" * 64}" data-dist-info-metadata='
+                    f'"sha256={"1" * 64}" data-core-metadata="sha256={"1" * 64}">{f}</a><br/>\n'
+                    for folder, names in files.items() for f in names)
+    return (f"<!DOCTYPE html>\n<html>\n  <body>\n    <h1>Links for {project}</h1>\n{links}  </body>\n</html>\n"
+            f"<!--TIMESTAMP 1771000000-->").encode()
+
+
+def publish_fa3(world: World, files: dict[str, list[str]] = FA3_FILES) -> None:
+    world.paths["/whl/flash-attn-3/"] = (200, pytorch_index_page("flash-attn-3", files), {"Content-Type": "text/html"})
+    for folder, names in files.items():
+        world.paths[f"/whl/{folder}/flash-attn-3/"] = (200, pytorch_index_page("flash-attn-3", {folder: names}),
+                                                       {"Content-Type": "text/html"})
+
+
 @pytest.fixture
 def world():
-    """The captured upstream, trimmed to what the matrix records for flash-attn (its newer releases need a
-    human and would always be reported)."""
+    """The captured upstream, and the PyTorch index's flash-attn-3 pages as the matrix records them."""
     w = World()
+    publish_fa3(w)
     return w
 
 
@@ -71,8 +94,8 @@ def trim_flash_attn(world: World, directory: Path) -> None:
 
 
 def update(url, directory, *args, tmp):
-    return envtool("matrix", "update", "--pypi-url", url, "--matrix-dir", str(directory), *args,
-                   cache=str(tmp / "cache"))
+    return envtool("matrix", "update", "--pypi-url", url, "--torch-index-url", f"{url}/whl/{{variant}}",
+                   "--matrix-dir", str(directory), *args, cache=str(tmp / "cache"))
 
 
 def snapshot(directory: Path) -> dict[str, tuple[bytes, int]]:
@@ -219,8 +242,9 @@ def test_new_xformers_and_flash_attn_releases_need_review_and_are_not_written(wo
     from packaging.version import Version
 
     recorded = max(Version(r.version) for r in matrix_module._load(copy).flash_attn_releases if r.impl == "fa2")
+    reviewed = {Version(v) for v in matrix_module._load(copy).flash_attn_reviewed}  # looked at, not recorded
     upstream = {f"flash-attn {v}" for v in world.pypi["flash-attn"]["releases"]
-                if Version(v) > recorded and not Version(v).is_prerelease}
+                if Version(v) > recorded and not Version(v).is_prerelease and Version(v) not in reviewed}
     assert {r[1] for r in review if r[0] == "flash_attn.toml"} == upstream
     assert snapshot(copy) == before
 
@@ -510,3 +534,92 @@ def test_verify_checks_pinned_pypi_versions(world, synthetic, tmp_path):
     assert [m["what"] for m in json.loads(out.stdout)["missing"]] == [
         "xformers 0.0.35 cp311 x86_64 (with torch 2.15.0)", "xformers 0.0.35 cp312 x86_64 (with torch 2.15.0)",
         "triton 3.9.0 cp312 aarch64 (pinned by torch 2.15.0)"]
+
+
+# ---------------------------------------------------------------------------- flash-attn-3 on the PyTorch index
+
+
+def test_update_reads_where_the_pytorch_index_holds_flash_attn_3(world, copy, tmp_path):
+    """The root page links every variant folder: a new folder (cu132) and a platform gone are written into the
+    row (with where they were read), a newer release is left for review."""
+    trim_flash_attn(world, copy)
+    files = {v: list(names) for v, names in FA3_FILES.items()}
+    files["cu132"] = ["flash_attn_3-3.0.0-cp39-abi3-manylinux_2_28_x86_64.whl"]
+    del files["cu129"]
+    files["cu130"].append("flash_attn_3-3.0.1-cp310-abi3-manylinux_2_28_x86_64.whl")
+    files["cu126"].append("flash_attn_3-3.0.0+20260301.cu126.x86-cp39-abi3-manylinux_2_28_x86_64.whl")  # a test build
+    with serve(world) as url:
+        make_current(url, copy, tmp_path)
+        assert update(url, copy, "--check", tmp=tmp_path).returncode == 0  # as recorded: current
+        publish_fa3(world, files)
+        data = json.loads(update(url, copy, "--check", "--json", tmp=tmp_path).stdout)
+        fa3 = [(c["row"], c["field"], c["old"], c["new"]) for c in data["changes"] if c["file"] == "flash_attn.toml"]
+        assert fa3 == [("flash-attn-3 3.0.0", "variants", ["cu126", "cu128", "cu129", "cu130"],
+                        ["cu126", "cu128", "cu130", "cu132"])]
+        review = {r["row"]: r["why"] for r in data["needs_review"] if r["file"] == "flash_attn.toml"}
+        assert list(review) == ["flash-attn-3 3.0.1"] and "folders cu130" in review["flash-attn-3 3.0.1"]
+        assert update(url, copy, tmp=tmp_path).returncode == 0
+    row = next(r for r in matrix_module._load(copy).flash_attn_releases if r.impl == "fa3")
+    assert row.variants == ["cu126", "cu128", "cu130", "cu132"]
+    assert "variants updated by envtool matrix update from the PyTorch index on" in row.source
+
+
+def test_update_adds_a_new_kernels_release_and_reviews_a_stack_without_a_kernels_requirement(world, copy, tmp_path):
+    trim_flash_attn(world, copy)
+    packages = (copy / "packages.toml").read_text()
+    (copy / "packages.toml").write_text(packages.replace('[[kernels_release]]\nversion = "0.17.2"',
+                                                         '[[kernels_release]]\nversion = "0.17.1"'))
+    doc = tomlkit.parse((copy / "packages.toml").read_text())
+    del doc["kernels_requirement"][1]  # transformers 5.20.2's
+    (copy / "packages.toml").write_text(tomlkit.dumps(doc))
+    with serve(world) as url:
+        out = update(url, copy, "--check", "--json", tmp=tmp_path)
+    data = json.loads(out.stdout)
+    assert [a["row"] for a in data["added"] if a["file"] == "packages.toml"] == ["kernels 0.17.2"]
+    review = {r["row"]: r["why"] for r in data["needs_review"] if r["file"] == "packages.toml"}
+    assert "no [[kernels_requirement]] row" in review["transformers 5.20.2"]
+
+
+SYNTHETIC_FA3 = SYNTHETIC_FLASH_ATTN + '''
+[[impl]]
+name = "fa3"
+attention = "flash_attention_3"
+package = "flash-attn-3"
+min_cuda = "12.3"
+source = "test"
+
+[[release]]
+version = "3.0.0"
+impl = "fa3"
+index = "torch"
+filename = "flash_attn_3-{version}-cp39-abi3-{platform_tag}.whl"
+min_torch = "2.9"
+min_python = "3.9"
+variants = ["cu130"]
+cxx11abi = [true, false]
+platforms = ["x86_64", "aarch64"]
+platform_tags = { x86_64 = "manylinux_2_28_x86_64", aarch64 = "manylinux_2_34_aarch64" }
+source = "test"
+'''
+
+
+@pytest.mark.parametrize("published", ["both", "x86_64 only"])
+def test_verify_reads_the_flash_attn_3_folder_page_of_each_variant(world, synthetic, tmp_path, published):
+    (synthetic / "flash_attn.toml").write_text(SYNTHETIC_FA3)
+    matrix_module._load(synthetic)
+    publish(world)
+    files = FA3_FILES["cu130"] if published == "both" else FA3_FILES["cu130"][:1]
+    publish_fa3(world, {"cu130": files})
+    with serve(world) as url:
+        out = verify(url, synthetic, tmp_path, "--json")
+    assert out.stdout, out.stderr
+    data = json.loads(out.stdout)
+    assert data["by_kind"]["flash-attn index"] == 4  # cp311, cp312 (the synthetic torch's Pythons) x 2 platforms
+    assert f"/whl/cu130/flash-attn-3/" in {p for _, p, _ in world.requests}
+    if published == "both":
+        assert out.returncode == 0 and data["missing"] == [], data["missing"]
+    else:
+        assert out.returncode == 1
+        assert {(m["what"], m["url"], m["why"]) for m in data["missing"]} == {
+            (f"flash-attn-3 3.0.0 for torch 2.15.0+cu130 cp3{n} aarch64 (on {url}/whl/cu130)",
+             f"{url}/whl/cu130/flash-attn-3/", "not listed on the index page") for n in ("11", "12")}

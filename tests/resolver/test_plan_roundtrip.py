@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def plans():
-    return make_plans(PlanOptions(gpu="t4,a100,cpu", python="3.11", platform="x86_64"))
+    return make_plans(PlanOptions(gpu="t4,a100,h100,cpu", python="3.11", platform="x86_64"))
 
 
 def test_every_plan_reads_back_equal_with_its_types(plans):
@@ -36,12 +36,18 @@ def test_every_plan_reads_back_equal_with_its_types(plans):
 
 def test_plan_version_is_written_and_an_unknown_major_is_a_clear_error(plans):
     data = plans[0].to_dict()
-    assert data["plan_version"] == PLAN_VERSION == "1.0"
+    assert data["plan_version"] == PLAN_VERSION == "1.1"
     newer_minor = {**data, "plan_version": "1.7", "a_field_from_the_future": 1}
     newer_minor["torch"] = {**newer_minor["torch"], "another": "field"}
-    assert Plan.from_dict(newer_minor) == plans[0]  # minor: new fields ignored
+    assert Plan.from_dict(newer_minor) == plans[0]._replace(rejected=[])  # minor: new fields ignored
     older = {k: v for k, v in data.items() if k != "plan_version"}  # written before the field: 1.0
-    assert Plan.from_dict(older) == plans[0]
+    assert Plan.from_dict(older) == plans[0]._replace(rejected=[])  # (rejected: only with --explain)
+    # a 1.0 plan (before `packing`): flash-attn plans packed by cu_seqlens, the others by a mask
+    for plan in plans:
+        old = {k: v for k, v in plan.to_dict().items() if k not in ("packing", "mask_without_cudnn")}
+        read = Plan.from_dict({**old, "plan_version": "1.0"})
+        assert read.packing == ("varlen" if plan.attention.startswith("flash_attention") else "mask")
+        assert read.mask_without_cudnn is False
     with pytest.raises(BadInput, match=r"has plan_version 2\.0; this envtool reads 1\.x plans"):
         Plan.from_dict({**data, "plan_version": "2.0"}, "plan.json")
     with pytest.raises(BadInput, match="lacks torch"):
@@ -70,7 +76,7 @@ def find(cwd, env, *extra):
 
 
 def test_the_trainer_finds_the_plan_by_one_rule(tmp_path, plans):
-    t4, a100, cpu = plans
+    t4, a100, _, cpu = plans
     (tmp_path / "plan.json").write_text(cpu.to_json())
     (tmp_path / "explicit.json").write_text(a100.to_json())
     assert find(tmp_path, {}) == ["cpu", "./plan.json"]

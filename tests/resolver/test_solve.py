@@ -27,31 +27,47 @@ def reasons(p):
     return "\n".join(p.reasons)
 
 
-# (gpu, driver) -> attention, precision, torch compile/liger kernels on?
+# (gpu, driver) -> attention, packing, precision, torch compile/liger kernels on?
+# Issue 19's policy: the fastest attention, then the newest torch. Hopper takes FA3 (its abi3 wheel on the
+# PyTorch index, torch >= 2.9); every other sm_80+ GPU gets torch's own varlen_attn (FA2 kernels inside torch
+# >= 2.10), so none of them is held at the torch the last flash-attn 2 wheel was built for.
 CASES = [
-    ("t4", None, "sdpa", "fp16", True),
-    ("t4", "535.104.05", "sdpa", "fp16", True),
-    ("v100", None, "sdpa", "fp16", False),
-    ("v100", "470.82.01", "sdpa", "fp16", False),
-    ("p100", None, "sdpa", "fp16", False),
-    ("p100", "525.60.13", "sdpa", "fp16", False),
-    ("a100", None, "flash_attention_2", "bf16", True),
-    ("a100", "550.54.14", "flash_attention_2", "bf16", True),
-    ("a10g", None, "flash_attention_2", "bf16", True),
-    ("a10g", "535.183.01", "flash_attention_2", "bf16", True),
-    ("h100", None, "flash_attention_2", "bf16", True),
-    ("h100", "580.65.06", "flash_attention_2", "bf16", True),
-    ("l4", None, "flash_attention_2", "bf16", True),
-    ("l4", "570.26", "flash_attention_2", "bf16", True),
-    ("rtx4090", None, "flash_attention_2", "bf16", True),
-    ("rtx4090", "560.28.03", "flash_attention_2", "bf16", True),
-    ("rtx5090", None, "flash_attention_2", "bf16", True),
-    ("rtx5090", "575.51.03", "flash_attention_2", "bf16", True),
+    ("t4", None, "sdpa", "mask", "fp16", True),
+    ("t4", "535.104.05", "sdpa", "mask", "fp16", True),
+    ("v100", None, "sdpa", "mask", "fp16", False),
+    ("v100", "470.82.01", "sdpa", "mask", "fp16", False),
+    ("p100", None, "sdpa", "mask", "fp16", False),
+    ("p100", "525.60.13", "sdpa", "mask", "fp16", False),
+    ("a100", None, "sdpa", "varlen", "bf16", True),
+    ("a100", "550.54.14", "sdpa", "varlen", "bf16", True),
+    ("a100", "580.65.06", "sdpa", "varlen", "bf16", True),
+    ("a10g", None, "sdpa", "varlen", "bf16", True),
+    ("a10g", "535.183.01", "sdpa", "varlen", "bf16", True),
+    ("h100", None, "flash_attention_3", "varlen", "bf16", True),
+    ("h100", "580.65.06", "flash_attention_3", "varlen", "bf16", True),
+    ("h100", "595.45.04", "flash_attention_3", "varlen", "bf16", True),
+    ("h200", "580.65.06", "flash_attention_3", "varlen", "bf16", True),
+    ("l4", None, "sdpa", "varlen", "bf16", True),
+    ("l4", "570.26", "sdpa", "varlen", "bf16", True),
+    ("rtx4090", None, "sdpa", "varlen", "bf16", True),
+    ("rtx4090", "560.28.03", "sdpa", "varlen", "bf16", True),
+    ("b200", "580.65.06", "sdpa", "varlen", "bf16", True),
+    ("rtx5090", None, "sdpa", "varlen", "bf16", True),
+    ("rtx5090", "575.51.03", "sdpa", "varlen", "bf16", True),
+    ("rtx5090", "580.65.06", "sdpa", "varlen", "bf16", True),
 ]
 
 
-@pytest.mark.parametrize("gpu, driver, attention, precision, kernels", CASES)
-def test_plan_runs_on_the_gpu(m, gpu, driver, attention, precision, kernels):
+def newest_for(m, cc, driver):
+    """The newest torch release with a build that carries the GPU's code and that the driver runs (driver
+    unknown: the one cuda.toml assumes)."""
+    floor = Version(driver or m.assumed_driver)
+    return max((r.version for r in m.torch for b in r.build if has_sass(b, cc)
+                and floor >= Version(m.cuda_major(int(b.cuda.split(".")[0])).compat_min_driver)), key=Version)
+
+
+@pytest.mark.parametrize("gpu, driver, attention, packing, precision, kernels", CASES)
+def test_plan_runs_on_the_gpu(m, gpu, driver, attention, packing, precision, kernels):
     p = plan(m, gpu, driver)
     cc = p.gpu["compute_capability"]
     build = build_of(m, p)
@@ -61,20 +77,22 @@ def test_plan_runs_on_the_gpu(m, gpu, driver, attention, precision, kernels):
     if driver:
         major = m.cuda_major(int(build.cuda.split(".")[0]))
         assert Version(driver) >= Version(major.compat_min_driver)
-    assert p.attention == attention
+    assert (p.attention, p.packing) == (attention, packing)
     assert p.precision == precision
     assert p.features == {"torch_compile": kernels, "liger": kernels}
     assert p.triton == next(r.triton for r in m.torch if r.version == p.torch.version)
     assert p.torch.index_url == f"https://download.pytorch.org/whl/{p.torch.variant}"
-    if attention == "flash_attention_2":
-        torch_mm = ".".join(p.torch.version.split(".")[:2])
-        abi = "TRUE" if next(r for r in m.torch if r.version == p.torch.version).cxx11abi else "FALSE"
-        assert p.flash_attn.filename == (f"flash_attn-{p.flash_attn.version}+cu12torch{torch_mm}cxx11abi{abi}"
-                                         f"-cp311-cp311-linux_x86_64.whl")
-        assert p.flash_attn.wheel_url.endswith(f"/v{p.flash_attn.version}/{p.flash_attn.filename}")
-        assert p.packages["flash-attn"] == p.flash_attn.version
+    if p.gpu["bf16"]:  # sm_80+: nothing holds torch back (no flash-attn wheel, no cap at 2.8)
+        assert p.torch.version == newest_for(m, cc, driver), (p.torch, reasons(p))
+    if attention == "flash_attention_3":
+        assert p.flash_attn.filename == f"flash_attn_3-{p.flash_attn.version}-cp39-abi3-manylinux_2_28_x86_64.whl"
+        assert p.flash_attn.index_url == p.torch.index_url  # uv takes it from the torch build's own index
+        assert p.flash_attn.wheel_url == f"{p.torch.index_url}/{p.flash_attn.filename}"
+        assert p.packages["flash-attn-3"] == p.flash_attn.version and "flash-attn" not in p.packages
     else:
-        assert p.flash_attn is None and "flash-attn" not in p.packages
+        assert p.flash_attn is None and "flash-attn" not in p.packages and "flash-attn-3" not in p.packages
+    if packing == "varlen" and attention == "sdpa":
+        assert "varlen_attn" in reasons(p)
     for name in ("torch", "transformers", "peft", "trl", "accelerate", "datasets", "deepspeed"):
         assert name in p.packages
 
@@ -104,10 +122,46 @@ def test_gtx_1080ti_never_gets_a_build_that_starts_at_sm75(m):
 
 
 def test_no_flash_attn_gives_the_newest_torch_with_sdpa(m):
-    p = plan(m, "a100", "580.65.06", no_flash_attn=True)
-    assert p.attention == "sdpa" and p.flash_attn is None
+    p = plan(m, "h100", "580.65.06", no_flash_attn=True)
+    assert p.attention == "sdpa" and p.flash_attn is None and p.packing == "varlen"
     assert p.torch.version == newest_torch(m)
     assert "--no-flash-attn" in reasons(p)
+
+
+def test_grace_hopper_gets_the_aarch64_flash_attn_3_wheel(m):
+    p = plan(m, "gh200", "580.65.06", platform="aarch64")
+    assert (p.attention, p.torch.version) == ("flash_attention_3", newest_torch(m))
+    assert p.flash_attn.filename == "flash_attn_3-3.0.0-cp39-abi3-manylinux_2_34_aarch64.whl"
+    assert has_sass(build_of(m, p), "9.0")  # (aarch64 arch lists: torch.toml sass_aarch64)
+
+
+def test_an_old_flash_attn_2_wheel_never_holds_torch_back(m):
+    """A100: flash-attn 2's wheels stop at torch 2.8, torch's own varlen_attn is the same kernels: the plan
+    takes the newest torch and names the wheel it passed over."""
+    p = plan(m, "a100", "580.65.06")
+    assert p.torch.version == newest_torch(m) and (p.attention, p.packing) == ("sdpa", "varlen")
+    assert "not taken: flash_attention_2 through the flash-attn" in reasons(p)
+    pinned = plan(m, "a100", "580.65.06", attention="flash_attention_2")  # asked for: still there
+    assert pinned.flash_attn.package == "flash-attn" and Version(pinned.torch.version) < Version("2.9")
+
+
+def test_cudnn_sdpa_is_switched_off_for_masks_where_it_is_the_default(m):
+    b200 = plan(m, "b200", "580.65.06")
+    assert b200.mask_without_cudnn and "cuDNN SDPA off for masked calls" in reasons(b200)
+    assert not plan(m, "a100", "580.65.06").mask_without_cudnn  # sm_80: cuDNN never goes first
+    assert not plan(m, "h100", "580.65.06").mask_without_cudnn  # FA3: no SDPA call at all
+    assert plan(m, "h100", "580.65.06", no_flash_attn=True).mask_without_cudnn
+    assert not plan(m, "h100", "580.65.06", no_flash_attn=True, cuda="12.6").mask_without_cudnn  # older cuDNN
+
+
+def test_hub_kernels_are_refused_until_a_kernels_release_fits_transformers(m):
+    with pytest.raises(Unsatisfiable, match=r"transformers 5\.23\.0 loads Hub kernels through kernels>=0\.18\.2,<0\.19, "
+                       r"and no kernels release in that range exists \(PyPI's newest: 0\.17\.2\)"):
+        plan(m, "h100", "580.65.06", attention="kernels-community/vllm-flash-attn3")
+    # Python 3.10's stack (transformers 5.20.2) takes kernels>=0.17.2,<0.18: 0.17.2 installs beside it
+    p = plan(m, "h100", "580.65.06", python="3.10", attention="kernels-community/vllm-flash-attn3")
+    assert p.packages["kernels"] == "0.17.2" and p.packages["transformers"] == "5.20.2"
+    assert p.torch.version != "2.8.0"  # nothing lowers torch "for flash-attn" any more
 
 
 def test_cpu_plan(m):

@@ -1,5 +1,6 @@
-"""Stand-ins for the package indexes envtool talks to: small generated wheels and a PEP 503 index
-served on 127.0.0.1, so uv really resolves, locks, hashes and installs without the real gigabytes."""
+"""Stand-ins for the package indexes envtool talks to: small generated wheels and simple indexes served on
+127.0.0.1 the way PyPI and download.pytorch.org serve theirs (see write_simple_index), so uv really resolves,
+locks, hashes and installs without the real gigabytes."""
 
 from __future__ import annotations
 
@@ -8,9 +9,13 @@ import contextlib
 import hashlib
 import html
 import http.server
+import io
+import os
 import re
 import shutil
 import threading
+import time
+import urllib.parse
 import zipfile
 from pathlib import Path
 
@@ -48,42 +53,140 @@ def normalize(name: str) -> str:
 
 
 def project_of(filename: str) -> str:
+    if filename.endswith((".tar.gz", ".zip")):  # an sdist: name-version.tar.gz, the name may hold dashes
+        return normalize(filename.rsplit("-", 1)[0])
     return normalize(filename.split("-")[0])
 
 
-def write_simple_index(root: Path, index: str, wheels: list[Path]) -> None:
-    """A PEP 503 simple index at root/index/: one page per project, links with #sha256= fragments."""
+# Index pages as the real indexes write them (tests/support/captured/ holds the real ones, and
+# tests/resolver/test_index_pages.py checks these against them):
+# - "pypi": pypi.org/simple/<project>/ — absolute links to the files host with a #sha256= fragment,
+#   data-requires-python HTML-escaped (`&gt;=3.8`), and the same page as PEP 691 JSON
+#   (application/vnd.pypi.simple.v1+json) when the client asks for it.
+# - "pytorch": download.pytorch.org/whl/<variant>/<project>/ — root-relative links whose `+` is written %2B
+#   (`/whl/cu126/torch-2.8.0%2Bcu126-...whl#sha256=...`), the file name as the text, `<br/>` after each,
+#   a `<!--TIMESTAMP n-->` trailer, and HTML only (the JSON request is answered with the HTML page).
+# - "local": a static index on disk (served as file://): relative links, `+` percent-encoded.
+PAGE_STYLES = ("pypi", "pytorch", "local")
+BASE = "{base}"  # replaced by the server's own URL when a page is served (pypi links are absolute)
+
+
+def requires_python(path: Path) -> str | None:
+    """The Requires-Python of a wheel's METADATA (what PyPI shows as data-requires-python)."""
+    if not path.name.endswith(".whl"):
+        return None
+    with zipfile.ZipFile(path) as z:
+        name = next((n for n in z.namelist() if n.endswith(".dist-info/METADATA")), None)
+        if name is None:
+            return None
+        for line in z.read(name).decode("utf-8", "replace").splitlines():
+            if not line.strip():
+                break
+            if line.lower().startswith("requires-python:"):
+                return line.split(":", 1)[1].strip() or None
+    return None
+
+
+def _href(style: str, index: str, name: str) -> str:
+    quoted = urllib.parse.quote(name)  # `+` -> %2B, as download.pytorch.org and PyPI write it
+    if style == "pytorch":
+        return f"/files/{quoted}"
+    if style == "pypi":
+        return f"{BASE}/files/{quoted}"
+    return "../" * (len(Path(index).parts) + 1) + f"files/{quoted}"
+
+
+def write_simple_index(root: Path, index: str, files: list[Path], style: str = "pypi") -> None:
+    """A simple index at root/<index>/ (PEP 503 HTML, plus PEP 691 JSON for style "pypi"), one page per project,
+    the distribution files (wheels or sdists) in root/files/."""
+    import datetime
+    import json
+
+    assert style in PAGE_STYLES, style
     base = root / index
-    files = root / "files"
-    files.mkdir(parents=True, exist_ok=True)
+    store = root / "files"
+    store.mkdir(parents=True, exist_ok=True)
     projects: dict[str, list[Path]] = {}
-    for wheel in wheels:
-        target = files / wheel.name
+    for dist in files:
+        target = store / dist.name
         if not target.exists():
-            shutil.copy2(wheel, target)
-        projects.setdefault(project_of(wheel.name), []).append(target)
+            shutil.copy2(dist, target)
+        projects.setdefault(project_of(dist.name), []).append(target)
     for project, paths in projects.items():
         page = base / project
         page.mkdir(parents=True, exist_ok=True)
-        depth = "../" * (len(Path(index).parts) + 1)
-        links = "".join(
-            f'<a href="{depth}files/{html.escape(p.name)}#sha256={hashlib.sha256(p.read_bytes()).hexdigest()}">'
-            f"{html.escape(p.name)}</a><br>\n" for p in paths)
-        (page / "index.html").write_text(f"<!DOCTYPE html><html><body>\n{links}</body></html>\n")
+        entries = []
+        for path in sorted(paths, key=lambda p: p.name):
+            data = path.read_bytes()
+            entries.append({"filename": path.name, "sha256": hashlib.sha256(data).hexdigest(), "size": len(data),
+                            "requires_python": requires_python(path), "href": _href(style, index, path.name),
+                            "upload_time": datetime.datetime.fromtimestamp(path.stat().st_mtime, datetime.timezone.utc)
+                            .strftime("%Y-%m-%dT%H:%M:%S.%fZ")})
+        if style == "pytorch":  # pytorch/test-infra s3_management/manage.py, to_simple_package_html
+            lines = ["<!DOCTYPE html>", "<html>", "  <body>", f"    <h1>Links for {project}</h1>"]
+            lines += [f'    <a href="{e["href"]}#sha256={e["sha256"]}">{e["filename"]}</a><br/>' for e in entries]
+            lines += ["  </body>", "</html>", f"<!--TIMESTAMP {int(time.time())}-->"]
+            (page / "index.html").write_text("\n".join(lines))
+            continue
+        anchors = []
+        for e in entries:
+            attrs = (f' data-requires-python="{html.escape(e["requires_python"])}"' if e["requires_python"] else "")
+            anchors.append(f'<a href="{e["href"]}#sha256={e["sha256"]}"{attrs}>{html.escape(e["filename"])}</a><br/>')
+        (page / "index.html").write_text(  # as pypi.org writes it (tests/support/captured)
+            f"<!DOCTYPE html>\n<html>\n<head><title>Links for {project}</title></head>\n<body>\n"
+            f"<h1>Links for {project}</h1>\n" + "".join(f"{a}\n" for a in anchors) + "</body>\n</html>\n")
+        if style == "pypi":
+            from packaging.utils import parse_sdist_filename, parse_wheel_filename
+
+            versions = sorted({str((parse_wheel_filename if e["filename"].endswith(".whl") else parse_sdist_filename)(
+                e["filename"])[1]) for e in entries})
+            (page / "index.json").write_text(json.dumps({
+                "files": [{"filename": e["filename"], "hashes": {"sha256": e["sha256"]},
+                           "requires-python": e["requires_python"], "size": e["size"],
+                           "upload-time": e["upload_time"], "url": e["href"], "yanked": False} for e in entries],
+                "meta": {"_last-serial": "1", "api-version": "1.1"}, "name": project, "versions": versions}))
     names = sorted(p.name for p in base.iterdir() if p.is_dir())
     (base / "index.html").write_text(
-        "<!DOCTYPE html><html><body>\n" + "".join(f'<a href="{n}/">{n}</a><br>\n' for n in names) + "</body></html>\n")
+        "<!DOCTYPE html>\n<html>\n  <body>\n" + "".join(f'    <a href="{n}/">{n}</a><br/>\n' for n in names)
+        + "  </body>\n</html>\n")
+    if style == "pypi":
+        (base / "index.json").write_text(json.dumps({"meta": {"_last-serial": "1", "api-version": "1.1"},
+                                                     "projects": [{"name": n} for n in names]}))
 
 
-class _Quiet(http.server.SimpleHTTPRequestHandler):
+PEP691 = "application/vnd.pypi.simple.v1+json"
+
+
+class _Index(http.server.SimpleHTTPRequestHandler):
+    """Files as they are; a directory's page by content negotiation (PEP 691): index.json as
+    application/vnd.pypi.simple.v1+json when the client accepts it and the index has one, else index.html; the
+    server's own URL put where a page says {base}."""
+
     def log_message(self, *args):
         pass
+
+    def send_head(self):
+        path = self.translate_path(self.path)
+        if not os.path.isdir(path) or not self.path.split("?")[0].endswith("/"):
+            return super().send_head()
+        page, kind = os.path.join(path, "index.html"), "text/html"
+        if PEP691 in self.headers.get("Accept", "") and os.path.isfile(os.path.join(path, "index.json")):
+            page, kind = os.path.join(path, "index.json"), PEP691
+        if not os.path.isfile(page):
+            return super().send_head()
+        scheme = "https" if isinstance(self.connection, __import__("ssl").SSLSocket) else "http"
+        body = Path(page).read_text().replace(BASE, f"{scheme}://{self.headers.get('Host')}").encode()
+        self.send_response(200)
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        return io.BytesIO(body)
 
 
 @contextlib.contextmanager
 def serve(root: Path, tls: tuple[Path, Path] | None = None):
     """Serve `root` on 127.0.0.1 (a free port), over HTTPS with `tls` = (certificate, key); yields the base URL."""
-    handler = lambda *a, **kw: _Quiet(*a, directory=str(root), **kw)  # noqa: E731
+    handler = lambda *a, **kw: _Index(*a, directory=str(root), **kw)  # noqa: E731
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     if tls:
         import ssl
@@ -120,6 +223,19 @@ def torch_standin(directory: Path, version: str, variant: str, arch_list: list[s
     return make_wheel(directory, "torch", f"{version}+{variant}", tag=LINUX_CP311, requires=requires, files=files)
 
 
+def fa3_standin(directory: Path, filename: str) -> Path:
+    """flash_attn_3 as download.pytorch.org serves it (flash_attn_3-3.0.0-cp39-abi3-manylinux_2_28_x86_64.whl):
+    its Requires-Dist (hopper/setup.py install_requires) and its modules: `flash_attn_interface`, which loads
+    the compiled `flash_attn_3._C` (a stand-in here; the real one needs a GPU)."""
+    _, version, tag = filename.removesuffix(".whl").split("-", 2)
+    return make_wheel(directory, "flash_attn_3", version, tag=tag, requires=["torch", "einops", "packaging", "ninja"],
+                      files={"flash_attn_interface.py": "import flash_attn_3._C as _C\n\n"
+                                                        "def flash_attn_varlen_func(*args, **kwargs):\n"
+                                                        "    return _C.fwd(*args, **kwargs)\n",
+                             "flash_attn_3/__init__.py": f'__version__ = "{version}"\n',
+                             "flash_attn_3/_C.py": "def fwd(*args, **kwargs):\n    raise RuntimeError('no GPU')\n"})
+
+
 def standins(plan: dict, directory: Path, sass: list[str]) -> dict[str, Path]:
     """Small wheels for every package of the plan that is big or CUDA-specific, with the plan's versions."""
     made = {}
@@ -132,6 +248,10 @@ def standins(plan: dict, directory: Path, sass: list[str]) -> dict[str, Path]:
             made[name] = make_wheel(directory / "fa", "flash_attn", fa["filename"].split("-")[1],
                                     tag=fa["filename"].split("-", 2)[2].removesuffix(".whl"))
             assert made[name].name == fa["filename"], made[name].name
+        elif name == "flash-attn-3":  # shaped like PyTorch's: abi3 tag, manylinux platform, its metadata
+            fa = plan["flash_attn"]
+            made[name] = fa3_standin(directory / "fa3", fa["filename"])
+            assert made[name].name == fa["filename"], made[name].name
         elif name in ("triton", "bitsandbytes", "deepspeed", "xformers"):
             made[name] = make_wheel(directory, name, version, tag=LINUX_CP311 if name == "triton" else "py3-none-any")
         else:
@@ -141,16 +261,20 @@ def standins(plan: dict, directory: Path, sass: list[str]) -> dict[str, Path]:
 
 
 def build_indexes(root: Path, plan: dict, sass: list[str], *, serve_flash_attn: bool = True,
-                  extra_pypi: list[Path] = (), real_torch: Path | None = None) -> None:
-    """root/pypi: the mirror's real wheels plus stand-ins; root/torch/<variant>: torch; root/gh/...: flash-attn."""
+                  extra_pypi: list[Path] = (), real_torch: Path | None = None, on_disk: bool = False) -> None:
+    """root/pypi: the mirror's real wheels plus stand-ins; root/torch/<variant>: torch; root/gh/...: flash-attn.
+    Written as PyPI and download.pytorch.org serve them, or, `on_disk`, as a static index read through file://."""
     made = standins(plan, root.parent / "standins", sass) if real_torch is None else {}
     if real_torch is not None:
         made["torch"] = real_torch
     replaced = {normalize(n) for n in made}
     mirror = [w for w in sorted(MIRROR.glob("*.whl")) if project_of(w.name) not in replaced]
-    pypi = mirror + [w for n, w in made.items() if n not in ("torch", "flash-attn")] + list(extra_pypi)
-    write_simple_index(root, "pypi", pypi)
-    write_simple_index(root, f"torch/{plan['torch']['variant']}", [made["torch"]])
+    pypi = mirror + [w for n, w in made.items() if n not in ("torch", "flash-attn", "flash-attn-3")] + list(extra_pypi)
+    write_simple_index(root, "pypi", pypi, style="local" if on_disk else "pypi")
+    # flash-attn-3 is on the PyTorch index, in the torch build's variant folder
+    torch_index = [made["torch"]] + ([made["flash-attn-3"]] if serve_flash_attn and "flash-attn-3" in made else [])
+    write_simple_index(root, f"torch/{plan['torch']['variant']}", torch_index,
+                       style="local" if on_disk else "pytorch")
     if serve_flash_attn and "flash-attn" in made:
         fa = plan["flash_attn"]
         target = root / "gh" / f"v{fa['version']}"

@@ -1,6 +1,6 @@
 """Re-capture the upstream metadata the `envtool matrix` tests serve (run by hand; the tests never go online).
 
-    PYTHONPATH=$PWD .venv/bin/python tests/resolver/data/upstream/capture.py [https://pypi.org]
+    PYTHONPATH=$PWD .venv/bin/python tests/resolver/data/upstream/capture.py [https://pypi.org [NAME ...]]
 
 Writes, next to this file, trimmed but format-faithful copies of real answers:
 - pypi/<name>.json: the JSON API project page, with the releases the tests need (from the oldest version the
@@ -27,7 +27,7 @@ from resolver.upstream import Client, linux_wheel, parse_project
 HERE = Path(__file__).parent
 FLOORS = {"torch": "2.4.0", "xformers": "0.0.28", "flash-attn": "2.7.4", "triton": "3.0.0",
           "transformers": "4.57.0", "peft": "0.17.0", "trl": "0.24.0", "accelerate": "1.10.0", "datasets": "4.4.0",
-          "deepspeed": "0.19.0", "bitsandbytes": "0.48.0"}
+          "deepspeed": "0.19.0", "bitsandbytes": "0.48.0", "kernels": "0.9.0"}
 METADATA_OF = {"torch", "xformers"}
 
 
@@ -41,9 +41,11 @@ def keep_file(name: str, f: dict) -> bool:
     return fn.endswith(".whl")
 
 
-def main(base: str) -> None:
+def main(base: str, names: list[str] | None = None) -> None:
     client = Client(base)
     for name, floor in FLOORS.items():
+        if names and name not in names:
+            continue
         data = client.json(f"{base}/pypi/{name}/json")
         data["info"]["description"] = ""
         releases = {}
@@ -93,4 +95,4 @@ def main(base: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "https://pypi.org")
+    main(sys.argv[1] if len(sys.argv) > 1 else "https://pypi.org", sys.argv[2:])

@@ -1,0 +1,114 @@
+"""What the command line says must be what it does (issue 16, item 8): an empty or `None` target is an error,
+not a CPU plan; `--help` says which commands take a list of GPUs, and those are the ones that do; a driver older
+than the GPU's first driver branch gets no plan."""
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from .conftest import run_envtool
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = str(REPO / "examples" / "tiny-cpu.yml")
+
+
+@pytest.mark.parametrize("args, env, message", [
+    (["resolve", "--gpu", ""], {}, "--gpu is empty"),
+    (["resolve", "--gpu", "None"], {}, "--gpu 'None' is not a GPU"),
+    (["resolve", "--gpu", "t4,none"], {}, "--gpu 'none' is not a GPU"),
+    (["resolve", "--gpu", "auto"], {"ENVTOOL_GPU": ""}, "ENVTOOL_GPU is set but empty"),
+    (["resolve"], {"ENVTOOL_GPU": "None"}, "ENVTOOL_GPU 'None' is not a GPU"),
+    (["lock", "--gpu", "", "--out", "OUT"], {}, "--gpu is empty"),
+    (["install", "--gpu", "", "--venv", "OUT"], {}, "--gpu is empty"),
+    (["dockerfile", "--gpu", "None"], {}, "--gpu 'None' is not a GPU"),
+    (["doctor", "--gpu", ""], {}, "--gpu is empty"),
+    (["train", TINY, "--gpu", "", "--dry-run"], {}, "--gpu is empty"),
+    (["train", TINY, "--dry-run"], {"ENVTOOL_GPU": ""}, "ENVTOOL_GPU is set but empty"),
+])
+def test_an_empty_or_none_gpu_is_an_error_not_a_cpu_plan(tmp_path, args, env, message):
+    args = [str(tmp_path / "out") if a == "OUT" else a for a in args]
+    out = run_envtool(*args, **env, ENVTOOL_CACHE_DIR=str(tmp_path / "cache"))
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert out.stderr.startswith(f"envtool: error: {message}") and len(out.stderr.strip().splitlines()) == 1
+    assert out.stdout == "" and not (tmp_path / "out").exists()
+
+
+def gpu_help(command: str) -> str:
+    out = run_envtool(command, "--help", COLUMNS="300")
+    assert out.returncode == 0, out.stderr
+    block = re.search(r"^  --gpu <str>(.*?)(?=^  -|\Z)", out.stdout, re.M | re.S)
+    assert block, out.stdout
+    return " ".join(block.group(1).split())
+
+
+# command -> the rest of a call that runs it up to where it would use --gpu (nothing is built: a dead engine,
+# --dry-run, a lock directory in tmp)
+CALLS = {
+    "resolve": [],
+    "build": [],
+    "lock": ["--out", "OUT"],
+    "install": ["--venv", "OUT"],
+    "dockerfile": [],
+    "doctor": [],
+    "train": [TINY, "--dry-run"],
+}
+
+
+@pytest.mark.parametrize("command", sorted(CALLS))
+def test_help_says_a_list_exactly_where_a_list_is_taken(tmp_path, command):
+    says_list = "comma list" in gpu_help(command)
+    args = [str(tmp_path / "out") if a == "OUT" else a for a in CALLS[command]]
+    args = args[:1] + ["--gpu", "t4,a100"] + args[1:] if command == "train" else [*args, "--gpu", "t4,a100"]
+    out = run_envtool(command, *args, DOCKER_HOST=f"unix://{tmp_path / 'no-engine.sock'}",
+                      ENVTOOL_CACHE_DIR=str(tmp_path / "cache"))
+    refused = out.returncode == 2 and ("single target" in out.stderr or "one GPU" in out.stderr)
+    assert refused != says_list, (command, out.returncode, out.stderr)
+    if not says_list:
+        assert "one target" in gpu_help(command)
+
+
+@pytest.mark.parametrize("gpu, driver, branch", [
+    ("h100", "470.82.01", "R520"),
+    ("rtx4090", "470.82.01", "R520"),
+    ("l4", "515.65.01", "R520"),
+    ("a10", "450.80.02", "R455"),
+])
+def test_a_driver_older_than_the_gpu_gets_no_plan(tmp_path, gpu, driver, branch):
+    for args in (["resolve", "--gpu", gpu, "--driver", driver],
+                 ["train", TINY, "--gpu", gpu, "--driver", driver, "--dry-run"]):
+        out = run_envtool(*args, ENVTOOL_CACHE_DIR=str(tmp_path / "cache"))
+        assert out.returncode == 2, out.stdout
+        line = out.stderr.strip()
+        assert len(line.splitlines()) == 1 and f"driver {driver} cannot run" in line
+        assert f"(needs {branch} or newer); upgrade the NVIDIA driver" in line
+
+
+@pytest.mark.parametrize("gpu, driver", [("a100", "470.82.01"), ("h100", "520.61.05"), ("a10", "455.23.04")])
+def test_a_driver_of_the_gpus_first_branch_or_later_gets_a_plan(gpu, driver):
+    out = run_envtool("resolve", "--gpu", gpu, "--driver", driver, "--json")
+    assert out.returncode == 0, out.stderr
+
+
+def test_train_never_runs_a_plan_for_another_python_in_this_environment(tmp_path):
+    """`--python 3.9` from a 3.11 environment: the plan is 3.9's, so the active 3.11 environment is not used; with
+    no 3.9 interpreter uv can find, the run refuses in one line before locking or building anything."""
+    env = dict(ENVTOOL_CACHE_DIR=str(tmp_path / "cache"), ENVTOOL_PLAN=None, ENVTOOL_GPU=None)
+    host = f"{sys.version_info.major}.{sys.version_info.minor}"
+    other = "3.9" if host != "3.9" else "3.10"
+    dry = run_envtool("train", TINY, "--gpu", "cpu", "--python", other, "--dry-run", "--json", **env)
+    assert dry.returncode == 0, dry.stderr
+    launch = json.loads(dry.stdout)
+    assert launch["plan"]["python"] == other
+    assert launch["environment"]["kind"] == "cached"
+    assert f"the active environment runs Python {host}, the plan is for {other}" in launch["environment"]["why"]
+    # PATH without pyenv or other interpreters, no uv-managed ones: uv finds no Python `other`
+    out = run_envtool("train", TINY, "--gpu", "cpu", "--python", other, PATH="/usr/bin:/bin",
+                      UV_PYTHON_INSTALL_DIR=str(tmp_path / "no-pythons"), **env)
+    assert out.returncode == 2, out.stderr
+    errors = [line for line in out.stderr.splitlines() if line.startswith("envtool: error:")]
+    assert errors == [f"envtool: error: the plan is for Python {other} and uv finds no Python {other} interpreter on "
+                      f"this machine: install one (`uv python install {other}`) or drop --python to plan for this one"]
+    assert not (tmp_path / "cache" / "envs").exists() or not any((tmp_path / "cache" / "envs").iterdir())

@@ -1,0 +1,951 @@
+"""Will it fit? The peak GPU memory of a training config, per GPU, term by term, with a band that says how sure.
+
+The estimate follows what this trainer does (trainer/model.py, trainer/train.py, trainer/optim.py), term by term:
+
+- weights: the dtype each parameter is held in. Full fine-tunes keep fp32 master weights (trainer/model.py); LoRA
+  keeps the frozen base in the training precision and the adapter in fp32; QLoRA stores each nn.Linear in NF4
+  (4 bits per weight, plus bitsandbytes' quantization state: one absmax per 64 weights, itself quantized to 8 bits
+  per 256 blocks with double quantization, and a code table per tensor) or LLM.int8 (1 byte per weight and an fp32
+  scale per output row), and peft's prepare_model_for_kbit_training casts everything else (embeddings, head,
+  norms) to fp32.
+- gradients: one per trained parameter, in its dtype; DDP's bucket copy on top with several processes.
+- optimizer: matrices/optimizers.toml's states per trained parameter (8/4-bit states in blocks with fp32 scales,
+  small tensors unquantized), and the update's temporaries (torch's foreach AdamW: one more tensor of the trained
+  size).
+- activations: what autograd saves per token per decoder layer, counted op by op from the layer's shape (norms keep
+  an fp32 copy of their input; each linear layer whose weight trains keeps its input, once per distinct input, or
+  once per layer under autocast with fp32 weights, which casts the input anew for each; LoRA keeps the input of
+  lora_A in its own cast; the attention keeps q, k, v, the output and the log-sum-exp: keys and values repeated to
+  every query head and the boolean mask converted to the compute dtype when a mask is passed (sdpa with packed or
+  padded rows, as this trainer always passes one), and the seq x seq probabilities in fp32 and again in the compute
+  dtype for eager attention; the MLP keeps its gate, up and activation outputs). With gradient checkpointing each
+  layer keeps only its input, and one layer's full set is rebuilt at a time in the backward.
+- logits and loss: the head's output over the vocabulary, its fp32 copy and log-softmax (trainer/loss.py), and the
+  same again in the backward: about 12 bytes per token per vocabulary entry (liger's fused linear cross-entropy
+  and cut_cross_entropy never build it).
+- overhead: the CUDA context, cuBLAS workspaces and NCCL buffers, and the caching allocator's slack.
+
+The peak is the largest of four moments: the end of the forward, the loss (logits at their largest), the backward
+(with checkpointing: one layer rebuilt) and the optimizer step (gradients, states and the update's temporaries at
+once). Gradients from earlier micro-batches stay across the forward when gradient_accumulation_steps > 1.
+ZeRO 1/2/3 and FSDP divide what they shard by the processes they shard over; context parallelism divides the
+tokens; tensor parallelism the layers' matrices.
+
+Units: bytes inside, GB (2^30 bytes, as nvidia-smi's MiB / 1024 and the GPUs' memory labels) outside. Standard
+library only at import: the resolver runs this without torch (the model's shape then comes from the analytic
+count in memory_model.py).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+from trainer import facts
+
+GB = 2 ** 30
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+# The CUDA context torch creates on first use (kernels loaded lazily, CUDA >= 11.7) and cuBLAS's workspaces.
+CUDA_CONTEXT_GB = (0.35, 0.5, 0.9)  # low, estimate, high
+NCCL_GB = (0.2, 0.4, 1.0)  # NCCL's communicator buffers, with more than one process
+ALLOCATOR_SLACK = (0.0, 0.05, 0.15)  # reserved above allocated, as a fraction of the allocated peak
+# How far each term may be off (fraction below, fraction above). Counted exactly: parameters from the meta build.
+UNCERTAINTY = {
+    "weights": (0.01, 0.01), "gradients": (0.01, 0.01), "optimizer": (0.01, 0.02),
+    "activations": (0.10, 0.20), "logits": (0.10, 0.10), "weight_copies": (0.02, 0.05),
+    "temporaries": (0.30, 0.50), "buffers": (0.50, 0.50),
+}
+ANALYTIC_EXTRA = 0.03  # the analytic count: a family's small parameters may be missed
+
+
+@dataclass
+class Gpu:
+    name: str
+    memory_gb: float | None  # per GPU (None: unknown)
+    count: int = 1
+
+
+@dataclass
+class Setup:
+    """What the memory depends on, read from the trainer's Config and Runtime."""
+
+    precision: str  # bf16 | fp16 | fp32 (compute)
+    attention: str  # transformers' attn_implementation
+    adapter: str | None  # lora | qlora | None
+    quant: str | None  # nf4 | fp4 | int8 | None
+    double_quant: bool
+    lora_r: int
+    lora_targets: object  # "all-linear" | list of names | str regex
+    lora_dropout: float
+    lora_dora: bool
+    lora_modules_to_save: list[str]
+    lora_target_parameters: list[str]
+    unfrozen: list[str] | None
+    optimizer: str
+    micro_batch: int
+    sequence_len: int
+    packing: bool
+    grad_accum: int
+    checkpointing: bool
+    liger_flce: bool
+    objective: str
+    world: int  # processes
+    shard: int  # processes the sharded states are divided over (1: not sharded)
+    zero: int  # DeepSpeed ZeRO stage (0: no DeepSpeed)
+    fsdp: str | None  # full | grad_op | None
+    offload_optimizer: bool
+    offload_params: bool
+    ds: dict = field(default_factory=dict)  # the DeepSpeed zero_optimization block
+    tp: int = 1
+    cp: int = 1
+    full_weight_bytes: int = 4  # a full fine-tune's master weights (trainer/model.py loads them in fp32)
+    attention_dropout: float = 0.0
+    device: str = "cuda"  # cuda | cpu: dropout's mask is 1 byte on CUDA (native_dropout), the input's dtype on CPU
+    liger_norm: bool = False  # liger's RMSNorm/LayerNorm kernels (trainer/kernels.py applies them where triton runs)
+    liger_glu: bool = False  # liger's SwiGLU/GeGLU kernel
+    lora_kwargs: dict = field(default_factory=dict)  # peft.LoraConfig's arguments, as trainer/model.py builds them
+
+    @property
+    def e(self) -> int:
+        """Bytes of an activation element: the compute dtype."""
+        return DTYPE_BYTES[self.precision]
+
+    @property
+    def full(self) -> bool:
+        return self.adapter is None
+
+    @property
+    def weight_bytes(self) -> int:
+        """The dtype the (frozen or trained) base weights are held in on the GPU."""
+        if self.full:
+            return 2 if self.zero and self.precision != "fp32" else self.full_weight_bytes
+        return self.e
+
+    @property
+    def autocast(self) -> bool:
+        """Mixed precision: the forward runs in 16 bits over weights held in fp32 (accelerate's autocast)."""
+        return self.precision != "fp32"
+
+    @property
+    def recast(self) -> bool:
+        """Autocast over fp32 weights: each linear layer casts its weight and its fp32 input anew."""
+        return self.autocast and self.weight_bytes == 4
+
+    @property
+    def kbit_fp32(self) -> bool:
+        """peft's prepare_model_for_kbit_training casts every parameter that is not 4/8-bit (embeddings, norms,
+        head) to fp32: the embeddings' output and so the residual stream are fp32, and bitsandbytes' layers return
+        their output in their input's dtype (Linear4bit: `.to(inp_dtype)`), so q/k/v, gate, up and down come out
+        in fp32 too."""
+        return self.quant is not None
+
+    @property
+    def stream_bytes(self) -> int:
+        """The residual stream's dtype: fp32 when the weights are fp32 (autocast's outputs add onto it) or after
+        peft's k-bit preparation (fp32 embeddings)."""
+        return 4 if self.weight_bytes == 4 or self.kbit_fp32 else self.e
+
+    @property
+    def mlp_bytes(self) -> int:
+        """The MLP's intermediate activations: the compute dtype, fp32 behind bitsandbytes layers fed fp32."""
+        return 4 if self.kbit_fp32 else self.e
+
+    @property
+    def attention_kind(self) -> str:
+        """varlen (flash: q/k/v as computed, no mask) | mask (sdpa with a 4-D mask: k/v repeated, mask
+        converted) | eager (seq x seq probabilities kept)."""
+        from trainer.hardware import packing
+
+        how = packing(self.attention)
+        if how in ("position_ids", "row_position_ids"):
+            return "varlen"
+        return "eager" if how == "float_mask" else "mask"
+
+
+def setup_from(cfg, runtime, world: int) -> Setup:
+    """The Setup of a trainer Config on a Runtime (precision, attention) with `world` processes."""
+    from trainer import distributed, parallelism
+
+    quant = None
+    double_quant = True
+    if cfg.load_in_4bit or cfg.adapter == "qlora":
+        extra = cfg.bnb_config_kwargs or {}
+        quant = str(extra.get("bnb_4bit_quant_type", "nf4"))
+        double_quant = bool(extra.get("bnb_4bit_use_double_quant", True))
+    elif cfg.load_in_8bit:
+        quant = "int8"
+    fsdp_on = distributed.enabled(cfg)
+    mesh = parallelism.mesh_for(cfg, world, fsdp_on)
+    tp = mesh.tp if mesh else 1
+    cp = mesh.cp if mesh else 1
+    zero, ds, offload_opt, offload_params = 0, {}, False, False
+    if cfg.deepspeed:
+        import json
+
+        try:
+            ds_file = distributed.deepspeed_path(cfg.deepspeed)
+            ds = json.loads(open(ds_file).read()).get("zero_optimization", {}) or {}
+        except (OSError, ValueError):
+            ds = {}
+        zero = int(ds.get("stage", 0) or 0)
+        offload_opt = (ds.get("offload_optimizer") or {}).get("device") in ("cpu", "nvme")
+        offload_params = (ds.get("offload_param") or {}).get("device") in ("cpu", "nvme")
+    fsdp = None
+    if fsdp_on:
+        settings = distributed.fsdp_settings(cfg)
+        if settings.get("fsdp_version") == 2:
+            fsdp = "full" if settings.get("reshard_after_forward", True) else "grad_op"
+        else:
+            strategy = str(settings.get("sharding_strategy", "FULL_SHARD")).upper()
+            fsdp = {"SHARD_GRAD_OP": "grad_op", "NO_SHARD": None}.get(strategy, "full")
+        offload_params = offload_opt = bool(settings.get("cpu_offload"))
+    data_world = world // (tp * cp)
+    shard = data_world if (zero or fsdp) else 1
+    if mesh and fsdp:
+        shard = mesh.dp_shard * (cp if cp > 1 else 1)
+    targets = cfg.lora_target_modules
+    if cfg.lora_target_linear or targets is None:
+        targets = "all-linear"
+    if cfg.lora_target_parameters and cfg.lora_target_modules is None and not cfg.lora_target_linear:
+        targets = []
+    kernels_on = bool(getattr(runtime, "kernels", False))  # trainer/kernels.py's verdict: triton runs here
+    from trainer.reward_model import lora_exclusions, lora_task_type
+
+    lora_kwargs = {"r": cfg.lora_r, "lora_alpha": cfg.lora_alpha, "lora_dropout": cfg.lora_dropout,
+                   "target_modules": targets, "target_parameters": cfg.lora_target_parameters,
+                   "use_rslora": cfg.peft_use_rslora, "use_dora": cfg.peft_use_dora,
+                   "modules_to_save": cfg.lora_modules_to_save, "task_type": lora_task_type(cfg),
+                   "exclude_modules": lora_exclusions(cfg)} if cfg.adapter else {}
+    return Setup(
+        precision=runtime.precision, attention=runtime.attention, adapter=cfg.adapter, quant=quant,
+        double_quant=double_quant, lora_r=cfg.lora_r, lora_targets=targets, lora_dropout=cfg.lora_dropout,
+        lora_dora=cfg.peft_use_dora, lora_modules_to_save=list(cfg.lora_modules_to_save or []),
+        lora_target_parameters=list(cfg.lora_target_parameters or []), unfrozen=cfg.unfrozen_parameters,
+        optimizer=cfg.optimizer, micro_batch=cfg.micro_batch_size, sequence_len=cfg.sequence_len,
+        packing=cfg.sample_packing, grad_accum=cfg.gradient_accumulation_steps,
+        checkpointing=bool(cfg.gradient_checkpointing),
+        # the trainer computes its loss itself (token sums across micro-batches and ranks): liger's loss kernels and
+        # cut_cross_entropy stay off there (trainer/kernels.py), so the logits are always materialised
+        liger_flce=False,
+        liger_norm=kernels_on and bool(cfg.liger_rms_norm or cfg.liger_layer_norm),
+        liger_glu=kernels_on and bool(cfg.liger_glu_activation or cfg.liger_swiglu),
+        objective=cfg.objective, world=world, shard=shard, zero=zero, fsdp=fsdp, offload_optimizer=offload_opt,
+        offload_params=offload_params, ds=ds, tp=tp, cp=cp, device=runtime.device, lora_kwargs=lora_kwargs)
+
+
+# --------------------------------------------------------------------------- static terms
+
+
+def optimizer_row(name: str) -> dict:
+    row = next((r for r in facts.rows("optimizers", "optimizer") if r["name"] == name), None)
+    if row is None or "states" not in row:
+        raise KeyError(f"optimizer {name!r} has no memory columns in matrices/optimizers.toml")
+    return row
+
+
+def nf4_bytes(n: int, double_quant: bool = True, blocksize: int = 64) -> int:
+    """A 4-bit bitsandbytes weight of n values and its quantization state (bitsandbytes 0.50, functional.py
+    quantize_4bit): packed codes, absmax per block (uint8 + fp32 per 256 blocks + a 256-entry code table when
+    nested), the 16-entry NF4/FP4 code table and the nested offset."""
+    blocks = -(-n // blocksize)
+    packed = -(-n // 2)
+    code = 16 * 4
+    if double_quant:
+        return packed + blocks + 4 * -(-blocks // 256) + 256 * 4 + 4 + code
+    return packed + 4 * blocks + code
+
+
+def int8_bytes(fan_in: int, fan_out: int) -> int:
+    """LLM.int8 weight: int8 values and an fp32 scale per output row (bitsandbytes Int8Params CB/SCB)."""
+    return fan_in * fan_out + 4 * fan_out
+
+
+def layout(shape, s: Setup):
+    """peft's own LoRA layout for the Setup's LoraConfig (memory_model.lora_layout), None without peft."""
+    if s.full or not s.lora_kwargs:
+        return None
+    from trainer.runtime.memory_model import lora_layout
+
+    return lora_layout(shape, s.lora_kwargs)
+
+
+def lora_targeted(shape, targets) -> list:
+    """The nn.Linear groups peft wraps for `targets` ("all-linear": every linear layer but the output head, as
+    peft's _maybe_include_all_linear_layers; names: a module whose name is the target or ends with '.target';
+    a string: re.fullmatch on the name)."""
+    import re
+
+    chosen = []
+    for lin in shape.linears:
+        if targets == "all-linear":
+            ok = True  # the head is not among shape.linears
+        elif isinstance(targets, str):
+            ok = re.fullmatch(targets, lin.name) is not None or re.search(rf"(^|\.){targets}$", lin.name) is not None
+        else:
+            ok = any(lin.name == t or lin.name.endswith("." + t) for t in targets)
+        if ok:
+            chosen.append(lin)
+    return chosen
+
+
+@dataclass
+class Static:
+    """Per-GPU bytes of the terms that do not depend on the batch."""
+
+    weights: float
+    gradients: float
+    optimizer: float
+    temporaries: float  # the optimizer step's
+    weight_copies: float  # autocast's 16-bit copies of fp32 weights, alive through the forward
+    buffers: float  # DDP buckets, ZeRO buckets, FSDP's gathered layers
+    trained: int  # parameters trained
+    total: int  # parameters
+    notes: list[str] = field(default_factory=list)
+
+
+def static_terms(shape, s: Setup) -> Static:
+    notes: list[str] = []
+    e_w = s.weight_bytes
+    kbit = s.quant is not None
+    frozen_base = not s.full
+    # ---- weights
+    linear_groups = shape.linears
+    base = 0.0
+    for lin in linear_groups:
+        n_w = lin.fan_in * lin.fan_out * lin.count
+        n_b = lin.fan_out * lin.count if lin.bias else 0
+        if kbit and lin.quantized:
+            one = nf4_bytes(lin.fan_in * lin.fan_out, s.double_quant) if s.quant in ("nf4", "fp4") \
+                else int8_bytes(lin.fan_in, lin.fan_out)
+            base += one * lin.count + n_b * 4  # biases: fp32 after prepare_model_for_kbit_training
+        else:
+            base += (n_w + n_b) * (4 if kbit else e_w)
+    rest = shape.embedding + shape.lm_head + shape.expert_params + shape.other_matrices + shape.vectors
+    base += rest * (4 if kbit else e_w)
+    if kbit and shape.expert_params:
+        notes.append("MoE expert tensors are not nn.Linear: bitsandbytes leaves them unquantized (counted in fp32 "
+                     "after peft's k-bit preparation)")
+    # ---- trained parameters
+    adapters = 0
+    if s.full:
+        trained = shape.params
+        if s.unfrozen:
+            import re
+
+            pats = [re.compile(p) for p in s.unfrozen]
+            hit = sum(n for name, n in shape.names.items() if any(p.search(name) for p in pats))
+            if shape.names:
+                trained = hit
+            else:
+                notes.append("unfrozen_parameters: the analytic count has no parameter names; counted as a full "
+                             "fine-tune")
+    elif layout(shape, s) is not None:  # counted by peft itself on the meta-device model
+        adapters = layout(shape, s).params
+        base += adapters * 4  # adapters (and modules_to_save copies) train in fp32 (trainer/model.py)
+        trained = adapters
+    else:
+        notes.append("LoRA counted on the nn.Linear layers by rule (peft is not importable here)")
+        targeted = lora_targeted(shape, s.lora_targets)
+        adapters = sum(s.lora_r * (lin.fan_in + lin.fan_out) * lin.count for lin in targeted)
+        if s.lora_dora:
+            adapters += sum(lin.fan_out * lin.count for lin in targeted)
+        if s.lora_target_parameters:
+            adapters += s.lora_r * 2 * shape.hidden_size * len(s.lora_target_parameters) * shape.num_layers
+            notes.append("lora_target_parameters: adapters on expert tensors counted approximately")
+        saved = 0
+        for name in s.lora_modules_to_save:
+            if name in ("embed_tokens", "wte") or name.endswith("embed_tokens"):
+                saved += shape.embedding
+            elif name == "lm_head":
+                saved += shape.lm_head or shape.embedding
+            else:
+                saved += sum(n for k, n in shape.names.items() if k.rsplit(".", 1)[0].endswith(name))
+        base += saved * 4  # the trainable copy (fp32); the original stays
+        trained = adapters + saved
+        base += adapters * 4  # adapters train in fp32 (trainer/model.py)
+    total = shape.params
+    # ---- gradients, optimizer (per trained parameter); trained parameters are fp32 except the bf16 module
+    # DeepSpeed makes of a full fine-tune
+    grad_bytes = 4 if (not s.full or e_w == 4) else 2
+    opt = optimizer_bytes(shape, s, trained)
+    gradients = trained * grad_bytes
+    temporaries = 0.0
+    row = optimizer_row(s.optimizer)
+    if row.get("step_temp") == "foreach":
+        temporaries = trained * (4 if grad_bytes == 4 else 2)
+    weights = base
+    buffers = 0.0
+    # ---- sharding
+    n = s.shard
+    if s.zero:
+        # DeepSpeed keeps the module in 16 bits and fp32 master weights, gradient and optimizer partitions
+        # (ZeRO paper's 2 + 2 + K/N for stage 2; mixed precision Adam: K = 12, plus the fp32 gradient partition)
+        master = trained * 4 if s.full and s.precision != "fp32" else 0
+        part_grad = trained * 4
+        bucket = ds_bucket_bytes(s, shape)
+        buffers += bucket
+        if s.zero >= 3:
+            weights = weights / n + zero3_live_bytes(shape, s)
+        gradients = trained * grad_bytes / (n if s.zero >= 2 else 1)
+        opt_part = (opt + master + part_grad) / n
+        optimizer = 0.0 if s.offload_optimizer else opt_part
+        if s.offload_optimizer:
+            notes.append("DeepSpeed offload_optimizer: optimizer states and fp32 master weights live in host memory")
+        temporaries = 0.0 if s.offload_optimizer else temporaries / n
+        if s.offload_params and s.zero >= 3:
+            weights = zero3_live_bytes(shape, s)
+            notes.append("DeepSpeed offload_param: the parameters live in host memory, gathered layer by layer")
+        return Static(weights, gradients, optimizer, temporaries, 0.0, buffers, trained, total, notes)
+    if s.fsdp:
+        # FSDP: parameters, gradients and optimizer states sharded; each layer gathered in the compute dtype for
+        # its forward and backward (with the next one prefetched); SHARD_GRAD_OP keeps them gathered between the
+        # forward and the backward
+        layer_params = (shape.params - shape.embedding - shape.lm_head) / max(1, shape.num_layers)
+        gathered = 2 * layer_params * (s.e if s.autocast else 4)
+        if s.fsdp == "grad_op":
+            gathered = shape.params * (s.e if s.autocast else 4)
+        sharded_w = weights / n
+        weights = (0 if s.offload_params else sharded_w)
+        buffers += gathered + max(shape.embedding, shape.lm_head) * (s.e if s.autocast else 4)
+        gradients = gradients / n
+        optimizer = 0.0 if s.offload_optimizer else opt / n
+        temporaries = temporaries / n
+        return Static(weights, gradients, optimizer, temporaries, 0.0, buffers, trained, total, notes)
+    if s.world > 1 and trained:
+        buffers += trained * grad_bytes  # DDP's flat gradient buckets (gradient_as_bucket_view off)
+    weight_copies = adapters * s.e if s.autocast and not s.full else 0.0  # the fp32 adapters' casts
+    if kbit and s.autocast:  # the fp32 head (k-bit preparation) cast for its matmul, kept for the backward
+        weight_copies += (shape.lm_head or shape.embedding) * s.e
+    if s.recast:
+        cast = sum(lin.fan_in * lin.fan_out * lin.count for lin in linear_groups) + shape.lm_head + \
+            (shape.embedding if shape.tied else 0) + shape.expert_params
+        weight_copies = cast * s.e
+    if s.tp > 1:
+        weights, gradients, opt, temporaries, weight_copies = (x / s.tp for x in
+                                                              (weights, gradients, opt, temporaries, weight_copies))
+    return Static(weights, gradients, opt, temporaries, weight_copies, buffers, trained, total, notes)
+
+
+def optimizer_bytes(shape, s: Setup, trained: int) -> float:
+    """The optimizer's state for the trained parameters (matrices/optimizers.toml's memory columns)."""
+    row = optimizer_row(s.optimizer)
+    p_bytes = 4 if (not s.full or s.weight_bytes == 4 or s.zero) else 2
+    if s.optimizer == "muon":
+        # momentum for the hidden matrices, AdamW's two states for embeddings and head
+        if s.full:
+            adamw = shape.embedding + shape.lm_head
+            return (trained - adamw - shape.vectors) * p_bytes + adamw * 2 * p_bytes
+        return trained * p_bytes
+    if row.get("factored"):
+        # Adafactor: a row and a column vector per matrix, the full second moment for vectors
+        if s.full:
+            mats = [(lin.fan_in, lin.fan_out, lin.count) for lin in shape.linears]
+            heads = 1 + (0 if shape.tied else 1)  # embedding, and the head unless tied
+            vec = sum((a + b) * c for a, b, c in mats) + heads * (shape.vocab_size + shape.hidden_size)
+            return (vec + shape.vectors) * p_bytes
+        return trained * 0.02 * p_bytes
+    states = row["states"]
+    bits = row["state_bits"]
+    if bits == "param":
+        return trained * states * p_bytes
+    if bits == 32:
+        return trained * states * 4
+    # block-quantized states: each tensor of >= min_quantized values quantized, the rest unquantized
+    block = row["block"]
+    small_bytes = 4 if row["library"] == "bitsandbytes" else p_bytes
+    tensors = trained_tensors(shape, s)
+    total = 0.0
+    per_value = bits / 8
+    table = 4 * 2 ** bits  # the code table: torchao's per state tensor, bitsandbytes' per optimizer
+    for numel, count in tensors:
+        if numel >= row.get("min_quantized", 0) and (row["library"] == "bitsandbytes" or numel % block == 0):
+            total += count * states * (numel * per_value + 4 * -(-numel // block))
+            total += count * states * table if row["library"] != "bitsandbytes" else 0
+        else:
+            total += count * states * numel * small_bytes
+    if row["library"] == "bitsandbytes":
+        total += table * min(states, 2)  # the signed and unsigned dynamic maps, shared by every tensor
+    if s.full and row["library"] == "bitsandbytes":
+        # the trainer keeps embeddings' state in 32 bits (trainer/optim.py, as the HF Trainer)
+        emb = shape.embedding
+        total += states * emb * (4 - per_value) - states * 4 * -(-emb // block)
+    return total
+
+
+def trained_tensors(shape, s: Setup) -> list[tuple[int, int]]:
+    """(values, how many) of each trained tensor: the optimizer quantizes per tensor."""
+    if s.full:
+        out = [(lin.fan_in * lin.fan_out, lin.count) for lin in shape.linears]
+        out += [(lin.fan_out, lin.count) for lin in shape.linears if lin.bias]
+        out += [(shape.embedding, 1)] + ([(shape.lm_head, 1)] if shape.lm_head else [])
+        if shape.expert_params:
+            out.append((shape.expert_params, 1))
+        if shape.vectors:
+            out.append((shape.hidden_size, max(1, shape.vectors // shape.hidden_size)))
+        return out
+    found = layout(shape, s)
+    if found is not None:
+        return list(found.tensors)
+    out = []
+    for lin in lora_targeted(shape, s.lora_targets):
+        out += [(s.lora_r * lin.fan_in, lin.count), (s.lora_r * lin.fan_out, lin.count)]
+    return out
+
+
+def ds_bucket_bytes(s: Setup, shape) -> float:
+    """DeepSpeed's communication buckets: reduce_bucket_size and allgather_bucket_size elements of 16 bits (5e8 by
+    default, 'auto' = hidden^2 under the HF integration); overlap_comm keeps 4.5x as much (DeepSpeed's config
+    documentation: "overlap_comm ... uses 4.5x the allgather_bucket_size and reduce_bucket_size values")."""
+    def size(key, default):
+        value = s.ds.get(key, default)
+        return shape.hidden_size ** 2 if value == "auto" else float(value)
+
+    if s.zero >= 3:
+        return 2 * size("stage3_prefetch_bucket_size", 5e7) + 2 * size("reduce_bucket_size", 5e8)
+    both = size("reduce_bucket_size", 5e8) + size("allgather_bucket_size", 5e8)
+    return both * 2 * (4.5 if s.ds.get("overlap_comm") else 1.0) / (2 if s.zero == 1 else 1)
+
+
+def zero3_live_bytes(shape, s: Setup) -> float:
+    """ZeRO-3's gathered parameters: the layers in flight (the current and the prefetched one) in 16 bits, and the
+    parameters below the persistence threshold kept whole."""
+    layer_params = (shape.params - shape.embedding - shape.lm_head) / max(1, shape.num_layers)
+    return 2 * layer_params * 2 + max(shape.embedding, shape.lm_head) * 2
+
+
+# --------------------------------------------------------------------------- activations
+
+
+def layer_bytes_per_token(layer, shape, s: Setup, targeted: set[str], first: bool = False,
+                          experts_train: bool = False) -> tuple[float, float]:
+    """(bytes per token, bytes per token per key position) autograd keeps for one decoder layer of this shape.
+    `first`: the first layer of a model whose embeddings do not train (its input requires no gradient, so its
+    first norm keeps nothing)."""
+    h = shape.hidden_size
+    e, st = s.e, s.stream_bytes
+    q, kv, heads = layer.q_dim / s.tp, layer.kv_dim / s.tp, layer.heads / s.tp
+    trains = s.full  # the base weights (norms, linear layers) train
+
+    def norm(width: float, input_grad: bool = True) -> float:
+        """RMSNorm keeps its input in fp32 (x.float(), kept by pow) and rsqrt, and the normalized input in the
+        stream's dtype when its weight trains; LayerNorm keeps its fp32 input, mean and rstd. Liger's kernels
+        keep the input as it comes and an fp32 rstd per row (Liger-Kernel ops/rms_norm.py and layer_norm.py:
+        save_for_backward(X, W, RSTD) / (X, W, B, Mean, RSTD))."""
+        if not input_grad and not trains:
+            return 0.0
+        if s.liger_norm:
+            return st * width + (8 if layer.norm_kind == "layer" else 4)
+        if not input_grad:
+            return 0.0
+        if layer.norm_kind == "layer":
+            return 4 * width + 8
+        return 4 * width + 4 + (st * width if trains else 0)
+
+    def linear_inputs(width: float, in_dtype: int, modules: list[str], shared_elsewhere: bool = False,
+                      input_grad: bool = True) -> float:
+        """What the linear layers reading one input of `width` keep: the input once when their weights train
+        (a cast copy per layer under autocast over fp32 weights, which casts an fp32 input anew for each; nothing
+        when another op keeps it already), and per LoRA-wrapped layer lora_A's input in its own copy (autocast's
+        16-bit cast; without autocast the fp32 input itself, or dropout's output) and lora_A's output."""
+        out = 0.0
+        recast = s.recast and in_dtype == 4
+        if trains and not shared_elsewhere:
+            out += e * width * len(modules) if recast else in_dtype * width
+        wrapped = [m for m in modules if m in targeted]
+        drop = s.lora_dropout > 0
+        mask = 1 if s.device == "cuda" else 4  # dropout's mask (on CPU a float tensor of the fp32 input's dtype)
+        for _ in wrapped:
+            if s.autocast:
+                out += e * width
+            elif drop or in_dtype != 4:
+                out += 4 * width
+            out += mask * width if drop and input_grad else 0  # no mask kept when nothing flows back
+            out += (e if s.autocast else 4) * s.lora_r  # lora_A's output, kept by lora_B
+        if wrapped and not s.autocast and not drop and in_dtype == 4 and not trains and not shared_elsewhere:
+            out += 4 * width  # lora_A keeps the shared fp32 input itself
+        return out
+
+    per_token = per_key = 0.0
+    # attention block: norm, q/k/v, (q/k norms), the attention kernel, o_proj
+    per_token += norm(h, input_grad=not first)
+    per_token += linear_inputs(h, st, ["q_proj", "k_proj", "v_proj"], input_grad=not first)
+    if layer.qk_norm:
+        per_token += 4 * (q + kv) + 4 * 2 * heads + (e * (q + kv) if trains else 0)
+    kind = s.attention_kind
+    if kind == "varlen":  # q and k after RoPE, v, the output, the fp32 log-sum-exp per head
+        per_token += e * (q + 2 * kv) + e * q + 4 * heads
+    elif kind == "mask":  # k and v repeated to every query head (repeat_kv); the mask converted per layer
+        per_token += e * 3 * q + e * q + 4 * heads
+        per_key += e
+    else:  # eager: q, repeated k and v; fp32 softmax probabilities and their cast
+        per_token += e * 3 * q
+        per_key += heads * (4 + (e if e != 4 else 0)) + (heads if s.attention_dropout > 0 else 0)
+        if getattr(shape, "attn_softcap", False):  # Gemma 2: tanh(scores / cap) * cap keeps tanh's output
+            per_key += heads * e
+    # o_proj reads the attention's output, which flash/sdpa keep already; eager's is a fresh contiguous copy
+    per_token += linear_inputs(q, e, ["o_proj"], shared_elsewhere=kind != "eager")
+    # MLP block
+    per_token += norm(h)
+    if layer.norms > 2:  # Gemma 2/3: norms after the attention and after the MLP too
+        per_token += (layer.norms - 2) * norm(h)
+    if layer.experts:
+        k, iw = layer.top_k, layer.expert_width / s.tp
+        per_token += k * (e * 3 * iw + e * h)  # per routed token: gate/up output, activation, weighted output
+        if trains or experts_train:
+            per_token += k * e * (h + iw)  # the gathered input of gate_up and of down
+        per_token += (4 + e) * layer.experts  # router logits and their fp32 softmax
+    if layer.mlp_width:
+        iw = layer.mlp_width / s.tp
+        m = s.mlp_bytes
+        per_token += linear_inputs(h, st, ["gate_proj", "up_proj"] if layer.gated else ["up_proj"])
+        # gate and up outputs and the activation's output; liger's fused SiLU/GELU x up keeps only gate and up
+        # (Liger-Kernel ops/swiglu.py, geglu.py: save_for_backward(a, b))
+        per_token += m * ((2 if s.liger_glu else 3) if layer.gated else 1) * iw
+        per_token += linear_inputs(iw, m, ["down_proj"])
+    return per_token, per_key
+
+
+@dataclass
+class Activations:
+    saved: float  # bytes kept from the forward for the backward (all layers, the end of the forward)
+    layer_full: float  # one layer's full set (rebuilt at a time in the backward under checkpointing)
+    grads: float  # the backward's gradient tensors in flight
+    tokens: int  # per micro-batch per GPU
+
+
+def activation_terms(shape, s: Setup, tokens: int | None = None, row_len: int | None = None) -> Activations:
+    """What the forward keeps for the backward, for `tokens` tokens per micro-batch in rows of `row_len`."""
+    row_len = row_len or s.sequence_len
+    tokens = tokens if tokens is not None else s.micro_batch * s.sequence_len * pair_factor(s)
+    tokens = tokens / s.cp
+    key_len = row_len  # a query row attends over its row (the whole sequence under context parallelism)
+    found = layout(shape, s)
+    if s.full:
+        targeted = set()
+    elif found is not None:
+        targeted = found.wrapped
+    else:
+        targeted = {lin.name.rsplit(".", 1)[-1] for lin in lora_targeted(shape, s.lora_targets)}
+    experts_wrapped = bool(found and found.expert_params)
+    embeddings_train = s.full
+    saved = 0.0
+    full_layer = 0.0
+    first_done = False
+    # peft's ParamWrapper merges each wrapped 3-D expert tensor with its adapter in every forward and keeps the
+    # merged copy for the backward: weight-sized, per layer
+    merged = s.e * found.expert_params / max(1, found.layers_with_experts) if experts_wrapped else 0.0
+    for layer in shape.layers:
+        per_tok, per_key = layer_bytes_per_token(layer, shape, s, targeted, experts_train=experts_wrapped)
+        one = tokens * (per_tok + per_key * key_len) + (merged if layer.experts else 0.0)
+        full_layer = max(full_layer, one)
+        count = layer.count
+        if not first_done and not embeddings_train:
+            f_tok, f_key = layer_bytes_per_token(layer, shape, s, targeted, first=True,
+                                                 experts_train=experts_wrapped)
+            first = tokens * (f_tok + f_key * key_len) + (merged if layer.experts else 0.0)
+            layer_sum = first + one * (count - 1)
+        else:
+            layer_sum = one * count
+        first_done = True
+        if s.checkpointing:
+            saved += tokens * s.stream_bytes * shape.hidden_size * count  # each layer's input
+        else:
+            saved += layer_sum
+        if s.cp > 1:  # every layer keeps the gathered keys and values of the whole sequence
+            saved += tokens * s.cp * 2 * layer.kv_dim * s.e * count * (0 if s.checkpointing else 1)
+    h = shape.hidden_size
+    # outside the layers: the token ids (when the embeddings train), the final norm, the head's input when the
+    # head trains (a cast copy under autocast over fp32 weights)
+    outside = tokens * 8 if embeddings_train else 0.0
+    head_dim = shape.layers[0].q_dim // max(1, shape.layers[0].heads) if shape.layers else 0
+    outside += tokens * 2 * head_dim * s.stream_bytes  # RoPE's cos and sin per position, shared by the layers
+    if getattr(shape, "final_softcap", False):  # Gemma 2 soft-caps the logits inside the model: tanh's output
+        outside += tokens * shape.vocab_size / s.tp * s.e
+    outside += tokens * (4 * h + 4 + (s.stream_bytes * h if s.full else 0))
+    if s.full:
+        outside += tokens * (s.e if s.recast else s.stream_bytes) * h
+    saved += outside
+    widest = max([h] + [ly.mlp_width for ly in shape.layers] + [ly.expert_width * max(1, ly.top_k)
+                                                                   for ly in shape.layers])
+    grads = tokens * s.e * (2 * h + 2 * widest)
+    return Activations(saved=saved, layer_full=full_layer, grads=grads, tokens=int(tokens))
+
+
+def pair_factor(s: Setup) -> int:
+    """Paired preference methods run the chosen and rejected sequences of a pair together."""
+    return 2 if s.objective in ("dpo", "ipo", "orpo", "simpo") else 1
+
+
+def logits_bytes(shape, s: Setup, tokens: float) -> float:
+    """The loss's peak: the head's output, its fp32 copy and log-softmax in the forward, and in the backward the
+    kept log-softmax, the gradient of the loss and of the log-softmax, all over the vocabulary (trainer/loss.py):
+    12 bytes per token per entry. Fused kernels (liger's linear cross-entropy, cut_cross_entropy) work in
+    chunks of about tokens x hidden / vocabulary tokens."""
+    v = shape.vocab_size / s.tp
+    tokens = tokens / s.cp
+    if s.liger_flce:
+        chunk = max(1.0, 2 ** math.ceil(math.log2(max(1.0, tokens / max(1, math.ceil(v / shape.hidden_size))))))
+        return chunk * v * 8 + tokens * shape.hidden_size * 4
+    return tokens * v * 12
+
+
+# --------------------------------------------------------------------------- the estimate
+
+
+@dataclass
+class Moment:
+    name: str  # forward | loss | backward | optimizer_step
+    terms: dict[str, float]  # bytes resident at that moment, by term
+
+    @property
+    def total(self) -> float:
+        return sum(self.terms.values())
+
+
+@dataclass
+class Estimate:
+    gpu: Gpu
+    setup: Setup
+    shape: object
+    static: Static
+    acts: Activations
+    logits: float
+    moments: list[Moment]
+    peak_moment: Moment
+    allocated: float  # bytes: the largest moment
+    overhead: float
+    low: float
+    high: float
+    allocated_low: float = 0.0  # the band of `allocated` alone (what torch.cuda.max_memory_allocated reports)
+    allocated_high: float = 0.0
+    notes: list[str] = field(default_factory=list)
+    suggestions: list[dict] = field(default_factory=list)
+
+    @property
+    def peak(self) -> float:
+        return self.allocated + self.overhead
+
+    @property
+    def verdict(self) -> str:
+        if self.gpu.memory_gb is None:
+            return "unknown"
+        cap = self.gpu.memory_gb * GB
+        if self.high <= cap:
+            return "fits"
+        if self.low > cap:
+            return "does_not_fit"
+        return "tight"
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.gpu.memory_gb is None else self.peak <= self.gpu.memory_gb * GB
+
+    def breakdown(self) -> dict[str, float]:
+        keys = ("weights", "gradients", "optimizer", "activations", "logits")
+        out = {k: round(self.peak_moment.terms.get(k, 0.0) / GB, 3) for k in keys}
+        out["overhead"] = round(self.overhead / GB, 3)
+        for k in ("weight_copies", "temporaries", "buffers"):
+            out[k] = round(self.peak_moment.terms.get(k, 0.0) / GB, 3)
+        return out
+
+    def to_json(self) -> dict:
+        return {"gpu": {"name": self.gpu.name, "memory_gb": self.gpu.memory_gb, "count": self.gpu.count},
+                "unit": "GB", "peak_gb": round(self.peak / GB, 2), "low_gb": round(self.low / GB, 2),
+                "high_gb": round(self.high / GB, 2), "fits": self.fits, "verdict": self.verdict,
+                "breakdown": self.breakdown(), "suggestions": self.suggestions}
+
+
+def estimate(shape, s: Setup, gpu: Gpu, suggest: bool = True) -> Estimate:
+    """The peak per GPU of training `shape` as `s` sets it up, on `gpu`."""
+    st = static_terms(shape, s)
+    acts = activation_terms(shape, s)
+    tokens = s.micro_batch * s.sequence_len * pair_factor(s)
+    logits = logits_bytes(shape, s, tokens)
+    persist_grads = st.gradients if s.grad_accum > 1 else 0.0
+    if s.zero >= 2 or s.fsdp:
+        persist_grads = st.gradients  # sharded gradients are allocated once and kept
+    base = {"weights": st.weights, "optimizer": st.optimizer, "buffers": st.buffers}
+    transient_kbit = 0.0
+    if s.quant:
+        widest = max((lin.fan_in * lin.fan_out for lin in shape.linears if lin.quantized), default=0)
+        transient_kbit = widest * s.e  # one weight dequantized at a time
+    ckpt_saved = acts.saved
+    forward_copies = st.weight_copies
+    moments = [
+        Moment("forward", {**base, "gradients": persist_grads, "activations": acts.saved + transient_kbit,
+                           "weight_copies": forward_copies,
+                           "logits": tokens / s.cp * shape.vocab_size / s.tp * s.e if not s.liger_flce else 0.0}),
+        Moment("loss", {**base, "gradients": persist_grads, "activations": ckpt_saved,
+                        "weight_copies": 0.0 if s.checkpointing else st.weight_copies, "logits": logits}),
+        Moment("backward", {**base, "gradients": persist_grads or st.gradients * 0.5,
+                            "activations": (acts.saved + acts.layer_full if s.checkpointing else acts.saved)
+                            + acts.grads + transient_kbit,
+                            "weight_copies": (st.weight_copies / max(1, shape.num_layers) if s.checkpointing
+                                              else st.weight_copies)}),
+        Moment("optimizer_step", {**base, "gradients": st.gradients, "temporaries": st.temporaries}),
+    ]
+    peak_moment = max(moments, key=lambda m: m.total)
+    allocated = peak_moment.total
+    overhead = CUDA_CONTEXT_GB[1] * GB + (NCCL_GB[1] * GB if s.world > 1 else 0) + ALLOCATOR_SLACK[1] * allocated
+    analytic = getattr(shape, "counted", "meta") == "analytic"
+
+    def bound(side: int) -> tuple[float, float]:
+        """(allocated, whole) at the low (side 0) or high (side 2) end of the band."""
+        best = 0.0
+        for m in moments:
+            total = 0.0
+            for k, v in m.terms.items():
+                lo, hi = UNCERTAINTY.get(k, (0.2, 0.2))
+                if analytic and k in ("weights", "gradients", "optimizer"):
+                    lo, hi = lo + ANALYTIC_EXTRA, hi + ANALYTIC_EXTRA
+                total += v * (1 - lo if side == 0 else 1 + hi)
+            best = max(best, total)
+        ctx = CUDA_CONTEXT_GB[side] * GB
+        nccl = (NCCL_GB[side] * GB) if s.world > 1 else 0
+        return best, best * (1 + ALLOCATOR_SLACK[side]) + ctx + nccl
+
+    (alloc_low, low), (alloc_high, high) = bound(0), bound(2)
+    est = Estimate(gpu=gpu, setup=s, shape=shape, static=st, acts=acts, logits=logits, moments=moments,
+                   peak_moment=peak_moment, allocated=allocated, overhead=overhead, low=low, high=high,
+                   allocated_low=alloc_low, allocated_high=alloc_high,
+                   notes=list(st.notes) + list(getattr(shape, "notes", [])))
+    if s.objective in ("grpo", "gdpo", "kto", "ebft", "reward", "prm"):
+        est.notes.append(f"{s.objective}: estimated as supervised training of the same batches (generation, "
+                         "reference models and per-method buffers not counted): the band is a guide only")
+        est.high *= 1.3
+        est.allocated_high *= 1.3
+    if optimizer_row(s.optimizer).get("paged"):
+        est.notes.append(f"{s.optimizer}: paged states live in CUDA unified memory; under pressure the driver "
+                         "pages them out to host memory (slower, not an out-of-memory error)")
+    if suggest and gpu.memory_gb is not None:
+        est.suggestions = suggestions(shape, s, gpu, est)
+    return est
+
+
+# --------------------------------------------------------------------------- suggestions
+
+
+def _fits(shape, s: Setup, gpu: Gpu, surely: bool = False) -> tuple[bool, float]:
+    """(fits at the estimate, or with `surely` at the band's high end; the estimated peak in GB)."""
+    e = estimate(shape, s, gpu, suggest=False)
+    return (e.high if surely else e.peak) <= gpu.memory_gb * GB, e.peak / GB
+
+
+def suggestions(shape, s: Setup, gpu: Gpu, current: Estimate) -> list[dict]:
+    """The cheapest changes that fit, cheapest first (same training before different training), then the largest
+    micro-batch and sequence length that fit as configured."""
+    out: list[dict] = []
+    cap = gpu.memory_gb * GB
+    if current.peak > cap:
+        for kind, keys, text, changed in candidates(shape, s):
+            fits, peak = _fits(shape, changed, gpu)
+            if fits:
+                out.append({"kind": kind, "change": keys, "text": text, "peak_gb": round(peak, 2)})
+                break
+        if not out:  # none alone: the changes that keep the training the same, together, then the rest
+            changed, keys, texts = s, {}, []
+            for kind, k, text, c in candidates(shape, s):
+                if kind in ("more_gpus",):
+                    continue
+                changed = _merge(changed, c, s)
+                keys.update(k)
+                texts.append(text)
+                fits, peak = _fits(shape, changed, gpu)
+                if fits:
+                    out.append({"kind": "combined", "change": dict(keys), "text": "; ".join(texts),
+                                "peak_gb": round(peak, 2)})
+                    break
+    mb = largest(lambda v: replace(s, micro_batch=v), shape, gpu, 1, 1024)
+    if mb:
+        safe = largest(lambda v: replace(s, micro_batch=v), shape, gpu, 1, mb, surely=True)
+        out.append({"kind": "max_micro_batch_size", "change": {"micro_batch_size": mb},
+                    "text": f"largest micro_batch_size that fits at sequence_len {s.sequence_len}: {mb}"
+                            + (f" ({safe} with the band's high end)" if safe != mb else ""),
+                    "peak_gb": round(_fits(shape, replace(s, micro_batch=mb), gpu)[1], 2)})
+    longest = max(s.sequence_len, shape.max_positions or 0) or 1 << 20  # the model's trained context at most
+    seq = largest(lambda v: replace(s, sequence_len=v), shape, gpu, 128, longest, step=128)
+    if seq:
+        cap = " (the model's max_position_embeddings)" if shape.max_positions and seq + 128 > longest else ""
+        safe = largest(lambda v: replace(s, sequence_len=v), shape, gpu, 128, seq, step=128, surely=True)
+        if safe != seq:
+            cap += f" ({safe or 'none'} with the band's high end)"
+        out.append({"kind": "max_sequence_len", "change": {"sequence_len": seq},
+                    "text": f"longest sequence_len that fits at micro_batch_size {s.micro_batch}: {seq}{cap}",
+                    "peak_gb": round(_fits(shape, replace(s, sequence_len=seq), gpu)[1], 2)})
+    return out
+
+
+def _merge(a: Setup, b: Setup, orig: Setup) -> Setup:
+    """b's changes from orig, applied on top of a."""
+    changes = {k: v for k, v in b.__dict__.items() if orig.__dict__[k] != v}
+    return replace(a, **changes)
+
+
+def candidates(shape, s: Setup):
+    """(kind, config keys, sentence, changed Setup), cheapest first."""
+    if not s.checkpointing:
+        yield ("gradient_checkpointing", {"gradient_checkpointing": True},
+               "gradient_checkpointing: true (same training; ~30% more compute)", replace(s, checkpointing=True))
+    if s.micro_batch > 1:
+        for mb in _halvings(s.micro_batch):
+            ga = s.grad_accum * s.micro_batch // mb
+            yield ("micro_batch", {"micro_batch_size": mb, "gradient_accumulation_steps": ga},
+                   f"micro_batch_size: {mb}, gradient_accumulation_steps: {ga} (same global batch; the loss is "
+                   "normalised per token, so the same training)", replace(s, micro_batch=mb, grad_accum=ga))
+    row = optimizer_row(s.optimizer)
+    if row["state_bits"] not in (8, 4) and row["states"] > 0 and not s.offload_optimizer:
+        yield ("optimizer_8bit", {"optimizer": "adamw_bnb_8bit"},
+               "optimizer: adamw_bnb_8bit (8-bit AdamW states: 2 bytes per trained parameter instead of 8)",
+               replace(s, optimizer="adamw_bnb_8bit"))
+    if s.world > 1 and s.full:
+        if not s.zero and not s.fsdp:
+            yield ("fsdp", {"fsdp_version": 2, "fsdp_config": {"reshard_after_forward": True}},
+                   f"FSDP2 full sharding over the {s.world} processes", replace(s, fsdp="full", shard=s.world))
+        elif s.zero and s.zero < 3:
+            yield ("zero3", {"deepspeed": "deepspeed_configs/zero3_bf16.json"},
+                   "DeepSpeed ZeRO-3 (parameters sharded too)", replace(s, zero=3))
+    if s.full:
+        for n in (2, 4, 8):
+            if n > s.world:
+                yield ("more_gpus", {"nproc": n, "fsdp_version": 2},
+                       f"{n} GPUs with FSDP2 full sharding", replace(s, world=n, shard=n, fsdp=s.fsdp or "full"))
+        yield ("lora", {"adapter": "lora", "lora_r": 16, "lora_target_linear": True},
+               "adapter: lora (r 16 on every linear layer; trains an adapter, not the model)",
+               replace(s, adapter="lora", lora_r=16, lora_targets="all-linear"))
+    if s.adapter != "qlora":
+        yield ("qlora", {"adapter": "qlora", "load_in_4bit": True, "lora_r": 16, "lora_target_linear": True},
+               "adapter: qlora with load_in_4bit (NF4 base weights; trains an adapter)",
+               replace(s, adapter="qlora", quant="nf4", double_quant=True, lora_r=16 if s.full else s.lora_r,
+                       lora_targets="all-linear" if s.full else s.lora_targets))
+    for seq in _halvings(s.sequence_len, floor=256):
+        yield ("sequence_len", {"sequence_len": seq},
+               f"sequence_len: {seq} (longer examples are dropped or cut: different data)",
+               replace(s, sequence_len=seq))
+
+
+def _halvings(value: int, floor: int = 1):
+    v = value // 2
+    while v >= floor:
+        yield v
+        v //= 2
+
+
+def largest(make, shape, gpu: Gpu, lo: int, hi: int, step: int = 1, surely: bool = False) -> int | None:
+    """The largest value in [lo, hi] (a multiple of step) whose Setup fits, by bisection (memory grows with it)."""
+    if not _fits(shape, make(lo), gpu, surely)[0]:
+        return None
+    good, bad = lo, None
+    probe = lo * 2
+    while probe <= hi and _fits(shape, make(probe), gpu, surely)[0]:
+        good, probe = probe, probe * 2
+    bad = min(probe, hi + step)
+    while bad - good > step:
+        mid = (good + bad) // 2 // step * step
+        if mid <= good:
+            break
+        if _fits(shape, make(mid), gpu, surely)[0]:
+            good = mid
+        else:
+            bad = mid
+    return good
