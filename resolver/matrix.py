@@ -211,9 +211,10 @@ class Feature(NamedTuple):
 
 class BaseImage(NamedTuple):
     variant_prefix: str
-    image: str  # template: {python}
+    image: str  # template: {python}, {rocm}
     reason: str
     source: str
+    python: str | None = None  # the base's own interpreter, where it brings one
 
 
 class TritonSupport(NamedTuple):

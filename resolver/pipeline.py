@@ -53,10 +53,16 @@ def make_plans(opts: PlanOptions) -> list[Plan]:
     m = load()
     plans = []
     for t in targets(opts.gpu or "auto", m, opts.driver):
+        platform, notes = opts.platform or host_platform(), list(t.notes)
+        if t.gpu.vendor == "apple":  # a Mac is macOS on arm64 whatever Linux host --platform names
+            if opts.platform:
+                notes.append(f"platform: macOS arm64 (--platform {opts.platform} names the Linux hosts of other "
+                             f"targets)")
+            platform = "arm64"
         req = Request(gpu=t.gpu, driver=t.driver, python=opts.python or host_python(),
-                      platform=opts.platform or host_platform(), torch=opts.torch, cuda=opts.cuda,
+                      platform=platform, torch=opts.torch, cuda=opts.cuda,
                       flash_attn=opts.flash_attn, no_flash_attn=opts.no_flash_attn, attention=opts.attention,
-                      target=t.label, notes=t.notes)
+                      target=t.label, notes=notes)
         plans.append(solve(req, m))
     return plans
 

@@ -617,6 +617,10 @@ def runs_on(m: Matrix, cuda: str, driver: str) -> bool:
 
 
 def solve(req: Request, m: Matrix) -> Plan:
+    if req.gpu.vendor in ("amd", "intel", "apple"):
+        from .vendors.solve import solve as solve_vendor
+
+        return solve_vendor(req, m)
     check_request(req, m)
     survivors, rejected = evaluate(req, m)
     if not survivors:
@@ -694,13 +698,15 @@ def build_plan(req: Request, m: Matrix, best: Candidate, survivors: list[Candida
     toolkit = m.toolkit(best.cuda) if best.build else None
     return Plan(
         gpu={"name": gpu.name, "compute_capability": gpu.compute_capability, "arch": gpu.arch,
-             "count": gpu.count, "memory_gb": gpu.memory_gb, "source": gpu.source, "bf16": gpu.bf16},
+             "count": gpu.count, "memory_gb": gpu.memory_gb, "source": gpu.source, "bf16": gpu.bf16,
+             "vendor": gpu.vendor, "target": None if gpu.is_cpu else gpu.sm},
         driver={"version": req.driver, "max_cuda": max_cuda(m, req.driver)},
         python=req.python,
         platform=req.platform,
         torch=TorchChoice(version=best.release.version, cuda=best.cuda, variant=best.variant,
                           index_url=torch_index_url(m, best.variant),
-                          min_driver=toolkit.min_driver if toolkit else None),
+                          min_driver=toolkit.min_driver if toolkit else None,
+                          backend="cpu" if best.build is None else "cuda"),
         attention=attention,
         flash_attn=best.flash_attn if best.flash_attn_impl and best.flash_attn_impl.attention == attention else None,
         packing=chosen.packing,
@@ -713,6 +719,7 @@ def build_plan(req: Request, m: Matrix, best: Candidate, survivors: list[Candida
         matrix_version=m.version,
         target=req.target,
         rejected=rejected + preference_rejections(req, m, best, survivors),
+        device="cpu" if gpu.is_cpu else "cuda",
     )
 
 
@@ -721,6 +728,9 @@ def describe_target(gpu: GpuSpec) -> str:
         return "target: CPU (no CUDA): torch's CPU build"
     memory = f", {gpu.memory_gb:g} GB" if gpu.memory_gb else ""
     count = f"{gpu.count} × " if gpu.count > 1 else ""
+    if not gpu.is_nvidia:
+        device = {"rocm": "torch device 'cuda' under HIP", "xpu": "torch device 'xpu'", "mps": "torch device 'mps'"}
+        return f"target: {count}{gpu.describe()}{memory}, {device[gpu.backend]} (from {gpu.source})"
     return f"target: {count}{gpu.describe()}, compute capability {gpu.compute_capability}{memory} (from {gpu.source})"
 
 

@@ -120,10 +120,25 @@ class MacBuild(NamedTuple):
     source: str
 
 
-class MpsLimit(NamedTuple):
+class Limit(NamedTuple):
+    """What runs or does not run on a vendor's GPUs beyond torch ([[limit]] of rocm.toml, intel.toml,
+    apple.toml): a stack `package` left out (runs = false) or needed at `min_version`, config `features`
+    (packages.toml [[feature]] names) refused."""
+
     feature: str
     runs: bool
     reason: str
+    source: str
+    package: str | None = None
+    min_version: str | None = None
+    features: list[str] = []
+
+
+class VendorTriton(NamedTuple):
+    """The triton distribution torch's ROCm / XPU wheels require, by torch release range."""
+
+    torch: str  # a range: "<2.10"
+    package: str
     source: str
 
 
@@ -145,7 +160,11 @@ class Vendors(NamedTuple):
     mps_min_macos: str
     bf16_min_macos: str
     mac_builds: list[MacBuild]
-    mps_limits: list[MpsLimit]
+    mps_limits: list[Limit]
+    rocm_limits: list[Limit]
+    xpu_limits: list[Limit]
+    rocm_triton: list[VendorTriton]
+    xpu_triton: list[VendorTriton]
 
     def amd_target(self, gfx: str) -> AmdTarget | None:
         return catalog.find_target(gfx, self.amd_targets)
@@ -159,6 +178,16 @@ class Vendors(NamedTuple):
 
     def intel_target(self, aot: str) -> IntelTarget | None:
         return next((t for t in self.intel_targets if t.aot == aot), None)
+
+    def limits(self, vendor: str) -> list[Limit]:
+        return {"amd": self.rocm_limits, "intel": self.xpu_limits, "apple": self.mps_limits}.get(vendor, [])
+
+    def triton_package(self, vendor: str, torch: str) -> VendorTriton | None:
+        """The triton distribution torch `torch`'s ROCm / XPU wheel requires, else None."""
+        from ..matrix import in_range
+
+        rows = {"amd": self.rocm_triton, "intel": self.xpu_triton}.get(vendor, [])
+        return next((r for r in rows if in_range(torch, r.torch)), None)
 
 
 @lru_cache(maxsize=4)
@@ -184,7 +213,11 @@ def load(directory: Path | None = None) -> Vendors:
         mps_min_macos=_scalar(apple, "mps_min_macos", directory / "apple.toml"),
         bf16_min_macos=_scalar(apple, "bf16_min_macos", directory / "apple.toml"),
         mac_builds=_rows(apple, "build", MacBuild, directory / "apple.toml"),
-        mps_limits=_rows(apple, "limit", MpsLimit, directory / "apple.toml"),
+        mps_limits=_rows(apple, "limit", Limit, directory / "apple.toml"),
+        rocm_limits=_rows(rocm, "limit", Limit, directory / "rocm.toml"),
+        xpu_limits=_rows(intel, "limit", Limit, directory / "intel.toml"),
+        rocm_triton=_rows(rocm, "triton", VendorTriton, directory / "rocm.toml"),
+        xpu_triton=_rows(intel, "triton", VendorTriton, directory / "intel.toml"),
     )
     _check(v, directory)
     return v
@@ -248,6 +281,26 @@ def _check(v: Vendors, directory: Path) -> None:
         version(b.rocm, where)
         for t in b.gfx:
             gfx(t, where)
+    from packaging.specifiers import InvalidSpecifier, SpecifierSet
+
+    for file, rows in (("rocm.toml", v.rocm_triton), ("intel.toml", v.xpu_triton)):
+        for r in rows:
+            try:
+                SpecifierSet(r.torch)
+            except InvalidSpecifier:
+                fail(f"{file} [[triton]] ({r.package}): torch {r.torch!r} is not a version range")
+    stack_packages = {name for s in load_matrix(directory).stacks for name in s.packages} | {"triton"}
+    feature_names = {f.name for f in load_matrix(directory).features}
+    for file, rows in (("rocm.toml", v.rocm_limits), ("intel.toml", v.xpu_limits), ("apple.toml", v.mps_limits)):
+        for r in rows:
+            where = f"{file} [[limit]] ({r.feature})"
+            if r.package is not None and r.package not in stack_packages:
+                fail(f"{where}: package {r.package!r} is not a training-stack package (packages.toml [[stack]])")
+            if r.min_version is not None:
+                version(r.min_version, where)
+            for name in r.features:
+                if name not in feature_names:
+                    fail(f"{where}: feature {name!r} has no packages.toml [[feature]] row")
     aots = {t.aot for t in v.intel_targets}
     for g in v.intel_gpus:
         if g.aot not in aots:
