@@ -423,9 +423,14 @@ def dockerfile(
     """
     from .docker import render
     from .matrix import load
-    from .pipeline import one_plan
+    from .pipeline import image_plans
 
-    sys.stdout.write(render(one_plan(opts), load(), base_image))
+    plans = image_plans(opts, base_image)
+    if len(plans) != 1:
+        from .errors import BadInput
+
+        raise BadInput("this command makes one environment: give --gpu a single target")
+    sys.stdout.write(render(plans[0], load(), base_image))
 
 
 @app.command()
@@ -455,9 +460,9 @@ def build(
       envtool build --gpu a100 --tag myorg/trainer:a100 --push
     """
     from .pipeline import build as do_build
-    from .pipeline import make_plans
+    from .pipeline import image_plans
 
-    built = do_build(make_plans(opts), sources, tag=tag, push=push, base_image=base_image, wheelhouse=wheelhouse,
+    built = do_build(image_plans(opts, base_image), sources, tag=tag, push=push, base_image=base_image, wheelhouse=wheelhouse,
                      network=network, quiet=json_out, say=(lambda s: None) if json_out else print)
     if json_out:
         print(json.dumps(built, indent=2))
@@ -525,7 +530,7 @@ def train(
     dist = Distribution(nproc, nnodes, node_rank, rdzv_endpoint)
     if emit is None:
         dist.check()
-    plan, notes = plan_for_config(config, opts)
+    plan, notes = plan_for_config(config, opts, for_image=image or emit == "k8s")
     if emit == "k8s":
         image = True
     launch = plan_launch(plan, config, opts, dist, venv=venv, image=image, isolated=isolated,
@@ -559,6 +564,10 @@ def train(
         for note in notes:
             print(f"config: {note}")
         print(f"environment: {launch.kind} {launch.path or ''} — {launch.why}")
+        if launch.kind != "image":
+            from .pipeline import image_line
+
+            print(f"image: {image_line(plan, opts)}")
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in launch.env.items())
         print(f"command: {env + ' ' if env else ''}{shlex.join(launch.command)}")
         return

@@ -74,6 +74,31 @@ def one_plan(opts: PlanOptions) -> Plan:
     return plans[0]
 
 
+def base_python(plan: Plan) -> str | None:
+    """The Python the plan's base image brings, where it brings its own (images.toml `python`: ROCm's)."""
+    from .matrix import load
+
+    row = next((b for b in load().base_images if plan.torch.variant.startswith(b.variant_prefix)), None)
+    return row.python if row is not None else None
+
+
+def image_plans(opts: PlanOptions, base_override: str | None = None) -> list[Plan]:
+    """Plans for images: where the base image brings its own Python and --python was not given, the plan is made
+    for that Python (and says so) rather than for this machine's."""
+    plans = make_plans(opts)
+    if opts.python or base_override:
+        return plans
+    out = []
+    for plan in plans:
+        python = base_python(plan)
+        if python and python != plan.python:
+            again = one_plan(opts._replace(gpu=plan.target, python=python))
+            plan = again._replace(reasons=[f"python {python}: the Python of the {plan.torch.variant} base image "
+                                           f"(images.toml; --python overrides)", *again.reasons])
+        out.append(plan)
+    return out
+
+
 # ---------------------------------------------------------------------------- lock, install
 
 
@@ -130,7 +155,7 @@ def install_system(python: str, env_dir: Path | None, opts: PlanOptions, sources
         opts = opts._replace(python=info["python"])
         torch = info.get("torch") or {}
         findings = diagnose(info, target.gpu, target.driver, m, python) if "version" in torch else []
-        torch_ok = bool(findings) and not any(f.level == "error" and f.check in ("torch", "torch-cuda", "arch", "driver")
+        torch_ok = bool(findings) and not any(f.level == "error" and f.check in ("torch", "torch-cuda", "torch-backend", "arch", "driver")
                                               for f in findings)
         plan = None
         if torch_ok and not opts.torch:
@@ -280,9 +305,10 @@ def config_pins(path: Path) -> ConfigPins:
     return ConfigPins(attention, key, precision, features, ray_workers)
 
 
-def plan_for_config(config: Path, opts: PlanOptions) -> tuple[Plan, list[str]]:
+def plan_for_config(config: Path, opts: PlanOptions, for_image: bool = False) -> tuple[Plan, list[str]]:
     """The plan for training `config`: its attention, precision and quantization honoured, or refused with
-    the reason. Returns the plan and one note per pin honoured."""
+    the reason. Returns the plan and one note per pin honoured. `for_image`: the run is in the plan's image, so
+    the Python is the base image's where it brings its own (image_plans)."""
     from .matrix import cc_tuple, load
 
     pins = config_pins(config)
@@ -296,6 +322,10 @@ def plan_for_config(config: Path, opts: PlanOptions) -> tuple[Plan, list[str]]:
         opts = opts._replace(attention=pins.attention)
     try:
         plan = one_plan(opts)
+        if for_image and not opts.python and base_python(plan) not in (None, plan.python):
+            python = base_python(plan)
+            plan = one_plan(opts._replace(python=python))
+            notes.append(f"python {python}: the Python of the {plan.torch.variant} base image (--python overrides)")
     except Unsatisfiable as e:
         if pins.attention and opts.attention == pins.attention:
             raise Unsatisfiable(f"{config} asks for {pins.attention_key}: {pins.attention}, which cannot run "
@@ -307,11 +337,13 @@ def plan_for_config(config: Path, opts: PlanOptions) -> tuple[Plan, list[str]]:
         notes.append(f"use_ray: one trainer process, which starts {pins.ray_workers} Ray Train worker(s) on a local "
                      "Ray cluster (no torchrun; the environment needs the trainer's ray extra)")
     gpu = plan.gpu
-    on_cpu = gpu["compute_capability"] is None
-    where = "CPU" if on_cpu else f"{gpu['name']} (sm_{gpu['compute_capability'].replace('.', '')})"
-    if pins.precision == "bf16" and not on_cpu and not gpu.get("bf16"):
-        raise BadInput(f"{config} sets bf16: true, but {where} has no native bf16 (sm_80+; it only emulates "
-                       f"it): set bf16: auto (fp16 with loss scaling) or fp16: true")
+    on_cpu = not plan.on_gpu
+    nvidia = gpu.get("compute_capability") is not None
+    where = "CPU" if on_cpu else f"{gpu['name']} ({plan.target_label})"
+    if pins.precision == "bf16" and not on_cpu and gpu.get("bf16") is False:
+        floor = "sm_80+; it only emulates it" if nvidia else "no bf16 on its matrix cores"
+        raise BadInput(f"{config} sets bf16: true, but {where} has no native bf16 ({floor}): set bf16: auto "
+                       f"(fp16 with loss scaling) or fp16: true")
     if pins.precision == "fp16" and on_cpu:
         raise BadInput(f"{config} sets fp16: true, which needs a CUDA GPU (fp16 autocast with loss scaling); "
                        f"the plan is for the CPU: use bf16: auto (fp32)")
@@ -326,12 +358,20 @@ def plan_for_config(config: Path, opts: PlanOptions) -> tuple[Plan, list[str]]:
             continue
         if on_cpu and not feature.cpu:
             raise BadInput(f"{config}: {key} ({feature.reason}) needs a CUDA GPU; the plan is for the CPU")
-        if not on_cpu and cc_tuple(gpu["compute_capability"]) < cc_tuple(feature.min_cc):
+        if nvidia and cc_tuple(gpu["compute_capability"]) < cc_tuple(feature.min_cc):
             raise BadInput(f"{config}: {key} ({feature.reason}) needs sm_{feature.min_cc.replace('.', '')}+; "
                            f"{where} is below")
+        if not on_cpu and not nvidia:
+            from .vendors.solve import feature_refusal
+
+            refused = feature_refusal(plan, feature.name)
+            if refused:
+                raise BadInput(f"{config}: {key} does not run on {where}: {refused}")
         if feature.package not in plan.packages:
+            left_out = next((r for r in plan.reasons if r.startswith(f"{feature.package} left out:")), None)
+            why = left_out.split(": ", 1)[1] if left_out else f"no wheel for Python {plan.python} on {plan.platform}"
             raise Unsatisfiable(f"{config}: {key} needs {feature.package}, which the plan for {where} does not "
-                                f"install (no wheel for Python {plan.python} on {plan.platform})")
+                                f"install ({why})")
         notes.append(f"{key}: {feature.package} {plan.packages[feature.package]} ({feature.reason})")
     return plan, notes
 
@@ -378,6 +418,25 @@ def active_env_runs(plan: Plan, opts: PlanOptions) -> tuple[bool, str]:
     return True, f"the active environment ({sys.prefix}, torch {torch_version}) runs this plan's choices"
 
 
+def image_line(plan: Plan, opts: PlanOptions) -> str:
+    """For `train --dry-run`: the image `--image` would train in (its tag and base), or why there is none."""
+    from .docker import NO_IMAGE, base_image
+    from .matrix import load
+    from .plan import image_tag
+
+    if plan.torch.backend in NO_IMAGE:
+        return f"none: {NO_IMAGE[plan.torch.backend]}"
+    python = base_python(plan)
+    target = plan
+    if python and python != plan.python and not opts.python:
+        target = one_plan(opts._replace(gpu=plan.target, python=python))
+    try:
+        base, _ = base_image(target, load(), None)
+    except BadInput as e:
+        return f"none: {e}"
+    return f"{image_tag(target)} (base {base}, Python {target.python}; `--image` trains in it)"
+
+
 def launch_command(python: str, config: str, *, nproc: int, nnodes: int = 1, node_rank: int = 0,
                    rdzv_endpoint: str | None = None, rdzv_id: str = "envtool") -> list[str]:
     """One process for one device; torchrun (as `python -m torch.distributed.run`, the environment's own)
@@ -417,7 +476,7 @@ def default_nproc(plan: Plan, dist: Distribution) -> int:
     """All the GPUs the plan counts (detected with --gpu auto), one process on the CPU."""
     if dist.nproc:
         return dist.nproc
-    if plan.gpu["compute_capability"] is None:
+    if not plan.on_gpu:
         return 1
     return max(int(plan.gpu.get("count") or 1), 1)
 
@@ -444,7 +503,7 @@ def plan_launch(plan: Plan, config: Path, opts: PlanOptions, dist: Distribution,
     plan_path = write_plan(plan)
     args = dict(nproc=nproc, nnodes=dist.nnodes, node_rank=dist.node_rank, rdzv_endpoint=dist.rdzv_endpoint,
                 rdzv_id=rdzv_id)
-    env = {"ENVTOOL_PLAN": str(plan_path)}
+    env = {**plan.env, "ENVTOOL_PLAN": str(plan_path)}  # plan.env: what the run needs (images carry it as ENV)
     if image:
         tag = image_tag(plan)
         cwd = Path.cwd().resolve()
@@ -546,7 +605,7 @@ def run(launch: Launch, plan: Plan, *, hf_cache: Path | None = None, shm_size: s
     if launch.kind == "image":
         from .docker import run as docker_run
 
-        gpus = None if plan.gpu["compute_capability"] is None else "all"
+        gpus = "all" if plan.on_gpu else None  # the image's plan says which devices (NVIDIA, AMD, Intel)
         return docker_run(launch.path, launch.command, gpus=gpus, shm_size=shm_size, hf_cache=hf_cache,
                           env_names=[], volumes=[f"{Path.cwd()}:/work"], workdir="/work",
                           network_mode="host" if "--rdzv-backend=c10d" in launch.command else None)
