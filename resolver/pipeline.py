@@ -193,6 +193,8 @@ def build(plans: list[Plan], sources, *, tag: str | None = None, push: bool = Fa
     m = load()
     if tag and len(plans) > 1:
         raise BadInput("--tag names one image: build several targets without it (tags name the architecture)")
+    for plan in plans:
+        images.base_image(plan, m, base_image)  # no image for this plan (XPU, MPS; a Python the base lacks): now
     images.client()  # fail now, in one line, if no engine answers
     built = []
     for plan in plans:
