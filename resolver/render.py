@@ -87,6 +87,24 @@ def gpus_table(m: Matrix, console: Console | None = None) -> None:
         table.add_row(g.name, ", ".join(g.aliases), g.compute_capability, arch.name, f"{g.memory_gb:g} GB",
                       "yes" if arch.bf16 else "no", "yes" if arch.fp8 else "no")
     console.print(table)
+    from .vendors import load as load_vendors
+
+    v = load_vendors()
+    table = Table(title="AMD and Intel GPUs; any other AMD GPU: --gpu gfxNNNN; any Mac: --gpu mps",
+                  title_justify="left")
+    for column in ("name", "aliases", "target", "arch", "memory", "bf16", "newest torch with its code"):
+        table.add_column(column)
+    for g in v.amd_gpus:
+        t = v.amd_target(g.gfx)
+        builds = v.rocm_builds_for(g.gfx)
+        newest = f"{builds[-1].torch}+{builds[-1].variant}" if builds else "none: torch does not run on it"
+        memory = f"{g.memory_gb / g.devices:g} GB" + (f" × {g.devices}" if g.devices > 1 else "") if g.memory_gb \
+            else "shared"
+        table.add_row(g.name, ", ".join(g.aliases), g.gfx, t.family, memory, "yes" if t.bf16 else "no", newest)
+    for g in v.intel_gpus:
+        table.add_row(g.name, ", ".join(g.aliases), g.aot, v.intel_target(g.aot).family, "-", "at run time",
+                      "every xpu build")
+    console.print(table)
 
 
 def doctor_table(result: dict, console: Console | None = None) -> None:
