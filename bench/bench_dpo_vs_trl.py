@@ -150,7 +150,7 @@ def main() -> None:
         print(json.dumps(result))
         return
 
-    from trainer.tiny import build_model, build_tokenizer
+    from trainer.model.tiny import build_model, build_tokenizer
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)

@@ -81,9 +81,9 @@ def trainer_config(entry: dict, model: Path, tmp: Path) -> dict:
 
 def estimate(entry: dict, models: dict, tmp: Path):
     from trainer.config import parse_config
-    from trainer.hardware import Gpu as TrainerGpu
-    from trainer.hardware import Runtime
     from trainer.runtime import memory, memory_model
+    from trainer.runtime.hardware import Gpu as TrainerGpu
+    from trainer.runtime.hardware import Runtime
 
     folder = model_dir(entry["model"], models, tmp)
     cfg, _ = parse_config(trainer_config(entry, folder, tmp))

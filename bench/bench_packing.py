@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from trainer.packing import efficiency, pack  # noqa: E402
+from trainer.batch.packing import efficiency, pack  # noqa: E402
 
 
 def long_tailed_lengths(n: int, capacity: int, seed: int = 0) -> np.ndarray:

@@ -58,7 +58,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="alternating runs per mode; the best of each counts")
     args = parser.parse_args()
 
-    from trainer.tiny import build_model, build_tokenizer
+    from trainer.model.tiny import build_model, build_tokenizer
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -71,7 +71,7 @@ def main() -> None:
                 "max_steps": args.steps, "learning_rate": 1e-4, "lr_scheduler": "constant",
                 "attn_implementation": "sdpa", "logging_steps": 1, "seed": 0}
         from trainer.config import parse_config
-        from trainer.data import load_tokenizer, prepare
+        from trainer.data.prepare import load_tokenizer, prepare
 
         cfg, _ = parse_config(base)
         lengths = np.array(prepare(cfg, load_tokenizer(cfg), log=lambda *_: None).train["length"])

@@ -61,7 +61,7 @@ def main() -> None:
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="envtool-bench-train-"))
     try:
-        from trainer.tiny import make_tiny_model
+        from trainer.model.tiny import make_tiny_model
 
         model = make_tiny_model(work / "tiny-model", family="llama", seed=0)
         cfg = yaml.safe_load((ROOT / "examples" / "tiny-cpu.yml").read_text())

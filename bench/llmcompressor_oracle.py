@@ -1,4 +1,4 @@
-"""Cross-check trainer/sparsity.py against llmcompressor's own ConstantPruningModifier (a one-off, not CI).
+"""Cross-check trainer/model/sparsity.py against llmcompressor's own ConstantPruningModifier (a one-off, not CI).
 
 llmcompressor 0.14 pins transformers<=5.17, so it cannot live in the project's environment. Run this in a
 throwaway venv that sees the project's packages and adds llmcompressor without its dependencies:
@@ -10,7 +10,7 @@ throwaway venv that sees the project's packages and adds llmcompressor without i
 
 A tiny llama is made 2:4 sparse (plus one value per weight at 5e-9, below llmcompressor's 1e-8 threshold), then
 trained 4 AdamW steps twice: driven through an llmcompressor session as Axolotl's plugin drives it (batch_start,
-optimizer step, optim_pre_step, optim_post_step, batch_end), and with trainer.sparsity.Pruning.after_step().
+optimizer step, optim_pre_step, optim_post_step, batch_end), and with trainer.model.sparsity.Pruning.after_step().
 Exit 0 when, for every recipe llmcompressor applies, both give bit-identical weights. It also prints what
 llmcompressor does with Axolotl's example recipe (result on 2026-11-22: Recipe.model_validate gives 0 modifiers,
 and through Recipe.from_dict its "re:.*q_proj.weight" targets match no module: no zeros kept).
@@ -29,8 +29,9 @@ from llmcompressor.core import callbacks
 from llmcompressor.recipe import Recipe
 
 from trainer.config import parse_config
-from trainer.sparsity import PLUGIN, Pruning
-from trainer.tiny import build_model, build_tokenizer
+from trainer.config.sparsity import PLUGIN
+from trainer.model.sparsity import Pruning
+from trainer.model.tiny import build_model, build_tokenizer
 
 EXAMPLE = Path(__file__).parents[1] / "tests/trainer/data/axolotl_examples/llama-3__sparse-finetuning.yaml"
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -93,7 +94,7 @@ def main() -> int:
         theirs, mine = train(base, tokenizer, block, ours=False), train(base, tokenizer, block, ours=True)
         same = all(torch.equal(theirs[n], mine[n]) for n in theirs)
         moved = any(not torch.equal(theirs[n], start[n]) for n in theirs)
-        print(f"{label}: trainer.sparsity == llmcompressor bit for bit: {same}")
+        print(f"{label}: trainer.model.sparsity == llmcompressor bit for bit: {same}")
         ok = ok and same and moved
     return 0 if ok else 1
 

@@ -501,14 +501,21 @@ def train(
     opts,
     sources,
 ) -> None:
-    """From a config to a trained model: plan, then run the bundled trainer where the plan runs.
+    """From a config to a trained model: read it, plan for it, then run the bundled trainer where the plan runs.
 
-    The config's attention, precision and quantization are honoured or refused with the reason. The trainer
-    runs in the active environment when doctor finds nothing wrong with it for the plan, else in an
-    environment built for the plan and cached by it (or --venv DIR, or the plan's image with --image).
-    One process per device: torchrun for several GPUs or machines. The trainer's exit code is envtool's.
+    The config is read by the trainer's own reader and checked against the plan before anything is built or
+    started (also with --dry-run): a bad key or value exits 2 in one line. What the GPU cannot run is adapted
+    with a reason where the config's intent is clear (flash_attention: true -> the fastest attention that
+    runs; bf16: auto -> fp16 below sm_80); an explicit pin that would change the result (bf16: true on a T4,
+    fp16: true on the CPU) exits 2. --attention / --no-flash-attn win over the config, with a reason. The
+    trainer runs in the active environment when doctor finds nothing wrong with it for the plan, else in an
+    environment built for the plan and cached by it (or --venv DIR, or the plan's image with --image). One
+    process per device: torchrun for several GPUs or machines. The trainer's error line and exit code are
+    envtool's, with one process or several.
 
       envtool train examples/tiny-cpu.yml --gpu cpu
+
+      envtool train examples/t4-qlora.yml --gpu t4 --dry-run
 
       envtool train config.yml --nproc 4 --dry-run
 
@@ -517,7 +524,8 @@ def train(
       envtool train config.yml --gpu a100 --nnodes 4 --emit slurm -o train.sbatch
     """
     from .errors import BadInput
-    from .pipeline import Distribution, plan_for_config, plan_launch, prepare, run
+    from .emit import emit as write_launcher
+    from .launch import Distribution, plan_training, prepare, run
 
     if venv is not None and image:
         raise BadInput("--venv and --image are two places to train: give one")
@@ -528,55 +536,45 @@ def train(
     if pvc is not None and emit != "k8s":
         raise BadInput("--pvc goes with --emit k8s (a Slurm job uses the filesystem its nodes share)")
     dist = Distribution(nproc, nnodes, node_rank, rdzv_endpoint)
-    if emit is None:
-        dist.check()
-    plan, notes = plan_for_config(config, opts, for_image=image or emit == "k8s")
-    if emit == "k8s":
-        image = True
-    launch = plan_launch(plan, config, opts, dist, venv=venv, image=image, isolated=isolated,
-                         mounted=emit != "k8s")  # k8s carries the config in a ConfigMap
-    quiet = json_out
-    log = (lambda s: None) if quiet else say
+    training = plan_training(config, opts, dist, venv=venv, image=image, isolated=isolated, emit=emit)
+    log = (lambda s: None) if json_out else say
     if emit:
-        from . import emit as emitters
-
-        if not dry_run:
-            prepare(launch, plan, sources, quiet=quiet, say=log)
-        text = emitters.render(emit, plan, launch, config, dist, pvc=pvc, warn=log)
-        if output is None:
+        text = write_launcher(training, emit, dist, sources, output=output, dry_run=dry_run, pvc=pvc,
+                              quiet=json_out, say=log)
+        if text is not None:
             sys.stdout.write(text)
-        else:
-            emitters.write(output, text, executable=emit == "slurm")
-            log(f"wrote {output} ({'sbatch ' + str(output) if emit == 'slurm' else 'kubectl apply -f ' + str(output)})")
         return
     import shlex
 
-    summary = {"plan": plan.to_dict(), "config": str(config), "notes": notes, "environment": {
-        "kind": launch.kind, "path": launch.path, "ready": launch.ready, "why": launch.why},
-        "command": launch.command, "env": launch.env}
+    launch, summary = training.launch, training.summary()
     if dry_run:
         if json_out:
             print(json.dumps(summary, indent=2))
             return
         from .render import plan_table
 
-        plan_table(plan)
-        for note in notes:
+        plan_table(training.plan)
+        for note in training.notes:
             print(f"config: {note}")
+        trainer = training.trainer
+        print(f"trainer: attention {trainer['attention']}, precision {trainer['precision']}"
+              f"{' + tf32' if trainer['tf32'] else ''}")
+        for note in trainer["notes"]:
+            print(f"note: {note}")
         print(f"environment: {launch.kind} {launch.path or ''} — {launch.why}")
         if launch.kind != "image":
-            from .pipeline import image_line
+            from .launch import image_line
 
-            print(f"image: {image_line(plan, opts)}")
+            print(f"image: {image_line(training.plan, opts)}")
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in launch.env.items())
         print(f"command: {env + ' ' if env else ''}{shlex.join(launch.command)}")
         return
-    for note in notes:
+    for note in training.notes:
         log(f"config: {note}")
     log(f"envtool: training in {launch.kind} environment {launch.path or ''} ({launch.why})")
-    prepare(launch, plan, sources, quiet=quiet, say=log)
+    prepare(launch, training.plan, sources, quiet=json_out, say=log)
     log(f"envtool: {shlex.join(launch.command)}")
-    code = run(launch, plan, hf_cache=hf_cache, stdout_to_stderr=json_out)
+    code = run(launch, training.plan, hf_cache=hf_cache, stdout_to_stderr=json_out)
     if json_out:
         print(json.dumps({**summary, "exit_code": code}, indent=2))
     raise typer.Exit(code)

@@ -18,7 +18,7 @@ from typing import Callable
 
 from .errors import BadInput
 from .files import write_atomic
-from .pipeline import Distribution, Launch, default_nproc
+from .launch import Distribution, Launch, Training, default_nproc, prepare
 from .plan import Plan
 
 HF_HOME = "/home/trainer/.cache/huggingface"  # the image's HF_HOME (dockerfiles/Dockerfile.j2)
@@ -31,21 +31,17 @@ def _stderr(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def render(kind: str, plan: Plan, launch: Launch, config: Path, dist: Distribution, *, pvc: str | None = None,
+def render(kind: str, plan: Plan, launch: Launch, config: Path, dist: Distribution, *, cfg, pvc: str | None = None,
            warn: Callable[[str], None] = _stderr) -> str:
-    """The launcher text. `pvc` (k8s): the PersistentVolumeClaim for data and outputs (default envtool-work);
-    `warn` gets one line per path in the config that the pods would not see."""
-    from .pipeline import config_pins
-
-    if config_pins(config).ray_workers is not None:
-        raise BadInput(f"--emit {kind}: {config} sets use_ray, which starts its workers through a local Ray cluster; "
-                       "these launchers run torchrun: set use_ray: false for them")
+    """The launcher text for a config resolver/launch.py has read (once, through the trainer's reader: `cfg`) and
+    checked (use_ray is refused there). `pvc` (k8s): the PersistentVolumeClaim for data and outputs (default
+    envtool-work); `warn` gets one line per path in the config that the pods would not see."""
     if kind == "slurm":
         if pvc is not None:
             raise BadInput("--pvc goes with --emit k8s (a Slurm job uses the filesystem its nodes share)")
         return sbatch(plan, launch, config, dist)
     claim = DEFAULT_PVC if pvc is None else check_claim(pvc)
-    for line in volume_warnings(config, claim, dist):
+    for line in volume_warnings(config, cfg, claim, dist):
         warn(f"envtool: warning: {line}")
     return pytorchjob(plan, launch, config, dist, work_claim=claim)
 
@@ -63,30 +59,21 @@ def _looks_local(value: str) -> bool:
             or value.endswith((".json", ".jsonl", ".parquet", ".csv", ".arrow", ".txt")))
 
 
-def volume_warnings(config: Path, claim: str, dist: Distribution) -> list[str]:
+def volume_warnings(config: Path, cfg, claim: str, dist: Distribution) -> list[str]:
     """What the pods would not find or would lose: outputs written outside the volume, and local files (data,
-    a local model) that must be copied onto it first."""
-    import yaml
-
-    try:
-        cfg = yaml.safe_load(config.read_text()) or {}
-    except (OSError, yaml.YAMLError):
-        return []  # the trainer reports a broken config, in its own words
-    if not isinstance(cfg, dict):
-        return []
+    a local model) that must be copied onto it first. `cfg`: the trainer's Config, as envtool train read it."""
     lines = []
-    for key, default in (("output_dir", "./outputs"), ("dataset_prepared_path", "last_run_prepared")):
-        value = str(cfg.get(key) or default)
+    for key in ("output_dir", "dataset_prepared_path"):
+        value = str(getattr(cfg, key))
         if value.startswith("/") and not (value == WORK or value.startswith(WORK + "/")):
             lines.append(f"{config}: {key} {value} is outside the volume (the claim {claim} is mounted at {WORK}): "
                          f"what is written there is lost with the pod; use a relative path")
     local = []
-    if isinstance(cfg.get("base_model"), str) and _looks_local(cfg["base_model"]):
-        local.append(("base_model", cfg["base_model"]))
-    for section in ("datasets", "test_datasets"):
-        for i, ds in enumerate(cfg.get(section) or []):
-            if isinstance(ds, dict) and isinstance(ds.get("path"), str) and _looks_local(ds["path"]):
-                local.append((f"{section}[{i}].path", ds["path"]))
+    if _looks_local(cfg.base_model):
+        local.append(("base_model", cfg.base_model))
+    for i, ds in enumerate(cfg.datasets):
+        if _looks_local(ds.path):
+            local.append((f"datasets[{i}].path", ds.path))
     for key, value in local:
         inside = value if value.startswith("/") else f"{WORK}/{value.removeprefix('./')}"
         lines.append(f"{config}: {key} {value} is a local path: the pods read {inside}; copy it onto the claim "
@@ -236,3 +223,18 @@ def pytorchjob(plan: Plan, launch: Launch, config: Path, dist: Distribution, *, 
         f"{work_claim} ({access}) mounted at {WORK}, the working directory: the config's relative paths "
         f"(output_dir, dataset_prepared_path, local data) are on it, so the model outlives the pods.", 110))
     return header + yaml.safe_dump_all([config_map, job], sort_keys=False)
+
+
+def emit(training: Training, kind: str, dist: Distribution, sources, *, output: Path | None, dry_run: bool,
+         pvc: str | None = None, quiet: bool = False, say: Callable[[str], None] = lambda s: None) -> str | None:
+    """Write the launcher for an existing engine (its environment built first unless dry_run). Returns the text
+    when there is no `output` to write it to. `pvc`: the k8s job's PersistentVolumeClaim (resolver/emit.py)."""
+    if not dry_run:
+        prepare(training.launch, training.plan, sources, quiet=quiet, say=say)
+    text = render(kind, training.plan, training.launch, training.config, dist, cfg=training.cfg, pvc=pvc,
+                           warn=say)
+    if output is None:
+        return text
+    write(output, text, executable=kind == "slurm")
+    say(f"wrote {output} ({'sbatch ' + str(output) if kind == 'slurm' else 'kubectl apply -f ' + str(output)})")
+    return None

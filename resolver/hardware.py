@@ -63,6 +63,18 @@ class GpuSpec(NamedTuple):
             return "sm_" + self.compute_capability.replace(".", "")
         return self.target or self.backend
 
+    def target_reason(self) -> str:
+        """The plan's first reason: what the plan is for, and where that was found."""
+        if self.is_cpu:
+            return "target: CPU (no CUDA): torch's CPU build"
+        memory = f", {self.memory_gb:g} GB" if self.memory_gb else ""
+        count = f"{self.count} × " if self.count > 1 else ""
+        if not self.is_nvidia:
+            device = {"rocm": "torch device 'cuda' under HIP", "xpu": "torch device 'xpu'", "mps": "torch device 'mps'"}
+            return f"target: {count}{self.describe()}{memory}, {device[self.backend]} (from {self.source})"
+        return (f"target: {count}{self.describe()}, compute capability {self.compute_capability}{memory} "
+                f"(from {self.source})")
+
     def describe(self) -> str:
         if self.is_cpu:
             return "CPU"

@@ -9,7 +9,7 @@ its half-built version is removed by the next install.
 exported requirements (hash-checked) into an interpreter that already exists, never building a CUDA package
 from source, and leaving alone a torch that the pipeline decided to keep.
 
-Every environment gets its plan as `<prefix>/plan.json`, where the trainer looks (trainer/planfile.py).
+Every environment gets its plan as `<prefix>/plan.json`, where the trainer looks (trainer/runtime/planfile.py).
 """
 
 from __future__ import annotations

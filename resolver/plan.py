@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 PLAN_FILE = "plan.json"  # the one name of a plan on disk: lock directories, environments, images
-PLAN_VERSION = "1.2"  # 1.1: packing, mask_without_cudnn, flash_attn.index_url; 1.2: device, env, gpu.vendor/target,
-#   torch.backend/rocm (AMD, Intel and Apple plans)
+PLAN_VERSION = "1.2"  # 1.1: packing, mask_without_cudnn, flash_attn.index_url, pinned (command-line choices);
+#   1.2: device, env, gpu.vendor/target, torch.backend/rocm (AMD, Intel and Apple plans)
 
 
 class TorchChoice(NamedTuple):
@@ -63,6 +63,9 @@ class Plan(NamedTuple):
     packing: str = "mask"  # how packed rows are kept apart: "varlen" (cu_seqlens, no mask) | "mask"
     mask_without_cudnn: bool = False  # masked SDPA calls must run with cuDNN attention switched off
     rejected: list[Rejected] = []
+    # Choices set on the command line, each with the option that set it ({"attention": "--attention sdpa"}): the
+    # trainer follows them over its config, as a command-line option wins. Written only when there is one.
+    pinned: dict[str, str] = {}
     device: str = "cuda"  # torch's device type: cuda (NVIDIA, and AMD under HIP) | xpu | mps | cpu
     env: dict[str, str] = {}  # environment the run needs (TORCH_ROCM_AOTRITON_ENABLE_EXPERIMENTAL=1)
     plan_version: str = PLAN_VERSION
@@ -80,6 +83,8 @@ class Plan(NamedTuple):
         data = _plain(self)
         if not explain:
             data.pop("rejected")
+        if not data["pinned"]:
+            data.pop("pinned")
         return data
 
     def to_json(self, explain: bool = False) -> str:

@@ -9,7 +9,6 @@ where dropping one pin would help, the pin value that works.
 from __future__ import annotations
 
 import os
-import re
 from functools import lru_cache
 from typing import NamedTuple
 
@@ -21,13 +20,11 @@ from matrices.catalog import backend_range, backend_runs_on
 
 from .matrix import (CudnnSdpa, FlashAttnImpl, FlashAttnRelease, KernelsRelease, Matrix, TorchBuild,
                      TorchRelease, VarlenKernel, Xformers, cc_tuple, in_range)
+from .matrix import FLASH_ATTN_URL_ENV, PYTHON_RE, TORCH_INDEX_ENV, stack_for  # noqa: F401 (also read from here)
+from .matrix import prefix_match as _prefix_match
 from .plan import FlashAttnChoice, Plan, Rejected, TorchChoice
 
 PLATFORMS = ("x86_64", "aarch64")
-PYTHON_RE = re.compile(r"^3\.\d{1,2}$")
-# Mirrors and air-gapped sites: URL templates that replace the matrix's (same placeholders).
-TORCH_INDEX_ENV = "ENVTOOL_TORCH_INDEX_URL"  # {variant}
-FLASH_ATTN_URL_ENV = "ENVTOOL_FLASH_ATTN_URL"  # {version} {filename}
 
 
 class Request(NamedTuple):
@@ -120,9 +117,6 @@ def check_request(req: Request, m: Matrix) -> None:
                                 f"{backend_range(backend)}; use --attention sdpa")
 
 
-def _prefix_match(pin: str, version: str) -> bool:
-    pin_release = Version(pin).release
-    return Version(version).release[: len(pin_release)] == pin_release
 
 
 # ---------------------------------------------------------------------------- the rules
@@ -280,11 +274,6 @@ def has_sass(build: TorchBuild, cc: str, platform: str = "x86_64") -> bool:
     """SASS for X.Y runs on X.Z when Y <= Z (same major); PTX is not counted."""
     major, minor = cc_tuple(cc)
     return any(cc_tuple(s)[0] == major and cc_tuple(s)[1] <= minor for s in sass_for(build, platform) or ())
-
-
-def stack_for(m: Matrix, torch_version: str, python: str):
-    return next((s for s in m.stacks
-                 if in_range(torch_version, s.torch) and in_range(python, s.python)), None)
 
 
 # ---------------------------------------------------------------------------- attention kernels
@@ -724,14 +713,7 @@ def build_plan(req: Request, m: Matrix, best: Candidate, survivors: list[Candida
 
 
 def describe_target(gpu: GpuSpec) -> str:
-    if gpu.is_cpu:
-        return "target: CPU (no CUDA): torch's CPU build"
-    memory = f", {gpu.memory_gb:g} GB" if gpu.memory_gb else ""
-    count = f"{gpu.count} × " if gpu.count > 1 else ""
-    if not gpu.is_nvidia:
-        device = {"rocm": "torch device 'cuda' under HIP", "xpu": "torch device 'xpu'", "mps": "torch device 'mps'"}
-        return f"target: {count}{gpu.describe()}{memory}, {device[gpu.backend]} (from {gpu.source})"
-    return f"target: {count}{gpu.describe()}, compute capability {gpu.compute_capability}{memory} (from {gpu.source})"
+    return gpu.target_reason()
 
 
 def torch_reason(req: Request, m: Matrix, best: Candidate, survivors: list[Candidate]) -> str:

@@ -279,7 +279,7 @@ def trainer_decision(key: str) -> dict[str, str]:
     sys.path.insert(0, str(ROOT))
     try:
         import trainer.config as tc
-        from trainer.distributed import FSDP_KEYS
+        from trainer.config.parallel import FSDP_KEYS
     except Exception:  # noqa: BLE001  (a checkout mid-change: no decisions offered)
         return {}
     head, _, rest = key.partition(".")

@@ -26,7 +26,9 @@ def _setup(args, gpu: str | None = None):
 
 
 def cmd_validate(args) -> int:
-    from trainer import distributed, optim, quantization
+    from trainer.model import quantization
+    from trainer.optim import optimizers
+    from trainer.parallel import distributed
 
     cfg, notes, runtime = _setup(args, args.gpu)
     if args.json:
@@ -45,7 +47,7 @@ def cmd_validate(args) -> int:
               quantization.mode(cfg) or "", ""))
     if cfg.reinit_weights:
         print("  weights:    fresh, from the model's config and the seed (reinit_weights)")
-    print(f"  optimizer:  {cfg.optimizer} ({optim.check(cfg.optimizer)['library']})")
+    print(f"  optimizer:  {cfg.optimizer} ({optimizers.check(cfg.optimizer)['library']})")
     if cfg.qat is not None:
         print(f"  qat:        {cfg.qat.describe()} (torchao fake quantization; plain layers again at the end)")
     if distributed.enabled(cfg) or cfg.deepspeed:
@@ -55,7 +57,7 @@ def cmd_validate(args) -> int:
 
         print(f"  launcher:   {ray_launch.describe(cfg, runtime)}")
     if cfg.streamed:
-        from trainer.streaming import describe
+        from trainer.data.streaming import describe
 
         print(f"  data:       {describe(cfg)}")
     if cfg.rl == "ebft":
@@ -72,7 +74,7 @@ def cmd_validate(args) -> int:
                      else "reference-free")
         print(f"  objective:  {cfg.objective} (beta {cfg.beta:g}; {reference})")
     if cfg.objective in ("reward", "prm"):
-        from trainer.reward_data import num_labels
+        from trainer.config.rl import num_labels
 
         print(f"  objective:  {cfg.objective} ({'sequence' if cfg.objective == 'reward' else 'token'} classification, "
               f"num_labels {num_labels(cfg)})")
@@ -88,7 +90,8 @@ def cmd_validate(args) -> int:
 
 def cmd_preprocess(args) -> int:
     from trainer.config import load_config
-    from trainer.data import load_tokenizer, prepare
+    from trainer.data.prepare import load_tokenizer
+    from trainer.objectives import prepare
 
     cfg, _ = load_config(args.config)
     if cfg.streamed:
@@ -128,11 +131,12 @@ def cmd_evaluate(args) -> int:
 
     import torch
 
-    from trainer.collate import Collator
-    from trainer.data import load_tokenizer, prepare
+    from trainer.batch.collate import Collator
+    from trainer.data.prepare import load_tokenizer
     from trainer.errors import ConfigError
-    from trainer.evaluate import evaluate
-    from trainer.model import load_trained
+    from trainer.model.load import load_trained
+    from trainer.objectives import prepare
+    from trainer.objectives.evaluate import evaluate
 
     cfg, _, runtime = _setup(args)
     if cfg.streamed:
@@ -148,8 +152,8 @@ def cmd_evaluate(args) -> int:
     if cfg.objective != "sft" or cfg.use_eaft or cfg.diffusion is not None:  # the objective's loss and metrics
         # (preference: against the cached reference log-probs; reward models, use_eaft and diffusion: their own losses)
         from trainer import objectives
-        from trainer.model import load_model
-        from trainer.reference import reference_logps
+        from trainer.model.load import load_model
+        from trainer.objectives.reference import reference_logps
 
         objective = objectives.build(cfg, collator, None)
         kwargs = {}
@@ -174,11 +178,48 @@ def cmd_evaluate(args) -> int:
 
 
 def cmd_make_tiny_model(args) -> int:
-    from trainer.tiny import make_tiny_model
+    from trainer.model.tiny import make_tiny_model
 
     path = make_tiny_model(args.dir, family=args.family, seed=args.seed)
     print(f"wrote a tiny {args.family} model and tokenizer to {path}")
     return 0
+
+
+def cmd_merge_lora(args) -> int:
+    from trainer.outputs.merge import merge_lora
+
+    result = merge_lora(args.config, args.output, args.dtype, log=log,
+                        precision=lambda: _setup(args)[2].precision)  # asked only once the inputs are checked
+    if args.json:
+        print(json.dumps(result, indent=2))
+    elif not result["merged"]:
+        print(f"note: {result['note']}")
+    else:
+        print(f"merged {result['lora_weights']} LoRA weights ({result['whole_tensors']} tensors saved whole) into "
+              f"{result['base']}: {result['shards']} shard(s), {result['bytes'] / 2**20:.1f} MiB in {result['dtype']}, "
+              f"written to {result['model']} (eos_token_id {result['eos_token_id']})")
+    return 0
+
+
+def cmd_export(args) -> int:
+    from trainer.outputs.gguf import export_gguf
+
+    result = export_gguf(args.config, args.outtype, args.output, log=log)
+    print(json.dumps(result, indent=2) if args.json else
+          f"wrote {result['path']} ({result['architecture']}, {result['outtype']}, {result['tensors']} tensors, "
+          f"{result['bytes'] / 2**20:.1f} MiB; chat template {'included' if result['chat_template'] else 'absent'}, "
+          f"eos {result['eos_token_id']}, eot {result['eot_token_id']})")
+    return 0
+
+
+def cmd_chat_check(args) -> int:
+    from trainer.config import load_config
+    from trainer.outputs.chat_check import chat_check, print_report
+
+    cfg, _ = load_config(args.config)
+    report = chat_check(cfg, args.model, args.max_new_tokens)
+    print_report(report, args.json)
+    return 0 if report["stopped"] else 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -211,6 +252,55 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_evaluate)
 
+    p = sub.add_parser("merge-lora", help="merge output_dir/final's adapter into the base: a full model in "
+                       "output_dir/merged, streamed shard by shard",
+                       description="Merge the LoRA/QLoRA adapter in output_dir/final (SFT, DPO, ORPO, KTO, ...) into "
+                       "base_model and write a full model to output_dir/merged (or --output): the base's safetensors "
+                       "shards with the LoRA deltas added, config.json, the tokenizer and chat template the run saved, "
+                       "and generation_config.json whose eos_token_id includes the chat template's end-of-turn token. "
+                       "Streams one shard at a time (peak memory about one shard plus the adapter); writes to a "
+                       "temporary directory renamed at the end. QLoRA: merged into the unquantized base, in the "
+                       "training precision. A full fine-tune's final/ is already a full model: nothing is written. "
+                       "Exit codes: 0 merged (or nothing to merge), 2 bad input (no adapter, base not available, "
+                       "output exists), 1 failure while merging.")
+    p.add_argument("config")
+    p.add_argument("--output", help="directory to write (default output_dir/merged); must not exist")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"],
+                   help="dtype of the merged weights (default: the precision the config trains in on this machine)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_merge_lora)
+
+    p = sub.add_parser("export", help="the merged (or fully fine-tuned) model as one GGUF file for llama.cpp / Ollama: "
+                       "output_dir/<name>-<outtype>.gguf",
+                       description="Write output_dir/merged (after merge-lora) or output_dir/final (a full "
+                       "fine-tune) as one GGUF file, with the tokenizer, chat template, eos and end-of-turn ids in its "
+                       "metadata, using the gguf package (no llama.cpp checkout). Default file: "
+                       "output_dir/<output_dir name>-<outtype>.gguf. Families: llama, mistral, qwen2, qwen3 (others "
+                       "are refused in one line). Exit codes: 0 written, 2 bad input (no merged model, unsupported "
+                       "family or tokenizer, file exists), 1 failure while writing.")
+    p.add_argument("config")
+    p.add_argument("--format", choices=["gguf"], default="gguf", help="output format (gguf)")
+    p.add_argument("--outtype", choices=["f32", "f16", "bf16", "q8_0"], default="f16",
+                   help="tensor type of the 2-D weights (norms and biases stay f32); default f16")
+    p.add_argument("--output", help="GGUF file to write; must not exist")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("chat-check", help="does the trained model stop? one greedy chat turn on CPU; exit 0 when it "
+                       "ends with an end-of-turn token, 1 when not",
+                       description="Load output_dir/merged, else output_dir/final (a full model, or the adapter on "
+                       "base_model), render one conversation with the saved chat template, generate up to "
+                       "--max-new-tokens greedily on CPU with the saved generation_config.json, and report whether "
+                       "the reply ends with an end-of-turn token (the template's, the eos, eot_tokens). Writes nothing. "
+                       "Exit codes: 0 the reply ended with an end-of-turn token, 1 it did not (the report says why: "
+                       "generation_config.json lacks the token, or the model never wrote it), 2 bad input (no model, "
+                       "no chat template).")
+    p.add_argument("config")
+    p.add_argument("--model", help="model or adapter directory (default output_dir/merged, else output_dir/final)")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_chat_check)
+
     p = sub.add_parser("make-tiny-model", help="write a tiny local model + tokenizer (no downloads)")
     p.add_argument("dir")
     p.add_argument("--family", choices=["llama", "qwen2", "mistral"], default="llama")
@@ -227,12 +317,15 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger(name).setLevel(logging.ERROR)
     rank = os.environ.get("RANK")
     prefix = f"error (rank {rank}): " if rank not in (None, "0") else "error: "
+    from trainer.errors import record  # under envtool's torchrun launcher the line goes to it, printed once
+
     try:
         return args.func(args)
     except TrainerError as err:
         if args.debug:
             raise
-        print(prefix + str(err), file=sys.stderr)
+        if not record(prefix + str(err), err.exit_code):
+            print(prefix + str(err), file=sys.stderr)
         return err.exit_code
     except KeyboardInterrupt:
         print(prefix + "interrupted", file=sys.stderr)
@@ -240,6 +333,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as err:  # a bug or an environment problem: still one line unless --debug
         if args.debug:
             raise
-        print(f"{prefix}{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''} "
-              "(run with --debug for the traceback)", file=sys.stderr)
+        line = (f"{prefix}{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''} "
+                "(run with --debug for the traceback)")
+        if not record(line, 1):
+            print(line, file=sys.stderr)
         return 1

@@ -31,3 +31,29 @@ class TrainingError(TrainerError):
     """Training itself failed: NaN/inf loss, a collective timed out, a checkpoint cannot be read."""
 
     exit_code = 1
+
+
+ERROR_DIR_ENV = "ENVTOOL_ERROR_DIR"  # set by `envtool train` around torchrun: where each rank leaves its error
+
+
+def record(line: str, exit_code: int) -> bool:
+    """Under `envtool train`'s multi-process launcher (``ENVTOOL_ERROR_DIR`` set), write this rank's error line and
+    exit code to ``rank-<RANK>.json`` there (atomically) instead of printing it: the launcher prints the first
+    failure's line once and exits with its code, where torchrun alone would print every rank's line, its own
+    48-line report and exit 1. False (print it yourself) without a launcher or when the file cannot be written."""
+    import json
+    import os
+    import time
+
+    folder = os.environ.get(ERROR_DIR_ENV)
+    if not folder:
+        return False
+    rank = os.environ.get("RANK", "0")
+    path = os.path.join(folder, f"rank-{rank}.json")
+    try:
+        with open(path + ".tmp", "w") as f:
+            json.dump({"rank": int(rank), "line": line, "exit_code": exit_code, "time": time.time()}, f)
+        os.replace(path + ".tmp", path)
+    except (OSError, ValueError):
+        return False
+    return True

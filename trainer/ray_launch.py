@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 from trainer.errors import ConfigError, HardwareError, TrainerError, TrainingError
@@ -168,6 +169,11 @@ def _worker_error(err: Exception) -> TrainerError:
     return TrainingError(f"ray: {type(cause).__name__}: {str(cause).strip().splitlines()[0] if str(cause).strip() else ''}")
 
 
+def _stderr(message: str) -> None:
+    """A worker's lines, as `python -m trainer train` prints them (Ray forwards workers' stderr to the driver)."""
+    print(message, file=sys.stderr, flush=True)
+
+
 def _worker(spec: dict) -> None:
     """One Ray Train worker: the same `train` as one torchrun process, in the driver's working directory (Ray
     starts workers in its own session directory; the config's relative paths are the driver's)."""
@@ -188,6 +194,6 @@ def _worker(spec: dict) -> None:
     tmp.replace(markers / f"rank-{rank}.json")
     try:
         cfg, _, runtime = start(spec["config"], None, spec["plan"])
-        train(cfg, runtime, log=cli.log)
+        train(cfg, runtime, log=_stderr)
     except TrainerError as err:  # the driver re-raises it: one line, the exit code torchrun's run would have
         raise type(err)(str(err)) from None  # (a fresh instance: picklable, no chained traceback)

@@ -2,41 +2,160 @@
 
 One entry point for everything that begins a run or judges a config: ``python -m trainer validate|train|evaluate``,
 the Ray Train workers (trainer/ray_launch.py) and the resolver's ``envtool train`` (which reads a config through
-this reader, never a second one). It imports no torch, transformers or peft unless asked to probe the GPU with
+this reader, never a second one: ``load_config`` once, then ``fit`` against the plan it made, and ``needs`` for the
+libraries the plan must carry). It imports no torch, transformers or peft unless asked to probe the GPU with
 torch (no ``gpu`` and no plan), so the resolver can judge a config in an environment without the training stack.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+from typing import NamedTuple
 
 
 def start(config: str | Path, gpu: str | None = None, plan: str | None = None):
     """(cfg, notes, runtime) for `config` on `gpu` (a catalog name, sm_XY or cpu), else the plan at `plan`, else the
-    plan found by trainer/planfile.py's rule, else torch's probe. Raises the trainer's typed errors (ConfigError,
+    plan found by trainer/runtime/planfile.py's rule, else torch's probe. Raises the trainer's typed errors (ConfigError,
     HardwareError, ...) for what the config or GPU cannot do."""
     from trainer.config import load_config
-    from trainer.hardware import adapt, detect
+    from trainer.config.training import one_process_only
+    from trainer.runtime.hardware import detect
 
     cfg, notes = load_config(config)
+    one_process_only(cfg, processes(cfg))  # before the model loads (minutes on a real one), not after
     found_gpu, found_plan = detect(gpu, plan)
-    runtime = adapt(cfg, found_gpu, found_plan)
-    from trainer.model_attention import for_model
+    return cfg, notes, fit(cfg, found_gpu, found_plan)
 
-    for_model(cfg, runtime, local_only=True)  # the backend the model's class accepts, where its config is at hand
-    runtime.changes += feature_notes(cfg, runtime, found_plan)
-    return cfg, notes, runtime
+
+def fit(cfg, gpu, plan: dict | None, model_class: bool = True):
+    """The Runtime `cfg` trains with on `gpu` under `plan` (a plan dict, or None): attention, precision and tf32
+    adapted with a reason for each change, the model class's attention, every feature's floor. Raises
+    HardwareError where the GPU cannot do what the config pins. `model_class=False` leaves out the model class's
+    attention (it imports transformers when the model's config is on this machine, and never refuses anything):
+    the trainer fits it at start."""
+    from trainer.runtime.hardware import adapt
+
+    runtime = adapt(cfg, gpu, plan)
+    if model_class:
+        from trainer.model.attention import for_model
+
+        for_model(cfg, runtime, local_only=True)  # the backend the model's class accepts, where its config is at hand
+    runtime.changes += feature_notes(cfg, runtime, plan)
+    return runtime
+
+
+def for_plan(cfg, plan: dict, source: str = "the plan"):
+    """`fit` on the GPU a plan names, without the model class (what ``envtool train`` checks before it builds or
+    starts anything, in an environment that may have no torch or transformers)."""
+    from trainer.runtime.hardware import gpu_from_plan
+
+    return fit(cfg, gpu_from_plan(plan, source), plan, model_class=False)
+
+
+def processes(cfg) -> int:
+    """How many processes the run trains on: torchrun's WORLD_SIZE, or the Ray Train workers use_ray starts."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    return max(world, cfg.ray_num_workers) if cfg.use_ray else world
 
 
 def feature_notes(cfg, runtime, plan) -> list[str]:
     """What quantized loading, the optimizer and the kernels become on this GPU (each floor from matrices/).
     Raises HardwareError where the GPU cannot do what the config asks. Sets runtime.kernels (liger on?)."""
-    from trainer import bitnet, distributed, kernels, optim, qat, quantization
+    from trainer.model import bitnet, kernels, qat, quantization
+    from trainer.optim import optimizers
+    from trainer.parallel import distributed
 
-    notes = quantization.hardware_notes(cfg, runtime.gpu) + optim.hardware_notes(cfg.optimizer, runtime.gpu)
+    if runtime.gpu.other_vendor:
+        return vendor_feature_notes(cfg, runtime, plan)
+    notes = quantization.hardware_notes(cfg, runtime.gpu) + optimizers.hardware_notes(cfg.optimizer, runtime.gpu)
     notes += qat.hardware_notes(cfg, runtime.gpu)  # qat dtypes' and fp8's floors
     notes += bitnet.hardware_notes(cfg, runtime.gpu, plan)  # use_onebitllms: triton kernels, so a GPU
     runtime.kernels, kernel_notes = kernels.plan_notes(cfg, runtime.gpu, plan)
     if distributed.enabled(cfg) and runtime.device == "cpu" and distributed.fsdp_settings(cfg)["fsdp_version"] == 1:
         notes.append(distributed.CPU_FSDP1_NOTE)
     return notes + kernel_notes
+
+
+def vendor_feature_notes(cfg, runtime, plan) -> list[str]:
+    """The libraries a config needs (`needs`) on an AMD, Intel or Apple GPU, judged by their facts rather than NVIDIA's
+    compute-capability floors: a [[limit]] row that refuses the feature (bitsandbytes' 8-bit optimizers on MPS), a
+    package the plan left out or the vendor cannot run (DeepSpeed on XPU), bitsandbytes without a ROCm library for
+    the target; fp8, use_onebitllms (triton kernels, unverified there) refused; liger kernels off."""
+    from trainer.errors import HardwareError
+    from trainer.model import kernels
+    from trainer.runtime import vendors
+
+    gpu = runtime.gpu
+    runtime.kernels = False
+    notes = []
+    if cfg.fp8:
+        raise HardwareError(f"fp8: this trainer's float8 training path (torchao float8 linears) is not implemented "
+                            f"for {gpu.describe()}, remove fp8 to train in bf16")
+    if cfg.use_onebitllms:
+        raise HardwareError(f"use_onebitllms: onebitllms' triton kernels are unverified on {gpu.describe()}, remove "
+                            "use_onebitllms")
+    packages = (plan or {}).get("packages")
+    for need in needs(cfg):
+        refused = vendors.feature_refusal(gpu.kind, need.feature) or vendors.package_refusal(gpu.kind, need.package)
+        if refused:
+            raise HardwareError(f"{need.key} does not run on {gpu.describe()}: {refused}")
+        if packages is not None and need.package not in packages and need.package != "ray":
+            left = next((r for r in plan.get("reasons", []) if r.startswith(f"{need.package} left out:")), None)
+            raise HardwareError(f"{need.key} needs {need.package}, which the plan for {gpu.describe()} leaves out"
+                                + (f": {left.split(': ', 1)[1]}" if left else ""))
+        if need.package == "bitsandbytes" and gpu.kind == "amd":
+            import importlib.metadata as md
+
+            try:
+                version = md.version("bitsandbytes")
+            except md.PackageNotFoundError:
+                version = (packages or {}).get("bitsandbytes")
+            ok, why = vendors.bitsandbytes_covers(gpu.target, gpu.rocm, version)
+            if not ok:
+                raise HardwareError(f"{need.key} needs bitsandbytes' ROCm kernels, and {why}")
+        notes.append(f"{need.key}: {need.package} on {gpu.describe()}")
+    asked = kernels.requested(cfg)
+    if asked:
+        notes.append(f"{', '.join(asked)}: off on {gpu.describe()} (liger's triton kernels are unverified there; "
+                     "the plan keeps them off)")
+    return notes
+
+
+class Need(NamedTuple):
+    """A library a config's choice runs on, beyond torch and transformers."""
+
+    key: str  # the config key that asks for it, as a user reads it ("optimizer: paged_adamw_8bit")
+    package: str  # the distribution the environment must carry
+    feature: str | None  # its matrices/packages.toml [[feature]] row (the hardware floor), None when it has none
+
+
+def needs(cfg) -> list[Need]:
+    """The libraries `cfg` needs, by the trainer's own classification (the modules that build each part):
+    quantized loading (trainer/model/quantization.py), the optimizer's library (matrices/optimizers.toml through
+    trainer/config/training.py), qat (trainer/model/qat.py), use_onebitllms, deepspeed and use_ray. The resolver asks this
+    rather than reading the config's keys itself, so the plan carries what the trainer will import."""
+    from trainer import facts
+    from trainer.config.training import check_optimizer
+    from trainer.model import bitnet, quantization
+
+    found = []
+    mode = quantization.mode(cfg)
+    if mode:
+        feature = quantization.MODES[mode]
+        key = f"{mode} (adapter: qlora)" if cfg.adapter == "qlora" else mode
+        found.append(Need(key, facts.feature(feature)["package"], feature))
+    row = check_optimizer(cfg.optimizer)
+    if row["library"] not in ("torch", "transformers"):
+        feature = row.get("feature")
+        package = facts.feature(feature)["package"] if feature else row["library"]
+        found.append(Need(f"optimizer: {cfg.optimizer}", package, feature))
+    if cfg.qat is not None:
+        found.append(Need(f"qat ({cfg.qat.describe()})", facts.feature(cfg.qat.feature)["package"], cfg.qat.feature))
+    if cfg.use_onebitllms:
+        found.append(Need("use_onebitllms", facts.feature(bitnet.FEATURE)["package"], bitnet.FEATURE))
+    if cfg.deepspeed:
+        found.append(Need(f"deepspeed: {cfg.deepspeed}", "deepspeed", None))
+    if cfg.use_ray:
+        found.append(Need("use_ray", "ray", None))
+    return found

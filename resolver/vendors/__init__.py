@@ -6,8 +6,8 @@ backend name (`rocm`, `xpu`, `mps`) or an Apple chip (`m2-max`). `detect()` runs
 (amd.PROBES, intel.PROBES, apple.probe_platform) and says what each saw.
 
 The result is an `Accelerator`: the vendor, the target a build must carry code for (AMD's gfx target, Intel's AOT
-family, "mps"), and what the facts say about it (bf16, fp8). resolver/hardware.py's GpuSpec stays NVIDIA's
-until the solver plans for these (issue 24, phase 2).
+family, "mps"), and what the facts say about it (bf16, fp8). resolver/hardware.py turns it into the plan's
+GpuSpec (from_accelerator); vendors/solve.py plans for it.
 """
 
 from __future__ import annotations

@@ -1,4 +1,6 @@
 """Plans for AMD (ROCm), Intel (XPU) and Apple silicon (MPS): the same shape as resolver/solve.py's for NVIDIA.
+(`gpu` below is resolver/hardware.py's GpuSpec; `req` solve.py's Request: neither is imported, so that solve.py
+and hardware.py, which call into this package, are not imported back.)
 
 Every recorded torch build for the vendor is a candidate: rocm.toml [[build]] rows (each a torch release and
 ROCm variant with the gfx targets it carries code for), every torch release the xpu index carries (intel.toml
@@ -22,8 +24,7 @@ from typing import NamedTuple
 from packaging.version import Version
 
 from ..errors import BadInput, Unsatisfiable
-from ..hardware import GpuSpec
-from ..matrix import Matrix, TorchRelease, in_range
+from ..matrix import PYTHON_RE, TORCH_INDEX_ENV, Matrix, TorchRelease, in_range, prefix_match, stack_for
 from ..plan import Plan, Rejected, TorchChoice
 from .facts import BnbRocm, Vendors, load
 
@@ -68,12 +69,10 @@ class Candidate(NamedTuple):
 
 def index_url(template: str, variant: str) -> str:
     """The index of a variant: the matrix's, or the mirror $ENVTOOL_TORCH_INDEX_URL names ({variant})."""
-    from ..solve import TORCH_INDEX_ENV
-
     return (os.environ.get(TORCH_INDEX_ENV) or template).format(variant=variant)
 
 
-def candidates(gpu: GpuSpec, m: Matrix, v: Vendors) -> list[Candidate]:
+def candidates(gpu, m: Matrix, v: Vendors) -> list[Candidate]:
     releases = {r.version: r for r in m.torch}
     if gpu.vendor == "amd":
         return [Candidate(releases[b.torch], Build(b.variant, "rocm", index_url(v.rocm_index_url, b.variant),
@@ -93,8 +92,6 @@ def candidates(gpu: GpuSpec, m: Matrix, v: Vendors) -> list[Candidate]:
 
 def check_request(req, m: Matrix, v: Vendors) -> None:
     """What a plan for these GPUs cannot honour, refused before any candidate is looked at."""
-    from ..solve import PYTHON_RE
-
     gpu = req.gpu
     backend = BACKEND_NAME[gpu.backend]
     if not PYTHON_RE.match(req.python):
@@ -121,7 +118,7 @@ def check_request(req, m: Matrix, v: Vendors) -> None:
         raise BadInput(f"--platform {req.platform!r}: choose x86_64 or aarch64")
 
 
-def attention_refusal(attention: str, gpu: GpuSpec, v: Vendors) -> str:
+def attention_refusal(attention: str, gpu, v: Vendors) -> str:
     """Why an attention backend other than SDPA/eager is not planned on this GPU, in one clause."""
     if attention.startswith("flash_attention") or attention == "flash-attn":
         limit = next((x for x in v.limits(gpu.vendor) if x.feature.startswith("flash-attn")), None)
@@ -150,9 +147,7 @@ def rule_python(req, m: Matrix, v: Vendors, c: Candidate) -> str | None:
 
 
 def rule_torch_pin(req, m: Matrix, v: Vendors, c: Candidate) -> str | None:
-    from ..solve import _prefix_match
-
-    if req.torch and not _prefix_match(req.torch, c.release.version):
+    if req.torch and not prefix_match(req.torch, c.release.version):
         return f"--torch {req.torch} excludes {c.release.version}"
     return None
 
@@ -181,8 +176,6 @@ def rule_macos(req, m: Matrix, v: Vendors, c: Candidate) -> str | None:
 
 
 def rule_training_stack(req, m: Matrix, v: Vendors, c: Candidate) -> str | None:
-    from ..solve import stack_for
-
     if stack_for(m, c.release.version, req.python) is None:
         return f"no training-stack row in packages.toml covers {c.label} on Python {req.python}"
     return None
@@ -266,11 +259,9 @@ def suggestion(req, m: Matrix, v: Vendors) -> str:
 
 def build_plan(req, m: Matrix, v: Vendors, best: Candidate, survivors: list[Candidate],
                rejected: list[Rejected]) -> Plan:
-    from ..solve import describe_target
-
     gpu = req.gpu
     reasons = list(req.notes)
-    reasons.append(describe_target(gpu))
+    reasons.append(gpu.target_reason())
     if gpu.also:
         reasons.append(f"not planned for: {', '.join(gpu.also)}")
     reasons.append(torch_reason(req, m, v, best, survivors))
@@ -354,7 +345,7 @@ def torch_reason(req, m: Matrix, v: Vendors, best: Candidate, survivors: list[Ca
     return text
 
 
-def host_reason(gpu: GpuSpec, v: Vendors, best: Candidate) -> str:
+def host_reason(gpu, v: Vendors, best: Candidate) -> str:
     if best.build.backend == "rocm":
         rocm = best.build.rocm
         mm = ".".join(rocm.split(".")[:2])
@@ -373,7 +364,7 @@ def host_reason(gpu: GpuSpec, v: Vendors, best: Candidate) -> str:
             f"(no driver to match)")
 
 
-def attention_reason(gpu: GpuSpec, v: Vendors, best: Candidate, env: dict[str, str]) -> str:
+def attention_reason(gpu, v: Vendors, best: Candidate, env: dict[str, str]) -> str:
     packing = ("packed rows kept apart by a block-diagonal attention mask (packing: mask): torch's varlen_attn is "
                "planned on NVIDIA sm_80+ only")
     if best.build.backend == "rocm":
@@ -396,7 +387,7 @@ def attention_reason(gpu: GpuSpec, v: Vendors, best: Candidate, env: dict[str, s
             f"{attention_refusal('flash_attention_2', gpu, v)}; {packing}")
 
 
-def choose_precision(gpu: GpuSpec, v: Vendors) -> tuple[str, str]:
+def choose_precision(gpu, v: Vendors) -> tuple[str, str]:
     if gpu.vendor == "amd":
         t = v.amd_target(gpu.target)
         if t is None:
@@ -420,7 +411,7 @@ def _limit(v: Vendors, vendor: str, *, package: str | None = None, feature: str 
                  or (feature and x.feature.lower().startswith(feature))), None)
 
 
-def choose_triton(gpu: GpuSpec, v: Vendors, best: Candidate) -> tuple[str | None, dict, str]:
+def choose_triton(gpu, v: Vendors, best: Candidate) -> tuple[str | None, dict, str]:
     liger = _limit(v, gpu.vendor, feature="liger")
     no_liger = f"liger kernels off ({liger.reason})" if liger is not None else "liger kernels off"
     if best.build.backend == "mps":
@@ -438,8 +429,6 @@ def choose_triton(gpu: GpuSpec, v: Vendors, best: Candidate) -> tuple[str | None
 
 
 def choose_packages(req, m: Matrix, v: Vendors, best: Candidate, triton: str | None) -> tuple[dict, list[str]]:
-    from ..solve import stack_for
-
     gpu = req.gpu
     stack = stack_for(m, best.release.version, req.python)
     packages = {"torch": best.release.version}
@@ -478,7 +467,7 @@ def bnb_rocm_library(rows: list[BnbRocm], rocm: str) -> BnbRocm | None:
     return min(higher, key=lambda r: Version(r.rocm), default=None)
 
 
-def bitsandbytes_refusal(gpu: GpuSpec, v: Vendors, best: Candidate, version: str) -> str:
+def bitsandbytes_refusal(gpu, v: Vendors, best: Candidate, version: str) -> str:
     if gpu.vendor == "amd":
         rows = [r for r in v.bnb_rocm if r.version == version]
         if not rows:
@@ -494,7 +483,7 @@ def bitsandbytes_refusal(gpu: GpuSpec, v: Vendors, best: Candidate, version: str
     return ""
 
 
-def bitsandbytes_note(gpu: GpuSpec, v: Vendors, best: Candidate, version: str) -> str:
+def bitsandbytes_note(gpu, v: Vendors, best: Candidate, version: str) -> str:
     if gpu.vendor == "amd":
         lib = bnb_rocm_library([r for r in v.bnb_rocm if r.version == version], best.build.rocm)
         return (f"its ROCm {lib.rocm} library (the one it loads beside torch's ROCm {best.build.rocm}) carries "
@@ -506,7 +495,7 @@ def bitsandbytes_note(gpu: GpuSpec, v: Vendors, best: Candidate, version: str) -
     return limit.reason if limit else "its MPS backend"
 
 
-def multi_gpu_reason(gpu: GpuSpec, v: Vendors) -> str:
+def multi_gpu_reason(gpu, v: Vendors) -> str:
     if gpu.vendor == "amd":
         return (f"{gpu.count} devices: torchrun, one process per device, collectives over RCCL (torch's ROCm build "
                 f"answers to the 'nccl' backend)")

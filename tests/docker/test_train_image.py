@@ -20,7 +20,7 @@ CPU = ["--gpu", "cpu", "--torch", "2.13", "--python", "3.11", "--platform", "x86
 
 
 def test_train_in_the_plans_image(tmp_path, docker_host, docker_client):
-    from trainer.tiny import make_tiny_model
+    from trainer.model.tiny import make_tiny_model
 
     plan, built = build_image(tmp_path / "build", docker_host, CPU, next(MIRROR.glob("torch-2.13.0+cpu-*.whl")))
     work = tmp_path / "work"
@@ -53,8 +53,9 @@ def test_train_in_the_plans_image(tmp_path, docker_host, docker_client):
     # the container ran as the invoking user: what it wrote is theirs
     written = [work / "out" / "final", *(work / "out").rglob("*"), *(work / "prepared").rglob("*")]
     assert {(p.stat().st_uid, p.stat().st_gid) for p in written} == {(os.getuid(), os.getgid())}
-    # a config the image's trainer refuses: its one line and exit code come back through envtool and docker
+    # a config the trainer refuses: read by the trainer's reader before any container starts, its one line, exit 2
     (work / "bad.yml").write_text(yaml.safe_dump({**cfg, "learning_rate": "fast"}))
     bad = subprocess.run([str(ENVTOOL), "train", "bad.yml", *CPU, "--image"], capture_output=True, text=True,
                          env=env, cwd=work, timeout=600)
-    assert bad.returncode == 2 and "learning_rate" in bad.stdout + bad.stderr
+    assert bad.returncode == 2 and bad.stdout == "" and bad.stderr.startswith("envtool: error: bad.yml: learning_rate")
+    assert len(bad.stderr.strip().splitlines()) == 1

@@ -30,7 +30,7 @@ HUB_MODELS = ("Qwen/Qwen2.5-7B-Instruct", "Qwen/Qwen2.5-0.5B")
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
     """A copy of examples/ with the tiny model built where examples/tiny-cpu.yml expects it."""
-    from trainer.tiny import make_tiny_model
+    from trainer.model.tiny import make_tiny_model
 
     root = tmp_path_factory.mktemp("fit")
     shutil.copytree(REPO / "examples", root / "examples")

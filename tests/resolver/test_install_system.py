@@ -64,7 +64,7 @@ def test_a_preinstalled_torch_that_fits_is_kept_and_the_plan_installed_around_it
     assert result["plan"] == str(prefix / "plan.json") and plan["torch"]["version"] == "2.13.0"
     assert result["transformers"] == plan["packages"]["transformers"]
     # the trainer in that interpreter finds the plan by its rule (the environment's own copy)
-    found = subprocess.run([str(python), "-c", "from trainer.planfile import find_plan; print(find_plan()[1])"],
+    found = subprocess.run([str(python), "-c", "from trainer.runtime.planfile import find_plan; print(find_plan()[1])"],
                            capture_output=True, text=True, cwd=prefix,
                            env={k: v for k, v in env.items() if k != "PYTHONPATH"})
     assert found.stdout.strip() == f"the environment's {prefix / 'plan.json'}", found.stderr

@@ -91,7 +91,7 @@ def test_install_refuses_a_lock_whose_plan_has_another_major_version(tmp_path, p
 
 def find(cwd, env, *extra):
     """Which plan the trainer finds (its `source`), run as the trainer runs: a separate interpreter."""
-    code = ("import json; from trainer.planfile import find_plan; f = find_plan(); "
+    code = ("import json; from trainer.runtime.planfile import find_plan; f = find_plan(); "
             "print(json.dumps(None if f is None else [f[0]['target'], f[1]]))")
     out = subprocess.run([sys.executable, *extra, "-c", code], capture_output=True, text=True, cwd=cwd,
                          env={**{k: v for k, v in os.environ.items() if k != "ENVTOOL_PLAN"},
@@ -111,11 +111,11 @@ def test_the_trainer_finds_the_plan_by_one_rule(tmp_path, plans):
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", str(venv)], check=True)
     (venv / "plan.json").write_text(t4.to_json())
     python = str(venv / "bin" / "python")
-    out = subprocess.run([python, "-c", "from trainer.planfile import find_plan; p, s = find_plan(); "
+    out = subprocess.run([python, "-c", "from trainer.runtime.planfile import find_plan; p, s = find_plan(); "
                           "print(p['target'], s)"], capture_output=True, text=True, cwd=tmp_path,
                          env={**{k: v for k, v in os.environ.items() if k != "ENVTOOL_PLAN"}, "PYTHONPATH": str(REPO)})
     assert out.stdout.split()[0] == "t4" and str(venv / "plan.json") in out.stdout, out.stderr
-    out = subprocess.run([python, "-c", "from trainer.planfile import find_plan; print(find_plan()[0]['target'])"],
+    out = subprocess.run([python, "-c", "from trainer.runtime.planfile import find_plan; print(find_plan()[0]['target'])"],
                          capture_output=True, text=True, cwd=tmp_path,
                          env={**os.environ, "PYTHONPATH": str(REPO), "ENVTOOL_PLAN": str(tmp_path / "explicit.json")})
     assert out.stdout.strip() == "a100"

@@ -9,6 +9,7 @@ import json
 import os
 import socket
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -24,7 +25,7 @@ CPU = ["--gpu", "cpu"]
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
-    from trainer.tiny import make_tiny_model
+    from trainer.model.tiny import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny-model"), family="llama", seed=0)
 
@@ -103,19 +104,34 @@ def test_dry_run_prints_the_plan_and_the_exact_command_and_runs_nothing(tmp_path
     assert {"--nnodes=2", "--node-rank=1", "--rdzv-backend=c10d", "--rdzv-endpoint=10.0.0.1:29400"} <= set(command)
 
 
-@pytest.mark.parametrize("overrides, args, code, message", [
-    ({"attn_implementation": "flash_attention_2"}, ["--gpu", "t4"], 2,
-     "asks for attn_implementation: flash_attention_2, which cannot run here"),
-    ({"bf16": True, "attn_implementation": "sdpa"}, ["--gpu", "v100"], 2,
-     "sets bf16: true, but Tesla V100 (sm_70) has no native bf16"),
-    ({"fp16": True, "bf16": None}, CPU, 2, "sets fp16: true, which needs a CUDA GPU"),
-    ({}, ["--gpu", "cpu", "--attention", "eager"], 2, "--attention eager contradicts"),
-    ({}, ["--gpu", "cpu", "--nnodes", "2"], 2, "--nnodes 2 needs --rdzv-endpoint"),
+@pytest.mark.parametrize("overrides, args, message", [
+    # explicit pins that would change the result: the trainer's own refusal, in one line, before anything is built
+    ({"bf16": True, "attn_implementation": "sdpa"}, ["--gpu", "v100"],
+     "bf16: true needs native bf16 (sm_80+, Ampere or newer) but Tesla V100 (sm_70, volta) only emulates it"),
+    ({"fp16": True, "bf16": None}, CPU, "fp16: true needs a CUDA GPU"),
+    ({"load_in_8bit": True, "adapter": "lora"}, ["--gpu", "p100"], "load_in_8bit: bitsandbytes LLM.int8()"),
+    ({}, ["--gpu", "cpu", "--nnodes", "2"], "--nnodes 2 needs --rdzv-endpoint"),
 ])
-def test_config_pins_are_refused_with_the_reason(config, env, overrides, args, code, message):
+def test_explicit_pins_that_would_change_the_result_are_refused(config, env, overrides, args, message):
     out = train(str(config(**overrides)), *args, "--dry-run", env=env)
-    assert out.returncode == code, out.stdout + out.stderr
+    assert out.returncode == 2, out.stdout + out.stderr
     assert message in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert out.stderr.startswith("envtool: error: ")
+
+
+def test_what_the_gpu_cannot_run_is_adapted_where_the_intent_is_clear(config, env):
+    """attn_implementation: flash_attention_2 on a T4 trains with sdpa (the fastest that runs), bf16: auto with fp16:
+    the plan and the trainer say so, as `python -m trainer validate --gpu t4` does."""
+    out = train(str(config(attn_implementation="flash_attention_2", bf16="auto")), "--gpu", "t4", "--python", "3.11",
+                "--dry-run", "--json", env=env)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert result["plan"]["attention"] == "sdpa" and result["plan"]["flash_attn"] is None
+    assert any(r.startswith("attn_implementation: flash_attention_2 in ") and "-> sdpa: flash_attention_2 needs "
+               "sm_80+" in r for r in result["plan"]["reasons"]), result["plan"]["reasons"]
+    assert result["trainer"]["attention"] == "sdpa" and result["trainer"]["precision"] == "fp16"
+    assert "attention: flash_attention_2 -> sdpa (flash_attention_2 needs sm_80+; Tesla T4 (sm_75, turing) is " \
+           "outside that)" in result["trainer"]["notes"]
 
 
 def test_config_pins_are_honoured(config, env):
@@ -124,16 +140,26 @@ def test_config_pins_are_honoured(config, env):
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
     assert result["plan"]["attention"] == "flash_attention_2" and result["plan"]["flash_attn"]
-    assert result["plan"]["precision"] == "bf16"
-    assert any("attn_implementation" in n for n in result["notes"])
+    assert result["plan"]["precision"] == "bf16" and "pinned" not in result["plan"]
+    assert any("attn_implementation: flash_attention_2 in" in r for r in result["plan"]["reasons"])
+    assert result["trainer"]["attention"] == "flash_attention_2"
     eager = json.loads(train(str(config(attn_implementation="eager")), *CPU, "--dry-run", "--json", env=env).stdout)
-    assert eager["plan"]["attention"] == "eager"
+    assert eager["plan"]["attention"] == "eager" and eager["trainer"]["attention"] == "eager"
+    fp16 = json.loads(train(str(config(fp16=True, bf16=None)), "--gpu", "a100", "--python", "3.11", "--dry-run",
+                            "--json", env=env).stdout)  # the plan records the config's precision, not its default
+    assert fp16["plan"]["precision"] == fp16["trainer"]["precision"] == "fp16"
 
 
-def test_the_trainers_errors_and_exit_code_pass_through(config, env):
-    out = train(str(config(learning_rate="fast")), *CPU, env=env)
+def test_a_config_error_is_the_trainers_own_line_before_anything_starts(config, env, tmp_path):
+    """Read by the trainer's reader: the same words `python -m trainer validate` prints, exit 2, nothing built."""
+    path = config(learning_rate="fast")
+    out = train(str(path), *CPU, "--isolated", env=env)
     assert out.returncode == 2
-    assert out.stderr.strip().splitlines()[-1].startswith("error: ") and "learning_rate" in out.stderr
+    validate = subprocess.run([sys.executable, "-m", "trainer", "validate", str(path)], capture_output=True,
+                              text=True, env=env)
+    assert validate.returncode == 2 and validate.stderr.startswith("error: ")
+    assert out.stderr == f"envtool: error: {path}: {validate.stderr.removeprefix('error: ')}"
+    assert not (tmp_path / "cache" / "envs").exists()  # --isolated: the environment it would build was not started
     missing = train("no-such.yml", *CPU, env=env)
     assert missing.returncode == 2 and missing.stderr.strip() == "envtool: error: config file not found: no-such.yml"
 
@@ -221,7 +247,6 @@ def test_a_named_venv_is_used_when_it_runs_the_plan_and_built_for_it_otherwise(t
     assert fresh == {"kind": "venv", "path": str(tmp_path / "v"), "ready": False,
                      "why": f"--venv {tmp_path / 'v'} (built for the plan first)"}
     # a venv that runs the plan (the tests' own environment): used as it is
-    import sys
 
     venv = Path(sys.executable).parent.parent
     ready = json.loads(train(str(config()), *CPU, "--venv", str(venv), "--dry-run", "--json", env=env).stdout)

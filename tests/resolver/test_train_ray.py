@@ -4,31 +4,32 @@ import json
 from pathlib import Path
 
 import pytest
-import yaml
 
 from resolver.errors import BadInput
-from resolver.pipeline import Distribution, PlanOptions, launcher_nproc, one_plan
+from resolver.launch import Distribution, launcher_nproc
+from resolver.pipeline import PlanOptions, one_plan
+from trainer.config import parse_config
 
 from .test_train_cmd import CPU, config, env, tiny_model, train  # noqa: F401 (fixtures)
 
 A100 = PlanOptions(gpu="a100", python="3.11", platform="x86_64")
 
 
-def ray_config(tmp_path: Path, **keys) -> Path:
-    path = tmp_path / "ray.yml"
-    path.write_text(yaml.safe_dump({"base_model": "m", "datasets": [{"path": "d.jsonl", "type": "alpaca"}], **keys}))
-    return path
+def ray_config(**keys):
+    """The trainer's own Config, as envtool train reads it (one reader)."""
+    return parse_config({"base_model": "m", "datasets": [{"path": "d.jsonl", "type": "alpaca"}], **keys})[0]
 
 
-def test_a_multi_gpu_plan_launches_torchrun_but_one_process_for_use_ray(tmp_path):
+def test_a_multi_gpu_plan_launches_torchrun_but_one_process_for_use_ray():
     plan = one_plan(A100)
     eight = plan._replace(gpu={**plan.gpu, "count": 8})
-    assert launcher_nproc(eight, ray_config(tmp_path), Distribution()) == 8  # torchrun, one per GPU
-    assert launcher_nproc(eight, ray_config(tmp_path, use_ray=True, ray_num_workers=8), Distribution()) == 1
+    path = Path("ray.yml")
+    assert launcher_nproc(eight, ray_config(), path, Distribution()) == 8  # torchrun, one per GPU
+    assert launcher_nproc(eight, ray_config(use_ray=True, ray_num_workers=8), path, Distribution()) == 1
     with pytest.raises(BadInput, match="sets use_ray: the trainer starts its ray_num_workers Ray Train workers"):
-        launcher_nproc(eight, ray_config(tmp_path, use_ray=True), Distribution(nproc=4))
+        launcher_nproc(eight, ray_config(use_ray=True), path, Distribution(nproc=4))
     with pytest.raises(BadInput, match="drop --nproc/--nnodes"):
-        launcher_nproc(eight, ray_config(tmp_path, use_ray=True), Distribution(nnodes=2, rdzv_endpoint="h:1"))
+        launcher_nproc(eight, ray_config(use_ray=True), path, Distribution(nnodes=2, rdzv_endpoint="h:1"))
 
 
 def test_dry_run_json_is_one_trainer_process_with_a_note(tmp_path, config, env):  # noqa: F811

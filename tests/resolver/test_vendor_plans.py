@@ -5,7 +5,6 @@ intel.toml, apple.toml; the lock, install and image chain is in test_vendor_chai
 
 import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -202,11 +201,16 @@ def test_train_dry_run_on_mi300x_shows_the_plan_the_image_and_the_command():
     out = run_envtool("train", "examples/mi300x.yml", "--gpu", "mi300x", *X86, "--dry-run", COLUMNS="200")
     assert "image: none: the base image for rocm7.14 builds" in out.stdout and "pass --python 3.12" in out.stdout
 
-    # a plan's env reaches the command; a config asking for flash-attn on AMD is refused with the reason
+    # a plan's env reaches the command; a config asking for flash-attn on AMD trains with SDPA, and says why
     out = run_envtool("train", "examples/mi300x.yml", "--gpu", "mi355x", *X86, "--dry-run", "--json")
     assert json.loads(out.stdout)["env"]["TORCH_ROCM_AOTRITON_ENABLE_EXPERIMENTAL"] == "1"
-    line = refused("train", "examples/a100.yml", "--gpu", "mi300x", *X86, "--dry-run")
-    assert "attn_implementation: flash_attention_2" in line and "no ROCm wheels" in line
+    out = run_envtool("train", "examples/a100.yml", "--gpu", "mi300x", *X86, "--dry-run", "--json")
+    result = json.loads(out.stdout)
+    assert result["plan"]["attention"] == "sdpa" and result["trainer"]["attention"] == "sdpa"
+    assert any(r.startswith("attn_implementation: flash_attention_2 in examples/a100.yml -> sdpa: Dao-AILab "
+                            "publishes no ROCm wheels") for r in result["plan"]["reasons"])
+    assert result["trainer"]["tf32"] is False  # a100.yml's tf32: true is NVIDIA's format
+    assert any(n.startswith("tf32: true -> false") for n in result["trainer"]["notes"])
 
 
 def test_config_features_the_gpu_cannot_run_are_refused(tmp_path):

@@ -17,7 +17,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from tests.trainer.helpers import alpaca_rows, write_jsonl  # noqa: E402
-from trainer.tiny import make_tiny_model  # noqa: E402
+from trainer.model.tiny import make_tiny_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")

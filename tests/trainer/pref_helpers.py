@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from tests.trainer.helpers import WORDS
-from trainer.collate import IGNORE
+from trainer.batch.labels import IGNORE
 
 
 def random_sequences(n: int, seed: int = 0, vocab: int = 300, prompt=(2, 8), completion=(1, 9)):

@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 
 from tests.trainer.helpers import write_jsonl
+from trainer.batch.labels import IGNORE
 from trainer.cli import main
 from trainer.config import DatasetConfig, parse_config
+from trainer.data.formats.prompts import tokenize_row
 from trainer.errors import ConfigError
-from trainer.prompts import IGNORE, tokenize_row
 
 SYS_IN = ("Below is an instruction that describes a task, paired with an input that provides further context. "
           "Write a response that appropriately completes the request.")

@@ -6,8 +6,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from trainer.collate import IGNORE, Collator, count_targets
-from trainer.loss import MODEL_INPUTS
+from trainer.batch.collate import Collator, count_targets
+from trainer.batch.labels import IGNORE
+from trainer.objectives.loss import MODEL_INPUTS
 
 LENGTHS = [[7, 12, 5], [9]]  # two rows: three packed sequences, and one shorter row that gets padding
 

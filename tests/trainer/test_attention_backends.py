@@ -11,11 +11,11 @@ from transformers import AutoModelForCausalLM
 
 from tests.trainer.test_attention import examples
 from trainer import facts
-from trainer.collate import Collator
+from trainer.batch.collate import Collator
 from trainer.config import Attention, parse_config
 from trainer.errors import ConfigError
-from trainer.hardware import adapt, gpu_from_name
-from trainer.loss import MODEL_INPUTS
+from trainer.objectives.loss import MODEL_INPUTS
+from trainer.runtime.hardware import adapt, gpu_from_name
 
 CONFIG = {"base_model": "tiny", "datasets": [{"path": "d.jsonl", "type": "completion"}]}
 HUB_FA3 = "kernels-community/vllm-flash-attn3"

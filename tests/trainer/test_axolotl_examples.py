@@ -130,8 +130,8 @@ def test_use_reentrant_true_is_honoured_and_trains_the_same(make_config, tmp_pat
     from transformers import AutoTokenizer
 
     from trainer.config import load_config
-    from trainer.hardware import adapt, gpu_from_name
-    from trainer.model import load_model
+    from trainer.model.load import load_model
+    from trainer.runtime.hardware import adapt, gpu_from_name
 
     lora = dict(adapter="lora", lora_r=4, lora_target_linear=True, max_steps=2)
     plain, reentrant = tmp_path / "plain", tmp_path / "reentrant"
@@ -149,8 +149,8 @@ def test_use_reentrant_true_is_honoured_and_trains_the_same(make_config, tmp_pat
 
 def test_ddp_find_unused_parameters_reaches_ddp(make_config):
     from trainer.config import load_config
-    from trainer.hardware import adapt, gpu_from_name
-    from trainer.train import make_accelerator
+    from trainer.parallel.accelerator import make_accelerator
+    from trainer.runtime.hardware import adapt, gpu_from_name
 
     cfg, _ = load_config(make_config(ddp_find_unused_parameters=True))
     accelerator = make_accelerator(cfg, adapt(cfg, gpu_from_name("cpu")))
@@ -193,8 +193,8 @@ def test_rslora_and_dora_reach_peft(make_config):
     from transformers import AutoTokenizer
 
     from trainer.config import load_config
-    from trainer.hardware import adapt, gpu_from_name
-    from trainer.model import load_model
+    from trainer.model.load import load_model
+    from trainer.runtime.hardware import adapt, gpu_from_name
 
     cfg, _ = load_config(make_config(adapter="lora", lora_r=4, lora_alpha=8, peft_use_rslora=True, peft_use_dora=True,
                                      lora_target_modules=["q_proj"]))

@@ -84,8 +84,8 @@ def _load(config):
     from transformers import AutoTokenizer
 
     from trainer.config import load_config
-    from trainer.hardware import adapt, gpu_from_name
-    from trainer.model import load_model
+    from trainer.model.load import load_model
+    from trainer.runtime.hardware import adapt, gpu_from_name
 
     cfg, _ = load_config(config)
     return load_model(cfg, adapt(cfg, gpu_from_name("cpu")), AutoTokenizer.from_pretrained(cfg.base_model))
@@ -127,8 +127,8 @@ def test_dpo_with_it_validates_and_does_not_reuse_a_plain_models_reference_log_p
     from types import SimpleNamespace
 
     from trainer.config import load_config
-    from trainer.hardware import adapt, gpu_from_name
-    from trainer.reference import reference_key
+    from trainer.objectives.reference import reference_key
+    from trainer.runtime.hardware import adapt, gpu_from_name
 
     rows = tmp_path / "pairs.jsonl"
     rows.write_text('{"prompt": "hi", "chosen": "yes", "rejected": "no"}\n')

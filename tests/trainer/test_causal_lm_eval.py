@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from tests.trainer.helpers import read_metrics
-from trainer.causal_lm_eval import perplexity, references
 from trainer.cli import main
 from trainer.config import load_config, parse_config
 from trainer.errors import ConfigError
+from trainer.objectives.causal_lm_eval import perplexity, references
 
 
 def axolotl_perplexity(model, tokenizer, refs, max_seq_len, stride=512):
@@ -46,7 +46,7 @@ def test_perplexity_is_axolotls(tiny_llama, window):
 def test_training_logs_eval_perplexity(make_config, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from trainer.data import load_tokenizer, prepare
+    from trainer.data.prepare import load_tokenizer, prepare
 
     config = make_config(val_set_size=8, eval_steps=2, max_steps=4, do_causal_lm_eval=True,
                          eval_causal_lm_metrics=["perplexity"], eval_max_new_tokens=8)

@@ -9,11 +9,12 @@ import pytest
 from transformers import AutoTokenizer
 
 from tests.trainer.helpers import train_then_resume, write_jsonl
-from trainer import chat_templates
+from trainer.batch.labels import IGNORE
 from trainer.cli import main
 from trainer.config import DatasetConfig, parse_config
+from trainer.data.formats import chat_templates
+from trainer.data.formats.prompts import tokenize_row
 from trainer.errors import ConfigError
-from trainer.prompts import IGNORE, tokenize_row
 
 # Llama 3's special tokens, added to the tiny tokenizer as a user adds them to a base model (tokens:).
 LLAMA3_TOKENS = ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]

@@ -1,4 +1,4 @@
-"""Context parallelism (trainer/context_parallel.py): context_parallel_size 2 splits every sequence over two
+"""Context parallelism (trainer/parallel/context_parallel.py): context_parallel_size 2 splits every sequence over two
 processes (torchrun, gloo on 127.0.0.1, hard timeouts), with packing, long-tailed lengths, gradient
 accumulation, an evaluation and a checkpoint mid-run.
 
@@ -16,8 +16,8 @@ import pytest
 
 from tests.trainer.helpers import alpaca_rows, read_metrics, run_cli, torchrun_train, train_losses, write_jsonl
 from trainer.config import parse_config
+from trainer.config.parallel import Mesh, mesh_for
 from trainer.errors import ConfigError
-from trainer.parallelism import Mesh, mesh_for
 
 DS_CONFIGS = Path(__file__).parent / "data" / "deepspeed_configs"  # Axolotl's zero3.json, verbatim
 FSDP2 = {"fsdp_version": 2, "fsdp_config": {"fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
@@ -163,13 +163,13 @@ def test_context_parallel_with_tensor_parallel_under_fsdp2_trains_as_one_process
 def test_blocked_attention_is_the_dense_block_causal_attention(limit):
     """One rank's share: its local queries (the second half of a packed row) against every key, computed in
     query blocks each against only the keys it can see, equals SDPA with the collator's dense block-causal mask
-    (trainer.attention.block_causal_mask), values and gradients, with GQA and a sliding window."""
+    (trainer.batch.attention.block_causal_mask), values and gradients, with GQA and a sliding window."""
     import types
 
     import torch
 
-    from trainer.attention import block_causal_mask
-    from trainer.context_parallel import attend, plan_blocks
+    from trainer.batch.attention import block_causal_mask
+    from trainer.parallel.context_parallel import attend, plan_blocks
 
     torch.manual_seed(0)
     lengths, heads, kv_heads, dim = [5, 9, 3, 7], 4, 2, 8
@@ -254,7 +254,7 @@ def test_models_with_mamba_layers_softcaps_or_sinks_are_refused_when_loaded():
     """Real transformers configs of hybrid Mamba models (the nemotron-h example's model type among them)."""
     from transformers import AutoConfig, LlamaConfig
 
-    from trainer.context_parallel import check_model, recurrent_reason
+    from trainer.parallel.context_parallel import check_model, recurrent_reason
 
     class Loaded:
         def __init__(self, config, modules=()):

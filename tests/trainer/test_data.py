@@ -8,12 +8,13 @@ import threading
 import pytest
 from transformers import AutoTokenizer
 
-import trainer.data as data_mod
+import trainer.data.prepare as data_mod
 from tests.trainer.helpers import alpaca_rows, run_cli, write_jsonl
+from trainer.batch.labels import IGNORE
 from trainer.config import DatasetConfig, load_config
-from trainer.data import default_workers, load_tokenizer, prepare
+from trainer.data.formats.prompts import tokenize_row
+from trainer.data.prepare import default_workers, load_tokenizer, prepare
 from trainer.errors import DataError, TrainerError
-from trainer.prompts import IGNORE, tokenize_row
 
 
 @pytest.fixture(scope="module")

@@ -29,10 +29,11 @@ def diffusion_config(make_config, name="config.yml", **diffusion):
 
 def build(config_path):
     from trainer import objectives
-    from trainer.collate import Collator
-    from trainer.data import load_tokenizer, prepare
-    from trainer.hardware import adapt, gpu_from_name
-    from trainer.model import load_model
+    from trainer.batch.collate import Collator
+    from trainer.data.prepare import load_tokenizer
+    from trainer.model.load import load_model
+    from trainer.objectives import prepare
+    from trainer.runtime.hardware import adapt, gpu_from_name
 
     cfg, _ = load_config(config_path)
     runtime = adapt(cfg, gpu_from_name("cpu"))
@@ -127,9 +128,9 @@ def test_trains_evaluates_and_resumes_exactly(make_config, tmp_path, capsys):
 
 def test_mask_token_is_added_when_the_id_is_not_in_the_vocabulary(make_config):
     """Axolotl's resolve_mask_token_id: an id >= tokenizer.vocab_size (or none) adds <|diffusion_mask|>."""
-    from trainer.data import load_tokenizer
-    from trainer.hardware import adapt, gpu_from_name
-    from trainer.model import load_model
+    from trainer.data.prepare import load_tokenizer
+    from trainer.model.load import load_model
+    from trainer.runtime.hardware import adapt, gpu_from_name
 
     cfg, _ = load_config(make_config(plugins=[PLUGIN], diffusion={"mask_token_id": 10**6}))
     tokenizer = load_tokenizer(cfg)
@@ -195,7 +196,7 @@ def test_two_processes_train_as_one_accumulating(make_config, tmp_path):
 
 
 def test_generate_samples_writes_samples_and_changes_no_training(make_config, tmp_path):
-    from trainer.data import load_tokenizer
+    from trainer.data.prepare import load_tokenizer
 
     """Every generation_interval steps the answers of validation examples are regenerated (Axolotl's reverse
     process) into samples.jsonl; the run's losses are those of a run without samples, and it resumes exactly."""

@@ -41,7 +41,7 @@ def test_collective_timeout_names_rank_and_phase(tmp_path):
         import sys, time
         from datetime import timedelta
         import torch, torch.distributed as dist
-        from trainer.collective import reduce_sum
+        from trainer.parallel.collective import reduce_sum
         from trainer.errors import TrainingError
         dist.init_process_group("gloo", timeout=timedelta(seconds=2))
         if dist.get_rank() == 0:

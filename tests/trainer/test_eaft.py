@@ -16,7 +16,7 @@ import torch
 from tests.trainer.helpers import read_metrics, run_cli, train_losses, train_then_resume
 from trainer.cli import main
 from trainer.config import load_config
-from trainer.eaft import EaftLossSum, weighted_loss_sum
+from trainer.objectives.eaft import EaftLossSum, weighted_loss_sum
 
 
 def axolotl_eaft_loss(logits, labels, num_items_in_batch, alpha, k):
@@ -87,9 +87,9 @@ def test_eaft_resumes_exactly(make_config, tmp_path):
 
 
 def test_cls_model_config_picks_the_architecture(make_config):
-    from trainer.data import load_tokenizer
-    from trainer.hardware import adapt, gpu_from_name
-    from trainer.model import load_model
+    from trainer.data.prepare import load_tokenizer
+    from trainer.model.load import load_model
+    from trainer.runtime.hardware import adapt, gpu_from_name
 
     cfg, _ = load_config(make_config(cls_model_config="MistralConfig"))
     model = load_model(cfg, adapt(cfg, gpu_from_name("cpu")), load_tokenizer(cfg))

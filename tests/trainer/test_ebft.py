@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from tests.trainer.helpers import WORDS, read_metrics, run_cli, train_then_resume, write_jsonl
-from trainer import ebft
 from trainer.cli import main
+from trainer.objectives import ebft_strided
 
 # --- rewards, whitening, advantages ----------------------------------------------------------------------------
 
@@ -50,9 +50,9 @@ def reference_rewards(gen: np.ndarray, gt: np.ndarray, whitening: bool, a_coef: 
 def test_rewards_match_loops(whitening, n):
     torch.manual_seed(n)
     gen, gt = torch.randn(2, n, 3, 16, dtype=torch.float64), torch.randn(2, 3, 16, dtype=torch.float64)
-    e = ebft.EbftConfig(mode="strided", use_whitening=whitening, alignment_coef=0.7, diversity_coef=1.3,
+    e = ebft_strided.EbftConfig(mode="strided", use_whitening=whitening, alignment_coef=0.7, diversity_coef=1.3,
                         n_samples_per_prompt=n)
-    got = ebft.block_rewards(gen, gt, e)
+    got = ebft_strided.block_rewards(gen, gt, e)
     want = reference_rewards(gen.numpy(), gt.numpy(), whitening, 0.7, 1.3)
     for key, value in zip(("reward", "alignment", "diversity", "cfm"), want):
         # whitening runs in float32, as Axolotl's whiten_embeddings_batched
@@ -65,15 +65,15 @@ def test_whitening_drops_directions_below_tolerance():
     """Rank-deficient rollouts (two identical): the null direction gets weight 0 instead of 1/0."""
     g = torch.randn(1, 3, 8, dtype=torch.float64)
     g[0, 2] = g[0, 1]
-    w, _ = ebft.whiten(g, g)
+    w, _ = ebft_strided.whiten(g, g)
     assert torch.isfinite(w).all()
     np.testing.assert_allclose(w[0, 1].numpy(), w[0, 2].numpy(), atol=1e-10)
 
 
 def test_advantages_match_loops():
     r = torch.randn(2, 4, 3, dtype=torch.float64)
-    rloo = ebft.advantages(r, "rloo")
-    norm = ebft.advantages(r, "group_norm")
+    rloo = ebft_strided.advantages(r, "rloo")
+    norm = ebft_strided.advantages(r, "group_norm")
     for b in range(2):
         for k in range(3):
             col = r[b, :, k].tolist()
@@ -81,18 +81,18 @@ def test_advantages_match_loops():
             for j in range(4):
                 assert rloo[b, j, k] == pytest.approx(col[j] - (sum(col) - col[j]) / 3)
                 assert norm[b, j, k] == pytest.approx((col[j] - mean) / (std + 1e-8))
-    assert torch.equal(ebft.advantages(r, "reinforce"), r)
+    assert torch.equal(ebft_strided.advantages(r, "reinforce"), r)
     assert torch.allclose(rloo.sum(1), torch.zeros(2, 3, dtype=torch.float64), atol=1e-12)  # a baseline, no bias
-    e = ebft.EbftConfig(mode="strided", n_samples_per_prompt=1)
+    e = ebft_strided.EbftConfig(mode="strided", n_samples_per_prompt=1)
     assert e.estimator == "reinforce"  # Axolotl's fallback with one rollout
 
 
 def test_top_p_keeps_the_token_that_crosses_it():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     torch.manual_seed(0)
-    draws = torch.stack([ebft.sample(logits, 1.0, 0.6) for _ in range(400)]).flatten()
+    draws = torch.stack([ebft_strided.sample(logits, 1.0, 0.6) for _ in range(400)]).flatten()
     assert set(draws.tolist()) == {0, 1}  # 0.5 < 0.6: the second token is kept, the rest dropped
-    assert ebft.sample(logits, 0.0, 1.0).item() == 0  # temperature 0: greedy
+    assert ebft_strided.sample(logits, 0.0, 1.0).item() == 0  # temperature 0: greedy
 
 
 # --- the strided layout ------------------------------------------------------------------------------------------
@@ -100,7 +100,7 @@ def test_top_p_keeps_the_token_that_crosses_it():
 
 @pytest.fixture(scope="module")
 def tiny():
-    from trainer.tiny import build_model, build_tokenizer
+    from trainer.model.tiny import build_model, build_tokenizer
 
     return build_model(build_tokenizer(), seed=3).eval()
 
@@ -111,14 +111,14 @@ def test_strided_layout_is_each_rollout_on_its_own_prefix(tiny):
     from trainer.objectives.ebft import sdpa
 
     S, anchor, stride, G = 22, 5, 4, 3
-    K = ebft.num_blocks(S, G, anchor, stride)
+    K = ebft_strided.num_blocks(S, G, anchor, stride)
     assert K == 4
     torch.manual_seed(1)
     doc = torch.randint(5, 300, (S,))
     gen = torch.randint(5, 300, (G, K))  # gen[s, b]: token s of block b
     seq = torch.cat([doc, gen.flatten()])[None]
-    mask = ebft.strided_mask(S, anchor, stride, K, G, G)[None, None]
-    pos = ebft.strided_positions(S, anchor, stride, K, G)[None]
+    mask = ebft_strided.strided_mask(S, anchor, stride, K, G, G)[None, None]
+    pos = ebft_strided.strided_positions(S, anchor, stride, K, G)[None]
     with torch.no_grad(), sdpa(tiny):
         out = tiny(input_ids=seq, attention_mask=mask, position_ids=pos, output_hidden_states=True, use_cache=False)
         plain = tiny(input_ids=doc[None], use_cache=False, output_hidden_states=True)
@@ -133,7 +133,7 @@ def test_strided_layout_is_each_rollout_on_its_own_prefix(tiny):
             torch.testing.assert_close(out.logits[0, at], ref.logits[0, a + s], rtol=1e-4, atol=1e-5)
             torch.testing.assert_close(out.hidden_states[1][0, at], ref.hidden_states[1][0, a + s], rtol=1e-4, atol=1e-5)
     # the logits that score token s of block b are those that sampled it: before the anchor, then the block's last
-    where = ebft.predicting_positions(S, anchor, stride, K, G)
+    where = ebft_strided.predicting_positions(S, anchor, stride, K, G)
     for s in range(G):
         for b in range(K):
             expect = anchor + b * stride - 1 if s == 0 else S + (s - 1) * K + b
@@ -148,7 +148,7 @@ def test_loss_is_reinforce_with_rloo_over_separate_rollouts(tiny):
 
     from trainer.objectives.ebft import EBFT, sdpa
 
-    e = ebft.EbftConfig(mode="strided", stride=3, context_length=4, generate_max_len=3, n_samples_per_prompt=3,
+    e = ebft_strided.EbftConfig(mode="strided", stride=3, context_length=4, generate_max_len=3, n_samples_per_prompt=3,
                         temperature=1.0, feature_layers=[0.5, 1.0], use_whitening=True, ce_coef=0.1)
     objective = EBFT(SimpleNamespace(ebft=e), pad_token_id=0)
     objective.before_training(tiny)  # full fine-tune: a frozen copy is the feature network
@@ -261,12 +261,12 @@ def test_structured_rows_anchor_after_the_prompt_and_train_ce(ebft_config, tmp_p
                          sequence_len=40, max_steps=2, save_steps=None, micro_batch_size=2, gradient_accumulation_steps=1)
     assert main(["train", str(config)]) == 0
     from trainer.config import load_config
-    from trainer.data import load_tokenizer
+    from trainer.data.prepare import load_tokenizer
 
     cfg, _ = load_config(config)
     tok = load_tokenizer(cfg)
     prompts = [len(tok(r["input"])["input_ids"]) for r in rows]
-    possible = {ebft.num_blocks(40, 4, max(max(a, b) + 2, 8), 8) for a in prompts for b in prompts}
+    possible = {ebft_strided.num_blocks(40, 4, max(max(a, b) + 2, 8), 8) for a in prompts for b in prompts}
     for r in ebft_rows(tmp_path / "out"):
         assert r["ebft/num_blocks"] in possible and r["ebft/ce_loss"] > 0
         assert r["loss"] == pytest.approx(r["ebft/rl_loss"] + 0.03 * r["ebft/ce_loss"])

@@ -12,12 +12,13 @@ import torch
 import trl
 
 from tests.trainer.helpers import train_then_resume, write_jsonl
-from trainer.model_attention import for_model
+from trainer.batch.labels import IGNORE
 from trainer.cli import main
 from trainer.config import DatasetConfig, parse_config
+from trainer.data.formats.prompts import tokenize_row
 from trainer.errors import ConfigError
-from trainer.hardware import adapt, gpu_from_name
-from trainer.prompts import IGNORE, tokenize_row
+from trainer.model.attention import for_model
+from trainer.runtime.hardware import adapt, gpu_from_name
 
 # The gpt-oss chat template as TRL ships it (trl/chat_templates/gptoss.jinja, OpenAI's template): it renders a
 # message's `thinking` as the analysis channel of the final assistant turn.
@@ -50,7 +51,7 @@ def tiny_gpt_oss(tmp_path_factory) -> tuple[Path, dict[str, torch.Tensor]]:
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM, GptOssConfig
 
-    from trainer.tiny import build_tokenizer
+    from trainer.model.tiny import build_tokenizer
 
     out = tmp_path_factory.mktemp("tiny-gpt-oss")
     tokenizer = build_tokenizer()
@@ -87,7 +88,7 @@ def _thinking_rows(n: int) -> list[dict]:
 def test_model_quantization_config_maps_to_transformers_mxfp4config_and_refuses_the_rest():
     from transformers import Mxfp4Config
 
-    from trainer.quantization_config import build
+    from trainer.model.quantization_config import build
 
     built = build("Mxfp4Config", {"dequantize": True})
     assert isinstance(built, Mxfp4Config) and built.dequantize is True
@@ -103,8 +104,8 @@ def test_model_quantization_config_maps_to_transformers_mxfp4config_and_refuses_
 def test_mxfp4_experts_load_as_the_weights_their_blocks_encode(tiny_gpt_oss, tmp_path):
     """load_model with Axolotl's keys: every expert weight is exactly its MXFP4 decoding (random init or the
     unquantized weights would differ), full precision, and trainable."""
-    from trainer.data import load_tokenizer
-    from trainer.model import load_model
+    from trainer.data.prepare import load_tokenizer
+    from trainer.model.load import load_model
 
     model_dir, expected = tiny_gpt_oss
     cfg, _ = parse_config({"base_model": str(model_dir), "datasets": [{"path": "d.jsonl", "type": "completion"}],
@@ -222,9 +223,9 @@ def test_packed_gpt_oss_rows_get_each_layers_own_mask(tiny_gpt_oss):
     A single 4D mask (the collator's) would differ by ~0.4 here: sliding layers would see past their window."""
     from transformers import AutoModelForCausalLM, Mxfp4Config
 
-    from trainer.collate import Collator
-    from trainer.data import load_tokenizer
-    from trainer.model import load_model
+    from trainer.batch.collate import Collator
+    from trainer.data.prepare import load_tokenizer
+    from trainer.model.load import load_model
 
     model_dir, _ = tiny_gpt_oss
     cfg, _ = parse_config({"base_model": str(model_dir), "datasets": [{"path": "d.jsonl", "type": "completion"}],

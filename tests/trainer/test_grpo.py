@@ -207,7 +207,7 @@ def trl_trainer(tmp_path_factory, tiny_llama):
 ])
 def test_advantages_and_loss_match_trls_grpo_trainer(trl_trainer, tiny_llama, rl, aggregation, scale, loss_type,
                                                      level):
-    from trainer.collate import Collator
+    from trainer.batch.collate import Collator
     from trainer.config import parse_config
     from trainer.objectives.grpo import GRPO, aggregate, compute_advantages, grpo_per_token_loss
 
@@ -295,7 +295,7 @@ def test_two_processes_train_as_one_with_twice_the_accumulation(grpo_config, tmp
 
 
 def test_mask_truncated_completions_drops_cut_completions_from_the_loss(tiny_llama):
-    from trainer.collate import Collator
+    from trainer.batch.collate import Collator
     from trainer.config import parse_config
     from trainer.objectives.grpo import GRPO
 

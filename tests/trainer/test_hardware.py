@@ -11,7 +11,7 @@ from tests.trainer.helpers import REPO, run_cli
 from trainer.cli import main
 from trainer.config import parse_config
 from trainer.errors import ConfigError, HardwareError
-from trainer.hardware import Gpu, adapt, detect, gpu_from_name
+from trainer.runtime.hardware import Gpu, adapt, detect, gpu_from_name
 
 BASE = {"base_model": "org/model", "datasets": [{"path": "org/data", "type": "alpaca"}]}
 

@@ -12,7 +12,7 @@ from tests.trainer.helpers import train_then_resume
 from trainer.cli import main
 from trainer.config import parse_config
 from trainer.errors import ConfigError
-from trainer.tiny import build_model, build_tokenizer
+from trainer.model.tiny import build_model, build_tokenizer
 
 LAYERS = 4
 
@@ -39,7 +39,7 @@ LISA = dict(lisa_n_layers=2, lisa_step_interval=3, lisa_layers_attribute="model.
 
 
 def test_lisa_moves_only_the_drawn_layers_and_redraws_each_interval(make_config, four_layer_llama, tmp_path):
-    from trainer.lisa import Lisa
+    from trainer.optim.lisa import Lisa
 
     out = tmp_path / "out"
     assert main(["train", str(make_config(base_model=str(four_layer_llama), output_dir=str(out), **LISA)) ]) == 0

@@ -27,9 +27,9 @@ def test_loftq_initialisation(make_config, tiny_llama):
     from peft.tuners.lora import Linear
     from transformers import AutoModelForCausalLM
 
-    from trainer.data import load_tokenizer
-    from trainer.hardware import adapt, gpu_from_name
-    from trainer.model import load_model
+    from trainer.data.prepare import load_tokenizer
+    from trainer.model.load import load_model
+    from trainer.runtime.hardware import adapt, gpu_from_name
 
     cfg, _ = load_config(make_config(**LOFTQ))
     original = dict(AutoModelForCausalLM.from_pretrained(tiny_llama).named_parameters())
@@ -66,11 +66,11 @@ def test_cpu_port_matches_peft():
 
     from peft.utils import loftq_utils
 
-    from trainer.loftq import decompose
+    from trainer.model.loftq import decompose
 
     source = textwrap.dedent(inspect.getsource(loftq_utils.loftq_init))
     device_line = 'compute_device = "xpu" if is_xpu_available() else "cuda"'
-    assert device_line in source, "peft's loftq_init changed: re-check trainer/loftq.py against it"
+    assert device_line in source, "peft's loftq_init changed: re-check trainer/model/loftq.py against it"
     namespace = dict(vars(loftq_utils))
     exec(source.replace(device_line, 'compute_device = "cpu"'), namespace)
     w = torch.randn(128, 64, generator=torch.Generator().manual_seed(0))

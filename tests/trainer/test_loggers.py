@@ -73,7 +73,7 @@ def test_loss_watchdog_stops_a_diverging_run_naming_the_step(make_config, tmp_pa
 
 def test_watchdog_patience_needs_consecutive_steps():
     from trainer.errors import TrainingError
-    from trainer.loggers import Watchdog
+    from trainer.outputs.loggers import Watchdog
 
     dog = Watchdog(2.0, 3)
     for step, loss in enumerate([3, 3, 1, 3, 3], start=1):  # never three in a row

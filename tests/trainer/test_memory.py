@@ -18,16 +18,15 @@ import tomllib
 import pytest
 import torch
 
-from trainer.collate import Collator
-from trainer.config import parse_config
-from trainer.data import load_tokenizer
-from trainer.hardware import Runtime, adapt, gpu_from_name
-from trainer.loss import token_loss_sum
-from trainer.model import load_model
-from trainer.optim import make_optimizer
-from trainer.runtime import memory, memory_model
-
 from matrices.catalog import matrix_dir
+from trainer.batch.collate import Collator
+from trainer.config import parse_config
+from trainer.data.prepare import load_tokenizer
+from trainer.model.load import load_model
+from trainer.objectives.loss import token_loss_sum
+from trainer.optim.optimizers import make_optimizer
+from trainer.runtime import memory, memory_model
+from trainer.runtime.hardware import Runtime, adapt, gpu_from_name
 
 
 def config(model_dir, **keys):
@@ -100,7 +99,7 @@ def optimizer_bytes(optimizer) -> int:
 def mid_model(tmp_path_factory):
     """A 4-layer Llama (hidden 128, GQA 4/2 heads) with the tiny tokenizer: big enough that every layer shape
     term shows, small enough for CPU."""
-    from trainer.tiny import build_model, build_tokenizer
+    from trainer.model.tiny import build_model, build_tokenizer
 
     out = tmp_path_factory.mktemp("mid-llama")
     tokenizer = build_tokenizer()
@@ -334,7 +333,6 @@ def test_analytic_count_refuses_an_unknown_family(tmp_path):
 
 def family_model(root, model_type: str, **extra):
     """A 3-layer model of `model_type` with random weights and the tiny tokenizer (its vocabulary)."""
-    import shutil
 
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -345,7 +343,7 @@ def family_model(root, model_type: str, **extra):
                                       pad_token_id=2, bos_token_id=0, eos_token_id=1, **extra)
         torch.manual_seed(0)
         AutoModelForCausalLM.from_config(config).save_pretrained(folder)
-        from trainer.tiny import build_tokenizer
+        from trainer.model.tiny import build_tokenizer
 
         build_tokenizer().save_pretrained(folder)
     return folder

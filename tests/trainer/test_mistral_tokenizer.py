@@ -12,11 +12,12 @@ import pytest
 import yaml
 
 from tests.trainer.helpers import run_cli, train_then_resume, write_jsonl
+from trainer.batch.labels import IGNORE
 from trainer.cli import main
 from trainer.config import parse_config
-from trainer.data import load_tokenizer, tokenizer_identity
-from trainer.prompts import IGNORE, tokenize_row
-from trainer.tiny import build_mistral_tokenizer, make_tiny_model
+from trainer.data.formats.prompts import tokenize_row
+from trainer.data.prepare import load_tokenizer, tokenizer_identity
+from trainer.model.tiny import build_mistral_tokenizer, make_tiny_model
 
 EXAMPLE = Path(__file__).parent / "data" / "axolotl_examples" / "magistral__think__magistral-small-think-qlora.yaml"
 

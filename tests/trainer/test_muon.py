@@ -28,7 +28,7 @@ def loss_of(model, seed):
 def test_muon_steps_as_torchs_muon_and_adamw_on_axolotls_split():
     """The oracle: torch.optim.Muon (Moonlight's lr adjustment) on the hidden matrices and torch.optim.AdamW
     (Axolotl's default betas 0.95, 0.95) on embeddings and LM head, stepped separately; norms untouched."""
-    from trainer.muon import build
+    from trainer.optim.muon import build
 
     cfg, _ = parse_config({"base_model": "m", "datasets": [{"path": "x.jsonl", "type": "alpaca"}],
                            "optimizer": "muon", "learning_rate": 0.02, "weight_decay": 0.01})
@@ -51,7 +51,7 @@ def test_muon_steps_as_torchs_muon_and_adamw_on_axolotls_split():
 
 
 def test_adam_betas_are_used_when_set():
-    from trainer.muon import build
+    from trainer.optim.muon import build
 
     cfg, _ = parse_config({"base_model": "m", "datasets": [{"path": "x.jsonl", "type": "alpaca"}],
                            "optimizer": "muon", "adam_beta1": 0.8, "adam_beta2": 0.9})

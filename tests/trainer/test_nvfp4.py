@@ -1,4 +1,4 @@
-"""NVFP4 QAT without FP4 tensor cores (trainer/nvfp4.py): torchao's NVFP4FakeQuantizedLinear with its FP4 GEMM
+"""NVFP4 QAT without FP4 tensor cores (trainer/model/nvfp4.py): torchao's NVFP4FakeQuantizedLinear with its FP4 GEMM
 emulated in float32.
 
 The oracle for "matches the FP4 GEMM" is the exact value of that GEMM: torchao's quantized representation
@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 import torch
+import torchao  # noqa: F401  (the `qat` extra: .ci/setup installs it)
 import yaml
 
-import torchao  # noqa: F401  (the `qat` extra: .ci/setup installs it)
 from tests.trainer.helpers import example_full_then_resumed, run_cli, train_losses, train_then_resume
-from trainer import nvfp4, qat
 from trainer.cli import main
+from trainer.model import nvfp4, qat
 
 NVFP4 = {"activation_dtype": "nvfp4", "weight_dtype": "nvfp4", "group_size": 16}  # examples/llama-3/3b-qat-nvfp4
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)  # OCP MX spec, FP4 E2M1

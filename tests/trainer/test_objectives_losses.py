@@ -14,7 +14,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tests.trainer.pref_helpers import LogProbsModel, random_pairs, random_sequences, trl_object, trl_padded
-from trainer.collate import IGNORE, Collator
+from trainer.batch.collate import Collator
+from trainer.batch.labels import IGNORE
 from trainer.objectives.dpo import DPO, dpo_loss
 from trainer.objectives.kto import KTO, kto_loss
 from trainer.objectives.orpo import ORPO, odds_ratio_loss

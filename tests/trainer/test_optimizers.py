@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from tests.trainer.helpers import train_losses, train_then_resume
-from trainer import optim
 from trainer.cli import main
 from trainer.config import parse_config
 from trainer.errors import ConfigError
+from trainer.optim import optimizers
 
 BASE = {"base_model": "org/model", "datasets": [{"path": "org/data", "type": "alpaca"}]}
 
@@ -22,7 +22,7 @@ def test_the_table_names_the_library_transformers_builds():
     from transformers import Trainer
 
     checked = 0
-    for name, row in optim.table().items():
+    for name, row in optimizers.table().items():
         if "unsupported" in row or "built_by" in row or importlib.util.find_spec(row["library"]) is None:
             continue
         args = SimpleNamespace(optim=row.get("transformers_name", name), learning_rate=1e-3, adam_beta1=0.9,

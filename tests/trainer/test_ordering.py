@@ -8,10 +8,10 @@ import pytest
 
 import trainer.train as train_mod
 from tests.trainer.helpers import alpaca_rows, train_then_resume, write_jsonl
+from trainer.batch.ordering import pack_sequentially
+from trainer.batch.sampler import MultipackBatchSampler
 from trainer.cli import main
 from trainer.config import parse_config
-from trainer.ordering import pack_sequentially
-from trainer.sampler import MultipackBatchSampler
 
 
 def padding_share(lengths, batches) -> float:
@@ -71,7 +71,7 @@ def record_batches(monkeypatch):
 
 def test_curriculum_sampling_trains_the_rows_in_file_order(make_config, tmp_path, record_batches):
     from trainer.config import load_config
-    from trainer.data import load_tokenizer, prepare
+    from trainer.data.prepare import load_tokenizer, prepare
 
     rows = alpaca_rows(24)
     data = write_jsonl(tmp_path / "ordered.jsonl", rows)

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch.distributed as dist
 
-from trainer.packing import efficiency, pack
-from trainer.sampler import MultipackBatchSampler
+from trainer.batch.packing import efficiency, pack
+from trainer.batch.sampler import MultipackBatchSampler
 
 
 def long_tailed(n: int, cap: int, seed: int = 0) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""Axolotl's N-D parallelism sizes (trainer/parallelism.py): dp_shard_size (FSDP over that many ranks) and
+"""Axolotl's N-D parallelism sizes (trainer/parallel/mesh.py): dp_shard_size (FSDP over that many ranks) and
 dp_replicate_size (HSDP: replicas x shards, accelerate's ParallelismConfig on a 2-D device mesh).
 
 The multi-process runs use torchrun on CPU over gloo (127.0.0.1) under a hard timeout, and train the same
@@ -16,8 +16,8 @@ import pytest
 from tests.trainer.helpers import read_metrics, torchrun_train, train_losses
 from tests.trainer.test_fsdp_deepspeed import FSDP2, common
 from trainer.config import parse_config
+from trainer.config.parallel import Mesh, mesh_for
 from trainer.errors import ConfigError
-from trainer.parallelism import Mesh, mesh_for
 
 BASE = {"base_model": "m", "datasets": [{"path": "d.jsonl", "type": "alpaca"}]}
 

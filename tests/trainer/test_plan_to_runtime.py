@@ -12,7 +12,7 @@ from resolver.errors import Unsatisfiable
 from resolver.solve import Request, solve
 from trainer import facts
 from trainer.config import parse_config
-from trainer.hardware import adapt, attention_backend, gpu_from_name, gpu_from_plan
+from trainer.runtime.hardware import adapt, attention_backend, gpu_from_name, gpu_from_plan
 
 M = matrix_module.load()
 TRANSFORMERS_BACKENDS = set(ALL_ATTENTION_FUNCTIONS) | {"eager"}

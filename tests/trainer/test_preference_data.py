@@ -6,13 +6,14 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-import trainer.data as data_mod
+import trainer.objectives.preference_data as data_mod
 from tests.trainer.pref_helpers import kto_rows, pair_rows, write_jsonl
+from trainer.batch.labels import IGNORE
 from trainer.config import DatasetConfig, load_config, parse_config
-from trainer.data import load_tokenizer, prepare
+from trainer.data.formats.preference_prompts import render, tokenize
+from trainer.data.prepare import load_tokenizer
 from trainer.errors import ConfigError, DataError
-from trainer.preference_prompts import render, tokenize
-from trainer.prompts import IGNORE
+from trainer.objectives import prepare
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +99,7 @@ def test_pairs_are_filtered_by_length_with_counts_and_cached(tmp_path, tiny_llam
     assert row["length"] == len(row["chosen_input_ids"]) + len(row["rejected_input_ids"])
     assert max(max(len(r["chosen_input_ids"]), len(r["rejected_input_ids"])) for r in prepared.train) <= 64
 
-    monkeypatch.setattr(data_mod, "build", lambda *a: pytest.fail("the cache was not reused"))
+    monkeypatch.setattr(data_mod, "build_preference", lambda *a: pytest.fail("the cache was not reused"))
     assert prepare(cfg, load_tokenizer(cfg)).path == prepared.path
     monkeypatch.undo()
     truncated = prepare(config(tmp_path, tiny_llama, data, excess_length_strategy="truncate"), load_tokenizer(cfg))
@@ -160,7 +161,7 @@ def test_bad_preference_configs_are_one_clear_error(raw, message):
 
 
 def test_preprocessing_workers_are_bounded_as_for_sft():
-    from trainer.data import workers_for
+    from trainer.data.prepare import workers_for
 
     cfg, _ = parse_config({**BASE, "rl": "kto", "datasets": [{"path": "o/d", "type": "chatml.intel"}], "dataset_processes": 96})
     assert workers_for(cfg, 500) == 1 and workers_for(cfg, 10_000) == 10 and workers_for(cfg, 10**7) == 96

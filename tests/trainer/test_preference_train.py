@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import trainer.reference as reference_mod
+import trainer.objectives.reference as reference_mod
 from tests.trainer.helpers import REPO, read_metrics, train_losses
 from tests.trainer.pref_helpers import kto_rows, pair_rows, write_jsonl
 from trainer.cli import main
@@ -122,9 +122,10 @@ def test_packed_and_unpacked_batches_give_the_same_loss_and_gradient(rl, pref_co
     from transformers import AutoModelForCausalLM
 
     from trainer import objectives
-    from trainer.collate import Collator
+    from trainer.batch.collate import Collator
     from trainer.config import load_config
-    from trainer.data import load_tokenizer, prepare
+    from trainer.data.prepare import load_tokenizer
+    from trainer.objectives import prepare
 
     cfg, _ = load_config(pref_config(rl=rl))
     data = prepare(cfg, load_tokenizer(cfg))
@@ -172,7 +173,7 @@ def test_full_fine_tune_dpo_peaks_at_sft_memory_not_a_second_model(make_config, 
     Tolerance 15 MiB (allocator noise, the reference numbers). Measured: SFT 746.9 MiB, DPO 747.2 MiB; the
     same DPO run holding a deep copy of the model as its reference peaked at 775.2 MiB (+28 MiB), so a
     reference copy fails this test."""
-    from trainer.tiny import build_model, build_tokenizer
+    from trainer.model.tiny import build_model, build_tokenizer
 
     tokenizer = build_tokenizer()
     model_dir = tmp_path / "model"
@@ -212,11 +213,12 @@ def test_with_lora_the_reference_is_the_base_with_the_adapter_disabled(pref_conf
     from transformers import AutoModelForCausalLM
 
     from trainer import objectives
-    from trainer.collate import Collator
+    from trainer.batch.collate import Collator
     from trainer.config import load_config
-    from trainer.data import load_tokenizer, prepare
-    from trainer.hardware import adapt, detect
-    from trainer.reference import reference_logps
+    from trainer.data.prepare import load_tokenizer
+    from trainer.objectives import prepare
+    from trainer.objectives.reference import reference_logps
+    from trainer.runtime.hardware import adapt, detect
 
     cfg, _ = load_config(pref_config(adapter="lora"))
     runtime = adapt(cfg, *detect("cpu", None))
@@ -239,12 +241,13 @@ def test_a_rank_waiting_for_anothers_reference_share_stops_with_a_clear_error(pr
     from transformers import AutoModelForCausalLM
 
     from trainer import objectives
-    from trainer.collate import Collator
+    from trainer.batch.collate import Collator
     from trainer.config import load_config
-    from trainer.data import load_tokenizer, prepare
+    from trainer.data.prepare import load_tokenizer
     from trainer.errors import TrainerError
-    from trainer.hardware import adapt, detect
-    from trainer.reference import reference_logps
+    from trainer.objectives import prepare
+    from trainer.objectives.reference import reference_logps
+    from trainer.runtime.hardware import adapt, detect
 
     cfg, _ = load_config(pref_config(dataset_prepare_timeout=1))
     data = prepare(cfg, load_tokenizer(cfg))

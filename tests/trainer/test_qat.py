@@ -15,21 +15,21 @@ from pathlib import Path
 
 import pytest
 import torch
+import torchao  # noqa: E402,F401  (the `qat` extra: .ci/setup installs it; never skipped)
 import yaml
 
 from tests.trainer.helpers import example_full_then_resumed, read_metrics, run_cli, train_losses, train_then_resume
 from trainer.cli import main
 
-import torchao  # noqa: E402,F401  (the `qat` extra: .ci/setup installs it; never skipped)
 INT8_INT4 = {"activation_dtype": "int8", "weight_dtype": "int4", "group_size": 32}
 EXAMPLE = Path(__file__).parent / "data" / "axolotl_examples" / "llama-3__3b-qat-fsdp2.yaml"
 
 
 @pytest.fixture
 def captured(monkeypatch):
-    """What the trainer's QAT preparation built (trainer.qat.prepare wrapped, not replaced): the model, and its
+    """What the trainer's QAT preparation built (trainer.model.qat.prepare wrapped, not replaced): the model, and its
     modules right after preparation (training ends by converting them back to plain layers)."""
-    from trainer import qat
+    from trainer.model import qat
 
     seen, real = [], qat.prepare
 
@@ -83,7 +83,7 @@ MXFP4 = {"activation_dtype": "mxfp4", "weight_dtype": "mxfp4", "group_size": 32}
 def test_mxfp4_trains_under_bf16_autocast_with_checkpointing(make_config, tmp_path, captured):
     """As Axolotl's 3b-qat-mxfp4 example: bf16 (fp32 master weights under autocast here), gradient checkpointing.
     torchao's MX linear asserts its output has its input's dtype, which autocast breaks; the trainer runs it in
-    the weights' precision (trainer.qat._master_precision_forward)."""
+    the weights' precision (trainer.model.qat._master_precision_forward)."""
     out = tmp_path / "out"
     cfg = make_config(output_dir=str(out), max_steps=2, bf16=True, gradient_checkpointing=True, qat=MXFP4)
     result = run_cli("train", str(cfg))

@@ -22,13 +22,12 @@ QLORA = dict(adapter="qlora", load_in_4bit=True, lora_r=4, lora_alpha=8, lora_dr
 
 
 def test_qlora_trains_4bit_layers_on_cpu_and_resumes_exactly(make_config, tmp_path):
+    import bitsandbytes as bnb
     from transformers import AutoTokenizer
 
-    import bitsandbytes as bnb
-
     from trainer.config import load_config
-    from trainer.hardware import adapt, gpu_from_name
-    from trainer.model import load_model
+    from trainer.model.load import load_model
+    from trainer.runtime.hardware import adapt, gpu_from_name
 
     common = dict(max_steps=5, save_steps=2, **QLORA)
     full, resumed = train_then_resume(main, make_config, tmp_path, **common)
@@ -67,8 +66,8 @@ def test_an_evaluation_does_not_break_the_4bit_backward(make_config):
     from transformers import AutoTokenizer
 
     from trainer.config import load_config
-    from trainer.hardware import adapt, gpu_from_name
-    from trainer.model import load_model
+    from trainer.model.load import load_model
+    from trainer.runtime.hardware import adapt, gpu_from_name
 
     cfg, _ = load_config(make_config(**{**QLORA, "lora_dropout": 0.0}))  # no dropout: the same gradient twice
     tokenizer = AutoTokenizer.from_pretrained(cfg.base_model)
@@ -98,8 +97,8 @@ def test_8bit_lora_trains_int8_layers(make_config, tmp_path):
     from transformers import AutoTokenizer
 
     from trainer.config import load_config
-    from trainer.hardware import adapt, gpu_from_name
-    from trainer.model import load_model
+    from trainer.model.load import load_model
+    from trainer.runtime.hardware import adapt, gpu_from_name
 
     out = tmp_path / "out"
     config = make_config(output_dir=str(out), adapter="lora", load_in_8bit=True, lora_r=4,

@@ -23,11 +23,11 @@ RELORA = dict(adapter="lora", lora_r=4, lora_alpha=8, lora_target_linear=True, r
 
 
 def build(make_config, **extra):
-    from trainer.data import load_tokenizer
-    from trainer.hardware import adapt, gpu_from_name
-    from trainer.model import load_model
-    from trainer.optim import make_optimizer
-    from trainer.relora import ReLoRA
+    from trainer.data.prepare import load_tokenizer
+    from trainer.model.load import load_model
+    from trainer.model.relora import ReLoRA
+    from trainer.optim.optimizers import make_optimizer
+    from trainer.runtime.hardware import adapt, gpu_from_name
 
     cfg, _ = load_config(make_config(**{**RELORA, **extra}))
     model = load_model(cfg, adapt(cfg, gpu_from_name("cpu")), load_tokenizer(cfg))

@@ -19,8 +19,9 @@ import torch
 import yaml
 
 from tests.trainer.helpers import WORDS, read_metrics, run_cli, train_then_resume, write_jsonl
+from trainer.batch.collate import Collator
+from trainer.batch.labels import IGNORE
 from trainer.cli import main
-from trainer.collate import IGNORE, Collator
 from trainer.config import DatasetConfig, parse_config
 from trainer.errors import ConfigError
 
@@ -110,7 +111,7 @@ def test_prm_loss_is_the_token_classification_loss_trls_prm_trainer_trains(tiny_
     from transformers import AutoModelForTokenClassification, DataCollatorForTokenClassification
 
     from trainer.objectives.prm import PRM
-    from trainer.reward_data import stepwise
+    from trainer.objectives.reward_data import stepwise
 
     tok = tokenizer_of(tiny_llama)
     ds = DatasetConfig(path="steps.jsonl", type="stepwise_supervised")
@@ -136,7 +137,7 @@ def test_prm_loss_is_the_token_classification_loss_trls_prm_trainer_trains(tiny_
 # --- data --------------------------------------------------------------------------------------------------
 
 def test_stepwise_rows_label_each_steps_separator(tiny_llama):
-    from trainer.reward_data import stepwise
+    from trainer.objectives.reward_data import stepwise
 
     tok = tokenizer_of(tiny_llama)
     enc = lambda s: tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
@@ -156,7 +157,7 @@ def test_stepwise_rows_label_each_steps_separator(tiny_llama):
 
 
 def test_bradley_terry_rows_render_the_conversation_with_the_chat_template(tiny_llama):
-    from trainer.reward_data import bradley_terry
+    from trainer.objectives.reward_data import bradley_terry
 
     tok = tokenizer_of(tiny_llama)
     row = {"system": "Be brief.", "input": "Capital of France?", "chosen": "Paris.", "rejected": "Rome."}
@@ -226,7 +227,8 @@ def score_validation(cfg_path, model):
     """The objective's evaluation of cfg's validation split with a given (loaded) model."""
     from trainer import objectives
     from trainer.config import load_config
-    from trainer.data import load_tokenizer, prepare
+    from trainer.data.prepare import load_tokenizer
+    from trainer.objectives import prepare
 
     cfg, _ = load_config(cfg_path)
     tok = load_tokenizer(cfg)
@@ -283,8 +285,8 @@ def test_lora_reward_model_trains_its_score_head_and_the_adapter_loads(rm_config
     assert again["eval_loss"] == pytest.approx(eval_rows(out)[-1]["eval_loss"], rel=1e-5)  # the trained head came back
     # as training builds it: the head is a trained copy (modules_to_save), the rest LoRA on a frozen base
     from trainer.config import load_config
-    from trainer.hardware import adapt, gpu_from_name
-    from trainer.model import load_model
+    from trainer.model.load import load_model
+    from trainer.runtime.hardware import adapt, gpu_from_name
 
     cfg, _ = load_config(config)
     trained = [n for n, p in load_model(cfg, adapt(cfg, gpu_from_name("cpu")), tokenizer_of(raw["base_model"]))
@@ -314,7 +316,7 @@ def test_packed_process_reward_model_batches_give_the_unpacked_loss(tiny_llama):
     from transformers import AutoModelForTokenClassification
 
     from trainer.objectives.prm import PRM
-    from trainer.reward_data import stepwise
+    from trainer.objectives.reward_data import stepwise
 
     tok = tokenizer_of(tiny_llama)
     ds = DatasetConfig(path="steps.jsonl", type="stepwise_supervised")
@@ -369,8 +371,8 @@ def test_lora_process_reward_model_trains_its_classifier_head(rm_config, tmp_pat
     assert any(".score." in k and "lora_" not in k for k in saved) and any("lora_A" in k for k in saved)
     # TRL's disable_dropout (RewardConfig/PRMConfig default): the head's dropout and lora_dropout are off
     from trainer.config import load_config
-    from trainer.hardware import adapt, gpu_from_name
-    from trainer.model import load_model
+    from trainer.model.load import load_model
+    from trainer.runtime.hardware import adapt, gpu_from_name
 
     cfg, _ = load_config(rm_config("d.yml", kind="prm", adapter="lora", lora_r=4, lora_dropout=0.1))
     model = load_model(cfg, adapt(cfg, gpu_from_name("cpu")), tokenizer_of(cfg.base_model))
@@ -385,8 +387,8 @@ def test_qlora_reward_model_keeps_a_trainable_full_precision_head(rm_config, tmp
     import json
 
     from trainer.config import load_config
-    from trainer.hardware import adapt, gpu_from_name
-    from trainer.model import load_model
+    from trainer.model.load import load_model
+    from trainer.runtime.hardware import adapt, gpu_from_name
 
     out = tmp_path / "qlora"
     config = rm_config(output_dir=str(out), adapter="qlora", load_in_4bit=True, lora_r=4, max_steps=2,
@@ -411,8 +413,8 @@ def test_a_new_head_on_a_bf16_base_is_initialised(kind, rm_config):
     """Axolotl re-initialises heads that transformers 5.8 left as uninitialised memory on bf16 bases; with the
     transformers here the head comes out initialised (normal, initializer_range), and the same for a given seed."""
     from trainer.config import load_config
-    from trainer.hardware import adapt, gpu_from_name
-    from trainer.model import load_model
+    from trainer.model.load import load_model
+    from trainer.runtime.hardware import adapt, gpu_from_name
 
     cfg, _ = load_config(rm_config(kind=kind, adapter="lora", lora_r=4, bf16=True))
     runtime = adapt(cfg, gpu_from_name("cpu"))

@@ -18,8 +18,8 @@ from safetensors.torch import load_file
 from tests.trainer.helpers import read_metrics, run_cli, train_then_resume
 from trainer.cli import main
 from trainer.config import parse_config
+from trainer.config.sparsity import PLUGIN
 from trainer.errors import ConfigError
-from trainer.sparsity import PLUGIN
 
 EXAMPLE = Path(__file__).parent / "data" / "axolotl_examples" / "llama-3__sparse-finetuning.yaml"
 RECIPE = yaml.safe_load(EXAMPLE.read_text())["llmcompressor"]  # Axolotl's example recipe, unchanged
@@ -46,7 +46,7 @@ def sparse_llama(tmp_path_factory) -> Path:
     per weight set to 5e-9, which llmcompressor's mask (|w| > 1e-8) also counts as a zero."""
     from transformers import AutoModelForCausalLM
 
-    from trainer.tiny import make_tiny_model
+    from trainer.model.tiny import make_tiny_model
 
     out = make_tiny_model(tmp_path_factory.mktemp("sparse-llama"), family="llama", seed=0)
     model = AutoModelForCausalLM.from_pretrained(out)
@@ -172,7 +172,7 @@ def test_class_name_targets_and_the_examples_weight_name_regexes(sparse_llama):
     the Axolotl example's "re:.*q_proj.weight" regexes take the projections by their weights' names."""
     from transformers import AutoModelForCausalLM
 
-    from trainer.sparsity import Pruning
+    from trainer.model.sparsity import Pruning
 
     model = AutoModelForCausalLM.from_pretrained(sparse_llama)
     module_path = "axolotl.integrations.llm_compressor.plugin.LLMCompressorPlugin"  # accepted as the short one

@@ -12,7 +12,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.trainer.helpers import WORDS, alpaca_rows, read_metrics, run_cli, train_losses, train_then_resume, write_jsonl
+from tests.trainer.helpers import (
+    WORDS,
+    alpaca_rows,
+    read_metrics,
+    run_cli,
+    train_losses,
+    train_then_resume,
+    write_jsonl,
+)
 from trainer.cli import main
 from trainer.config import parse_config
 from trainer.errors import ConfigError, DataError
@@ -48,8 +56,8 @@ def tokenizer_of(model_dir):
 
 def stream_of(config_path, rank=0, world=1):
     from trainer.config import load_config
-    from trainer.data import load_tokenizer
-    from trainer.streaming import Stream
+    from trainer.data.prepare import load_tokenizer
+    from trainer.data.streaming import Stream
 
     cfg, _ = load_config(config_path)
     return Stream(cfg, load_tokenizer(cfg), rank, world), cfg
@@ -79,7 +87,7 @@ def test_stream_keys_are_checked(tiny_llama):
 
 def test_pretrain_windows_cover_the_text_as_axolotls_pretrain_type(tiny_llama):
     """Windows of sequence_len - 1 tokens overlapping by the stride, each + EOS; together they are the text."""
-    from trainer.streaming import pretrain_windows
+    from trainer.data.streaming import pretrain_windows
 
     tok = tokenizer_of(tiny_llama)
     text = " ".join(WORDS * 6)
@@ -133,7 +141,7 @@ def test_unpacked_pretraining_keeps_each_texts_start_as_axolotl(pretrain_config,
 def test_streamed_sft_rows_are_the_prepared_rows(make_config, tmp_path):
     """streaming: true tokenizes each row exactly as the prepared path does (same prompt format, same filter)."""
     from trainer.config import load_config
-    from trainer.data import build, load_tokenizer
+    from trainer.data.prepare import build, load_tokenizer
 
     data = write_jsonl(tmp_path / "a.jsonl", alpaca_rows(20, long_every=5))
     common = dict(datasets=[{"path": str(data), "type": "alpaca"}], sequence_len=120, shuffle_merged_datasets=False)
@@ -212,8 +220,8 @@ def test_axolotls_streaming_pretrain_example_trains_with_only_model_and_data_swa
 def test_a_typed_pretraining_dataset_streams_rows_tokenized_as_that_type(pretrain_config, tmp_path):
     """Axolotl's diffusion pretrain example streams `type: completion` rows: each is the completion type's
     tokens (the whole text plus EOS, every token trained), not pretrain windows."""
-    from trainer.data import tokenize_example
     from trainer.config import DatasetConfig
+    from trainer.data.prepare import tokenize_example
 
     config = pretrain_config(pretraining_dataset=[{"path": str(tmp_path / "text.jsonl"), "type": "completion",
                                                    "field": "text"}], sample_packing=False, sequence_len=128)
@@ -249,7 +257,7 @@ def test_axolotls_diffusion_pretrain_example_trains_with_only_model_and_data_swa
 def test_diffusion_on_a_stream_resumes_exactly(pretrain_config, tmp_path):
     """The diffusion masks are keyed by each streamed example's index (pass, row, window), which the replayed
     stream gives again: a resumed run takes the uninterrupted run's later steps, loss for loss."""
-    from trainer.diffusion import PLUGIN
+    from trainer.config.diffusion import PLUGIN
 
     train_then_resume(main, pretrain_config, tmp_path, checkpoint=2, plugins=[PLUGIN],
                       diffusion={"mask_token_id": 5, "eps": 1e-3}, attn_implementation="sdpa", max_steps=4)
@@ -260,7 +268,7 @@ def test_diffusion_on_a_stream_resumes_exactly(pretrain_config, tmp_path):
 def test_pretokenized_rows_train_as_given(make_config, tiny_llama, tmp_path):
     """input_ids and labels are used as they are (-100 labels not trained), attention_mask 0 positions dropped."""
     from trainer.config import load_config
-    from trainer.data import load_tokenizer, prepare
+    from trainer.data.prepare import load_tokenizer, prepare
 
     tok = tokenizer_of(tiny_llama)
     rows = []
@@ -324,7 +332,7 @@ def test_preprocess_and_evaluate_say_a_stream_has_nothing_to_prepare(pretrain_co
 
 
 def test_too_few_rows_for_the_processes_is_said_before_training(pretrain_config, tmp_path):
-    from trainer.streaming import check_stream
+    from trainer.data.streaming import check_stream
 
     data = write_jsonl(tmp_path / "two.jsonl", texts(2))
     stream, cfg = stream_of(pretrain_config(pretraining_dataset=[{"path": str(data)}]))

@@ -10,7 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import trainer.checkpoint as checkpoint_mod
+import trainer.outputs.checkpoint as checkpoint_mod
+import trainer.parallel.accelerator as accelerator_mod
 import trainer.train as train_mod
 from tests.trainer.helpers import read_metrics, run_cli, train_losses
 from trainer.cli import main
@@ -41,10 +42,10 @@ def test_packing_does_not_change_the_gradient(tiny_llama, tmp_path, make_config)
     """The same examples, packed into rows or one per micro-batch, give the same gradient."""
     from transformers import AutoModelForCausalLM
 
-    from trainer.collate import Collator, count_targets
+    from trainer.batch.collate import Collator, count_targets
     from trainer.config import load_config
-    from trainer.data import load_tokenizer, prepare
-    from trainer.loss import token_loss_sum
+    from trainer.data.prepare import load_tokenizer, prepare
+    from trainer.objectives.loss import token_loss_sum
 
     cfg, _ = load_config(make_config())
     data = prepare(cfg, load_tokenizer(cfg))
@@ -190,9 +191,9 @@ def test_not_enough_data_is_bad_input(make_config, capsys):
 
 def test_resume_from_a_checkpoint_at_the_end_of_an_epoch(make_config, tmp_path):
     """The sampler's resume offset must not leak into the next epoch."""
+    from trainer.batch.sampler import MultipackBatchSampler
     from trainer.config import load_config
-    from trainer.data import load_tokenizer, prepare
-    from trainer.sampler import MultipackBatchSampler
+    from trainer.data.prepare import load_tokenizer, prepare
 
     cfg, _ = load_config(make_config())
     n_batches = len(MultipackBatchSampler(prepare(cfg, load_tokenizer(cfg)).train["length"], 2, None))
@@ -210,8 +211,8 @@ def test_resume_from_a_checkpoint_at_the_end_of_an_epoch(make_config, tmp_path):
 def test_deepspeed_key_is_passed_through_or_refused_clearly(make_config, tmp_path, capsys, monkeypatch):
     ds = tmp_path / "ds.json"
     ds.write_text('{"zero_optimization": {"stage": 2}}')
-    real = train_mod.importlib.util.find_spec
-    monkeypatch.setattr(train_mod.importlib.util, "find_spec", lambda n, *a: None if n == "deepspeed" else real(n, *a))
+    real = accelerator_mod.importlib.util.find_spec
+    monkeypatch.setattr(accelerator_mod.importlib.util, "find_spec", lambda n, *a: None if n == "deepspeed" else real(n, *a))
     code = train(make_config(deepspeed=str(ds)))
     monkeypatch.undo()
     err = capsys.readouterr().err

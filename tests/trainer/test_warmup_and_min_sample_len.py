@@ -9,9 +9,9 @@ import pytest
 from tests.trainer.helpers import alpaca_rows, read_metrics, write_jsonl
 from trainer.cli import main
 from trainer.config import load_config, parse_config
-from trainer.data import load_tokenizer, prepare
+from trainer.data.prepare import load_tokenizer, prepare
 from trainer.errors import ConfigError
-from trainer.schedule import warmup_steps
+from trainer.optim.schedule import warmup_steps
 
 BASE = {"base_model": "m", "datasets": [{"path": "d.jsonl", "type": "alpaca"}]}
 
@@ -69,6 +69,6 @@ def test_tiled_mlp_is_a_memory_note_and_sync_each_batch_is_accepted():
     cfg, notes = parse_config({**BASE, "tiled_mlp": True,
                                "accelerator_config": {"gradient_accumulation_kwargs": {"sync_each_batch": True}}})
     assert any(n.startswith("tiled_mlp: off (ALST's tiled MLP") for n in notes)
-    from trainer.parallelism import sync_each_batch
+    from trainer.config.parallel import sync_each_batch
 
     assert sync_each_batch(cfg) is True

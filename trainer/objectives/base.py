@@ -18,12 +18,32 @@ No collective ever depends on a rank's data: shapes are fixed by the objective's
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from trainer.collate import IGNORE
-from trainer.loss import MODEL_INPUTS
+from trainer.batch.labels import IGNORE
+from trainer.batch.sampler import MultipackBatchSampler
+from trainer.data.prepare import prepare
+from trainer.objectives.loss import MODEL_INPUTS
+from trainer.parallel.collective import reduce_sum
+
+
+@dataclass(frozen=True)
+class Scoring:
+    """How a split is scored: batches of batch_size rows (packed up to capacity tokens; None: one example a row),
+    this rank's share of world, collectives timing out after timeout_s. sharded: the weights are sharded (FSDP,
+    ZeRO-3), so every forward is a collective and every rank runs as many as the busiest one."""
+
+    batch_size: int
+    capacity: int | None
+    device: object
+    rank: int = 0
+    world: int = 1
+    timeout_s: float = 1800.0
+    sharded: bool = False
 
 
 class Objective:
@@ -31,10 +51,25 @@ class Objective:
     stat_names: tuple[str, ...] = ()  # summed over the step's micro-batches and ranks before the loss
     metric_names: tuple[str, ...] = ()  # summed after the step, turned into logged values by report()
     progress_names: tuple[str, ...] = ()  # shown beside loss and lr on the progress bar
-    generates = False  # GRPO: expand() generates each step's micro-batches
-    needs_reference = False  # reference log-probs are precomputed once (trainer.reference)
+    needs_reference = False  # reference log-probs are precomputed once (trainer.objectives.reference)
     stats_need_model = False  # step_stats runs forwards (KTO's KL), so its batch must be on the device
     reference_names: tuple[str, ...] = ()  # one column per reference value of an example
+
+    @classmethod
+    def from_config(cls, cfg, collator, token_loss_sum) -> Objective:
+        """The objective a config asks for (trainer.objectives.objective_class picks the class)."""
+        raise NotImplementedError
+
+    @classmethod
+    def prepare_data(cls, cfg, tokenizer, rank: int = 0, log=print):
+        """The data hook: the rows this objective trains on, prepared once (trainer/data/prepare.py caches them,
+        rank 0 prepares, the others wait). SFT's prompt formats unless the objective builds its own rows."""
+        return prepare(cfg, tokenizer, rank, log)
+
+    @classmethod
+    def capacity(cls, cfg, packing: bool) -> int | None:
+        """Tokens per packed row for the sampler (None: one example per row)."""
+        return cfg.sequence_len if packing else None
 
     def loader_batch(self, micro_batch_size: int, ga: int) -> tuple[int, int]:
         """(rows per loader batch, loader batches per optimizer step); GRPO draws one batch of prompts per step."""
@@ -66,6 +101,17 @@ class Objective:
 
     def report(self, sums: dict[str, float], totals: dict[str, float]) -> dict:
         raise NotImplementedError
+
+    def evaluate(self, model, dataset, batch_size: int, capacity: int | None, device, rank: int = 0, world: int = 1,
+                 timeout_s: float = 1800.0, sharded: bool = False, reference: np.ndarray | None = None) -> dict:
+        """The objective's loss and metrics over a split (eval_* keys; `reference`: the split's reference values).
+        The one signature the loop and `python -m trainer evaluate` call; objectives differ in score()."""
+        return self.score(model, dataset, Scoring(batch_size, capacity, device, rank, world, timeout_s, sharded),
+                          reference)
+
+    def score(self, model, dataset, where: Scoring, reference: np.ndarray | None = None) -> dict:
+        """The split as ONE step (pairs, KTO, reward models); SFT, diffusion and GRPO score their own way."""
+        return evaluate_as_step(self, model, dataset, reference, where)
 
     def reference(self, model, batch: dict) -> torch.Tensor:
         """[examples of the batch in row order, len(reference_names)] reference values (no grad)."""
@@ -104,6 +150,48 @@ def frozen_copy(model, dtype=None):
         return None
     frozen = copy.deepcopy(model).eval().requires_grad_(False)
     return frozen if dtype is None else frozen.to(dtype)
+
+
+@torch.no_grad()
+def evaluate_as_step(objective: Objective, model, dataset, reference, where: Scoring) -> dict:
+    """The objective's loss and metrics over a whole split, as ONE step: each rank its share of the batches
+    with no per-batch collective, then two fixed-size all-reduces (totals, then metric sums).
+    Sharded weights (FSDP, ZeRO-3) make every forward a collective: ranks first agree on the busiest rank's batch
+    count and the others run filler forwards whose numbers are discarded."""
+    device, rank, world, timeout_s = where.device, where.rank, where.world, where.timeout_s
+    sampler = MultipackBatchSampler(objective.lengths(dataset), where.batch_size, where.capacity, rank=rank,
+                                    world_size=world, shuffle=False, drop_last=False)
+    rows = objective.rows(dataset, reference)
+    was_training = model.training
+    model.eval()
+    batches = [to_device(objective.collate([rows[r] for r in b]), device) for b in sampler]
+    fillers = []
+    if where.sharded and world > 1:
+        import torch.distributed as dist
+
+        from trainer.parallel.collective import phase
+
+        most = torch.tensor([len(batches)], device=device)
+        with phase("evaluation (counting batches)", rank, timeout_s):
+            dist.all_reduce(most, op=dist.ReduceOp.MAX)
+        filler = to_device(objective.collate([rows[[0]]]), device)  # a row is a list of example indices
+        fillers = [filler] * (int(most.item()) - len(batches))
+    stats = torch.zeros(len(objective.stat_names), dtype=torch.float64, device=device)
+    for batch in batches:
+        stats += torch.tensor(objective.step_stats(model, batch), dtype=torch.float64, device=device)
+    for batch in fillers:  # takes part in the shards' all-gathers; not counted
+        objective.step_stats(model, batch)
+    reduce_sum(stats, "evaluation (summing eval totals)", rank, timeout_s)
+    totals = dict(zip(objective.stat_names, stats.tolist()))
+    sums = torch.zeros(len(objective.metric_names), dtype=torch.float64, device=device)
+    for batch in batches:
+        sums += objective.loss(model, batch, totals)[1].to(device)
+    for batch in fillers:
+        objective.loss(model, batch, totals)
+    reduce_sum(sums, "evaluation (summing eval metrics)", rank, timeout_s)
+    model.train(was_training)
+    report = objective.report(dict(zip(objective.metric_names, sums.tolist())), totals)
+    return {f"eval_{k}": v for k, v in report.items()}
 
 
 def to_device(batch: dict, device) -> dict:

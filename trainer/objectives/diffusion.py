@@ -1,4 +1,4 @@
-"""Diffusion LM training as an objective (the recipe and its sources: trainer/diffusion.py).
+"""Diffusion LM training as an objective (the recipe and its sources: trainer/config/diffusion.py).
 
 A step's loss is the mean over the step's sequences (all micro-batches, all ranks) of each sequence's
 sum over its masked tokens of cross-entropy / p, divided by its answer-token count: Axolotl's per-sample
@@ -12,14 +12,16 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from trainer.attention import FLASH_BACKENDS
-from trainer.collate import IGNORE, Collator
-from trainer.collective import reduce_sum
-from trainer.diffusion import EVAL_STEP
-from trainer.diffusion_steps import bidirectional_mask, sequence_noise
+from trainer.batch.attention import FLASH_BACKENDS
+from trainer.batch.collate import Collator
+from trainer.batch.labels import IGNORE
+from trainer.batch.sampler import MultipackBatchSampler
 from trainer.errors import ConfigError
 from trainer.objectives.base import Objective
-from trainer.sampler import MultipackBatchSampler
+from trainer.objectives.diffusion_steps import bidirectional_mask, sequence_noise
+from trainer.parallel.collective import reduce_sum
+
+EVAL_STEP = -1  # the step evaluation draws its noise by: the same masks at every evaluation
 
 
 class IndexedRows(torch.utils.data.Dataset):
@@ -40,6 +42,10 @@ class Diffusion(Objective):
     stat_names = ("sequences",)
     metric_names = ("loss_sum", "tokens", "masked", "ce_sum", "correct", "answer_tokens")
     progress_names = ("accuracy",)
+
+    @classmethod
+    def from_config(cls, cfg, collator, token_loss_sum):
+        return cls(collator, cfg.diffusion, cfg.diffusion.special_ids, cfg.seed)
 
     def __init__(self, collator: Collator, diffusion, special_ids: list[int], seed: int):
         if collator.attention in FLASH_BACKENDS:
@@ -111,17 +117,18 @@ class Diffusion(Objective):
                 "mask_ratio": sums["masked"] / max(sums["answer_tokens"], 1), "num_masked_tokens": int(sums["masked"])}
 
     @torch.no_grad()
-    def evaluate(self, model, dataset, batch_size, capacity, device, rank, world, timeout_s, sharded=False) -> dict:
+    def score(self, model, dataset, where, reference=None) -> dict:
         """The diffusion loss of the validation split with fixed masks (step -1): the same at every evaluation.
-        sharded: every rank runs as many forwards as the busiest one (the extra ones are not counted)."""
-        sampler = MultipackBatchSampler(dataset["length"], batch_size, capacity, rank=rank, world_size=world,
-                                        shuffle=False, drop_last=False)
+        Sharded weights: every rank runs as many forwards as the busiest one (the extra ones are not counted)."""
+        device, rank, world, timeout_s = where.device, where.rank, where.world, where.timeout_s
+        sampler = MultipackBatchSampler(dataset["length"], where.batch_size, where.capacity, rank=rank,
+                                        world_size=world, shuffle=False, drop_last=False)
         rows, batches = IndexedRows(dataset), list(sampler)
         steps = len(batches)
-        if sharded and world > 1:
+        if where.sharded and world > 1:
             import torch.distributed as dist
 
-            from trainer.collective import phase
+            from trainer.parallel.collective import phase
 
             most = torch.tensor([steps], device=device)
             with phase("evaluation (counting batches)", rank, timeout_s):

@@ -35,6 +35,10 @@ class DPO(PairObjective):
     reference_names = ("chosen", "rejected")
     metric_names = ("loss", *PAIR_METRICS, "tokens")
 
+    @classmethod
+    def from_config(cls, cfg, collator, token_loss_sum):
+        return cls(collator, cfg.sample_packing, cfg.beta, cfg.dpo_label_smoothing, ipo=cfg.objective == "ipo")
+
     def __init__(self, collator, packed: bool, beta: float, label_smoothing: float = 0.0, ipo: bool = False):
         super().__init__(collator, packed)
         self.name = "ipo" if ipo else "dpo"

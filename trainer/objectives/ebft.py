@@ -1,4 +1,4 @@
-"""rl: ebft in strided mode as an objective (the method, its sources and the tensor math: trainer/ebft.py).
+"""rl: ebft in strided mode as an objective (the method, its sources and the tensor math: trainer/objectives/ebft_strided.py).
 
 Per micro-batch of documents: sample n rollouts at every anchor with the current policy (no grad, eval mode:
 no dropout while sampling -- Axolotl samples in train mode), embed ground truth and rollouts with the frozen
@@ -19,9 +19,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from trainer import ebft
-from trainer.collate import IGNORE
+from trainer.batch.labels import IGNORE
 from trainer.errors import ConfigError
+from trainer.objectives import ebft_strided
 from trainer.objectives.base import Objective, frozen_copy
 
 
@@ -60,8 +60,22 @@ class EBFT(Objective):
                     "rollouts", "adv_sum", "adv_sq", "blocks", "micro_batches", "tokens")
     progress_names = ("ebft/mean_reward",)
 
+    @classmethod
+    def from_config(cls, cfg, collator, token_loss_sum):
+        return cls(cfg, collator.pad_token_id)
+
+    @classmethod
+    def prepare_data(cls, cfg, tokenizer, rank=0, log=print):
+        """Documents through the config's transforms (trainer/objectives/ebft_data.py); the transforms' source
+        files are part of the cache key, so editing one re-tokenizes."""
+        from trainer.data.prepare import prepare
+        from trainer.objectives.ebft_data import build_ebft, identity
+
+        return prepare(cfg, tokenizer, rank, log, builder=build_ebft,
+                       kind={"kind": "ebft", "ebft_transforms": identity(cfg)})
+
     def __init__(self, cfg, pad_token_id: int):
-        self.e: ebft.EbftConfig = cfg.ebft
+        self.e: ebft_strided.EbftConfig = cfg.ebft
         self.pad = pad_token_id
         self.feature = None  # the frozen copy (full fine-tune); None with LoRA (the base with the adapter off)
 
@@ -108,7 +122,7 @@ class EBFT(Objective):
             structured = bool(prompt.min() > 0)
         e = self.e
         anchor = max(int(prompt.max()) + e.min_completion_prefix, e.context_length) if structured else e.context_length
-        blocks = ebft.num_blocks(width, e.generate_max_len, anchor, e.stride)
+        blocks = ebft_strided.num_blocks(width, e.generate_max_len, anchor, e.stride)
         return {"input_ids": ids, "labels": labels, "anchor": anchor, "blocks": blocks, "structured": structured,
                 "num_tokens": sum(len(d["input_ids"]) for d in docs)}
 
@@ -127,8 +141,8 @@ class EBFT(Objective):
     # --- the loss ----------------------------------------------------------------------------------------------
     def layout(self, S: int, anchor: int, blocks: int, steps: int, rows: int, device):
         e = self.e
-        mask = ebft.strided_mask(S, anchor, e.stride, blocks, steps, e.generate_max_len).to(device)
-        positions = ebft.strided_positions(S, anchor, e.stride, blocks, steps).to(device)
+        mask = ebft_strided.strided_mask(S, anchor, e.stride, blocks, steps, e.generate_max_len).to(device)
+        positions = ebft_strided.strided_positions(S, anchor, e.stride, blocks, steps).to(device)
         L = mask.shape[0]
         return mask[None, None].expand(rows, 1, L, L), positions[None].expand(rows, L)
 
@@ -143,8 +157,8 @@ class EBFT(Objective):
         for step in range(e.generate_max_len):
             mask, positions = self.layout(S, anchor, blocks, step, seqs.shape[0], seqs.device)
             logits = policy(input_ids=seqs, attention_mask=mask, position_ids=positions, use_cache=False).logits
-            where = ebft.predicting_positions(S, anchor, e.stride, blocks, step + 1)[-blocks:].to(seqs.device)
-            seqs = torch.cat([seqs, ebft.sample(logits[:, where], e.temperature, e.top_p)], dim=1)
+            where = ebft_strided.predicting_positions(S, anchor, e.stride, blocks, step + 1)[-blocks:].to(seqs.device)
+            seqs = torch.cat([seqs, ebft_strided.sample(logits[:, where], e.temperature, e.top_p)], dim=1)
         policy.train(was_training)
         return seqs
 
@@ -167,12 +181,12 @@ class EBFT(Objective):
         D = feats.shape[-1]
         gt = feats[:, anchor:S].unfold(1, G, e.stride)[:, :blocks].transpose(-1, -2)  # [B*n, K, G, D]
         gen = feats[:, S:].reshape(B * n, G, blocks, D).transpose(1, 2)  # [B*n, K, G, D]
-        gt = ebft.pool(gt, e.embed_method).view(B, n, blocks, D)[:, 0]
-        gen = ebft.pool(gen, e.embed_method).view(B, n, blocks, D)
-        r = ebft.block_rewards(gen, gt, e)
-        adv = ebft.advantages(r["reward"], e.estimator).reshape(B * n, blocks)
+        gt = ebft_strided.pool(gt, e.embed_method).view(B, n, blocks, D)[:, 0]
+        gen = ebft_strided.pool(gen, e.embed_method).view(B, n, blocks, D)
+        r = ebft_strided.block_rewards(gen, gt, e)
+        adv = ebft_strided.advantages(r["reward"], e.estimator).reshape(B * n, blocks)
 
-        where = ebft.predicting_positions(S, anchor, e.stride, blocks, G).to(ids.device)
+        where = ebft_strided.predicting_positions(S, anchor, e.stride, blocks, G).to(ids.device)
         logps = torch.log_softmax(logits[:, where].float(), dim=-1).gather(-1, seqs[:, S:, None]).squeeze(-1)
         token_adv = adv.repeat(1, G)  # layout order: step-major, block b at b, K + b, ...
         rl_sum = -(logps * token_adv).sum()
@@ -200,5 +214,5 @@ class EBFT(Objective):
                 "ebft/diversity": sums["diversity_sum"] / m, "ebft/advantages_std": max(var, 0.0) ** 0.5,
                 "ebft/num_blocks": sums["blocks"] / max(sums["micro_batches"], 1)}
 
-    def evaluate(self, *args, **kwargs):
+    def score(self, model, dataset, where, reference=None):
         raise ConfigError("rl: ebft has no evaluation loss here (set val_set_size: 0)")

@@ -37,9 +37,9 @@ import types
 
 import torch
 
-from trainer.collective import reduce_sum
 from trainer.errors import TrainingError
 from trainer.objectives.base import ExampleRows, Objective, frozen_copy
+from trainer.parallel.collective import reduce_sum
 
 EPS = 1e-4  # TRL's
 EVAL_STEP = -1  # the step the evaluation's sampling RNG is keyed by (the same prompts draw alike at every evaluation)
@@ -133,7 +133,21 @@ def compute_advantages(rewards_per_func: torch.Tensor, weights: torch.Tensor, nu
 class GRPO(Objective):
     stat_names = ("completions", "completion_tokens", "micro_batches")
     progress_names = ("reward", "kl")
-    generates = True
+
+    @classmethod
+    def from_config(cls, cfg, collator, token_loss_sum):
+        from trainer.objectives.grpo_data import reward_functions
+
+        funcs = reward_functions(cfg)
+        return cls(cfg, collator, funcs, [getattr(f, "__name__", n) for f, n in zip(funcs, cfg.trl.reward_funcs)])
+
+    @classmethod
+    def prepare_data(cls, cfg, tokenizer, rank=0, log=print):
+        """Prompts through the user's transforms, prepared in memory by every process, never cached
+        (trainer/objectives/grpo_data.py says why)."""
+        from trainer.objectives.grpo_data import prepare as prepare_prompts
+
+        return prepare_prompts(cfg, tokenizer, log)
 
     def __init__(self, cfg, collator, reward_funcs: list, reward_names: list[str]):
         trl = cfg.trl
@@ -383,7 +397,7 @@ class GRPO(Objective):
 
     # --- evaluation: the held-out prompts as one step, no grad ---------------------------------------------
     @torch.no_grad()
-    def evaluate(self, model, dataset, batch_size, capacity, device, rank, world, timeout_s, sharded=False) -> dict:
+    def score(self, model, dataset, where, reference=None) -> dict:
         """Each rank generates for its share of the validation prompts (every world-th), with the sampling RNG keyed
         by (seed, EVAL, prompt index); rewards, advantages, the loss and its metrics as for a training step, over
         the whole split on all processes (three fixed-size all-reduces)."""
@@ -392,6 +406,7 @@ class GRPO(Objective):
 
             raise ConfigError(f"evaluate: rl: {self.name} evaluates while training (eval_ rows in metrics.jsonl, "
                               "with val_set_size); this command does not generate")
+        device, rank, world, timeout_s, batch_size = where.device, where.rank, where.world, where.timeout_s, where.batch_size
         mine = [dataset[i] for i in range(rank, len(dataset), world)]
         samples = self.generate(model, mine, EVAL_STEP)
         rewards = self.rewards(samples, EVAL_STEP) if samples else torch.zeros(0, len(self.funcs))

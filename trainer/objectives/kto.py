@@ -7,16 +7,17 @@ As TRL's KTOTrainer (trl/trainer/kto_trainer.py, loss_type "kto") defines it:
     undesirable: w_u * (1 - sigmoid(beta (KL - r)))
 The KL estimate and the loss's mean are over the whole step (all micro-batches, all ranks): the KL
 forwards run first (step_stats) and their sums are all-reduced with the step's counts in one vector.
-The mismatched pairs are fixed when the data is prepared (trainer.preference_data.add_kl_pairs).
+The mismatched pairs are fixed when the data is prepared (trainer.objectives.preference_data.add_kl_pairs).
 """
 
 from __future__ import annotations
 
 import torch
 
-from trainer.collate import Collator
+from trainer.batch.collate import Collator
+from trainer.data.prepare import prepare
 from trainer.objectives.base import ExampleRows, Objective, sequence_logps
-from trainer.objectives.pairs import evaluate_objective, vector
+from trainer.objectives.pairs import vector
 
 KTO_COLUMNS = ["input_ids", "labels", "label", "kl_input_ids", "kl_labels"]
 
@@ -38,6 +39,17 @@ class KTO(Objective):
     stat_names = ("examples", "desirable", "undesirable", "kl_sum", "kl_count")
     metric_names = ("loss", "rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected", "tokens")
     progress_names = ("rewards/margins", "kl")
+
+    @classmethod
+    def from_config(cls, cfg, collator, token_loss_sum):
+        return cls(collator, cfg.sample_packing, cfg.beta, cfg.kto_desirable_weight, cfg.kto_undesirable_weight)
+
+    @classmethod
+    def prepare_data(cls, cfg, tokenizer, rank=0, log=print):
+        """Desirable/undesirable examples with their mismatched KL pairs (trainer/objectives/preference_data.py)."""
+        from trainer.objectives.preference_data import build_preference
+
+        return prepare(cfg, tokenizer, rank, log, builder=build_preference, kind={"kind": "kto"})
 
     def __init__(self, collator: Collator, packed: bool, beta: float, desirable_weight: float, undesirable_weight: float):
         self.collator = Collator(collator.pad_token_id, collator.attention, collator.pad_to, collator.pad_multiple,
@@ -103,11 +115,6 @@ class KTO(Objective):
     @torch.no_grad()
     def reference(self, model, batch):
         return torch.stack([sequence_logps(model, batch), sequence_logps(model, self.kl_batch(batch))], dim=1)
-
-    def evaluate(self, model, dataset, batch_size, capacity, device, rank, world, timeout_s, reference=None,
-                 sharded=False) -> dict:
-        return evaluate_objective(self, model, dataset, reference, batch_size, capacity, device, rank, world, timeout_s,
-                                  sharded)
 
     def describe_eval(self, result: dict) -> str:
         return f"eval_loss {result['eval_loss']:.4f}, eval_kl {result['eval_kl']:.4f}"

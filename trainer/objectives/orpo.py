@@ -33,6 +33,10 @@ class ORPO(PairObjective):
     name = "orpo"
     metric_names = ("loss", *PAIR_METRICS, "nll_loss", "log_odds_ratio", "log_odds_chosen", "tokens")
 
+    @classmethod
+    def from_config(cls, cfg, collator, token_loss_sum):
+        return cls(collator, cfg.sample_packing, cfg.beta, nll_on_prompt=cfg.train_on_inputs)
+
     def __init__(self, collator, packed: bool, beta: float, nll_on_prompt: bool = False):
         super().__init__(collator, packed)
         self.beta, self.nll_on_prompt = beta, nll_on_prompt

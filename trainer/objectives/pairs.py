@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from trainer.collate import Collator
-from trainer.collective import reduce_sum
-from trainer.objectives.base import ExampleRows, Objective, sequence_counts, sequence_logps, to_device
-from trainer.sampler import MultipackBatchSampler
+from trainer.batch.collate import Collator
+from trainer.data.prepare import prepare
+from trainer.objectives.base import ExampleRows, Objective, sequence_counts, sequence_logps
 
 PAIR_COLUMNS = ["chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels"]
 PAIR_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
@@ -23,6 +22,18 @@ PAIR_METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rew
 class PairObjective(Objective):
     stat_names = ("pairs", "chosen_tokens")
     progress_names = ("rewards/margins", "rewards/accuracies")
+
+    @classmethod
+    def prepare_data(cls, cfg, tokenizer, rank=0, log=print):
+        """Preference pairs (trainer/objectives/preference_data.py); DPO, IPO, ORPO and SimPO share their tokens."""
+        from trainer.objectives.preference_data import build_preference
+
+        return prepare(cfg, tokenizer, rank, log, builder=build_preference, kind={"kind": "pairs"})
+
+    @classmethod
+    def capacity(cls, cfg, packing: bool) -> int | None:
+        """A packed row holds whole pairs: up to 2 x sequence_len tokens (both of a pair's sequences)."""
+        return cfg.sequence_len * 2 if packing else None
 
     def __init__(self, collator: Collator, packed: bool):
         self.collator = Collator(collator.pad_token_id, collator.attention, collator.pad_to, collator.pad_multiple,
@@ -89,56 +100,9 @@ class PairObjective(Objective):
         row["tokens"], row["pairs"] = int(sums["tokens"]), int(totals["pairs"])
         return row
 
-    def evaluate(self, model, dataset, batch_size, capacity, device, rank, world, timeout_s, reference=None,
-                 sharded=False) -> dict:
-        return evaluate_objective(self, model, dataset, reference, batch_size, capacity, device, rank, world, timeout_s,
-                                  sharded)
-
     def describe_eval(self, result: dict) -> str:
         return (f"eval_loss {result['eval_loss']:.4f}, eval_rewards/accuracies "
                 f"{result.get('eval_rewards/accuracies', float('nan')):.3f}")
-
-
-@torch.no_grad()
-def evaluate_objective(objective: Objective, model, dataset, reference, batch_size, capacity, device,
-                       rank=0, world=1, timeout_s=1800.0, sharded=False) -> dict:
-    """The objective's loss and metrics over a whole split, as ONE step: each rank its share of the batches
-    with no per-batch collective, then two fixed-size all-reduces (totals, then metric sums).
-    sharded: the weights are sharded (FSDP, ZeRO-3), so every forward is a collective: ranks first agree on the
-    busiest rank's batch count and the others run filler forwards whose numbers are discarded."""
-    sampler = MultipackBatchSampler(objective.lengths(dataset), batch_size, capacity, rank=rank, world_size=world,
-                                    shuffle=False, drop_last=False)
-    rows = objective.rows(dataset, reference)
-    was_training = model.training
-    model.eval()
-    batches = [to_device(objective.collate([rows[r] for r in b]), device) for b in sampler]
-    fillers = []
-    if sharded and world > 1:
-        import torch.distributed as dist
-
-        from trainer.collective import phase
-
-        most = torch.tensor([len(batches)], device=device)
-        with phase("evaluation (counting batches)", rank, timeout_s):
-            dist.all_reduce(most, op=dist.ReduceOp.MAX)
-        filler = to_device(objective.collate([rows[[0]]]), device)  # a row is a list of example indices
-        fillers = [filler] * (int(most.item()) - len(batches))
-    stats = torch.zeros(len(objective.stat_names), dtype=torch.float64, device=device)
-    for batch in batches:
-        stats += torch.tensor(objective.step_stats(model, batch), dtype=torch.float64, device=device)
-    for batch in fillers:  # takes part in the shards' all-gathers; not counted
-        objective.step_stats(model, batch)
-    reduce_sum(stats, "evaluation (summing eval totals)", rank, timeout_s)
-    totals = dict(zip(objective.stat_names, stats.tolist()))
-    sums = torch.zeros(len(objective.metric_names), dtype=torch.float64, device=device)
-    for batch in batches:
-        sums += objective.loss(model, batch, totals)[1].to(device)
-    for batch in fillers:
-        objective.loss(model, batch, totals)
-    reduce_sum(sums, "evaluation (summing eval metrics)", rank, timeout_s)
-    model.train(was_training)
-    report = objective.report(dict(zip(objective.metric_names, sums.tolist())), totals)
-    return {f"eval_{k}": v for k, v in report.items()}
 
 
 def vector(*values) -> torch.Tensor:

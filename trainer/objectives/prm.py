@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import torch.nn.functional as F
 
-from trainer.collate import IGNORE, Collator, Rows
-from trainer.loss import MODEL_INPUTS
+from trainer.batch.collate import Collator, Rows
+from trainer.batch.labels import IGNORE
+from trainer.data.prepare import prepare
 from trainer.objectives.base import Objective
-from trainer.objectives.pairs import evaluate_objective, vector
+from trainer.objectives.loss import MODEL_INPUTS
+from trainer.objectives.pairs import vector
+from trainer.objectives.reward_data import build_reward, reward_kind
 
 
 class PRM(Objective):
@@ -24,6 +27,15 @@ class PRM(Objective):
     stat_names = ("target_tokens",)
     metric_names = ("loss_sum", "correct", "tokens")
     progress_names = ("accuracy",)
+
+    @classmethod
+    def from_config(cls, cfg, collator, token_loss_sum):
+        return cls(collator)
+
+    @classmethod
+    def prepare_data(cls, cfg, tokenizer, rank=0, log=print):
+        """Stepwise rows, a label on each step's last token (trainer/objectives/reward_data.py)."""
+        return prepare(cfg, tokenizer, rank, log, builder=build_reward, kind=reward_kind(cfg))
 
     def __init__(self, collator: Collator):
         self.collator = collator
@@ -50,9 +62,6 @@ class PRM(Objective):
         n = max(totals["target_tokens"], 1)
         return {"loss": sums["loss_sum"] / n, "accuracy": sums["correct"] / n, "tokens": int(sums["tokens"]),
                 "target_tokens": int(totals["target_tokens"])}
-
-    def evaluate(self, model, dataset, batch_size, capacity, device, rank, world, timeout_s, sharded=False) -> dict:
-        return evaluate_objective(self, model, dataset, None, batch_size, capacity, device, rank, world, timeout_s, sharded)
 
     def describe_eval(self, result: dict) -> str:
         return f"eval_loss {result['eval_loss']:.4f}, eval_accuracy {result['eval_accuracy']:.3f}"

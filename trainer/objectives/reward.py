@@ -16,9 +16,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from trainer.collate import Collator
+from trainer.batch.collate import Collator
+from trainer.data.prepare import prepare
 from trainer.objectives.base import ExampleRows, Objective
-from trainer.objectives.pairs import evaluate_objective, vector
+from trainer.objectives.pairs import vector
+from trainer.objectives.reward_data import build_reward, reward_kind
 
 COLUMNS = ["chosen_input_ids", "rejected_input_ids"]
 
@@ -36,6 +38,19 @@ class Reward(Objective):
     stat_names = ("pairs",)
     metric_names = ("loss", "correct", "margin", "rewards/chosen", "rewards/rejected", "tokens")
     progress_names = ("accuracy", "margin")
+
+    @classmethod
+    def from_config(cls, cfg, collator, token_loss_sum):
+        return cls(collator, cfg.center_rewards_coefficient)
+
+    @classmethod
+    def prepare_data(cls, cfg, tokenizer, rank=0, log=print):
+        """Chosen/rejected answers, tokenized (trainer/objectives/reward_data.py)."""
+        return prepare(cfg, tokenizer, rank, log, builder=build_reward, kind=reward_kind(cfg))
+
+    @classmethod
+    def capacity(cls, cfg, packing: bool) -> int | None:
+        return None  # the head scores one sequence per row: never packed
 
     def __init__(self, collator: Collator, center_rewards_coefficient: float | None = None):
         self.pad_token_id, self.pad_to, self.pad_multiple = collator.pad_token_id, collator.pad_to, collator.pad_multiple
@@ -77,9 +92,6 @@ class Reward(Objective):
         return {"loss": sums["loss"], "accuracy": sums["correct"] / pairs, "margin": sums["margin"] / pairs,
                 "mean_reward": (chosen + rejected) / 2, "rewards/chosen": chosen, "rewards/rejected": rejected,
                 "tokens": int(sums["tokens"]), "pairs": int(totals["pairs"])}
-
-    def evaluate(self, model, dataset, batch_size, capacity, device, rank, world, timeout_s, sharded=False) -> dict:
-        return evaluate_objective(self, model, dataset, None, batch_size, None, device, rank, world, timeout_s, sharded)
 
     def describe_eval(self, result: dict) -> str:
         return f"eval_loss {result['eval_loss']:.4f}, eval_accuracy {result['eval_accuracy']:.3f}"

@@ -4,15 +4,24 @@ from __future__ import annotations
 
 import torch
 
-from trainer.collate import Collator, Rows, count_targets
-from trainer.evaluate import evaluate
+from trainer.batch.collate import Collator, Rows, count_targets
 from trainer.objectives.base import Objective
+from trainer.objectives.evaluate import evaluate
 
 
 class SFT(Objective):
     name = "sft"
     stat_names = ("target_tokens",)
     metric_names = ("loss_sum", "tokens")
+
+    @classmethod
+    def from_config(cls, cfg, collator, token_loss_sum):
+        if cfg.use_eaft:  # entropy-weighted token losses (trainer/objectives/eaft.py), in evaluation too
+            from trainer.objectives.eaft import EaftLossSum
+
+            eaft = EaftLossSum(cfg.eaft_alpha, cfg.eaft_k)
+            return cls(collator, eaft, eval_loss_sum=eaft)
+        return cls(collator, token_loss_sum)
 
     def __init__(self, collator: Collator, token_loss_sum, eval_loss_sum=None):
         self.collator = collator
@@ -37,9 +46,11 @@ class SFT(Objective):
         return {"loss": sums["loss_sum"] / max(totals["target_tokens"], 1), "tokens": int(sums["tokens"]),
                 "target_tokens": int(totals["target_tokens"])}
 
-    def evaluate(self, model, dataset, batch_size, capacity, device, rank, world, timeout_s, sharded=False) -> dict:
-        return evaluate(model, dataset, self.collator, batch_size, capacity, device, rank, world, timeout_s,
-                        sharded=sharded, **({"loss_sum": self.eval_loss_sum} if self.eval_loss_sum else {}))
+    def score(self, model, dataset, where, reference=None) -> dict:
+        """Mean token loss over the split (trainer/objectives/evaluate.py)."""
+        return evaluate(model, dataset, self.collator, where.batch_size, where.capacity, where.device, where.rank,
+                        where.world, where.timeout_s, sharded=where.sharded,
+                        **({"loss_sum": self.eval_loss_sum} if self.eval_loss_sum else {}))
 
     def describe_eval(self, result: dict) -> str:
         return f"eval_loss {result['eval_loss']:.4f} over {result['eval_tokens']} tokens"

@@ -24,6 +24,10 @@ class SimPO(PairObjective):
     name = "simpo"
     metric_names = ("loss", *PAIR_METRICS, "nll_loss", "tokens")
 
+    @classmethod
+    def from_config(cls, cfg, collator, token_loss_sum):
+        return cls(collator, cfg.sample_packing, cfg.beta, cfg.simpo_gamma, cfg.cpo_alpha, cfg.dpo_label_smoothing)
+
     def __init__(self, collator, packed: bool, beta: float, gamma: float, cpo_alpha: float, label_smoothing: float = 0.0):
         super().__init__(collator, packed)
         self.beta, self.gamma, self.cpo_alpha, self.label_smoothing = beta, gamma, cpo_alpha, label_smoothing

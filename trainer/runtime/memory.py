@@ -1,8 +1,8 @@
 """Will it fit? The peak GPU memory of a training config, per GPU, term by term, with a band that says how sure.
 
-The estimate follows what this trainer does (trainer/model.py, trainer/train.py, trainer/optim.py), term by term:
+The estimate follows what this trainer does (trainer/model/load.py, trainer/train.py, trainer/optim/optimizers.py), term by term:
 
-- weights: the dtype each parameter is held in. Full fine-tunes keep fp32 master weights (trainer/model.py); LoRA
+- weights: the dtype each parameter is held in. Full fine-tunes keep fp32 master weights (trainer/model/load.py); LoRA
   keeps the frozen base in the training precision and the adapter in fp32; QLoRA stores each nn.Linear in NF4
   (4 bits per weight, plus bitsandbytes' quantization state: one absmax per 64 weights, itself quantized to 8 bits
   per 256 blocks with double quantization, and a code table per tensor) or LLM.int8 (1 byte per weight and an fp32
@@ -20,7 +20,7 @@ The estimate follows what this trainer does (trainer/model.py, trainer/train.py,
   padded rows, as this trainer always passes one), and the seq x seq probabilities in fp32 and again in the compute
   dtype for eager attention; the MLP keeps its gate, up and activation outputs). With gradient checkpointing each
   layer keeps only its input, and one layer's full set is rebuilt at a time in the backward.
-- logits and loss: the head's output over the vocabulary, its fp32 copy and log-softmax (trainer/loss.py), and the
+- logits and loss: the head's output over the vocabulary, its fp32 copy and log-softmax (trainer/objectives/loss.py), and the
   same again in the backward: about 12 bytes per token per vocabulary entry (liger's fused linear cross-entropy
   and cut_cross_entropy never build it).
 - overhead: the CUDA context, cuBLAS workspaces and NCCL buffers, and the caching allocator's slack.
@@ -99,12 +99,12 @@ class Setup:
     ds: dict = field(default_factory=dict)  # the DeepSpeed zero_optimization block
     tp: int = 1
     cp: int = 1
-    full_weight_bytes: int = 4  # a full fine-tune's master weights (trainer/model.py loads them in fp32)
+    full_weight_bytes: int = 4  # a full fine-tune's master weights (trainer/model/load.py loads them in fp32)
     attention_dropout: float = 0.0
     device: str = "cuda"  # cuda | cpu: dropout's mask is 1 byte on CUDA (native_dropout), the input's dtype on CPU
-    liger_norm: bool = False  # liger's RMSNorm/LayerNorm kernels (trainer/kernels.py applies them where triton runs)
+    liger_norm: bool = False  # liger's RMSNorm/LayerNorm kernels (trainer/model/kernels.py applies them where triton runs)
     liger_glu: bool = False  # liger's SwiGLU/GeGLU kernel
-    lora_kwargs: dict = field(default_factory=dict)  # peft.LoraConfig's arguments, as trainer/model.py builds them
+    lora_kwargs: dict = field(default_factory=dict)  # peft.LoraConfig's arguments, as trainer/model/load.py builds them
 
     @property
     def e(self) -> int:
@@ -155,7 +155,7 @@ class Setup:
     def attention_kind(self) -> str:
         """varlen (flash: q/k/v as computed, no mask) | mask (sdpa with a 4-D mask: k/v repeated, mask
         converted) | eager (seq x seq probabilities kept)."""
-        from trainer.hardware import packing
+        from trainer.runtime.hardware import packing
 
         how = packing(self.attention)
         if how in ("position_ids", "row_position_ids"):
@@ -165,7 +165,7 @@ class Setup:
 
 def setup_from(cfg, runtime, world: int) -> Setup:
     """The Setup of a trainer Config on a Runtime (precision, attention) with `world` processes."""
-    from trainer import distributed, parallelism
+    from trainer.config.parallel import deepspeed_path, fsdp_enabled, fsdp_settings, mesh_for
 
     quant = None
     double_quant = True
@@ -175,8 +175,8 @@ def setup_from(cfg, runtime, world: int) -> Setup:
         double_quant = bool(extra.get("bnb_4bit_use_double_quant", True))
     elif cfg.load_in_8bit:
         quant = "int8"
-    fsdp_on = distributed.enabled(cfg)
-    mesh = parallelism.mesh_for(cfg, world, fsdp_on)
+    fsdp_on = fsdp_enabled(cfg)
+    mesh = mesh_for(cfg, world, fsdp_on)
     tp = mesh.tp if mesh else 1
     cp = mesh.cp if mesh else 1
     zero, ds, offload_opt, offload_params = 0, {}, False, False
@@ -184,7 +184,7 @@ def setup_from(cfg, runtime, world: int) -> Setup:
         import json
 
         try:
-            ds_file = distributed.deepspeed_path(cfg.deepspeed)
+            ds_file = deepspeed_path(cfg.deepspeed)
             ds = json.loads(open(ds_file).read()).get("zero_optimization", {}) or {}
         except (OSError, ValueError):
             ds = {}
@@ -193,7 +193,7 @@ def setup_from(cfg, runtime, world: int) -> Setup:
         offload_params = (ds.get("offload_param") or {}).get("device") in ("cpu", "nvme")
     fsdp = None
     if fsdp_on:
-        settings = distributed.fsdp_settings(cfg)
+        settings = fsdp_settings(cfg)
         if settings.get("fsdp_version") == 2:
             fsdp = "full" if settings.get("reshard_after_forward", True) else "grad_op"
         else:
@@ -209,8 +209,8 @@ def setup_from(cfg, runtime, world: int) -> Setup:
         targets = "all-linear"
     if cfg.lora_target_parameters and cfg.lora_target_modules is None and not cfg.lora_target_linear:
         targets = []
-    kernels_on = bool(getattr(runtime, "kernels", False))  # trainer/kernels.py's verdict: triton runs here
-    from trainer.reward_model import lora_exclusions, lora_task_type
+    kernels_on = bool(getattr(runtime, "kernels", False))  # trainer/model/kernels.py's verdict: triton runs here
+    from trainer.config.model import lora_exclusions, lora_task_type
 
     lora_kwargs = {"r": cfg.lora_r, "lora_alpha": cfg.lora_alpha, "lora_dropout": cfg.lora_dropout,
                    "target_modules": targets, "target_parameters": cfg.lora_target_parameters,
@@ -226,7 +226,7 @@ def setup_from(cfg, runtime, world: int) -> Setup:
         packing=cfg.sample_packing, grad_accum=cfg.gradient_accumulation_steps,
         checkpointing=bool(cfg.gradient_checkpointing),
         # the trainer computes its loss itself (token sums across micro-batches and ranks): liger's loss kernels and
-        # cut_cross_entropy stay off there (trainer/kernels.py), so the logits are always materialised
+        # cut_cross_entropy stay off there (trainer/model/kernels.py), so the logits are always materialised
         liger_flce=False,
         liger_norm=kernels_on and bool(cfg.liger_rms_norm or cfg.liger_layer_norm),
         liger_glu=kernels_on and bool(cfg.liger_glu_activation or cfg.liger_swiglu),
@@ -342,7 +342,7 @@ def static_terms(shape, s: Setup) -> Static:
                              "fine-tune")
     elif layout(shape, s) is not None:  # counted by peft itself on the meta-device model
         adapters = layout(shape, s).params
-        base += adapters * 4  # adapters (and modules_to_save copies) train in fp32 (trainer/model.py)
+        base += adapters * 4  # adapters (and modules_to_save copies) train in fp32 (trainer/model/load.py)
         trained = adapters
     else:
         notes.append("LoRA counted on the nn.Linear layers by rule (peft is not importable here)")
@@ -363,7 +363,7 @@ def static_terms(shape, s: Setup) -> Static:
                 saved += sum(n for k, n in shape.names.items() if k.rsplit(".", 1)[0].endswith(name))
         base += saved * 4  # the trainable copy (fp32); the original stays
         trained = adapters + saved
-        base += adapters * 4  # adapters train in fp32 (trainer/model.py)
+        base += adapters * 4  # adapters train in fp32 (trainer/model/load.py)
     total = shape.params
     # ---- gradients, optimizer (per trained parameter); trained parameters are fp32 except the bf16 module
     # DeepSpeed makes of a full fine-tune
@@ -467,7 +467,7 @@ def optimizer_bytes(shape, s: Setup, trained: int) -> float:
     if row["library"] == "bitsandbytes":
         total += table * min(states, 2)  # the signed and unsigned dynamic maps, shared by every tensor
     if s.full and row["library"] == "bitsandbytes":
-        # the trainer keeps embeddings' state in 32 bits (trainer/optim.py, as the HF Trainer)
+        # the trainer keeps embeddings' state in 32 bits (trainer/optim/optimizers.py, as the HF Trainer)
         emb = shape.embedding
         total += states * emb * (4 - per_value) - states * 4 * -(-emb // block)
     return total
@@ -679,7 +679,7 @@ def pair_factor(s: Setup) -> int:
 
 def logits_bytes(shape, s: Setup, tokens: float) -> float:
     """The loss's peak: the head's output, its fp32 copy and log-softmax in the forward, and in the backward the
-    kept log-softmax, the gradient of the loss and of the log-softmax, all over the vocabulary (trainer/loss.py):
+    kept log-softmax, the gradient of the loss and of the log-softmax, all over the vocabulary (trainer/objectives/loss.py):
     12 bytes per token per entry. Fused kernels (liger's linear cross-entropy, cut_cross_entropy) work in
     chunks of about tokens x hidden / vocabulary tokens."""
     v = shape.vocab_size / s.tp

@@ -1,0 +1,597 @@
+"""The training launch, `envtool train`: from a trainer config to a running trainer (or a launcher file).
+
+1. **Read the config once**, through the trainer's own reader (`trainer.config.load_config`; pydantic and pyyaml,
+   no torch): an unknown key, a bad value or a missing file is refused here, in one line, before anything slow.
+2. **Plan for it** (`plan_for_config`), by one rule shared with `python -m trainer validate`: the attention the
+   config asks for is asked of the solver and, where the GPU cannot run it, adapted to the fastest one that runs
+   (a reason in the plan); `flash_attention: false` means no flash-attn; a command-line `--attention` /
+   `--no-flash-attn` wins over the config, with a reason, and is recorded in the plan (`pinned`) so the trainer
+   follows it too. Then the trainer's own adaptation runs against that plan (`trainer.setup.for_plan`): an
+   explicit pin that would change the result (`bf16: true` below sm_80, `fp16: true` on the CPU, a library
+   feature below its floor) is refused with the trainer's message, everything else is adapted with its note.
+   The libraries the config's choices need (`trainer.setup.needs`) are checked against the plan's packages.
+3. **Where it runs and how** (`plan_launch`): the active environment, a venv, the environment cached for the
+   plan or the plan's image; `python -m trainer train` or torchrun; `--emit` writes a launcher (resolver/emit.py).
+4. **Build what is missing and run** (`prepare`, `run`) through pipeline.py's stages. Under torchrun every rank
+   leaves its error line and exit code in a per-run folder (trainer/errors.py `record`); the first failure's
+   line is printed once and its exit code returned, instead of torchrun's report and exit 1.
+
+Nothing here prints except through the `say` callback the CLI passes (stderr), so `--json` output stays clean.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Any, Callable, NamedTuple
+
+from .errors import BadInput, EnvtoolError, Unsatisfiable
+from .files import write_atomic
+from .pipeline import PlanOptions, build, command_line_pins, lock, one_plan
+from .plan import PLAN_FILE, Plan
+
+# ---------------------------------------------------------------------------- the config, read once
+
+
+def read_config(config: Path):
+    """(cfg, notes) from the trainer's own reader; its refusal becomes envtool's one line, same exit code."""
+    from trainer.config import load_config
+
+    return _trainer_call(config, load_config, config)
+
+
+def _trainer_call(config: Path, function, *args):
+    from trainer.errors import TrainerError
+
+    try:
+        return function(*args)
+    except TrainerError as e:
+        message = str(e) if str(config) in str(e) else f"{config}: {e}"
+        error = BadInput(message) if e.exit_code == 2 else EnvtoolError(message)
+        error.exit_code = e.exit_code
+        raise error from None
+
+
+def attention_key(cfg) -> str | None:
+    """The config key that asks for an attention backend, as the user wrote it ("flash_attention: true")."""
+    if cfg.attn_implementation:
+        return f"attn_implementation: {cfg.attn_implementation}"
+    flags = [name for name in cfg.model_fields_set if name.endswith("_attention") and getattr(cfg, name) is True]
+    return f"{sorted(flags)[0]}: true" if flags else None
+
+
+# ---------------------------------------------------------------------------- the plan for a config
+
+
+class Fitted(NamedTuple):
+    """A plan for a config, what envtool says about it, and what the trainer will do under it."""
+
+    plan: Plan
+    notes: list[str]  # envtool's: the libraries the config needs, the launcher (printed as `config: ...`)
+    trainer: dict  # attention, precision, tf32 as the trainer will run them, and the notes it prints at start
+
+
+def plan_for_config(cfg, load_notes: list[str], config: Path, opts: PlanOptions) -> Fitted:
+    """The plan for training `cfg` (read from `config`) with the command line's `opts`, checked by the trainer's own
+    rule against that plan. Raises BadInput/Unsatisfiable, one line each, for what cannot run."""
+    plan = _attention_plan(cfg, config, opts)
+    runtime = _trainer_call(config, _fit, cfg, plan)
+    if runtime.precision != plan.precision:  # the config pins it (bf16: false, fp16: true): the plan says so too
+        key = "fp16: true" if cfg.fp16 else f"bf16: {str(cfg.bf16).lower()}"
+        plan = plan._replace(precision=runtime.precision, reasons=[
+            *plan.reasons, f"precision {runtime.precision}: {key} in {config} (the plan's default is {plan.precision})"])
+    plan, notes = _needs(cfg, config, plan)
+    if cfg.use_ray:
+        notes.append(f"use_ray: one trainer process, which starts {cfg.ray_num_workers} Ray Train worker(s) on a "
+                     "local Ray cluster (no torchrun)")
+    trainer = {"attention": runtime.attention, "precision": runtime.precision, "tf32": runtime.tf32,
+               "notes": [*runtime.changes, *load_notes]}
+    return Fitted(plan, notes, trainer)
+
+
+def _fit(cfg, plan: Plan):
+    from trainer.setup import for_plan
+
+    return for_plan(cfg, plan.to_dict(), "envtool train's plan")
+
+
+def _attention_plan(cfg, config: Path, opts: PlanOptions) -> Plan:
+    """Solve with the config's attention request merged into the command line's: the command line wins; the
+    config's backend is asked for where the plan can install it and adapted to the solver's best where the GPU
+    cannot run it; `flash_attention: false` is --no-flash-attn. The plan's reasons say which key decided."""
+    from matrices.catalog import backend_range, backend_runs_on
+
+    from .matrix import load
+
+    m = load()
+    flash = {impl.attention for impl in m.flash_attn_impls}
+    asked, key = cfg.requested_attention, attention_key(cfg)
+    off = cfg.flash_attention is False
+    pins = command_line_pins(opts)
+    why = None  # a reason to add: which of the config and the command line decided
+    ask = None  # the config's backend, asked of the solver
+    if opts.attention:
+        if asked and asked != opts.attention:
+            why = f"{opts.attention}: --attention {opts.attention} wins over {key} in {config}"
+        elif off and opts.attention in flash:
+            why = f"{opts.attention}: --attention {opts.attention} wins over flash_attention: false in {config}"
+    elif opts.no_flash_attn and asked in flash:
+        why = f"--no-flash-attn wins over {key} in {config}"
+    elif asked:
+        backend = m.backend(asked) if asked in {b.name for b in m.attention} else None
+        if backend is not None:  # the backend transformers will run for it (xformers: sdpa, nothing to install)
+            ask = backend.transformers if backend.transformers in {b.name for b in m.attention} else asked
+    elif off:
+        opts = opts._replace(no_flash_attn=True)
+        why = f"no flash-attn: flash_attention: false in {config}"
+    if ask is None:
+        plan = one_plan(opts)
+    else:
+        try:
+            plan = one_plan(opts._replace(attention=ask))
+            why = f"as {key} in {config} asks" + (f"; transformers runs {ask} for {asked}" if ask != asked else "")
+        except Unsatisfiable as e:
+            plan = one_plan(opts)  # the request was the obstacle, or this raises the real one
+            backend = m.backend(ask)
+            gpu = plan.gpu
+            nvidia_or_cpu = gpu.get("vendor") in (None, "nvidia", "cpu")
+            if nvidia_or_cpu and not backend_runs_on(backend, gpu["compute_capability"]):
+                where = "the CPU" if gpu["compute_capability"] is None else \
+                    f"{gpu['name']} (sm_{gpu['compute_capability'].replace('.', '')})"
+                cause = f"{ask} needs {backend_range(backend)}; {where} is outside that"
+            else:  # the solver's words, less its command-line framing ("--attention X with GPU: ...; use ...")
+                cause = re.sub(r"; use --attention \S+$", "", re.sub(r"^--attention \S+ with [^:]+: ", "", str(e)))
+            why = f"{key} in {config} -> {plan.attention}: {cause}; the fastest attention that runs here"
+    reasons = list(plan.reasons)
+    if why:  # the solver's attention reason speaks of the command line: say what the config did, in it or beside it
+        at = next((i for i, r in enumerate(reasons) if r.startswith((f"{plan.attention}:", f"{plan.attention} ("))),
+                  None)
+        said = reasons[at] if at is not None else ""
+        if why.startswith("as ") and f"(--attention {plan.attention}" in said:
+            reasons[at] = said.replace(f"(--attention {plan.attention}", f"({why}")
+        else:
+            if at is not None and not pins:
+                reasons[at] = said.replace("turned off by --no-flash-attn",
+                                           f"turned off by flash_attention: false in {config}")
+            reasons.insert(len(reasons) if at is None else at + 1,
+                           f"{plan.attention}: {why}" if why.startswith("as ") else why)
+    return plan._replace(reasons=reasons, pinned=pins)
+
+
+def _needs(cfg, config: Path, plan: Plan) -> tuple[Plan, list[str]]:
+    """The libraries the config needs (the trainer's classification), against the plan's packages: noted with the
+    version the plan installs; a stack package the plan left out for this target added back (the trainer found
+    the config runs here: DeepSpeed's ZeRO over gloo on the CPU); one no plan installs noted as the environment's."""
+    from trainer.setup import needs
+
+    from .matrix import load
+    from .solve import stack_for
+
+    m = load()
+    notes = []
+    packages = dict(plan.packages)
+    vendor = plan.on_gpu and plan.gpu.get("compute_capability") is None  # AMD, Intel, Apple
+    for need in _trainer_call(config, needs, cfg):
+        feature = next((f for f in m.features if f.name == need.feature), None)
+        what = f" ({feature.reason})" if feature else ""
+        if vendor:
+            from .vendors.solve import feature_refusal
+
+            refused = feature_refusal(plan, need.feature) if need.feature else None
+            if refused:
+                raise Unsatisfiable(f"{config}: {need.key} does not run on {plan.gpu['name']}: {refused}")
+            if need.package not in packages:
+                left_out = next((r for r in plan.reasons if r.startswith(f"{need.package} left out:")), None)
+                why = left_out.split(": ", 1)[1] if left_out else "envtool's plans do not install it"
+                raise Unsatisfiable(f"{config}: {need.key} needs {need.package}, which the plan for "
+                                    f"{plan.gpu['name']} ({plan.target_label}) leaves out: {why}")
+        if need.package in packages:
+            notes.append(f"{need.key}: {need.package} {packages[need.package]}{what}")
+            continue
+        version = stack_for(m, plan.torch.version, plan.python).packages.get(need.package)
+        if version is None:
+            notes.append(f"{need.key}: needs {need.package}, which envtool's plans do not install: the environment "
+                         "must have it")
+            continue
+        floor = next((r for r in m.gpu_requirements if r.package == need.package), None)
+        cc = plan.gpu["compute_capability"]
+        if floor is not None and cc is not None:  # the plan left it out: this GPU is below the package's floor
+            raise Unsatisfiable(f"{config}: {need.key} needs {need.package}, which needs sm_"
+                                f"{floor.min_cc.replace('.', '')}+ ({floor.reason}); {plan.gpu['name']} is below")
+        if floor is None and cc is not None:  # left out as below every floor of its features: the trainer refused
+            raise Unsatisfiable(f"{config}: {need.key} needs {need.package}, which the plan for {plan.gpu['name']} "
+                                "leaves out (see its reasons)")
+        packages[need.package] = version  # the CPU: plans leave it out, and the trainer runs it there (ZeRO on gloo)
+        notes.append(f"{need.key}: {need.package} {version}, added to the plan for this config (CPU plans leave it "
+                     f"out{': ' + floor.reason if floor else ''})")
+    if packages != plan.packages:
+        added = [name for name in packages if name not in plan.packages]
+        plan = plan._replace(packages=packages, reasons=[
+            *plan.reasons, f"{', '.join(added)} added: {config} needs {'it' if len(added) == 1 else 'them'}"])
+    return plan, notes
+
+
+# ---------------------------------------------------------------------------- where it runs, and how
+
+
+def cache_dir() -> Path:
+    if os.environ.get("ENVTOOL_CACHE_DIR"):
+        return Path(os.environ["ENVTOOL_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "envtool"
+
+
+def _digest(data) -> str:
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def env_key(plan: Plan) -> str:
+    """What an environment built for `plan` holds: its packages, where torch and flash-attn come from, the
+    Python and platform, and envtool's own code (the trainer inside it). Two plans with the same key share
+    one environment; the GPU name, the reasons, the detection details and the index (a mirror) do not change
+    what is installed."""
+    from .selfwheel import PACKAGES, _package_files
+
+    code = hashlib.sha256()
+    for name in PACKAGES:
+        for arcname, path in _package_files(name):
+            code.update(arcname.encode())
+            code.update(path.read_bytes())
+    return _digest({"python": plan.python, "platform": plan.platform,  # not where from: a mirror serves the same
+                    "torch": [plan.torch.version, plan.torch.variant],
+                    "flash_attn": plan.flash_attn.filename if plan.flash_attn else None,
+                    "packages": plan.packages, "envtool": code.hexdigest()})
+
+
+def write_plan(plan: Plan) -> Path:
+    """This run's plan where the trainer is pointed at it (ENVTOOL_PLAN), atomically; named by its content."""
+    text = plan.to_json() + "\n"
+    path = cache_dir() / "plans" / f"{hashlib.sha256(text.encode()).hexdigest()[:16]}" / PLAN_FILE
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, text)
+    return path
+
+
+class Launch(NamedTuple):
+    """Where and how the trainer runs: the environment, the exact command, its environment variables."""
+
+    kind: str  # "active" | "venv" | "cached" | "image"
+    path: str | None  # the environment's prefix (venv, cached) or the image tag
+    ready: bool  # False: it will be built first
+    python: str
+    command: list[str]
+    env: dict[str, str]
+    why: str
+
+    def to_dict(self) -> dict:
+        return self._asdict()
+
+
+def active_env_runs(plan: Plan, opts: PlanOptions, required: tuple[str, ...] = ()) -> tuple[bool, str]:
+    """Does the interpreter running envtool run the plan's choices? doctor finds nothing wrong for the plan's
+    GPU, the training stack imports, the plan's flash-attn is there, explicit pins match, and the packages the
+    config needs that the plan installs (`required`: bitsandbytes, deepspeed) are there."""
+    from .doctor import diagnose, probe
+    from .hardware import targets
+    from .matrix import load
+
+    m = load()
+    target = targets(opts.gpu or "auto", m, opts.driver)[0]
+    info = probe(None)
+    packages = info.get("packages") or {}
+    missing = [n for n in ("torch", "transformers", "envtool") if not packages.get(n)]
+    missing += [n for n in required if n in packages and not packages[n]]  # (the probe lists what it looks for)
+    if missing:
+        return False, f"the active environment lacks {', '.join(missing)}"
+    if info.get("python") != plan.python:
+        return False, f"the active environment runs Python {info.get('python')}, the plan is for {plan.python}"
+    errors = [f for f in diagnose(info, target.gpu, target.driver, m, sys.prefix) if f.level == "error"]
+    if errors:
+        return False, f"doctor finds the active environment wrong for this plan: {errors[0].message}"
+    if plan.flash_attn and not packages.get(plan.flash_attn.package):
+        return False, f"the plan uses {plan.attention} and the active environment has no {plan.flash_attn.package}"
+    torch_version = (info.get("torch") or {}).get("version", "").split("+")[0]
+    if opts.torch and not (torch_version == opts.torch or torch_version.startswith(opts.torch + ".")):
+        return False, f"--torch {opts.torch} and the active environment has torch {torch_version}"
+    return True, f"the active environment ({sys.prefix}, torch {torch_version}) runs this plan's choices"
+
+
+def launch_command(python: str, config: str, *, nproc: int, nnodes: int = 1, node_rank: int = 0,
+                   rdzv_endpoint: str | None = None, rdzv_id: str = "envtool") -> list[str]:
+    """One process for one device; torchrun (as `python -m torch.distributed.run`, the environment's own)
+    for several, with a c10d rendezvous across machines."""
+    train = ["-m", "trainer", "train", config]
+    if nproc == 1 and nnodes == 1:
+        return [python, *train]
+    cmd = [python, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--nnodes={nnodes}"]
+    if nnodes == 1:
+        cmd.append("--standalone")
+    else:
+        cmd += [f"--node-rank={node_rank}", "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}",
+                f"--rdzv-id={rdzv_id}"]
+    return [*cmd, *train]
+
+
+class Distribution(NamedTuple):
+    nproc: int | None = None
+    nnodes: int = 1
+    node_rank: int = 0
+    rdzv_endpoint: str | None = None
+
+    def check(self) -> None:
+        if self.nproc is not None and self.nproc < 1:
+            raise BadInput(f"--nproc {self.nproc}: give 1 or more processes")
+        if self.nnodes < 1:
+            raise BadInput(f"--nnodes {self.nnodes}: give 1 or more machines")
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise BadInput(f"--nnodes {self.nnodes} needs --rdzv-endpoint HOST:PORT (the same on every machine)")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise BadInput(f"--node-rank {self.node_rank}: give 0 to {self.nnodes - 1}")
+        if self.rdzv_endpoint and not re.fullmatch(r"[\w.\-\[\]:]+:\d+", self.rdzv_endpoint):
+            raise BadInput(f"--rdzv-endpoint {self.rdzv_endpoint}: use HOST:PORT")
+
+
+def default_nproc(plan: Plan, dist: Distribution) -> int:
+    """All the GPUs the plan counts (detected with --gpu auto), one process on the CPU."""
+    if dist.nproc:
+        return dist.nproc
+    if not plan.on_gpu:
+        return 1
+    return max(int(plan.gpu.get("count") or 1), 1)
+
+
+def launcher_nproc(plan: Plan, cfg, config: Path, dist: Distribution) -> int:
+    """Processes to start: default_nproc, or one for a use_ray config, whose trainer starts its Ray Train
+    workers itself (torchrun around it would start that many Ray clusters)."""
+    if not cfg.use_ray:
+        return default_nproc(plan, dist)
+    if (dist.nproc or 1) > 1 or dist.nnodes > 1:
+        raise BadInput(f"{config} sets use_ray: the trainer starts its ray_num_workers Ray Train workers itself, on "
+                       "this machine; drop --nproc/--nnodes (or set use_ray: false to launch with torchrun)")
+    return 1
+
+
+def plan_launch(plan: Plan, cfg, config: Path, opts: PlanOptions, dist: Distribution, *, venv: Path | None,
+                image: bool, isolated: bool, mounted: bool = True) -> Launch:
+    """Decide where the trainer runs and the command that starts it (nothing is built or run here).
+    `mounted`: the image gets the working directory at /work, so the config must be under it."""
+    from .plan import image_tag
+
+    nproc = launcher_nproc(plan, cfg, config, dist)
+    rdzv_id = f"envtool-{_digest(plan.to_dict())[:8]}"
+    plan_path = write_plan(plan)
+    args = dict(nproc=nproc, nnodes=dist.nnodes, node_rank=dist.node_rank, rdzv_endpoint=dist.rdzv_endpoint,
+                rdzv_id=rdzv_id)
+    env = {**plan.env, "ENVTOOL_PLAN": str(plan_path)}  # plan.env: what the run needs (images carry it as ENV)
+    if image:
+        tag = image_tag(plan)
+        cwd = Path.cwd().resolve()
+        if config.resolve().is_relative_to(cwd):
+            inside = str(config.resolve().relative_to(cwd))
+        elif mounted:
+            raise BadInput(f"--image: {config} must be under the working directory (it is mounted at /work)")
+        else:
+            inside = str(config.resolve())
+        return Launch("image", tag, _image_exists(tag), "python", launch_command("python", inside, **args), {},
+                      f"the plan's image {tag}")
+    if venv is not None:
+        venv = Path(os.path.abspath(venv))
+        ready = (venv / "bin" / "python").exists() and venv_runs(venv, plan, opts)
+        python = str(venv / "bin" / "python")
+        return Launch("venv", str(venv), ready, python, launch_command(python, str(config), **args), env,
+                      f"--venv {venv}" + ("" if ready else " (built for the plan first)"))
+    if not isolated:
+        from trainer.setup import needs
+
+        required = tuple(n.package for n in needs(cfg) if n.package in plan.packages)
+        ok, why = active_env_runs(plan, opts, required)
+        if ok:
+            python = sys.executable
+            return Launch("active", sys.prefix, True, python, launch_command(python, str(config), **args), env, why)
+    else:
+        why = "--isolated"
+    cached = cache_dir() / "envs" / env_key(plan)
+    python = str(cached / "bin" / "python")
+    ready = (cached / "bin" / "python").exists()
+    return Launch("cached", str(cached), ready, python, launch_command(python, str(config), **args), env,
+                  f"{why}; {'reusing' if ready else 'building'} the environment cached for this plan")
+
+
+def venv_runs(venv: Path, plan: Plan, opts: PlanOptions) -> bool:
+    from .doctor import diagnose, probe
+    from .hardware import targets
+    from .matrix import load
+
+    m = load()
+    target = targets(opts.gpu or "auto", m, opts.driver)[0]
+    try:
+        info = probe(venv)
+    except EnvtoolError:
+        return False
+    if not (info.get("packages") or {}).get("transformers") or info.get("python") != plan.python:
+        return False
+    return not any(f.level == "error" for f in diagnose(info, target.gpu, target.driver, m, str(venv)))
+
+
+def _image_exists(tag: str) -> bool:
+    try:
+        from .docker import client
+
+        client().images.get(tag)
+        return True
+    except Exception:  # no engine or no image: it will be built (and a missing engine named) when needed
+        return False
+
+
+def image_line(plan: Plan, opts: PlanOptions) -> str:
+    """For `train --dry-run`: the image `--image` would train in (its tag and base), or why there is none."""
+    from .docker import NO_IMAGE, base_image
+    from .matrix import load
+    from .pipeline import base_python
+    from .plan import image_tag
+
+    if plan.torch.backend in NO_IMAGE:
+        return f"none: {NO_IMAGE[plan.torch.backend]}"
+    python = base_python(plan)
+    target = plan
+    if python and python != plan.python and not opts.python:
+        target = one_plan(opts._replace(gpu=plan.target, python=python))
+    try:
+        base, _ = base_image(target, load(), None)
+    except BadInput as e:
+        return f"none: {e}"
+    return f"{image_tag(target)} (base {base}, Python {target.python}; `--image` trains in it)"
+
+
+# ---------------------------------------------------------------------------- envtool train, start to end
+
+
+class Training(NamedTuple):
+    """Everything `envtool train` decided before building or running anything."""
+
+    config: Path
+    cfg: Any  # the trainer's Config, read once
+    plan: Plan
+    notes: list[str]
+    trainer: dict
+    launch: Launch
+
+    def summary(self) -> dict:
+        """The --json object (README, "Training"): plan, config, notes, trainer, environment, command, env."""
+        return {"plan": self.plan.to_dict(), "config": str(self.config), "notes": self.notes,
+                "trainer": self.trainer, "environment": {"kind": self.launch.kind, "path": self.launch.path,
+                                                         "ready": self.launch.ready, "why": self.launch.why},
+                "command": self.launch.command, "env": self.launch.env}
+
+
+def plan_training(config: Path, opts: PlanOptions, dist: Distribution, *, venv: Path | None = None,
+                  image: bool = False, isolated: bool = False, emit: str | None = None) -> Training:
+    """Read the config, plan for it, check it against the plan and decide where and how it runs: everything that
+    can refuse, in seconds, before anything is built, pulled or started (also what --dry-run shows)."""
+    if emit is None:
+        dist.check()
+    cfg, load_notes = read_config(config)
+    if emit and cfg.use_ray:
+        raise BadInput(f"--emit {emit}: {config} sets use_ray, which starts its workers through a local Ray cluster; "
+                       "these launchers run torchrun: set use_ray: false for them")
+    fitted = plan_for_config(cfg, load_notes, config, opts)
+    if (image or emit == "k8s") and not opts.python:  # in the plan's image: the Python of its base, where it has one
+        from .pipeline import base_python
+
+        python = base_python(fitted.plan)
+        if python and python != fitted.plan.python:
+            fitted = plan_for_config(cfg, load_notes, config, opts._replace(python=python))
+            fitted = fitted._replace(notes=[f"python {python}: the Python of the {fitted.plan.torch.variant} base "
+                                            f"image (--python overrides)", *fitted.notes])
+    launch = plan_launch(fitted.plan, cfg, config, opts, dist, venv=venv, image=image or emit == "k8s",
+                         isolated=isolated, mounted=emit != "k8s")  # k8s carries the config in a ConfigMap
+    return Training(config, cfg, fitted.plan, fitted.notes, fitted.trainer, launch)
+
+
+def prepare(launch: Launch, plan: Plan, sources, *, quiet: bool = False,
+            say: Callable[[str], None] = lambda s: None) -> None:
+    """Build what `launch` needs and does not have yet: the cached or named venv, or the image."""
+    if launch.ready:
+        return
+    if launch.kind != "image":
+        from .install import find_python
+
+        find_python(plan.python)  # no interpreter for the plan's Python: one line now, not after the lock
+    if launch.kind == "image":
+        build([plan], sources, tag=launch.path, quiet=quiet, say=say)
+        return
+    venv = Path(launch.path)
+    if launch.kind == "cached":
+        import fcntl
+
+        venv.parent.mkdir(parents=True, exist_ok=True)
+        with open(venv.parent / f".{venv.name}.building", "w") as guard:
+            fcntl.flock(guard, fcntl.LOCK_EX)  # one build per key, however many launchers start at once
+            if (venv / "bin" / "python").exists():
+                return  # another launcher built it while this one waited
+            say(f"building the environment for this plan in {venv} (once; later runs reuse it)")
+            _lock_and_install(plan, venv, sources, quiet)
+        return
+    say(f"installing the plan into {venv}")
+    _lock_and_install(plan, venv, sources, quiet)
+
+
+def _lock_and_install(plan: Plan, venv: Path, sources, quiet: bool) -> None:
+    from .install import install as do_install
+
+    env_dir = Path(lock(plan, venv.parent / f"{venv.name}.lock", sources, quiet=quiet)["out"])
+    do_install(env_dir, venv, ca_bundle=sources.ca_bundle, quiet=quiet)
+
+
+def run(launch: Launch, plan: Plan, *, hf_cache: Path | None = None, shm_size: str = "8g",
+        stdout_to_stderr: bool = False) -> int:
+    """Start the trainer; its exit code is the result (its errors are already one line on stderr).
+    `stdout_to_stderr` keeps envtool's stdout for its own --json result."""
+    import subprocess
+
+    if launch.kind == "image":
+        from .docker import run as docker_run
+
+        gpus = "all" if plan.on_gpu else None  # the image's plan says which devices (NVIDIA, AMD, Intel)
+        return docker_run(launch.path, launch.command, gpus=gpus, shm_size=shm_size, hf_cache=hf_cache,
+                          env_names=[], volumes=[f"{Path.cwd()}:/work"], workdir="/work",
+                          network_mode="host" if "--rdzv-backend=c10d" in launch.command else None)
+    from trainer.errors import ERROR_DIR_ENV
+
+    env = {k: v for k, v in {**os.environ, **launch.env}.items() if k != ERROR_DIR_ENV}  # one process prints its own
+    stdout = sys.stderr if stdout_to_stderr else None
+    try:
+        if "torch.distributed.run" in launch.command:
+            return run_torchrun(launch.command, env, stdout)
+        return subprocess.run(launch.command, env=env, stdout=stdout).returncode
+    except FileNotFoundError:
+        raise EnvtoolError(f"cannot start {launch.command[0]}: the environment is gone; run again to rebuild it") from None
+
+
+# torchrun's own log lines (glog format: level, date, time, pid, file:line]).
+TORCHRUN_LOG = re.compile(r"^[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S+:\d+\] ")
+
+
+def run_torchrun(command: list[str], env: dict, stdout) -> int:
+    """Run torchrun so that a trainer's failure reads as it does in one process: every rank records its error line
+    and exit code in a folder made for this run (ENVTOOL_ERROR_DIR, trainer/errors.py) instead of printing it; once
+    one has, torchrun's own lines (its failure report: a log line, a traceback, a ChildFailedError table) are held
+    back. At the end the first failure's line is printed once and its exit code returned. A failure no rank
+    recorded (a crash, a signal) shows torchrun's report as it was, with torchrun's exit code."""
+    import io
+    import subprocess
+    import tempfile
+
+    from trainer.errors import ERROR_DIR_ENV
+
+    # torchrun sets OMP_NUM_THREADS=1 for its workers when it is unset, with a 3-line banner saying so: the same, quietly
+    env = {"OMP_NUM_THREADS": "1", **env}
+    with tempfile.TemporaryDirectory(prefix="envtool-run-") as folder:
+        proc = subprocess.Popen(command, env={**env, ERROR_DIR_ENV: folder}, stdout=stdout, stderr=subprocess.PIPE)
+        held: list[str] = []
+        try:
+            # newline="": a progress bar's \r-ended updates pass at once, as lines of their own
+            for line in io.TextIOWrapper(proc.stderr, errors="replace", newline=""):
+                if held or (TORCHRUN_LOG.match(line) and os.listdir(folder)):
+                    held.append(line)  # after a rank reported its error, the rest is torchrun's report
+                    continue
+                sys.stderr.write(line)
+                sys.stderr.flush()
+        finally:
+            code = proc.wait()
+        records = []
+        for path in Path(folder).glob("rank-*.json"):
+            try:
+                records.append(json.loads(path.read_text()))
+            except (OSError, ValueError):
+                continue
+    if code != 0 and records:
+        first = min(records, key=lambda r: (r.get("time", 0), r.get("rank", 0)))
+        print(first["line"], file=sys.stderr, flush=True)
+        return int(first["exit_code"])
+    sys.stderr.writelines(held)
+    return code

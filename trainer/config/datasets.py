@@ -1,0 +1,214 @@
+"""Datasets: the `datasets:` entries, `pretraining_dataset:` (streamed), and the data keys with their rules.
+
+A dataset's `type` is a prompt format (PromptFormat, alpaca's styles), a preference/KTO/reward type with rl: or
+reward models (trainer/config/rl.py checks those), a user transform `module.function` (rl: ebft, grpo), or
+nothing (pre-tokenized rows). Streaming (pretraining_dataset, streaming: true) reads rows while training
+(trainer/data/streaming.py), so it has no length: its rules are here.
+"""
+
+from __future__ import annotations
+
+import difflib
+import tomllib
+from functools import lru_cache
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from trainer.errors import ConfigError
+
+PromptFormat = Literal["alpaca", "chat_template", "completion", "input_output"]
+# Axolotl's alpaca styles (`type: alpaca:<style>`; the texts are trainer/data/formats/alpaca_styles.py's)
+ALPACA_TYPES = ("alpaca", "alpaca:instruct", "alpaca:chat", "alpaca:chatml", "alpaca:phi")
+
+
+class DatasetConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    path: str
+    # a PromptFormat, or with rl: a PAIR_TYPES / KTO_TYPES entry (checked by Config); None: pre-tokenized rows
+    type: str | None = None
+    split: str = "train"
+    name: str | None = None  # hub dataset configuration name
+    data_files: str | list[str] | None = None
+    ds_type: Literal["json", "parquet", "csv"] | None = None  # file format when the extension does not say
+    # alpaca
+    field_instruction: str = "instruction"
+    field_input: str = "input"
+    field_output: str = "output"
+    # completion
+    field: str = "text"
+    # input_output: a list of {"text": ..., "label": bool}
+    field_segments: str = "segments"
+    # chat_template
+    field_messages: str = "messages"
+    message_property_mappings: dict[str, str] | None = None  # {"role": "from", "content": "value"}
+    message_field_role: str | None = None  # legacy spelling of message_property_mappings.role
+    message_field_content: str | None = None  # legacy spelling of message_property_mappings.content
+    roles: dict[str, list[str]] | None = None  # canonical role -> names used in the data
+    roles_to_train: list[str] = ["assistant"]
+    # preference types (rl:) -- chat_template.default: the chosen/rejected message (or string) fields
+    field_chosen: str = "chosen"
+    field_rejected: str = "rejected"
+    drop_system_message: bool = False
+    train_on_eos: Literal["turn", "last", "all", "none"] | None = None  # None: the whole turn tail, as rendered
+    chat_template: str | None = None  # per-dataset override of the top-level chat_template
+    chat_template_jinja: str | None = None
+    # --- attention, gpt-oss (attn) ---
+    # Axolotl's chat_template strategy: the message field holding the reasoning text, and the template
+    # variable it is rendered from (gpt-oss: thinking; qwen3: reasoning_content); trained with the turn
+    field_thinking: str = "reasoning_content"
+    template_thinking_key: str = "reasoning_content"
+    # --- reward models: stepwise_supervised (process_reward_model), Axolotl's names and defaults ---
+    step_separator: str = "\n"  # appended to every step; the step's label sits on its last token
+    max_completion_length: int | None = Field(None, ge=1)  # steps' tokens kept (prompt not counted)
+    train_on_last_step_only: bool = False  # only the last step's label is trained
+
+    @property
+    def role_key(self) -> str:
+        return (self.message_property_mappings or {}).get("role") or self.message_field_role or "role"
+
+    @property
+    def content_key(self) -> str:
+        return (self.message_property_mappings or {}).get("content") or self.message_field_content or "content"
+
+
+class PretrainingDatasetConfig(BaseModel):
+    """An entry of Axolotl's pretraining_dataset: raw text, cut into sequence_len windows (type: pretrain), or rows
+    tokenized as an SFT type (type: completion, ...)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    path: str
+    name: str | None = None
+    split: str = "train"
+    # pretrain: windows of raw text; or an SFT prompt format (completion, alpaca, ...): each streamed row is
+    # tokenized as that dataset type, as Axolotl's get_dataset_wrapper does for a typed pretraining_dataset
+    type: str = "pretrain"
+    text_column: str = "text"
+    field: str | None = None  # completion's text field (default text_column; Axolotl reads `text` here)
+    data_files: str | list[str] | None = None
+    ds_type: Literal["json", "parquet", "csv"] | None = None
+    skip: int | None = Field(None, ge=0)  # rows of the stream to skip before training
+    trust_remote_code: bool = False  # inert: datasets >= 4 runs no dataset loading scripts
+
+    @model_validator(mode="after")
+    def _known_type(self) -> PretrainingDatasetConfig:
+        if self.type != "pretrain" and self.type not in PromptFormat.__args__:
+            raise ValueError(f"type: got {self.type!r}; use pretrain or an SFT type ({', '.join(PromptFormat.__args__)})")
+        return self
+
+    def as_dataset(self) -> DatasetConfig:
+        """A typed entry as the dataset entry its rows are tokenized with."""
+        return DatasetConfig(path=self.path, type=self.type, split=self.split, field=self.field or self.text_column)
+
+
+
+class DataKeys(BaseModel):
+    """What is read, how it is cut, where the tokenized rows are cached."""
+
+    datasets: list[DatasetConfig] = []  # required unless pretraining_dataset is set (checked below)
+    val_set_size: float = Field(0.0, ge=0)  # < 1: fraction, >= 1: number of rows
+    dataset_prepared_path: str = "last_run_prepared"
+    dataset_exact_deduplication: bool = False  # drop rows identical after tokenising (train and validation)
+    dataset_processes: int | None = Field(None, ge=1)  # default min(cpu_count, 8)
+    dataset_prepare_timeout: int = Field(1800, ge=1)  # seconds other ranks wait for rank 0's cache
+    shuffle_merged_datasets: bool = True
+    # tokenizer_default | jinja (chat_template_jinja: text or file) | a name in trainer/templates/ |
+    # tokenizer_default_fallback_<name>; checked against the templates by check_chat_template
+    chat_template: str = "tokenizer_default"
+    chat_template_jinja: str | None = None
+    eot_tokens: list[str] | None = None  # the tokens that end a turn (train_on_eos decides which are trained)
+    sequence_len: int = Field(2048, ge=8)
+    excess_length_strategy: Literal["drop", "truncate"] = "drop"
+    train_on_inputs: bool = False
+    min_sample_len: int | None = Field(None, ge=1)  # SFT rows with fewer tokens are dropped (Axolotl's filter)
+    # --- pretraining and streaming (trainer/data/streaming.py) -------------------------------------------------
+    pretraining_dataset: list[PretrainingDatasetConfig] | None = None  # raw text, streamed, windowed, packed
+    streaming: bool = False  # stream `datasets` (tokenized while training) instead of preparing them up front
+    streaming_multipack_buffer_size: int | None = Field(None, ge=1)  # rows per shuffle/packing buffer (10000)
+    pretrain_multipack_buffer_size: int | None = Field(None, ge=1)  # Axolotl's deprecated spelling of the above
+    pretrain_multipack_attn: bool = True  # packed documents do not attend to each other
+
+    @property
+    def streamed(self) -> bool:
+        """The training data is read as a stream (pretraining_dataset or streaming: true)."""
+        return bool(self.pretraining_dataset) or self.streaming
+
+    @property
+    def stream_buffer_size(self) -> int:
+        return self.streaming_multipack_buffer_size or self.pretrain_multipack_buffer_size or 10_000
+
+    def _check_streaming(self) -> None:
+        """datasets or pretraining_dataset, and what a stream (no length, no held-out split) cannot do."""
+        if not self.datasets and not self.pretraining_dataset:
+            raise ValueError("datasets: Field required (or pretraining_dataset for streamed pretraining)")
+        if self.datasets and self.pretraining_dataset:
+            raise ValueError("set datasets or pretraining_dataset, not both")
+        if self.streaming_multipack_buffer_size and self.pretrain_multipack_buffer_size:
+            raise ValueError("pretrain_multipack_buffer_size is the deprecated spelling of "
+                             "streaming_multipack_buffer_size; set only one")
+        if not self.streamed:
+            return
+        what = "pretraining_dataset" if self.pretraining_dataset else "streaming: true"
+        if self.max_steps is None:
+            raise ValueError(f"{what} needs max_steps (a stream has no length to count epochs by)")
+        if self.val_set_size:
+            raise ValueError(f"{what}: val_set_size must be 0 (a stream has no held-out split here)")
+        if self.rl:
+            raise ValueError(f"{what}: not with rl: (preference data is prepared up front)")
+        if self.dataset_exact_deduplication:
+            raise ValueError(f"{what}: not with dataset_exact_deduplication (it needs every row up front)")
+        if self.group_by_length or self.curriculum_sampling or self.sample_packing_sequentially:
+            raise ValueError(f"{what}: not with group_by_length, curriculum_sampling or sample_packing_sequentially "
+                             "(they order prepared data; shuffle_merged_datasets: false keeps the stream's order)")
+
+    def _check_sft_types(self) -> None:
+        """Without rl: or reward models, each dataset's type is a prompt format (or none: pre-tokenized rows)."""
+        from trainer.config.rl import KTO_TYPES, PAIR_TYPES
+
+        for i, ds in enumerate(self.datasets):
+            if ds.type is not None and ds.type not in PromptFormat.__args__ and ds.type not in ALPACA_TYPES:
+                hint = " (a preference type: set rl: dpo, ipo, orpo, simpo or kto)" if ds.type in PAIR_TYPES + KTO_TYPES else ""
+                raise ValueError(f"datasets.{i}.type: got {ds.type!r}{hint}; use alpaca (or alpaca:instruct|chat|chatml|phi), chat_template, completion or input_output")
+
+
+# --- chat templates by name: trainer/templates/<name>.jinja, each listed with its source in SOURCES.toml ----------
+# (the catalog is data, read here without a tokenizer; trainer/data/formats/chat_templates.py renders them)
+TEMPLATE_DIR = Path(__file__).parents[1] / "templates"
+FALLBACK = "tokenizer_default_fallback_"
+
+
+@lru_cache(maxsize=1)
+def template_sources() -> dict[str, dict]:
+    with open(TEMPLATE_DIR / "SOURCES.toml", "rb") as f:
+        return {row["name"]: row for row in tomllib.load(f)["template"]}
+
+
+def template_names() -> list[str]:
+    return sorted(template_sources())
+
+
+def check_chat_template(choice: str, jinja: str | None) -> None:
+    """Validate a chat_template choice without a tokenizer (validate runs offline)."""
+    if choice in ("tokenizer_default",):
+        return
+    if choice == "jinja":
+        if not jinja:
+            raise ConfigError("chat_template: jinja needs chat_template_jinja (the template text or a .jinja file)")
+        return
+    name = choice.removeprefix(FALLBACK)
+    if name not in template_sources():
+        close = difflib.get_close_matches(name, template_names(), n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        raise ConfigError(f"chat_template: unknown template '{choice}'{hint} (known: tokenizer_default, jinja, "
+                          f"{', '.join(template_names())})")
+
+
+def check_chat_templates(cfg) -> None:
+    """The top-level chat_template and each dataset's own (a later check: a name is data, not a type)."""
+    check_chat_template(cfg.chat_template, cfg.chat_template_jinja)
+    for ds in cfg.datasets:
+        if ds.chat_template:
+            check_chat_template(ds.chat_template, ds.chat_template_jinja)

@@ -1,0 +1,166 @@
+"""The `trl:` block of `rl: grpo` / `rl: gdpo` (Axolotl's TRLConfig names, TRL 1.16 GRPOConfig's defaults).
+
+Validated without importing torch. What each key does is trainer/objectives/grpo.py; where the user's reward
+functions and dataset transforms come from is trainer/objectives/grpo_data.py.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+GENERATING_METHODS = ("grpo", "gdpo")
+
+# trl.* keys that change nothing here because the feature they configure is off or absent (vLLM is refused).
+VLLM_KEYS = ("vllm_mode", "vllm_server_host", "vllm_server_port", "vllm_server_timeout", "vllm_guided_decoding_regex",
+             "vllm_enable_sleep_mode", "vllm_importance_sampling_correction", "vllm_importance_sampling_mode",
+             "vllm_importance_sampling_cap", "vllm_sync_interval", "vllm_lora_sync")
+
+
+class TrlConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    beta: float | None = Field(None, ge=0)  # KL coefficient; TRL's default 0.0 (no reference model at all)
+    max_completion_length: int | None = Field(None, ge=1)  # TRL's default 512
+    use_vllm: bool = False  # true is refused: no vLLM here; completions come from model.generate
+    reward_funcs: list[str] | None = None  # "module.function", imported from the config's directory or the cwd
+    reward_weights: list[float] | None = None  # default 1.0 each
+    num_generations: int | None = Field(None, ge=2)  # completions per prompt (a group); TRL's default 8
+    generation_batch_size: int | None = Field(None, ge=1)  # only TRL's default (one generation batch per step)
+    log_completions: bool | None = None
+    num_completions_to_print: int | None = Field(None, ge=0)
+    importance_sampling_level: Literal["token", "sequence"] | None = None  # TRL's default token
+    scale_rewards: bool | Literal["group", "batch", "none"] = True  # Axolotl's default true = TRL's "group"
+    temperature: float | None = Field(None, gt=0)  # TRL's default 1.0
+    top_p: float | None = Field(None, gt=0, le=1)  # 1.0
+    top_k: int | None = Field(None, ge=0)  # 0: off
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0)  # 1.0
+    num_iterations: int | None = Field(None, ge=1)  # only 1 (one policy update per generation batch)
+    epsilon: float | None = Field(None, gt=0)  # lower clip of the importance ratio, TRL's 0.2
+    epsilon_high: float | None = Field(None, gt=0)  # upper clip, default epsilon
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] | None = None  # TRL's default dapo
+    use_bias_correction_kl: bool | None = None  # TRL's default true: the KL term times the importance ratio
+    mask_truncated_completions: bool = False  # completions cut at max_completion_length get no loss
+    multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] | None = None
+    # Axolotl's keys for vLLM and the async trainer: only their off values are accepted (checked below)
+    vllm_mode: str | None = None
+    vllm_server_host: str | None = None
+    vllm_server_port: int | None = None
+    vllm_server_timeout: int | None = None
+    vllm_guided_decoding_regex: str | None = None
+    vllm_enable_sleep_mode: bool | None = None
+    vllm_importance_sampling_correction: bool | None = None
+    vllm_importance_sampling_mode: str | None = None
+    vllm_importance_sampling_cap: float | None = None
+    vllm_sync_interval: int | None = None
+    vllm_lora_sync: bool | None = None
+    sync_ref_model: bool | None = None
+    use_data_producer: bool = False
+    async_prefetch: bool = False
+
+    @field_validator("reward_funcs")
+    @classmethod
+    def _names(cls, names):
+        for name in names or []:
+            module, _, func = name.rpartition(".")
+            if not module or not func:
+                raise ValueError(f"{name!r} is not 'module.function' (a reward model path is not supported here)")
+        return names
+
+    @model_validator(mode="after")
+    def _supported(self) -> TrlConfig:
+        if self.use_vllm:
+            raise ValueError("use_vllm: true is not supported (vLLM is not part of this trainer; completions are "
+                             "generated with the policy's own model.generate): set use_vllm: false")
+        if self.sync_ref_model:
+            raise ValueError("sync_ref_model: not supported (the reference is the starting model)")
+        if self.use_data_producer or self.async_prefetch:
+            raise ValueError("use_data_producer/async_prefetch: Axolotl's asynchronous GRPO needs vLLM; not supported")
+        if self.num_iterations not in (None, 1):
+            raise ValueError("num_iterations: only 1 (one policy update per generation batch) is supported")
+        if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
+            raise ValueError(f"reward_weights: {len(self.reward_weights)} weights for {len(self.reward_funcs)} "
+                             "reward_funcs")
+        return self
+
+    # TRL 1.16 GRPOConfig defaults where Axolotl passes nothing
+    @property
+    def kl_beta(self) -> float:
+        return self.beta if self.beta is not None else 0.0
+
+    @property
+    def completion_length(self) -> int:
+        return self.max_completion_length or 512
+
+    @property
+    def generations(self) -> int:
+        return self.num_generations or 8
+
+    @property
+    def weights(self) -> list[float]:
+        return list(self.reward_weights) if self.reward_weights is not None else [1.0] * len(self.reward_funcs)
+
+    @property
+    def scaling(self) -> str:
+        return {True: "group", False: "none"}.get(self.scale_rewards, self.scale_rewards)
+
+    @property
+    def eps_low(self) -> float:
+        return self.epsilon if self.epsilon is not None else 0.2
+
+    @property
+    def eps_high(self) -> float:
+        return self.epsilon_high if self.epsilon_high is not None else self.eps_low
+
+
+def check(cfg) -> list[str]:
+    """Config-level rules for rl: grpo / gdpo (raises ValueError; returns notes)."""
+    trl = cfg.trl
+    if cfg.rl not in GENERATING_METHODS:
+        if trl is not None and trl.model_dump(exclude_defaults=True):
+            raise ValueError(f"trl: configures rl: grpo or gdpo, not rl: {cfg.rl or '(SFT)'}")
+        return []
+    if trl is None or not trl.reward_funcs:
+        raise ValueError(f"rl: {cfg.rl} needs trl.reward_funcs (at least one 'module.function')")
+    if cfg.rl == "gdpo" and trl.multi_objective_aggregation == "sum_then_normalize":
+        raise ValueError("trl.multi_objective_aggregation: sum_then_normalize is GRPO, but rl: gdpo was selected")
+    if trl.generation_batch_size is not None and trl.generation_batch_size != cfg.micro_batch_size * cfg.gradient_accumulation_steps:
+        raise ValueError("trl.generation_batch_size: only micro_batch_size x gradient_accumulation_steps (one "
+                         "generation batch per optimizer step, TRL's default) is supported")
+    if (cfg.micro_batch_size * cfg.gradient_accumulation_steps) % trl.generations:
+        raise ValueError(f"micro_batch_size x gradient_accumulation_steps ({cfg.micro_batch_size} x "
+                         f"{cfg.gradient_accumulation_steps}) completions per process and step must be a multiple of "
+                         f"trl.num_generations ({trl.generations}): each process generates whole groups")
+    if cfg.fsdp or cfg.fsdp_config or cfg.fsdp_version or _zero3(cfg):
+        raise ValueError(f"rl: {cfg.rl} with FSDP or DeepSpeed ZeRO-3 is not supported (generation would gather the "
+                         "sharded weights for every new token); use DDP or ZeRO-2")
+    if cfg.sample_packing:
+        raise ValueError(f"sample_packing: not with rl: {cfg.rl} (completions are generated, one per row)")
+    for i, ds in enumerate(cfg.datasets):
+        if ds.type is not None and "." not in ds.type:
+            raise ValueError(f"datasets.{i}.type: {ds.type!r}; with rl: {cfg.rl} use a transform 'module.function' "
+                             "(as Axolotl's rwd.gsm8k_transform) or no type (rows with a prompt column)")
+    notes = []
+    if any(getattr(trl, k) is not None for k in VLLM_KEYS):
+        notes.append("trl.vllm_*: ignored, use_vllm is false (completions come from model.generate)")
+    return notes
+
+
+def _zero3(cfg) -> bool:
+    if not cfg.deepspeed:
+        return False
+    import json
+    from pathlib import Path
+
+    from trainer.config.parallel import deepspeed_path
+
+    try:  # (deepspeed_path gives the path as written when it exists)
+        return json.loads(Path(deepspeed_path(cfg.deepspeed)).read_text()).get("zero_optimization", {}).get("stage") == 3
+    except (OSError, ValueError):
+        return "zero3" in str(cfg.deepspeed)
+
+
+class TrlKeys(BaseModel):
+    trl: TrlConfig | None = None  # Axolotl's trl: block (reward_funcs, num_generations, beta, ...)

@@ -1,0 +1,112 @@
+"""Precision, attention and kernel keys, and their rules. What they become on a given GPU is decided by
+trainer/runtime/hardware.py (precision, attention) and trainer/model/kernels.py (liger, where triton runs)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel
+
+from trainer import facts
+from trainer.errors import ConfigError
+
+# The attention backends a config may name: matrices/attention.toml's rows (one copy of the fact; the resolver
+# and trainer/runtime/hardware.py read the same table), e.g. flash_attention_2, sdpa, flex_attention, Hub kernel ids.
+Attention = Literal[tuple(row["name"] for row in facts.rows("attention", "backend"))]
+
+# Axolotl's legacy attention flags -> the attn_implementation each means
+LEGACY_ATTENTION = {
+    "flash_attention": "flash_attention_2",
+    "sdp_attention": "sdpa",
+    "xformers_attention": "xformers",
+    "eager_attention": "eager",
+    "flex_attention": "flex_attention",
+}
+
+LIGER = "axolotl.integrations.liger.LigerPlugin"
+CCE = "axolotl.integrations.cut_cross_entropy.CutCrossEntropyPlugin"
+
+# Plugin path -> None (accepted: its keys are handled here) or the note/refusal for it.
+ACCEPTED_PLUGINS = {
+    LIGER: None,
+    "axolotl.integrations.liger.plugin.LigerPlugin": None,
+    CCE: None,
+    "axolotl.integrations.cut_cross_entropy.plugin.CutCrossEntropyPlugin": None,
+    "axolotl.integrations.kernels.KernelsPlugin": "Hugging Face hub kernels (MoE/attention speed-ups) are not "
+                                                  "used by this trainer (same training, slower)",
+    # diffusion LM training: an objective (trainer/config/diffusion.py, trainer/objectives/diffusion.py)
+    "axolotl.integrations.diffusion.DiffusionPlugin": None,
+    "axolotl.integrations.diffusion.plugin.DiffusionPlugin": None,
+    # sparse fine-tuning: ConstantPruningModifier keeps the weights' zeros (trainer/model/sparsity.py)
+    "axolotl.integrations.llm_compressor.LLMCompressorPlugin": None,
+    "axolotl.integrations.llm_compressor.plugin.LLMCompressorPlugin": None,
+    "axolotl.integrations.swanlab.SwanLabPlugin": "SwanLab logging is not supported; metrics go to "
+                                                  "output_dir/metrics.jsonl",
+}
+REFUSED_PLUGINS = {
+    "axolotl.integrations.expert_parallel.ExpertParallelPlugin": "expert parallelism is not supported",
+    "axolotl.integrations.kd.KDPlugin": "knowledge distillation is not supported",
+    "axolotl.integrations.grokfast.GrokfastPlugin": "grokfast gradient filtering is not supported",
+    "axolotl.integrations.spectrum.SpectrumPlugin": "spectrum layer selection is not supported",
+    "axolotl.integrations.lm_eval.LMEvalPlugin": "lm-eval runs are not part of training here",
+}
+
+
+class HardwareKeys(BaseModel):
+    # resolved against the GPU by trainer.runtime.hardware
+    bf16: bool | Literal["auto"] = "auto"
+    fp16: bool | None = None
+    tf32: bool | Literal["auto"] = "auto"
+    attn_implementation: Attention | None = None
+    flash_attention: bool | None = None  # legacy flags, same meaning as attn_implementation
+    sdp_attention: bool | None = None
+    xformers_attention: bool | None = None
+    eager_attention: bool | None = None
+    flex_attention: bool | None = None  # Axolotl's deprecated flag for attn_implementation: flex_attention
+
+    # kernels and plugins (applied where the plan says triton kernels run, else switched off with a note)
+    plugins: list[str] | None = None
+    liger_rope: bool = False
+    liger_rms_norm: bool = False
+    liger_layer_norm: bool = False
+    liger_glu_activation: bool = False
+    liger_swiglu: bool = False
+    liger_cross_entropy: bool = False
+    liger_fused_linear_cross_entropy: bool = False
+    liger_rms_norm_gated: bool = False
+    cut_cross_entropy: bool = False
+    lora_mlp_kernel: bool = False
+    lora_qkv_kernel: bool = False
+    lora_o_kernel: bool = False
+
+    @property
+    def requested_attention(self) -> str | None:
+        """attn_implementation, or the legacy flag that says the same."""
+        for flag, name in LEGACY_ATTENTION.items():
+            if getattr(self, flag):
+                return name
+        return self.attn_implementation
+
+    def _check_precision(self) -> None:
+        if self.bf16 is True and self.fp16:
+            raise ValueError("bf16 and fp16 are both true; choose one (or bf16: auto)")
+
+    def _check_attention(self) -> None:
+        flags = [f for f in LEGACY_ATTENTION if getattr(self, f)]
+        if len(flags) > 1 or (flags and self.attn_implementation):
+            raise ValueError(f"choose one attention setting, got {', '.join(flags + (['attn_implementation'] if self.attn_implementation else []))}")
+
+
+def check_plugins(cfg) -> list[str]:
+    """Raise ConfigError for unknown or refused plugins; return notes for the accepted ones."""
+    notes, problems = [], []
+    for path in cfg.plugins or []:
+        if path in REFUSED_PLUGINS:
+            problems.append(f"plugins: {path} is not supported ({REFUSED_PLUGINS[path]})")
+        elif path not in ACCEPTED_PLUGINS:
+            problems.append(f"plugins: unknown plugin {path} (known: {', '.join(sorted(ACCEPTED_PLUGINS))})")
+        elif ACCEPTED_PLUGINS[path]:
+            notes.append(f"plugins: {path} is off ({ACCEPTED_PLUGINS[path]})")
+    if problems:
+        raise ConfigError("; ".join(problems))
+    return notes

@@ -1,0 +1,28 @@
+"""Where metrics and the final model go besides output_dir (trainer/outputs/loggers.py, trainer/outputs/hub.py)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+
+class LoggingKeys(BaseModel):
+    # loggers (besides output_dir/metrics.jsonl)
+    wandb_project: str | None = None
+    wandb_entity: str | None = None
+    wandb_name: str | None = None
+    wandb_run_id: str | None = None
+    wandb_mode: Literal["online", "offline", "disabled"] | None = None
+    wandb_watch: str | None = None
+    wandb_log_model: str | None = None
+    use_wandb: bool | None = None
+    use_tensorboard: bool = False
+    use_mlflow: bool = False
+    mlflow_tracking_uri: str | None = None
+    mlflow_experiment_name: str | None = None
+    mlflow_run_name: str | None = None
+    loss_watchdog_threshold: float | None = Field(None, gt=0)  # stop when the loss stays above this ...
+    loss_watchdog_patience: int = Field(3, ge=1)  # ... for this many steps in a row
+    hub_model_id: str | None = None  # push the final model or adapter to the hub at the end
+    hub_strategy: str | None = None

@@ -1,0 +1,47 @@
+"""The training config: every section's keys in one pydantic model, and the order its rules run in.
+
+Each section (a file of trainer/config/) owns its keys and their rules; a rule may read keys of other sections,
+so the sections are only ever validated together, as this Config. A section's rules raise ValueError, which
+pydantic reports with the failing keys; the first broken rule, in the order below, is the one reported.
+"""
+
+from __future__ import annotations
+
+from pydantic import ConfigDict, PrivateAttr, model_validator
+
+from trainer.config.datasets import DataKeys
+from trainer.config.diffusion import DiffusionKeys
+from trainer.config.ebft import EbftKeys
+from trainer.config.grpo import TrlKeys
+from trainer.config.hardware import HardwareKeys
+from trainer.config.logging import LoggingKeys
+from trainer.config.model import ModelKeys
+from trainer.config.parallel import ParallelKeys
+from trainer.config.qat import QatKeys
+from trainer.config.rl import RlKeys
+from trainer.config.sparsity import SparsityKeys
+from trainer.config.training import TrainingKeys
+
+
+# (pydantic lists the fields of the last base first: a dump reads model, data, training, ... as written below)
+class Config(SparsityKeys, QatKeys, EbftKeys, TrlKeys, DiffusionKeys, LoggingKeys, RlKeys, ParallelKeys, HardwareKeys,
+             TrainingKeys, DataKeys, ModelKeys):
+    model_config = ConfigDict(extra="forbid")
+
+    # set by load_config: user modules (ebft and trl.reward_funcs transforms, `module.function` dataset types)
+    # import from the config's directory
+    _config_dir: str | None = PrivateAttr(None)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Config:
+        self._check_streaming()  # datasets
+        self._check_preference()  # rl (dataset types follow what is trained)
+        self._check_training()  # LISA, early stopping, ReLoRA, evaluation keys
+        self._check_launch()  # parallel (Ray Train)
+        self._check_model()  # reinit_weights, LoftQ, model_quantization_config
+        self._check_schedule()  # warmup, min_sample_len
+        self._check_precision()  # hardware
+        self._check_cadence()  # eval/save steps
+        self._check_adapter()  # model (quantized loading, LoRA)
+        self._check_attention()  # hardware
+        return self

@@ -1,0 +1,237 @@
+"""Training keys (batching, optimisation, schedule, cadence, checkpoints, evaluation, and the long tail: LISA,
+ReLoRA, early stopping, training order) and their rules. The optimizer's name is checked against
+matrices/optimizers.toml here (trainer/optim/optimizers.py builds it).
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+from trainer import facts
+from trainer.errors import ConfigError
+
+
+class TrainingKeys(BaseModel):
+    # batching
+    sample_packing: bool = False
+    eval_sample_packing: bool | None = None  # default: same as sample_packing
+    pad_to_sequence_len: bool = False
+    micro_batch_size: int = Field(1, ge=1)
+    eval_batch_size: int | None = Field(None, ge=1)
+    gradient_accumulation_steps: int = Field(1, ge=1)
+    dataloader_num_workers: int = Field(0, ge=0)
+
+    # optimisation
+    num_epochs: int = Field(1, ge=1)
+    max_steps: int | None = Field(None, ge=1)
+    learning_rate: float = Field(2e-5, gt=0)
+    lr_scheduler: Literal["cosine", "linear", "constant", "constant_with_warmup"] = "cosine"
+    cosine_min_lr_ratio: float | None = Field(None, ge=0, le=1)  # cosine decays to this fraction of learning_rate
+    cosine_constant_lr_ratio: float | None = Field(None, ge=0, le=1)  # cosine to cosine_min_lr_ratio by this fraction of the steps, then flat
+    warmup_ratio: float | None = Field(None, ge=0, lt=1)
+    warmup_steps: int | float | None = Field(None, ge=0)  # a float < 1 is a fraction of the steps (transformers v5)
+    optimizer: str = "adamw_torch"  # a name in matrices/optimizers.toml (check_optimizer)
+    optim_args: dict[str, Any] | str | None = None  # extra optimizer arguments, as transformers' optim_args
+    weight_decay: float = Field(0.0, ge=0)
+    max_grad_norm: float | None = Field(1.0, ge=0)
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_epsilon: float = 1e-8
+    seed: int = 42
+
+    # outputs and cadence
+    output_dir: str = "./outputs"
+    logging_steps: int = Field(1, ge=1)
+    eval_steps: int | None = Field(None, ge=1)
+    evals_per_epoch: int | None = Field(None, ge=0)  # 0: none, as in Axolotl
+    save_steps: int | None = Field(None, ge=1)
+    saves_per_epoch: int | None = Field(None, ge=1)
+    save_total_limit: int | None = Field(None, ge=1)
+    save_only_model: bool = False  # checkpoints without optimizer/scheduler/RNG state (resume restarts the optimizer)
+    resume_from_checkpoint: str | None = None
+    auto_resume_from_checkpoints: bool = False
+
+    # --- long tail: training order, LISA, early stopping, quadratic warmup, ReLoRA (Axolotl's names) ---------
+    group_by_length: bool = False  # the HF Trainer's length-grouped order (no effect with sample_packing, as in Axolotl)
+    curriculum_sampling: bool = False  # the data's own order every epoch, no shuffle (trainer.batch.ordering)
+    sample_packing_sequentially: bool = False  # next-fit packing in order instead of best-fit (trainer.batch.ordering)
+    lisa_n_layers: int | None = Field(None, ge=1)  # LISA: train this many randomly chosen layers ... (trainer.optim.lisa)
+    lisa_step_interval: int | None = Field(None, ge=1)  # ... re-drawn every this many steps
+    lisa_layers_attribute: str = "model.layers"  # where the layers are, under the model
+    early_stopping_patience: int | None = Field(None, ge=1)  # stop after this many evals without a better eval_loss
+    lr_quadratic_warmup: bool = False  # cosine schedule with a quadratic warmup (trainer.optim.schedule)
+    do_causal_lm_eval: bool = False  # eval_causal_lm_metrics at every evaluation (trainer.objectives.causal_lm_eval)
+    eval_causal_lm_metrics: list[str] | None = None  # Axolotl's default: sacrebleu, comet, ter, chrf
+    eval_max_new_tokens: int = Field(128, ge=1)  # Axolotl's default; perplexity's window length
+    eval_table_size: int | None = Field(None, ge=0)  # Axolotl logs prediction tables only to wandb/mlflow/comet
+    relora: bool = False  # ReLoRA: merge LoRA into the base every jagged_restart_steps (trainer.model.relora)
+    relora_prune_ratio: float | None = Field(None, ge=0, le=1)  # share of LoRA's optimizer state zeroed at a restart
+    relora_prune_method: Literal["magnitude", "random", "reset"] = "magnitude"
+    relora_cpu_offload: bool = False  # compute the merges on the CPU
+    jagged_restart_steps: int | None = Field(None, ge=1)  # LR restarts (and ReLoRA merges) every this many steps
+    jagged_restart_warmup_steps: int | None = Field(None, ge=0)  # warmup after each restart (0/unset: 10)
+    jagged_restart_anneal_steps: int | None = Field(None, ge=0)  # anneal before each restart (0/unset: 1)
+
+    @property
+    def packing_for_eval(self) -> bool:
+        return self.sample_packing if self.eval_sample_packing is None else self.eval_sample_packing
+
+    def _check_training(self) -> None:
+        """LISA, early stopping, ReLoRA and the evaluation keys: what goes together."""
+        if (self.lisa_n_layers is None) != (self.lisa_step_interval is None):
+            raise ValueError("lisa_n_layers and lisa_step_interval go together: set both (or neither)")
+        if self.lisa_n_layers is not None:
+            if self.adapter or self.unfrozen_parameters:
+                raise ValueError("lisa_n_layers: LISA trains whole layers of a full fine-tune; remove adapter / "
+                                 "unfrozen_parameters")
+            if self.deepspeed or self.fsdp or self.fsdp_config or self.fsdp_version:
+                raise ValueError("lisa_n_layers: not with DeepSpeed or FSDP (their sharded optimizers fix the trained "
+                                 "parameters up front; LISA changes them every lisa_step_interval steps)")
+        if self.early_stopping_patience:
+            if not (self.save_steps and self.eval_steps) or self.save_steps % self.eval_steps:
+                raise ValueError("early_stopping_patience needs save_steps and eval_steps, with eval_steps dividing "
+                                 "save_steps (as Axolotl requires: the best checkpoint becomes the final model)")
+            if not self.val_set_size:
+                raise ValueError("early_stopping_patience needs a validation split (val_set_size)")
+            if self.deepspeed or self.fsdp or self.fsdp_config or self.fsdp_version:
+                raise ValueError("early_stopping_patience: not with DeepSpeed or FSDP here (ending with the best "
+                                 "checkpoint's weights is not implemented for sharded weights)")
+        if self.relora:
+            if not self.jagged_restart_steps:
+                raise ValueError("relora needs jagged_restart_steps (how often LoRA is merged and restarted)")
+            if self.adapter not in ("lora", "qlora") or self.load_in_8bit:
+                raise ValueError("relora needs adapter: lora (or qlora on a 4-bit base; not load_in_8bit, whose "
+                                 "LLM.int8() weights are not re-quantized here)")
+            if self.peft_use_dora or self.lora_modules_to_save or self.lora_target_parameters:
+                raise ValueError("relora: not with peft_use_dora, lora_modules_to_save or lora_target_parameters "
+                                 "(only LoRA's low-rank update is merged at a restart)")
+            if self.deepspeed or self.fsdp or self.fsdp_config or self.fsdp_version:
+                raise ValueError("relora: not with DeepSpeed or FSDP (Axolotl refuses FSDP too: the merge needs the "
+                                 "whole weights)")
+            if self.early_stopping_patience or self.hub_model_id:
+                raise ValueError("relora: not with early_stopping_patience or hub_model_id here (a checkpoint's adapter "
+                                 "alone is not the model after merges; push or pick output_dir/final, the full model)")
+        if self.do_causal_lm_eval:
+            metrics = self.eval_causal_lm_metrics or ["sacrebleu", "comet", "ter", "chrf"]
+            other = [m for m in metrics if m != "perplexity"]
+            if other:
+                raise ValueError(f"eval_causal_lm_metrics: {', '.join(other)} not supported (Axolotl scores "
+                                 "generations with the evaluate package's metric scripts, fetched from the Hugging "
+                                 "Face Hub); only perplexity is computed here")
+            if self.rl:
+                raise ValueError("do_causal_lm_eval: for SFT only (no preference training)")
+        if self.eval_table_size and (self.wandb_project or self.use_wandb or self.use_mlflow):
+            raise ValueError("eval_table_size: prediction tables are not logged to wandb/mlflow here (Axolotl logs "
+                             "them only there, and has deprecated the key for generate_samples)")
+
+    def _check_schedule(self) -> None:
+        if self.warmup_ratio is not None and self.warmup_steps is not None:
+            raise ValueError("set warmup_ratio or warmup_steps, not both")
+        if self.min_sample_len is not None and (self.rl or self.min_sample_len > self.sequence_len):
+            raise ValueError(f"min_sample_len: {self.min_sample_len} must be at most sequence_len ({self.sequence_len})"
+                             if not self.rl else "min_sample_len: applies to SFT data, not to rl: preference pairs")
+        if isinstance(self.warmup_steps, float) and self.warmup_steps >= 1 and not self.warmup_steps.is_integer():
+            raise ValueError(f"warmup_steps: {self.warmup_steps} is neither a step count nor a fraction (< 1) of the steps")
+
+    def _check_cadence(self) -> None:
+        if self.eval_steps and self.evals_per_epoch:
+            raise ValueError("set eval_steps or evals_per_epoch, not both")
+        if self.save_steps and self.saves_per_epoch:
+            raise ValueError("set save_steps or saves_per_epoch, not both")
+
+
+# --- the optimizer by name (matrices/optimizers.toml: which names exist and which library implements each) -------
+def optimizer_table() -> dict[str, dict]:
+    return {row["name"]: row for row in facts.rows("optimizers", "optimizer")}
+
+
+def check_optimizer(name: str) -> dict:
+    """The optimizers.toml row of a config's optimizer, or a ConfigError naming the choices."""
+    rows = optimizer_table()
+    row = rows.get(name)
+    if row is None:
+        close = difflib.get_close_matches(name, list(rows), n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        supported = ", ".join(n for n, r in rows.items() if "unsupported" not in r)
+        raise ConfigError(f"optimizer: unknown optimizer '{name}'{hint} (supported: {supported})")
+    if "unsupported" in row:
+        raise ConfigError(f"optimizer: {name} is not supported ({row['unsupported']})")
+    return row
+
+
+def check_muon(cfg) -> None:
+    """Muon needs each 2-D matrix whole, or as FSDP2's DTensor shard (torch's Muon runs on those)."""
+    if cfg.optimizer != "muon":
+        return
+    from trainer.config.parallel import fsdp_enabled, fsdp_settings
+
+    if cfg.deepspeed:
+        raise ConfigError("optimizer: muon with deepspeed: ZeRO flattens parameters into 1-D partitions and Muon "
+                          "orthogonalises 2-D matrices; use FSDP2 (fsdp_version: 2) or DDP")
+    if fsdp_enabled(cfg) and fsdp_settings(cfg)["fsdp_version"] == 1:
+        raise ConfigError("optimizer: muon with FSDP1: its flat parameters are 1-D and Muon orthogonalises 2-D "
+                          "matrices; use fsdp_version: 2")
+
+
+def check_relora_optimizer(cfg) -> None:
+    """Axolotl prunes Adam moments only (and refuses other optimizers); 8-bit state comes from bitsandbytes."""
+    if not cfg.relora:
+        return
+    name = cfg.optimizer
+    row = check_optimizer(name)
+    if "adam" not in name or row["library"] not in ("torch", "bitsandbytes") or "ademamix" in name:
+        raise ConfigError(f"relora: optimizer {name} is not supported with ReLoRA (its Adam moments are pruned at "
+                          "each restart: use an AdamW from torch or bitsandbytes)")
+
+def ordering_notes(cfg) -> list[str]:
+    """group_by_length, curriculum_sampling, sample_packing_sequentially (trainer/batch/ordering.py): where Axolotl
+    would behave in a way a user may not expect."""
+    out = []
+    if cfg.group_by_length and cfg.sample_packing:
+        out.append("group_by_length: no effect with sample_packing (the packer decides the batches, as in Axolotl)")
+    if cfg.curriculum_sampling and len(cfg.datasets) > 1 and cfg.shuffle_merged_datasets:
+        out.append("curriculum_sampling: the merged datasets are shuffled once (shuffle_merged_datasets, as Axolotl "
+                   "does), then trained in that order every epoch; set shuffle_merged_datasets: false to keep the "
+                   "datasets' own order")
+    if cfg.sample_packing_sequentially and not cfg.sample_packing:
+        out.append("sample_packing_sequentially: no effect without sample_packing")
+    elif cfg.sample_packing_sequentially and not cfg.curriculum_sampling:
+        out.append("sample_packing_sequentially: packs in the shuffled order (set curriculum_sampling: true for the "
+                   "data's own order, as Axolotl's warning says)")
+    return out
+
+
+def schedule_notes(cfg) -> list[str]:
+    """Schedule keys that have no effect (as in Axolotl; trainer/optim/schedule.py builds the schedule)."""
+    if cfg.lr_quadratic_warmup and cfg.lr_scheduler != "cosine":
+        return [f"lr_quadratic_warmup: no effect with lr_scheduler: {cfg.lr_scheduler} (Axolotl applies it to cosine only)"]
+    if cfg.lr_quadratic_warmup and cfg.cosine_min_lr_ratio is not None:
+        return ["cosine_min_lr_ratio: not applied with lr_quadratic_warmup (as in Axolotl: the quadratic-warmup "
+                "cosine decays to zero)"]
+    if cfg.cosine_constant_lr_ratio and cfg.lr_scheduler != "cosine":
+        return [f"cosine_constant_lr_ratio: no effect with lr_scheduler: {cfg.lr_scheduler} (cosine only, as in Axolotl)"]
+    if cfg.cosine_constant_lr_ratio and not cfg.cosine_min_lr_ratio:
+        return ["cosine_constant_lr_ratio: no effect without a non-zero cosine_min_lr_ratio (as in Axolotl)"]
+    return []
+
+
+def eval_table_notes(cfg) -> list[str]:
+    """eval_table_size without a tracker that takes tables (the config refuses it with one)."""
+    if cfg.eval_table_size:  # (with a tracker the config refuses it)
+        return ["eval_table_size: ignored (Axolotl logs prediction tables only to wandb, mlflow or comet, and none "
+                "is configured)"]
+    return []
+
+
+def one_process_only(cfg, processes: int) -> None:
+    """Features that run in one process here: refused when more are launched, before anything loads."""
+    if processes <= 1:
+        return
+    if cfg.lisa_n_layers:
+        raise ConfigError("lisa_n_layers: runs in one process here (DDP reduces a gradient for every parameter it "
+                          "was built with, so frozen layers would still be decayed and moved)")
+    if cfg.relora:
+        raise ConfigError("relora: runs in one process here (each rank would re-draw its own LoRA at a restart)")

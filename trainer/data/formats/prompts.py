@@ -1,0 +1,177 @@
+"""Prompt formats: one row of a dataset -> token ids and labels.
+
+Each format renders the row as text plus the character spans to train on; one tokenizer call with
+offsets then labels exactly the tokens that start inside those spans. Everything else is -100
+unless train_on_inputs.
+
+- alpaca:       {instruction, input?, output}; trains on the output and EOS. alpaca:<style> (instruct, chat,
+                chatml, phi) writes the prompt in Axolotl's style of that name (trainer.data.formats.alpaca_styles).
+- completion:   {text}; trains on all of it and EOS.
+- input_output: {segments: [{text, label}]}; trains on segments with label: true. No special tokens added.
+- chat_template:{messages: [{role, content}]} rendered by the chat template (the tokenizer's, or one named
+                in chat_template, see trainer.data.formats.chat_templates); trains on the turns of roles_to_train
+                (default: assistant), without the turn header, with its reasoning text (field_thinking ->
+                template_thinking_key) where the template renders one; train_on_eos / eot_tokens pick the
+                end-of-turn tokens trained (turn: each trained turn's, all: every turn's, last: the
+                conversation's last, none: no EOT).
+"""
+
+from __future__ import annotations
+
+from trainer.batch.labels import IGNORE
+from trainer.config import DatasetConfig
+from trainer.data.formats import alpaca_styles
+from trainer.data.formats.roles import role_alias
+from trainer.errors import DataError
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+Spans = list[tuple[int, int]]
+
+
+def _field(row: dict, key: str, ds: DatasetConfig, required: bool = True):
+    if key not in row or (required and row[key] is None):
+        if required:
+            raise DataError(f"dataset {ds.path}: a row has no '{key}' field (type {ds.type}); "
+                            f"columns are {sorted(row)}; map the field in the dataset's config")
+        return None
+    return row[key]
+
+
+def render_alpaca(row: dict, ds: DatasetConfig, tokenizer) -> tuple[str, Spans, bool]:
+    instruction = _field(row, ds.field_instruction, ds)
+    extra = _field(row, ds.field_input, ds, required=False)
+    output = _field(row, ds.field_output, ds)
+    prompt = alpaca_styles.prompt(alpaca_styles.style_of(ds.type), instruction, extra)  # alpaca[:style]
+    text = prompt + str(output) + (tokenizer.eos_token or "")
+    return text, [(len(prompt), len(text))], True
+
+
+def render_completion(row: dict, ds: DatasetConfig, tokenizer) -> tuple[str, Spans, bool]:
+    text = str(_field(row, ds.field, ds)) + (tokenizer.eos_token or "")
+    return text, [(0, len(text))], True
+
+
+def render_input_output(row: dict, ds: DatasetConfig, tokenizer) -> tuple[str, Spans, bool]:
+    text, spans = "", []
+    for seg in _field(row, ds.field_segments, ds):
+        start = len(text)
+        text += seg["text"]
+        if seg.get("label", True):
+            spans.append((start, len(text)))
+    return text, spans, False
+
+
+def _messages(row: dict, ds: DatasetConfig) -> list[dict]:
+    alias = role_alias(ds)
+    messages = []
+    for m in _field(row, ds.field_messages, ds):
+        if ds.role_key not in m or ds.content_key not in m:
+            raise DataError(f"dataset {ds.path}: a message has no '{ds.role_key}'/'{ds.content_key}' "
+                            f"(keys: {sorted(m)}); set message_property_mappings")
+        message = {"role": alias.get(m[ds.role_key], m[ds.role_key]), "content": m[ds.content_key]}
+        # Axolotl's mapping: message_property_mappings' other keys, or (when it is not given) the reasoning
+        # text from field_thinking into the template's template_thinking_key; it renders, and trains, with its turn
+        extra = {k: v for k, v in (ds.message_property_mappings or {}).items() if k not in ("role", "content")}
+        if not ds.message_property_mappings:
+            extra[ds.template_thinking_key] = ds.field_thinking
+        message.update({key: m[field] for key, field in extra.items() if m.get(field) is not None})
+        messages.append(message)
+    return messages
+
+
+def render_chat(row: dict, ds: DatasetConfig, tokenizer, eot_tokens: list[str] | None = None) -> tuple[str, Spans, bool]:
+    template = tokenizer.chat_template
+    if ds.chat_template:  # this dataset's own template
+        from trainer.data.formats.chat_templates import resolve
+
+        template = resolve(ds.chat_template, ds.chat_template_jinja, tokenizer)
+    if not template:
+        raise DataError("the tokenizer has no chat template; set chat_template: chatml (or another name), or jinja "
+                        "with chat_template_jinja")
+    messages = _messages(row, ds)
+    if ds.drop_system_message:
+        messages = [m for m in messages if m["role"] != "system"]
+
+    def render(msgs, header=False):
+        if not msgs:
+            return ""
+        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=header, chat_template=template)
+
+    text = render(messages)
+    # train_on_eos (Axolotl's): which end-of-turn tokens are trained. Unset and no eot_tokens: the whole
+    # rendered tail of each trained turn (its EOT and any separator after it) is trained.
+    policy = ds.train_on_eos or ("turn" if eot_tokens else None)
+    eots = [t for t in (eot_tokens or [tokenizer.eos_token]) if t]
+    spans = []
+    last = len(messages) - 1
+    for i, message in enumerate(messages):
+        trained = message["role"] in ds.roles_to_train
+        if not trained and policy != "all":
+            continue
+        prefix = render(messages[:i])
+        end = len(render(messages[: i + 1]))
+        start = render(messages[:i], header=True) if i else ""
+        if not text.startswith(start):  # template's generation header differs from its turn header
+            start = prefix
+        if not text.startswith(render(messages[: i + 1])) or not text.startswith(start):
+            raise DataError(f"dataset {ds.path}: the chat template does not render conversations turn by turn, "
+                            "so trained turns cannot be located")
+        begin = len(start) if trained else len(prefix)
+        if trained and (message["role"] != "assistant" or start == prefix):
+            # the generation header is the assistant's; other turns start where their content does
+            content = message["content"].strip() if isinstance(message["content"], str) else ""
+            found_at = text.find(content, len(prefix), end) if content else -1
+            thinking = message.get(ds.template_thinking_key)  # rendered before the content, trained with it
+            thinking = thinking.strip() if isinstance(thinking, str) else ""
+            think_at = text.find(thinking, len(prefix), end) if thinking else -1
+            found_at = think_at if think_at >= 0 and (found_at < 0 or think_at < found_at) else found_at
+            begin = found_at if found_at >= 0 else begin
+        if policy is None:
+            spans.append((begin, end))
+            continue
+        # the turn's end-of-turn token follows its content: a reasoning block before the content (gpt-oss's
+        # analysis channel) may end in the same token, and is trained as part of the turn
+        body = message["content"].strip() if isinstance(message["content"], str) else ""
+        after = text.rfind(body, begin, end) if body else -1
+        after = after + len(body) if after >= 0 else begin
+        found = [(text.find(t, after, end), t) for t in eots]
+        found = [(pos, t) for pos, t in found if pos >= 0]
+        eot_at, eot = min(found) if found else (end, "")
+        if trained:
+            spans.append((begin, eot_at))
+        if eot and (policy in ("turn", "all") and (trained or policy == "all") or (policy == "last" and i == last)):
+            spans.append((eot_at, eot_at + len(eot)))
+    return text, spans, False
+
+
+RENDERERS = {
+    "alpaca": render_alpaca,
+    "completion": render_completion,
+    "input_output": render_input_output,
+    "chat_template": render_chat,
+}
+
+
+def tokenize_row(row: dict, ds: DatasetConfig, tokenizer, train_on_inputs: bool,
+                 eot_tokens: list[str] | None = None) -> dict:
+    from trainer.data.formats import mistral_tokenizer
+
+    if ds.type == "chat_template" and mistral_tokenizer.is_mistral(tokenizer):  # ids, not text: see that module
+        return mistral_tokenizer.tokenize_chat(row, ds, tokenizer, train_on_inputs)
+    if ds.type == "chat_template":
+        text, spans, add_special = render_chat(row, ds, tokenizer, eot_tokens)
+    else:
+        text, spans, add_special = RENDERERS[ds.type.partition(":")[0]](row, ds, tokenizer)
+    enc = tokenizer(text, add_special_tokens=add_special, return_offsets_mapping=True)
+    ids = enc["input_ids"]
+    if train_on_inputs:
+        labels = list(ids)
+    else:
+        # a token is trained if it starts inside a trained span; added special tokens have empty offsets
+        labels = [tok if end > start and any(s <= start < e for s, e in spans) else IGNORE
+                  for tok, (start, end) in zip(ids, enc["offset_mapping"])]
+    return {"input_ids": ids, "labels": labels}

@@ -1,0 +1,328 @@
+"""Datasets: load, tokenize with the prompt format, filter by length, split, cache.
+
+The tokenized result is cached under dataset_prepared_path/<key>, where the key hashes the data (file
+contents, or the hub dataset's fingerprint), the tokenizer, and every config key that changes the tokens.
+With several processes, rank 0 prepares (under a file lock, so a concurrent `preprocess` or a second job
+does not prepare the same cache twice) and the other ranks wait for the finished cache directory, which
+appears atomically (temp dir + rename).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from trainer.batch.labels import IGNORE
+from trainer.config import Config, DatasetConfig, looks_local
+from trainer.data.formats.prompts import tokenize_row
+from trainer.errors import ConfigError, DataError, TrainerError
+
+CACHE_FORMAT = 2  # bump when tokenization changes, so old caches are not reused
+FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+def default_workers(cfg: Config) -> int:
+    """Worker processes for preprocessing: dataset_processes, else min(CPU count, 8)."""
+    return cfg.dataset_processes or min(os.cpu_count() or 1, 8)
+
+
+def load_tokenizer(cfg: Config):
+    from transformers import AutoTokenizer
+
+    if cfg.tokenizer_use_mistral_common:
+        from trainer.data.formats import mistral_tokenizer
+
+        return mistral_tokenizer.load(cfg)
+    source = cfg.tokenizer_config or cfg.base_model
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)
+    except OSError as err:
+        raise ConfigError(f"cannot load the tokenizer from {source}: {str(err).splitlines()[0]}") from None
+    if cfg.special_tokens:
+        tokenizer.add_special_tokens(dict(cfg.special_tokens))
+    if cfg.tokens:
+        tokenizer.add_tokens(list(cfg.tokens))
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token  # padding is masked out of attention and loss
+    if cfg.diffusion is not None:  # the diffusion plugin's mask token (may add one; trainer/config/diffusion.py)
+        prepare_diffusion_tokenizer(cfg, tokenizer)
+    from trainer.data.formats.chat_templates import resolve
+
+    tokenizer.chat_template = resolve(cfg.chat_template, cfg.chat_template_jinja, tokenizer)
+    return tokenizer
+
+
+DEFAULT_MASK_TOKEN = "<|diffusion_mask|>"  # Axolotl's resolve_mask_token_id default
+
+
+def resolve_mask_token(cfg, tokenizer) -> int:
+    """Axolotl's resolve_mask_token_id(allow_add=True): mask_token_id if below tokenizer.vocab_size, else
+    mask_token_str or <|diffusion_mask|> if already a special token, else that token is added (the embeddings
+    grow with the tokenizer when the model loads). Stores the id in cfg.diffusion.mask_token_id."""
+    d = cfg.diffusion
+    vocab = getattr(tokenizer, "vocab_size", None)
+    if d.mask_token_id is not None and d.mask_token_id >= 0 and (vocab is None or d.mask_token_id < vocab):
+        return d.mask_token_id
+    specials = set(tokenizer.all_special_tokens or [])
+    for candidate in (d.mask_token_str, DEFAULT_MASK_TOKEN):
+        if not candidate or candidate not in specials:
+            continue
+        token_id = tokenizer.convert_tokens_to_ids(candidate)
+        if isinstance(token_id, int) and token_id >= 0 and token_id != tokenizer.unk_token_id and (
+                vocab is None or token_id < vocab):
+            d.mask_token_id = token_id
+            return token_id
+    token = d.mask_token_str or DEFAULT_MASK_TOKEN
+    tokenizer.add_special_tokens({"additional_special_tokens": [token]}, replace_extra_special_tokens=False)
+    d.mask_token_id = int(tokenizer.convert_tokens_to_ids(token))
+    return d.mask_token_id
+
+
+def prepare_diffusion_tokenizer(cfg, tokenizer) -> None:
+    """Resolve the mask token (maybe adding it) and record the tokens never masked: BOS, EOS and pad (Axolotl's
+    _cache_special_token_ids)."""
+    resolve_mask_token(cfg, tokenizer)
+    ids = (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    cfg.diffusion._special_ids = sorted({i for i in ids if i is not None})
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _data_identity(ds: DatasetConfig) -> str:
+    path = Path(ds.path).expanduser()
+    if path.is_file():
+        return _sha256_file(path)
+    if path.is_dir():
+        return hashlib.sha256("".join(_sha256_file(p) for p in sorted(path.rglob("*")) if p.is_file()).encode()).hexdigest()
+    return ""  # hub dataset: identified by its fingerprint once loaded (see load_raw)
+
+
+def tokenizer_identity(tokenizer) -> str:
+    from trainer.data.formats import mistral_tokenizer
+
+    if mistral_tokenizer.is_mistral(tokenizer):
+        return mistral_tokenizer.identity(tokenizer)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    vocab = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
+    extra = json.dumps([type(tokenizer).__name__, tokenizer.chat_template, str(tokenizer.special_tokens_map)])
+    return hashlib.sha256((vocab + extra).encode()).hexdigest()
+
+
+def cache_key(cfg: Config, tokenizer, hub_fingerprints: list[str], kind: dict | None = None) -> str:
+    """kind: what the builder adds to the key ({"kind": "sft"} for SFT's rows; each objective names its own)."""
+    relevant = {
+        "format": CACHE_FORMAT,
+        "datasets": [d.model_dump() for d in cfg.datasets],
+        "data": [_data_identity(d) for d in cfg.datasets] + hub_fingerprints,
+        "tokenizer": tokenizer_identity(tokenizer),
+        **(kind or {"kind": "sft"}),
+        **{k: getattr(cfg, k) for k in ("sequence_len", "excess_length_strategy", "train_on_inputs", "val_set_size",
+                                       "seed", "shuffle_merged_datasets", "chat_template", "chat_template_jinja",
+                                       "eot_tokens", "dataset_exact_deduplication", "min_sample_len",
+                                       "curriculum_sampling")},
+    }
+    return hashlib.sha256(json.dumps(relevant, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def load_raw(ds: DatasetConfig):
+    """A local file or directory, or a hub dataset (needs the network)."""
+    import datasets
+
+    path = Path(ds.path).expanduser()
+    if path.is_file():
+        builder = ds.ds_type or FILE_BUILDERS.get(path.suffix.lower())
+        if builder is None:
+            raise DataError(f"dataset {ds.path}: unknown file type '{path.suffix}'; set ds_type: json, parquet or csv")
+        return datasets.load_dataset(builder, data_files=str(path), split="train")
+    if looks_local(ds.path) and not path.exists():
+        raise DataError(f"dataset file not found: {ds.path}")
+    try:
+        if path.is_dir():
+            return datasets.load_dataset(str(path), data_files=ds.data_files, split=ds.split)
+        return datasets.load_dataset(ds.path, ds.name, data_files=ds.data_files, split=ds.split)
+    except Exception as err:  # hub errors come in many types; the first line says what happened
+        raise TrainerError(f"cannot load dataset {ds.path} (split {ds.split}): {str(err).splitlines()[0]}") from None
+
+
+@dataclass
+class Prepared:
+    train: object  # datasets.Dataset with input_ids, labels, length
+    validation: object | None
+    stats: dict
+    path: Path
+
+
+def workers_for(cfg: Config, rows: int) -> int:
+    return min(default_workers(cfg), max(1, rows // 1000))  # processes only pay off on bigger data
+
+
+def pretokenized_row(row: dict, ds: DatasetConfig) -> dict:
+    """A dataset entry with no `type`: rows carry input_ids, and optionally labels and attention_mask
+    (Axolotl's pre-tokenized datasets). Positions with attention_mask 0 (padding) are dropped; labels
+    default to the input_ids (train on every token)."""
+    ids = row.get("input_ids")
+    if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+        raise DataError(f"dataset {ds.path}: no `type` means pre-tokenized rows, which need an `input_ids` list of "
+                        f"token ids (columns: {', '.join(sorted(row)) or 'none'}); or set the dataset's type")
+    labels = row.get("labels")
+    labels = list(ids) if labels is None else list(labels)
+    mask = row.get("attention_mask")
+    if len(labels) != len(ids) or (mask is not None and len(mask) != len(ids)):
+        raise DataError(f"dataset {ds.path}: input_ids, labels and attention_mask of a row differ in length")
+    if mask is not None:
+        keep = [i for i, m in enumerate(mask) if m]
+        ids, labels = [ids[i] for i in keep], [labels[i] for i in keep]
+    return {"input_ids": list(ids), "labels": labels}
+
+
+def tokenize_example(row: dict, ds: DatasetConfig, cfg: Config, tokenizer) -> dict:
+    """One row -> input_ids, labels, too_long, length, targets (shared by prepared and streamed data)."""
+    if ds.type is None:  # no type: the row is already tokenized
+        out = pretokenized_row(row, ds)
+    else:
+        out = tokenize_row(row, ds, tokenizer, cfg.train_on_inputs, cfg.eot_tokens)
+    limit = cfg.sequence_len
+    n = len(out["input_ids"])
+    out["too_long"] = n > limit
+    if n > limit and cfg.excess_length_strategy == "truncate":
+        out = {"input_ids": out["input_ids"][:limit], "labels": out["labels"][:limit], "too_long": True}
+    out["length"] = len(out["input_ids"])
+    out["targets"] = sum(1 for t in out["labels"][1:] if t != IGNORE)
+    return out
+
+
+def _tokenize(raw, ds: DatasetConfig, cfg: Config, tokenizer):
+    workers = workers_for(cfg, len(raw))
+    return raw.map(lambda row: tokenize_example(row, ds, cfg, tokenizer), remove_columns=raw.column_names,
+                   num_proc=workers if workers > 1 else None, desc=f"tokenizing {ds.path}")
+
+
+def build(cfg: Config, tokenizer) -> tuple[object, object | None, dict]:
+    """SFT's rows: every dataset tokenized by its prompt format (trainer/data/formats/), filtered and split."""
+    import datasets
+
+    parts = [_tokenize(load_raw(ds), ds, cfg, tokenizer) for ds in cfg.datasets]
+    data, validation, stats = filter_and_split(cfg, datasets.concatenate_datasets(parts))
+    stats.update(train_rows=len(data), train_tokens=int(sum(data["length"])),
+                 validation_rows=len(validation) if validation is not None else 0)
+    return data, validation, stats
+
+
+def tokenize_and_split(cfg: Config, tokenizer, tokenize):
+    """Each dataset tokenized by tokenize(raw, ds, cfg, tokenizer, workers), concatenated, then filter_and_split
+    (the shared tail of the preference and reward data paths)."""
+    import datasets
+
+    parts = []
+    for ds in cfg.datasets:
+        raw = load_raw(ds)
+        parts.append(tokenize(raw, ds, cfg, tokenizer, workers_for(cfg, len(raw))))
+    return filter_and_split(cfg, datasets.concatenate_datasets(parts))
+
+
+def filter_and_split(cfg: Config, data) -> tuple[object, object | None, dict]:
+    """What SFT and preference data share after tokenising: drop or count over-long rows and rows with
+    nothing to train on, drop exact duplicates (dataset_exact_deduplication), shuffle, split off validation."""
+    too_long = sum(data["too_long"])
+    drop = cfg.excess_length_strategy == "drop"
+    stats = {"rows": len(data), "too_long": too_long, "excess_length_strategy": cfg.excess_length_strategy,
+             "dropped_too_long": too_long if drop else 0, "truncated": 0 if drop else too_long}
+    keep = [i for i, (long, targets) in enumerate(zip(data["too_long"], data["targets"]))
+            if targets > 0 and not (long and drop)]
+    stats["dropped_no_targets"] = len(data) - len(keep) - stats["dropped_too_long"]
+    data = data.select(keep).remove_columns(["too_long"])
+    if cfg.min_sample_len:  # Axolotl's lower bound on a row's tokens (SFT only: checked by Config)
+        long_enough = [i for i, n in enumerate(data["length"]) if n >= cfg.min_sample_len]
+        stats["dropped_too_short"] = len(data) - len(long_enough)
+        data = data.select(long_enough)
+    if cfg.dataset_exact_deduplication:
+        seen, unique = set(), []
+        for i, row in enumerate(data):
+            key = hashlib.sha256(json.dumps(row, sort_keys=True, default=str).encode()).digest()
+            if key not in seen:
+                seen.add(key)
+                unique.append(i)
+        stats["dropped_duplicates"] = len(data) - len(unique)
+        data = data.select(unique)
+    if len(data) == 0:
+        raise DataError(f"no rows left to train on after filtering ({json.dumps(stats)}); raise sequence_len "
+                        "or use excess_length_strategy: truncate")
+    # curriculum_sampling keeps a single dataset's order (merged datasets follow shuffle_merged_datasets), as Axolotl
+    if cfg.shuffle_merged_datasets and not (cfg.curriculum_sampling and len(cfg.datasets) == 1):
+        data = data.shuffle(seed=cfg.seed)
+    validation = None
+    if cfg.val_set_size:
+        size = cfg.val_set_size if cfg.val_set_size < 1 else int(cfg.val_set_size)
+        if isinstance(size, int) and size >= len(data):
+            raise ConfigError(f"val_set_size {size} leaves no training rows (dataset has {len(data)})")
+        split = data.train_test_split(test_size=size, seed=cfg.seed, shuffle=not cfg.curriculum_sampling)
+        data, validation = split["train"], split["test"]
+    return data, validation, stats
+
+
+def _save(path: Path, train, validation, stats: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    train.save_to_disk(str(tmp / "train"))
+    if validation is not None:
+        validation.save_to_disk(str(tmp / "validation"))
+    (tmp / "stats.json").write_text(json.dumps(stats, indent=2))
+    os.replace(tmp, path)  # the cache is complete or absent
+
+
+def _load(path: Path) -> Prepared:
+    import datasets
+
+    validation = datasets.load_from_disk(str(path / "validation")) if (path / "validation").exists() else None
+    stats = json.loads((path / "stats.json").read_text())
+    return Prepared(datasets.load_from_disk(str(path / "train")), validation, stats, path)
+
+
+def _hub_fingerprints(cfg: Config) -> list[str]:
+    return [load_raw(d)._fingerprint for d in cfg.datasets if not looks_local(d.path)]
+
+
+def prepare(cfg: Config, tokenizer, rank: int = 0, log=print, builder=None, kind: dict | None = None) -> Prepared:
+    """The tokenized train/validation data, from the cache or prepared now (by rank 0 only).
+
+    builder(cfg, tokenizer) -> (train, validation, stats) makes the rows: SFT's (`build`) unless an objective
+    passes its own (trainer/objectives/: Objective.prepare_data), with `kind` naming them in the cache key."""
+    from filelock import FileLock, Timeout
+
+    root = Path(cfg.dataset_prepared_path)
+    path = root / cache_key(cfg, tokenizer, _hub_fingerprints(cfg), kind)
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        try:
+            with FileLock(str(root / f"{path.name}.lock"), timeout=cfg.dataset_prepare_timeout):
+                if not (path / "stats.json").exists():
+                    log(f"preparing dataset into {path}")
+                    _save(path, *(builder or build)(cfg, tokenizer))
+        except Timeout:
+            raise TrainerError(f"another process has held the lock on {path} for {cfg.dataset_prepare_timeout}s; "
+                               "if none is running, delete the .lock file") from None
+    else:
+        deadline = time.monotonic() + cfg.dataset_prepare_timeout
+        while not (path / "stats.json").exists():
+            if time.monotonic() > deadline:
+                raise TrainerError(f"rank {rank} waited {cfg.dataset_prepare_timeout}s for rank 0 to prepare the "
+                                   f"dataset cache {path}; run `python -m trainer preprocess` first or raise "
+                                   "dataset_prepare_timeout")
+            time.sleep(0.5)
+    prepared = _load(path)
+    stats = prepared.stats
+    if rank == 0 and stats["too_long"]:
+        verb = "dropped" if stats["dropped_too_long"] else "truncated"
+        log(f"{stats['too_long']} of {stats['rows']} rows are longer than sequence_len {cfg.sequence_len}: {verb}")
+    return prepared

@@ -1,0 +1,231 @@
+"""Load the model for training: attention backend, dtype, quantization, LoRA, gradient checkpointing.
+
+Full fine-tuning keeps fp32 master weights and trains under autocast (accelerate's mixed precision).
+LoRA loads the frozen base in the training precision and keeps the adapter weights in fp32.
+QLoRA / 8-bit LoRA load the base through bitsandbytes (trainer.model.quantization), then peft's
+prepare_model_for_kbit_training (norms in fp32, input gradients for checkpointing) before the adapter.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from trainer.config import Config
+from trainer.errors import ConfigError, TrainingError
+from trainer.model.attention import packed_masks
+from trainer.runtime.hardware import Runtime
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def load_model(cfg: Config, runtime: Runtime, tokenizer, source: str | None = None,
+               parallel_kwargs: dict | None = None):
+    from trainer.model.quantization import bnb_config
+    from trainer.model.reward_model import auto_class, disable_dropout, head_init
+    from trainer.model.reward_model import load_kwargs as head_kwargs
+
+    source = source or cfg.base_model
+    dtype = DTYPES[runtime.precision] if cfg.adapter else torch.float32
+    quantization = bnb_config(cfg, DTYPES[runtime.precision], sharded=bool(cfg.deepspeed or cfg.fsdp or cfg.fsdp_config))
+    extra = dict(cfg.model_config_overrides or {})  # Axolotl's model_config: overrides of the model's config
+    if quantization is not None:
+        extra["quantization_config"] = quantization
+    elif cfg.model_quantization_config:  # Mxfp4Config(dequantize=True): gpt-oss's MXFP4 experts as weights
+        from trainer.model.quantization_config import build
+
+        extra["quantization_config"] = build(cfg.model_quantization_config, cfg.model_quantization_config_kwargs)
+    if cfg.revision_of_model:
+        extra["revision"] = cfg.revision_of_model
+    extra.update(parallel_kwargs or {})  # tensor parallelism: transformers' DistributedConfig (trainer/parallel/mesh.py)
+    if cfg.cls_model_config:  # Axolotl's cls_model_config: read the config with that class (trainer/model/config_class.py)
+        from trainer.model import config_class
+
+        overrides = dict(cfg.model_config_overrides or {})
+        extra = {k: v for k, v in extra.items() if k not in overrides}
+        extra["config"] = config_class.load(cfg, source, overrides, cfg.revision_of_model)
+    try:
+        if cfg.reinit_weights:  # Axolotl's from_config: the architecture only, weights drawn from the seed
+            model = fresh_model(cfg, source, dtype, runtime.attention, extra)
+        else:
+            with head_init(cfg):  # the head follows the objective (trainer.model.reward_model)
+                model = auto_class(cfg).from_pretrained(
+                    source, dtype=dtype, attn_implementation=runtime.attention,
+                    trust_remote_code=cfg.trust_remote_code, **head_kwargs(cfg, tokenizer), **extra)
+    except OSError as err:
+        raise ConfigError(f"cannot load the model from {source}: {str(err).splitlines()[0]}") from None
+    except ValueError as err:  # e.g. a model with no tp_plan asked for tensor_parallel_size
+        if not parallel_kwargs:
+            raise
+        raise ConfigError(f"tensor_parallel_size: cannot shard {source}: {str(err).splitlines()[0]}") from None
+    resize_embeddings(cfg, model, tokenizer)
+    if cfg.use_onebitllms:  # Falcon-E's BitNet layers, swapped in right after loading (as Axolotl)
+        from trainer.model import bitnet
+
+        bitnet.apply(model)
+    model.config.use_cache = False  # no KV cache in training; the collator's mask keeps packed rows apart
+    packed_masks(model)  # hybrid sliding/full models: per-layer masks from position_ids (trainer/model/attention.py)
+    checkpointing = {"use_reentrant": reentrant(cfg)}
+    if quantization is not None:
+        from peft import prepare_model_for_kbit_training
+
+        from trainer.model.quantization import keep_trainable_layout
+
+        keep_trainable_layout(model)  # evaluation mid-training must not break the 4-bit layers' backward
+
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=bool(cfg.gradient_checkpointing),
+                                                gradient_checkpointing_kwargs=checkpointing)
+    elif cfg.gradient_checkpointing:
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x renamed it
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=checkpointing)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing)
+        if checkpointing["use_reentrant"] and cfg.adapter:
+            model.enable_input_require_grads()  # reentrant checkpointing needs an input that requires grad
+    if cfg.adapter:
+        model = add_lora(cfg, model)
+    elif cfg.unfrozen_parameters:
+        freeze_except(model, cfg.unfrozen_parameters)
+    disable_dropout(cfg, model)  # reward models: as TRL's disable_dropout (default true)
+    return model
+
+
+def fresh_model(cfg: Config, source: str, dtype, attention: str, extra: dict):
+    """reinit_weights: the model built from its config (with model_config overrides) and initialised from
+    the seed, as Axolotl's AutoModelForCausalLM.from_config; the pretrained weights are never read."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    revision = {"revision": extra.pop("revision")} if "revision" in extra else {}
+    config = AutoConfig.from_pretrained(source, trust_remote_code=cfg.trust_remote_code, **revision, **extra)
+    torch.manual_seed(cfg.seed)
+    return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attention,
+                                            trust_remote_code=cfg.trust_remote_code)
+
+
+def freeze_except(model, patterns: list[str]) -> None:
+    """Axolotl's unfrozen_parameters: train only the parameters whose names match one of the regexes."""
+    import re
+
+    compiled = [re.compile(p) for p in patterns]
+    trained = 0
+    for name, param in model.named_parameters():
+        param.requires_grad = any(p.search(name) for p in compiled)
+        trained += param.requires_grad
+    if not trained:
+        raise ConfigError(f"unfrozen_parameters: no parameter name matches {patterns}; names look like "
+                          f"{next(iter(dict(model.named_parameters())))}")
+
+
+def reentrant(cfg: Config) -> bool:
+    """gradient_checkpointing_kwargs.use_reentrant, honoured as given (default False: non-reentrant works
+    with DDP and frozen weights without extra hooks)."""
+    return bool((cfg.gradient_checkpointing_kwargs or {}).get("use_reentrant", False))
+
+
+def resize_embeddings(cfg: Config, model, tokenizer) -> None:
+    """Grow the embeddings for added tokens; resize_token_embeddings_to_32x rounds the size up to a multiple of 32."""
+    rows = model.get_input_embeddings().weight.shape[0]
+    needed = max(len(tokenizer), rows)
+    if cfg.resize_token_embeddings_to_32x:
+        multiple = -(-needed // 32) * 32
+        if multiple != rows:
+            model.resize_token_embeddings(needed, pad_to_multiple_of=32)
+    elif len(tokenizer) > rows:
+        model.resize_token_embeddings(len(tokenizer))
+
+
+def add_lora(cfg: Config, model):
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    from trainer.config.model import lora_exclusions, lora_task_type
+
+    if cfg.lora_model_dir:  # continue from a trained adapter (its own r, alpha and targets)
+        try:
+            model = PeftModel.from_pretrained(model, cfg.lora_model_dir, is_trainable=True)
+        except (OSError, ValueError) as err:
+            raise ConfigError(f"lora_model_dir: cannot load an adapter from {cfg.lora_model_dir}: "
+                              f"{str(err).splitlines()[0]}") from None
+        for p in model.parameters():
+            if p.requires_grad:
+                p.data = p.data.float()
+        return model
+    targets = cfg.lora_target_modules
+    if cfg.lora_target_linear or targets is None:
+        targets = "all-linear"
+    if cfg.lora_target_parameters and cfg.lora_target_modules is None and not cfg.lora_target_linear:
+        targets = []  # only the named parameters
+    from trainer.model import loftq
+
+    on_cuda = torch.cuda.is_available()  # peft's LoftQ computes on CUDA whatever device the weights are on
+    lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                      target_modules=targets, target_parameters=cfg.lora_target_parameters,
+                      use_rslora=cfg.peft_use_rslora, use_dora=cfg.peft_use_dora,
+                      modules_to_save=cfg.lora_modules_to_save, task_type=lora_task_type(cfg),
+                      exclude_modules=lora_exclusions(cfg),
+                      **loftq.lora_kwargs(cfg, on_cuda))
+    try:
+        model = get_peft_model(model, lora, autocast_adapter_dtype=True)
+    except ValueError as err:
+        raise ConfigError(f"lora_target_modules: {str(err).splitlines()[0]}") from None
+    if loftq.loftq_bits(cfg) and not on_cuda:
+        loftq.apply_on_cpu(cfg, model)
+    for p in model.parameters():  # adapter weights train in fp32 whatever the base dtype
+        if p.requires_grad:
+            p.data = p.data.float()
+    return model
+
+
+def load_trained(cfg: Config, runtime: Runtime, tokenizer, model_dir=None):
+    """For `evaluate`: the trained model or adapter in model_dir, else the base model."""
+    if model_dir is None:
+        return load_model(cfg, runtime, tokenizer)
+    from trainer.model import loftq
+
+    if (Path(model_dir) / "adapter_config.json").exists() and loftq.loftq_bits(cfg):
+        # the LoftQ base is rebuilt, then the trained adapter loaded
+        model = load_model(cfg, runtime, tokenizer)
+        load_weights(model, Path(model_dir))
+        return model
+    if (Path(model_dir) / "adapter_config.json").exists():
+        from peft import PeftModel
+
+        from trainer.model.quantization import bnb_config
+        from trainer.model.reward_model import auto_class, load_kwargs
+
+        quantization = bnb_config(cfg, DTYPES[runtime.precision])  # evaluate on the base the adapter trained on
+        extra = {"quantization_config": quantization} if quantization is not None else {}
+        if cfg.cls_model_config:  # the architecture the adapter trained on (trainer/model/config_class.py)
+            from trainer.model import config_class
+
+            extra["config"] = config_class.load(cfg, cfg.base_model, dict(cfg.model_config_overrides or {}),
+                                                cfg.revision_of_model)
+        base = auto_class(cfg).from_pretrained(cfg.base_model, dtype=DTYPES[runtime.precision],
+                                               attn_implementation=runtime.attention,
+                                               trust_remote_code=cfg.trust_remote_code,
+                                               **load_kwargs(cfg, tokenizer), **extra)
+        resize_embeddings(cfg, base, tokenizer)
+        packed_masks(base)
+        return PeftModel.from_pretrained(base, str(model_dir))
+    return load_model(cfg, runtime, tokenizer, source=str(model_dir)).to(DTYPES[runtime.precision])
+
+
+def load_weights(model, path: Path) -> None:
+    """The model's (or adapter's) weights from a checkpoint directory, nothing else (trainer/outputs/checkpoint.py
+    writes them; a LoftQ base rebuilt here takes its trained adapter this way)."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise TrainingError(f"checkpoint {path} has no *.safetensors weights")
+    weights = {k: v for f in files for k, v in load_file(str(f)).items()}
+    if hasattr(model, "peft_config"):
+        from peft import set_peft_model_state_dict
+
+        set_peft_model_state_dict(model, weights)
+        return
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    tied = set(getattr(model, "_tied_weights_keys", None) or [])
+    if unexpected or [k for k in missing if k not in tied and not k.endswith("lm_head.weight")]:
+        raise TrainingError(f"checkpoint {path} does not match the model (missing {missing[:3]}, unexpected {unexpected[:3]})")

@@ -1,0 +1,102 @@
+"""A tiny model and tokenizer built locally (no downloads), for smoke runs, examples and tests.
+
+`python -m trainer make-tiny-model DIR [--family llama|qwen2]` writes a 2-layer, hidden-size-64 model
+and a byte-level BPE tokenizer (with a ChatML chat template) trained on a few paragraphs of text.
+`--family mistral` writes a Mistral model with a mistral-common tokenizer instead (tekken.json, see
+build_mistral_tokenizer), for `tokenizer_use_mistral_common: true`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from trainer.data.formats.prompts import CHATML_TEMPLATE
+
+CORPUS = """\
+Below is an instruction that describes a task. Write a response that appropriately completes the request.
+### Instruction: ### Input: ### Response: user assistant system
+The quick brown fox jumps over the lazy dog. A tiny model learns to repeat what it sees.
+Paris is the capital of France. Rome is the capital of Italy. Berlin is the capital of Germany.
+Water boils at one hundred degrees. Two plus two is four. Three times three is nine.
+Translate the sentence. Summarize the text. Answer the question. Write a short poem about the sea.
+The sun rises in the east and sets in the west. Cats sleep a lot. Dogs like to play fetch.
+"""
+
+SPECIAL_TOKENS = ["<s>", "</s>", "<pad>", "<|im_start|>", "<|im_end|>"]
+
+
+def build_tokenizer(texts: list[str] | None = None, vocab_size: int = 384):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts or CORPUS.splitlines(), trainer=trainer)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                       special_tokens=[("<s>", tok.token_to_id("<s>"))])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                   additional_special_tokens=["<|im_start|>", "<|im_end|>"])
+    fast.chat_template = CHATML_TEMPLATE
+    return fast
+
+
+def build_mistral_tokenizer(out_dir: str | Path, version: str = "v13", vocab: int = 1500,
+                            special: int = 64) -> Path:
+    """A real mistral-common tokenizer file, cut down from the tekken file mistral-common ships
+    (mistral_common/data/tekken_240911.json): its first `vocab` byte-level BPE ranks, `special` control tokens
+    (mistral-common's own, in its order, then fillers) and the instruct format of `version` (v3: system prompt
+    in the last user turn; v7+: [SYSTEM_PROMPT]; v13: thinking chunks). Tekken cuts a vocabulary to its first
+    ranks itself (config.default_vocab_size), so this is the same tokenizer with fewer merges. Needs the
+    mistral-common package. Returns the path of tekken.json."""
+    import json
+
+    import mistral_common
+    from mistral_common.tokens.tokenizers.base import SpecialTokens
+    from mistral_common.tokens.tokenizers.tekken import Tekkenizer
+
+    source = json.loads((Path(mistral_common.__file__).parent / "data" / "tekken_240911.json").read_text())
+    names = [t["token_str"] for t in Tekkenizer.DEPRECATED_SPECIAL_TOKENS]
+    names += [t.value for t in SpecialTokens if t.value not in names]
+    names += [Tekkenizer.SPECIAL_TOKEN_TEMPLATE.format(id=i) for i in range(len(names), special)]
+    config = dict(source["config"], version=version, num_vocab_tokens=vocab, default_vocab_size=special + vocab,
+                  default_num_special_tokens=special)
+    tekken = {"config": config, "vocab": source["vocab"][:vocab],
+              "special_tokens": [{"rank": i, "token_str": name, "is_control": True} for i, name in enumerate(names)]}
+    path = Path(out_dir) / "tekken.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(tekken))
+    return path
+
+
+def build_model(tokenizer, family: str = "llama", seed: int = 0, hidden_size: int = 64, layers: int = 2):
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+
+    configs = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}
+    if family not in configs:
+        raise ValueError(f"family must be one of {sorted(configs)}")
+    config = configs[family](
+        vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def make_tiny_model(out_dir: str | Path, family: str = "llama", texts: list[str] | None = None, seed: int = 0) -> Path:
+    out_dir = Path(out_dir)
+    if family == "mistral":  # the tokenizer is mistral-common's (texts do not apply: tekken is pre-trained)
+        from transformers.tokenization_mistral_common import MistralCommonBackend
+
+        tokenizer = MistralCommonBackend(build_mistral_tokenizer(out_dir))
+        build_model(tokenizer, family, seed).save_pretrained(out_dir)
+        return out_dir
+    tokenizer = build_tokenizer(texts)
+    model = build_model(tokenizer, family, seed)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir

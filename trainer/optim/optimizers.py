@@ -1,0 +1,78 @@
+"""Optimizers by name: matrices/optimizers.toml says which names exist and which library implements each;
+transformers' Trainer.get_optimizer_cls_and_kwargs builds them (the mapping the HF Trainer and Axolotl use),
+so adamw_bnb_8bit is bitsandbytes' AdamW with 8-bit state, paged_adamw_32bit its paged 32-bit one,
+adamw_torch_8bit torchao's AdamW8bit, and so on.
+
+Weight decay skips biases and norm weights (parameters with fewer than 2 dimensions). 8-bit bitsandbytes
+optimizers keep embeddings' state in 32 bits, as the HF Trainer does (8-bit embedding state is unstable).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from types import SimpleNamespace
+
+from trainer import facts
+from trainer.config.training import check_optimizer as check
+from trainer.config.training import optimizer_table as table  # noqa: F401 (the names, by library)
+from trainer.errors import ConfigError, HardwareError
+
+
+def hardware_notes(name: str, gpu) -> list[str]:
+    """Raise HardwareError if the optimizer's library feature cannot run on this GPU; return notes."""
+    row = check(name)
+    notes = []
+    if row.get("feature"):
+        feat = facts.feature(row["feature"])
+        if gpu.cc is None:
+            if not feat.get("cpu"):
+                raise HardwareError(f"optimizer: {name} needs a CUDA GPU ({feat['reason']})")
+            notes.append(f"optimizer: {name} runs on CPU through {feat['package']}'s CPU backend ({feat['reason']})")
+        else:
+            floor = tuple(int(x) for x in feat["min_cc"].split("."))
+            if gpu.cc < floor:
+                raise HardwareError(
+                    f"optimizer: {name} needs sm_{floor[0]}{floor[1]}+ for {feat['package']} {feat['reason']}; "
+                    f"{gpu.describe()} is below (source: {feat['source']}); use adamw_torch")
+    return notes
+
+
+def make_optimizer(cfg, model):
+    """Build the config's optimizer over the trainable parameters (two groups: with and without decay)."""
+    import torch
+    from transformers import Trainer
+
+    row = check(cfg.optimizer)
+    # torch's Muon + AdamW split as Axolotl's muon does it (optimizers.toml's name for trainer/optim/muon.py)
+    if row.get("built_by") == "trainer.muon":
+        from trainer.optim.muon import build
+
+        return build(cfg, model)
+    if importlib.util.find_spec(row["library"]) is None:
+        raise ConfigError(f"optimizer: {cfg.optimizer} needs the {row['library']} package, which is not installed "
+                          f"(pip install {row['library']}, or pick adamw_torch)")
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    groups = [{"params": [p for _, p in named if p.ndim >= 2], "weight_decay": cfg.weight_decay},
+              {"params": [p for _, p in named if p.ndim < 2], "weight_decay": 0.0}]
+    # no empty group (LoRA has no 1-d parameters): DeepSpeed ZeRO-3 drops empty groups, leaving the schedule
+    # one group short
+    groups = [g for g in groups if g["params"]]
+    optim_args = cfg.optim_args
+    if isinstance(optim_args, dict):
+        optim_args = ",".join(f"{k}={v}" for k, v in optim_args.items())
+    args = SimpleNamespace(optim=row.get("transformers_name", row["name"]), learning_rate=cfg.learning_rate,
+                           adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, adam_epsilon=cfg.adam_epsilon,
+                           optim_args=optim_args or None, weight_decay=cfg.weight_decay)
+    try:
+        cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
+    except (ImportError, ValueError) as err:
+        raise ConfigError(f"optimizer: {cfg.optimizer}: {str(err).splitlines()[0]}") from None
+    optimizer = cls(groups, **kwargs)
+    if "bitsandbytes" in cls.__module__ and kwargs.get("optim_bits") == 8:
+        import bitsandbytes
+
+        manager = bitsandbytes.optim.GlobalOptimManager.get_instance()
+        for module in model.modules():
+            if isinstance(module, torch.nn.Embedding):
+                manager.register_module_override(module, "weight", {"optim_bits": 32})
+    return optimizer

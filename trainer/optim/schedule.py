@@ -1,0 +1,105 @@
+"""The learning-rate schedule, chosen as Axolotl's SchedulerMixin.create_scheduler chooses it
+(src/axolotl/core/trainers/mixins/scheduler.py at 067b021):
+
+- lr_scheduler: cosine with cosine_min_lr_ratio AND cosine_constant_lr_ratio both non-zero: Axolotl's
+  get_cosine_schedule_with_warmup_decay_constant -- linear warmup, then cosine from learning_rate down to
+  cosine_min_lr_ratio x learning_rate, reached at cosine_constant_lr_ratio x the total steps, flat after.
+- cosine with cosine_min_lr_ratio non-zero: cosine decaying to that floor (transformers' cosine_with_min_lr,
+  the same formula as Axolotl's get_cosine_schedule_with_min_lr).
+- otherwise transformers' get_scheduler for the named schedule (constant: constant_with_warmup).
+
+Axolotl tests the ratios for truth, so 0 means "not set" (its 3b-qat examples set cosine_constant_lr_ratio: 0
+with cosine_min_lr_ratio: 1.0: warmup, then a constant learning rate), and it uses them only with cosine.
+
+lr_quadratic_warmup (with cosine), checked first as Axolotl does: the warmup rises as (step / warmup)^2, then
+the usual half-cosine to zero (get_cosine_schedule_with_quadratic_warmup); cosine_min_lr_ratio is then not
+applied (a note says so).
+
+jagged_restart_steps (ReLoRA's restarts; also on its own) wraps whichever schedule was chosen: Axolotl's
+JaggedLRRestartScheduler scales it by a factor that, from the first restart on, rises linearly from
+min_lr_scale (cosine_min_lr_ratio, else 0.001) to 1 over jagged_restart_warmup_steps (default 10) after each
+restart and falls over jagged_restart_anneal_steps (default 1) before the next one.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+
+
+def decay_constant_factor(step: int, *, warmup: int, total: int, constant_ratio: float, min_ratio: float,
+                          num_cycles: float = 0.5) -> float:
+    """The learning-rate multiplier of Axolotl's _get_cosine_schedule_with_warmup_decay_constant_lr_lambda
+    (src/axolotl/utils/schedulers.py at 067b021; "Continual Pre-Training of LLMs", arXiv 2308.04014)."""
+    if step < warmup:
+        return step / max(1, warmup)
+    decay_end = int(total * constant_ratio)
+    progress = (min(step, decay_end) - warmup) / max(1, decay_end - warmup)
+    return max(0.0, (1 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * num_cycles * 2.0 * progress))) + min_ratio
+
+
+def quadratic_warmup_cosine(step: int, warmup: int, total: int) -> float:
+    if step < warmup:
+        return (step / max(1, warmup)) ** 2
+    progress = (step - warmup) / max(1, total - warmup)
+    return max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+def jagged_scale(step: int, every: int, warmup: int, anneal: int, min_scale: float) -> float:
+    if step < every - anneal:
+        return 1.0
+    progress = step % every
+    if progress < warmup:
+        t = min(1.0, progress / warmup)
+    elif progress > every - anneal:
+        t = min(1.0, (every - progress) / anneal)
+    else:
+        t = 1.0
+    return t * (1 - min_scale) + min_scale
+
+
+def warmup_steps(cfg, total_steps: int) -> int:
+    """warmup_steps (a float below 1 is a fraction of the steps, as transformers v5's TrainingArguments reads
+    the value Axolotl passes it), else warmup_ratio of the steps, rounded up."""
+    given = cfg.warmup_steps
+    if given is not None and given >= 1:
+        return int(given)
+    return math.ceil((given if given is not None else cfg.warmup_ratio or 0) * total_steps)
+
+
+def make_scheduler(cfg, optimizer, warmup: int, total_steps: int):
+    """The schedule Axolotl builds for cfg, with jagged restarts around it when jagged_restart_steps is set."""
+    return jagged(cfg, _schedule(cfg, optimizer, warmup, total_steps))
+
+
+def _schedule(cfg, optimizer, warmup: int, total_steps: int):
+    from torch.optim.lr_scheduler import LambdaLR
+    from transformers import get_scheduler
+
+    if cfg.lr_quadratic_warmup and cfg.lr_scheduler == "cosine":
+        return LambdaLR(optimizer, partial(quadratic_warmup_cosine, warmup=warmup, total=total_steps))
+    if cfg.lr_scheduler == "cosine" and cfg.cosine_min_lr_ratio and cfg.cosine_constant_lr_ratio:
+        return LambdaLR(optimizer, partial(decay_constant_factor, warmup=warmup, total=total_steps,
+                                           constant_ratio=cfg.cosine_constant_lr_ratio,
+                                           min_ratio=cfg.cosine_min_lr_ratio))
+    schedule = "constant_with_warmup" if cfg.lr_scheduler == "constant" else cfg.lr_scheduler
+    extra = {}
+    if cfg.cosine_min_lr_ratio is not None and schedule == "cosine":  # Axolotl's floor for the cosine decay
+        schedule, extra = "cosine_with_min_lr", {"min_lr_rate": cfg.cosine_min_lr_ratio}
+    return get_scheduler(schedule, optimizer, num_warmup_steps=warmup, num_training_steps=total_steps,
+                         scheduler_specific_kwargs=extra)
+
+
+def jagged(cfg, scheduler):
+    """Wrap a LambdaLR schedule with jagged restarts (jagged_restart_steps), else return it."""
+    if not cfg.jagged_restart_steps:
+        return scheduler
+    from torch.optim.lr_scheduler import LambdaLR
+
+    scale = dict(every=cfg.jagged_restart_steps, warmup=cfg.jagged_restart_warmup_steps or 10,
+                 anneal=cfg.jagged_restart_anneal_steps or 1, min_scale=cfg.cosine_min_lr_ratio or 0.001)
+    inner = scheduler.lr_lambdas
+    optimizer = scheduler.optimizer
+    for group, base in zip(optimizer.param_groups, scheduler.base_lrs):  # start over from the base rates
+        group["lr"] = base
+    return LambdaLR(optimizer, [lambda s, f=f: f(s) * jagged_scale(s, **scale) for f in inner])

@@ -1,0 +1,320 @@
+"""export --format gguf: the merged (or fully fine-tuned) model as one GGUF file for llama.cpp and Ollama.
+
+``python -m trainer export CONFIG --format gguf [--outtype f32|f16|bf16|q8_0] [--output FILE]`` reads
+``output_dir/merged`` (written by merge-lora) or ``output_dir/final`` when that is a full model, and writes one GGUF
+file (default ``output_dir/<output_dir name>-<outtype>.gguf``) with the `gguf` package from PyPI (llama.cpp's own
+gguf-py: its GGUFWriter, tensor-name maps, quantizers and SpecialVocab); no llama.cpp checkout, nothing built.
+
+What goes in, following llama.cpp's convert_hf_to_gguf.py for these families:
+- hyperparameters under the architecture's keys (llama.cpp converts Mistral as `llama`);
+- the tensors renamed by gguf.TensorNameMap; llama's q_proj/k_proj rows permuted the way llama.cpp's converter
+  permutes them (its rope pairs dimensions i, i+d/2 interleaved; transformers undoes the permutation when it reads a
+  GGUF, which the round-trip test checks); 1-D tensors (norms, biases) in f32, the rest in --outtype (q8_0: rows
+  whose length is not a multiple of 32 fall back to f16, as llama.cpp does);
+- the tokenizer (byte-level BPE as `gpt2` with its pre-tokenizer's llama.cpp name, or a sentencepiece-style BPE as
+  `llama`), merges, special token ids, add_bos/add_eos, the chat template, and the template's end-of-turn token as
+  tokenizer.ggml.eot_token_id, so llama.cpp and Ollama stop where the model ends a turn.
+
+Streaming: tensor infos are computed from the shards' headers first, then each tensor is read, converted and
+written in turn, so memory holds about one tensor. The file is written under a temporary name, renamed at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from trainer.errors import ConfigError
+
+# model_type -> (GGUF architecture name, permute q/k rows as llama.cpp's LlamaModel does)
+FAMILIES = {
+    "llama": ("llama", True),
+    "mistral": ("llama", True),  # llama.cpp's converter registers MistralForCausalLM as LlamaModel
+    "qwen2": ("qwen2", False),
+    "qwen3": ("qwen3", False),  # + per-head q/k norms (attn_q_norm, attn_k_norm)
+}
+OUTTYPES = ("f32", "f16", "bf16", "q8_0")
+
+
+def readable_by_transformers() -> list[str]:
+    """The model types transformers can load from a GGUF (its legacy config mapping and its new loader)."""
+    names: set[str] = set()
+    try:
+        from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+        names |= set(GGUF_SUPPORTED_ARCHITECTURES) - {"general", "tokenizer"}
+    except ImportError:
+        pass
+    try:
+        from transformers.integrations.gguf import GGUF_ARCHS
+
+        names |= set(GGUF_ARCHS)
+    except ImportError:
+        pass
+    return sorted(names)
+
+
+def source_dir(cfg) -> Path:
+    """output_dir/merged, else output_dir/final when it holds a full model."""
+    out = Path(cfg.output_dir)
+    if (out / "merged" / "config.json").is_file():
+        return out / "merged"
+    final = out / "final"
+    if (final / "config.json").is_file() and not (final / "adapter_config.json").is_file():
+        return final
+    if (final / "adapter_config.json").is_file():
+        raise ConfigError(f"export: {final} is an adapter; merge it first: python -m trainer merge-lora CONFIG "
+                          f"(writes {out / 'merged'})")
+    raise ConfigError(f"export: no trained model in {out} (neither merged/ nor a full final/); train first")
+
+
+def rope_theta(config: dict) -> float:
+    params = config.get("rope_parameters") or {}
+    return float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
+
+
+def check_config(config: dict, log) -> tuple[str, bool]:
+    """(GGUF architecture, permute q/k) for this model config; ConfigError for what this exporter does not write."""
+    model_type = config.get("model_type")
+    if model_type not in FAMILIES:
+        others = [n for n in readable_by_transformers() if n not in FAMILIES]
+        raise ConfigError(f"export: model_type {model_type!r} is not exported to GGUF here; supported: "
+                          f"{', '.join(FAMILIES)} (transformers also reads GGUF for {', '.join(others)}, which this "
+                          "exporter does not write)")
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type") or rope.get("type") or "default"
+    if rope_type != "default":
+        raise ConfigError(f"export: rope scaling {rope_type!r} is not written by this exporter (llama.cpp needs its "
+                          "own scaling keys and rope_freqs tensor for it); only models without rope scaling export")
+    window = config.get("sliding_window")
+    if window and config.get("use_sliding_window", True) and window < config.get("max_position_embeddings", 0):
+        log(f"export: note: sliding_window {window} is not part of GGUF's {FAMILIES[model_type][0]} architecture; "
+            "llama.cpp attends over the whole context")
+    return FAMILIES[model_type]
+
+
+def permute(weights, n_head: int, n_head_kv: int):
+    """llama.cpp's LlamaModel.permute (convert_hf_to_gguf.py): HF's rotate-half rows to GGML's interleaved pairs."""
+    if n_head_kv is not None and n_head != n_head_kv:
+        n_head = n_head_kv
+    return (weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
+            .swapaxes(1, 2).reshape(weights.shape))
+
+
+# ---- tokenizer -----------------------------------------------------------------------------------------------------
+
+def pre_tokenizer_name(tokenizer_json: dict) -> str:
+    """llama.cpp's name for a byte-level BPE's pre-tokenizer: `gpt-2` for ByteLevel's own regex, else the name
+    transformers' GGUF reader gives the same split regex (llama-bpe, qwen2, tekken, ...). ConfigError otherwise."""
+    pre = tokenizer_json.get("pre_tokenizer") or {}
+    steps = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
+    kinds = [s.get("type") for s in steps]
+    if kinds == ["ByteLevel"] and steps[0].get("use_regex", True):
+        return "gpt-2"
+    splits = [s for s in steps if s.get("type") == "Split"]
+    if len(splits) == 1 and "ByteLevel" in kinds:
+        regex = (splits[0].get("pattern") or {}).get("Regex")
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKENIZER_SPLITS
+
+        preferred = ("llama-bpe", "qwen2", "tekken", "gpt-4o")
+        names = [n for n, r in GGUF_PRE_TOKENIZER_SPLITS.items() if r == regex]
+        for name in preferred + tuple(names):
+            if name in names:
+                return name
+    raise ConfigError(f"export: the tokenizer's pre-tokenizer ({' + '.join(str(k) for k in kinds)}) has no name "
+                      "llama.cpp knows, so a GGUF of it would tokenize differently; not exported")
+
+
+def add_tokenizer(writer, model_dir: Path, vocab_size: int, eot_id: int | None) -> dict:
+    """Vocabulary, merges, special ids, chat template and end-of-turn id into the writer's metadata."""
+    import gguf
+    from transformers import AutoTokenizer
+
+    path = model_dir / "tokenizer.json"
+    if not path.is_file():
+        what = "mistral-common's tekken.json" if (model_dir / "tekken.json").is_file() else "no tokenizer.json"
+        raise ConfigError(f"export: the model's tokenizer is {what}; GGUF export needs a Hugging Face tokenizer.json "
+                          "with a Jinja chat template")
+    tokenizer_json = json.loads(path.read_text())
+    model = tokenizer_json.get("model", {})
+    if model.get("type") != "BPE":
+        raise ConfigError(f"export: the tokenizer is a {model.get('type')} model; GGUF export writes BPE tokenizers")
+    if model.get("byte_fallback"):  # sentencepiece-style BPE (Llama 2, Mistral v0.1): llama.cpp's `llama` model
+        vocab = gguf.LlamaHfVocab(model_dir)
+        tokens, scores, types = [], [], []
+        for text, score, kind in vocab.all_tokens():
+            tokens.append(text)
+            scores.append(score)
+            types.append(kind)
+        tokens += [f"[PAD{i}]".encode() for i in range(len(tokens), vocab_size)]
+        scores += [-1000.0] * (vocab_size - len(scores))
+        types += [gguf.TokenType.UNUSED] * (vocab_size - len(types))
+        writer.add_tokenizer_model("llama")
+        writer.add_tokenizer_pre("default")
+        writer.add_token_list(tokens)
+        writer.add_token_scores(scores)
+        writer.add_token_types(types)
+        kind = "llama"
+    else:  # byte-level BPE: llama.cpp's `gpt2` model (convert_hf_to_gguf.py's get_vocab_base)
+        tokpre = pre_tokenizer_name(tokenizer_json)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        reverse = {i: t for t, i in tokenizer.get_vocab().items()}
+        added = tokenizer.get_added_vocab()
+        decoder = tokenizer.added_tokens_decoder
+        tokens, types = [], []
+        for i in range(vocab_size):
+            if i not in reverse:
+                tokens.append(f"[PAD{i}]")
+                types.append(gguf.TokenType.UNUSED)
+            elif reverse[i] in added:
+                tokens.append(reverse[i])
+                types.append(gguf.TokenType.CONTROL if decoder[i].special else gguf.TokenType.USER_DEFINED)
+            else:
+                tokens.append(reverse[i])
+                types.append(gguf.TokenType.NORMAL)
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre(tokpre)
+        writer.add_token_list(tokens)
+        writer.add_token_types(types)
+        kind = f"gpt2 ({tokpre})"
+    special = gguf.SpecialVocab(model_dir, load_merges=True, n_vocab=vocab_size)
+    special.add_to_gguf(writer, quiet=True)
+    if eot_id is not None and eot_id != special.special_token_ids.get("eos"):
+        writer.add_eot_token_id(eot_id)
+    return {"tokenizer": kind, "chat_template": special.chat_template is not None,
+            "eos_token_id": special.special_token_ids.get("eos"),
+            "eot_token_id": eot_id if eot_id != special.special_token_ids.get("eos") else None}
+
+
+# ---- tensors -------------------------------------------------------------------------------------------------------
+
+def plan_tensors(model_dir: Path, arch_name: str, blocks: int, outtype: str) -> list[dict]:
+    """One entry per tensor to write (GGUF name, source shard and key, shape, GGML type), in checkpoint order,
+    from the shards' headers only. ConfigError for a tensor with no GGUF name."""
+    import gguf
+    from safetensors import safe_open
+
+    arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch_name)
+    names = gguf.get_tensor_name_map(arch, blocks)
+    index = model_dir / "model.safetensors.index.json"
+    shards = (sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file()
+              else ["model.safetensors"])
+    wide = {"f32": gguf.GGMLQuantizationType.F32, "f16": gguf.GGMLQuantizationType.F16,
+            "bf16": gguf.GGMLQuantizationType.BF16, "q8_0": gguf.GGMLQuantizationType.Q8_0}[outtype]
+    plan = []
+    for shard in shards:
+        with safe_open(model_dir / shard, framework="pt") as f:
+            for key in f.keys():
+                if key.endswith(".rotary_emb.inv_freq"):  # a buffer older checkpoints saved; llama.cpp skips it
+                    continue
+                stem, suffix = key.rsplit(".", 1) if key.endswith((".weight", ".bias")) else (key, "")
+                name = names.get_name(stem)
+                if name is None:
+                    raise ConfigError(f"export: {key} has no GGUF tensor name for the {arch_name} architecture")
+                shape = list(f.get_slice(key).get_shape())
+                qtype = gguf.GGMLQuantizationType.F32 if len(shape) == 1 else wide
+                block = gguf.GGML_QUANT_SIZES[qtype][0]
+                if qtype == gguf.GGMLQuantizationType.Q8_0 and shape[-1] % block:
+                    qtype = gguf.GGMLQuantizationType.F16  # as llama.cpp falls back for rows q8_0 cannot split
+                plan.append({"name": f"{name}.{suffix}" if suffix else name, "shard": shard, "key": key,
+                             "shape": shape, "type": qtype})
+    return plan
+
+
+def tensor_data(tensor, entry: dict, config: dict, permute_qk: bool):
+    """The tensor as the bytes GGUF stores: permuted where llama.cpp permutes, converted to the entry's type."""
+    import gguf
+    import numpy as np
+
+    data = tensor.float().numpy()
+    heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads", config["num_attention_heads"])
+    if permute_qk and entry["key"].endswith("q_proj.weight"):
+        data = permute(data, heads, heads)
+    elif permute_qk and entry["key"].endswith("k_proj.weight"):
+        data = permute(data, heads, kv_heads)
+    if entry["type"] == gguf.GGMLQuantizationType.F32:
+        return np.ascontiguousarray(data, dtype=np.float32)
+    return gguf.quants.quantize(np.ascontiguousarray(data), entry["type"])
+
+
+def export_gguf(config: str | Path, outtype: str = "f16", output: str | Path | None = None, log=print) -> dict:
+    """Write the trained model as one GGUF file (see the module docstring); return what was written."""
+    if outtype not in OUTTYPES:
+        raise ConfigError(f"export: --outtype {outtype}: use one of {', '.join(OUTTYPES)}")
+    try:
+        import gguf
+    except ImportError:
+        raise ConfigError("export: the gguf package is not installed (pip install 'envtool[export]', or gguf)") from None
+    import itertools
+    import math
+
+    import numpy as np
+    from safetensors import safe_open
+
+    from trainer.config import load_config
+    from trainer.outputs.chat_check import _tokenizer, end_of_turn
+
+    cfg, _ = load_config(config)
+    model_dir = source_dir(cfg)
+    target = Path(output) if output else Path(cfg.output_dir) / f"{Path(cfg.output_dir).resolve().name}-{outtype}.gguf"
+    if target.exists():
+        raise ConfigError(f"export: {target} already exists; remove it or pass --output FILE")
+    model_config = json.loads((model_dir / "config.json").read_text())
+    arch_name, permute_qk = check_config(model_config, log)
+    vocab_size = model_config["vocab_size"]
+    tokenizer = _tokenizer(cfg, model_dir) if (model_dir / "tokenizer.json").is_file() else None
+    eot = end_of_turn(tokenizer) if tokenizer is not None else None
+    eot_id = tokenizer.convert_tokens_to_ids(eot) if eot else None
+    plan = plan_tensors(model_dir, arch_name, model_config["num_hidden_layers"], outtype)
+
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    writer = gguf.GGUFWriter(tmp, arch_name)
+    try:
+        writer.add_name(Path(cfg.output_dir).resolve().name)
+        hidden, heads = model_config["hidden_size"], model_config["num_attention_heads"]
+        head_dim = model_config.get("head_dim") or hidden // heads
+        writer.add_context_length(model_config.get("max_position_embeddings", cfg.sequence_len))
+        writer.add_embedding_length(hidden)
+        writer.add_block_count(model_config["num_hidden_layers"])
+        writer.add_feed_forward_length(model_config["intermediate_size"])
+        writer.add_head_count(heads)
+        writer.add_head_count_kv(model_config.get("num_key_value_heads", heads))
+        writer.add_rope_freq_base(rope_theta(model_config))
+        writer.add_layer_norm_rms_eps(model_config.get("rms_norm_eps", 1e-6))
+        if arch_name == "llama":
+            writer.add_vocab_size(vocab_size)
+            writer.add_rope_dimension_count(head_dim)
+        if model_config.get("head_dim"):  # as llama.cpp's TextModel writes a head size the config states
+            writer.add_key_length(head_dim)
+            writer.add_value_length(head_dim)
+        file_type = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
+                     "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[outtype]
+        writer.add_file_type(file_type)
+        if outtype == "q8_0":
+            writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+        tokens = add_tokenizer(writer, model_dir, vocab_size, eot_id)
+        for entry in plan:  # the header first (names, shapes, types, offsets), from the plan alone
+            byte_shape = gguf.quant_shape_to_byte_shape(entry["shape"], entry["type"])
+            if entry["type"] == gguf.GGMLQuantizationType.F32:
+                writer.add_tensor_info(entry["name"], entry["shape"], np.float32, math.prod(byte_shape))
+            else:
+                writer.add_tensor_info(entry["name"], byte_shape, np.uint8, math.prod(byte_shape),
+                                       raw_dtype=entry["type"])
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        for shard, entries in itertools.groupby(plan, key=lambda e: e["shard"]):  # then the data, a tensor at a time
+            with safe_open(model_dir / shard, framework="pt") as f:
+                for entry in entries:
+                    writer.write_tensor_data(tensor_data(f.get_tensor(entry["key"]), entry, model_config, permute_qk))
+        writer.close()
+        os.replace(tmp, target)
+    except BaseException:
+        writer.close()
+        tmp.unlink(missing_ok=True)
+        raise
+    return {"path": str(target), "source": str(model_dir), "architecture": arch_name,
+            "model_type": model_config["model_type"], "outtype": outtype, "tensors": len(plan),
+            "bytes": target.stat().st_size, **tokens}

@@ -1,0 +1,117 @@
+"""Axolotl's N-D parallelism sizes -> accelerate's ParallelismConfig (a device mesh that FSDP2 shards over).
+
+Axolotl's keys: `dp_shard_size` (ranks one copy of the model is sharded over, FSDP), `dp_replicate_size`
+(copies of that sharded model: with both, HSDP -- shard within a group, replicate across groups),
+`tensor_parallel_size`, `context_parallel_size`, `expert_parallel_size`.
+
+The sizes fill the world as Axolotl fills them (axolotl/utils/distributed.py, `_get_parallel_config_kwargs`):
+a size left unset -- or 1, for dp_shard_size -- takes what the others leave: under FSDP the leftover ranks
+shard (dp_shard_size: 1 with 4 processes shards over 4), and when dp_shard_size leaves ranks over and
+dp_replicate_size is unset, they replicate. What does not divide the world evenly is an error naming the
+sizes and the number of processes, before any work.
+
+Supported here: dp_shard_size and dp_replicate_size (FSDP, and HSDP through accelerate's device mesh, FSDP2
+only), and tensor_parallel_size (transformers loads the model sharded by its tp_plan, with FSDP2/HSDP over the
+ranks TP leaves), on GPUs and on CPU over gloo, and context_parallel_size (trainer/parallel/context_parallel.py: the
+ranks of one CP group read the same batches and split each sequence; under FSDP they shard with the data
+ranks). A size of 1 means "none" and is accepted. expert_parallel_size stays in trainer/config/keys.py UNSUPPORTED_KEYS.
+The sizes' rules are checked with the config (trainer/config/parallel.py).
+"""
+
+from __future__ import annotations
+
+import os
+
+from trainer.config.parallel import Mesh  # the sizes laid over the world (mesh_for), read with the config
+from trainer.errors import ConfigError
+
+
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def parallelism_config(mesh: Mesh | None):
+    """accelerate's ParallelismConfig for an HSDP mesh; None where plain FSDP/DDP over all ranks is the same,
+    and with tensor parallelism, where transformers shards the model itself (load_kwargs)."""
+    if mesh is None or not mesh.hybrid or mesh.tp > 1:
+        return None  # (context parallel ranks shard with the data ranks: FSDP over all ranks is the same)
+    try:
+        from accelerate import ParallelismConfig
+    except ImportError:
+        import accelerate
+
+        raise ConfigError(f"dp_replicate_size: HSDP needs accelerate's ParallelismConfig (accelerate >= 1.10; "
+                          f"installed: {accelerate.__version__})") from None
+    # CP ranks shard with the data ranks (torchtitan's dp_shard_cp), flattened into dp_shard
+    return ParallelismConfig(dp_replicate_size=mesh.dp_replicate, dp_shard_size=mesh.dp_shard * mesh.cp)
+
+
+def attach(accelerator, config) -> None:
+    """On CPU, accelerate's constructor would refuse a ParallelismConfig (it accepts one only for GPU-like
+    devices, FSDP2 or DeepSpeed, and the CPU run becomes FSDP2 only after construction, in
+    trainer.parallel.distributed.use_fsdp_on_cpu): the config and its gloo device mesh are set on the state here, then
+    checked by accelerate's own validation. accelerate's FSDP2 preparation reads the mesh from the state."""
+    state = accelerator.state
+    state.parallelism_config = config
+    state.device_mesh = config.get_device_mesh(accelerator.device.type)
+    config._validate_accelerator(accelerator)
+
+
+def placement(model) -> str | None:
+    """How the prepared model's parameters are really laid out: the device mesh and placements of its first
+    sharded (DTensor) parameter, e.g. 'mesh dp_replicate=2 x dp_shard_cp=2, placements Replicate(), Shard(dim=0)'."""
+    from torch.distributed.tensor import DTensor
+
+    param = next((p for p in model.parameters() if isinstance(p, DTensor)), None)
+    if param is None:
+        return None
+    mesh = param.device_mesh
+    names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
+    dims = " x ".join(f"{n}={s}" for n, s in zip(names, mesh.shape))
+    return f"mesh {dims}, placements {', '.join(repr(p) for p in param.placements)}"
+
+
+def load_kwargs(mesh: Mesh | None) -> dict:
+    """from_pretrained arguments: with tensor parallelism, transformers' DistributedConfig loads the model already
+    sharded on its (dp_replicate, fsdp, tp) mesh -- tp by the model's tp_plan, FSDP2 over the data ranks."""
+    if mesh is None or mesh.tp == 1:
+        return {}
+    import dataclasses
+
+    import transformers
+
+    try:
+        from transformers.distributed import DistributedConfig
+    except ImportError:
+        DistributedConfig = None
+    fields = {f.name for f in dataclasses.fields(DistributedConfig)} if dataclasses.is_dataclass(DistributedConfig) else set()
+    if not {"tp_size", "fsdp_size", "dp_replicate_size"} <= fields:
+        raise ConfigError(f"tensor_parallel_size: needs transformers' DistributedConfig with tp_size, fsdp_size and "
+                          f"dp_replicate_size (transformers 5.2x; installed: {transformers.__version__})")
+    return {"distributed_config": DistributedConfig(tp_size=mesh.tp, fsdp_size=mesh.dp_shard * mesh.cp,
+                                                    dp_replicate_size=mesh.dp_replicate)}
+
+
+def after_load(model, mesh: Mesh | None) -> None:
+    """The trainer gathers and writes checkpoints itself (trainer.parallel.distributed): drop the training mesh from the
+    model's config, or save_pretrained on rank 0 alone would enter transformers' distributed save (a collective)."""
+    if mesh is not None and mesh.tp > 1 and hasattr(model.config, "distributed_config"):
+        del model.config.distributed_config
+
+
+def autocast(model, accelerator):
+    """The model's forward under the run's mixed precision, as accelerate's prepare would wrap it (the tensor-
+    parallel model is not passed through prepare). fp32 (CPU) runs unchanged."""
+    if accelerator.mixed_precision == "no":
+        return model
+    import functools
+
+    forward = model.forward
+
+    @functools.wraps(forward)
+    def wrapped(*args, **kwargs):
+        with accelerator.autocast():
+            return forward(*args, **kwargs)
+
+    model.forward = wrapped
+    return model
