@@ -34,13 +34,28 @@ class BuildFailed(EnvtoolError):
     """docker build failed; the message names the step and ends with its last log lines."""
 
 
+NO_IMAGE = {
+    "mps": ("torch's MPS backend is macOS's Metal, which no Linux container reaches (Docker on a Mac runs a "
+            "Linux VM): train on the Mac itself (`envtool train CONFIG --gpu auto`)"),
+    "xpu": ("images.toml records no base image for torch's xpu builds: an XPU container needs Intel's GPU user-space "
+            "driver (Level Zero, the compute runtime), which no recorded base carries; train on the host "
+            "(`envtool train`), or pass --base-image with an image that has it"),
+}
+
+
 def base_image(plan: Plan, m: Matrix, override: str | None) -> tuple[str, str]:
     if override:
         return override, f"{override} (--base-image)"
+    if plan.torch.backend in NO_IMAGE:
+        raise BadInput(f"no image for {plan.gpu['name']}: {NO_IMAGE[plan.torch.backend]}")
     row = next((b for b in m.base_images if plan.torch.variant.startswith(b.variant_prefix)), None)
     if row is None:
         raise EnvtoolError(f"images.toml has no base image for variant {plan.torch.variant}")
-    image = row.image.format(python=plan.python)
+    if row.python is not None and row.python != plan.python:
+        raise BadInput(f"the base image for {plan.torch.variant} builds, {row.image.format(python=plan.python, rocm=plan.torch.rocm)}, "
+                       f"brings Python {row.python}, and the plan is for Python {plan.python}: pass --python "
+                       f"{row.python} (or --base-image with a Python {plan.python} image)")
+    image = row.image.format(python=plan.python, rocm=plan.torch.rocm)
     return image, f"{image}: {row.reason}"
 
 
@@ -48,7 +63,7 @@ def labels(plan: Plan) -> dict[str, str]:
     return {
         "org.opencontainers.image.title": "envtool-trainer",
         "org.opencontainers.image.description": (
-            f"LLM fine-tuning for {plan.gpu['name']} (sm_{(plan.gpu['compute_capability'] or 'cpu').replace('.', '')}): "
+            f"LLM fine-tuning for {plan.gpu['name']} ({plan.target_label}): "
             f"torch {plan.torch.version}+{plan.torch.variant}, {plan.attention}, {plan.precision}"),
         "org.opencontainers.image.version": __version__,
         "io.envtool.target": plan.target,
@@ -231,6 +246,58 @@ def container_user(user: str | None) -> str | None:
     return user
 
 
+def gpu_options(plan: dict | None, gpus: str | None, dev: Path = Path("/dev")) -> dict:
+    """What `docker run` needs to reach the GPUs of the plan an image was built for (its io.envtool.plan label):
+    NVIDIA's device request (`--gpus`, the container toolkit), or for AMD and Intel the device nodes, the host
+    groups that own them (added by GID: the image does not know the host's names) and, for ROCm, the seccomp
+    profile AMD documents (rocm.toml / intel.toml [container]). {} without `gpus`; one line when a node the
+    vendor needs is missing here (no driver loaded), before anything starts."""
+    if not gpus:
+        return {}
+    vendor = (plan or {}).get("gpu", {}).get("vendor") or "nvidia"
+    if vendor in ("nvidia", "cpu"):
+        import docker
+
+        count = -1 if gpus == "all" else int(gpus)
+        return {"device_requests": [docker.types.DeviceRequest(count=count, capabilities=[["gpu"]])]}
+    if vendor == "apple":
+        raise BadInput(NO_IMAGE["mps"])
+    from .vendors import load
+
+    v = load()
+    row = v.rocm_container if vendor == "amd" else v.xpu_container
+    if gpus != "all":
+        raise BadInput(f"--gpus {gpus}: for {plan['gpu']['name']} give --gpus all (every device node is passed; "
+                       f"pick devices inside with {'HIP_VISIBLE_DEVICES' if vendor == 'amd' else 'ZE_AFFINITY_MASK'})")
+    devices, gids = [], []
+    for node in row.devices:
+        path = dev / Path(node).relative_to("/dev")
+        if not path.exists():
+            why = "the amdgpu driver with KFD is not loaded" if node == "/dev/kfd" else "no GPU driver is loaded"
+            raise BadInput(f"--gpus all for {plan['gpu']['name']}: no {node} on this host ({why})")
+        devices.append(f"{node}:{node}:rwm")
+        owners = [path] + (sorted(path.glob("renderD*")) if path.is_dir() else [])
+        gids += [o.stat().st_gid for o in owners]
+    import grp
+
+    for name in row.groups:
+        try:
+            gids.append(grp.getgrnam(name).gr_gid)
+        except KeyError:
+            pass  # not on this host: the device nodes' owners above are what counts
+    return {"devices": devices, "group_add": sorted({str(g) for g in gids if g != 0}, key=int),
+            "security_opt": list(row.security_opt) or None}
+
+
+def image_plan(image) -> dict | None:
+    """The plan an envtool image was built for (its io.envtool.plan label), else None."""
+    text = (image.labels or {}).get(PLAN_LABEL)
+    try:
+        return json.loads(text) if text else None
+    except ValueError:
+        return None
+
+
 def run(image: str, command: list[str], *, gpus: str | None, shm_size: str, hf_cache: Path | None,
         env_names: list[str], volumes: list[str], workdir: str | None = None,
         environment: dict[str, str] | None = None, network_mode: str | None = None,
@@ -242,9 +309,11 @@ def run(image: str, command: list[str], *, gpus: str | None, shm_size: str, hf_c
     run_as = container_user(user)
     c = client()
     try:
-        c.images.get(image)
+        found = c.images.get(image)
     except docker.errors.ImageNotFound:
         raise BadInput(f"no image {image}; build it with `envtool build`") from None
+    plan = image_plan(found)
+    gpu_kwargs = gpu_options(plan, gpus)
     environment = dict(environment or {})
     if run_as is not None:
         # The image's /etc/passwd knows uid 1000 only: give any other user a HOME it can write (torch, triton
@@ -267,13 +336,9 @@ def run(image: str, command: list[str], *, gpus: str | None, shm_size: str, hf_c
         if not inside:
             raise BadInput(f"-v {spec}: use HOST:CONTAINER")
         mounts[str(Path(host).resolve())] = {"bind": inside, "mode": "rw"}
-    device_requests = []
-    if gpus:
-        count = -1 if gpus == "all" else int(gpus)
-        device_requests = [docker.types.DeviceRequest(count=count, capabilities=[["gpu"]])]
     container = c.containers.run(image, command or None, detach=True, environment=environment, volumes=mounts,
-                                 shm_size=shm_size, device_requests=device_requests or None, network_mode=network_mode,
-                                 working_dir=workdir, user=run_as or "")
+                                 shm_size=shm_size, network_mode=network_mode, working_dir=workdir,
+                                 user=run_as or "", **gpu_kwargs)
     try:
         for chunk in container.logs(stream=True, follow=True):
             sys.stdout.buffer.write(chunk)

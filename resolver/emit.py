@@ -95,7 +95,19 @@ def job_name(config: Path) -> str:
 
 
 def _gpus(plan: Plan, dist: Distribution) -> int:
-    return 0 if plan.gpu["compute_capability"] is None else default_nproc(plan, dist)
+    return default_nproc(plan, dist) if plan.on_gpu else 0
+
+
+def k8s_resource(plan: Plan) -> str:
+    """The extended resource a pod asks for: nvidia.com/gpu, or the vendor's device plugin's (rocm.toml /
+    intel.toml [container] k8s_resource: amd.com/gpu, gpu.intel.com/i915)."""
+    vendor = plan.gpu.get("vendor")
+    if vendor in ("amd", "intel"):
+        from .vendors import load
+
+        v = load()
+        return (v.rocm_container if vendor == "amd" else v.xpu_container).k8s_resource
+    return "nvidia.com/gpu"
 
 
 def sbatch(plan: Plan, launch: Launch, config: Path, dist: Distribution) -> str:
@@ -166,13 +178,13 @@ def pytorchjob(plan: Plan, launch: Launch, config: Path, dist: Distribution, *, 
     command = ["torchrun", f"--nproc-per-node={nproc}", f"--nnodes={dist.nnodes}", "--rdzv-backend=c10d",
                "--rdzv-endpoint=$(MASTER_ADDR):$(MASTER_PORT)", f"--rdzv-id={name}", "-m", "trainer", "train",
                config_in_pod]
-    resources = {"limits": {"nvidia.com/gpu": gpus}} if gpus else {}
+    resources = {"limits": {k8s_resource(plan): gpus}} if gpus else {}
     container = {
         "name": "pytorch",  # the training operator finds the container by this name
         "image": launch.path,
         "imagePullPolicy": "IfNotPresent",
         "command": command,
-        "env": [{"name": "HF_HOME", "value": HF_HOME}],
+        "env": [{"name": "HF_HOME", "value": HF_HOME}, *({"name": k, "value": v} for k, v in plan.env.items())],
         "resources": resources,
         "workingDir": WORK,
         "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"},

@@ -211,9 +211,10 @@ class Feature(NamedTuple):
 
 class BaseImage(NamedTuple):
     variant_prefix: str
-    image: str  # template: {python}
+    image: str  # template: {python}, {rocm}
     reason: str
     source: str
+    python: str | None = None  # the base's own interpreter, where it brings one
 
 
 class TritonSupport(NamedTuple):
@@ -285,6 +286,24 @@ class Matrix(NamedTuple):
 RANGE_OPS = {">=": operator.ge, "<=": operator.le, ">": operator.gt, "<": operator.lt, "==": operator.eq,
              "!=": operator.ne}
 RANGE_RE = re.compile(r"^(>=|<=|==|!=|>|<)\s*(\S+)$")
+
+
+PYTHON_RE = re.compile(r"^3\.\d{1,2}$")  # what --python takes
+# Mirrors and air-gapped sites: URL templates that replace the matrix's (same placeholders).
+TORCH_INDEX_ENV = "ENVTOOL_TORCH_INDEX_URL"  # {variant}
+FLASH_ATTN_URL_ENV = "ENVTOOL_FLASH_ATTN_URL"  # {version} {filename}
+
+
+def prefix_match(pin: str, version: str) -> bool:
+    """Whether a pin like --torch 2.8 admits 2.8.0 (the pin's release parts are the version's first ones)."""
+    pin_release = Version(pin).release
+    return Version(version).release[: len(pin_release)] == pin_release
+
+
+def stack_for(m: "Matrix", torch_version: str, python: str):
+    """The packages.toml [[stack]] row (newest first) whose torch and Python ranges admit these, else None."""
+    return next((s for s in m.stacks
+                 if in_range(torch_version, s.torch) and in_range(python, s.python)), None)
 
 
 def in_range(version: str, spec: str) -> bool:
