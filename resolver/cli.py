@@ -57,7 +57,9 @@ def reported(command):
         except EnvtoolError as e:
             if _debug:
                 raise
-            print(f"envtool: error: {e}", file=sys.stderr)
+            from trainer.errors import readable  # one line, cut to a readable size
+
+            print(readable(f"envtool: error: {e}"), file=sys.stderr)
             raise typer.Exit(e.exit_code) from None
         except KeyboardInterrupt:
             print("envtool: interrupted", file=sys.stderr)
@@ -154,6 +156,11 @@ def _plan_options(values: dict):
     from .pipeline import PlanOptions
 
     check_target_text(values.get("gpu"))  # `--gpu ''` or `--gpu None` is an error, not a CPU plan
+    for name, value in values.items():  # `--python ''` (a script's empty variable) is an error, not the default
+        if name != "gpu" and isinstance(value, str) and not value.strip():
+            from .errors import BadInput
+
+            raise BadInput(f"--{name.replace('_', '-')} is empty: give a value, or leave the option out for the default")
     return PlanOptions(**values)
 
 
@@ -494,6 +501,10 @@ def train(
                                                      "as the Hugging Face cache.")] = None,
     pvc: Annotated[Optional[str], typer.Option("--pvc", help="With --emit k8s: the PersistentVolumeClaim every pod "
                                                "works in, at /work (data, output_dir; default envtool-work).")] = None,
+    secret: Annotated[Optional[str], typer.Option("--secret", help="With --emit k8s: the Secret the pods take "
+                                                  "HF_TOKEN and WANDB_API_KEY from, when it has them (secretKeyRef; "
+                                                  "default envtool-secrets). Tokens are never written into a "
+                                                  "launcher; an sbatch script takes them from the environment.")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan, where it runs and the exact "
                                           "command; build and run nothing.")] = False,
     json_out: JsonOpt = False,
@@ -535,12 +546,23 @@ def train(
         raise BadInput("-o/--output goes with --emit")
     if pvc is not None and emit != "k8s":
         raise BadInput("--pvc goes with --emit k8s (a Slurm job uses the filesystem its nodes share)")
+    if secret is not None:
+        from .emit import check_claim
+
+        if emit != "k8s":
+            raise BadInput("--secret goes with --emit k8s (an sbatch script takes tokens from the environment it is "
+                           "submitted from)")
+        check_claim(secret, "--secret", "Secret")
+    if pvc is not None:
+        from .emit import check_claim
+
+        check_claim(pvc)
     dist = Distribution(nproc, nnodes, node_rank, rdzv_endpoint)
     training = plan_training(config, opts, dist, venv=venv, image=image, isolated=isolated, emit=emit)
     log = (lambda s: None) if json_out else say
     if emit:
         text = write_launcher(training, emit, dist, sources, output=output, dry_run=dry_run, pvc=pvc,
-                              quiet=json_out, say=log)
+                              secret=secret, quiet=json_out, say=log)
         if text is not None:
             sys.stdout.write(text)
         return

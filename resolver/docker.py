@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import sys
 from collections import deque
@@ -43,8 +44,25 @@ NO_IMAGE = {
 }
 
 
+# A Docker image reference, as distribution/reference's grammar (reference/regexp.go) writes it: [host[:port]/]path
+# [:tag][@digest]. What --base-image may be; anything else (a newline, a space, a quote) is refused before rendering.
+_COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+_DOMAIN = r"(?:[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?(?:\.[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?)*|\[[0-9a-fA-F:]+\])"
+IMAGE_REFERENCE = re.compile(
+    rf"(?:{_DOMAIN}(?::[0-9]+)?/)?{_COMPONENT}(?:/{_COMPONENT})*(?::[\w][\w.-]{{0,127}})?"
+    r"(?:@[A-Za-z][A-Za-z0-9]*(?:[-_+.][A-Za-z][A-Za-z0-9]*)*:[0-9a-fA-F]{32,})?")
+
+
+def check_image_reference(value: str, option: str = "--base-image") -> str:
+    if not IMAGE_REFERENCE.fullmatch(value):
+        raise BadInput(f"{option} {value!r} is not an image reference ([registry/]name[:tag][@digest], e.g. "
+                       f"nvcr.io/nvidia/pytorch:24.08-py3)")
+    return value
+
+
 def base_image(plan: Plan, m: Matrix, override: str | None) -> tuple[str, str]:
-    if override:
+    if override is not None:
+        check_image_reference(override)
         return override, f"{override} (--base-image)"
     if plan.torch.backend in NO_IMAGE:
         raise BadInput(f"no image for {plan.gpu['name']}: {NO_IMAGE[plan.torch.backend]}")
@@ -72,8 +90,21 @@ def labels(plan: Plan) -> dict[str, str]:
     }
 
 
-def _dockerfile_quote(value: str) -> str:
-    return '"' + value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", " ") + '"'
+# The template's escaping. Every value it writes passes `_one_line` (jinja's finalize): a Dockerfile instruction
+# ends at a line break, so a value holding one (or any control character) is refused, never written. Values in
+# double quotes (ENV, LABEL, ARG) go through `dq`: backslash, quote and `$` (variable expansion) escaped.
+
+
+def _one_line(value):
+    if isinstance(value, str) and any(not c.isprintable() for c in value):
+        raise BadInput(f"{value!r} would break a Dockerfile line: a value with a line break or a control character "
+                       f"is never written into a Dockerfile")
+    return value
+
+
+def _dockerfile_quote(value) -> str:
+    text = _one_line(str(value))
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("$", "\\$") + '"'
 
 
 def render(plan: Plan, m: Matrix, base_override: str | None = None) -> str:
@@ -82,12 +113,12 @@ def render(plan: Plan, m: Matrix, base_override: str | None = None) -> str:
     import dockerfiles
 
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(Path(dockerfiles.__file__).parent),
-                             undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
+                             undefined=jinja2.StrictUndefined, keep_trailing_newline=True, finalize=_one_line,
+                             autoescape=False)
+    env.filters["dq"] = _dockerfile_quote
     image, reason = base_image(plan, m, base_override)
-    text = env.get_template(TEMPLATE).render(plan=plan.to_dict(), target=plan.target, base_image=image,
-                                             base_reason=reason)
-    label_lines = " \\\n      ".join(f"{k}={_dockerfile_quote(v)}" for k, v in labels(plan).items())
-    return text + f"LABEL {label_lines}\n"
+    return env.get_template(TEMPLATE).render(plan=plan.to_dict(), target=plan.target, base_image=image,
+                                             base_reason=reason, labels=labels(plan))
 
 
 def prepare_context(plan: Plan, m: Matrix, env_dir: Path, wheelhouse: Path, context: Path,

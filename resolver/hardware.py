@@ -120,6 +120,8 @@ def check_target_text(text: str | None, where: str = "--gpu") -> None:
                            f"sm_80, cpu)")
         raise BadInput(f"{where} is empty: give a GPU name or alias (t4, a100), a compute capability (sm_80), "
                        f"'cpu' or 'auto'")
+    if any(not c.isprintable() for c in text):  # a name is never a line break: it would reach Dockerfiles, scripts
+        raise BadInput(f"{where} {text!r}: a GPU name is one line of printable characters")
     for name in text.split(","):
         if normalize_name(name) in NOT_A_TARGET:
             raise BadInput(f"{where} {name.strip()!r} is not a GPU (a script's unset variable?): give a GPU name, a "

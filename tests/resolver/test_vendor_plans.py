@@ -179,7 +179,7 @@ def test_rocm_dockerfile_and_the_images_refused():
     out = run_envtool("dockerfile", "--gpu", "mi355x", "--platform", "x86_64")  # no --python: the base's
     assert out.returncode == 0, out.stderr
     text = out.stdout
-    assert "ARG BASE_IMAGE=rocm/dev-ubuntu-24.04:7.14-complete" in text
+    assert 'ARG BASE_IMAGE="rocm/dev-ubuntu-24.04:7.14-complete"' in text
     assert 'PYTORCH_ROCM_ARCH="gfx950"' in text and 'TORCH_ROCM_AOTRITON_ENABLE_EXPERIMENTAL="1"' in text
     assert "NVIDIA_VISIBLE_DEVICES" not in text and "/opt/venv/lib/python3.12/site-packages/" in text
     assert "pass --python 3.12" in refused("dockerfile", "--gpu", "mi300x", *X86)
