@@ -12,7 +12,7 @@ import os
 import sys
 
 from trainer import __version__
-from trainer.errors import TrainerError
+from trainer.errors import Stopped, TrainerError
 
 
 def log(message: str) -> None:
@@ -321,6 +321,10 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return args.func(args)
+    except Stopped as err:  # not a failure: where the checkpoint is and how to go on, with the stop's exit code
+        if not record(str(err), err.exit_code) and rank in (None, "0"):
+            print(str(err), file=sys.stderr)
+        return err.exit_code
     except TrainerError as err:
         if args.debug:
             raise
