@@ -304,8 +304,9 @@ class Training:
         before = state.get("data_world", position.get("world_size", self.data_world))
         if before != self.data_world:  # micro-batches each process consumed: the same global count, spread anew
             position["consumed"] = position["consumed"] * before // self.data_world
+            extra = " (a new rank takes the RNG state of rank `rank % " + str(before) + "`)" if self.data_world > before else ""
             self.say(f"note: {resume} was written by {before} process(es); resuming on {self.data_world} at the "
-                     "same place in the data (RNG states of missing ranks come from the first ones)")
+                     f"same place in the data{extra}")
         self.sampler.load_state_dict(position)
         self.say(f"resumed from {resume} at step {self.step}")
         if state.get("model_only"):
