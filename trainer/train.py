@@ -52,7 +52,12 @@ STOPPED = "stopped.json"  # output_dir: written when a stop request ended a run;
 
 
 def train(cfg: Config, runtime: Runtime, log=print) -> Path:
-    return Training(cfg, runtime, log).run()
+    claims: list = []  # output_dir's lock, released however the run ends (in-process runs follow one another)
+    try:
+        return Training(cfg, runtime, log, claims).run()
+    finally:
+        for held in claims:
+            held.release()
 
 
 def cadence(every: int | None, per_epoch: int | None, steps_per_epoch: int) -> int | None:
@@ -66,7 +71,7 @@ def cadence(every: int | None, per_epoch: int | None, steps_per_epoch: int) -> i
 
 class Training:
     # --- set-up ---------------------------------------------------------------------------------------------
-    def __init__(self, cfg: Config, runtime: Runtime, log=print):
+    def __init__(self, cfg: Config, runtime: Runtime, log=print, claims: list | None = None):
         from transformers import set_seed
 
         from trainer.model import kernels, qat
@@ -93,6 +98,8 @@ class Training:
             from trainer.outputs.output_dir import claim
 
             self.claim = claim(self.output_dir)
+            if claims is not None:
+                claims.append(self.claim)
         barrier("claiming output_dir", self.rank, self.timeout)  # the others wait for rank 0's refusal or claim
         # the checkpoint to resume, before anything is sized by gradient_accumulation_steps
         mesh = accelerator.mesh
