@@ -240,7 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_preprocess)
 
-    p = sub.add_parser("train", help="train (use torchrun for several processes)")
+    p = sub.add_parser("train", help="train (use torchrun for several processes); SIGTERM/SIGUSR1/Ctrl-C: stop "
+                       "after the step with a checkpoint, exit 138 (130 for Ctrl-C); run again to resume")
     p.add_argument("config")
     p.add_argument("--plan", help="plan.json to read instead of ENVTOOL_PLAN, the environment's own plan.json, ./plan.json")
     p.set_defaults(func=cmd_train)
