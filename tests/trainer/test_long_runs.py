@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.trainer.helpers import REPO, read_metrics, run_cli, train_losses
 from trainer.cli import main
@@ -124,7 +125,7 @@ def test_sigterm_to_envtool_train_stops_both_ranks_at_one_step_and_the_same_comm
 
 
 @pytest.mark.slow
-def test_ctrl_c_saves_once_and_a_second_run_on_the_output_dir_is_refused(make_config, tmp_path):
+def test_ctrl_c_saves_once_a_second_run_is_refused_and_a_planted_pickle_never_runs(make_config, tmp_path, capsys):
     out = tmp_path / "out"
     config = make_config(output_dir=str(out), micro_batch_size=1, max_steps=5000)
     env = {k: v for k, v in os.environ.items() if k != "ENVTOOL_PLAN"}
@@ -152,6 +153,27 @@ def test_ctrl_c_saves_once_and_a_second_run_on_the_output_dir_is_refused(make_co
                     "command again to continue from it (exit code 130)")
     assert [p.name for p in out.glob("checkpoint-*")] == [f"checkpoint-{step}"]  # one save
     assert [r["step"] for r in read_metrics(out)] == list(range(1, step + 1))
+
+    # a checkpoint whose RNG file pickles a command (its manifest rewritten to match, as a forger would): the
+    # same command again refuses to load it, and the command never runs
+    from trainer.outputs.checkpoint import write_manifest
+
+    marker = tmp_path / "pwned"
+
+    class Planted:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    saved = out / f"checkpoint-{step}"
+    torch.save({"python": Planted()}, saved / "rng_state_0.pt")
+    write_manifest(saved)
+    capsys.readouterr()
+    assert main(["train", str(config)]) == 1
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith(f"error: {saved / 'rng_state_0.pt'} holds more than tensors and plain values (") and \
+        last.endswith("envtool does not load it (it could run code): resume from a checkpoint envtool wrote, or "
+                      "start without resume_from_checkpoint"), last
+    assert not marker.exists()
 
 
 def test_an_output_dir_that_refuses_writes_is_one_line_before_training(make_config, tmp_path):
