@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.trainer.helpers import REPO, read_metrics, run_cli, train_losses
+from tests.trainer.helpers import REPO, read_metrics, run_cli, torchrun_train, train_losses
 from trainer.cli import main
 
 ENVTOOL = Path(sys.executable).parent / "envtool"
@@ -194,3 +194,30 @@ def test_an_output_dir_that_refuses_writes_is_one_line_before_training(make_conf
         f"error: output_dir {out} does not take writes: File too large; checkpoints, metrics and the final model go "
         "there (free space, or choose another output_dir)")
     assert sorted(p.name for p in out.iterdir()) == [".envtool-train.lock"]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_an_fsdp2_checkpoint_of_two_processes_resumes_on_one_with_the_same_global_batch(make_config, tmp_path, capsys):
+    """FSDP2 saves the full optimizer state (gathered from the shards); one process loads it unsharded, with the
+    accumulation doubled, and trains the same steps as the two-process run did."""
+    fsdp2 = {"fsdp_version": 2, "fsdp_config": {"fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+                                                "fsdp_transformer_layer_cls_to_wrap": "LlamaDecoderLayer",
+                                                "fsdp_state_dict_type": "FULL_STATE_DICT",
+                                                "fsdp_reshard_after_forward": True}}
+    common = dict(micro_batch_size=1, gradient_accumulation_steps=1, max_steps=6, **fsdp2)
+    two = tmp_path / "two"
+    result = torchrun_train(make_config("two.yml", output_dir=str(two), save_steps=3, **common))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "sharding: FSDP" in result.stderr
+    one = tmp_path / "one"
+    one.mkdir()
+    shutil.copytree(two / "checkpoint-3", one / "checkpoint-3")
+    capsys.readouterr()
+    assert main(["train", str(make_config("one.yml", output_dir=str(one), auto_resume_from_checkpoints=True,
+                                          **common))]) == 0
+    err = capsys.readouterr().err
+    assert "on 1 it continues with gradient_accumulation_steps 2 (the config says 1)" in err
+    assert f"resumed from {one / 'checkpoint-3'} at step 3" in err
+    _close(train_losses(two), train_losses(one), range(4, 7))
+    assert sorted(train_losses(one)) == [4, 5, 6]
