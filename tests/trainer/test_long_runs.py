@@ -63,8 +63,8 @@ def _close(a: dict[int, float], b: dict[int, float], steps) -> None:
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_sigterm_to_envtool_train_stops_both_ranks_at_one_step_and_the_same_command_continues(make_config, tmp_path,
-                                                                                             capsys):
+def test_sigterm_to_envtool_train_or_torchrun_stops_both_ranks_at_one_step_and_the_same_command_continues(
+        make_config, tmp_path, capsys):
     common = dict(micro_batch_size=1, max_steps=48, save_steps=3)  # 48 rows: 24 steps an epoch on 2 processes
     reference = tmp_path / "reference"  # uninterrupted, one process accumulating 2 micro-batches: the same steps
     assert main(["train", str(make_config("reference.yml", output_dir=str(reference), gradient_accumulation_steps=2,
@@ -94,6 +94,21 @@ def test_sigterm_to_envtool_train_stops_both_ranks_at_one_step_and_the_same_comm
     assert json.loads((out / "stopped.json").read_text())["step"] == step
     _close(expected, train_losses(out), range(1, step + 1))
 
+    # torchrun alone, signalled itself: the same command resumes from that checkpoint; torchrun forwards SIGTERM
+    # to both ranks, which stop after one step with a checkpoint (torchrun then exits 1 with its own report)
+    torchrun = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                                 "2", "-m", "trainer", "train", str(config)], stderr=subprocess.PIPE, text=True,
+                                env=_env(tmp_path), cwd=REPO)
+    _signal_after(torchrun, out, rows=step + 3, sig=signal.SIGTERM)
+    _, stderr = torchrun.communicate(timeout=240)
+    assert f"resumed from {saved} at step {step}" in stderr, stderr[-3000:]
+    stops = [line for line in stderr.splitlines() if line.startswith("stopped after step ")]
+    assert stops and len({line.split()[3] for line in stops}) == 1, stderr[-3000:]  # every rank: one step
+    first, step = step, int(stops[0].split()[3])
+    assert step >= first + 3 and json.loads((out / "stopped.json").read_text())["step"] == step
+    assert not _trainer_processes(config)
+    saved = out / f"checkpoint-{step}"
+
     damaged = tmp_path / "damaged"  # the same stopped run, its newest checkpoint overwritten inside the weights
     shutil.copytree(out, damaged)
     weights = damaged / f"checkpoint-{step}" / "model.safetensors"
@@ -101,7 +116,7 @@ def test_sigterm_to_envtool_train_stops_both_ranks_at_one_step_and_the_same_comm
     data[len(data) // 2: len(data) // 2 + 64] = b"\x7f" * 64
     weights.write_bytes(bytes(data))
 
-    # the same command again: continues from the stop's checkpoint, exactly, and logs every step once
+    # envtool's command again: continues from the stop's checkpoint, exactly, and logs every step once
     again = subprocess.run(command, capture_output=True, text=True, env=_env(tmp_path), timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"continuing from {saved}" in again.stderr and f"resumed from {saved} at step {step}" in again.stderr
