@@ -309,6 +309,10 @@ class Training:
         self.step, self.epoch = state["step"], state["sampler"]["epoch"]
         position = dict(state["sampler"])
         before = state.get("data_world", position.get("world_size", self.data_world))
+        if before != self.data_world and (self.cfg.streamed or self.draws != self.ga):
+            raise TrainingError(f"checkpoint {resume} was written by {before} process(es); "
+                                f"{'streamed data' if self.cfg.streamed else 'this objective'} resumes on the same "
+                                f"number only (got {self.data_world}): each process's share of the data is its own")
         if before != self.data_world:  # micro-batches each process consumed: the same global count, spread anew
             position["consumed"] = position["consumed"] * before // self.data_world
             extra = " (a new rank takes the RNG state of rank `rank % " + str(before) + "`)" if self.data_world > before else ""
