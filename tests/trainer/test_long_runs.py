@@ -236,3 +236,21 @@ def test_an_fsdp2_checkpoint_of_two_processes_resumes_on_one_with_the_same_globa
     assert f"resumed from {one / 'checkpoint-3'} at step 3" in err
     _close(train_losses(two), train_losses(one), range(4, 7))
     assert sorted(train_losses(one)) == [4, 5, 6]
+
+
+def test_a_global_batch_that_cannot_be_kept_names_the_settings_that_can():
+    from trainer.config.global_batch import accumulation_for
+    from trainer.errors import ConfigError
+
+    assert accumulation_for(16, 2, 4) == 2 and accumulation_for(16, 2, 1) == 8
+    with pytest.raises(ConfigError) as refused:
+        accumulation_for(16, 2, 3, why="checkpoint-24 was trained with a global batch of 16 rows")
+    assert str(refused.value) == (
+        "checkpoint-24 was trained with a global batch of 16 rows cannot be kept with micro_batch_size 2 on 3 "
+        "process(es) (16 is not a multiple of 6); use 2 process(es) (gradient_accumulation_steps 4) or 4 "
+        "process(es) (gradient_accumulation_steps 2)")
+    with pytest.raises(ConfigError) as refused:
+        accumulation_for(12, 4, 2)
+    assert str(refused.value).endswith("(12 is not a multiple of 8); use 1 process(es) (gradient_accumulation_steps 3) "
+                                       "or 3 process(es) (gradient_accumulation_steps 1) or micro_batch_size 3 on 2 "
+                                       "(gradient_accumulation_steps 2)")

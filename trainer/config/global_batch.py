@@ -4,8 +4,8 @@ What a step trains on, and so what the loss curve means, depends only on the glo
 global list of micro-batches and a step takes the next `global batch` rows of it, whichever process holds which
 (trainer/batch/sampler.py). So a run can move to another number of processes, or another micro-batch size, and
 train the same steps, as long as the accumulation is rescaled to keep the product. This is the one place that
-rescales it: resuming a checkpoint on another number of processes (trainer/train.py) and a micro-batch size chosen
-for the memory (`micro_batch_size: auto`) both call `accumulation_for`. No torch here.
+rescales it: resuming a checkpoint on another number of processes (trainer/train.py `keep_global_batch`) calls
+`accumulation_for`. No torch here.
 """
 
 from __future__ import annotations
