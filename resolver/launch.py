@@ -584,7 +584,8 @@ def _is_worker(pid: int) -> bool:
 class Forwarding:
     """While the trainer runs: SIGTERM, SIGUSR1 and SIGINT to envtool go to every trainer process, never orphaning
     them. The trainer runs in its own session, so a Ctrl-C at the terminal reaches it once, through here (the
-    terminal's SIGINT would otherwise reach it too, and a second SIGINT means "stop at once"). Under torchrun
+    terminal's SIGINT would otherwise reach it too, and a second SIGINT means "stop at once"); a SIGHUP (the
+    terminal closed) is passed on as SIGTERM, as the session no longer carries it. Under torchrun
     (`workers`) the signal goes to its workers directly -- each rank stops after the same step, saves and exits
     138/130, and torchrun ends when they have -- or to torchrun itself before they exist (it forwards it)."""
 
@@ -592,7 +593,7 @@ class Forwarding:
         import signal
 
         self.proc, self.workers, self.previous = proc, workers, {}
-        self.signals = [getattr(signal, name) for name in STOP_SIGNALS]
+        self.signals = [getattr(signal, name) for name in (*STOP_SIGNALS, "SIGHUP")]
 
     def __enter__(self):
         import signal
@@ -611,6 +612,10 @@ class Forwarding:
         return False
 
     def _forward(self, number, _frame) -> None:
+        import signal
+
+        if number == signal.SIGHUP:  # the terminal went away: the trainer (in its own session) stops as on SIGTERM
+            number = signal.SIGTERM
         targets = [pid for pid in _children(self.proc.pid) if _is_worker(pid)] if self.workers else []
         for pid in targets or [self.proc.pid]:
             try:
