@@ -333,8 +333,9 @@ def main(argv: list[str] | None = None) -> int:
         if not record(line, err.exit_code):
             print(line, file=sys.stderr)
         return err.exit_code
-    except KeyboardInterrupt:
-        print(prefix + "interrupted", file=sys.stderr)
+    except KeyboardInterrupt:  # Ctrl-C twice: at once, no checkpoint (trainer/runtime/stop.py)
+        if not record(prefix + "interrupted", 130):
+            print(prefix + "interrupted", file=sys.stderr)
         return 130
     except Exception as err:  # a bug or an environment problem: still one line unless --debug
         if args.debug:

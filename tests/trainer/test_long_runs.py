@@ -65,7 +65,8 @@ def _close(a: dict[int, float], b: dict[int, float], steps) -> None:
 @pytest.mark.distributed
 def test_sigterm_to_envtool_train_or_torchrun_stops_both_ranks_at_one_step_and_the_same_command_continues(
         make_config, tmp_path, capsys):
-    common = dict(micro_batch_size=1, max_steps=48, save_steps=3)  # 48 rows: 24 steps an epoch on 2 processes
+    steps = 36  # 48 rows: 24 steps an epoch on 2 processes, so the run crosses an epoch
+    common = dict(micro_batch_size=1, max_steps=steps, save_steps=4)
     reference = tmp_path / "reference"  # uninterrupted, one process accumulating 2 micro-batches: the same steps
     assert main(["train", str(make_config("reference.yml", output_dir=str(reference), gradient_accumulation_steps=2,
                                           **common))]) == 0
@@ -75,14 +76,14 @@ def test_sigterm_to_envtool_train_or_torchrun_stops_both_ranks_at_one_step_and_t
     command = [str(ENVTOOL), "train", str(config), "--gpu", "cpu", "--nproc", "2"]
 
     proc = subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=_env(tmp_path))
-    _signal_after(proc, out, rows=4, sig=signal.SIGTERM)
+    _signal_after(proc, out, rows=5, sig=signal.SIGTERM)  # checkpoint-4 is saved
     _, stderr = proc.communicate(timeout=240)
     assert proc.returncode == 138, stderr[-3000:]
     last = stderr.strip().splitlines()[-1]
     assert last.startswith("stopped after step ") and last.endswith(
         "(SIGTERM): saved " + last.split(": saved ")[1]), stderr[-3000:]
     step = int(last.split()[3])
-    assert 4 <= step < 48 and f"saved {out / f'checkpoint-{step}'}; run the same command again" in last
+    assert 4 <= step < steps and f"saved {out / f'checkpoint-{step}'}; run the same command again" in last
     assert "Traceback" not in stderr and "ChildFailedError" not in stderr
     assert not _trainer_processes(config)  # envtool, torchrun and both ranks are gone: nothing orphaned
     # both ranks stopped after the same step: one checkpoint of that step holding each rank's state, verified
@@ -120,8 +121,8 @@ def test_sigterm_to_envtool_train_or_torchrun_stops_both_ranks_at_one_step_and_t
     again = subprocess.run(command, capture_output=True, text=True, env=_env(tmp_path), timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"continuing from {saved}" in again.stderr and f"resumed from {saved} at step {step}" in again.stderr
-    assert [r["step"] for r in read_metrics(out) if "loss" in r] == list(range(1, 49))
-    _close(expected, train_losses(out), range(1, 49))
+    assert [r["step"] for r in read_metrics(out) if "loss" in r] == list(range(1, steps + 1))
+    _close(expected, train_losses(out), range(1, steps + 1))
     assert not (out / "stopped.json").exists() and (out / "final" / "model.safetensors").exists()
 
     # the damaged copy on ONE process: the damaged checkpoint is named and skipped, the previous one resumes with
@@ -135,8 +136,8 @@ def test_sigterm_to_envtool_train_or_torchrun_stops_both_ranks_at_one_step_and_t
             "manifest") in err
     assert "on 1 it continues with gradient_accumulation_steps 2 (the config says 1)" in err
     assert f"resumed from {damaged / f'checkpoint-{previous}'} at step {previous}" in err
-    assert [r["step"] for r in read_metrics(damaged) if "loss" in r] == list(range(1, 49))  # cut back, then appended
-    _close(expected, train_losses(damaged), range(1, 49))
+    assert [r["step"] for r in read_metrics(damaged) if "loss" in r] == list(range(1, steps + 1))  # cut back, then appended
+    _close(expected, train_losses(damaged), range(1, steps + 1))
 
 
 @pytest.mark.slow
