@@ -20,7 +20,11 @@ Run under torchrun with the job's own launch settings (`envtool doctor --multi-g
 Every rank writes its view (all ranks' facts, what was missing, the findings) to `--report DIR/rank-N.json`; the
 lowest rank that joined prints the findings. Exit 0 when no check failed, 1 when one did, 2 for bad input.
 `ENVTOOL_PREFLIGHT_STALL_RANKS` ("1", or "1:all-reduce") makes those ranks stall before that phase: a rehearsal of
-the fault, used by the tests.
+the fault, used by the tests; `ENVTOOL_PREFLIGHT_SHM_DF` (a file holding a captured `df` output) makes /dev/shm's size
+the one that output shows, as a container's would be.
+
+The trainer runs the same checks before its first step when torchrun starts it (`check_before_training`): quiet
+when all is well, one error line (exit 1) naming the rank or the host fact otherwise.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from trainer.errors import ConfigError
 
 STORE_PREFIX = "envtool-preflight"
 STALL_ENV = "ENVTOOL_PREFLIGHT_STALL_RANKS"
+SHM_DF_ENV = "ENVTOOL_PREFLIGHT_SHM_DF"
 PHASES = ("join", "all-reduce")
 SHM_PATH = "/dev/shm"
 RDMA_SYSFS = "/sys/class/infiniband"
@@ -95,11 +100,15 @@ def host_facts(shm_path: str = SHM_PATH, rdma_sysfs: str = RDMA_SYSFS) -> dict:
     RDMA devices (InfiniBand/RoCE), the host name."""
     import resource
 
-    try:
-        stat = os.statvfs(shm_path)
-        shm = stat.f_frsize * stat.f_blocks
-    except OSError:
-        shm = None
+    captured = os.environ.get(SHM_DF_ENV)
+    if captured:
+        shm = shm_from_df(Path(captured).read_text(), shm_path)
+    else:
+        try:
+            stat = os.statvfs(shm_path)
+            shm = stat.f_frsize * stat.f_blocks
+        except OSError:
+            shm = None
     soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     try:
         rdma = sorted(os.listdir(rdma_sysfs))
@@ -107,6 +116,25 @@ def host_facts(shm_path: str = SHM_PATH, rdma_sysfs: str = RDMA_SYSFS) -> dict:
         rdma = []
     return {"host": socket.gethostname(), "pid": os.getpid(), "shm_bytes": shm,
             "memlock_bytes": None if soft == resource.RLIM_INFINITY else soft, "rdma_devices": rdma}
+
+
+DF_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def shm_from_df(text: str, mount: str = SHM_PATH) -> int | None:
+    """The size `df` (bytes, or -h's 64M) shows for the filesystem mounted at `mount`; None when none is.
+    Lines starting with '#' (a capture's source note) are skipped."""
+    for line in text.splitlines():
+        fields = line.split()
+        if line.startswith("#") or len(fields) < 6 or fields[-1] != mount:
+            continue
+        number = fields[1].rstrip("iB").upper()
+        unit = number[-1] if number[-1:] in DF_UNITS and not number[-1:].isdigit() else ""
+        try:
+            return int(float(number[: len(number) - len(unit)]) * DF_UNITS[unit])
+        except ValueError:
+            return None
+    return None
 
 
 def size(n: int | None) -> str:
@@ -164,7 +192,8 @@ def host_findings(machines: dict[int, dict], backend: str) -> list[dict]:
     return found
 
 
-def join_findings(lay: Layout, missing: list[int], timeout: float, waited: float) -> list[dict]:
+def join_findings(lay: Layout, missing: list[int], timeout: float, waited: float,
+                  knob: str = "--timeout") -> list[dict]:
     machines = f" on {lay.machines} machines" if lay.machines > 1 else ""
     if not missing:
         return [finding("ok", "ranks", f"{lay.world} ranks{machines} joined in {waited:.1f} s")]
@@ -173,7 +202,7 @@ def join_findings(lay: Layout, missing: list[int], timeout: float, waited: float
                     "collective, or never started (see its log); the other ranks stopped instead of waiting for it "
                     "in a collective",
                     "look at that rank's log (torchrun --tee 3 --log-dir DIR keeps one per rank); on another machine: "
-                    "start it with the same --rdzv-endpoint; slow to start: raise --timeout")]
+                    f"start it with the same --rdzv-endpoint; slow to start: raise {knob}")]
 
 
 def reduce_findings(lay: Layout, backend: str, entered: list[int], finished: list[int], timeout: float,
@@ -227,10 +256,27 @@ def shared_findings(dirs: list[dict], answers: dict[int, dict | None], lay: Layo
                     f"{' and '.join(d['key'] + ' ' + d['path'] for d in dirs)}")]
 
 
+def catalog_p2p(device_name: str | None, driver: str | None) -> dict | None:
+    """gpus.toml's p2p columns for this GPU and driver, as a finding (matrices/catalog.py p2p_advice)."""
+    from matrices import catalog
+    from trainer import facts
+
+    if not device_name:
+        return None
+    advice = catalog.p2p_advice(catalog.find_gpu(device_name, facts.rows("gpus", "gpu")), driver)
+    return None if advice is None else finding(advice[0], "p2p", advice[1], advice[2])
+
+
 def peer_findings(ranks: dict[int, dict]) -> list[dict]:
-    """What the CUDA driver says about peer access between a machine's GPUs (each machine's local rank 0 asks)."""
+    """What the CUDA driver says about peer access between a machine's GPUs (each machine's local rank 0 asks),
+    and what the catalog knows about the card (gpus.toml's p2p columns)."""
     found = []
     for facts in ranks.values():
+        if facts.get("peer_access") is not None:
+            advice = catalog_p2p(facts.get("device_name"), facts.get("driver"))
+            if advice is not None:
+                advice["message"] = f"{facts['host']}: {advice['message']}"
+                found.append(advice)
         pairs = facts.get("peer_access") or []
         without = [f"{a}-{b}" for a, b, ok in pairs if not ok]
         if without:
@@ -294,8 +340,11 @@ class Unreachable(Exception):
 
 class Preflight:
     def __init__(self, timeout: float, device: str, dirs: list[tuple[str, str]], report_dir: Path | None,
-                 json_out: bool, log=print):
+                 json_out: bool, log=print, trainer: bool = False):
+        """`trainer`: the trainer's own check before its first step: only what is wrong is printed, and a
+        failure the watchdog finds ends the process with the trainer's one error line."""
         self.timeout, self.dirs, self.report_dir, self.json_out, self.log = timeout, dirs, report_dir, json_out, log
+        self.trainer = trainer
         self.lay = layout()
         self.facts = {**host_facts(), "machine": self.lay.machine, "local_rank": self.lay.local_rank}
         self.device = device
@@ -328,7 +377,8 @@ class Preflight:
         missing = [int(k.split("/")[1]) for k in self.store.wait(keys, start + self.timeout)]
         joined = [r for r in range(lay.world) if r not in missing]
         self.report.update(joined=joined, missing=missing, ranks={str(r): self.store.get(f"joined/{r}") for r in joined})
-        found = join_findings(lay, missing, self.timeout, time.monotonic() - start)
+        found = join_findings(lay, missing, self.timeout, time.monotonic() - start,
+                              "preflight_timeout" if self.trainer else "--timeout")
         if missing:
             return self.finish(found + self.machine_findings())
         found += self.shared_storage()
@@ -348,6 +398,7 @@ class Preflight:
             count = torch.cuda.device_count()
             self.facts["device_name"] = torch.cuda.get_device_name(self.lay.local_rank % count)
             if self.lay.local_rank == 0 and count > 1:  # what the driver says about each pair of this machine's GPUs
+                self.facts["driver"] = driver_version()
                 self.facts["peer_access"] = [[a, b, bool(torch.cuda.can_device_access_peer(a, b))]
                                              for a in range(count) for b in range(count) if a != b]
 
@@ -478,6 +529,13 @@ class Preflight:
         found = reduce_findings(self.lay, self.backend, entered, finished, self.timeout, None)
         self.report["all_reduce"] = {"ok": False, "seconds": None, "entered": entered, "finished": finished}
         code = self.finish(found + self.machine_findings())
+        if self.trainer and code:
+            from trainer.errors import readable, record
+
+            rank = self.lay.rank
+            line = readable(("error: " if rank == 0 else f"error (rank {rank}): ") + failure_line(self.report))
+            if not record(line, code):
+                print(line, file=sys.stderr)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
@@ -506,7 +564,12 @@ class Preflight:
             tmp.write_text(json.dumps(self.report))
             os.replace(tmp, path)
         if self.lay.rank == min(self.report["joined"] or [self.lay.rank]):
-            if self.json_out:
+            if self.trainer:  # before training: the warnings; the errors become the trainer's one line
+                for f in unique:
+                    if f["level"] == "warning":
+                        self.log(f"preflight warning: {f['check']}: {f['message']}"
+                                 + (f" (fix: {f['fix']})" if f["fix"] else ""))
+            elif self.json_out:
                 print(json.dumps(self.report), flush=True)
             else:
                 marks = {"ok": "ok", "warning": "warning", "error": "error"}
@@ -514,6 +577,45 @@ class Preflight:
                     self.log(f"preflight {marks[f['level']]}: {f['check']}: {f['message']}"
                              + (f" (fix: {f['fix']})" if f["fix"] and f["level"] != "ok" else ""))
         return 0 if self.report["ok"] else 1
+
+
+def driver_version() -> str | None:
+    """The NVIDIA driver's version through NVML (nvidia-ml-py); None on ROCm or where NVML does not answer."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            version = pynvml.nvmlSystemGetDriverVersion()
+        finally:
+            pynvml.nvmlShutdown()
+        return version.decode() if isinstance(version, bytes) else str(version)
+    except Exception:  # noqa: BLE001 (no NVML: the catalog's advice then says the driver is unknown)
+        return None
+
+
+def failure_line(report: dict) -> str:
+    """The first error of a report as the trainer's one line."""
+    first = next(f for f in report["findings"] if f["level"] == "error")
+    return f"preflight: {first['message']}" + (f" (fix: {first['fix']})" if first["fix"] else "")
+
+
+def check_before_training(cfg, device: str, log=print) -> None:
+    """The trainer's preflight under torchrun (several processes, torchrun's agent hosting the store): every rank
+    joins within cfg.preflight_timeout seconds, a timed all-reduce, /dev/shm, ulimit -l, and across machines the
+    output_dir and dataset_prepared_path. Raises TrainingError naming the rank or the fact; quiet when all is well.
+    Skipped with preflight_timeout: 0, with one process, and under other launchers (Ray Train's workers: rank 0
+    would host a store on the port the process group is about to take)."""
+    from trainer.errors import TrainingError
+
+    lay = layout()
+    if not cfg.preflight_timeout or lay.world < 2 or not lay.agent_store:
+        return
+    dirs = [("output_dir", str(cfg.output_dir)), ("dataset_prepared_path", str(cfg.dataset_prepared_path))]
+    check = Preflight(float(cfg.preflight_timeout), "cuda" if device == "cuda" else "cpu", dirs, None, False, log,
+                      trainer=True)
+    if check.run():
+        raise TrainingError(failure_line(check.report))
 
 
 def config_dirs(config: str | None) -> list[tuple[str, str]]:
