@@ -301,10 +301,12 @@ def active_env_runs(plan: Plan, opts: PlanOptions, required: tuple[str, ...] = (
 
 
 def launch_command(python: str, config: str, *, nproc: int, nnodes: int = 1, node_rank: int = 0,
-                   rdzv_endpoint: str | None = None, rdzv_id: str = "envtool") -> list[str]:
+                   rdzv_endpoint: str | None = None, rdzv_id: str = "envtool",
+                   trainer_args: list[str] | None = None) -> list[str]:
     """One process for one device; torchrun (as `python -m torch.distributed.run`, the environment's own)
-    for several, with a c10d rendezvous across machines."""
-    train = ["-m", "trainer", "train", config]
+    for several, with a c10d rendezvous across machines. `trainer_args`: another `python -m trainer` command
+    than `train CONFIG` (doctor --multi-gpu's `preflight ...`)."""
+    train = ["-m", "trainer", *(trainer_args or ["train", config])]
     if nproc == 1 and nnodes == 1:
         return [python, *train]
     cmd = [python, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--nnodes={nnodes}"]
