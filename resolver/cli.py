@@ -412,7 +412,7 @@ def doctor(
         raise BadInput("doctor checks against one GPU: give --gpu a single target")
     target = found[0]
     if multi_gpu:
-        from .doctor import multi_gpu_processes
+        from .preflight import multi_gpu_processes
 
         multi_gpu_processes(target.gpu, nproc=nproc, timeout=timeout, config=config, nnodes=nnodes,
                             node_rank=node_rank, rdzv_endpoint=rdzv_endpoint)
@@ -421,7 +421,7 @@ def doctor(
                         fix=fix_command(venv, target.label, driver))
     preflight = None
     if multi_gpu:
-        from .doctor import multi_gpu as run_preflight
+        from .preflight import multi_gpu as run_preflight
 
         python = sys.executable if venv is None else str(Path(venv) / "bin" / "python")
         more, preflight = run_preflight(python, target.gpu, target.driver, nproc=nproc, timeout=timeout,
