@@ -26,8 +26,12 @@ def multi_gpu_processes(gpu: GpuSpec, *, nproc: int | None, timeout: float, conf
     Distribution(nproc, nnodes, node_rank, rdzv_endpoint).check()
     if timeout <= 0:
         raise BadInput(f"--timeout {timeout:g}: give a number of seconds above 0")
-    if config is not None and not config.is_file():
-        raise BadInput(f"--config {config}: no such file")
+    if config is not None:
+        if not config.is_file():
+            raise BadInput(f"--config {config}: no such file")
+        from .launch import read_config
+
+        read_config(config)  # the trainer's own reader: a bad config is its one line, exit 2, before torchrun
     count = nproc or (2 if gpu.is_cpu else max(gpu.count, 1))
     if count * nnodes < 2:
         raise BadInput(f"--multi-gpu on {gpu.name}: one process in all (give --nproc 2 or more, or --nnodes)")
@@ -49,13 +53,17 @@ def multi_gpu(python: str, gpu: GpuSpec, driver: str | None, *, nproc: int | Non
     count = multi_gpu_processes(gpu, nproc=nproc, timeout=timeout, config=config, nnodes=nnodes,
                                 node_rank=node_rank, rdzv_endpoint=rdzv_endpoint)
     device = "cpu" if gpu.is_cpu else "auto"
-    with tempfile.TemporaryDirectory(prefix="envtool-preflight-") as folder:
+    from trainer.errors import ERROR_DIR_ENV
+
+    with tempfile.TemporaryDirectory(prefix="envtool-preflight-") as folder, \
+            tempfile.TemporaryDirectory(prefix="envtool-preflight-errors-") as errors:
         args = ["preflight", "--timeout", f"{timeout:g}", "--device", device, "--report", folder]
         if config is not None:
             args += ["--config", str(config)]
         command = launch_command(python, "", nproc=count, nnodes=nnodes, node_rank=node_rank,
                                  rdzv_endpoint=rdzv_endpoint, rdzv_id="envtool-preflight", trainer_args=args)
-        env = {"OMP_NUM_THREADS": "1", **os.environ}  # torchrun's 3-line OMP banner, quietly
+        # torchrun's 3-line OMP banner, quietly; a rank's own error line (a trainer error) kept for the finding
+        env = {"OMP_NUM_THREADS": "1", **os.environ, ERROR_DIR_ENV: errors}
         try:
             proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                     errors="replace", start_new_session=True)
@@ -73,12 +81,22 @@ def multi_gpu(python: str, gpu: GpuSpec, driver: str | None, *, nproc: int | Non
             except (OSError, ValueError):
                 continue
             reports[report["rank"]] = report
+        recorded = []
+        for path in Path(errors).glob("rank-*.json"):
+            try:
+                recorded.append(json.loads(path.read_text()))
+            except (OSError, ValueError):
+                continue
     summary = {"nproc": count, "nnodes": nnodes, "timeout_s": timeout, "exit_code": proc.returncode,
                "backend": None, "joined": [], "missing": [], "all_reduce": None, "ranks": {}, "ok": False}
     if not reports:
-        last = [line for line in output.splitlines() if line.strip()][-1:] or ["(no output)"]
-        return [Finding("error", "ranks", f"the preflight did not start under torchrun ({count} processes): "
-                        f"{last[0].strip()}", "run it by hand to see why: " + " ".join(command))], summary
+        if recorded:  # the trainer's own error line, as `envtool train` prints it
+            why = min(recorded, key=lambda r: (r.get("time", 0), r.get("rank", 0)))["line"]
+        else:
+            lines = [line.strip() for line in output.splitlines() if line.strip() and not line.startswith("=")]
+            why = (lines or ["(no output)"])[-1]
+        return [Finding("error", "ranks", f"the preflight did not run under torchrun ({count} processes): {why}",
+                        "run it by hand to see why: " + " ".join(command))], summary
     report = reports[min(reports)]  # the lowest rank that reported saw every rank's facts
     summary.update({k: report.get(k) for k in ("backend", "joined", "missing", "all_reduce", "ranks", "ok")})
     findings = [Finding(f["level"], f["check"], f["message"], f["fix"]) for f in report["findings"]]

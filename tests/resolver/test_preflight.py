@@ -10,6 +10,7 @@ the catalog's rows (matrices/gpus.toml p2p columns) and the driver a user gives.
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -18,8 +19,8 @@ from matrices import catalog
 from trainer import facts
 from trainer.parallel.preflight import SHM_MIN_BYTES, host_findings, shm_from_df
 
-from .conftest import run_envtool
-from .test_train_cmd import CPU, config, env, tiny_model, train  # noqa: F401 (fixtures)
+from .conftest import ENVTOOL, run_envtool
+from .test_train_cmd import CPU, config, env, free_port, tiny_model, train  # noqa: F401 (fixtures)
 
 DOCKER_DF = Path(__file__).resolve().parents[1] / "trainer" / "data" / "preflight" / "docker-default-shm.df"
 TORCHRUN_NOISE = ("ChildFailedError", "Traceback", "torch.distributed.elastic")
@@ -71,6 +72,34 @@ def test_train_names_the_rank_that_never_reaches_the_first_collective_in_one_lin
     assert errors[0].startswith("error: preflight: rank 1 joined but did not reach the all-reduce within 15 s")
     assert not any(noise in out.stderr for noise in TORCHRUN_NOISE), out.stderr[-3000:]
     assert not (tmp_path / "out" / "final").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_doctor_across_machines_finds_the_output_dir_another_machine_does_not_see(config, env, tmp_path):
+    """Two launchers on one host form a 2-machine job (c10d rendezvous), each in its own working directory, as
+    machines without a shared filesystem are: the config's relative output_dir and dataset_prepared_path are
+    not the same directories on machine 1. (The same check passing is part of every multi-machine train, e.g.
+    test_train_cmd's two launchers.)"""
+    path = config(output_dir="out", dataset_prepared_path="prepared")
+    endpoint = f"127.0.0.1:{free_port()}"
+    homes = [tmp_path / "machine-a", tmp_path / "machine-b"]
+    launchers = []
+    for rank, home in enumerate(homes):
+        home.mkdir()
+        launchers.append(subprocess.Popen(
+            [str(ENVTOOL), "doctor", "--multi-gpu", *CPU, "--nproc", "1", "--nnodes", "2", "--node-rank", str(rank),
+             "--rdzv-endpoint", endpoint, "--config", str(path), "--timeout", "15", "--json"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=home))
+    results = [p.communicate(timeout=420) for p in launchers]
+    for p, (out, err) in zip(launchers, results):
+        assert p.returncode == 1, out[-2000:] + err[-2000:]
+        checks = by_check(json.loads(out))
+        assert checks["ranks"]["level"] == checks["all-reduce"]["level"] == "ok"
+        assert checks["shared-storage"]["level"] == "error"
+        assert f"machine 1 does not see output_dir out ({homes[1] / 'out'} here" in checks["shared-storage"]["message"]
+        assert str(homes[0] / "out") in checks["shared-storage"]["message"]
+    assert not any(home.joinpath(name).exists() for home in homes for name in ("out", "prepared"))  # nothing left
 
 
 def test_a_containers_shm_is_read_from_df_and_judged_by_the_backend():

@@ -415,14 +415,16 @@ class Preflight:
         if lay.machines == 1:
             return []
         deadline = time.monotonic() + self.timeout
-        markers = []
+        markers, created = [], []
         if lay.rank == 0:
             nonce = f"{os.getpid()}-{time.time_ns()}"
             for key, path in self.dirs:
                 absolute = os.path.abspath(path)
                 marker = Path(absolute) / f".envtool-preflight-{nonce}"
                 try:
+                    missing = [d for d in (Path(absolute), *Path(absolute).parents) if not d.exists()]
                     Path(absolute).mkdir(parents=True, exist_ok=True)
+                    created += missing  # removed again below when still empty: the check leaves nothing behind
                     marker.write_text(nonce)
                     markers.append(marker)
                 except OSError as err:
@@ -455,9 +457,9 @@ class Preflight:
         store.wait(others, deadline + 1)
         answers = {m: store.get(f"shared/machine/{m}") if store.has(f"shared/machine/{m}") else None
                    for m in range(1, lay.machines)}
-        for marker in markers:
+        for path in [*markers, *created]:
             try:
-                marker.unlink()
+                path.unlink() if path in markers else path.rmdir()
             except OSError:
                 pass
         self.report["shared_answers"] = {str(m): a for m, a in answers.items()}
