@@ -352,6 +352,7 @@ class Preflight:
         self.store: Store | None = None
         self.lock = threading.Lock()
         self.done = False
+        self.before_reduce: list[dict] = []
         self.report = {"rank": self.lay.rank, "world_size": self.lay.world, "machines": self.lay.machines,
                        "timeout_s": timeout, "backend": None, "device": None, "joined": [], "missing": [],
                        "ranks": {}, "all_reduce": None, "shared": [], "findings": [], "ok": False}
@@ -382,6 +383,7 @@ class Preflight:
         if missing:
             return self.finish(found + self.machine_findings())
         found += self.shared_storage()
+        self.before_reduce = list(found)  # what the watchdog reports beside a hung all-reduce
         found += self.all_reduce()
         return self.finish(found + self.machine_findings())
 
@@ -530,7 +532,7 @@ class Preflight:
             entered, finished = [self.lay.rank], []
         found = reduce_findings(self.lay, self.backend, entered, finished, self.timeout, None)
         self.report["all_reduce"] = {"ok": False, "seconds": None, "entered": entered, "finished": finished}
-        code = self.finish(found + self.machine_findings())
+        code = self.finish(self.before_reduce + found + self.machine_findings())
         if self.trainer and code:
             from trainer.errors import readable, record
 
