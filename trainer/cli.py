@@ -40,6 +40,7 @@ def cmd_validate(args) -> int:
     print(f"  precision:  {runtime.precision}{' + tf32' if runtime.tf32 else ''}")
     print(f"  packing:    {'on' if cfg.sample_packing else 'off'} (sequence_len {cfg.sequence_len}), "
           f"eval packing {'on' if cfg.packing_for_eval else 'off'}")
+    print(f"  rows apart: {runtime.isolation}")  # the plan's `packing`: varlen (cu_seqlens) or mask, and why
     print(f"  batch:      micro_batch_size {cfg.micro_batch_size} x gradient_accumulation_steps "
           f"{cfg.gradient_accumulation_steps} x processes")
     print(f"  adapter:    {cfg.adapter or 'none (full fine-tune)'}"
