@@ -581,6 +581,7 @@ def train(
         trainer = training.trainer
         print(f"trainer: attention {trainer['attention']}, precision {trainer['precision']}"
               f"{' + tf32' if trainer['tf32'] else ''}")
+        print(f"trainer: packing {trainer['isolation']}")
         for note in trainer["notes"]:
             print(f"note: {note}")
         print(f"environment: {launch.kind} {launch.path or ''} — {launch.why}")

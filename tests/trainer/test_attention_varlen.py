@@ -240,8 +240,18 @@ def test_the_trainer_packs_as_the_plan_says(gpu):
         assert "attention: sdpa -> varlen_attn" in " ".join(runtime.changes)
         assert "the plan's packing: varlen" in " ".join(runtime.changes)
     assert runtime.mask_without_cudnn == (gpu in ("b200", "h100"))  # torch 2.15 CUDA 13: cuDNN first on sm90/sm100
+    assert not [c for c in runtime.changes if c.startswith("cuDNN SDPA off")]  # no SDPA call with a mask is made
+
+
+def test_a_b200_run_on_sdpas_mask_keeps_cudnn_off_masked_calls_and_says_why():
+    """--attention sdpa with packing: mask (the plan's choice where a model cannot take varlen): cuDNN off, said once."""
+    plan = resolver_plan("b200", driver="610.43.02") | {"packing": "mask"}
+    cfg, _ = parse_config(CONFIG)
+    runtime = fit(cfg, gpu_from_plan(plan, "plan"), plan, model_class=False)
+    assert runtime.attention == "sdpa" and runtime.mask_without_cudnn
+    assert runtime.isolation == "mask: a boolean 4-D block-diagonal mask (the plan's packing: mask)"
     notes = [c for c in runtime.changes if c.startswith("cuDNN SDPA off")]
-    assert len(notes) == (1 if gpu == "b200" else 0)  # said once, where the run's attention is SDPA's
+    assert len(notes) == 1 and "NVIDIA B200" in notes[0] and "trl#7181" in notes[0]
 
 
 def test_without_a_plan_the_same_rule_reads_torch_and_the_gpu():
@@ -253,6 +263,8 @@ def test_without_a_plan_the_same_rule_reads_torch_and_the_gpu():
         assert runtime.attention == attention, gpu
     runtime = fit(cfg, gpu_from_name("t4"), None, model_class=False)
     assert "varlen_attn needs sm_80+" in runtime.isolation
+    assert "varlen_attn runs on NVIDIA GPUs (sm_80+), not on the CPU" in fit(cfg, gpu_from_name("cpu"), None,
+                                                                            model_class=False).isolation
     diffusion, _ = parse_config({**CONFIG, "attn_implementation": "sdpa",
                                  "plugins": ["axolotl.integrations.diffusion.DiffusionPlugin"]})
     assert fit(diffusion, gpu_from_name("a100"), None, model_class=False).attention == "sdpa"
@@ -262,7 +274,8 @@ def test_validate_says_how_packed_rows_are_kept_apart_as_the_plan_does(make_conf
     config = make_config(attn_implementation=None, sample_packing=True)
     for gpu, words in (("a100", "varlen: varlen_attn keeps packed rows apart by cu_seqlens from position_ids, "
                                 "no mask"),
-                       ("t4", "mask: a boolean 4-D block-diagonal mask (the plan's packing: mask)")):
+                       ("t4", "mask: a boolean 4-D block-diagonal mask (the plan's packing: mask; varlen_attn needs "
+                              "sm_80+; Tesla T4 (sm_75, turing) is older)")):
         plan = tmp_path / f"{gpu}.json"
         plan.write_text(json.dumps(resolver_plan(gpu, driver="610.43.02")))
         result = run_cli("validate", str(config), "--plan", str(plan))

@@ -80,7 +80,7 @@ def choose_packing(cfg, runtime, plan: dict | None) -> None:
                                    f"position_ids, no mask: {row['function']}, FA2 kernels built into torch"
                                    f"{row['torch']}, sm_{row['min_cc'].replace('.', '')}+; {source})")
     runtime.isolation = _isolation(runtime.attention, why_not)
-    if runtime.mask_without_cudnn and runtime.attention in ("sdpa", varlen_kernels()[0]["name"]):
+    if runtime.mask_without_cudnn and runtime.attention == "sdpa":  # varlen_attn makes no SDPA call: no note
         runtime.changes.append(cudnn_note)
 
 
@@ -105,19 +105,22 @@ def _varlen_refused(cfg, runtime, plan: dict | None) -> str | None:
     if diffusion(cfg):
         return "diffusion attends both ways through its own mask"
     installed, _ = _installed_torch()
-    if plan is not None and plan.get("packing") and _plan_runs_sdpa(plan):
+    version = (plan or {}).get("torch", {}).get("version") or installed
+    local = None  # the rule itself, on the plan's torch (else the installed one) and this GPU
+    if version is None:
+        local = f"torch is not installed here, and {name} needs torch{row['torch']}"
+    elif not _in_range(version, row["torch"]):
+        local = f"torch {version} has no {name} (torch{row['torch']})"
+    elif runtime.gpu.cc is None:
+        local = (f"{name} runs on NVIDIA GPUs (sm_{row['min_cc'].replace('.', '')}+), not on "
+                 f"{'the CPU' if runtime.gpu.kind == 'cpu' else runtime.gpu.describe()}")
+    elif catalog.cc_tuple(runtime.gpu.compute_capability) < catalog.cc_tuple(row["min_cc"]):
+        local = f"{name} needs sm_{row['min_cc'].replace('.', '')}+; {runtime.gpu.describe()} is older"
+    if plan is not None and plan.get("packing") and _plan_runs_sdpa(plan):  # the plan decides (its torch is here)
         if plan["packing"] != "varlen":
-            return f"the plan's packing: {plan['packing']}"
-    else:  # no plan, or one that does not say (older plans; a plan for another attention): the same rule
-        version = (plan or {}).get("torch", {}).get("version") or installed
-        if version is None:
-            return f"torch is not installed here, and {name} needs torch{row['torch']}"
-        if not _in_range(version, row["torch"]):
-            return f"torch {version} has no {name} (torch{row['torch']})"
-        if runtime.gpu.cc is None:
-            return f"{name} runs on CUDA GPUs (sm_{row['min_cc'].replace('.', '')}+); no GPU here"
-        if catalog.cc_tuple(runtime.gpu.compute_capability) < catalog.cc_tuple(row["min_cc"]):
-            return f"{name} needs sm_{row['min_cc'].replace('.', '')}+; {runtime.gpu.describe()} is older"
+            return f"the plan's packing: {plan['packing']}" + (f"; {local}" if local else "")
+    elif local:  # no plan, or one that does not say (older plans; a plan for another attention): the rule
+        return local
     if installed is not None and not _in_range(installed, row["torch"]):
         return f"the plan says packing: varlen, but torch {installed} here has no {name} (torch{row['torch']})"
     if runtime.gpu.cc is not None and runtime.precision == "fp32":
@@ -156,6 +159,9 @@ def _varlen_for_model(config, cls, runtime) -> list[str]:
     note = f"attention: {name} -> {fallback} ({why}; packed rows kept apart by a mask)"
     runtime.attention = fallback
     runtime.changes.append(note)
+    if fallback == "sdpa" and runtime.mask_without_cudnn:
+        runtime.changes.append("cuDNN SDPA off for masked SDPA calls (the plan's mask_without_cudnn: this build puts "
+                               "cuDNN attention first on this GPU, and it has open correctness bugs with masks)")
     runtime.isolation = _isolation(fallback, why)
     return [note]
 
