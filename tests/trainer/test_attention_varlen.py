@@ -164,6 +164,33 @@ def test_packed_through_varlen_equals_each_sequence_alone(family, families, stan
     assert scale == {24 ** -0.5 if family.startswith("gemma3") else 16 ** -0.5}
 
 
+def test_packed_through_flash_attention_3_equals_each_sequence_alone(families, monkeypatch):
+    """H100 plans train with flash_attention_3 (the flash_attn_3 wheel): transformers' own flash_attention_3 path,
+    fed the collator's one flattened row, calls flash_attn_interface.flash_attn_varlen_func (here a stand-in of its
+    signature, tests/trainer/varlen_standin.py) with cu_seqlens from position_ids: the same logits and losses as
+    sdpa on each sequence alone. transformers refuses to load flash_attention_3 without the wheel and CUDA, so the
+    model is loaded with sdpa and switched to it, the way transformers sets it after its check."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "flash_attn_interface", varlen_standin.fa3_module())
+    rows = examples(300)
+    batch = Collator(pad_token_id=0, attention="flash_attention_3")(rows)
+    assert "attention_mask" not in batch and batch["input_ids"].shape == (1, 33)
+    for family in ("llama", "gemma3_sliding_scaled"):
+        varlen_standin.CALLS.clear()
+        model = load(families[family], "sdpa")
+        model.config._attn_implementation = "flash_attention_3"
+        packed, single = per_sequence(model, rows, batch), alone(load(families[family], "sdpa"), rows)
+        for (p_logits, p_loss), (s_logits, s_loss) in zip(packed, single):
+            assert (p_logits - s_logits).abs().max().item() < 1e-4, family
+            assert p_loss.item() == pytest.approx(s_loss.item(), rel=1e-5)
+        calls = varlen_standin.CALLS
+        assert calls and all(c["form"] == "fa3_varlen" and c["sequences"] == 4 and c["causal"] for c in calls)
+        if family.startswith("gemma3"):
+            assert {c["window_size"] for c in calls} == {(-1, -1), (3, 3)}  # transformers passes (w-1, w-1) + causal
+            assert {c["scale"] for c in calls} == {24 ** -0.5}
+
+
 def test_torch_2_10s_form_of_the_kernel(families, standin, monkeypatch, tmp_path):
     """torch 2.10: is_causal, no scale/window/GQA keywords: the heads are repeated, the query scaled; a sliding
     window cannot be expressed, so such a model stays on sdpa's mask."""

@@ -89,3 +89,88 @@ def varlen_attn_2_10(
         raise ValueError("the 2.10 form takes as many key/value heads as query heads")
     CALLS.append({"form": "2.10", "is_causal": is_causal, "sequences": len(cu_seq_q) - 1, "max_q": max_q})
     return _reference(query, key, value, cu_seq_q, cu_seq_k, None, -1, 0 if is_causal else -1)
+
+
+# ---------------------------------------------------------------------------- FlashAttention-3's Python interface
+# flash_attn_interface, the module the flash_attn_3 wheel installs (built from flash-attention's hopper/) and
+# transformers' flash_attention_3 imports (modeling_flash_attention_utils._lazy_imports). Signatures as in
+# Dao-AILab/flash-attention hopper/flash_attn_interface.py (commit 01afd16d248c4c7d0f9aed1914084f16c490eaed, read
+# through the search tool's read_file): GQA by fewer key/value heads, causal aligned bottom-right, window_size
+# (left, right) inclusive, softmax_scale default 1/sqrt(headdim); the output alone unless return_attn_probs.
+# The kernels themselves (flash_attn_3._C) are CUDA only.
+
+
+def flash_attn_varlen_func(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    seqused_q=None,
+    seqused_k=None,
+    softmax_scale=None,
+    causal=False,
+    qv=None,
+    q_descale=None, k_descale=None, v_descale=None,
+    window_size=(-1, -1),
+    attention_chunk=0,
+    softcap=0.0,
+    num_splits=1,
+    pack_gqa=None,
+    deterministic=False,
+    sm_margin=0,
+    return_attn_probs=False,
+):
+    assert softcap == 0.0 and qv is None and seqused_q is None and seqused_k is None and not return_attn_probs
+    CALLS.append({"form": "fa3_varlen", "window_size": tuple(window_size), "scale": softmax_scale, "causal": causal,
+                  "sequences": len(cu_seqlens_q) - 1, "max_q": int(max_seqlen_q)})
+    left, right = window_size
+    if causal:
+        right = 0
+    return _reference(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, left, right)
+
+
+def flash_attn_func(
+    q,
+    k,
+    v,
+    softmax_scale=None,
+    causal=False,
+    qv=None,
+    q_descale=None, k_descale=None, v_descale=None,
+    window_size=(-1, -1),
+    attention_chunk=0,
+    softcap=0.0,
+    num_splits=1,
+    pack_gqa=None,
+    deterministic=False,
+    sm_margin=0,
+    return_attn_probs=False,
+):
+    batch, lq, lk = q.shape[0], q.shape[1], k.shape[1]
+    cu_q = torch.arange(batch + 1, dtype=torch.int32) * lq
+    cu_k = torch.arange(batch + 1, dtype=torch.int32) * lk
+    out = flash_attn_varlen_func(q.reshape(-1, *q.shape[2:]), k.reshape(-1, *k.shape[2:]), v.reshape(-1, *v.shape[2:]),
+                                 cu_q, cu_k, lq, lk, softmax_scale=softmax_scale, causal=causal,
+                                 window_size=window_size, softcap=softcap)
+    CALLS[-1]["form"] = "fa3"
+    return out.view(batch, lq, *out.shape[1:])
+
+
+def flash_attn_with_kvcache(*args, **kwargs):  # generation with a cache: not exercised by these tests
+    raise NotImplementedError("stand-in: flash_attn_with_kvcache")
+
+
+def fa3_module():
+    """The stand-in as an importable `flash_attn_interface` module."""
+    import importlib.machinery
+    import types
+
+    module = types.ModuleType("flash_attn_interface")
+    module.__spec__ = importlib.machinery.ModuleSpec("flash_attn_interface", None)  # no distribution: transformers
+    # still finds flash-attn 3 unavailable (it needs the flash-attn-3 distribution and CUDA), so nothing else moves
+    module.flash_attn_func, module.flash_attn_varlen_func = flash_attn_func, flash_attn_varlen_func
+    module.flash_attn_with_kvcache = flash_attn_with_kvcache
+    return module
