@@ -505,8 +505,9 @@ def train(
                                                   "HF_TOKEN and WANDB_API_KEY from, when it has them (secretKeyRef; "
                                                   "default envtool-secrets). Tokens are never written into a "
                                                   "launcher; an sbatch script takes them from the environment.")] = None,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan, where it runs and the exact "
-                                          "command; build and run nothing.")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan, where it runs, the attention "
+                                          "the trainer will run and how it keeps packed rows apart (varlen or a "
+                                          "mask, and why), and the exact command; build and run nothing.")] = False,
     json_out: JsonOpt = False,
     *,
     opts,
