@@ -305,10 +305,12 @@ def test_the_config_is_parsed_once(args, tmp_path, env):
     """Counted in envtool's own process: the YAML parser runs on the config once (the k8s ConfigMap copies the
     file's text as it is)."""
     path = write(tmp_path, attn_implementation="sdpa", optimizer="paged_adamw_8bit")
-    script = ("import sys, yaml, runpy\nparsed = []\noriginal = yaml.safe_load\n"
-              "def counting(stream, *a, **k):\n    data = original(stream, *a, **k)\n"
+    # counted where every YAML loader builds a document (yaml.safe_load and the reader's bounded loader alike)
+    script = ("import sys, yaml, runpy\nparsed = []\n"
+              "original = yaml.constructor.BaseConstructor.construct_document\n"
+              "def counting(self, node):\n    data = original(self, node)\n"
               f"    parsed.append(isinstance(data, dict) and data.get('optimizer') == 'paged_adamw_8bit')\n"
-              "    return data\nyaml.safe_load = counting\n"
+              "    return data\nyaml.constructor.BaseConstructor.construct_document = counting\n"
               f"sys.argv = ['envtool', 'train', {str(path)!r}, '--gpu', 'a100', '--python', '3.11', '--dry-run', "
               f"*{args!r}]\n"
               "try:\n    runpy.run_module('resolver', run_name='__main__')\nexcept SystemExit as e:\n"
