@@ -118,7 +118,7 @@ def cmd_train(args) -> int:
         ray_launch.require_ray(launched_by_torchrun=int(os.environ.get("WORLD_SIZE", "1")) > 1)
     for line in runtime.changes + notes:
         if int(os.environ.get("RANK", 0)) == 0:
-            log(f"note: {line}")
+            log(line if line.startswith("warning: ") else f"note: {line}")
     if with_ray:
         ray_launch.launch(args.config, args.plan, cfg, runtime, log, debug=args.debug)
         return 0
@@ -324,8 +324,10 @@ def main(argv: list[str] | None = None) -> int:
     except TrainerError as err:
         if args.debug:
             raise
-        if not record(prefix + str(err), err.exit_code):
-            print(prefix + str(err), file=sys.stderr)
+        lines = [line for _, line in err.problems] or [str(err)]  # several problems: one line each
+        if not record(prefix + "; ".join(lines), err.exit_code):
+            for line in lines:
+                print(prefix + line, file=sys.stderr)
         return err.exit_code
     except KeyboardInterrupt:
         print(prefix + "interrupted", file=sys.stderr)
