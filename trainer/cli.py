@@ -14,6 +14,8 @@ import sys
 from trainer import __version__
 from trainer.errors import TrainerError
 
+MAX_PROBLEM_LINES = 25  # error lines printed for one config; more are counted in the last line
+
 
 def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
@@ -317,17 +319,19 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger(name).setLevel(logging.ERROR)
     rank = os.environ.get("RANK")
     prefix = f"error (rank {rank}): " if rank not in (None, "0") else "error: "
-    from trainer.errors import record  # under envtool's torchrun launcher the line goes to it, printed once
+    from trainer.errors import readable, record  # under envtool's torchrun launcher the line goes to it, printed once
 
     try:
         return args.func(args)
     except TrainerError as err:
         if args.debug:
             raise
-        lines = [line for _, line in err.problems] or [str(err)]  # several problems: one line each
-        if not record(prefix + "; ".join(lines), err.exit_code):
-            for line in lines:
-                print(prefix + line, file=sys.stderr)
+        lines = [readable(prefix + line) for _, line in err.problems] or [readable(prefix + str(err))]
+        if len(lines) > MAX_PROBLEM_LINES:  # a config with thousands of bad values: the first ones, and a count
+            lines = lines[:MAX_PROBLEM_LINES - 1] + [f"{prefix}... and {len(lines) - MAX_PROBLEM_LINES + 1} more problems"]
+        if not record(readable(prefix + str(err)), err.exit_code):  # (envtool's launcher prints that one line)
+            for line in lines:  # several problems: one line each
+                print(line, file=sys.stderr)
         return err.exit_code
     except KeyboardInterrupt:
         print(prefix + "interrupted", file=sys.stderr)
@@ -335,8 +339,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as err:  # a bug or an environment problem: still one line unless --debug
         if args.debug:
             raise
-        line = (f"{prefix}{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''} "
-                "(run with --debug for the traceback)")
+        line = readable(f"{prefix}{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''} "
+                        "(run with --debug for the traceback)")
         if not record(line, 1):
             print(line, file=sys.stderr)
         return 1
