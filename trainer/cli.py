@@ -101,6 +101,11 @@ def cmd_preprocess(args) -> int:
 
         raise ConfigError("preprocess: streamed data (pretraining_dataset, streaming: true) is tokenized while "
                           "training; there is nothing to prepare")
+    if cfg.skip_prepare_dataset:
+        from trainer.errors import ConfigError
+
+        raise ConfigError("preprocess: skip_prepare_dataset: true tokenizes while training and keeps no prepared "
+                          "data; there is nothing to prepare (remove it to prepare once and reuse)")
     prepared = prepare(cfg, load_tokenizer(cfg), int(os.environ.get("RANK", 0)), log=log)
     result = {"path": str(prepared.path), **prepared.stats}
     print(json.dumps(result, indent=2) if args.json else

@@ -21,9 +21,10 @@ from trainer.errors import ConfigError
 PromptFormat = Literal["alpaca", "chat_template", "completion", "input_output"]
 # Axolotl's alpaca styles (`type: alpaca:<style>`; the texts are trainer/data/formats/alpaca_styles.py's)
 ALPACA_TYPES = ("alpaca", "alpaca:instruct", "alpaca:chat", "alpaca:chatml", "alpaca:phi")
-# Axolotl's older instruction types, each an alpaca prompter over its own columns (trainer/data/formats/instruction.py)
+# Axolotl's older instruction types, each an alpaca prompter over its own columns (trainer/data/formats/instruction.py
+# NAMED; tests/trainer/test_user_formats.py checks the two lists agree)
 INSTRUCTION_TYPES = ("alpaca_chat", "alpaca_chat.load_qa", "alpaca_chat.load_concise", "alpaca_chat.load_camel_ai",
-                     "alpaca_w_system.load_open_orca", "context_qa", "context_qa.load_v2", "context_qa.load_404",
+                     "context_qa", "context_qa.load_v2", "context_qa.load_404",
                      "oasst", "oasst:chat", "oasst:chatml", "oasst:phi", "oasst:instruct")
 
 
@@ -203,6 +204,10 @@ class DataKeys(BaseModel):
             raise ValueError("set datasets or pretraining_dataset, not both")
         if self.test_datasets and self.val_set_size:
             raise ValueError("set test_datasets or val_set_size, not both (each makes the validation rows)")
+        if self.test_datasets and (self.rl in ("grpo", "gdpo", "ebft") or self.pretraining_dataset or self.streaming):
+            raise ValueError("test_datasets: validation rows from their own datasets are read for SFT, preference and "
+                             "reward training; not with rl: grpo, gdpo or ebft, nor with streamed data (use "
+                             "val_set_size where it applies)")
         if self.streaming_multipack_buffer_size and self.pretrain_multipack_buffer_size:
             raise ValueError("pretrain_multipack_buffer_size is the deprecated spelling of "
                              "streaming_multipack_buffer_size; set only one")
