@@ -58,28 +58,39 @@ def cause(path: Path, gpu: str) -> str:
     return "ok"
 
 
-def run(configs: list[Path], which: str, verbose: bool) -> bool:
-    results = {}  # path -> (gpu, code, message, cause)
+ACCEPTED = ("ok", "hardware", "missing file", "hardware and missing file")  # what counts toward the figure
+
+
+def results(configs: list[Path], which: str) -> dict[Path, tuple[str, int, str, str]]:
+    """path -> (gpu, exit code, stderr, cause: ok | hardware | missing file | hardware and missing file | config |
+    crash) for `validate --gpu` the author's GPU (which: author; else an A100) or `which`.
+    (tests/trainer/test_user_configs.py asserts the figure with this.)"""
+    out = {}
     for path in configs:
         gpu = (author_gpu(path.read_text()) or "a100") if which == "author" else which
         code, err = validate(path, gpu)
         if code == 0:
-            results[path] = (gpu, 0, "", "ok")
+            out[path] = (gpu, 0, "", "ok")
         elif "(run with --debug for the traceback)" in err or code not in (1, 2):
-            results[path] = (gpu, code, err, "crash")
+            out[path] = (gpu, code, err, "crash")
         else:
-            results[path] = (gpu, code, err, cause(path, gpu))
-    total = len(results)
-    counts = Counter(r[3] for r in results.values())
+            out[path] = (gpu, code, err, cause(path, gpu))
+    return out
+
+
+def run(configs: list[Path], which: str, verbose: bool) -> bool:
+    results_ = results(configs, which)
+    total = len(results_)
+    counts = Counter(r[3] for r in results_.values())
     label = "the author's GPU (else a100)" if which == "author" else which
-    accepted = counts["ok"] + counts["hardware"] + counts["missing file"] + counts["hardware and missing file"]
+    accepted = sum(counts[c] for c in ACCEPTED)
     print(f"--gpu {label}: {counts['ok']}/{total} validate; {counts['hardware']} refused only for a hardware limit, "
           f"{counts['missing file']} only for a missing local file, {counts['hardware and missing file']} for both; "
           f"{counts['config']} refused for the config, "
           f"{counts['crash']} crashed -> {accepted}/{total} ({100 * accepted / max(total, 1):.1f}%) validate or are "
           "refused only for hardware or a missing file")
     by_key: dict[str, list[str]] = defaultdict(list)
-    for path, (_, _, message, why) in results.items():
+    for path, (_, _, message, why) in results_.items():
         if why == "config":
             for key in refused_keys(message):
                 by_key[key].append(path.name)
@@ -87,7 +98,7 @@ def run(configs: list[Path], which: str, verbose: bool) -> bool:
         print("  config refusals by key (a config may name several):")
         for key, names in sorted(by_key.items(), key=lambda kv: (-len(kv[1]), kv[0])):
             print(f"    {len(names):4d}  {key}: e.g. {names[0]}")
-    for path, (gpu, _, message, why) in sorted(results.items()):
+    for path, (gpu, _, message, why) in sorted(results_.items()):
         if why == "crash" or (verbose and why != "ok"):
             lines = "; ".join(line.removeprefix("error: ") for line in message.splitlines())
             print(f"  {why.upper() if why == 'crash' else why}: {path.name} (--gpu {gpu}): {lines}")
