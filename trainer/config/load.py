@@ -17,6 +17,7 @@ A YAML null (``fp16:``) means "unset", as in Axolotl, so it takes the default.
 
 from __future__ import annotations
 
+import re
 import typing
 from pathlib import Path
 from typing import Any
@@ -176,13 +177,17 @@ def parse_config(raw: Any) -> tuple[Config, list[str]]:
     for entry in kept.get("datasets", []):
         if entry.get("type") == "chat_template.default":  # Axolotl's full name of the strategy
             entry["type"] = "chat_template"
+    set_aside: set[str] = set()
     try:
         cfg = Config.model_validate(kept)
     except ValidationError as err:  # key and value problems together, so one run shows them all
         problems += _validation_problems(err)
         cfg = _lenient(kept, err)
+        set_aside = {str(e["loc"][0]) for e in err.errors() if e["loc"]}
     if cfg is not None:
-        problems += _named_choices(cfg, notes, lenient=bool(problems))
+        # a rule that reads a key set aside above would only say that the key is missing: not a problem to report
+        problems += [p for p in _named_choices(cfg, notes, lenient=bool(problems))
+                     if not any(re.search(rf"(?<![\w.]){re.escape(key)}\b", p) for key in set_aside)]
     notes = sift.notes() + notes
     if problems:
         raise several([("config", p) for p in problems], cfg)
