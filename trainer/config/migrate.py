@@ -13,8 +13,8 @@ Values (retired forms of a key that is still read):
   chat template named by `conversation`, the role names field_human / field_model added to `roles`.
 - `deepspeed: deepspeed/zero3.json`: Axolotl's 2023 folder of DeepSpeed configs, renamed deepspeed_configs/; read
   as the bundled deepspeed_configs/ file of that name where the given path does not exist.
-- a preference method (rl: dpo, ipo, orpo, simpo) over a dataset whose type is an SFT prompt format
-  (alpaca, completion, ...): Axolotl 0.4's DPO loader found no transform for it and used the rows unchanged, as
+- a preference method (rl: dpo, ipo, orpo, simpo) over a dataset whose type names no preference format
+  (alpaca, completion, an unknown chatml.<function>, ...): Axolotl 0.4's DPO loader found no transform for it and used the rows unchanged, as
   prompt / chosen / rejected; so does this trainer (no type), with a note.
 - `base_model_config` equal to base_model (Axolotl's own default): nothing to read.
 
@@ -247,16 +247,18 @@ def _old_deepspeed(raw: dict, rw: Rewrite) -> None:
 
 
 def _preference_types(raw: dict, rw: Rewrite) -> None:
-    from trainer.config.datasets import SFT_TYPES
+    from trainer.config.rl import KTO_TYPES, PAIR_TYPES, PRM_TYPES, REWARD_TYPES
 
     if raw.get("rl") not in PREFERENCE_METHODS:
         return
     for group in ("datasets", "test_datasets"):
         for i, entry in enumerate(raw.get(group) or []):
             kind = entry.get("type") if isinstance(entry, dict) else None
-            # an SFT prompt format only: another method's type (stepwise_supervised, bradley_terry.*, a KTO type)
-            # or a misspelt pair type is a mistake to name, not rows to use as they are
-            if not isinstance(kind, str) or kind.split(":")[0] not in {t.split(":")[0] for t in SFT_TYPES}:
+            # Axolotl's strategy loader returns no transform for any name it cannot import (prompt_strategies/base.py
+            # load), and the rows are used as they are. Not so here for a pair type (or one edit from one: a typo)
+            # or another method's type (KTO, reward models): those are mistakes to name.
+            if not isinstance(kind, str) or kind in PAIR_TYPES + KTO_TYPES + REWARD_TYPES + PRM_TYPES or any(
+                    keys.one_edit(kind, t) for t in PAIR_TYPES):
                 continue
             entry.pop("type")
             rw.notes.append(f"{group}.{i}.type: {kind!r} names no preference format; as in Axolotl 0.4 (whose DPO "
