@@ -203,3 +203,13 @@ def test_debug_shows_the_traceback(tmp_path):
 def test_version():
     result = run_cli("--version")
     assert result.returncode == 0 and result.stdout.strip() == "trainer 0.1.0"
+
+
+def test_validate_reports_key_file_and_hardware_problems_in_one_run(make_config, tmp_path, capsys):
+    """A user fixes everything in one round: a refused key, a bad value, a missing file and the GPU's limit."""
+    path = make_config(loraplus_lr_ratio=16, optimizer="adamw_bnb_9bit", bf16=True,
+                       datasets=[{"path": str(tmp_path / "nope.jsonl"), "type": "alpaca"}])
+    assert main(["validate", str(path), "--gpu", "t4"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 4 and all(line.startswith("error: ") for line in lines), lines
+    assert [line.split(":")[1].strip() for line in lines] == ["loraplus_lr_ratio", "optimizer", "datasets.0.path", "bf16"]
