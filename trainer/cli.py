@@ -14,6 +14,8 @@ import sys
 from trainer import __version__
 from trainer.errors import Stopped, TrainerError
 
+MAX_PROBLEM_LINES = 25  # error lines printed for one config; more are counted in the last line
+
 
 def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
@@ -100,6 +102,11 @@ def cmd_preprocess(args) -> int:
 
         raise ConfigError("preprocess: streamed data (pretraining_dataset, streaming: true) is tokenized while "
                           "training; there is nothing to prepare")
+    if cfg.skip_prepare_dataset:
+        from trainer.errors import ConfigError
+
+        raise ConfigError("preprocess: skip_prepare_dataset: true tokenizes while training and keeps no prepared "
+                          "data; there is nothing to prepare (remove it to prepare once and reuse)")
     prepared = prepare(cfg, load_tokenizer(cfg), int(os.environ.get("RANK", 0)), log=log)
     result = {"path": str(prepared.path), **prepared.stats}
     print(json.dumps(result, indent=2) if args.json else
@@ -119,7 +126,7 @@ def cmd_train(args) -> int:
         ray_launch.require_ray(launched_by_torchrun=int(os.environ.get("WORLD_SIZE", "1")) > 1)
     for line in runtime.changes + notes:
         if int(os.environ.get("RANK", 0)) == 0:
-            log(f"note: {line}")
+            log(line if line.startswith("warning: ") else f"note: {line}")
     if with_ray:
         ray_launch.launch(args.config, args.plan, cfg, runtime, log, debug=args.debug)
         return 0
@@ -356,9 +363,12 @@ def main(argv: list[str] | None = None) -> int:
     except TrainerError as err:
         if args.debug:
             raise
-        line = readable(prefix + str(err))
-        if not record(line, err.exit_code):
-            print(line, file=sys.stderr)
+        lines = [readable(prefix + line) for _, line in err.problems] or [readable(prefix + str(err))]
+        if len(lines) > MAX_PROBLEM_LINES:  # a config with thousands of bad values: the first ones, and a count
+            lines = lines[:MAX_PROBLEM_LINES - 1] + [f"{prefix}... and {len(lines) - MAX_PROBLEM_LINES + 1} more problems"]
+        if not record(readable(prefix + str(err)), err.exit_code):  # (envtool's launcher prints that one line)
+            for line in lines:  # several problems: one line each
+                print(line, file=sys.stderr)
         return err.exit_code
     except KeyboardInterrupt:  # Ctrl-C twice: at once, no checkpoint (trainer/runtime/stop.py)
         if not record(prefix + "interrupted", 130):

@@ -167,6 +167,9 @@ class Training:
                             f"process, fewer than {f'gradient_accumulation_steps={ga}' if self.draws == ga else 'one per step'}"
                             ": add data or lower micro_batch_size/gradient_accumulation_steps")
         self.total_steps = cfg.max_steps or self.steps_per_epoch * cfg.num_epochs
+        from trainer.config.training import steps_from_fractions
+
+        steps_from_fractions(cfg, self.total_steps)  # eval_steps: 0.05 and the like, as step counts now
         self.eval_every = (cadence(cfg.eval_steps, cfg.evals_per_epoch, self.steps_per_epoch)
                            if self.data.validation is not None else None)
         self.save_every = cadence(cfg.save_steps, cfg.saves_per_epoch, self.steps_per_epoch)
@@ -235,7 +238,7 @@ class Training:
 
     def feature_hooks(self) -> Hooks:
         """Each feature's part in the loop (its module returns None where the config does not use it)."""
-        from trainer.model import qat, relora, sparsity
+        from trainer.model import neftune, qat, relora, sparsity
         from trainer.objectives import diffusion_steps
         from trainer.optim import lisa
         from trainer.outputs import early_stopping
@@ -249,6 +252,7 @@ class Training:
             diffusion_steps.hook(cfg, model, self.tokenizer, self.data, self.runtime.attention, self.output_dir,
                                  self.main, self.sharded or self.tp > 1, say),  # samples every N steps
             early_stopping.hook(cfg, model, self.output_dir, say),  # stops, and ends with the best checkpoint
+            neftune.hook(cfg, model),  # noise on the input embeddings while training (transformers' NEFTune)
         ])
 
     def resume_path(self) -> Path | None:

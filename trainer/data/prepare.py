@@ -99,7 +99,14 @@ def _sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+def _files(ds: DatasetConfig) -> list[str]:
+    return [ds.data_files] if isinstance(ds.data_files, str) else list(ds.data_files or [])
+
+
 def _data_identity(ds: DatasetConfig) -> str:
+    if not ds.path or ds.path in FILE_BUILDERS.values():  # local files given by data_files
+        return hashlib.sha256("".join(_sha256_file(Path(f).expanduser()) if Path(f).expanduser().is_file() else f
+                                      for f in _files(ds)).encode()).hexdigest()
     path = Path(ds.path).expanduser()
     if path.is_file():
         return _sha256_file(path)
@@ -125,6 +132,8 @@ def cache_key(cfg: Config, tokenizer, hub_fingerprints: list[str], kind: dict | 
         "format": CACHE_FORMAT,
         "datasets": [d.model_dump() for d in cfg.datasets],
         "data": [_data_identity(d) for d in cfg.datasets] + hub_fingerprints,
+        **({"test_datasets": [d.model_dump() for d in cfg.test_datasets],
+            "test_data": [_data_identity(d) for d in cfg.test_datasets]} if cfg.test_datasets else {}),
         "tokenizer": tokenizer_identity(tokenizer),
         **(kind or {"kind": "sft"}),
         **{k: getattr(cfg, k) for k in ("sequence_len", "excess_length_strategy", "train_on_inputs", "val_set_size",
@@ -136,9 +145,16 @@ def cache_key(cfg: Config, tokenizer, hub_fingerprints: list[str], kind: dict | 
 
 
 def load_raw(ds: DatasetConfig):
-    """A local file or directory, or a hub dataset (needs the network)."""
+    """A local file or directory, local files given by data_files (no path, or path: json|csv|parquet|...), or a
+    hub dataset (needs the network; at `revision` where given)."""
     import datasets
 
+    if not ds.path:
+        files = _files(ds)
+        builder = ds.ds_type or FILE_BUILDERS.get(Path(files[0]).suffix.lower())
+        if builder is None:
+            raise DataError(f"dataset {ds.source}: unknown file type; set ds_type: json, parquet or csv")
+        return datasets.load_dataset(builder, data_files=files, split="train")
     path = Path(ds.path).expanduser()
     if path.is_file():
         builder = ds.ds_type or FILE_BUILDERS.get(path.suffix.lower())
@@ -150,7 +166,7 @@ def load_raw(ds: DatasetConfig):
     try:
         if path.is_dir():
             return datasets.load_dataset(str(path), data_files=ds.data_files, split=ds.split)
-        return datasets.load_dataset(ds.path, ds.name, data_files=ds.data_files, split=ds.split)
+        return datasets.load_dataset(ds.path, ds.name, data_files=ds.data_files, split=ds.split, revision=ds.revision)
     except Exception as err:  # hub errors come in many types; the first line says what happened
         raise TrainerError(f"cannot load dataset {ds.path} (split {ds.split}): {str(err).splitlines()[0]}") from None
 
@@ -160,7 +176,7 @@ class Prepared:
     train: object  # datasets.Dataset with input_ids, labels, length
     validation: object | None
     stats: dict
-    path: Path
+    path: Path | None  # None with skip_prepare_dataset (nothing cached)
 
 
 def workers_for(cfg: Config, rows: int) -> int:
@@ -205,7 +221,7 @@ def tokenize_example(row: dict, ds: DatasetConfig, cfg: Config, tokenizer) -> di
 def _tokenize(raw, ds: DatasetConfig, cfg: Config, tokenizer):
     workers = workers_for(cfg, len(raw))
     return raw.map(lambda row: tokenize_example(row, ds, cfg, tokenizer), remove_columns=raw.column_names,
-                   num_proc=workers if workers > 1 else None, desc=f"tokenizing {ds.path}")
+                   num_proc=workers if workers > 1 else None, desc=f"tokenizing {ds.source}")
 
 
 def build(cfg: Config, tokenizer) -> tuple[object, object | None, dict]:
@@ -214,6 +230,8 @@ def build(cfg: Config, tokenizer) -> tuple[object, object | None, dict]:
 
     parts = [_tokenize(load_raw(ds), ds, cfg, tokenizer) for ds in cfg.datasets]
     data, validation, stats = filter_and_split(cfg, datasets.concatenate_datasets(parts))
+    if cfg.test_datasets:
+        validation = held_out(cfg, [_tokenize(load_raw(ds), ds, cfg, tokenizer) for ds in cfg.test_datasets])
     stats.update(train_rows=len(data), train_tokens=int(sum(data["length"])),
                  validation_rows=len(validation) if validation is not None else 0)
     return data, validation, stats
@@ -224,11 +242,31 @@ def tokenize_and_split(cfg: Config, tokenizer, tokenize):
     (the shared tail of the preference and reward data paths)."""
     import datasets
 
-    parts = []
-    for ds in cfg.datasets:
-        raw = load_raw(ds)
-        parts.append(tokenize(raw, ds, cfg, tokenizer, workers_for(cfg, len(raw))))
-    return filter_and_split(cfg, datasets.concatenate_datasets(parts))
+    def each(entries):
+        parts = []
+        for ds in entries:
+            raw = load_raw(ds)
+            parts.append(tokenize(raw, ds, cfg, tokenizer, workers_for(cfg, len(raw))))
+        return parts
+
+    data, validation, stats = filter_and_split(cfg, datasets.concatenate_datasets(each(cfg.datasets)))
+    if cfg.test_datasets:
+        validation = held_out(cfg, each(cfg.test_datasets))
+    return data, validation, stats
+
+
+def held_out(cfg: Config, parts: list):
+    """test_datasets' rows (tokenized like the training rows) as the validation set, with the rows filter_and_split
+    drops from training dropped here too (too long under drop, nothing to train on)."""
+    import datasets
+
+    data = datasets.concatenate_datasets(parts)
+    drop = cfg.excess_length_strategy == "drop"
+    keep = [i for i, (long, targets) in enumerate(zip(data["too_long"], data["targets"]))
+            if targets > 0 and not (long and drop)]
+    if not keep:
+        raise DataError("test_datasets: no rows left to evaluate on after filtering (too long or nothing to train on)")
+    return data.select(keep).remove_columns(["too_long"])
 
 
 def filter_and_split(cfg: Config, data) -> tuple[object, object | None, dict]:
@@ -290,7 +328,9 @@ def _load(path: Path) -> Prepared:
 
 
 def _hub_fingerprints(cfg: Config) -> list[str]:
-    return [load_raw(d)._fingerprint for d in cfg.datasets if not looks_local(d.path)]
+    entries = list(cfg.datasets) + list(cfg.test_datasets or [])
+    return [load_raw(d)._fingerprint for d in entries
+            if d.path and d.path not in FILE_BUILDERS.values() and not looks_local(d.path)]
 
 
 def prepare(cfg: Config, tokenizer, rank: int = 0, log=print, builder=None, kind: dict | None = None) -> Prepared:
@@ -300,6 +340,11 @@ def prepare(cfg: Config, tokenizer, rank: int = 0, log=print, builder=None, kind
     passes its own (trainer/objectives/: Objective.prepare_data), with `kind` naming them in the cache key."""
     from filelock import FileLock, Timeout
 
+    if cfg.skip_prepare_dataset:  # tokenized in memory by every process; no cache written or read (as Axolotl)
+        train, validation, stats = (builder or build)(cfg, tokenizer)
+        if rank == 0 and stats["too_long"]:
+            log(f"{stats['too_long']} of {stats['rows']} rows are longer than sequence_len {cfg.sequence_len}")
+        return Prepared(train, validation, stats, None)
     root = Path(cfg.dataset_prepared_path)
     path = root / cache_key(cfg, tokenizer, _hub_fingerprints(cfg), kind)
     if rank == 0:

@@ -41,12 +41,14 @@ def load_model(cfg: Config, runtime: Runtime, tokenizer, source: str | None = No
     if cfg.revision_of_model:
         extra["revision"] = cfg.revision_of_model
     extra.update(parallel_kwargs or {})  # tensor parallelism: transformers' DistributedConfig (trainer/parallel/mesh.py)
-    if cfg.cls_model_config:  # Axolotl's cls_model_config: read the config with that class (trainer/model/config_class.py)
+    other_config = cfg.base_model_config if source == cfg.base_model else None  # Axolotl's base_model_config
+    if cfg.cls_model_config or other_config:  # read the config with that class / from there (trainer/model/config_class.py)
         from trainer.model import config_class
 
         overrides = dict(cfg.model_config_overrides or {})
         extra = {k: v for k, v in extra.items() if k not in overrides}
-        extra["config"] = config_class.load(cfg, source, overrides, cfg.revision_of_model)
+        extra["config"] = config_class.load(cfg, other_config or source, overrides,
+                                            None if other_config else cfg.revision_of_model)
     try:
         if cfg.reinit_weights:  # Axolotl's from_config: the architecture only, weights drawn from the seed
             model = fresh_model(cfg, source, dtype, runtime.attention, extra)
