@@ -59,7 +59,9 @@ def reported(command):
                 raise
             from trainer.errors import readable  # one line, cut to a readable size
 
-            print(readable(f"envtool: error: {e}"), file=sys.stderr)
+            from .credentials import redact  # no index credential in an error line
+
+            print(readable(redact(f"envtool: error: {e}")), file=sys.stderr)
             raise typer.Exit(e.exit_code) from None
         except KeyboardInterrupt:
             print("envtool: interrupted", file=sys.stderr)
