@@ -366,6 +366,11 @@ def run(image: str, command: list[str], *, gpus: str | None, shm_size: str, hf_c
     import docker
 
     check_gpus(gpus)
+    if not re.fullmatch(r"[0-9]+(\.[0-9]+)?[bkmgBKMG]?", shm_size or ""):
+        raise BadInput(f"--shm-size {shm_size!r}: give a size such as 8g or 512m")
+    for name in env_names:
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+            raise BadInput(f"-e {name!r}: give the name of an environment variable (its value is read from yours)")
     binds = [*mounts, *(parse_volume(v) for v in volumes)]
     run_as = container_user(user)
     c = client()

@@ -16,7 +16,7 @@ def write_atomic(path: Path, text: str, executable: bool = False) -> None:
 
 
 @contextlib.contextmanager
-def one_writer(target: Path, what: str, say=None):
+def one_writer(target: Path, what: str, say=None, suffix: str = "writer"):
     """Hold the lock of `target` (a venv, a lock directory) while writing it: `.<name>.writer` beside it, an
     flock the kernel releases when the holder exits however it exits (a dead holder's lock is simply taken
     over). A second writer waits, saying once on stderr which pid it waits for."""
@@ -24,7 +24,7 @@ def one_writer(target: Path, what: str, say=None):
     import sys
 
     target.parent.mkdir(parents=True, exist_ok=True)
-    path = target.parent / f".{target.name}.writer"
+    path = target.parent / f".{target.name}.{suffix}"
     with open(path, "a+") as f:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -536,11 +536,10 @@ def prepare(launch: Launch, plan: Plan, sources, *, quiet: bool = False,
         return
     venv = Path(launch.path)
     if launch.kind == "cached":
-        import fcntl
+        from .files import one_writer
 
-        venv.parent.mkdir(parents=True, exist_ok=True)
-        with open(venv.parent / f".{venv.name}.building", "w") as guard:
-            fcntl.flock(guard, fcntl.LOCK_EX)  # one build per key, however many launchers start at once
+        # one build per key, however many launchers start at once; the others wait, naming the builder's pid
+        with one_writer(venv, "the environment cached for this plan", say, suffix="building"):
             if (venv / "bin" / "python").exists():
                 return  # another launcher built it while this one waited
             say(f"building the environment for this plan in {venv} (once; later runs reuse it)")

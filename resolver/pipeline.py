@@ -211,6 +211,8 @@ def build(plans: list[Plan], sources, *, tag: str | None = None, push: bool = Fa
     from .wheelhouse import fill
 
     m = load()
+    if tag is not None:  # `--tag ''` or a tag with a space: one line now, not a default tag or a failed build later
+        images.check_image_reference(tag, "--tag")
     if tag and len(plans) > 1:
         raise BadInput("--tag names one image: build several targets without it (tags name the architecture)")
     for plan in plans:

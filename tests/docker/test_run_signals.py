@@ -48,6 +48,8 @@ def test_signals_reach_the_container_which_is_removed_and_ro_mounts_stay_read_on
     (["-v", "{tmp}:/data:rx"], "the mode after the second ':' is ro or rw, not 'rx'"),
     (["-v", "{tmp}:data"], "the path in the container must be absolute"),
     (["-v", "{tmp}/absent:/data"], "/absent does not exist on this host"),
+    (["--shm-size", ""], "--shm-size '': give a size such as 8g"),
+    (["-e", "HF_TOKEN=hf_x"], "-e 'HF_TOKEN=hf_x': give the name of an environment variable"),
 ])
 def test_bad_run_values_are_one_line_before_anything_starts(tmp_path, args, message):
     args = [a.replace("{tmp}", str(tmp_path)) for a in args]

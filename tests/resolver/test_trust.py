@@ -224,6 +224,27 @@ def test_an_empty_plan_option_is_an_error_not_the_default(option):
                                                "option out for the default"]
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--index-url", ""], "--index-url is empty: give a value"),
+    (["--extra-index-url", ""], "--extra-index-url is empty: give a value"),
+    (["--torch-index", " "], "--torch-index is empty: give a value"),
+    (["--ca-bundle", ""], "--ca-bundle is empty: give a value"),
+    (["--index-url", "pypi.local/simple"], "--index-url 'pypi.local/simple': give an http(s):// or file:// URL"),
+    (["--torch-index", "https://bot:tok3n@/whl/"], "--torch-index 'https://***@/whl/': give an http(s)://"),
+])
+def test_an_empty_or_hostless_source_is_an_error_not_the_default(tmp_path, args, message):
+    out = run_envtool("lock", "--gpu", "t4", *T4[:2], "--out", str(tmp_path / "env"), *args)
+    assert out.returncode == 2 and out.stdout == "" and "tok3n" not in out.stderr
+    (line,) = out.stderr.strip().splitlines()
+    assert line.startswith(f"envtool: error: {message}")
+    assert not (tmp_path / "env").exists()
+
+
+def test_an_empty_build_tag_is_an_error_not_the_default_tag():
+    out = run_envtool("build", "--gpu", "t4", *T4, "--tag", "")
+    assert out.returncode == 2 and out.stderr.startswith("envtool: error: --tag '' is not an image reference")
+
+
 def test_a_problem_quoting_a_huge_value_is_cut_and_the_others_stay_whole(tmp_path):
     config = tmp_path / "huge.yml"
     config.write_text("base_model: x\ndatasets: [{path: d.jsonl, type: alpaca}]\nlearnin_rate: 0.1\n"
