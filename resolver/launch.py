@@ -539,7 +539,7 @@ def prepare(launch: Launch, plan: Plan, sources, *, quiet: bool = False,
         from .files import one_writer
 
         # one build per key, however many launchers start at once; the others wait, naming the builder's pid
-        with one_writer(venv, "the environment cached for this plan", say, suffix="building"):
+        with one_writer(venv, "the environment cached for this plan", suffix="building"):  # (on stderr, even --json)
             if (venv / "bin" / "python").exists():
                 return  # another launcher built it while this one waited
             say(f"building the environment for this plan in {venv} (once; later runs reuse it)")
