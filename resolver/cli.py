@@ -593,7 +593,8 @@ def train(
     trainer runs in the active environment when doctor finds nothing wrong with it for the plan, else in an
     environment built for the plan and cached by it (or --venv DIR, or the plan's image with --image). One
     process per device: torchrun for several GPUs or machines. The trainer's error line and exit code are
-    envtool's, with one process or several.
+    envtool's, with one process or several. SIGTERM, SIGUSR1 or Ctrl-C: every rank stops after the same step
+    with a checkpoint (exit 138, or 130 for Ctrl-C; twice: at once); the same command again resumes it.
 
       envtool train examples/tiny-cpu.yml --gpu cpu
 
