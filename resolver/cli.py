@@ -59,7 +59,9 @@ def reported(command):
                 raise
             from trainer.errors import readable  # one line, cut to a readable size
 
-            print(readable(f"envtool: error: {e}"), file=sys.stderr)
+            from .credentials import redact  # no index credential in an error line
+
+            print(readable(redact(f"envtool: error: {e}")), file=sys.stderr)
             raise typer.Exit(e.exit_code) from None
         except KeyboardInterrupt:
             print("envtool: interrupted", file=sys.stderr)
@@ -176,11 +178,32 @@ def plan_options(**overrides):
 
 
 def _sources(values: dict):
+    from .errors import BadInput
     from .lock import Sources
 
+    for name, value in values.items():  # `--index-url ''` is an error, not PyPI; a URL envtool can name, no secret
+        option = f"--{name.replace('_', '-')}"
+        for item in value if isinstance(value, list) else [value]:
+            if item is not None and not item.strip():
+                raise BadInput(f"{option} is empty: give a value, or leave the option out for the default")
+            if item is not None and name in ("index_url", "extra_index_url", "torch_index"):
+                check_index_url(option, item)
     return Sources(index_url=values.get("index_url"), extra_index_urls=tuple(values.get("extra_index_url") or ()),
                    torch_index=values.get("torch_index"), find_links=tuple(values.get("find_links") or ()),
                    ca_bundle=values.get("ca_bundle") or None)
+
+
+def check_index_url(option: str, url: str) -> None:
+    """An index is an http(s) URL with a host, or a file:// URL; said in one line (its credentials redacted)."""
+    from urllib.parse import urlsplit
+
+    from .credentials import redact
+    from .errors import BadInput
+
+    parts = urlsplit(url)
+    if parts.scheme == "file" or (parts.scheme in ("http", "https") and parts.hostname):
+        return
+    raise BadInput(f"{option} {redact(url)!r}: give an http(s):// or file:// URL of a package index")
 
 
 def source_options(command):

@@ -5,10 +5,17 @@ contents, or the hub dataset's fingerprint), the tokenizer, and every config key
 With several processes, rank 0 prepares (under a file lock, so a concurrent `preprocess` or a second job
 does not prepare the same cache twice) and the other ranks wait for the finished cache directory, which
 appears atomically (temp dir + rename).
+
+Damage is detected, never trained on: the cache carries `manifest.json` (every file's size and sha256, written
+last), checked before each load (sizes always, hashes too up to HASH_LIMIT bytes); a cache that fails the check
+(bytes changed, a file missing, no manifest) is said so in one line and prepared again. Temp directories a killed
+run left for this key are removed under the key's lock; a failed write removes its own; a full disk or a
+read-only dataset_prepared_path is one line (TrainerError, exit 1; DataError, exit 2).
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -23,6 +30,8 @@ from trainer.data.formats.prompts import tokenize_row
 from trainer.errors import ConfigError, DataError, TrainerError
 
 CACHE_FORMAT = 2  # bump when tokenization changes, so old caches are not reused
+MANIFEST = "manifest.json"
+HASH_LIMIT = 1 << 30  # caches up to 1 GiB are hashed at every load (~1 s/GB); larger ones are checked by size
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
@@ -312,11 +321,75 @@ def filter_and_split(cfg: Config, data) -> tuple[object, object | None, dict]:
 def _save(path: Path, train, validation, stats: dict) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    train.save_to_disk(str(tmp / "train"))
-    if validation is not None:
-        validation.save_to_disk(str(tmp / "validation"))
-    (tmp / "stats.json").write_text(json.dumps(stats, indent=2))
-    os.replace(tmp, path)  # the cache is complete or absent
+    try:
+        train.save_to_disk(str(tmp / "train"))
+        if validation is not None:
+            validation.save_to_disk(str(tmp / "validation"))
+        (tmp / "stats.json").write_text(json.dumps(stats, indent=2))
+        (tmp / MANIFEST).write_text(json.dumps(_describe(tmp), indent=1))  # last: a cache with one is whole
+        os.replace(tmp, path)  # the cache is complete or absent
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if _no_space(e):
+            raise TrainerError(f"no space left on the device of dataset_prepared_path {path.parent} while writing the "
+                            f"dataset cache (nothing was left behind): free space there or point "
+                            f"dataset_prepared_path at a larger disk") from None
+        raise
+
+
+def _no_space(e: BaseException) -> bool:
+    """ENOSPC however it arrives: an OSError, or pyarrow's / datasets' error that carries its text."""
+    while e is not None:
+        if getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "No space left on device" in str(e):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def _files(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*") if p.is_file() and p.name != MANIFEST)
+
+
+def _describe(root: Path) -> dict:
+    return {str(p.relative_to(root)): {"size": p.stat().st_size, "sha256": _sha256_file(p)} for p in _files(root)}
+
+
+def damage(path: Path) -> str | None:
+    """Why the cache at `path` cannot be trusted, or None: checked against its manifest (sizes, and hashes up to
+    HASH_LIMIT bytes in all)."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except FileNotFoundError:
+        return f"it has no {MANIFEST} (an interrupted or older cache)"
+    except (OSError, ValueError) as e:
+        return f"its {MANIFEST} is unreadable ({e})"
+    for name, want in manifest.items():
+        f = path / name
+        if not f.is_file():
+            return f"{name} is missing"
+        if f.stat().st_size != want["size"]:
+            return f"{name} is {f.stat().st_size} bytes, its manifest says {want['size']}"
+    if sum(w["size"] for w in manifest.values()) <= HASH_LIMIT:
+        for name, want in manifest.items():
+            if _sha256_file(path / name) != want["sha256"]:
+                return f"the bytes of {name} changed since it was written"
+    return None
+
+
+def _discard(path: Path) -> None:
+    """Remove a damaged cache: renamed aside first, so no reader meets it half-deleted."""
+    aside = path.with_name(f".{path.name}.damaged-{os.getpid()}")
+    shutil.rmtree(aside, ignore_errors=True)
+    os.replace(path, aside)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def _clean_leftovers(path: Path) -> None:
+    """Temp and set-aside directories of this cache key: only a dead writer leaves them while the key's lock is
+    held by this process."""
+    for leftover in path.parent.glob(f".{path.name}.*-*"):
+        if leftover.is_dir() and leftover.name.rsplit("-", 1)[-1].isdigit():
+            shutil.rmtree(leftover, ignore_errors=True)
 
 
 def _load(path: Path) -> Prepared:
@@ -348,18 +421,30 @@ def prepare(cfg: Config, tokenizer, rank: int = 0, log=print, builder=None, kind
     root = Path(cfg.dataset_prepared_path)
     path = root / cache_key(cfg, tokenizer, _hub_fingerprints(cfg), kind)
     if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
         try:
-            with FileLock(str(root / f"{path.name}.lock"), timeout=cfg.dataset_prepare_timeout):
-                if not (path / "stats.json").exists():
-                    log(f"preparing dataset into {path}")
-                    _save(path, *(builder or build)(cfg, tokenizer))
+            root.mkdir(parents=True, exist_ok=True)
+            lock = FileLock(str(root / f"{path.name}.lock"), timeout=cfg.dataset_prepare_timeout)
+            lock.acquire()
         except Timeout:
             raise TrainerError(f"another process has held the lock on {path} for {cfg.dataset_prepare_timeout}s; "
                                "if none is running, delete the .lock file") from None
+        except OSError as e:  # read-only, full, or not a directory: before anything is tokenized
+            raise DataError(f"dataset_prepared_path {root}: cannot write the dataset cache there "
+                            f"({e.strerror or e})") from None
+        try:
+            _clean_leftovers(path)
+            why = damage(path) if path.exists() else None
+            if why:
+                log(f"the dataset cache {path} is damaged ({why}): preparing it again")
+                _discard(path)
+            if not path.exists():
+                log(f"preparing dataset into {path}")
+                _save(path, *(builder or build)(cfg, tokenizer))
+        finally:
+            lock.release()
     else:
         deadline = time.monotonic() + cfg.dataset_prepare_timeout
-        while not (path / "stats.json").exists():
+        while not (path / MANIFEST).exists() or damage(path):
             if time.monotonic() > deadline:
                 raise TrainerError(f"rank {rank} waited {cfg.dataset_prepare_timeout}s for rank 0 to prepare the "
                                    f"dataset cache {path}; run `python -m trainer preprocess` first or raise "
