@@ -507,6 +507,8 @@ def train(
                                                   "launcher; an sbatch script takes them from the environment.")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan, where it runs and the exact "
                                           "command; build and run nothing.")] = False,
+    no_fit_check: Annotated[bool, typer.Option("--no-fit-check", help="Train (or write the launcher) even when the "
+                                               "memory estimate says the run does not fit the plan's GPU.")] = False,
     json_out: JsonOpt = False,
     *,
     opts,
@@ -522,7 +524,10 @@ def train(
     trainer runs in the active environment when doctor finds nothing wrong with it for the plan, else in an
     environment built for the plan and cached by it (or --venv DIR, or the plan's image with --image). One
     process per device: torchrun for several GPUs or machines. The trainer's error line and exit code are
-    envtool's, with one process or several.
+    envtool's, with one process or several. Before anything is built or started, the memory estimate (`envtool
+    fit`'s, from the model's config.json when it is on this machine) is checked on the plan's GPU: when even the
+    band's low end is above its memory (does_not_fit) the run stops, exit 2, naming the cheapest change that fits;
+    --no-fit-check trains anyway. --dry-run prints the estimate.
 
       envtool train examples/tiny-cpu.yml --gpu cpu
 
@@ -536,7 +541,7 @@ def train(
     """
     from .errors import BadInput
     from .emit import emit as write_launcher
-    from .launch import Distribution, plan_training, prepare, run
+    from .launch import Distribution, check_fit, plan_training, prepare, run
 
     if venv is not None and image:
         raise BadInput("--venv and --image are two places to train: give one")
@@ -559,6 +564,8 @@ def train(
         check_claim(pvc)
     dist = Distribution(nproc, nnodes, node_rank, rdzv_endpoint)
     training = plan_training(config, opts, dist, venv=venv, image=image, isolated=isolated, emit=emit)
+    if not (dry_run or no_fit_check):
+        check_fit(training)  # does_not_fit: exit 2 before anything is built or started
     log = (lambda s: None) if json_out else say
     if emit:
         text = write_launcher(training, emit, dist, sources, output=output, dry_run=dry_run, pvc=pvc,
@@ -581,6 +588,15 @@ def train(
         trainer = training.trainer
         print(f"trainer: attention {trainer['attention']}, precision {trainer['precision']}"
               f"{' + tf32' if trainer['tf32'] else ''}")
+        if training.fit is not None:
+            from trainer.runtime.memory import cheapest, one_line
+
+            print(f"fit: {one_line(training.fit)}")
+            change = cheapest(training.fit) if training.fit.result["verdict"] != "fits" else None
+            if change:
+                print(f"fit: cheapest change that fits: {change['text']} -> {change['peak_gb']:.1f} GB")
+            if training.fit.result["verdict"] == "does_not_fit":
+                print("fit: `envtool train` stops here without --no-fit-check")
         for note in trainer["notes"]:
             print(f"note: {note}")
         print(f"environment: {launch.kind} {launch.path or ''} — {launch.why}")

@@ -25,11 +25,6 @@ class FitResult:
     reason: str | None = None  # why the verdict is unknown
 
 
-def unknown(gpu: dict, reason: str) -> dict:
-    return {"gpu": gpu, "unit": "GB", "peak_gb": None, "low_gb": None, "high_gb": None, "fits": None,
-            "verdict": "unknown", "breakdown": {}, "suggestions": []}
-
-
 def resolve_gpu(text: str, nproc: int | None):
     """(name, memory_gb, count, trainer's --gpu value) for `--gpu`."""
     from .hardware import targets
@@ -55,7 +50,6 @@ def resolve_gpu(text: str, nproc: int | None):
 
 def fit(config: Path, gpu: str = "auto", nproc: int | None = None) -> FitResult:
     name, memory_gb, count, trainer_gpu = resolve_gpu(gpu, nproc)
-    gpu_json = {"name": name, "memory_gb": memory_gb, "count": count}
     try:
         import trainer.config  # noqa: F401 (pydantic, pyyaml: the trainer's config reader)
         from trainer.errors import TrainerError
@@ -73,7 +67,6 @@ def fit(config: Path, gpu: str = "auto", nproc: int | None = None) -> FitResult:
         with memory_model.quiet_imports():  # the config reader may import transformers' model modules
             cfg, config_notes, runtime = start(config, gpu=trainer_gpu)
 
-        setup = memory.setup_from(cfg, runtime, count)
     except TrainerError as err:
         raise BadInput(str(err)) from None
     finally:
@@ -82,18 +75,8 @@ def fit(config: Path, gpu: str = "auto", nproc: int | None = None) -> FitResult:
         else:
             os.environ["WORLD_SIZE"] = previous
     try:
-        shape = memory_model.model_shape(cfg.base_model, revision=cfg.revision_of_model,
-                                         trust_remote_code=cfg.trust_remote_code,
-                                         overrides=cfg.model_config_overrides)
-    except memory_model.ModelConfigError as err:
-        if err.bad_input:
-            raise BadInput(str(err)) from None
-        reason = f"the model's shape is unknown: {err}"
-        return FitResult(unknown(gpu_json, reason), cfg.base_model, [reason], config_notes, None, reason)
-    est = memory.estimate(shape, setup, memory.Gpu(name, memory_gb, count))
-    notes = list(est.notes)
-    reason = None
-    if memory_gb is None:
-        reason = f"{name}'s memory is not in matrices/gpus.toml: name the GPU (e.g. --gpu a100-80gb)"
-        notes.append(reason)
-    return FitResult(est.to_json(), cfg.base_model, notes, config_notes + list(runtime.changes), est, reason)
+        found = memory.report(cfg, runtime, memory.Gpu(name, memory_gb, count))
+    except memory_model.ModelConfigError as err:  # a base_model that does not exist
+        raise BadInput(str(err)) from None
+    return FitResult(found.result, found.model, found.notes, config_notes + list(runtime.changes), found.estimate,
+                     found.reason)

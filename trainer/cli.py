@@ -31,8 +31,10 @@ def cmd_validate(args) -> int:
     from trainer.parallel import distributed
 
     cfg, notes, runtime = _setup(args, args.gpu)
+    fit = fit_block(cfg, runtime)
     if args.json:
-        print(json.dumps({"config": cfg.model_dump(), "runtime": runtime.to_dict(), "notes": notes}, indent=2))
+        print(json.dumps({"config": cfg.model_dump(), "runtime": runtime.to_dict(), "notes": notes,
+                          "fit": fit.result if fit else None}, indent=2))
         return 0
     print(f"config {args.config} is valid")
     print(f"  gpu:        {runtime.gpu.describe()} (from {runtime.gpu.source})")
@@ -78,6 +80,15 @@ def cmd_validate(args) -> int:
 
         print(f"  objective:  {cfg.objective} ({'sequence' if cfg.objective == 'reward' else 'token'} classification, "
               f"num_labels {num_labels(cfg)})")
+    if fit is None:
+        print(f"  fit:        not estimated on {runtime.gpu.describe()} (no GPU memory; `envtool fit CONFIG --gpu NAME`)")
+    else:
+        from trainer.runtime.memory import cheapest, one_line
+
+        print(f"  fit:        {one_line(fit)}")
+        change = cheapest(fit) if fit.result["verdict"] in ("tight", "does_not_fit") else None
+        if change:
+            print(f"              cheapest change that fits: {change['text']} -> {change['peak_gb']:.1f} GB")
     print("changes for this hardware:" if runtime.changes else "no changes for this hardware")
     for change in runtime.changes:
         print(f"  - {change}")
@@ -86,6 +97,21 @@ def cmd_validate(args) -> int:
     for note in notes:
         print(f"  - {note}")
     return 0
+
+
+def fit_block(cfg, runtime):
+    """The memory estimate on the GPU validate judges for (trainer/runtime/memory.py, the one `envtool fit` and
+    `envtool train --dry-run` print): None on the CPU. The model's config.json from its directory or a cache only."""
+    from trainer.errors import ConfigError
+    from trainer.runtime import memory, memory_model
+
+    gpu = runtime.gpu
+    if gpu.memory_gb is None and gpu.compute_capability is None and gpu.vendor is None:
+        return None
+    try:
+        return memory.report(cfg, runtime, memory.Gpu(gpu.name, gpu.memory_gb, max(1, gpu.count)), local_only=True)
+    except memory_model.ModelConfigError as err:
+        raise ConfigError(f"base_model: {err}") from None
 
 
 def cmd_preprocess(args) -> int:

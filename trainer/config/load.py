@@ -79,6 +79,9 @@ def _legacy_keys(raw: dict, notes: list[str]) -> dict:
             if given and raw.get(target) is None:
                 raw[target] = value
                 notes.append(f"{key}: true is the legacy spelling of {target}: {str(value).lower()}")
+    if raw.get("micro_batch_size") == "auto":  # the batch per step is micro 1 x gradient_accumulation_steps,
+        raw["micro_batch_size"] = 1  # split by the estimate at start (trainer/runtime/auto_batch.py)
+        raw["auto_find_batch_size"] = True
     if "torch_dtype" in raw:
         given = raw.pop("torch_dtype")
         precision = TORCH_DTYPES.get(str(given).removeprefix("torch."))
