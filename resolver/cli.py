@@ -541,7 +541,8 @@ def train(
     """
     from .errors import BadInput
     from .emit import emit as write_launcher
-    from .launch import Distribution, check_fit, plan_training, prepare, run
+    from .fit import check as check_fit
+    from .launch import Distribution, plan_training, prepare, run
 
     if venv is not None and image:
         raise BadInput("--venv and --image are two places to train: give one")
@@ -589,14 +590,9 @@ def train(
         print(f"trainer: attention {trainer['attention']}, precision {trainer['precision']}"
               f"{' + tf32' if trainer['tf32'] else ''}")
         if training.fit is not None:
-            from trainer.runtime.memory import cheapest, one_line
+            from .fit import lines
 
-            print(f"fit: {one_line(training.fit)}")
-            change = cheapest(training.fit) if training.fit.result["verdict"] != "fits" else None
-            if change:
-                print(f"fit: cheapest change that fits: {change['text']} -> {change['peak_gb']:.1f} GB")
-            if training.fit.result["verdict"] == "does_not_fit":
-                print("fit: `envtool train` stops here without --no-fit-check")
+            print("\n".join(lines(training.fit)))
         for note in trainer["notes"]:
             print(f"note: {note}")
         print(f"environment: {launch.kind} {launch.path or ''} — {launch.why}")

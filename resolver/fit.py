@@ -80,3 +80,50 @@ def fit(config: Path, gpu: str = "auto", nproc: int | None = None) -> FitResult:
         raise BadInput(str(err)) from None
     return FitResult(found.result, found.model, found.notes, config_notes + list(runtime.changes), found.estimate,
                      found.reason)
+
+
+# ---------------------------------------------------------------------------- where `envtool train` starts
+
+
+def on_plan(cfg, runtime, config: Path, plan, processes: int):
+    """The memory estimate (trainer.runtime.memory.Report, the one `envtool fit` prints) for the trainer's Config
+    `cfg` as it runs under `plan` (`runtime`: the trainer's adaptation to it) on the plan's GPU over `processes`
+    processes. config.json from the model directory or a cache only (no network: `envtool fit` fetches it)."""
+    from trainer.runtime import memory, memory_model
+
+    gpu = memory.Gpu(plan.gpu.get("name") or plan.target, plan.gpu.get("memory_gb"), processes)
+    try:
+        return memory.report(cfg, runtime, gpu, local_only=True)
+    except memory_model.ModelConfigError as err:
+        raise BadInput(f"{config}: base_model: {err}") from None
+
+
+def lines(found) -> list[str]:
+    """`envtool train --dry-run`'s fit lines."""
+    from trainer.runtime.memory import cheapest, one_line
+
+    out = [f"fit: {one_line(found)}"]
+    change = cheapest(found) if found.result["verdict"] != "fits" else None
+    if change:
+        out.append(f"fit: cheapest change that fits: {change['text']} -> {change['peak_gb']:.1f} GB")
+    if found.result["verdict"] == "does_not_fit":
+        out.append("fit: `envtool train` stops here without --no-fit-check")
+    return out
+
+
+def check(training) -> None:
+    """`envtool train` stops here, before anything is built or started, when the estimate's whole band is above
+    the GPU's memory (verdict does_not_fit): one line (exit 2) with the estimate and the cheapest change that fits."""
+    found = training.fit
+    if found is None or found.result["verdict"] != "does_not_fit":
+        return
+    from trainer.runtime.memory import cheapest, one_line
+
+    from .errors import Unsatisfiable
+
+    change = cheapest(found)
+    fix = (f"cheapest change that fits: {change['text']} (-> {change['peak_gb']:.1f} GB)" if change
+           else "no single change found to fit it")
+    raise Unsatisfiable(f"{training.config} does not fit: {one_line(found)}; {fix}; `envtool fit "
+                        f"{training.config} --gpu {training.plan.target}` shows every term; --no-fit-check trains "
+                        "anyway")

@@ -470,37 +470,6 @@ class Training(NamedTuple):
                 "fit": self.fit.result if self.fit is not None else None}
 
 
-def fit_on_plan(cfg, config: Path, plan: Plan, processes: int):
-    """The memory estimate (trainer/runtime/memory.py, the one `envtool fit` prints) on the plan's GPU over
-    `processes` processes, or None on the CPU. config.json from the model directory or a cache only (no network)."""
-    if not plan.on_gpu:
-        return None
-    from trainer.runtime import memory, memory_model
-
-    runtime = _trainer_call(config, _fit, cfg, plan)
-    gpu = memory.Gpu(plan.gpu.get("name") or plan.target, plan.gpu.get("memory_gb"), processes)
-    try:
-        return memory.report(cfg, runtime, gpu, local_only=True)
-    except memory_model.ModelConfigError as err:
-        raise BadInput(f"{config}: base_model: {err}") from None
-
-
-def check_fit(training: "Training") -> None:
-    """`envtool train` stops here, before anything is built or started, when the estimate's whole band is above
-    the GPU's memory (verdict does_not_fit): one line with the estimate and the cheapest change that fits."""
-    found = training.fit
-    if found is None or found.result["verdict"] != "does_not_fit":
-        return
-    from trainer.runtime.memory import cheapest, one_line
-
-    change = cheapest(found)
-    fix = (f"cheapest change that fits: {change['text']} (-> {change['peak_gb']:.1f} GB)" if change
-           else "no single change found to fit it")
-    raise Unsatisfiable(f"{training.config} does not fit: {one_line(found)}; {fix}; `envtool fit "
-                        f"{training.config} --gpu {training.plan.target}` shows every term; --no-fit-check trains "
-                        "anyway")
-
-
 def plan_training(config: Path, opts: PlanOptions, dist: Distribution, *, venv: Path | None = None,
                   image: bool = False, isolated: bool = False, emit: str | None = None) -> Training:
     """Read the config, plan for it, check it against the plan and decide where and how it runs: everything that
@@ -522,7 +491,12 @@ def plan_training(config: Path, opts: PlanOptions, dist: Distribution, *, venv: 
                                             f"image (--python overrides)", *fitted.notes])
     launch = plan_launch(fitted.plan, cfg, config, opts, dist, venv=venv, image=image or emit == "k8s",
                          isolated=isolated, mounted=emit != "k8s")  # k8s carries the config in a ConfigMap
-    fit = fit_on_plan(cfg, config, fitted.plan, launcher_nproc(fitted.plan, cfg, config, dist) * dist.nnodes)
+    fit = None
+    if fitted.plan.on_gpu:  # the memory estimate on the plan's GPU (resolver/fit.py; `envtool train` stops on it)
+        from .fit import on_plan
+
+        fit = on_plan(cfg, _trainer_call(config, _fit, cfg, fitted.plan), config, fitted.plan,
+                      launcher_nproc(fitted.plan, cfg, config, dist) * dist.nnodes)
     return Training(config, cfg, fitted.plan, fitted.notes, fitted.trainer, launch, fit)
 
 

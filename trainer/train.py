@@ -180,7 +180,7 @@ class Training:
         # examples for preference objectives), counted before the first backward in ONE all-reduce of a
         # fixed-size vector. DDP averages gradients over ranks and DeepSpeed divides by ga: scale to undo both.
         # (CP ranks are data ranks to DDP/FSDP/ZeRO, and each backward holds only its own slice's share)
-        self.loss_scale = self.data_world * self.cp * (ga if cfg.deepspeed else 1)
+        self.loss_scale = self.data_world * self.cp * (self.ga if cfg.deepspeed else 1)
         # each batch counts once: the other ranks of a tensor- or context-parallel group add zeros to the step's sums
         self.vote = 1.0 if self.rank % group == 0 else 0.0
         self.sync_every = sync_each_batch(cfg)  # accelerator_config: reduce after every micro-batch
@@ -332,7 +332,7 @@ class Training:
             why = "micro_batch_size: auto backs off before the first optimizer step only; set it lower"
         elif self.world > 1 or cfg.deepspeed or self.draws != self.ga:
             why = ("micro_batch_size: auto backs off in a single process without DeepSpeed only; set "
-                   f"micro_batch_size lower (and gradient_accumulation_steps higher by as much)")
+                   "micro_batch_size lower (and gradient_accumulation_steps higher by as much)")
         elif smaller is None:
             why = "micro_batch_size is 1 already: see `envtool fit` for the changes that fit"
         if why:
