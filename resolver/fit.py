@@ -94,8 +94,9 @@ def on_plan(cfg, runtime, config: Path, plan, processes: int):
     gpu = memory.Gpu(plan.gpu.get("name") or plan.target, plan.gpu.get("memory_gb"), processes)
     try:
         return memory.report(cfg, runtime, gpu, local_only=True)
-    except memory_model.ModelConfigError as err:
-        raise BadInput(f"{config}: base_model: {err}") from None
+    except memory_model.ModelConfigError as err:  # the model is the trainer's to refuse when it loads it
+        reason = f"the model's shape is unknown: {err}"
+        return memory.Report(memory.unknown(gpu, reason), cfg.base_model, [reason], None, reason)
 
 
 def lines(found) -> list[str]:

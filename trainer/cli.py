@@ -102,16 +102,17 @@ def cmd_validate(args) -> int:
 def fit_block(cfg, runtime):
     """The memory estimate on the GPU validate judges for (trainer/runtime/memory.py, the one `envtool fit` and
     `envtool train --dry-run` print): None on the CPU. The model's config.json from its directory or a cache only."""
-    from trainer.errors import ConfigError
     from trainer.runtime import memory, memory_model
 
     gpu = runtime.gpu
     if gpu.memory_gb is None and gpu.compute_capability is None and gpu.vendor is None:
         return None
+    on = memory.Gpu(gpu.name, gpu.memory_gb, max(1, gpu.count))
     try:
-        return memory.report(cfg, runtime, memory.Gpu(gpu.name, gpu.memory_gb, max(1, gpu.count)), local_only=True)
-    except memory_model.ModelConfigError as err:
-        raise ConfigError(f"base_model: {err}") from None
+        return memory.report(cfg, runtime, on, local_only=True)
+    except memory_model.ModelConfigError as err:  # the model is the loader's to refuse, at train time
+        reason = f"the model's shape is unknown: {err}"
+        return memory.Report(memory.unknown(on, reason), cfg.base_model, [reason], None, reason)
 
 
 def cmd_preprocess(args) -> int:
