@@ -42,8 +42,15 @@ def cmd_validate(args) -> int:
     print(f"  precision:  {runtime.precision}{' + tf32' if runtime.tf32 else ''}")
     print(f"  packing:    {'on' if cfg.sample_packing else 'off'} (sequence_len {cfg.sequence_len}), "
           f"eval packing {'on' if cfg.packing_for_eval else 'off'}")
-    print(f"  batch:      micro_batch_size {cfg.micro_batch_size} x gradient_accumulation_steps "
-          f"{cfg.gradient_accumulation_steps} x processes")
+    if cfg.auto_find_batch_size:
+        picked = next((n for n in (fit.notes if fit else []) if n.startswith("micro_batch_size auto: ")), None)
+        batch = cfg.micro_batch_size * cfg.gradient_accumulation_steps
+        print(f"  batch:      micro_batch_size auto: {batch} rows per step per process, split "
+              + (picked.removeprefix("micro_batch_size auto: ") if picked else
+                 "at start (the whole batch on the CPU)" if fit is None else "at start (1: the estimate is unknown)"))
+    else:
+        print(f"  batch:      micro_batch_size {cfg.micro_batch_size} x gradient_accumulation_steps "
+              f"{cfg.gradient_accumulation_steps} x processes")
     print(f"  adapter:    {cfg.adapter or 'none (full fine-tune)'}"
           + {"load_in_4bit": " on 4-bit (NF4) base weights", "load_in_8bit": " on 8-bit (LLM.int8) base weights"}.get(
               quantization.mode(cfg) or "", ""))
@@ -81,7 +88,7 @@ def cmd_validate(args) -> int:
         print(f"  objective:  {cfg.objective} ({'sequence' if cfg.objective == 'reward' else 'token'} classification, "
               f"num_labels {num_labels(cfg)})")
     if fit is None:
-        print(f"  fit:        not estimated on {runtime.gpu.describe()} (no GPU memory; `envtool fit CONFIG --gpu NAME`)")
+        print("  fit:        not estimated: no GPU memory here (--gpu NAME estimates for that GPU)")
     else:
         from trainer.runtime.memory import cheapest, one_line
 
