@@ -336,8 +336,10 @@ class Training:
         elif smaller is None:
             why = "micro_batch_size is 1 already: see `envtool fit` for the changes that fit"
         if why:
+            said = (str(err).splitlines() or [""])[0][:200]  # torch's "CUDA out of memory. Tried to allocate ..."
             raise TrainingError(f"out of memory at step {self.step + 1} with micro_batch_size {cfg.micro_batch_size} "
-                                f"x gradient_accumulation_steps {cfg.gradient_accumulation_steps}: {why}") from None
+                                f"x gradient_accumulation_steps {cfg.gradient_accumulation_steps}: {why} "
+                                f"(torch: {said})") from None
         self.optimizer.zero_grad(set_to_none=True)
         import gc
 
