@@ -140,3 +140,14 @@ def test_micro_batch_size_auto_backs_off_from_an_out_of_memory_error_keeping_the
     steps = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps if "loss" in s] == [1, 2]
     assert (tmp_path / "out" / "final").is_dir()
+
+    # without auto the same error is one line naming the split and the key that finds one, exit 1
+    cfg.update(micro_batch_size=2, output_dir=str(tmp_path / "fixed"))
+    config.write_text(yaml.safe_dump(cfg))
+    out = subprocess.run([str(ENVTOOL), "train", str(config), "--gpu", "cpu"], capture_output=True, text=True,
+                         env=env, timeout=600)
+    assert out.returncode == 1
+    assert out.stderr.splitlines()[-1] == (
+        "error: out of memory at step 1 with micro_batch_size 2 x gradient_accumulation_steps 4: set "
+        "micro_batch_size: auto to find the largest that fits (torch: CUDA out of memory. Tried to allocate 4 GiB "
+        "(injected))")
