@@ -505,8 +505,9 @@ def train(
                                                   "HF_TOKEN and WANDB_API_KEY from, when it has them (secretKeyRef; "
                                                   "default envtool-secrets). Tokens are never written into a "
                                                   "launcher; an sbatch script takes them from the environment.")] = None,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan, where it runs and the exact "
-                                          "command; build and run nothing.")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan, where it runs, the attention "
+                                          "the trainer will run and how it keeps packed rows apart (varlen or a "
+                                          "mask, and why), and the exact command; build and run nothing.")] = False,
     no_fit_check: Annotated[bool, typer.Option("--no-fit-check", help="Train (or write the launcher) even when the "
                                                "memory estimate says the run does not fit the plan's GPU.")] = False,
     json_out: JsonOpt = False,
@@ -589,6 +590,7 @@ def train(
         trainer = training.trainer
         print(f"trainer: attention {trainer['attention']}, precision {trainer['precision']}"
               f"{' + tf32' if trainer['tf32'] else ''}")
+        print(f"trainer: packing {trainer['isolation']}")
         if training.fit is not None:
             from .fit import lines
 

@@ -72,7 +72,7 @@ class Fitted(NamedTuple):
 
     plan: Plan
     notes: list[str]  # envtool's: the libraries the config needs, the launcher (printed as `config: ...`)
-    trainer: dict  # attention, precision, tf32 as the trainer will run them, and the notes it prints at start
+    trainer: dict  # attention, precision, tf32, packing (+ isolation: how, why) as the trainer will run them, and its notes
 
 
 def plan_for_config(cfg, load_notes: list[str], config: Path, opts: PlanOptions) -> Fitted:
@@ -89,7 +89,7 @@ def plan_for_config(cfg, load_notes: list[str], config: Path, opts: PlanOptions)
         notes.append(f"use_ray: one trainer process, which starts {cfg.ray_num_workers} Ray Train worker(s) on a "
                      "local Ray cluster (no torchrun)")
     trainer = {"attention": runtime.attention, "precision": runtime.precision, "tf32": runtime.tf32,
-               "notes": [*runtime.changes, *load_notes]}
+               "packing": runtime.packing, "isolation": runtime.isolation, "notes": [*runtime.changes, *load_notes]}
     return Fitted(plan, notes, trainer)
 
 

@@ -42,6 +42,7 @@ def cmd_validate(args) -> int:
     print(f"  precision:  {runtime.precision}{' + tf32' if runtime.tf32 else ''}")
     print(f"  packing:    {'on' if cfg.sample_packing else 'off'} (sequence_len {cfg.sequence_len}), "
           f"eval packing {'on' if cfg.packing_for_eval else 'off'}")
+    print(f"  rows apart: {runtime.isolation}")  # the plan's `packing`: varlen (cu_seqlens) or mask, and why
     if cfg.auto_find_batch_size:
         picked = next((n for n in (fit.notes if fit else []) if n.startswith("micro_batch_size auto: ")), None)
         batch = cfg.micro_batch_size * cfg.gradient_accumulation_steps
@@ -262,7 +263,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("validate", help="show the effective config for this (or another) GPU, each change explained")
+    p = sub.add_parser("validate", help="show the effective config for this (or another) GPU, each change explained: the attention that will "
+                       "run and how packed rows are kept apart (varlen: cu_seqlens, no mask; or a mask), and why")
     p.add_argument("config")
     p.add_argument("--gpu", help="plan for this GPU instead: any name in matrices/gpus.toml (t4, a100, b200, \"NVIDIA H100 80GB HBM3\"), cpu, sm_75 or 7.5")
     p.add_argument("--plan", help="read the GPU and choices from this plan.json")
