@@ -78,6 +78,8 @@ def fit(config: Path, gpu: str = "auto", nproc: int | None = None) -> FitResult:
         found = memory.report(cfg, runtime, memory.Gpu(name, memory_gb, count))
     except memory_model.ModelConfigError as err:  # a base_model that does not exist
         raise BadInput(str(err)) from None
+    except TrainerError as err:  # the parallel layout against the processes (trainer/config/parallel.py)
+        raise BadInput(str(err)) from None
     return FitResult(found.result, found.model, found.notes, config_notes + list(runtime.changes), found.estimate,
                      found.reason)
 

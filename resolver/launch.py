@@ -495,8 +495,8 @@ def plan_training(config: Path, opts: PlanOptions, dist: Distribution, *, venv: 
     if fitted.plan.on_gpu:  # the memory estimate on the plan's GPU (resolver/fit.py; `envtool train` stops on it)
         from .fit import on_plan
 
-        fit = on_plan(cfg, _trainer_call(config, _fit, cfg, fitted.plan), config, fitted.plan,
-                      launcher_nproc(fitted.plan, cfg, config, dist) * dist.nnodes)
+        fit = _trainer_call(config, on_plan, cfg, _trainer_call(config, _fit, cfg, fitted.plan), config, fitted.plan,
+                            launcher_nproc(fitted.plan, cfg, config, dist) * dist.nnodes)  # the trainer's refusals
     return Training(config, cfg, fitted.plan, fitted.notes, fitted.trainer, launch, fit)
 
 
