@@ -12,7 +12,7 @@ import os
 import sys
 
 from trainer import __version__
-from trainer.errors import TrainerError
+from trainer.errors import Stopped, TrainerError
 
 
 def log(message: str) -> None:
@@ -257,6 +257,12 @@ def cmd_chat_check(args) -> int:
     return 0 if report["stopped"] else 1
 
 
+def cmd_preflight(args) -> int:
+    from trainer.parallel.preflight import main
+
+    return main(args.timeout, args.device, args.config, args.report, args.json, log=log)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m trainer", description="envtool's bundled fine-tuning trainer")
     parser.add_argument("--version", action="version", version=f"trainer {__version__}")
@@ -276,7 +282,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_preprocess)
 
-    p = sub.add_parser("train", help="train (use torchrun for several processes)")
+    p = sub.add_parser("train", help="train (use torchrun for several processes); SIGTERM/SIGUSR1/Ctrl-C: stop "
+                       "after the step with a checkpoint, exit 138 (130 for Ctrl-C); run again to resume")
     p.add_argument("config")
     p.add_argument("--plan", help="plan.json to read instead of ENVTOOL_PLAN, the environment's own plan.json, ./plan.json")
     p.set_defaults(func=cmd_train)
@@ -337,6 +344,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_chat_check)
 
+    p = sub.add_parser("preflight", help="under torchrun: every rank joins, a timed all-reduce, /dev/shm, ulimit -l, "
+                       "shared storage across machines; names a rank that does not answer",
+                       description="Run under torchrun with the job's launch settings (envtool doctor --multi-gpu "
+                       "and a multi-process envtool train do): every rank writes its host facts to the rendezvous "
+                       "store and waits at most --timeout seconds for the others (a rank that never joins is named); "
+                       "across machines, every machine must see output_dir and dataset_prepared_path (--config); then "
+                       "a 4 MiB all-reduce over the training backend (gloo on CPU, NCCL/RCCL on GPUs) with a watchdog "
+                       "that names the ranks that never reached it. Also /dev/shm (under 512 MiB: an error on GPUs) and "
+                       "ulimit -l with RDMA devices. The lowest rank that joined prints the findings. Exit codes: 0 no "
+                       "check failed, 1 a check failed, 2 bad input.")
+    p.add_argument("--timeout", type=float, default=30.0, help="seconds each phase waits for the other ranks (30)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="auto: the GPUs torch sees (NCCL/RCCL), else the CPU (gloo)")
+    p.add_argument("--config", help="a trainer config: across machines, check that each sees its output_dir and "
+                   "dataset_prepared_path")
+    p.add_argument("--report", help="a directory: each rank writes rank-N.json there (what envtool reads)")
+    p.add_argument("--json", action="store_true", help="print the report as one JSON line")
+    p.set_defaults(func=cmd_preflight)
+
     p = sub.add_parser("make-tiny-model", help="write a tiny local model + tokenizer (no downloads)")
     p.add_argument("dir")
     p.add_argument("--family", choices=["llama", "qwen2", "mistral"], default="llama")
@@ -357,6 +383,10 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return args.func(args)
+    except Stopped as err:  # not a failure: where the checkpoint is and how to go on, with the stop's exit code
+        if not record(str(err), err.exit_code) and rank in (None, "0"):
+            print(str(err), file=sys.stderr)
+        return err.exit_code
     except TrainerError as err:
         if args.debug:
             raise
@@ -364,8 +394,9 @@ def main(argv: list[str] | None = None) -> int:
         if not record(line, err.exit_code):
             print(line, file=sys.stderr)
         return err.exit_code
-    except KeyboardInterrupt:
-        print(prefix + "interrupted", file=sys.stderr)
+    except KeyboardInterrupt:  # Ctrl-C twice: at once, no checkpoint (trainer/runtime/stop.py)
+        if not record(prefix + "interrupted", 130):
+            print(prefix + "interrupted", file=sys.stderr)
         return 130
     except Exception as err:  # a bug or an environment problem: still one line unless --debug
         if args.debug:
