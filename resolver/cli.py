@@ -578,6 +578,8 @@ def train(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan, where it runs, the attention "
                                           "the trainer will run and how it keeps packed rows apart (varlen or a "
                                           "mask, and why), and the exact command; build and run nothing.")] = False,
+    no_fit_check: Annotated[bool, typer.Option("--no-fit-check", help="Train (or write the launcher) even when the "
+                                               "memory estimate says the run does not fit the plan's GPU.")] = False,
     json_out: JsonOpt = False,
     *,
     opts,
@@ -595,6 +597,10 @@ def train(
     process per device: torchrun for several GPUs or machines. The trainer's error line and exit code are
     envtool's, with one process or several. SIGTERM, SIGUSR1 or Ctrl-C: every rank stops after the same step
     with a checkpoint (exit 138, or 130 for Ctrl-C; twice: at once); the same command again resumes it.
+    Before anything is built or started, the memory estimate (`envtool fit`'s, from the model's config.json when
+    it is on this machine) is checked on the plan's GPU: when even the band's low end is above its memory
+    (does_not_fit) the run stops, exit 2, naming the cheapest change that fits; --no-fit-check trains anyway.
+    --dry-run prints the estimate.
 
       envtool train examples/tiny-cpu.yml --gpu cpu
 
@@ -608,6 +614,7 @@ def train(
     """
     from .errors import BadInput
     from .emit import emit as write_launcher
+    from .fit import check as check_fit
     from .launch import Distribution, plan_training, prepare, run
 
     if venv is not None and image:
@@ -631,6 +638,8 @@ def train(
         check_claim(pvc)
     dist = Distribution(nproc, nnodes, node_rank, rdzv_endpoint)
     training = plan_training(config, opts, dist, venv=venv, image=image, isolated=isolated, emit=emit)
+    if not (dry_run or no_fit_check):
+        check_fit(training)  # does_not_fit: exit 2 before anything is built or started
     log = (lambda s: None) if json_out else say
     if emit:
         text = write_launcher(training, emit, dist, sources, output=output, dry_run=dry_run, pvc=pvc,
@@ -654,6 +663,10 @@ def train(
         print(f"trainer: attention {trainer['attention']}, precision {trainer['precision']}"
               f"{' + tf32' if trainer['tf32'] else ''}")
         print(f"trainer: packing {trainer['isolation']}")
+        if training.fit is not None:
+            from .fit import lines
+
+            print("\n".join(lines(training.fit)))
         for note in trainer["notes"]:
             print(f"note: {note}")
         print(f"environment: {launch.kind} {launch.path or ''} — {launch.why}")

@@ -488,16 +488,18 @@ class Training(NamedTuple):
     notes: list[str]
     trainer: dict
     launch: Launch
+    fit: Any = None  # trainer.runtime.memory.Report on the plan's GPU; None on the CPU
 
     def summary(self) -> dict:
-        """The --json object (README, "Training"): plan, config, notes, trainer, environment, command, env."""
+        """The --json object (README, "Training"): plan, config, notes, trainer, environment, command, env, fit."""
         return {"plan": self.plan.to_dict(), "config": str(self.config), "notes": self.notes,
                 "trainer": self.trainer, "environment": {"kind": self.launch.kind, "path": self.launch.path,
                                                          "ready": self.launch.ready, "why": self.launch.why,
                                                          **({"mounts": [{"host": h, "container": c, "read_only": r}
                                                                         for h, c, r in self.launch.mounts]}
                                                             if self.launch.kind == "image" else {})},
-                "command": self.launch.command, "env": self.launch.env}
+                "command": self.launch.command, "env": self.launch.env,
+                "fit": self.fit.result if self.fit is not None else None}
 
 
 def plan_training(config: Path, opts: PlanOptions, dist: Distribution, *, venv: Path | None = None,
@@ -521,7 +523,13 @@ def plan_training(config: Path, opts: PlanOptions, dist: Distribution, *, venv: 
                                             f"image (--python overrides)", *fitted.notes])
     launch = plan_launch(fitted.plan, cfg, config, opts, dist, venv=venv, image=image or emit == "k8s",
                          isolated=isolated, mounted=emit != "k8s")  # k8s carries the config in a ConfigMap
-    return Training(config, cfg, fitted.plan, fitted.notes, fitted.trainer, launch)
+    fit = None
+    if fitted.plan.on_gpu:  # the memory estimate on the plan's GPU (resolver/fit.py; `envtool train` stops on it)
+        from .fit import on_plan
+
+        fit = _trainer_call(config, on_plan, cfg, _trainer_call(config, _fit, cfg, fitted.plan), config, fitted.plan,
+                            launcher_nproc(fitted.plan, cfg, config, dist) * dist.nnodes)  # the trainer's refusals
+    return Training(config, cfg, fitted.plan, fitted.notes, fitted.trainer, launch, fit)
 
 
 def prepare(launch: Launch, plan: Plan, sources, *, quiet: bool = False,

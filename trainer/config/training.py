@@ -19,7 +19,8 @@ class TrainingKeys(BaseModel):
     sample_packing: bool = False
     eval_sample_packing: bool | None = None  # default: same as sample_packing
     pad_to_sequence_len: bool = False
-    micro_batch_size: int = Field(1, ge=1)
+    micro_batch_size: int = Field(1, ge=1)  # `auto` in YAML: auto_find_batch_size over micro 1 x accumulation (load.py)
+    auto_find_batch_size: bool = False  # the largest micro-batch that fits, the step's batch kept; an OOM backs off
     eval_batch_size: int | None = Field(None, ge=1)
     gradient_accumulation_steps: int = Field(1, ge=1)
     dataloader_num_workers: int = Field(0, ge=0)
