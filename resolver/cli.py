@@ -781,6 +781,9 @@ def fit(
     from .fit import fit as do_fit
 
     found = do_fit(config, gpu, nproc)
+    for note in found.config_notes:  # a misspelt key is ignored, as Axolotl does: say so, as validate and train do
+        if note.startswith("warning"):
+            say(f"note: {note}")
     if found.reason:
         say(f"envtool: {found.reason}")
     if json_out:
