@@ -99,6 +99,9 @@ def cmd_preprocess(args) -> int:
 
         raise ConfigError("preprocess: streamed data (pretraining_dataset, streaming: true) is tokenized while "
                           "training; there is nothing to prepare")
+    from trainer.runtime import hub_access
+
+    hub_access.ensure(cfg, log)  # a hub model with no hub: one line now, not after a minute of retries
     prepared = prepare(cfg, load_tokenizer(cfg), int(os.environ.get("RANK", 0)), log=log)
     result = {"path": str(prepared.path), **prepared.stats}
     print(json.dumps(result, indent=2) if args.json else
@@ -112,7 +115,10 @@ def cmd_train(args) -> int:
 
     cfg, notes, runtime = _setup(args)
     from trainer import ray_launch
+    from trainer.setup import check_earlier_run
 
+    earlier = check_earlier_run(cfg)  # checkpoints of an earlier run: continued when the config says so, else refused
+    notes = [*notes, earlier] if earlier else notes
     with_ray = cfg.use_ray and not ray_launch.in_worker()  # Ray Train starts the workers, each running this loop
     if with_ray:
         ray_launch.require_ray(launched_by_torchrun=int(os.environ.get("WORLD_SIZE", "1")) > 1)
@@ -145,6 +151,9 @@ def cmd_evaluate(args) -> int:
     if not cfg.val_set_size:
         raise ConfigError("evaluate needs a validation split: set val_set_size")
     model_dir = Path(args.model) if args.model else Path(cfg.output_dir) / "final"
+    from trainer.runtime import hub_access
+
+    hub_access.ensure(cfg, log)
     tokenizer = load_tokenizer(cfg)
     prepared = prepare(cfg, tokenizer, log=log)
     device = torch.device(runtime.device)
@@ -216,7 +225,10 @@ def cmd_chat_check(args) -> int:
     from trainer.config import load_config
     from trainer.outputs.chat_check import chat_check, print_report
 
+    from trainer.runtime import hub_access
+
     cfg, _ = load_config(args.config)
+    hub_access.ensure(cfg, log)  # an adapter's hub base with no hub: one line, no retries
     report = chat_check(cfg, args.model, args.max_new_tokens)
     print_report(report, args.json)
     return 0 if report["stopped"] else 1

@@ -42,6 +42,7 @@ from trainer.parallel import distributed
 from trainer.parallel import mesh as parallelism
 from trainer.parallel.accelerator import make_accelerator
 from trainer.parallel.collective import barrier, phase, reduce_sum
+from trainer.runtime import hub_access
 from trainer.runtime.hardware import Runtime
 
 
@@ -66,7 +67,7 @@ class Training:
         from trainer.model import kernels, qat
         from trainer.model.attention import for_model
 
-        self.cfg, self.runtime = cfg, runtime
+        self.cfg, self.runtime, self.log = cfg, runtime, log
         # 1. processes, precision, timeouts
         self.accelerator = accelerator = make_accelerator(cfg, runtime)
         self.rank, self.world, self.device = accelerator.process_index, accelerator.num_processes, accelerator.device
@@ -85,16 +86,19 @@ class Training:
         from trainer.outputs import hub
 
         loggers.check(cfg)  # trackers installed, hub reachable: fail now, not after training
+        storage = self.shared_storage()  # several nodes: do they all see dataset_prepared_path and output_dir?
         if self.main:
             hub.check(cfg)
+        hub_access.ensure(cfg, say)  # a hub model with no hub: one line now (or offline from the cache), no retries
         self.tokenizer = tokenizer = load_tokenizer(cfg)
         if cfg.streamed:  # read while training (trainer/data/streaming.py); checked now, before the model loads
             from trainer.data.streaming import check_stream
 
             check_stream(cfg, tokenizer, self.world)
             self.data = Prepared(None, None, {"train_rows": "streamed"}, None)
-        else:
-            self.data = objectives.prepare(cfg, tokenizer, self.rank, log=say)
+        else:  # (several nodes without a shared dataset_prepared_path: each node's first process prepares)
+            self.data = objectives.prepare(cfg, tokenizer, self.rank if storage.prepared_shared else
+                                           accelerator.local_process_index, log=say)
 
         # 3. model (attention fitted to the model's class first: the collator's packing follows it)
         for note in for_model(cfg, runtime, local_only=False):
@@ -207,6 +211,21 @@ class Training:
         self.metrics = loggers.Trackers(loggers.MetricsLog(self.output_dir / "metrics.jsonl", self.main,
                                                            fresh=self.step == 0),
                                         cfg, self.output_dir, self.main, resumed=self.step > 0, log=say)
+
+    def shared_storage(self):
+        """On several nodes, whether each sees rank 0's dataset_prepared_path and output_dir (one line from the
+        first process of each node; refused where the run needs them shared). trainer/parallel/shared_storage.py"""
+        from trainer.parallel import shared_storage
+
+        storage = shared_storage.check(self.cfg, self.rank, self.accelerator.local_process_index, self.device,
+                                       self.timeout)
+        if storage.multi_node:
+            refusal = storage.refusal(self.cfg, objectives.objective_class(self.cfg).needs_reference)
+            if refusal:
+                raise ConfigError(refusal)
+            if self.accelerator.local_process_index == 0:
+                self.log(f"note: {storage.describe(self.cfg)}")
+        return storage
 
     def feature_hooks(self) -> Hooks:
         """Each feature's part in the loop (its module returns None where the config does not use it)."""
@@ -372,6 +391,7 @@ class Training:
             self.unwrapped.save_pretrained(tmp, state_dict=full_state)
         if self.main:
             self.tokenizer.save_pretrained(tmp)
+            self.write_generation_config(tmp)
             shutil.rmtree(final, ignore_errors=True)
             tmp.rename(final)
             self.say(f"saved the final {'adapter' if self.cfg.adapter else 'model'} to {final}")
@@ -383,3 +403,20 @@ class Training:
             self.model.destroy()
         self.accelerator.end_training()
         return final
+
+    def write_generation_config(self, directory: Path) -> None:
+        """final/generation_config.json whose eos_token_id includes the chat template's end-of-turn token, so the
+        model (or the adapter on its base) stops where a turn ends (trainer/outputs/chat_check.py). Starts from the
+        model's own generation config; a model that does not generate (a reward model) gets none."""
+        base = self.unwrapped.get_base_model() if hasattr(self.unwrapped, "get_base_model") else self.unwrapped
+        if not (getattr(base, "can_generate", lambda: False)() and getattr(base, "generation_config", None)):
+            return
+        from trainer.outputs.chat_check import write_generation_config
+
+        eos = write_generation_config(directory, self.tokenizer, eot_tokens=self.cfg.eot_tokens,
+                                      start=base.generation_config)
+        try:
+            names = ", ".join(self.tokenizer.convert_ids_to_tokens(eos))
+        except Exception:  # a tokenizer without token names (mistral-common's): the ids
+            names = str(eos)
+        self.say(f"generation_config.json: generation stops on {names}")
