@@ -95,3 +95,36 @@ def backend_range(backend: Any) -> str:
     if max_cc == min_cc:
         return f"{low} only"
     return f"{low} to sm_{max_cc.replace('.', '')}"
+
+
+# ---------------------------------------------------------------------------- AMD gfx targets
+
+GFX_RE = re.compile(r"^gfx([6-9]|1[0-2])([0-9a-f])([0-9a-f])$")  # GFXIP majors 6 (GCN1) .. 12 (RDNA4, gfx1250)
+
+
+def gfx_from_text(text: str) -> str | None:
+    """The LLVM target a tool or user names: 'gfx942', 'GFX90A', 'gfx942:sramecc+:xnack-' (rocminfo, torch's
+    gcnArchName) and 'amdgcn-amd-amdhsa--gfx90a:xnack-' (rocminfo's ISA name) -> 'gfx942' / 'gfx90a'; None for
+    anything else ('sm_80', 'mi300x', 'gfx000', rocm_agent_enumerator's name for a CPU agent)."""
+    key = text.strip().lower().rsplit("--", 1)[-1].split(":", 1)[0]
+    match = GFX_RE.match(key)
+    if not match or key == "gfx000":
+        return None
+    return key
+
+
+def gfx_from_kfd(version: int) -> str | None:
+    """The target the kernel's KFD topology reports as `gfx_target_version` (major*10000 + minor*100 + stepping,
+    decimal): 90402 -> 'gfx942', 90010 -> 'gfx90a', 110501 -> 'gfx1151'; 0 (a CPU node) -> None."""
+    if version <= 0:
+        return None
+    major, minor, stepping = version // 10000, (version // 100) % 100, version % 100
+    if minor > 15 or stepping > 15:
+        return None
+    return f"gfx{major}{minor:x}{stepping:x}"
+
+
+def find_target(gfx: str, targets: Iterable[Any]):
+    """The amd.toml [[target]] row for a gfx target, else None (code objects are per target: no nearest
+    lower match as for CUDA's compute capabilities)."""
+    return next((t for t in targets if _get(t, "gfx") == gfx), None)

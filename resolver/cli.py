@@ -57,7 +57,9 @@ def reported(command):
         except EnvtoolError as e:
             if _debug:
                 raise
-            print(f"envtool: error: {e}", file=sys.stderr)
+            from trainer.errors import readable  # one line, cut to a readable size
+
+            print(readable(f"envtool: error: {e}"), file=sys.stderr)
             raise typer.Exit(e.exit_code) from None
         except KeyboardInterrupt:
             print("envtool: interrupted", file=sys.stderr)
@@ -68,8 +70,8 @@ def reported(command):
 
 # ---------------------------------------------------------------------------- options, declared once
 
-_GPU_HELP = ("'auto' (detect this machine), a GPU name or alias (t4, a100, 'Tesla V100'), a compute capability "
-             "(sm_80, 8.6) or 'cpu'")
+_GPU_HELP = ("'auto' (detect this machine: NVIDIA, then AMD, Intel, Apple), a GPU name or alias (t4, a100, mi300x, "
+             "rx7900xtx, max1550), a compute capability (sm_80, 8.6), an AMD gfx target (gfx942), 'xpu', 'mps' or 'cpu'")
 GpuOpt = Annotated[str, typer.Option(
     "--gpu", help=f"{_GPU_HELP}: one target. `envtool gpus` lists the names.")]
 GpuListOpt = Annotated[str, typer.Option(  # resolve and build: one plan (one image) per target
@@ -154,6 +156,11 @@ def _plan_options(values: dict):
     from .pipeline import PlanOptions
 
     check_target_text(values.get("gpu"))  # `--gpu ''` or `--gpu None` is an error, not a CPU plan
+    for name, value in values.items():  # `--python ''` (a script's empty variable) is an error, not the default
+        if name != "gpu" and isinstance(value, str) and not value.strip():
+            from .errors import BadInput
+
+            raise BadInput(f"--{name.replace('_', '-')} is empty: give a value, or leave the option out for the default")
     return PlanOptions(**values)
 
 
@@ -423,9 +430,14 @@ def dockerfile(
     """
     from .docker import render
     from .matrix import load
-    from .pipeline import one_plan
+    from .pipeline import image_plans
 
-    sys.stdout.write(render(one_plan(opts), load(), base_image))
+    plans = image_plans(opts, base_image)
+    if len(plans) != 1:
+        from .errors import BadInput
+
+        raise BadInput("this command makes one environment: give --gpu a single target")
+    sys.stdout.write(render(plans[0], load(), base_image))
 
 
 @app.command()
@@ -455,9 +467,9 @@ def build(
       envtool build --gpu a100 --tag myorg/trainer:a100 --push
     """
     from .pipeline import build as do_build
-    from .pipeline import make_plans
+    from .pipeline import image_plans
 
-    built = do_build(make_plans(opts), sources, tag=tag, push=push, base_image=base_image, wheelhouse=wheelhouse,
+    built = do_build(image_plans(opts, base_image), sources, tag=tag, push=push, base_image=base_image, wheelhouse=wheelhouse,
                      network=network, quiet=json_out, say=(lambda s: None) if json_out else print)
     if json_out:
         print(json.dumps(built, indent=2))
@@ -489,6 +501,10 @@ def train(
                                                      "as the Hugging Face cache.")] = None,
     pvc: Annotated[Optional[str], typer.Option("--pvc", help="With --emit k8s: the PersistentVolumeClaim every pod "
                                                "works in, at /work (data, output_dir; default envtool-work).")] = None,
+    secret: Annotated[Optional[str], typer.Option("--secret", help="With --emit k8s: the Secret the pods take "
+                                                  "HF_TOKEN and WANDB_API_KEY from, when it has them (secretKeyRef; "
+                                                  "default envtool-secrets). Tokens are never written into a "
+                                                  "launcher; an sbatch script takes them from the environment.")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan, where it runs and the exact "
                                           "command; build and run nothing.")] = False,
     json_out: JsonOpt = False,
@@ -530,12 +546,23 @@ def train(
         raise BadInput("-o/--output goes with --emit")
     if pvc is not None and emit != "k8s":
         raise BadInput("--pvc goes with --emit k8s (a Slurm job uses the filesystem its nodes share)")
+    if secret is not None:
+        from .emit import check_claim
+
+        if emit != "k8s":
+            raise BadInput("--secret goes with --emit k8s (an sbatch script takes tokens from the environment it is "
+                           "submitted from)")
+        check_claim(secret, "--secret", "Secret")
+    if pvc is not None:
+        from .emit import check_claim
+
+        check_claim(pvc)
     dist = Distribution(nproc, nnodes, node_rank, rdzv_endpoint)
     training = plan_training(config, opts, dist, venv=venv, image=image, isolated=isolated, emit=emit)
     log = (lambda s: None) if json_out else say
     if emit:
         text = write_launcher(training, emit, dist, sources, output=output, dry_run=dry_run, pvc=pvc,
-                              quiet=json_out, say=log)
+                              secret=secret, quiet=json_out, say=log)
         if text is not None:
             sys.stdout.write(text)
         return
@@ -557,6 +584,10 @@ def train(
         for note in trainer["notes"]:
             print(f"note: {note}")
         print(f"environment: {launch.kind} {launch.path or ''} — {launch.why}")
+        if launch.kind != "image":
+            from .launch import image_line
+
+            print(f"image: {image_line(training.plan, opts)}")
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in launch.env.items())
         print(f"command: {env + ' ' if env else ''}{shlex.join(launch.command)}")
         return
@@ -605,16 +636,31 @@ def run(
 @app.command()
 @reported
 def gpus(json_out: bool = typer.Option(False, "--json", help="Print the catalog as JSON.")) -> None:
-    """List the GPUs the matrix knows: names, aliases, compute capability, architecture, bf16/fp8."""
+    """List the GPUs the matrix knows: names, aliases, compute capability (NVIDIA) or target (AMD's gfx, Intel's
+    AOT family), architecture, bf16/fp8; for AMD, the newest torch build with code for the target. Any Mac with
+    Apple silicon: --gpu mps."""
     from .matrix import load
 
     m = load()
     if json_out:
+        from .vendors import load as load_vendors
+
         rows = []
         for g in m.gpus:
             arch = m.arch_for(g.compute_capability)
             rows.append({"name": g.name, "aliases": g.aliases, "compute_capability": g.compute_capability,
-                         "arch": arch.name, "memory_gb": g.memory_gb, "bf16": arch.bf16, "fp8": arch.fp8})
+                         "arch": arch.name, "memory_gb": g.memory_gb, "bf16": arch.bf16, "fp8": arch.fp8,
+                         "vendor": "nvidia", "target": f"sm_{g.compute_capability.replace('.', '')}"})
+        v = load_vendors()
+        for g in v.amd_gpus:
+            t = v.amd_target(g.gfx)
+            rows.append({"name": g.name, "aliases": g.aliases, "compute_capability": None, "arch": t.family,
+                         "memory_gb": g.memory_gb / g.devices if g.memory_gb else None, "bf16": t.bf16,
+                         "fp8": bool(t.fp8), "vendor": "amd", "target": g.gfx})
+        for g in v.intel_gpus:
+            rows.append({"name": g.name, "aliases": g.aliases, "compute_capability": None,
+                         "arch": v.intel_target(g.aot).family, "memory_gb": None, "bf16": None, "fp8": False,
+                         "vendor": "intel", "target": g.aot})
         print(json.dumps(rows, indent=2))
         return
     from .render import gpus_table

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import sys
 from collections import deque
@@ -34,13 +35,45 @@ class BuildFailed(EnvtoolError):
     """docker build failed; the message names the step and ends with its last log lines."""
 
 
+NO_IMAGE = {
+    "mps": ("torch's MPS backend is macOS's Metal, which no Linux container reaches (Docker on a Mac runs a "
+            "Linux VM): train on the Mac itself (`envtool train CONFIG --gpu auto`)"),
+    "xpu": ("images.toml records no base image for torch's xpu builds: an XPU container needs Intel's GPU user-space "
+            "driver (Level Zero, the compute runtime), which no recorded base carries; train on the host "
+            "(`envtool train`), or pass --base-image with an image that has it"),
+}
+
+
+# A Docker image reference, as distribution/reference's grammar (reference/regexp.go) writes it: [host[:port]/]path
+# [:tag][@digest]. What --base-image may be; anything else (a newline, a space, a quote) is refused before rendering.
+_COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+_DOMAIN = r"(?:[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?(?:\.[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?)*|\[[0-9a-fA-F:]+\])"
+IMAGE_REFERENCE = re.compile(
+    rf"(?:{_DOMAIN}(?::[0-9]+)?/)?{_COMPONENT}(?:/{_COMPONENT})*(?::[\w][\w.-]{{0,127}})?"
+    r"(?:@[A-Za-z][A-Za-z0-9]*(?:[-_+.][A-Za-z][A-Za-z0-9]*)*:[0-9a-fA-F]{32,})?")
+
+
+def check_image_reference(value: str, option: str = "--base-image") -> str:
+    if not IMAGE_REFERENCE.fullmatch(value):
+        raise BadInput(f"{option} {value!r} is not an image reference ([registry/]name[:tag][@digest], e.g. "
+                       f"nvcr.io/nvidia/pytorch:24.08-py3)")
+    return value
+
+
 def base_image(plan: Plan, m: Matrix, override: str | None) -> tuple[str, str]:
-    if override:
+    if override is not None:
+        check_image_reference(override)
         return override, f"{override} (--base-image)"
+    if plan.torch.backend in NO_IMAGE:
+        raise BadInput(f"no image for {plan.gpu['name']}: {NO_IMAGE[plan.torch.backend]}")
     row = next((b for b in m.base_images if plan.torch.variant.startswith(b.variant_prefix)), None)
     if row is None:
         raise EnvtoolError(f"images.toml has no base image for variant {plan.torch.variant}")
-    image = row.image.format(python=plan.python)
+    if row.python is not None and row.python != plan.python:
+        raise BadInput(f"the base image for {plan.torch.variant} builds, {row.image.format(python=plan.python, rocm=plan.torch.rocm)}, "
+                       f"brings Python {row.python}, and the plan is for Python {plan.python}: pass --python "
+                       f"{row.python} (or --base-image with a Python {plan.python} image)")
+    image = row.image.format(python=plan.python, rocm=plan.torch.rocm)
     return image, f"{image}: {row.reason}"
 
 
@@ -48,7 +81,7 @@ def labels(plan: Plan) -> dict[str, str]:
     return {
         "org.opencontainers.image.title": "envtool-trainer",
         "org.opencontainers.image.description": (
-            f"LLM fine-tuning for {plan.gpu['name']} (sm_{(plan.gpu['compute_capability'] or 'cpu').replace('.', '')}): "
+            f"LLM fine-tuning for {plan.gpu['name']} ({plan.target_label}): "
             f"torch {plan.torch.version}+{plan.torch.variant}, {plan.attention}, {plan.precision}"),
         "org.opencontainers.image.version": __version__,
         "io.envtool.target": plan.target,
@@ -57,8 +90,21 @@ def labels(plan: Plan) -> dict[str, str]:
     }
 
 
-def _dockerfile_quote(value: str) -> str:
-    return '"' + value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", " ") + '"'
+# The template's escaping. Every value it writes passes `_one_line` (jinja's finalize): a Dockerfile instruction
+# ends at a line break, so a value holding one (or any control character) is refused, never written. Values in
+# double quotes (ENV, LABEL, ARG) go through `dq`: backslash, quote and `$` (variable expansion) escaped.
+
+
+def _one_line(value):
+    if isinstance(value, str) and any(not c.isprintable() for c in value):
+        raise BadInput(f"{value!r} would break a Dockerfile line: a value with a line break or a control character "
+                       f"is never written into a Dockerfile")
+    return value
+
+
+def _dockerfile_quote(value) -> str:
+    text = _one_line(str(value))
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("$", "\\$") + '"'
 
 
 def render(plan: Plan, m: Matrix, base_override: str | None = None) -> str:
@@ -67,12 +113,12 @@ def render(plan: Plan, m: Matrix, base_override: str | None = None) -> str:
     import dockerfiles
 
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(Path(dockerfiles.__file__).parent),
-                             undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
+                             undefined=jinja2.StrictUndefined, keep_trailing_newline=True, finalize=_one_line,
+                             autoescape=False)
+    env.filters["dq"] = _dockerfile_quote
     image, reason = base_image(plan, m, base_override)
-    text = env.get_template(TEMPLATE).render(plan=plan.to_dict(), target=plan.target, base_image=image,
-                                             base_reason=reason)
-    label_lines = " \\\n      ".join(f"{k}={_dockerfile_quote(v)}" for k, v in labels(plan).items())
-    return text + f"LABEL {label_lines}\n"
+    return env.get_template(TEMPLATE).render(plan=plan.to_dict(), target=plan.target, base_image=image,
+                                             base_reason=reason, labels=labels(plan))
 
 
 def prepare_context(plan: Plan, m: Matrix, env_dir: Path, wheelhouse: Path, context: Path,
@@ -231,6 +277,58 @@ def container_user(user: str | None) -> str | None:
     return user
 
 
+def gpu_options(plan: dict | None, gpus: str | None, dev: Path = Path("/dev")) -> dict:
+    """What `docker run` needs to reach the GPUs of the plan an image was built for (its io.envtool.plan label):
+    NVIDIA's device request (`--gpus`, the container toolkit), or for AMD and Intel the device nodes, the host
+    groups that own them (added by GID: the image does not know the host's names) and, for ROCm, the seccomp
+    profile AMD documents (rocm.toml / intel.toml [container]). {} without `gpus`; one line when a node the
+    vendor needs is missing here (no driver loaded), before anything starts."""
+    if not gpus:
+        return {}
+    vendor = (plan or {}).get("gpu", {}).get("vendor") or "nvidia"
+    if vendor in ("nvidia", "cpu"):
+        import docker
+
+        count = -1 if gpus == "all" else int(gpus)
+        return {"device_requests": [docker.types.DeviceRequest(count=count, capabilities=[["gpu"]])]}
+    if vendor == "apple":
+        raise BadInput(NO_IMAGE["mps"])
+    from .vendors import load
+
+    v = load()
+    row = v.rocm_container if vendor == "amd" else v.xpu_container
+    if gpus != "all":
+        raise BadInput(f"--gpus {gpus}: for {plan['gpu']['name']} give --gpus all (every device node is passed; "
+                       f"pick devices inside with {'HIP_VISIBLE_DEVICES' if vendor == 'amd' else 'ZE_AFFINITY_MASK'})")
+    devices, gids = [], []
+    for node in row.devices:
+        path = dev / Path(node).relative_to("/dev")
+        if not path.exists():
+            why = "the amdgpu driver with KFD is not loaded" if node == "/dev/kfd" else "no GPU driver is loaded"
+            raise BadInput(f"--gpus all for {plan['gpu']['name']}: no {node} on this host ({why})")
+        devices.append(f"{node}:{node}:rwm")
+        owners = [path] + (sorted(path.glob("renderD*")) if path.is_dir() else [])
+        gids += [o.stat().st_gid for o in owners]
+    import grp
+
+    for name in row.groups:
+        try:
+            gids.append(grp.getgrnam(name).gr_gid)
+        except KeyError:
+            pass  # not on this host: the device nodes' owners above are what counts
+    return {"devices": devices, "group_add": sorted({str(g) for g in gids if g != 0}, key=int),
+            "security_opt": list(row.security_opt) or None}
+
+
+def image_plan(image) -> dict | None:
+    """The plan an envtool image was built for (its io.envtool.plan label), else None."""
+    text = (image.labels or {}).get(PLAN_LABEL)
+    try:
+        return json.loads(text) if text else None
+    except ValueError:
+        return None
+
+
 def run(image: str, command: list[str], *, gpus: str | None, shm_size: str, hf_cache: Path | None,
         env_names: list[str], volumes: list[str], workdir: str | None = None,
         environment: dict[str, str] | None = None, network_mode: str | None = None,
@@ -242,9 +340,11 @@ def run(image: str, command: list[str], *, gpus: str | None, shm_size: str, hf_c
     run_as = container_user(user)
     c = client()
     try:
-        c.images.get(image)
+        found = c.images.get(image)
     except docker.errors.ImageNotFound:
         raise BadInput(f"no image {image}; build it with `envtool build`") from None
+    plan = image_plan(found)
+    gpu_kwargs = gpu_options(plan, gpus)
     environment = dict(environment or {})
     if run_as is not None:
         # The image's /etc/passwd knows uid 1000 only: give any other user a HOME it can write (torch, triton
@@ -267,13 +367,9 @@ def run(image: str, command: list[str], *, gpus: str | None, shm_size: str, hf_c
         if not inside:
             raise BadInput(f"-v {spec}: use HOST:CONTAINER")
         mounts[str(Path(host).resolve())] = {"bind": inside, "mode": "rw"}
-    device_requests = []
-    if gpus:
-        count = -1 if gpus == "all" else int(gpus)
-        device_requests = [docker.types.DeviceRequest(count=count, capabilities=[["gpu"]])]
     container = c.containers.run(image, command or None, detach=True, environment=environment, volumes=mounts,
-                                 shm_size=shm_size, device_requests=device_requests or None, network_mode=network_mode,
-                                 working_dir=workdir, user=run_as or "")
+                                 shm_size=shm_size, network_mode=network_mode, working_dir=workdir,
+                                 user=run_as or "", **gpu_kwargs)
     try:
         for chunk in container.logs(stream=True, follow=True):
             sys.stdout.buffer.write(chunk)

@@ -38,8 +38,19 @@ info = {"python": "%d.%d" % sys.version_info[:2], "prefix": sys.prefix,
 info["packages"]["envtool"] = version(__DISTRIBUTION__)  # the key names the tool; the distribution is envtool-llm
 try:
     import torch
-    info["torch"] = {"version": torch.__version__, "cuda": torch.version.cuda,
-                     "arch_list": torch._C._cuda_getArchFlags().split() if torch.version.cuda else []}
+    hip = getattr(torch.version, "hip", None)
+    xpu = getattr(torch.version, "xpu", None)
+    info["torch"] = {"version": torch.__version__, "cuda": torch.version.cuda, "hip": hip, "xpu": xpu,
+                     "arch_list": torch._C._cuda_getArchFlags().split() if (torch.version.cuda or hip) else []}
+    if xpu:
+        try:
+            info["torch"]["arch_list"] = list(torch.xpu.get_arch_list())
+        except Exception:
+            pass
+    try:
+        info["torch"]["mps"] = bool(torch.backends.mps.is_built())
+    except Exception:
+        info["torch"]["mps"] = False
 except Exception as e:  # a broken torch is a finding, not a crash
     info["torch"] = {"error": f"{type(e).__name__}: {e}"}
 plan = Path(sys.prefix) / "plan.json"
@@ -47,7 +58,7 @@ info["plan"] = json.loads(plan.read_text()) if plan.is_file() else None
 # compiled attention kernels load their CUDA code at import: try them only where torch sees a GPU
 info["imports"] = {}
 try:
-    on_gpu = bool(info["torch"].get("cuda")) and torch.cuda.is_available()
+    on_gpu = bool(info["torch"].get("cuda")) and not info["torch"].get("hip") and torch.cuda.is_available()
 except Exception:
     on_gpu = False
 for module, package in (("flash_attn_interface", "flash-attn-3"),):
@@ -125,10 +136,16 @@ def diagnose(info: dict, gpu: GpuSpec, driver: str | None, m: Matrix, venv: str,
         add(Finding("error", "torch", f"torch does not import: {torch['error']}", fix))
         return findings
     cuda, arch_list = torch.get("cuda"), torch.get("arch_list", [])
-    add(Finding("ok", "torch", f"torch {torch['version']} ({'CUDA ' + cuda if cuda else 'CPU build'})"))
+    backend = torch_backend(torch)
+    add(Finding("ok", "torch", f"torch {torch['version']} ({BUILD_NAMES[backend](torch)})"))
+    if not gpu.is_cpu and not gpu.is_nvidia:
+        return findings + vendor_findings(info, backend, gpu, fix)
 
     if gpu.is_cpu:
-        add(Finding("ok", "gpu", "no NVIDIA GPU found: a CPU environment is what this machine can use"))
+        add(Finding("ok", "gpu", "no GPU found: a CPU environment is what this machine can use"))
+    elif backend in ("rocm", "xpu", "mps"):
+        add(Finding("error", "torch-backend", f"torch is the {build_name(backend, torch)} build, but this machine "
+                    f"has {gpu.describe()}, which runs torch's CUDA builds", fix))
     elif cuda is None:
         add(Finding("error", "torch-cuda", f"torch is the CPU build, but this machine has {gpu.describe()}", fix))
     else:
@@ -174,10 +191,84 @@ def diagnose(info: dict, gpu: GpuSpec, driver: str | None, m: Matrix, venv: str,
     if precision == "bf16" and not gpu.is_cpu and not gpu.bf16:
         add(Finding("error", "precision", f"the environment's plan trains in bf16, but {gpu.describe()} has no "
                     f"native bf16 (sm_80+); it would run emulated and slow, or fail", fix))
-    planned_cc = (plan.get("gpu") or {}).get("compute_capability")
-    if plan and planned_cc != gpu.compute_capability:
-        planned = f"sm_{planned_cc.replace('.', '')}" if planned_cc else "CPU"
-        add(Finding("warning", "plan", f"the environment was planned for {planned}, this machine is {gpu.sm}", fix))
+    if plan:
+        from .plan import target_label
+
+        planned = target_label(plan.get("gpu") or {})
+        if planned != gpu.sm:
+            add(Finding("warning", "plan", f"the environment was planned for {'CPU' if planned == 'cpu' else planned}, "
+                        f"this machine is {gpu.sm}", fix))
+    return findings
+
+
+BUILD_NAMES = {
+    "cuda": lambda t: f"CUDA {t['cuda']}",
+    "rocm": lambda t: f"ROCm, HIP {t['hip']}",
+    "xpu": lambda t: f"XPU, SYCL {t['xpu']}" if isinstance(t.get("xpu"), str) else "XPU",
+    "mps": lambda t: "macOS, MPS",
+    "cpu": lambda t: "CPU build",
+}
+BACKEND_OF_VENDOR = {"amd": "rocm", "intel": "xpu", "apple": "mps"}
+
+
+def build_name(backend: str, torch: dict) -> str:
+    """'CPU', 'CUDA 12.6', 'ROCm (HIP 6.2.41133-dd7f95766)', for 'torch is the ... build'."""
+    return BUILD_NAMES[backend](torch).removesuffix(" build").replace("ROCm, HIP ", "ROCm (HIP ") + \
+        (")" if backend == "rocm" else "")
+
+
+def torch_backend(torch: dict) -> str:
+    """Which build of torch the probe found: cuda | rocm (torch.version.hip) | xpu | mps | cpu."""
+    if torch.get("hip"):
+        return "rocm"
+    if torch.get("cuda"):
+        return "cuda"
+    if torch.get("xpu"):
+        return "xpu"
+    if torch.get("mps") and sys.platform == "darwin":  # Linux wheels report MPS unbuilt; only macOS runs it
+        return "mps"
+    return "cpu"
+
+
+def vendor_findings(info: dict, backend: str, gpu: GpuSpec, fix: str) -> list[Finding]:
+    """An AMD, Intel or Apple GPU: a torch of its backend (ROCm/HIP, XPU, MPS), with code for its target, and a
+    plan made for it."""
+    torch = info.get("torch") or {}
+    findings: list[Finding] = []
+    add = findings.append
+    want = BACKEND_OF_VENDOR[gpu.vendor]
+    if backend != want:
+        add(Finding("error", "torch-backend", f"torch is the {build_name(backend, torch)} build, but this machine "
+                    f"has {gpu.describe()}, which needs torch's {want.upper() if want != 'rocm' else 'ROCm'} build", fix))
+    elif want == "rocm":
+        arch_list = [a.split(":")[0] for a in torch.get("arch_list") or []]
+        if gpu.target in arch_list:
+            add(Finding("ok", "arch", f"torch carries {gpu.target} code ({' '.join(arch_list)})"))
+        else:
+            add(Finding("error", "arch", f"torch {torch['version']} has no {gpu.target} code (built for "
+                        f"{' '.join(arch_list) or 'nothing'}): 'HIP error: invalid device function' at the first "
+                        f"kernel", fix))
+    elif want == "xpu" and gpu.target and torch.get("arch_list"):
+        if gpu.target in torch["arch_list"]:
+            add(Finding("ok", "arch", f"torch carries ahead-of-time {gpu.target} code ({' '.join(torch['arch_list'])})"))
+        else:
+            add(Finding("warning", "arch", f"torch's xpu build has no ahead-of-time {gpu.target} code "
+                        f"({' '.join(torch['arch_list'])}): its kernels compile at first use"))
+    packages = info.get("packages", {})
+    for package in ("flash-attn", "flash-attn-3"):
+        if packages.get(package):
+            add(Finding("error", package, f"{package} {packages[package]} is installed but {gpu.describe()} cannot "
+                        f"run it (CUDA kernels); the plan for this GPU uses SDPA", fix))
+    plan = info.get("plan") or {}
+    if plan.get("precision") == "bf16" and gpu.bf16 is False:
+        add(Finding("error", "precision", f"the environment's plan trains in bf16, but {gpu.describe()} has no bf16 "
+                    f"on its matrix cores", fix))
+    if plan:
+        from .plan import target_label
+
+        planned = target_label(plan.get("gpu") or {})
+        if planned != gpu.sm:
+            add(Finding("warning", "plan", f"the environment was planned for {planned}, this machine is {gpu.sm}", fix))
     return findings
 
 

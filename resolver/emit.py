@@ -22,6 +22,11 @@ from .launch import Distribution, Launch, Training, default_nproc, prepare
 from .plan import Plan
 
 HF_HOME = "/home/trainer/.cache/huggingface"  # the image's HF_HOME (dockerfiles/Dockerfile.j2)
+# Tokens a run may need (a gated model, hub_model_id, W&B): never written into a launcher. The k8s job takes them
+# from a Secret (secretKeyRef, optional: a run that needs none starts without it); the sbatch script from the
+# environment it is submitted from (sbatch exports it to the job).
+SECRET_KEYS = ("HF_TOKEN", "WANDB_API_KEY")
+DEFAULT_SECRET = "envtool-secrets"
 RDZV_PORT = 29500
 WORK = "/work"  # where the job's volume is mounted, and the trainer's working directory
 DEFAULT_PVC = "envtool-work"
@@ -32,24 +37,40 @@ def _stderr(line: str) -> None:
 
 
 def render(kind: str, plan: Plan, launch: Launch, config: Path, dist: Distribution, *, cfg, pvc: str | None = None,
-           warn: Callable[[str], None] = _stderr) -> str:
+           secret: str | None = None, warn: Callable[[str], None] = _stderr) -> str:
     """The launcher text for a config resolver/launch.py has read (once, through the trainer's reader: `cfg`) and
     checked (use_ray is refused there). `pvc` (k8s): the PersistentVolumeClaim for data and outputs (default
     envtool-work); `warn` gets one line per path in the config that the pods would not see."""
     if kind == "slurm":
         if pvc is not None:
             raise BadInput("--pvc goes with --emit k8s (a Slurm job uses the filesystem its nodes share)")
+        if secret is not None:
+            raise BadInput("--secret goes with --emit k8s (a Slurm job takes tokens from the environment it is "
+                           "submitted from)")
         return sbatch(plan, launch, config, dist)
     claim = DEFAULT_PVC if pvc is None else check_claim(pvc)
+    secret = DEFAULT_SECRET if secret is None else check_claim(secret, "--secret", "Secret")
     for line in volume_warnings(config, cfg, claim, dist):
         warn(f"envtool: warning: {line}")
-    return pytorchjob(plan, launch, config, dist, work_claim=claim)
+    return pytorchjob(plan, launch, config, dist, work_claim=claim, secret=secret)
 
 
-def check_claim(name: str) -> str:
+def check_claim(name: str, option: str = "--pvc", kind: str = "PersistentVolumeClaim") -> str:
+    """A Kubernetes object name (DNS-1123 subdomain)."""
     if not re.fullmatch(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?", name):
-        raise BadInput(f"--pvc {name!r}: a PersistentVolumeClaim name is lower-case letters, digits, '-' and '.'")
+        raise BadInput(f"{option} {name!r}: a {kind} name is lower-case letters, digits, '-' and '.'")
     return name
+
+
+def comment(text: str) -> str:
+    """Text for a `#` comment line of a script or manifest: one line, whatever it quotes (a config's file name
+    may hold a line break, which would end the comment and start a command)."""
+    return "".join(c if c.isprintable() else "?" for c in str(text))
+
+
+def config_key(config: Path) -> str:
+    """The ConfigMap key (and file name in the pod) of the config: Kubernetes allows [-._a-zA-Z0-9]+."""
+    return re.sub(r"[^-._a-zA-Z0-9]", "_", config.name).lstrip(".") or "config.yml"
 
 
 def _looks_local(value: str) -> bool:
@@ -95,7 +116,19 @@ def job_name(config: Path) -> str:
 
 
 def _gpus(plan: Plan, dist: Distribution) -> int:
-    return 0 if plan.gpu["compute_capability"] is None else default_nproc(plan, dist)
+    return default_nproc(plan, dist) if plan.on_gpu else 0
+
+
+def k8s_resource(plan: Plan) -> str:
+    """The extended resource a pod asks for: nvidia.com/gpu, or the vendor's device plugin's (rocm.toml /
+    intel.toml [container] k8s_resource: amd.com/gpu, gpu.intel.com/i915)."""
+    vendor = plan.gpu.get("vendor")
+    if vendor in ("amd", "intel"):
+        from .vendors import load
+
+        v = load()
+        return (v.rocm_container if vendor == "amd" else v.xpu_container).k8s_resource
+    return "nvidia.com/gpu"
 
 
 def sbatch(plan: Plan, launch: Launch, config: Path, dist: Distribution) -> str:
@@ -106,8 +139,8 @@ def sbatch(plan: Plan, launch: Launch, config: Path, dist: Distribution) -> str:
     name = job_name(config)
     lines = [
         "#!/bin/bash",
-        f"# Written by `envtool train {config} --emit slurm` for {plan.gpu['name']}: torch "
-        f"{plan.torch.version}+{plan.torch.variant}, {plan.attention}, {plan.precision}.",
+        comment(f"# Written by `envtool train {config} --emit slurm` for {plan.gpu['name']}: torch "
+                f"{plan.torch.version}+{plan.torch.variant}, {plan.attention}, {plan.precision}."),
         f"#SBATCH --job-name={name}",
         f"#SBATCH --nodes={dist.nnodes}",
         "#SBATCH --ntasks-per-node=1",
@@ -117,6 +150,8 @@ def sbatch(plan: Plan, launch: Launch, config: Path, dist: Distribution) -> str:
     lines += [
         f"#SBATCH --cpus-per-task={max(4, 4 * nproc)}",
         f"#SBATCH --output={name}-%j.out",
+        "#SBATCH --export=ALL",
+        f"# {', '.join(SECRET_KEYS)}: from the environment sbatch runs in (exported to the job), never written here.",
         "set -euo pipefail",
         "",
         "# The rendezvous: the first node of the allocation hosts the c10d store.",
@@ -136,8 +171,8 @@ def sbatch(plan: Plan, launch: Launch, config: Path, dist: Distribution) -> str:
                   + shlex.quote(" ".join(["exec python", *torchrun,
                                           shlex.quote(str(config.resolve().relative_to(Path.cwd().resolve())))]))]
     else:
-        lines += ["", f"# The environment built for the plan ({launch.kind}: {launch.path}); it must be on a shared "
-                  "filesystem.", f"cd {shlex.quote(str(Path.cwd()))}",
+        lines += ["", comment(f"# The environment built for the plan ({launch.kind}: {launch.path}); it must be on a "
+                              "shared filesystem."), f"cd {shlex.quote(str(Path.cwd()))}",
                   "srun --kill-on-bad-exit=1 bash -c "
                   + shlex.quote(" ".join([f"exec {shlex.quote(launch.python)}", *torchrun, shlex.quote(config_path)]))]
     return "\n".join(lines) + "\n"
@@ -152,7 +187,8 @@ def quantity(size: str) -> str:
 
 
 def pytorchjob(plan: Plan, launch: Launch, config: Path, dist: Distribution, *, shm_size: str = "8g",
-               hf_cache_claim: str = "envtool-hf-cache", work_claim: str = DEFAULT_PVC) -> str:
+               hf_cache_claim: str = "envtool-hf-cache", work_claim: str = DEFAULT_PVC,
+               secret: str = DEFAULT_SECRET) -> str:
     """A ConfigMap with the config and a kubeflow.org/v1 PyTorchJob: Master (node rank 0) and nnodes-1
     Workers, each a pod running torchrun with --nproc-per-node GPUs, joined by c10d at the master's service.
     The training operator sets MASTER_ADDR / MASTER_PORT / RANK in every replica. Every pod works in the claim
@@ -162,17 +198,19 @@ def pytorchjob(plan: Plan, launch: Launch, config: Path, dist: Distribution, *, 
     gpus = _gpus(plan, dist)
     nproc = default_nproc(plan, dist)
     name = job_name(config)
-    config_in_pod = f"/etc/envtool/{config.name}"
+    config_in_pod = f"/etc/envtool/{config_key(config)}"
     command = ["torchrun", f"--nproc-per-node={nproc}", f"--nnodes={dist.nnodes}", "--rdzv-backend=c10d",
                "--rdzv-endpoint=$(MASTER_ADDR):$(MASTER_PORT)", f"--rdzv-id={name}", "-m", "trainer", "train",
                config_in_pod]
-    resources = {"limits": {"nvidia.com/gpu": gpus}} if gpus else {}
+    resources = {"limits": {k8s_resource(plan): gpus}} if gpus else {}
     container = {
         "name": "pytorch",  # the training operator finds the container by this name
         "image": launch.path,
         "imagePullPolicy": "IfNotPresent",
         "command": command,
-        "env": [{"name": "HF_HOME", "value": HF_HOME}],
+        "env": [{"name": "HF_HOME", "value": HF_HOME}, *({"name": k, "value": v} for k, v in plan.env.items()),
+                *({"name": key, "valueFrom": {"secretKeyRef": {"name": secret, "key": key, "optional": True}}}
+                  for key in SECRET_KEYS)],
         "resources": resources,
         "workingDir": WORK,
         "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"},
@@ -200,27 +238,30 @@ def pytorchjob(plan: Plan, launch: Launch, config: Path, dist: Distribution, *, 
                  "pytorchReplicaSpecs": replicas},
     }
     config_map = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": f"{name}-config"},
-                  "data": {config.name: config.read_text()}}
+                  "data": {config_key(config): config.read_text()}}
     access = "ReadWriteMany: every pod mounts it" if dist.nnodes > 1 else "ReadWriteOnce is enough for one pod"
     import textwrap
 
-    header = "".join(f"# {line}\n" for line in textwrap.wrap(
+    header = "".join(f"# {line}\n" for line in textwrap.wrap(comment(
         f"Written by `envtool train {config} --emit k8s` for {plan.gpu['name']}. Needs the Kubeflow training "
         f"operator, the image {launch.path} in a registry the cluster pulls from (envtool build --push), a "
         f"PersistentVolumeClaim {hf_cache_claim} for the Hugging Face cache, and the PersistentVolumeClaim "
         f"{work_claim} ({access}) mounted at {WORK}, the working directory: the config's relative paths "
-        f"(output_dir, dataset_prepared_path, local data) are on it, so the model outlives the pods.", 110))
+        f"(output_dir, dataset_prepared_path, local data) are on it, so the model outlives the pods. Tokens "
+        f"({', '.join(SECRET_KEYS)}) come from the Secret {secret}, when it has them: kubectl create secret "
+        f"generic {secret} --from-literal=HF_TOKEN=...; they are never written here."), 110))
     return header + yaml.safe_dump_all([config_map, job], sort_keys=False)
 
 
 def emit(training: Training, kind: str, dist: Distribution, sources, *, output: Path | None, dry_run: bool,
-         pvc: str | None = None, quiet: bool = False, say: Callable[[str], None] = lambda s: None) -> str | None:
+         pvc: str | None = None, secret: str | None = None, quiet: bool = False,
+         say: Callable[[str], None] = lambda s: None) -> str | None:
     """Write the launcher for an existing engine (its environment built first unless dry_run). Returns the text
     when there is no `output` to write it to. `pvc`: the k8s job's PersistentVolumeClaim (resolver/emit.py)."""
     if not dry_run:
         prepare(training.launch, training.plan, sources, quiet=quiet, say=say)
     text = render(kind, training.plan, training.launch, training.config, dist, cfg=training.cfg, pvc=pvc,
-                           warn=say)
+                  secret=secret, warn=say)
     if output is None:
         return text
     write(output, text, executable=kind == "slurm")

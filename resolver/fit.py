@@ -62,7 +62,7 @@ def fit(config: Path, gpu: str = "auto", nproc: int | None = None) -> FitResult:
         from trainer.setup import start
     except ImportError as err:  # the trainer's config reader needs pydantic and pyyaml
         raise BadInput(f"fit reads the config with the trainer's reader, which needs {err.name} "
-                       "(pip install 'envtool[train]')") from None
+                       "(pip install 'envtool-llm[train]')") from None
     import os
 
     previous = os.environ.get("WORLD_SIZE")

@@ -2,7 +2,12 @@
 
 Detection is an ordered list of sources, each a small function that returns what it saw or says why it
 saw nothing: the ENVTOOL_GPU / ENVTOOL_DRIVER_VERSION overrides, NVML (nvidia-ml-py), `nvidia-smi`, and
-/proc/driver/nvidia/version for the driver alone. No GPU found means a CPU plan.
+/proc/driver/nvidia/version for the driver alone; with no NVIDIA GPU, AMD's, Intel's and Apple's sources
+(resolver/vendors: amd-smi, rocminfo, the KFD topology, rocm-smi; xpu-smi, PCI sysfs; the platform). No GPU
+found means a CPU plan.
+
+A GpuSpec names its vendor and what a torch build must carry code for: NVIDIA's compute capability, AMD's gfx
+target, Intel's AOT family, or "mps"; `backend` is torch's (cuda, rocm, xpu, mps, cpu).
 """
 
 from __future__ import annotations
@@ -23,32 +28,64 @@ DRIVER_RE = re.compile(r"^\d{2,4}(\.\d{1,3}){1,2}$")
 
 
 class GpuSpec(NamedTuple):
-    """The target the plan is for. `compute_capability` is None for a CPU plan."""
+    """The target the plan is for. `compute_capability` is NVIDIA's (None for a CPU plan and for other vendors'
+    GPUs, which name their `target` instead)."""
 
     name: str
     compute_capability: str | None
-    arch: str
+    arch: str  # NVIDIA: turing, ampere, ...; AMD: CDNA3, RDNA3, ...; Intel: its family; "cpu"
     memory_gb: float | None
-    source: str  # catalog | compute-capability | nvml | nvidia-smi | ENVTOOL_GPU | none
-    bf16: bool = False
+    source: str  # catalog | compute-capability | nvml | nvidia-smi | ENVTOOL_GPU | none | gfx-target | amd-smi ...
+    bf16: bool | None = False  # None: decided at run time (Intel XPU)
     fp8: bool = False
     count: int = 1
+    vendor: str = "nvidia"  # nvidia | amd | intel | apple | cpu
+    target: str | None = None  # gfx942 | pvc (Intel's AOT family; None: not in the catalog) | mps; NVIDIA: None
+    backend: str = "cuda"  # torch's: cuda | rocm (torch.version.hip, device "cuda") | xpu | mps | cpu
+    fp8_format: str = ""  # AMD: "fnuz" (CDNA3) | "ocp"
+    macos: str | None = None  # Apple: the macOS version detected (None: a named Mac)
+    also: tuple[str, ...] = ()  # other GPUs detection found and the plan is not for (said in the reasons)
 
     @property
     def is_cpu(self) -> bool:
-        return self.compute_capability is None
+        return self.vendor == "cpu"
+
+    @property
+    def is_nvidia(self) -> bool:
+        return self.vendor == "nvidia"
 
     @property
     def sm(self) -> str:
-        return "cpu" if self.is_cpu else "sm_" + self.compute_capability.replace(".", "")
+        """What a build must carry code for, as the plans write it: sm_80, gfx942, pvc, mps, cpu."""
+        if self.is_cpu:
+            return "cpu"
+        if self.is_nvidia:
+            return "sm_" + self.compute_capability.replace(".", "")
+        return self.target or self.backend
+
+    def target_reason(self) -> str:
+        """The plan's first reason: what the plan is for, and where that was found."""
+        if self.is_cpu:
+            return "target: CPU (no CUDA): torch's CPU build"
+        memory = f", {self.memory_gb:g} GB" if self.memory_gb else ""
+        count = f"{self.count} × " if self.count > 1 else ""
+        if not self.is_nvidia:
+            device = {"rocm": "torch device 'cuda' under HIP", "xpu": "torch device 'xpu'", "mps": "torch device 'mps'"}
+            return f"target: {count}{self.describe()}{memory}, {device[self.backend]} (from {self.source})"
+        return (f"target: {count}{self.describe()}, compute capability {self.compute_capability}{memory} "
+                f"(from {self.source})")
 
     def describe(self) -> str:
         if self.is_cpu:
             return "CPU"
-        return f"{self.name} ({self.sm}, {self.arch.capitalize()})"
+        if self.is_nvidia:
+            return f"{self.name} ({self.sm}, {self.arch.capitalize()})"
+        detail = ", ".join(x for x in (self.target, self.arch) if x and x not in self.name and x != "mps")
+        return f"{self.name} ({detail})" if detail else self.name
 
 
-CPU = GpuSpec(name="CPU", compute_capability=None, arch="cpu", memory_gb=None, source="none")
+CPU = GpuSpec(name="CPU", compute_capability=None, arch="cpu", memory_gb=None, source="none", vendor="cpu",
+              backend="cpu")
 
 
 class Detection(NamedTuple):
@@ -83,6 +120,8 @@ def check_target_text(text: str | None, where: str = "--gpu") -> None:
                            f"sm_80, cpu)")
         raise BadInput(f"{where} is empty: give a GPU name or alias (t4, a100), a compute capability (sm_80), "
                        f"'cpu' or 'auto'")
+    if any(not c.isprintable() for c in text):  # a name is never a line break: it would reach Dockerfiles, scripts
+        raise BadInput(f"{where} {text!r}: a GPU name is one line of printable characters")
     for name in text.split(","):
         if normalize_name(name) in NOT_A_TARGET:
             raise BadInput(f"{where} {name.strip()!r} is not a GPU (a script's unset variable?): give a GPU name, a "
@@ -101,13 +140,30 @@ def lookup(text: str, m: Matrix, source: str = "catalog") -> GpuSpec:
     g = catalog.find_gpu(text, m.gpus)
     if g is not None:
         return from_cc(g.compute_capability, m, name=g.name, memory_gb=g.memory_gb, source=source)
+    from . import vendors
+
+    other = vendors.lookup(text)
+    if other is not None:
+        return from_accelerator(other, source=source if source == GPU_ENV else None)
+    hint = vendors.backend_hint(text)
+    if hint:
+        raise BadInput(hint)
     import difflib
 
-    names = sorted({normalize_name(a) for g in m.gpus for a in g.aliases} | {"cpu"})
+    names = sorted({normalize_name(a) for g in m.gpus for a in g.aliases} | {"cpu"} | set(vendors.names()))
     close = difflib.get_close_matches(key, names, n=3, cutoff=0.5)
     hint = f"; did you mean {', '.join(close)}?" if close else ""
-    raise BadInput(f"unknown GPU {text!r}{hint} (`envtool gpus` lists the known ones; "
-                   f"`--gpu sm_XY` names any GPU by compute capability)")
+    raise BadInput(f"unknown GPU {text!r}{hint} (`envtool gpus` lists the known ones; `--gpu sm_XY` names any "
+                   f"NVIDIA GPU by compute capability, `--gpu gfxNNNN` any AMD GPU by its target)")
+
+
+def from_accelerator(a, source: str | None = None, count: int | None = None, also: tuple[str, ...] = (),
+                     macos: str | None = None) -> GpuSpec:
+    """An AMD, Intel or Apple GPU (resolver/vendors' Accelerator) as the plan's GpuSpec."""
+    return GpuSpec(name=a.name, compute_capability=None, arch=a.family or a.target or a.vendor,
+                   memory_gb=a.memory_gb, source=source or a.source, bf16=a.bf16, fp8=bool(a.fp8),
+                   count=count or a.count, vendor=a.vendor, target=a.target, backend=a.backend,
+                   fp8_format=a.fp8, macos=macos, also=also)
 
 
 def from_cc(cc: str, m: Matrix, *, name: str, memory_gb: float | None, source: str,
@@ -158,7 +214,10 @@ def detect(m: Matrix) -> Detection:
         notes.append(f"driver from {DRIVER_ENV}={driver}")
 
     if not seen:
-        notes.append("no NVIDIA GPU found: planning for CPU")
+        other = detect_other_vendors(notes)
+        if other is not None:
+            return other
+        notes.append("no NVIDIA, AMD, Intel or Apple GPU found: planning for CPU")
         return Detection(CPU, driver, notes)
     lowest = min(seen, key=lambda s: cc_tuple(s.compute_capability))
     gpu = from_cc(lowest.compute_capability, m, name=lowest.name, memory_gb=lowest.memory_gb,
@@ -170,6 +229,44 @@ def detect(m: Matrix) -> Detection:
     elif len(seen) > 1:
         notes.append(f"{len(seen)} × {gpu.name} detected")
     return Detection(gpu, driver, notes)
+
+
+def detect_other_vendors(notes: list[str]) -> Detection | None:
+    """With no NVIDIA GPU: AMD's, then Intel's, then Apple's sources (resolver/vendors.detect). Where several
+    kinds of GPU are found (an AMD dGPU beside an APU's iGPU, an Intel iGPU beside an AMD card), the plan is for
+    the first vendor in that order, and within it for the target some torch build covers, then the most
+    devices, then the most memory; the others are named in the reasons."""
+    from . import vendors
+
+    found = vendors.detect()
+    notes.extend(found.notes)
+    if not found.gpus:
+        return None
+    order = {"amd": 0, "intel": 1, "apple": 2}
+    v = vendors.load()
+
+    def rank(a):
+        covered = a.vendor != "amd" or bool(a.target and v.rocm_builds_for(a.target))
+        return (order[a.vendor], not covered, -a.count, -(a.memory_gb or 0))
+
+    chosen, *others = sorted(found.gpus, key=rank)
+    also = tuple(f"{o.count} × {o.describe()}" for o in others)
+    if others:
+        hint = " (HIP_VISIBLE_DEVICES / ROCR_VISIBLE_DEVICES keep them out of the job)" if chosen.vendor == "amd" \
+            else ""
+        notes.append(f"planning for {chosen.count} × {chosen.describe()}; also found: {', '.join(also)}{hint}")
+    elif chosen.count > 1:
+        notes.append(f"{chosen.count} × {chosen.name} detected")
+    macos = None
+    if chosen.vendor == "apple":
+        from .vendors import apple
+
+        probe = apple.probe_platform(v)
+        macos = probe.seen.macos if probe.seen else None
+    gpu = from_accelerator(chosen, also=also, macos=macos)
+    if found.driver and chosen.vendor == "amd":
+        notes.append(f"amdgpu kernel module {found.driver}")
+    return Detection(gpu, None, notes)
 
 
 def probe_nvml(m: Matrix) -> tuple[list[Seen], str | None, str]:
@@ -305,7 +402,19 @@ def targets(text: str, m: Matrix, driver: str | None) -> list[Target]:
         if len(names) > 1:
             raise BadInput("--gpu auto cannot be combined with other targets")
         found = detect(m)
-        if driver:
+        if driver and found.gpu.is_nvidia:
             found.notes.append(f"driver from --driver {driver}")
+        check_driver_vendor(found.gpu, driver or found.driver)
         return [Target("auto", found.gpu, driver or found.driver, found.notes)]
-    return [Target(n, lookup(n, m), driver, []) for n in names]
+    found = [Target(n, lookup(n, m), driver, []) for n in names]
+    for t in found:
+        check_driver_vendor(t.gpu, driver)
+    return found
+
+
+def check_driver_vendor(gpu: GpuSpec, driver: str | None) -> None:
+    """--driver is NVIDIA's: for another vendor's GPU it means nothing, and is refused rather than ignored."""
+    if driver and not (gpu.is_nvidia or gpu.is_cpu):
+        raise BadInput(f"--driver {driver} is an NVIDIA driver version; {gpu.describe()} runs torch's "
+                       f"{gpu.backend.upper() if gpu.backend != 'rocm' else 'ROCm'} builds, whose plans do not take "
+                       f"one: drop --driver")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import shutil
 import subprocess
 import time
@@ -61,10 +62,25 @@ def versions_dir(venv: Path) -> Path:
     return venv.parent / f"{venv.name}.versions"
 
 
+def check_host(plan, env_dir: Path) -> None:
+    """A lock installs where its wheels run: a macOS arm64 (MPS) lock only on a Mac with Apple silicon, a Linux
+    lock only on Linux. One line before anything is made."""
+    import platform
+
+    mac = plan.torch.backend == "mps"
+    here_mac = sys.platform == "darwin" and platform.machine() == "arm64"
+    if mac and not here_mac:
+        raise BadInput(f"{env_dir} is locked for macOS on Apple silicon (MPS: {plan.gpu['name']}): install it on the "
+                       f"Mac; here ({sys.platform} {platform.machine()}) its wheels do not run")
+    if not mac and sys.platform != "linux":
+        raise BadInput(f"{env_dir} is locked for linux {plan.platform}; this is {sys.platform}")
+
+
 def install(env_dir: Path, venv: Path, *, offline: bool = False, wheelhouse: Path | None = None,
             ca_bundle: str | None = None, quiet: bool = False, check_imports: bool = False) -> dict:
     env_dir, venv = env_dir.resolve(), Path(os.path.abspath(venv))
     plan = load_plan(env_dir)
+    check_host(plan, env_dir)
     if not (env_dir / "uv.lock").is_file():
         raise BadInput(f"{env_dir}: no uv.lock; run `envtool lock` first")
     if venv.exists() and not venv.is_symlink():
@@ -133,6 +149,7 @@ def install_into(env_dir: Path, python: str, *, keep: tuple[str, ...] = (), no_b
     installed version. The plan goes to `<prefix>/plan.json` when the prefix is writable."""
     env_dir = env_dir.resolve()
     plan = load_plan(env_dir)
+    check_host(plan, env_dir)
     if not (env_dir / "uv.lock").is_file():
         raise BadInput(f"{env_dir}: no uv.lock; run `envtool lock` first")
     prefix = interpreter_prefix(python)

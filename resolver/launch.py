@@ -138,7 +138,8 @@ def _attention_plan(cfg, config: Path, opts: PlanOptions) -> Plan:
             plan = one_plan(opts)  # the request was the obstacle, or this raises the real one
             backend = m.backend(ask)
             gpu = plan.gpu
-            if not backend_runs_on(backend, gpu["compute_capability"]):
+            nvidia_or_cpu = gpu.get("vendor") in (None, "nvidia", "cpu")
+            if nvidia_or_cpu and not backend_runs_on(backend, gpu["compute_capability"]):
                 where = "the CPU" if gpu["compute_capability"] is None else \
                     f"{gpu['name']} (sm_{gpu['compute_capability'].replace('.', '')})"
                 cause = f"{ask} needs {backend_range(backend)}; {where} is outside that"
@@ -173,9 +174,21 @@ def _needs(cfg, config: Path, plan: Plan) -> tuple[Plan, list[str]]:
     m = load()
     notes = []
     packages = dict(plan.packages)
+    vendor = plan.on_gpu and plan.gpu.get("compute_capability") is None  # AMD, Intel, Apple
     for need in _trainer_call(config, needs, cfg):
         feature = next((f for f in m.features if f.name == need.feature), None)
         what = f" ({feature.reason})" if feature else ""
+        if vendor:
+            from .vendors.solve import feature_refusal
+
+            refused = feature_refusal(plan, need.feature) if need.feature else None
+            if refused:
+                raise Unsatisfiable(f"{config}: {need.key} does not run on {plan.gpu['name']}: {refused}")
+            if need.package not in packages:
+                left_out = next((r for r in plan.reasons if r.startswith(f"{need.package} left out:")), None)
+                why = left_out.split(": ", 1)[1] if left_out else "envtool's plans do not install it"
+                raise Unsatisfiable(f"{config}: {need.key} needs {need.package}, which the plan for "
+                                    f"{plan.gpu['name']} ({plan.target_label}) leaves out: {why}")
         if need.package in packages:
             notes.append(f"{need.key}: {need.package} {packages[need.package]}{what}")
             continue
@@ -326,7 +339,7 @@ def default_nproc(plan: Plan, dist: Distribution) -> int:
     """All the GPUs the plan counts (detected with --gpu auto), one process on the CPU."""
     if dist.nproc:
         return dist.nproc
-    if plan.gpu["compute_capability"] is None:
+    if not plan.on_gpu:
         return 1
     return max(int(plan.gpu.get("count") or 1), 1)
 
@@ -353,7 +366,7 @@ def plan_launch(plan: Plan, cfg, config: Path, opts: PlanOptions, dist: Distribu
     plan_path = write_plan(plan)
     args = dict(nproc=nproc, nnodes=dist.nnodes, node_rank=dist.node_rank, rdzv_endpoint=dist.rdzv_endpoint,
                 rdzv_id=rdzv_id)
-    env = {"ENVTOOL_PLAN": str(plan_path)}
+    env = {**plan.env, "ENVTOOL_PLAN": str(plan_path)}  # plan.env: what the run needs (images carry it as ENV)
     if image:
         tag = image_tag(plan)
         cwd = Path.cwd().resolve()
@@ -414,6 +427,26 @@ def _image_exists(tag: str) -> bool:
         return False
 
 
+def image_line(plan: Plan, opts: PlanOptions) -> str:
+    """For `train --dry-run`: the image `--image` would train in (its tag and base), or why there is none."""
+    from .docker import NO_IMAGE, base_image
+    from .matrix import load
+    from .pipeline import base_python
+    from .plan import image_tag
+
+    if plan.torch.backend in NO_IMAGE:
+        return f"none: {NO_IMAGE[plan.torch.backend]}"
+    python = base_python(plan)
+    target = plan
+    if python and python != plan.python and not opts.python:
+        target = one_plan(opts._replace(gpu=plan.target, python=python))
+    try:
+        base, _ = base_image(target, load(), None)
+    except BadInput as e:
+        return f"none: {e}"
+    return f"{image_tag(target)} (base {base}, Python {target.python}; `--image` trains in it)"
+
+
 # ---------------------------------------------------------------------------- envtool train, start to end
 
 
@@ -446,6 +479,14 @@ def plan_training(config: Path, opts: PlanOptions, dist: Distribution, *, venv: 
         raise BadInput(f"--emit {emit}: {config} sets use_ray, which starts its workers through a local Ray cluster; "
                        "these launchers run torchrun: set use_ray: false for them")
     fitted = plan_for_config(cfg, load_notes, config, opts)
+    if (image or emit == "k8s") and not opts.python:  # in the plan's image: the Python of its base, where it has one
+        from .pipeline import base_python
+
+        python = base_python(fitted.plan)
+        if python and python != fitted.plan.python:
+            fitted = plan_for_config(cfg, load_notes, config, opts._replace(python=python))
+            fitted = fitted._replace(notes=[f"python {python}: the Python of the {fitted.plan.torch.variant} base "
+                                            f"image (--python overrides)", *fitted.notes])
     launch = plan_launch(fitted.plan, cfg, config, opts, dist, venv=venv, image=image or emit == "k8s",
                          isolated=isolated, mounted=emit != "k8s")  # k8s carries the config in a ConfigMap
     return Training(config, cfg, fitted.plan, fitted.notes, fitted.trainer, launch)
@@ -495,7 +536,7 @@ def run(launch: Launch, plan: Plan, *, hf_cache: Path | None = None, shm_size: s
     if launch.kind == "image":
         from .docker import run as docker_run
 
-        gpus = None if plan.gpu["compute_capability"] is None else "all"
+        gpus = "all" if plan.on_gpu else None  # the image's plan says which devices (NVIDIA, AMD, Intel)
         return docker_run(launch.path, launch.command, gpus=gpus, shm_size=shm_size, hf_cache=hf_cache,
                           env_names=[], volumes=[f"{Path.cwd()}:/work"], workdir="/work",
                           network_mode="host" if "--rdzv-backend=c10d" in launch.command else None)

@@ -33,13 +33,30 @@ class Sources(NamedTuple):
 
 
 def target_marker(plan: Plan) -> str:
+    if plan.torch.backend == "mps":
+        return "sys_platform == 'darwin' and platform_machine == 'arm64'"
     return f"sys_platform == 'linux' and platform_machine == '{plan.platform}'"
+
+
+def torch_triton(plan: Plan) -> str | None:
+    """The triton distribution a ROCm / XPU torch requires from its own index (pytorch-triton-rocm, triton-xpu,
+    ...; rocm.toml / intel.toml [[triton]]), where the plan names one."""
+    if plan.torch.backend not in ("rocm", "xpu"):
+        return None
+    from .vendors import load
+
+    row = load().triton_package(plan.gpu.get("vendor"), plan.torch.version)
+    return row.package if row is not None and row.package in plan.packages else None
 
 
 def requirements(plan: Plan) -> list[str]:
     """What the environment asks for: envtool itself (trainer, doctor) and every package the plan pins.
-    triton is left to torch's own pin (torch 2.14+ pins it as `~=`)."""
-    pins = [f"{name}=={version}" for name, version in plan.packages.items() if name != "triton"]
+    triton is left to torch's own pin (torch 2.14+ pins it as `~=`); a ROCm / XPU torch's triton is named
+    without a version (torch pins it) so that it can be taken from the torch index: uv routes direct
+    dependencies only."""
+    routed = torch_triton(plan)
+    pins = [name if name == routed else f"{name}=={version}" for name, version in plan.packages.items()
+            if name != "triton"]
     return [f"{DISTRIBUTION}[train]", *pins]
 
 
@@ -49,7 +66,7 @@ def _toml_list(items: list[str]) -> str:
 
 def with_sources(plan: Plan, sources: Sources) -> Plan:
     """The plan as this lock will install it: --torch-index replaces the PyTorch index it names."""
-    if not sources.torch_index:
+    if not sources.torch_index or plan.torch.backend == "mps":  # macOS: torch is PyPI's (or --index-url's)
         return plan
     index = sources.torch_index.format(variant=plan.torch.variant)
     fa = plan.flash_attn
@@ -60,8 +77,11 @@ def with_sources(plan: Plan, sources: Sources) -> Plan:
 
 def pyproject_text(plan: Plan, sources: Sources, envtool_wheel: str, no_build: list[str]) -> str:
     torch_index = plan.torch.index_url
-    gpu = plan.gpu["name"] if plan.gpu["compute_capability"] else "CPU"
+    gpu = plan.gpu["name"] if plan.on_gpu else "CPU"
     marker = target_marker(plan)
+    routed = torch_triton(plan)
+    no_build = [*no_build, *([routed] if routed else [])]
+    from_pypi = plan.torch.backend == "mps"  # torch's macOS arm64 wheels are PyPI's own: no torch index
     lines = [
         f"# Written by `envtool lock` for {gpu}: torch {plan.torch.version}+{plan.torch.variant}, "
         f"{plan.attention}, {plan.precision}.",
@@ -90,7 +110,8 @@ def pyproject_text(plan: Plan, sources: Sources, envtool_wheel: str, no_build: l
     if sources.index_url:
         indexes.append(("default", sources.index_url, "default = true"))
     indexes += [(f"extra-{i + 1}", url, None) for i, url in enumerate(sources.extra_index_urls)]
-    indexes.append((f"pytorch-{plan.torch.variant}", torch_index, "explicit = true"))
+    if not from_pypi:
+        indexes.append((f"pytorch-{plan.torch.variant}", torch_index, "explicit = true"))
     fa = plan.flash_attn
     fa_index = f"pytorch-{plan.torch.variant}"  # an index-hosted wheel (flash-attn-3) comes from the torch index
     if fa is not None and fa.index_url and fa.index_url != torch_index:
@@ -100,8 +121,12 @@ def pyproject_text(plan: Plan, sources: Sources, envtool_wheel: str, no_build: l
         lines += ["", "[[tool.uv.index]]", f'name = "{name}"', f"url = {json.dumps(url)}"]
         if flag:
             lines.append(flag)
-    lines += ["", "[tool.uv.sources]", f'torch = {{ index = "pytorch-{plan.torch.variant}" }}',
-              f'{DISTRIBUTION} = {{ path = "wheels/{envtool_wheel}" }}']
+    lines += ["", "[tool.uv.sources]"]
+    if not from_pypi:
+        lines.append(f'torch = {{ index = "pytorch-{plan.torch.variant}" }}')
+    if routed:
+        lines.append(f'{routed} = {{ index = "pytorch-{plan.torch.variant}" }}')
+    lines.append(f'{DISTRIBUTION} = {{ path = "wheels/{envtool_wheel}" }}')
     if fa is not None and fa.index_url:
         lines.append(f'{fa.package} = {{ index = "{fa_index}" }}')
     elif fa is not None:

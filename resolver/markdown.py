@@ -19,19 +19,28 @@ def plans_markdown(plans: list[Plan], m: Matrix) -> str:
 def _row(plan: Plan, m: Matrix) -> str:
     gpu = plan.gpu
     cc = gpu["compute_capability"]
-    arch = "CPU" if cc is None else f"sm_{cc.replace('.', '')} {gpu['arch'].capitalize()}"
+    if not plan.on_gpu:
+        arch = "CPU"
+    elif plan.device == "mps":
+        arch = "MPS"
+    elif cc is None:  # AMD, Intel: the target and the family as the vendor writes it
+        arch = f"{plan.target_label} {gpu['arch']}"
+    else:
+        arch = f"sm_{cc.replace('.', '')} {gpu['arch'].capitalize()}"
     kernels = "on" if plan.features["torch_compile"] else "off"
     triton = f"{plan.triton} ({kernels})" if plan.triton else "—"
     fa2 = m.backend(m.flash_attn_impl("fa2").attention)
     if plan.flash_attn:
         where = " (PyTorch index)" if plan.flash_attn.index_url else ""
         wheel = f"`{plan.flash_attn.filename}`{where}"
+    elif plan.on_gpu and cc is None:
+        wheel = f"— (none for {'ROCm' if plan.torch.backend == 'rocm' else plan.device.upper()})"
     elif not backend_runs_on(fa2, cc) or cc is None:
         wheel = f"— (needs {'a CUDA GPU' if cc is None else backend_range(fa2)})"
     elif plan.packing == "varlen":
         wheel = "— (not needed: torch's own varlen_attn)"
     else:
         wheel = "— (no prebuilt wheel for this torch)"
-    torch = f"{plan.torch.version}+{plan.torch.variant}"
+    torch = f"{plan.torch.version}" + ("" if plan.torch.backend == "mps" else f"+{plan.torch.variant}")
     return (f"| {gpu['name']} | {arch} | {torch} | {plan.attention} | {plan.packing} | {plan.precision} | {triton} "
             f"| {wheel} |")

@@ -211,9 +211,10 @@ class Feature(NamedTuple):
 
 class BaseImage(NamedTuple):
     variant_prefix: str
-    image: str  # template: {python}
+    image: str  # template: {python}, {rocm}
     reason: str
     source: str
+    python: str | None = None  # the base's own interpreter, where it brings one
 
 
 class TritonSupport(NamedTuple):
@@ -287,6 +288,24 @@ RANGE_OPS = {">=": operator.ge, "<=": operator.le, ">": operator.gt, "<": operat
 RANGE_RE = re.compile(r"^(>=|<=|==|!=|>|<)\s*(\S+)$")
 
 
+PYTHON_RE = re.compile(r"^3\.\d{1,2}$")  # what --python takes
+# Mirrors and air-gapped sites: URL templates that replace the matrix's (same placeholders).
+TORCH_INDEX_ENV = "ENVTOOL_TORCH_INDEX_URL"  # {variant}
+FLASH_ATTN_URL_ENV = "ENVTOOL_FLASH_ATTN_URL"  # {version} {filename}
+
+
+def prefix_match(pin: str, version: str) -> bool:
+    """Whether a pin like --torch 2.8 admits 2.8.0 (the pin's release parts are the version's first ones)."""
+    pin_release = Version(pin).release
+    return Version(version).release[: len(pin_release)] == pin_release
+
+
+def stack_for(m: "Matrix", torch_version: str, python: str):
+    """The packages.toml [[stack]] row (newest first) whose torch and Python ranges admit these, else None."""
+    return next((s for s in m.stacks
+                 if in_range(torch_version, s.torch) and in_range(python, s.python)), None)
+
+
 def in_range(version: str, spec: str) -> bool:
     """Whether `version` satisfies a matrix range such as ">=3.10,<3.15".
 
@@ -311,17 +330,15 @@ FILES = ("meta", "attention", "archs", "gpus", "cuda", "torch", "flash_attn", "x
 @lru_cache(maxsize=4)
 def load(directory: Path | None = None) -> Matrix:
     """The checked matrix. Parsing and checking every row costs ~10 ms of `resolve`'s start-up, so the result
-    is kept in a pickle under ~/.cache/envtool, keyed by the files' paths, sizes and mtimes."""
+    is kept as JSON under ~/.cache/envtool, keyed by the files' paths, sizes and mtimes. The cache is data, never
+    code (no pickle): it is read back through the same typed rows as the TOML (`_build`), so a cache that does
+    not have their shape, whatever it holds, is ignored and rebuilt."""
     directory = Path(directory) if directory else matrix_dir()
     cache = _cache_path(directory)
     if cache is not None and cache.is_file():
-        import pickle
-
-        try:
-            with open(cache, "rb") as f:
-                return pickle.load(f)
-        except Exception:  # a cache from another envtool version, or truncated: rebuild it
-            pass
+        m = _read_cache(cache)
+        if m is not None:
+            return m
     m = _load(directory)
     if cache is not None:
         _write_cache(cache, m)
@@ -337,21 +354,42 @@ def _cache_path(directory: Path) -> Path | None:
         stats = [(name, (directory / f"{name}.toml").stat()) for name in FILES]
     except OSError:
         return None  # a missing file: _load names it
-    code = Path(__file__).stat()  # the row classes' definitions are part of what the pickle holds
+    code = Path(__file__).stat()  # the row classes' definitions are part of what the cache holds
     key = repr((str(directory.resolve()), __version__, code.st_size, code.st_mtime_ns,
                 [(n, s.st_size, s.st_mtime_ns) for n, s in stats]))
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "envtool"
-    return base / f"matrix-{hashlib.sha256(key.encode()).hexdigest()[:20]}.pickle"
+    return base / f"matrix-{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
+
+
+def _plain(value):
+    if hasattr(value, "_fields"):
+        return {k: _plain(v) for k, v in value._asdict().items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _read_cache(cache: Path) -> Matrix | None:
+    """The cached matrix, or None when the file is not a matrix in this envtool's shape (another version,
+    truncated, or written by something else): then it is rebuilt from the TOML."""
+    import json
+
+    try:
+        data = json.loads(cache.read_text())
+        if not isinstance(data, dict) or set(data) - set(Matrix._fields):
+            return None
+        return _build(Matrix, data, cache.name, cache)
+    except (OSError, ValueError, MatrixError, TypeError, RecursionError):
+        return None
 
 
 def _write_cache(cache: Path, m: Matrix) -> None:
-    import pickle
+    import json
 
     try:
         cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache.with_suffix(f".tmp-{os.getpid()}")
-        with open(tmp, "wb") as f:
-            pickle.dump(m, f, protocol=pickle.HIGHEST_PROTOCOL)
+        tmp = cache.with_name(f".{cache.name}.tmp-{os.getpid()}")
+        tmp.write_text(json.dumps(_plain(m), separators=(",", ":")))
         tmp.replace(cache)
     except OSError:
         pass  # a read-only home: no cache, same answers

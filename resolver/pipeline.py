@@ -53,10 +53,16 @@ def make_plans(opts: PlanOptions) -> list[Plan]:
     m = load()
     plans = []
     for t in targets(opts.gpu or "auto", m, opts.driver):
+        platform, notes = opts.platform or host_platform(), list(t.notes)
+        if t.gpu.vendor == "apple":  # a Mac is macOS on arm64 whatever Linux host --platform names
+            if opts.platform:
+                notes.append(f"platform: macOS arm64 (--platform {opts.platform} names the Linux hosts of other "
+                             f"targets)")
+            platform = "arm64"
         req = Request(gpu=t.gpu, driver=t.driver, python=opts.python or host_python(),
-                      platform=opts.platform or host_platform(), torch=opts.torch, cuda=opts.cuda,
+                      platform=platform, torch=opts.torch, cuda=opts.cuda,
                       flash_attn=opts.flash_attn, no_flash_attn=opts.no_flash_attn, attention=opts.attention,
-                      target=t.label, notes=t.notes)
+                      target=t.label, notes=notes)
         plans.append(solve(req, m))
     pins = command_line_pins(opts)
     return [plan._replace(pinned=pins) for plan in plans] if pins else plans
@@ -77,6 +83,31 @@ def one_plan(opts: PlanOptions) -> Plan:
     if len(plans) != 1:
         raise BadInput("this command makes one environment: give --gpu a single target")
     return plans[0]
+
+
+def base_python(plan: Plan) -> str | None:
+    """The Python the plan's base image brings, where it brings its own (images.toml `python`: ROCm's)."""
+    from .matrix import load
+
+    row = next((b for b in load().base_images if plan.torch.variant.startswith(b.variant_prefix)), None)
+    return row.python if row is not None else None
+
+
+def image_plans(opts: PlanOptions, base_override: str | None = None) -> list[Plan]:
+    """Plans for images: where the base image brings its own Python and --python was not given, the plan is made
+    for that Python (and says so) rather than for this machine's."""
+    plans = make_plans(opts)
+    if opts.python or base_override:
+        return plans
+    out = []
+    for plan in plans:
+        python = base_python(plan)
+        if python and python != plan.python:
+            again = one_plan(opts._replace(gpu=plan.target, python=python))
+            plan = again._replace(reasons=[f"python {python}: the Python of the {plan.torch.variant} base image "
+                                           f"(images.toml; --python overrides)", *again.reasons])
+        out.append(plan)
+    return out
 
 
 # ---------------------------------------------------------------------------- lock, install
@@ -135,7 +166,7 @@ def install_system(python: str, env_dir: Path | None, opts: PlanOptions, sources
         opts = opts._replace(python=info["python"])
         torch = info.get("torch") or {}
         findings = diagnose(info, target.gpu, target.driver, m, python) if "version" in torch else []
-        torch_ok = bool(findings) and not any(f.level == "error" and f.check in ("torch", "torch-cuda", "arch", "driver")
+        torch_ok = bool(findings) and not any(f.level == "error" and f.check in ("torch", "torch-cuda", "torch-backend", "arch", "driver")
                                               for f in findings)
         plan = None
         if torch_ok and not opts.torch:
@@ -173,6 +204,8 @@ def build(plans: list[Plan], sources, *, tag: str | None = None, push: bool = Fa
     m = load()
     if tag and len(plans) > 1:
         raise BadInput("--tag names one image: build several targets without it (tags name the architecture)")
+    for plan in plans:
+        images.base_image(plan, m, base_image)  # no image for this plan (XPU, MPS; a Python the base lacks): now
     images.client()  # fail now, in one line, if no engine answers
     built = []
     for plan in plans:

@@ -14,15 +14,18 @@ from pathlib import Path
 from typing import NamedTuple
 
 PLAN_FILE = "plan.json"  # the one name of a plan on disk: lock directories, environments, images
-PLAN_VERSION = "1.1"  # 1.1: packing, mask_without_cudnn, flash_attn.index_url, pinned (command-line choices)
+PLAN_VERSION = "1.2"  # 1.1: packing, mask_without_cudnn, flash_attn.index_url, pinned (command-line choices);
+#   1.2: device, env, gpu.vendor/target, torch.backend/rocm (AMD, Intel and Apple plans)
 
 
 class TorchChoice(NamedTuple):
     version: str
-    cuda: str | None  # "12.6"; None for the CPU build
-    variant: str  # "cu126" | "cpu"
-    index_url: str
-    min_driver: str | None  # the driver this build needs at full feature level; None for CPU
+    cuda: str | None  # "12.6"; None for the CPU build and every non-CUDA build
+    variant: str  # "cu126" | "rocm7.2" | "xpu" | "macos" | "cpu"
+    index_url: str  # the PyTorch index of the variant; macOS: PyPI (torch's default wheels are the MPS build)
+    min_driver: str | None  # the NVIDIA driver this build needs at full feature level; None otherwise
+    backend: str = "cuda"  # cuda | rocm | xpu | mps | cpu
+    rocm: str | None = None  # the ROCm release a ROCm build bundles ("7.2")
 
 
 class FlashAttnChoice(NamedTuple):
@@ -43,7 +46,7 @@ class Rejected(NamedTuple):
 
 
 class Plan(NamedTuple):
-    gpu: dict  # name, compute_capability, arch, count, memory_gb, source, bf16
+    gpu: dict  # name, compute_capability, arch, count, memory_gb, source, bf16, vendor, target
     driver: dict  # version, max_cuda
     python: str
     platform: str
@@ -63,7 +66,18 @@ class Plan(NamedTuple):
     # Choices set on the command line, each with the option that set it ({"attention": "--attention sdpa"}): the
     # trainer follows them over its config, as a command-line option wins. Written only when there is one.
     pinned: dict[str, str] = {}
+    device: str = "cuda"  # torch's device type: cuda (NVIDIA, and AMD under HIP) | xpu | mps | cpu
+    env: dict[str, str] = {}  # environment the run needs (TORCH_ROCM_AOTRITON_ENABLE_EXPERIMENTAL=1)
     plan_version: str = PLAN_VERSION
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.device != "cpu"
+
+    @property
+    def target_label(self) -> str:
+        """What the build carries code for, as people write it: sm_80, gfx942, pvc, mps, cpu."""
+        return target_label(self.gpu)
 
     def to_dict(self, explain: bool = False) -> dict:
         data = _plain(self)
@@ -91,6 +105,15 @@ class Plan(NamedTuple):
         values = {k: v for k, v in data.items() if k in known}
         if "packing" not in values:  # a 1.0 plan: flash-attn packed by cu_seqlens, everything else by a mask
             values["packing"] = "varlen" if str(values.get("attention", "")).startswith("flash_attention") else "mask"
+        gpu = values.get("gpu")
+        if isinstance(gpu, dict) and "vendor" not in gpu:  # a 1.0/1.1 plan: NVIDIA or CPU
+            cc = gpu.get("compute_capability")
+            values["gpu"] = {**gpu, "vendor": "nvidia" if cc else "cpu",
+                             "target": f"sm_{cc.replace('.', '')}" if cc else None}
+        if "device" not in values and isinstance(values.get("gpu"), dict):
+            values["device"] = "cpu" if values["gpu"].get("compute_capability") is None else "cuda"
+        if isinstance(values.get("torch"), dict) and "backend" not in values["torch"]:
+            values["torch"] = {**values["torch"], "backend": "cpu" if values["torch"].get("cuda") is None else "cuda"}
         try:
             values["torch"] = TorchChoice(**_known(TorchChoice, values["torch"]))
             if values.get("flash_attn"):
@@ -145,9 +168,20 @@ def _plain(value):
     return value
 
 
+def target_label(gpu: dict) -> str:
+    """sm_80 (NVIDIA), gfx942 (AMD), pvc (Intel's AOT family; xpu where not in the catalog), mps, cpu."""
+    cc = gpu.get("compute_capability")
+    if cc:
+        return "sm_" + cc.replace(".", "")
+    vendor = gpu.get("vendor") or "cpu"
+    if vendor == "cpu":
+        return "cpu"
+    return gpu.get("target") or {"intel": "xpu", "apple": "mps"}.get(vendor, vendor)
+
+
 def image_tag(plan: Plan, repository: str = "envtool-trainer") -> str:
-    """`envtool-trainer:sm75-cu126-torch2.9-py3.11`: the architecture and the stack, readable at a glance."""
-    cc = plan.gpu["compute_capability"]
-    arch = "cpu" if cc is None else "sm" + cc.replace(".", "")
+    """`envtool-trainer:sm75-cu126-torch2.9-py3.11`, `envtool-trainer:gfx942-rocm7.2-torch2.13-py3.12`: the
+    architecture and the stack, readable at a glance."""
+    arch = target_label(plan.gpu).replace("_", "")
     torch_mm = ".".join(plan.torch.version.split(".")[:2])
     return f"{repository}:{arch}-{plan.torch.variant}-torch{torch_mm}-py{plan.python}"

@@ -12,18 +12,26 @@ from .plan import Plan
 def plan_table(plan: Plan, explain: bool = False, console: Console | None = None) -> None:
     console = console or Console()
     gpu = plan.gpu
-    title = "CPU" if gpu["compute_capability"] is None else (
-        f"{gpu['name']} · sm_{gpu['compute_capability'].replace('.', '')} · {gpu['arch']}")
-    table = Table(title=f"envtool plan for {title}", show_header=False, title_justify="left")
+    table = Table(title=f"envtool plan for {plan_title(plan)}", show_header=False, title_justify="left")
     table.add_column(style="bold cyan")
     table.add_column(overflow="fold")
     torch = plan.torch
-    table.add_row("torch", f"{torch.version}+{torch.variant}  ({torch.index_url})")
+    if torch.backend == "mps":
+        table.add_row("torch", f"{torch.version}  (PyPI's macOS arm64 wheel: the MPS build; {torch.index_url})")
+    else:
+        table.add_row("torch", f"{torch.version}+{torch.variant}  ({torch.index_url})")
+    if torch.backend not in ("cuda", "cpu"):
+        table.add_row("device", f"{plan.device}" + (" (HIP)" if torch.backend == "rocm" else ""))
     if torch.cuda:
         table.add_row("CUDA", f"{torch.cuda} (driver ≥ {torch.min_driver or 'see reasons'})")
+    if torch.rocm:
+        table.add_row("ROCm", f"{torch.rocm} (bundled in the wheel; the host needs the amdgpu driver only)")
     driver = plan.driver
-    table.add_row("driver", f"{driver['version']} (runs CUDA ≤ {driver['max_cuda']})" if driver["version"]
-                  else "unknown (pass --driver)")
+    if gpu.get("vendor") in ("nvidia", "cpu", None):
+        table.add_row("driver", f"{driver['version']} (runs CUDA ≤ {driver['max_cuda']})" if driver["version"]
+                      else "unknown (pass --driver)")
+    if plan.env:
+        table.add_row("env", " ".join(f"{k}={v}" for k, v in plan.env.items()))
     table.add_row("python", f"{plan.python} · {plan.platform}")
     table.add_row("attention", plan.attention)
     packing = "varlen (cu_seqlens, no mask)" if plan.packing == "varlen" else "mask (block-diagonal)"
@@ -35,14 +43,13 @@ def plan_table(plan: Plan, explain: bool = False, console: Console | None = None
         table.add_row("flash-attn", f"{plan.flash_attn.wheel_url}{where}" if not where
                       else f"{plan.flash_attn.package}=={plan.flash_attn.version}{where}")
     table.add_row("precision", plan.precision)
-    kernels = "on" if plan.features["torch_compile"] else "off"
-    table.add_row("triton", f"{plan.triton or '-'} (torch.compile / liger kernels: {kernels})")
+    table.add_row("triton", f"{plan.triton or '-'} ({kernel_switches(plan)})")
     table.add_row("packages", ", ".join(f"{k}=={v}" for k, v in plan.packages.items()))
     table.add_row("matrix", plan.matrix_version)
     console.print(table)
     console.print("[bold]Why[/bold]")
     for reason in plan.reasons:
-        console.print(f"  • {reason}", highlight=False)
+        console.print(f"  • {reason}", highlight=False, markup=False)
     if explain:
         rejected = Table(title="Candidates not taken", title_justify="left")
         rejected.add_column("torch")
@@ -51,6 +58,23 @@ def plan_table(plan: Plan, explain: bool = False, console: Console | None = None
         for r in plan.rejected:
             rejected.add_row(r.torch, r.variant, r.reason)
         console.print(rejected)
+
+
+def plan_title(plan: Plan) -> str:
+    """`Tesla T4 · sm_75 · turing`, `AMD Instinct MI300X · gfx942 · CDNA3`, `CPU`."""
+    gpu = plan.gpu
+    if not plan.on_gpu:
+        return "CPU"
+    label = plan.target_label
+    arch = gpu["arch"] if gpu.get("arch") not in (None, label) else None
+    return " · ".join(x for x in (gpu["name"], label if label not in gpu["name"] else None, arch) if x)
+
+
+def kernel_switches(plan: Plan) -> str:
+    compile_, liger = plan.features.get("torch_compile"), plan.features.get("liger")
+    if compile_ == liger:
+        return f"torch.compile / liger kernels: {'on' if compile_ else 'off'}"
+    return f"torch.compile: {'on' if compile_ else 'off'}, liger kernels: {'on' if liger else 'off'}"
 
 
 def gpus_table(m: Matrix, console: Console | None = None) -> None:
@@ -62,6 +86,24 @@ def gpus_table(m: Matrix, console: Console | None = None) -> None:
         arch = m.arch_for(g.compute_capability)
         table.add_row(g.name, ", ".join(g.aliases), g.compute_capability, arch.name, f"{g.memory_gb:g} GB",
                       "yes" if arch.bf16 else "no", "yes" if arch.fp8 else "no")
+    console.print(table)
+    from .vendors import load as load_vendors
+
+    v = load_vendors()
+    table = Table(title="AMD and Intel GPUs; any other AMD GPU: --gpu gfxNNNN; any Mac: --gpu mps",
+                  title_justify="left")
+    for column in ("name", "aliases", "target", "arch", "memory", "bf16", "newest torch with its code"):
+        table.add_column(column)
+    for g in v.amd_gpus:
+        t = v.amd_target(g.gfx)
+        builds = v.rocm_builds_for(g.gfx)
+        newest = f"{builds[-1].torch}+{builds[-1].variant}" if builds else "none: torch does not run on it"
+        memory = f"{g.memory_gb / g.devices:g} GB" + (f" × {g.devices}" if g.devices > 1 else "") if g.memory_gb \
+            else "shared"
+        table.add_row(g.name, ", ".join(g.aliases), g.gfx, t.family, memory, "yes" if t.bf16 else "no", newest)
+    for g in v.intel_gpus:
+        table.add_row(g.name, ", ".join(g.aliases), g.aot, v.intel_target(g.aot).family, "-", "at run time",
+                      "every xpu build")
     console.print(table)
 
 

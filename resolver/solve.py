@@ -9,7 +9,6 @@ where dropping one pin would help, the pin value that works.
 from __future__ import annotations
 
 import os
-import re
 from functools import lru_cache
 from typing import NamedTuple
 
@@ -21,13 +20,11 @@ from matrices.catalog import backend_range, backend_runs_on
 
 from .matrix import (CudnnSdpa, FlashAttnImpl, FlashAttnRelease, KernelsRelease, Matrix, TorchBuild,
                      TorchRelease, VarlenKernel, Xformers, cc_tuple, in_range)
+from .matrix import FLASH_ATTN_URL_ENV, PYTHON_RE, TORCH_INDEX_ENV, stack_for  # noqa: F401 (also read from here)
+from .matrix import prefix_match as _prefix_match
 from .plan import FlashAttnChoice, Plan, Rejected, TorchChoice
 
 PLATFORMS = ("x86_64", "aarch64")
-PYTHON_RE = re.compile(r"^3\.\d{1,2}$")
-# Mirrors and air-gapped sites: URL templates that replace the matrix's (same placeholders).
-TORCH_INDEX_ENV = "ENVTOOL_TORCH_INDEX_URL"  # {variant}
-FLASH_ATTN_URL_ENV = "ENVTOOL_FLASH_ATTN_URL"  # {version} {filename}
 
 
 class Request(NamedTuple):
@@ -120,9 +117,6 @@ def check_request(req: Request, m: Matrix) -> None:
                                 f"{backend_range(backend)}; use --attention sdpa")
 
 
-def _prefix_match(pin: str, version: str) -> bool:
-    pin_release = Version(pin).release
-    return Version(version).release[: len(pin_release)] == pin_release
 
 
 # ---------------------------------------------------------------------------- the rules
@@ -280,11 +274,6 @@ def has_sass(build: TorchBuild, cc: str, platform: str = "x86_64") -> bool:
     """SASS for X.Y runs on X.Z when Y <= Z (same major); PTX is not counted."""
     major, minor = cc_tuple(cc)
     return any(cc_tuple(s)[0] == major and cc_tuple(s)[1] <= minor for s in sass_for(build, platform) or ())
-
-
-def stack_for(m: Matrix, torch_version: str, python: str):
-    return next((s for s in m.stacks
-                 if in_range(torch_version, s.torch) and in_range(python, s.python)), None)
 
 
 # ---------------------------------------------------------------------------- attention kernels
@@ -617,6 +606,10 @@ def runs_on(m: Matrix, cuda: str, driver: str) -> bool:
 
 
 def solve(req: Request, m: Matrix) -> Plan:
+    if req.gpu.vendor in ("amd", "intel", "apple"):
+        from .vendors.solve import solve as solve_vendor
+
+        return solve_vendor(req, m)
     check_request(req, m)
     survivors, rejected = evaluate(req, m)
     if not survivors:
@@ -694,13 +687,15 @@ def build_plan(req: Request, m: Matrix, best: Candidate, survivors: list[Candida
     toolkit = m.toolkit(best.cuda) if best.build else None
     return Plan(
         gpu={"name": gpu.name, "compute_capability": gpu.compute_capability, "arch": gpu.arch,
-             "count": gpu.count, "memory_gb": gpu.memory_gb, "source": gpu.source, "bf16": gpu.bf16},
+             "count": gpu.count, "memory_gb": gpu.memory_gb, "source": gpu.source, "bf16": gpu.bf16,
+             "vendor": gpu.vendor, "target": None if gpu.is_cpu else gpu.sm},
         driver={"version": req.driver, "max_cuda": max_cuda(m, req.driver)},
         python=req.python,
         platform=req.platform,
         torch=TorchChoice(version=best.release.version, cuda=best.cuda, variant=best.variant,
                           index_url=torch_index_url(m, best.variant),
-                          min_driver=toolkit.min_driver if toolkit else None),
+                          min_driver=toolkit.min_driver if toolkit else None,
+                          backend="cpu" if best.build is None else "cuda"),
         attention=attention,
         flash_attn=best.flash_attn if best.flash_attn_impl and best.flash_attn_impl.attention == attention else None,
         packing=chosen.packing,
@@ -713,15 +708,12 @@ def build_plan(req: Request, m: Matrix, best: Candidate, survivors: list[Candida
         matrix_version=m.version,
         target=req.target,
         rejected=rejected + preference_rejections(req, m, best, survivors),
+        device="cpu" if gpu.is_cpu else "cuda",
     )
 
 
 def describe_target(gpu: GpuSpec) -> str:
-    if gpu.is_cpu:
-        return "target: CPU (no CUDA): torch's CPU build"
-    memory = f", {gpu.memory_gb:g} GB" if gpu.memory_gb else ""
-    count = f"{gpu.count} × " if gpu.count > 1 else ""
-    return f"target: {count}{gpu.describe()}, compute capability {gpu.compute_capability}{memory} (from {gpu.source})"
+    return gpu.target_reason()
 
 
 def torch_reason(req: Request, m: Matrix, best: Candidate, survivors: list[Candidate]) -> str:

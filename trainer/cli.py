@@ -329,15 +329,16 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger(name).setLevel(logging.ERROR)
     rank = os.environ.get("RANK")
     prefix = f"error (rank {rank}): " if rank not in (None, "0") else "error: "
-    from trainer.errors import record  # under envtool's torchrun launcher the line goes to it, printed once
+    from trainer.errors import readable, record  # under envtool's torchrun launcher the line goes to it, printed once
 
     try:
         return args.func(args)
     except TrainerError as err:
         if args.debug:
             raise
-        if not record(prefix + str(err), err.exit_code):
-            print(prefix + str(err), file=sys.stderr)
+        line = readable(prefix + str(err))
+        if not record(line, err.exit_code):
+            print(line, file=sys.stderr)
         return err.exit_code
     except KeyboardInterrupt:
         print(prefix + "interrupted", file=sys.stderr)
@@ -345,8 +346,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as err:  # a bug or an environment problem: still one line unless --debug
         if args.debug:
             raise
-        line = (f"{prefix}{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''} "
-                "(run with --debug for the traceback)")
+        line = readable(f"{prefix}{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''} "
+                        "(run with --debug for the traceback)")
         if not record(line, 1):
             print(line, file=sys.stderr)
         return 1

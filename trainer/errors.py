@@ -33,6 +33,25 @@ class TrainingError(TrainerError):
     exit_code = 1
 
 
+LINE_LIMIT = 2000  # an error line longer than this is cut in its middle: the start says what, the end the fix
+PART_LIMIT = 600  # one problem of a '; '-joined list (a quoted 100 KB value) is cut alone, so the others stay whole
+
+
+def _cut(text: str, limit: int) -> str:
+    if len(text) <= limit:
+        return text
+    head, tail = text[: limit * 2 // 3], text[-(limit // 3):]
+    return f"{head} … [{len(text) - len(head) - len(tail)} characters cut] … {tail}"
+
+
+def readable(line: str, limit: int = LINE_LIMIT) -> str:
+    """An error message as one readable line: line breaks and control characters become spaces, a problem that
+    quotes a huge value (a 100 KB key, a config's whole text) is cut in its middle, and a line naming thousands of
+    problems keeps its start and end with the cut named between them."""
+    line = "".join(c if c.isprintable() else " " for c in " ".join(str(line).splitlines()))
+    return _cut("; ".join(_cut(part, PART_LIMIT) for part in line.split("; ")), limit)
+
+
 ERROR_DIR_ENV = "ENVTOOL_ERROR_DIR"  # set by `envtool train` around torchrun: where each rank leaves its error
 
 

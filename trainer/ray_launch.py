@@ -26,7 +26,7 @@ from pathlib import Path
 from trainer.errors import ConfigError, HardwareError, TrainerError, TrainingError
 
 WORKER_ENV = "ENVTOOL_RAY_WORKER"  # set inside Ray workers: `train` there runs the loop, never Ray again
-INSTALL_HINT = "pip install 'envtool[ray]' (ray[train])"
+INSTALL_HINT = "pip install 'envtool-llm[ray]' (ray[train])"
 AXOLOTL_DEFAULT_RESOURCES = {"GPU": 1.0}  # Axolotl's resources_per_worker default
 # Set before Ray starts, so that its processes (which inherit them) see them too.
 RAY_ENV = {

@@ -66,6 +66,8 @@ def feature_notes(cfg, runtime, plan) -> list[str]:
     from trainer.optim import optimizers
     from trainer.parallel import distributed
 
+    if runtime.gpu.other_vendor:
+        return vendor_feature_notes(cfg, runtime, plan)
     notes = quantization.hardware_notes(cfg, runtime.gpu) + optimizers.hardware_notes(cfg.optimizer, runtime.gpu)
     notes += qat.hardware_notes(cfg, runtime.gpu)  # qat dtypes' and fp8's floors
     notes += bitnet.hardware_notes(cfg, runtime.gpu, plan)  # use_onebitllms: triton kernels, so a GPU
@@ -73,6 +75,51 @@ def feature_notes(cfg, runtime, plan) -> list[str]:
     if distributed.enabled(cfg) and runtime.device == "cpu" and distributed.fsdp_settings(cfg)["fsdp_version"] == 1:
         notes.append(distributed.CPU_FSDP1_NOTE)
     return notes + kernel_notes
+
+
+def vendor_feature_notes(cfg, runtime, plan) -> list[str]:
+    """The libraries a config needs (`needs`) on an AMD, Intel or Apple GPU, judged by their facts rather than NVIDIA's
+    compute-capability floors: a [[limit]] row that refuses the feature (bitsandbytes' 8-bit optimizers on MPS), a
+    package the plan left out or the vendor cannot run (DeepSpeed on XPU), bitsandbytes without a ROCm library for
+    the target; fp8, use_onebitllms (triton kernels, unverified there) refused; liger kernels off."""
+    from trainer.errors import HardwareError
+    from trainer.model import kernels
+    from trainer.runtime import vendors
+
+    gpu = runtime.gpu
+    runtime.kernels = False
+    notes = []
+    if cfg.fp8:
+        raise HardwareError(f"fp8: this trainer's float8 training path (torchao float8 linears) is not implemented "
+                            f"for {gpu.describe()}, remove fp8 to train in bf16")
+    if cfg.use_onebitllms:
+        raise HardwareError(f"use_onebitllms: onebitllms' triton kernels are unverified on {gpu.describe()}, remove "
+                            "use_onebitllms")
+    packages = (plan or {}).get("packages")
+    for need in needs(cfg):
+        refused = vendors.feature_refusal(gpu.kind, need.feature) or vendors.package_refusal(gpu.kind, need.package)
+        if refused:
+            raise HardwareError(f"{need.key} does not run on {gpu.describe()}: {refused}")
+        if packages is not None and need.package not in packages and need.package != "ray":
+            left = next((r for r in plan.get("reasons", []) if r.startswith(f"{need.package} left out:")), None)
+            raise HardwareError(f"{need.key} needs {need.package}, which the plan for {gpu.describe()} leaves out"
+                                + (f": {left.split(': ', 1)[1]}" if left else ""))
+        if need.package == "bitsandbytes" and gpu.kind == "amd":
+            import importlib.metadata as md
+
+            try:
+                version = md.version("bitsandbytes")
+            except md.PackageNotFoundError:
+                version = (packages or {}).get("bitsandbytes")
+            ok, why = vendors.bitsandbytes_covers(gpu.target, gpu.rocm, version)
+            if not ok:
+                raise HardwareError(f"{need.key} needs bitsandbytes' ROCm kernels, and {why}")
+        notes.append(f"{need.key}: {need.package} on {gpu.describe()}")
+    asked = kernels.requested(cfg)
+    if asked:
+        notes.append(f"{', '.join(asked)}: off on {gpu.describe()} (liger's triton kernels are unverified there; "
+                     "the plan keeps them off)")
+    return notes
 
 
 class Need(NamedTuple):

@@ -31,6 +31,9 @@ def no_gpu(monkeypatch, tmp_path):
     bin_dir.mkdir()
     monkeypatch.setenv("PATH", str(bin_dir))
     monkeypatch.setattr("resolver.hardware.PROC_DRIVER_VERSION", str(tmp_path / "no-such-proc-file"))
+    # nor AMD's KFD topology or Intel's PCI devices, whatever this machine has
+    monkeypatch.setenv("ENVTOOL_KFD_NODES", str(tmp_path / "no-kfd"))
+    monkeypatch.setenv("ENVTOOL_PCI_DEVICES", str(tmp_path / "no-pci"))
     return bin_dir
 
 

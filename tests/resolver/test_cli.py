@@ -10,11 +10,11 @@ from .conftest import DATA, FAKES, run_envtool, write_nvidia_smi
 # recorded here and in the README, never an accident.
 TOP_LEVEL = {"gpu", "driver", "python", "platform", "torch", "attention", "flash_attn", "precision", "triton",
              "features", "packages", "reasons", "matrix_version", "target", "packing", "mask_without_cudnn",
-             "plan_version"}
+             "device", "env", "plan_version"}
 CONTRACT = {
-    "gpu": {"name", "compute_capability", "arch", "count", "memory_gb", "source", "bf16"},
+    "gpu": {"name", "compute_capability", "arch", "count", "memory_gb", "source", "bf16", "vendor", "target"},
     "driver": {"version", "max_cuda"},
-    "torch": {"version", "cuda", "variant", "index_url", "min_driver"},
+    "torch": {"version", "cuda", "variant", "index_url", "min_driver", "backend", "rocm"},
     "features": {"torch_compile", "liger"},
 }
 FLASH_ATTN = {"version", "package", "filename", "wheel_url", "index_url"}

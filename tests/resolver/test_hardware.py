@@ -83,7 +83,7 @@ def test_broken_driver_falls_back_to_cpu_with_the_driver_from_proc(fake_smi, m, 
     assert found.gpu.is_cpu
     assert found.driver == "535.104.05"
     assert any(n.startswith("nvidia-smi: exit 9: NVIDIA-SMI has failed") for n in found.notes)
-    assert "no NVIDIA GPU found: planning for CPU" in found.notes
+    assert "no NVIDIA, AMD, Intel or Apple GPU found: planning for CPU" in found.notes
 
 
 def test_proc_driver_version_of_the_open_kernel_module():

@@ -89,7 +89,7 @@ def test_the_cache_gives_the_same_matrix_and_follows_edits(matrix_copy, monkeypa
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     fresh = matrix._load(matrix_copy)
     assert matrix.load(matrix_copy) == fresh  # written to the cache
-    assert list((tmp_path / "cache" / "envtool").glob("matrix-*.pickle"))
+    assert list((tmp_path / "cache" / "envtool").glob("matrix-*.json"))
     matrix.load.cache_clear()
     assert matrix.load(matrix_copy) == fresh  # read back from it
     edit(matrix_copy / "meta.toml", 'version = "', 'version = "edited-')

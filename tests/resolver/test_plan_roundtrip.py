@@ -34,9 +34,34 @@ def test_every_plan_reads_back_equal_with_its_types(plans):
         assert json.loads(back.to_json()) == json.loads(plan.to_json())
 
 
+@pytest.fixture(scope="module")
+def vendor_plans():
+    return make_plans(PlanOptions(gpu="mi300x,gfx950,max1550", python="3.11", platform="x86_64")) + \
+        make_plans(PlanOptions(gpu="mps", python="3.11"))
+
+
+def test_amd_intel_and_apple_plans_read_back_equal(vendor_plans):
+    for plan in vendor_plans:
+        assert Plan.from_json(plan.to_json(explain=True)) == plan
+    assert [(p.device, p.torch.backend, p.gpu["vendor"], p.gpu["target"]) for p in vendor_plans] == [
+        ("cuda", "rocm", "amd", "gfx942"), ("cuda", "rocm", "amd", "gfx950"), ("xpu", "xpu", "intel", "pvc"),
+        ("mps", "mps", "apple", "mps")]
+    assert vendor_plans[1].env == {"TORCH_ROCM_AOTRITON_ENABLE_EXPERIMENTAL": "1"} and vendor_plans[0].env == {}
+
+
+def test_a_1_1_plan_reads_as_nvidia_or_cpu(plans):
+    for plan in plans:
+        data = plan.to_dict()
+        old = {k: v for k, v in data.items() if k not in ("device", "env")}
+        old["plan_version"] = "1.1"
+        old["gpu"] = {k: v for k, v in data["gpu"].items() if k not in ("vendor", "target")}
+        old["torch"] = {k: v for k, v in data["torch"].items() if k not in ("backend", "rocm")}
+        assert Plan.from_dict(old) == plan._replace(rejected=[])
+
+
 def test_plan_version_is_written_and_an_unknown_major_is_a_clear_error(plans):
     data = plans[0].to_dict()
-    assert data["plan_version"] == PLAN_VERSION == "1.1"
+    assert data["plan_version"] == PLAN_VERSION == "1.2"
     newer_minor = {**data, "plan_version": "1.7", "a_field_from_the_future": 1}
     newer_minor["torch"] = {**newer_minor["torch"], "another": "field"}
     assert Plan.from_dict(newer_minor) == plans[0]._replace(rejected=[])  # minor: new fields ignored

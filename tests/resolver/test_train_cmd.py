@@ -93,7 +93,7 @@ def test_dry_run_prints_the_plan_and_the_exact_command_and_runs_nothing(tmp_path
     out = train(str(config()), *CPU, "--nproc", "2", "--dry-run", "--json", env=env)
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
-    assert result["plan"]["plan_version"] == "1.1" and result["plan"]["precision"] == "fp32"
+    assert result["plan"]["plan_version"] == "1.2" and result["plan"]["precision"] == "fp32"
     assert result["command"][1:5] == ["-m", "torch.distributed.run", "--nproc-per-node=2", "--nnodes=1"]
     assert "--standalone" in result["command"] and result["command"][-3:] == ["trainer", "train",
                                                                                str(tmp_path / "config.yml")]

@@ -210,17 +210,39 @@ MIRROR = ROOT / ".ci-cache" / "pypi-mirror"
 LINUX_CP311 = "cp311-cp311-manylinux_2_28_x86_64"
 
 
-def torch_standin(directory: Path, version: str, variant: str, arch_list: list[str], triton: str | None) -> Path:
-    """A `torch` wheel that answers like a CUDA (or CPU) build: version, CUDA version and compiled arch list."""
-    cuda = None if variant == "cpu" else f"{variant[2:-1]}.{variant[-1]}"
-    files = {
+# What a ROCm torch reports, captured: torch 2.5.1+rocm6.2's torch.version.hip (a project's backend check, printing
+# `torch: 2.5.1+rocm6.2` / `torch.version.hip: 6.2.41133-dd7f95766`) and torch.cuda.get_arch_list() of the same
+# build (astral-sh/uv issue #14086). Other ROCm builds get a HIP version that says it is a stand-in.
+CAPTURED_HIP = {"rocm6.2": "6.2.41133-dd7f95766"}
+CAPTURED_ROCM_ARCH = {("2.5.1", "rocm6.2"): ["gfx900", "gfx906", "gfx908", "gfx90a", "gfx1030", "gfx1100", "gfx942"]}
+
+
+def torch_files(version: str, variant: str, arch_list: list[str]) -> dict[str, str]:
+    """The modules of a stand-in torch that answers like a CUDA, ROCm (HIP) or CPU build: its version, CUDA or
+    HIP version and compiled arch list (what envtool doctor reads)."""
+    rocm = variant.startswith("rocm")
+    cuda = None if variant == "cpu" or rocm else f"{variant[2:-1]}.{variant[-1]}"
+    hip = CAPTURED_HIP.get(variant, f"{variant[4:]}.0-standin") if rocm else None
+    return {
         "torch/__init__.py": f'__version__ = "{version}+{variant}"\nfrom . import version, _C, cuda\n',
-        "torch/version.py": f"cuda = {cuda!r}\n",
+        "torch/version.py": f"cuda = {cuda!r}\nhip = {hip!r}\n",
         "torch/_C.py": f"def _cuda_getArchFlags():\n    return {' '.join(arch_list)!r}\n",
         "torch/cuda.py": "def is_available():\n    return False\n",
     }
-    requires = [f"triton=={triton}; platform_machine == 'x86_64' and sys_platform == 'linux'"] if triton else []
+
+
+def torch_standin(directory: Path, version: str, variant: str, arch_list: list[str], triton: str | None,
+                  triton_package: str = "triton") -> Path:
+    """A `torch` wheel that answers like a CUDA, ROCm or CPU build (torch_files), requiring its triton."""
+    files = torch_files(version, variant, arch_list)
+    requires = [f"{triton_package}=={triton}; platform_machine == 'x86_64' and sys_platform == 'linux'"] if triton else []
     return make_wheel(directory, "torch", f"{version}+{variant}", tag=LINUX_CP311, requires=requires, files=files)
+
+
+def is_torch_triton(name: str) -> bool:
+    """A ROCm / XPU torch's own triton distribution (pytorch-triton-rocm, triton-rocm, triton-xpu ...): it lives on
+    the PyTorch index of the build, not on PyPI."""
+    return name != "triton" and "triton" in name
 
 
 def fa3_standin(directory: Path, filename: str) -> Path:
@@ -241,8 +263,13 @@ def standins(plan: dict, directory: Path, sass: list[str]) -> dict[str, Path]:
     made = {}
     for name, version in plan["packages"].items():
         if name == "torch":
-            made[name] = torch_standin(directory, version, plan["torch"]["variant"],
-                                       [f"sm_{s.replace('.', '')}" for s in sass], plan["triton"])
+            rocm = plan["torch"]["variant"].startswith("rocm")
+            arch = list(sass) if rocm else [f"sm_{s.replace('.', '')}" for s in sass]
+            triton_package = next((n for n in plan["packages"] if is_torch_triton(n)), "triton")
+            made[name] = torch_standin(directory, version, plan["torch"]["variant"], arch, plan["triton"],
+                                       triton_package)
+        elif is_torch_triton(name):
+            made[name] = make_wheel(directory, name, version, tag=LINUX_CP311)
         elif name == "flash-attn":
             fa = plan["flash_attn"]
             made[name] = make_wheel(directory / "fa", "flash_attn", fa["filename"].split("-")[1],
@@ -261,6 +288,7 @@ def standins(plan: dict, directory: Path, sass: list[str]) -> dict[str, Path]:
 
 
 def build_indexes(root: Path, plan: dict, sass: list[str], *, serve_flash_attn: bool = True,
+                  serve_torch_triton: bool = True,
                   extra_pypi: list[Path] = (), real_torch: Path | None = None, on_disk: bool = False) -> None:
     """root/pypi: the mirror's real wheels plus stand-ins; root/torch/<variant>: torch; root/gh/...: flash-attn.
     Written as PyPI and download.pytorch.org serve them, or, `on_disk`, as a static index read through file://."""
@@ -269,10 +297,13 @@ def build_indexes(root: Path, plan: dict, sass: list[str], *, serve_flash_attn: 
         made["torch"] = real_torch
     replaced = {normalize(n) for n in made}
     mirror = [w for w in sorted(MIRROR.glob("*.whl")) if project_of(w.name) not in replaced]
-    pypi = mirror + [w for n, w in made.items() if n not in ("torch", "flash-attn", "flash-attn-3")] + list(extra_pypi)
+    on_torch_index = [n for n in made if is_torch_triton(n)]
+    pypi = mirror + [w for n, w in made.items() if n not in ("torch", "flash-attn", "flash-attn-3", *on_torch_index)] \
+        + list(extra_pypi)
     write_simple_index(root, "pypi", pypi, style="local" if on_disk else "pypi")
-    # flash-attn-3 is on the PyTorch index, in the torch build's variant folder
-    torch_index = [made["torch"]] + ([made["flash-attn-3"]] if serve_flash_attn and "flash-attn-3" in made else [])
+    # flash-attn-3 is on the PyTorch index, in the torch build's variant folder; so is a ROCm/XPU torch's triton
+    torch_index = [made["torch"]] + ([made["flash-attn-3"]] if serve_flash_attn and "flash-attn-3" in made else []) \
+        + [made[n] for n in on_torch_index if serve_torch_triton]
     write_simple_index(root, f"torch/{plan['torch']['variant']}", torch_index,
                        style="local" if on_disk else "pytorch")
     if serve_flash_attn and "flash-attn" in made:

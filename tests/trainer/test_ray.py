@@ -168,7 +168,7 @@ def test_without_ray_installed_train_names_the_extra(make_config):
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         "error: use_ray: Ray Train is not installed in this environment; install the ray extra: "
-        "pip install 'envtool[ray]' (ray[train])"]
+        "pip install 'envtool-llm[ray]' (ray[train])"]
 
 
 def test_gpu_workers_beyond_the_machine_are_refused_before_ray_starts():

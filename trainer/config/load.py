@@ -168,18 +168,86 @@ def _objective_notes(cfg: Config) -> list[str]:
     return notes + diffusion.check(cfg)
 
 
-def load_config(path: str | Path) -> tuple[Config, list[str]]:
+MAX_CONFIG_BYTES = 1 << 20  # a config is keys and values; data and templates of any size live in files it names
+MAX_DEPTH = 100  # nesting levels (Axolotl's deepest configs nest 5)
+MAX_NODES = 200_000  # values once every alias is expanded: a 1.5 KB "billion laughs" file expands to 10^9
+
+
+def read_yaml(path: Path) -> Any:
+    """The YAML document at `path`, read with limits that fail in one line before memory or time run out: its
+    size, its nesting depth and its size once aliases are expanded (an alias is a reference; what reads the
+    config later -- validation, hashing, printing -- expands it). Safe loading: YAML tags construct no objects."""
     import yaml
 
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file not found: {path}")
+    size = path.stat().st_size
+    if size > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{path} is {size} bytes; a config is at most {MAX_CONFIG_BYTES} bytes (keep data and "
+                          "long templates in the files it names)")
+    text = path.read_text(errors="replace")
+
+    class Loader(yaml.SafeLoader):
+        depth = 0
+
+        def compose_node(self, parent, index):
+            Loader.depth += 1
+            try:
+                if Loader.depth > MAX_DEPTH:
+                    mark = self.peek_event().start_mark
+                    raise ConfigError(f"{path} nests deeper than {MAX_DEPTH} levels (at line {mark.line + 1})")
+                return super().compose_node(parent, index)
+            finally:
+                Loader.depth -= 1
+
+    loader = Loader(text)
     try:
-        raw = yaml.safe_load(path.read_text())
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _check_expanded_size(node, path)
+        return loader.construct_document(node)
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""
         raise ConfigError(f"{path} is not valid YAML{where}: {getattr(err, 'problem', err)}") from None
+    finally:
+        loader.dispose()
+
+
+def _check_expanded_size(root, path: Path) -> None:
+    """Refuse a document whose aliases expand it past MAX_NODES values, or that refers to itself."""
+    import yaml
+
+    sizes: dict[int, int] = {}
+    open_nodes: set[int] = set()
+
+    def size(node) -> int:
+        key = id(node)
+        if key in sizes:
+            return sizes[key]
+        if key in open_nodes:
+            raise ConfigError(f"{path}: an alias refers to the value that contains it (line {node.start_mark.line + 1})")
+        if isinstance(node, yaml.ScalarNode):
+            return 1
+        open_nodes.add(key)
+        children = [n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode) else node.value
+        total = 1
+        for child in children:
+            total += size(child)
+            if total > MAX_NODES:
+                raise ConfigError(f"{path}: its aliases expand it to more than {MAX_NODES} values (a config that "
+                                  "repeats itself through anchors, as a 'billion laughs' file does); write it out")
+        open_nodes.discard(key)
+        sizes[key] = total
+        return total
+
+    size(root)
+
+
+def load_config(path: str | Path) -> tuple[Config, list[str]]:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    raw = read_yaml(path)
     cfg, notes = parse_config(raw)
     cfg._config_dir = str(path.resolve().parent)
     check_local_paths(cfg)

@@ -48,7 +48,7 @@ def apply(model) -> int:
     """Swap the model's linear layers (all but lm_head) for onebitllms' BitNetLinear; return how many."""
     if importlib.util.find_spec("onebitllms") is None:
         raise ConfigError("use_onebitllms: needs the onebitllms package, which is not installed (install envtool's "
-                          "`bitnet` extra: pip install 'envtool[bitnet]')")
+                          "`bitnet` extra: pip install 'envtool-llm[bitnet]')")
     import torch
 
     try:

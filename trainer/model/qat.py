@@ -96,7 +96,7 @@ def _torchao():
 
     if importlib.util.find_spec("torchao") is None:
         raise ConfigError("qat: needs the torchao package, which is not installed (install envtool's `qat` extra: "
-                          "pip install 'envtool[qat]')")
+                          "pip install 'envtool-llm[qat]')")
     # torchao logs a warning per CUDA-only extension it cannot load on this machine; they are not used here
     logging.getLogger("torchao").setLevel(logging.ERROR)
     import torchao

@@ -245,7 +245,7 @@ def export_gguf(config: str | Path, outtype: str = "f16", output: str | Path | N
     try:
         import gguf
     except ImportError:
-        raise ConfigError("export: the gguf package is not installed (pip install 'envtool[export]', or gguf)") from None
+        raise ConfigError("export: the gguf package is not installed (pip install 'envtool-llm[export]', or gguf)") from None
     import itertools
     import math
 

@@ -28,8 +28,7 @@ def make_accelerator(cfg: Config, runtime: Runtime):
     from accelerate import Accelerator
     from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
 
-    if runtime.device == "cuda" and not torch.cuda.is_available():
-        raise TrainingError(f"the plan is for {runtime.gpu.describe()} but torch sees no CUDA GPU here")
+    check_device(runtime)
     deepspeed = None
     if cfg.deepspeed:  # passed through to accelerate; DeepSpeed then owns accumulation, clipping and stepping
         if importlib.util.find_spec("deepspeed") is None:
@@ -58,7 +57,7 @@ def make_accelerator(cfg: Config, runtime: Runtime):
         cpu=runtime.device == "cpu" and deepspeed is None,
         deepspeed_plugin=deepspeed,
         fsdp_plugin=fsdp,
-        parallelism_config=mesh_config if runtime.device == "cuda" else None,  # CPU: attached below
+        parallelism_config=mesh_config if runtime.device in ("cuda", "xpu") else None,  # CPU: attached below
         kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=cfg.ddp_timeout))] + ddp_kwargs(cfg),
     )
     if fsdp is not None and runtime.device == "cpu":
@@ -67,6 +66,36 @@ def make_accelerator(cfg: Config, runtime: Runtime):
             parallelism.attach(accelerator, mesh_config)
     accelerator.mesh = mesh
     return accelerator
+
+
+DEVICE_NAMES = {"cuda": "CUDA", "xpu": "XPU", "mps": "MPS"}
+
+
+def device_available(device: str) -> bool:
+    """Whether torch sees a device of this type: cuda (NVIDIA, or AMD through a HIP build), xpu, mps."""
+    if device == "cuda":
+        return torch.cuda.is_available()
+    if device == "xpu":
+        return hasattr(torch, "xpu") and torch.xpu.is_available()
+    if device == "mps":
+        return torch.backends.mps.is_available()
+    return True
+
+
+def check_device(runtime: Runtime) -> None:
+    """The plan's device must be there (a ROCm plan needs a HIP torch that sees the GPU); on XPU, bf16 needs the
+    device's word (torch.xpu.is_bf16_supported()), else the run trains in fp32 and says so."""
+    if runtime.device == "cpu":
+        return
+    if not device_available(runtime.device):
+        build = {"amd": "a ROCm (HIP) build of torch", "intel": "torch's xpu build", "apple": "torch on macOS"}.get(
+            runtime.gpu.kind, "a CUDA build of torch")
+        raise TrainingError(f"the plan is for {runtime.gpu.describe()} but torch sees no {DEVICE_NAMES[runtime.device]} "
+                            f"device here (it needs {build} and the GPU's driver)")
+    if runtime.device == "xpu" and runtime.precision == "bf16" and not torch.xpu.is_bf16_supported():
+        runtime.precision = "fp32"
+        runtime.changes.append(f"precision: bf16 -> fp32 ({runtime.gpu.describe()}: torch.xpu.is_bf16_supported() "
+                               "says no)")
 
 
 def ddp_kwargs(cfg: Config) -> list:

@@ -14,6 +14,7 @@ from matrices import catalog
 from trainer import facts
 from trainer.config import Config
 from trainer.errors import ConfigError, HardwareError
+from trainer.runtime import vendors
 from trainer.runtime.planfile import find_plan, read_plan  # noqa: F401 (the one rule for finding the plan)
 
 # Every fact below comes from matrices/ (gpus.toml, archs.toml, attention.toml), the same files the resolver
@@ -44,9 +45,13 @@ def packing(transformers_name: str) -> str:
 @dataclass
 class Gpu:
     name: str
-    compute_capability: str | None  # "7.5"; None on CPU
+    compute_capability: str | None  # "7.5"; None on CPU and on AMD, Intel and Apple GPUs
     count: int = 1
     source: str = "probe"
+    vendor: str | None = None  # amd | intel | apple (trainer/runtime/vendors.py); None: NVIDIA, or the CPU without a cc
+    target: str | None = None  # AMD's gfx target, Intel's AOT family, "mps"
+    bf16_native: bool | None = None  # AMD: amd.toml's per target (or the plan's); None: decided on the device
+    rocm: str | None = None  # a ROCm plan's ROCm (which bitsandbytes library loads)
 
     @property
     def cc(self) -> tuple[int, int] | None:
@@ -56,7 +61,24 @@ class Gpu:
         return int(major), int(minor)
 
     @property
+    def kind(self) -> str:
+        """nvidia | amd | intel | apple | cpu."""
+        return self.vendor or ("cpu" if self.cc is None else "nvidia")
+
+    @property
+    def other_vendor(self) -> bool:
+        """An AMD, Intel or Apple GPU: no compute capability, its own facts (trainer/runtime/vendors.py)."""
+        return self.kind in ("amd", "intel", "apple")
+
+    @property
+    def device(self) -> str:
+        """torch's device type: cuda (NVIDIA, and AMD under HIP), xpu, mps, cpu."""
+        return vendors.DEVICE[self.kind]
+
+    @property
     def arch(self) -> str:
+        if self.other_vendor:
+            return vendors.family(self.kind, self.target)
         if self.cc is None:
             return "cpu"
         row = _arch(self.compute_capability)
@@ -64,11 +86,17 @@ class Gpu:
 
     def has(self, feature: str) -> bool:
         """An archs.toml capability column ('bf16', 'tf32', 'fp8', 'tensor_cores'); False on CPU or for a
-        compute capability the matrix does not know."""
+        compute capability the matrix does not know. AMD, Intel, Apple: bf16 as their facts or the plan say
+        (True only where known), nothing else (TF32 and these fp8 paths are NVIDIA's)."""
+        if self.other_vendor:
+            return feature == "bf16" and self.bf16_native is True
         row = _arch(self.compute_capability)
         return bool(row and row.get(feature, False))
 
     def describe(self) -> str:
+        if self.other_vendor:
+            detail = ", ".join(x for x in (self.target, self.arch) if x and x not in self.name and x != "mps")
+            return f"{self.name} ({detail})" if detail else self.name
         if self.cc is None:
             return f"{self.name} (no GPU)"
         return f"{self.name} (sm_{self.cc[0]}{self.cc[1]}, {self.arch})"
@@ -86,7 +114,7 @@ class Runtime:
 
     @property
     def device(self) -> str:
-        return "cpu" if self.gpu.cc is None else "cuda"
+        return self.gpu.device
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -105,26 +133,43 @@ def gpu_from_name(name: str) -> Gpu:
     row = catalog.find_gpu(name, facts.rows("gpus", "gpu"))
     if row is not None:
         return Gpu(name=row["name"], compute_capability=row["compute_capability"], source="--gpu")
+    other = vendors.lookup(name)
+    if other is not None:
+        vendor, found, target = other
+        return Gpu(name=found, compute_capability=None, source="--gpu", vendor=vendor, target=target,
+                   bf16_native=vendors.bf16(vendor, target))
     import difflib
 
     aliases = sorted({catalog.normalize_name(a) for g in facts.rows("gpus", "gpu") for a in g["aliases"]})
     close = difflib.get_close_matches(catalog.normalize_name(name), aliases, n=3, cutoff=0.5)
     hint = f"; did you mean {', '.join(close)}?" if close else ""
     raise ConfigError(f"unknown GPU '{name}'{hint} (the catalog is matrices/gpus.toml, `envtool gpus` lists it; "
-                      f"or give a compute capability like sm_75 or 7.5)")
+                      f"or give a compute capability like sm_75 or 7.5, an AMD target like gfx942, xpu or mps)")
 
 
 def gpu_from_plan(plan: dict, source: str) -> Gpu:
+    """The GPU a plan is for; an AMD, Intel or Apple plan (plan_version 1.2) names its vendor and target."""
     g = plan["gpu"]
+    vendor = g.get("vendor")
+    if vendor in ("amd", "intel", "apple"):
+        return Gpu(name=g.get("name") or "gpu", compute_capability=None, count=int(g.get("count") or 1),
+                   source=source, vendor=vendor, target=g.get("target"), bf16_native=g.get("bf16"),
+                   rocm=(plan.get("torch") or {}).get("rocm"))
     return Gpu(name=g.get("name") or "gpu", compute_capability=g.get("compute_capability"),
                count=int(g.get("count") or 1), source=source)
 
 
 def probe_gpu() -> Gpu:
     """Ask torch. Compute capability decides bf16 — never torch.cuda.is_bf16_supported(), which says
-    True on T4/V100 because it counts emulation."""
+    True on T4/V100 because it counts emulation. A HIP build (AMD), torch.xpu or MPS: vendors.probe()."""
     import torch
 
+    other = vendors.probe()
+    if other is not None:
+        vendor, name, target, count = other
+        rocm = ".".join(torch.version.hip.split(".")[:2]) if vendor == "amd" else None
+        return Gpu(name=name, compute_capability=None, count=count, source="torch probe", vendor=vendor,
+                   target=target, bf16_native=vendors.bf16(vendor, target), rocm=rocm)
     if not torch.cuda.is_available():
         return Gpu(name="cpu", compute_capability=None, count=0, source="torch probe")
     major, minor = torch.cuda.get_device_capability()
@@ -165,7 +210,8 @@ def resolve_attention(cfg: Config, gpu: Gpu, plan: dict | None, changes: list[st
         raise ConfigError(f"attention backend {requested!r} is not one of {known} (matrices/attention.toml)")
     why = None
     if not catalog.backend_runs_on(backend, gpu.compute_capability):
-        why = (f"{requested} needs a CUDA GPU; running on CPU" if gpu.cc is None else
+        why = (f"{requested} needs an NVIDIA GPU ({catalog.backend_range(backend)}); {gpu.describe()} runs torch's "
+               f"SDPA" if gpu.other_vendor else f"{requested} needs a CUDA GPU; running on CPU" if gpu.cc is None else
                f"{requested} needs {catalog.backend_range(backend)}; {gpu.describe()} is outside that")
     elif not _available(backend, plan, gpu):
         why = (f"the plan has no {backend['module'].replace('_', '-')} wheel" if plan is not None
@@ -208,6 +254,8 @@ def _available(backend: dict, plan: dict | None, gpu: Gpu) -> bool:
 
 
 def resolve_precision(cfg: Config, gpu: Gpu, plan: dict | None, changes: list[str]) -> str:
+    if gpu.other_vendor:
+        return _vendor_precision(cfg, gpu, plan, changes)
     native_bf16 = gpu.has("bf16")
     if cfg.bf16 is True:
         if gpu.cc is not None and not native_bf16:
@@ -236,13 +284,45 @@ def resolve_precision(cfg: Config, gpu: Gpu, plan: dict | None, changes: list[st
     return "fp32"  # bf16: false and fp16 unset
 
 
+def _vendor_precision(cfg: Config, gpu: Gpu, plan: dict | None, changes: list[str]) -> str:
+    """AMD: bf16 where the target's matrix cores have it (amd.toml), else fp16 with loss scaling (HIP runs torch's
+    CUDA amp). Intel: bf16 unless the device says no (torch.xpu.is_bf16_supported(), asked at start). Apple: bf16
+    (MPS, macOS 14+) or fp32; fp16 on MPS is not planned."""
+    if cfg.bf16 is True:
+        if gpu.bf16_native is False:
+            raise HardwareError(f"bf16: true needs bf16 on the matrix cores, and {gpu.describe()} has none "
+                                f"(matrices/amd.toml); set bf16: auto (fp16 with loss scaling) or fp16: true")
+        return "bf16"
+    if cfg.fp16:
+        if gpu.kind == "apple":
+            raise HardwareError(f"fp16: true on {gpu.describe()}: fp16 mixed precision on MPS is not planned "
+                                f"(unverified); use bf16: auto (bf16 on macOS 14+, else fp32)")
+        return "fp16"
+    if cfg.bf16 == "auto":
+        if plan and plan.get("precision") in ("bf16", "fp16", "fp32") and not (
+                plan["precision"] == "bf16" and gpu.bf16_native is False):
+            choice, why = plan["precision"], "chosen by the plan"
+        elif gpu.bf16_native is True or (gpu.bf16_native is None and gpu.kind != "apple"):
+            choice, why = "bf16", f"{gpu.describe()} runs bf16" + (" (the device confirms at start)"
+                                                                   if gpu.bf16_native is None else "")
+        elif gpu.kind == "apple":
+            choice, why = "bf16", "MPS runs bf16 on macOS 14+ (apple.toml)"
+        else:
+            choice, why = "fp16", f"{gpu.describe()} has no bf16 matrix cores; fp16 with dynamic loss scaling"
+        changes.append(f"precision: bf16: auto -> {choice} ({why})")
+        return choice
+    return "fp32"
+
+
 def resolve_tf32(cfg: Config, gpu: Gpu, changes: list[str]) -> bool:
     """TF32 tensor-core math arrived with bf16 (Ampere): archs.toml's bf16 column says both."""
-    capable = gpu.has("bf16")
+    capable = gpu.has("bf16") and not gpu.other_vendor  # TF32 is NVIDIA's tensor-core format
     if cfg.tf32 == "auto":
         return capable
     if cfg.tf32 and not capable:
-        changes.append(f"tf32: true -> false (tf32 needs {_bf16_floor()}+; {gpu.describe()} has none)")
+        where = (f"NVIDIA's tensor-core format (unverified on {gpu.describe()})" if gpu.other_vendor else
+                 f"tf32 needs {_bf16_floor()}+; {gpu.describe()} has none")
+        changes.append(f"tf32: true -> false ({where})")
         return False
     return bool(cfg.tf32)
 

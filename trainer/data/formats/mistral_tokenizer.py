@@ -39,7 +39,7 @@ def load(cfg):
     tokenizer.model.vN, or a hub id), in finetuning mode."""
     if importlib.util.find_spec("mistral_common") is None:
         raise ConfigError("tokenizer_use_mistral_common: the mistral-common package is not installed in this "
-                          "environment (pip install 'envtool[mistral]', or mistral-common)")
+                          "environment (pip install 'envtool-llm[mistral]', or mistral-common)")
     from transformers.tokenization_mistral_common import MistralCommonBackend
 
     source = cfg.tokenizer_config or cfg.base_model
