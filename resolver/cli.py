@@ -536,7 +536,7 @@ def train(
     """
     from .errors import BadInput
     from .emit import emit as write_launcher
-    from .launch import Distribution, plan_training, prepare, run
+    from .launch import Distribution, next_commands, plan_training, prepare, run
 
     if venv is not None and image:
         raise BadInput("--venv and --image are two places to train: give one")
@@ -597,8 +597,13 @@ def train(
     prepare(launch, training.plan, sources, quiet=json_out, say=log)
     log(f"envtool: {shlex.join(launch.command)}")
     code = run(launch, training.plan, hf_cache=hf_cache, stdout_to_stderr=json_out)
+    steps = next_commands(training) if code == 0 else []
     if json_out:
-        print(json.dumps({**summary, "exit_code": code}, indent=2))
+        print(json.dumps({**summary, "exit_code": code, "next_steps": steps}, indent=2))
+    elif steps:
+        log("envtool: next, for this run (README, \"After training\"):")
+        for step in steps:
+            log(f"  {shlex.join(step['command'])}    # {step['what']}")
     raise typer.Exit(code)
 
 
@@ -615,6 +620,8 @@ def run(
     env: Annotated[Optional[list[str]], typer.Option("-e", "--env", help="Pass this environment variable "
                                                      "(e.g. HF_TOKEN) at run time; repeatable.")] = None,
     volume: Annotated[Optional[list[str]], typer.Option("-v", "--volume", help="HOST:CONTAINER; repeatable.")] = None,
+    workdir: Annotated[Optional[str], typer.Option("-w", "--workdir", help="The command's working directory in "
+                                                   "the container (e.g. /work, where -v mounts yours).")] = None,
     user: UserOpt = "invoking",
 ) -> None:
     """Run a command in an image with what training needs: GPUs, shared memory, the HF cache, tokens.
@@ -629,7 +636,7 @@ def run(
     if not image:
         raise BadInput("--image is required")
     code = do_run(image, command or [], gpus=gpus, shm_size=shm_size, hf_cache=hf_cache, env_names=env or [],
-                  volumes=volume or [], user=user)
+                  volumes=volume or [], workdir=workdir, user=user)
     raise typer.Exit(code)
 
 

@@ -14,6 +14,7 @@ import shutil
 import sys
 from collections import deque
 from pathlib import Path
+from typing import Callable
 
 from . import DISTRIBUTION, __version__
 from .errors import BadInput, EnvtoolError
@@ -332,9 +333,10 @@ def image_plan(image) -> dict | None:
 def run(image: str, command: list[str], *, gpus: str | None, shm_size: str, hf_cache: Path | None,
         env_names: list[str], volumes: list[str], workdir: str | None = None,
         environment: dict[str, str] | None = None, network_mode: str | None = None,
-        user: str | None = INVOKING_USER) -> int:
+        user: str | None = INVOKING_USER, output: Callable[[str], None] | None = None) -> int:
     """Run `command` in `image` with what training needs; secrets travel as run-time environment only.
-    `user`: see container_user (default: the invoking uid:gid)."""
+    `user`: see container_user (default: the invoking uid:gid). `output`: given the container's output line by line
+    (a line ends at \n or a progress bar's \r) instead of writing it to stdout."""
     import docker
 
     run_as = container_user(user)
@@ -371,9 +373,17 @@ def run(image: str, command: list[str], *, gpus: str | None, shm_size: str, hf_c
                                  shm_size=shm_size, network_mode=network_mode, working_dir=workdir,
                                  user=run_as or "", **gpu_kwargs)
     try:
+        pending = b""
         for chunk in container.logs(stream=True, follow=True):
-            sys.stdout.buffer.write(chunk)
-            sys.stdout.flush()
+            if output is None:
+                sys.stdout.buffer.write(chunk)
+                sys.stdout.flush()
+                continue
+            *lines, pending = re.split(rb"(?<=[\r\n])", pending + chunk)
+            for line in lines:
+                output(line.decode(errors="replace"))
+        if pending:
+            output(pending.decode(errors="replace"))
         return container.wait()["StatusCode"]
     finally:
         container.remove(force=True)
