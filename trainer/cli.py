@@ -252,7 +252,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_preprocess)
 
-    p = sub.add_parser("train", help="train (use torchrun for several processes)")
+    p = sub.add_parser("train", help="train (use torchrun for several processes)",
+                       description="Train: checkpoints and final/ (with a generation_config.json that stops at the "
+                       "chat template's end of turn) in output_dir. An output_dir holding an earlier run's "
+                       "checkpoints is continued with auto_resume_from_checkpoints: true (or "
+                       "resume_from_checkpoint: DIR), else refused (exit 2).")
     p.add_argument("config")
     p.add_argument("--plan", help="plan.json to read instead of ENVTOOL_PLAN, the environment's own plan.json, ./plan.json")
     p.set_defaults(func=cmd_train)
