@@ -489,6 +489,10 @@ def plan_training(config: Path, opts: PlanOptions, dist: Distribution, *, venv: 
                                             f"image (--python overrides)", *fitted.notes])
     launch = plan_launch(fitted.plan, cfg, config, opts, dist, venv=venv, image=image or emit == "k8s",
                          isolated=isolated, mounted=emit != "k8s")  # k8s carries the config in a ConfigMap
+    if launch.kind in ("venv", "cached") and not launch.ready:  # no interpreter for the plan's Python: one line
+        from .install import find_python                       # now (also --dry-run), not after "training in"
+
+        find_python(fitted.plan.python)
     if emit is None:  # checkpoints of an earlier run in output_dir: continued when the config says so, else refused
         from trainer.setup import check_earlier_run
 
@@ -503,10 +507,6 @@ def prepare(launch: Launch, plan: Plan, sources, *, quiet: bool = False,
     """Build what `launch` needs and does not have yet: the cached or named venv, or the image."""
     if launch.ready:
         return
-    if launch.kind != "image":
-        from .install import find_python
-
-        find_python(plan.python)  # no interpreter for the plan's Python: one line now, not after the lock
     if launch.kind == "image":
         build([plan], sources, tag=launch.path, quiet=quiet, say=say)
         return
