@@ -69,7 +69,7 @@ def losses(output_dir: Path) -> list[dict]:
 
 
 def test_trains_the_tiny_example_in_the_active_environment(tmp_path, config, env):
-    path = config(save_steps=2)
+    path = config(save_steps=2, adapter="lora", lora_r=4, lora_alpha=8, lora_target_modules=["q_proj", "v_proj"])
     out = train(str(path), *CPU, "--json", env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     result = json.loads(out.stdout)
@@ -79,10 +79,11 @@ def test_trains_the_tiny_example_in_the_active_environment(tmp_path, config, env
     assert (tmp_path / "out" / "final").is_dir()
     plan = json.loads(Path(result["env"]["ENVTOOL_PLAN"]).read_text())  # what the trainer was pointed at
     assert plan["gpu"]["compute_capability"] is None and plan["attention"] == "sdpa"
-    # what to run next, in the environment it trained in: a full model of a family the exporter writes, whose
-    # tokenizer has a chat template (no merge-lora: there is no adapter)
+    # what to run next, in the environment it trained in: an adapter to merge, a family the exporter writes, a
+    # tokenizer with a chat template
     python = result["command"][0]
     assert [s["command"] for s in result["next_steps"]] == [
+        [python, "-m", "trainer", "merge-lora", str(path)],
         [python, "-m", "trainer", "export", str(path), "--format", "gguf"],
         [python, "-m", "trainer", "chat-check", str(path)]]
     # the same command again would start over beside checkpoint-4: refused in one line before anything starts
