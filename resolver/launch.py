@@ -301,15 +301,17 @@ def active_env_runs(plan: Plan, opts: PlanOptions, required: tuple[str, ...] = (
 
 
 def launch_command(python: str, config: str, *, nproc: int, nnodes: int = 1, node_rank: int = 0,
-                   rdzv_endpoint: str | None = None, rdzv_id: str = "envtool") -> list[str]:
+                   rdzv_endpoint: str | None = None, rdzv_id: str = "envtool", loopback: bool = False) -> list[str]:
     """One process for one device; torchrun (as `python -m torch.distributed.run`, the environment's own)
-    for several, with a c10d rendezvous across machines."""
+    for several, with a c10d rendezvous across machines. `loopback` (one machine, in a container): the ranks
+    meet at 127.0.0.1, not at the name torchrun finds for the host (socket.getfqdn()), which a container without
+    a network (or DNS) cannot resolve (pytorch/pytorch#150532; --local-addr is pytorch#88922's)."""
     train = ["-m", "trainer", "train", config]
     if nproc == 1 and nnodes == 1:
         return [python, *train]
     cmd = [python, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--nnodes={nnodes}"]
     if nnodes == 1:
-        cmd.append("--standalone")
+        cmd += ["--standalone", *(["--local-addr=127.0.0.1"] if loopback else [])]
     else:
         cmd += [f"--node-rank={node_rank}", "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}",
                 f"--rdzv-id={rdzv_id}"]
@@ -376,7 +378,8 @@ def plan_launch(plan: Plan, cfg, config: Path, opts: PlanOptions, dist: Distribu
             raise BadInput(f"--image: {config} must be under the working directory (it is mounted at /work)")
         else:
             inside = str(config.resolve())
-        return Launch("image", tag, _image_exists(tag), "python", launch_command("python", inside, **args), {},
+        return Launch("image", tag, _image_exists(tag), "python", launch_command("python", inside, loopback=True,
+                                                                                 **args), {},
                       f"the plan's image {tag}")
     if venv is not None:
         venv = Path(os.path.abspath(venv))
