@@ -128,3 +128,28 @@ def find_target(gfx: str, targets: Iterable[Any]):
     """The amd.toml [[target]] row for a gfx target, else None (code objects are per target: no nearest
     lower match as for CUDA's compute capabilities)."""
     return next((t for t in targets if _get(t, "gfx") == gfx), None)
+
+
+def _version_tuple(text: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in re.findall(r"\d+", text))
+
+
+def p2p_advice(row: Any, driver: str | None) -> tuple[str, str, str | None] | None:
+    """What gpus.toml's p2p columns say for several of this GPU in one machine, as (level, message, fix):
+    "error" when the driver is one that claims peer-to-peer the card does not have (NCCL's first collective
+    hangs), "warning" when that cannot be ruled out (driver unknown), "ok" for a card without P2P on a driver
+    that says so (NCCL goes through host memory by itself); None when the row records nothing."""
+    if row is None or _get(row, "p2p") != "none":
+        return None
+    name, below = _get(row, "name"), _get(row, "p2p_hang_below_driver")
+    via_host = (f"{name} has no GPU peer-to-peer: NCCL moves data between two of them through host memory "
+                "(/dev/shm must be large, and it is slower than P2P)")
+    fix = "export NCCL_P2P_DISABLE=1" + (f" (or a driver {below} or newer)" if below else "")
+    if below and driver and _version_tuple(driver) < _version_tuple(below):
+        return ("error", f"{via_host}; driver {driver} is older than {below} and claims P2P anyway, so NCCL tries "
+                "it and its first collective hangs or returns garbage", fix)
+    if below and not driver:
+        return ("warning", f"{via_host}; drivers older than {below} claim P2P anyway and NCCL then hangs in its "
+                "first collective (driver unknown here: give --driver)", fix)
+    return ("ok", f"{via_host}; NCCL finds that itself{' on driver ' + driver if driver else ''} "
+            "(NCCL_P2P_DISABLE=1 makes it explicit)", None)

@@ -90,6 +90,13 @@ AttentionOpt = Annotated[Optional[str], typer.Option(
     "--attention", help="Force the attention backend: flash_attention_2, flash_attention_3, sdpa, xformers or eager.")]
 PlatformOpt = Annotated[Optional[str], typer.Option("--platform", help="x86_64 or aarch64 (default: this machine).")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print the result as JSON.")]
+# how many processes on how many machines: train and doctor --multi-gpu
+NprocOpt = Annotated[Optional[int], typer.Option("--nproc", help="Processes on this machine (default: every GPU "
+                                                 "counted; on the CPU 1 for train, 2 for doctor --multi-gpu).")]
+NnodesOpt = Annotated[int, typer.Option("--nnodes", help="Machines in the job (torchrun, c10d rendezvous).")]
+NodeRankOpt = Annotated[int, typer.Option("--node-rank", help="This machine's rank, 0 to nnodes-1.")]
+RdzvOpt = Annotated[Optional[str], typer.Option("--rdzv-endpoint", help="HOST:PORT of the rendezvous, the same on "
+                                                "every machine (with --nnodes > 1).")]
 CaBundleOpt = Annotated[Optional[str], typer.Option(
     "--ca-bundle", help="CA certificates for a proxy with its own CA (also honoured: SSL_CERT_FILE).")]
 IndexUrlOpt = Annotated[Optional[str], typer.Option("--index-url", help="Replace PyPI with this index (a mirror).")]
@@ -363,26 +370,68 @@ def doctor(
                                                  "interpreter running envtool).")] = None,
     gpu: GpuOpt = "auto",
     driver: DriverOpt = None,
+    multi_gpu: Annotated[bool, typer.Option("--multi-gpu", help="Also start the trainer's preflight under "
+                                            "torchrun in that environment: every rank joins, a timed all-reduce "
+                                            "(gloo on the CPU, NCCL/RCCL on GPUs) that names a rank that does not "
+                                            "answer, /dev/shm, ulimit -l, GPU peer-to-peer (and the catalog's "
+                                            "NCCL_P2P_DISABLE advice), across machines the shared storage.")] = False,
+    nproc: NprocOpt = None,
+    nnodes: NnodesOpt = 1,
+    node_rank: NodeRankOpt = 0,
+    rdzv_endpoint: RdzvOpt = None,
+    timeout: Annotated[float, typer.Option("--timeout", help="With --multi-gpu: seconds each phase waits for "
+                                           "the other ranks.")] = 30.0,
+    config: Annotated[Optional[Path], typer.Option("--config", help="With --multi-gpu across machines: the "
+                                                   "trainer config whose output_dir and dataset_prepared_path "
+                                                   "every machine must see.")] = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Check an environment against this machine: torch's CUDA build and arch list, the driver, flash-attn,
-    triton, bf16. Exits 1 on any error-level finding; each finding names the envtool command that fixes it."""
+    triton, bf16. Exits 1 on any error-level finding; each finding names the envtool command that fixes it.
+
+    With --multi-gpu, what the first collective of a multi-GPU run would find minutes in, in seconds: a rank
+    that never joins or never reaches the all-reduce is named within --timeout (exit 1, never a hang).
+
+      envtool doctor --multi-gpu
+
+      envtool doctor --multi-gpu --gpu cpu --nproc 2 --json
+
+      envtool doctor --multi-gpu --nnodes 2 --node-rank 0 --rdzv-endpoint head:29400 --config train.yml
+    """
     from .doctor import diagnose, fix_command, probe, report
+    from .errors import BadInput
     from .hardware import targets
     from .matrix import load
 
+    if not multi_gpu and (nproc is not None or nnodes != 1 or node_rank != 0 or rdzv_endpoint or config
+                          or timeout != 30.0):
+        raise BadInput("--nproc, --nnodes, --node-rank, --rdzv-endpoint, --timeout and --config go with --multi-gpu")
     m = load()
     found = targets(gpu, m, driver)
     if len(found) != 1:
-        from .errors import BadInput
-
         raise BadInput("doctor checks against one GPU: give --gpu a single target")
     target = found[0]
+    if multi_gpu:
+        from .preflight import multi_gpu_processes
+
+        multi_gpu_processes(target.gpu, nproc=nproc, timeout=timeout, config=config, nnodes=nnodes,
+                            node_rank=node_rank, rdzv_endpoint=rdzv_endpoint)
     info = probe(venv)
     findings = diagnose(info, target.gpu, target.driver, m, str(venv or info.get("prefix", ".venv")),
                         fix=fix_command(venv, target.label, driver))
+    preflight = None
+    if multi_gpu:
+        from .preflight import multi_gpu as run_preflight
+
+        python = sys.executable if venv is None else str(Path(venv) / "bin" / "python")
+        more, preflight = run_preflight(python, target.gpu, target.driver, nproc=nproc, timeout=timeout,
+                                        config=config, nnodes=nnodes, node_rank=node_rank,
+                                        rdzv_endpoint=rdzv_endpoint)
+        findings += more
     result = {**report(findings), "gpu": target.gpu.describe(), "driver": target.driver, "venv": info["prefix"],
               "packages": info.get("packages", {}), "recommended": recommended(target, info["python"], m)}
+    if multi_gpu:
+        result["multi_gpu"] = preflight
     if json_out:
         print(json.dumps(result, indent=2))
     else:
@@ -487,12 +536,10 @@ def train(
                                         "with the working directory mounted at /work.")] = False,
     isolated: Annotated[bool, typer.Option("--isolated", help="Never the active environment: train in the "
                                            "environment cached for the plan (built once).")] = False,
-    nproc: Annotated[Optional[int], typer.Option("--nproc", help="Processes on this machine (default: every "
-                                                 "GPU the plan counts; 1 on the CPU).")] = None,
-    nnodes: Annotated[int, typer.Option("--nnodes", help="Machines in the job (torchrun, c10d rendezvous).")] = 1,
-    node_rank: Annotated[int, typer.Option("--node-rank", help="This machine's rank, 0 to nnodes-1.")] = 0,
-    rdzv_endpoint: Annotated[Optional[str], typer.Option("--rdzv-endpoint", help="HOST:PORT of the rendezvous, "
-                                                         "the same on every machine (with --nnodes > 1).")] = None,
+    nproc: NprocOpt = None,
+    nnodes: NnodesOpt = 1,
+    node_rank: NodeRankOpt = 0,
+    rdzv_endpoint: RdzvOpt = None,
     emit: Annotated[Optional[str], typer.Option("--emit", help="Write a launcher instead of training: slurm "
                                                 "(an sbatch script) or k8s (a Kubeflow PyTorchJob).")] = None,
     output: Annotated[Optional[Path], typer.Option("-o", "--output", help="With --emit: write here (default: "
@@ -505,8 +552,9 @@ def train(
                                                   "HF_TOKEN and WANDB_API_KEY from, when it has them (secretKeyRef; "
                                                   "default envtool-secrets). Tokens are never written into a "
                                                   "launcher; an sbatch script takes them from the environment.")] = None,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan, where it runs and the exact "
-                                          "command; build and run nothing.")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan, where it runs, the attention "
+                                          "the trainer will run and how it keeps packed rows apart (varlen or a "
+                                          "mask, and why), and the exact command; build and run nothing.")] = False,
     json_out: JsonOpt = False,
     *,
     opts,
@@ -584,6 +632,7 @@ def train(
         trainer = training.trainer
         print(f"trainer: attention {trainer['attention']}, precision {trainer['precision']}"
               f"{' + tf32' if trainer['tf32'] else ''}")
+        print(f"trainer: packing {trainer['isolation']}")
         for note in trainer["notes"]:
             print(f"note: {note}")
         print(f"environment: {launch.kind} {launch.path or ''} — {launch.why}")

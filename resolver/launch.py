@@ -72,7 +72,7 @@ class Fitted(NamedTuple):
 
     plan: Plan
     notes: list[str]  # envtool's: the libraries the config needs, the launcher (printed as `config: ...`)
-    trainer: dict  # attention, precision, tf32 as the trainer will run them, and the notes it prints at start
+    trainer: dict  # attention, precision, tf32, packing (+ isolation: how, why) as the trainer will run them, and its notes
 
 
 def plan_for_config(cfg, load_notes: list[str], config: Path, opts: PlanOptions) -> Fitted:
@@ -89,7 +89,7 @@ def plan_for_config(cfg, load_notes: list[str], config: Path, opts: PlanOptions)
         notes.append(f"use_ray: one trainer process, which starts {cfg.ray_num_workers} Ray Train worker(s) on a "
                      "local Ray cluster (no torchrun)")
     trainer = {"attention": runtime.attention, "precision": runtime.precision, "tf32": runtime.tf32,
-               "notes": [*runtime.changes, *load_notes]}
+               "packing": runtime.packing, "isolation": runtime.isolation, "notes": [*runtime.changes, *load_notes]}
     return Fitted(plan, notes, trainer)
 
 
@@ -301,12 +301,14 @@ def active_env_runs(plan: Plan, opts: PlanOptions, required: tuple[str, ...] = (
 
 
 def launch_command(python: str, config: str, *, nproc: int, nnodes: int = 1, node_rank: int = 0,
-                   rdzv_endpoint: str | None = None, rdzv_id: str = "envtool", loopback: bool = False) -> list[str]:
+                   rdzv_endpoint: str | None = None, rdzv_id: str = "envtool",
+                   trainer_args: list[str] | None = None, loopback: bool = False) -> list[str]:
     """One process for one device; torchrun (as `python -m torch.distributed.run`, the environment's own)
-    for several, with a c10d rendezvous across machines. `loopback` (one machine, in a container): the ranks
-    meet at 127.0.0.1, not at the name torchrun finds for the host (socket.getfqdn()), which a container without
-    a network (or DNS) cannot resolve (pytorch/pytorch#150532; --local-addr is pytorch#88922's)."""
-    train = ["-m", "trainer", "train", config]
+    for several, with a c10d rendezvous across machines. `trainer_args`: another `python -m trainer` command
+    than `train CONFIG` (doctor --multi-gpu's `preflight ...`). `loopback` (one machine, in a container): the
+    ranks meet at 127.0.0.1, not at the name torchrun finds for the host (socket.getfqdn()), which a container
+    without a network (or DNS) cannot resolve (pytorch/pytorch#150532; --local-addr is pytorch#88922's)."""
+    train = ["-m", "trainer", *(trainer_args or ["train", config])]
     if nproc == 1 and nnodes == 1:
         return [python, *train]
     cmd = [python, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--nnodes={nnodes}"]

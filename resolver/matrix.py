@@ -55,6 +55,9 @@ class Gpu(NamedTuple):
     memory_gb: float
     source: str
     platforms: list[str] = ["x86_64", "aarch64"]  # host CPUs it comes with (GH200/GB200: aarch64)
+    p2p: str | None = None  # "none": no GPU peer-to-peer (NCCL goes through host memory); None: not recorded
+    p2p_hang_below_driver: str | None = None  # older drivers claim P2P the card does not have: NCCL hangs
+    p2p_source: str = ""
 
 
 class CudaMajor(NamedTuple):
@@ -568,6 +571,12 @@ def _check_facts(m: Matrix, directory: Path) -> None:
                 fail(f"{where}: alias {alias!r} also names {aliases[key]}")
             aliases[key] = g.name
         platforms(g.platforms, where)
+        if g.p2p not in (None, "none"):
+            fail(f"{where}: p2p {g.p2p!r}: give \"none\" or leave it out")
+        if (g.p2p or g.p2p_hang_below_driver) and not g.p2p_source:
+            fail(f"{where}: a p2p fact needs a p2p_source")
+        if g.p2p_hang_below_driver:
+            version(g.p2p_hang_below_driver, where)
     version(m.assumed_driver, "cuda.toml assumed_driver")
     toolkits = {t.version for t in m.toolkits}
     for t in m.toolkits:

@@ -40,6 +40,7 @@ def cmd_validate(args) -> int:
     print(f"  precision:  {runtime.precision}{' + tf32' if runtime.tf32 else ''}")
     print(f"  packing:    {'on' if cfg.sample_packing else 'off'} (sequence_len {cfg.sequence_len}), "
           f"eval packing {'on' if cfg.packing_for_eval else 'off'}")
+    print(f"  rows apart: {runtime.isolation}")  # the plan's `packing`: varlen (cu_seqlens) or mask, and why
     print(f"  batch:      micro_batch_size {cfg.micro_batch_size} x gradient_accumulation_steps "
           f"{cfg.gradient_accumulation_steps} x processes")
     print(f"  adapter:    {cfg.adapter or 'none (full fine-tune)'}"
@@ -234,13 +235,20 @@ def cmd_chat_check(args) -> int:
     return 0 if report["stopped"] else 1
 
 
+def cmd_preflight(args) -> int:
+    from trainer.parallel.preflight import main
+
+    return main(args.timeout, args.device, args.config, args.report, args.json, log=log)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m trainer", description="envtool's bundled fine-tuning trainer")
     parser.add_argument("--version", action="version", version=f"trainer {__version__}")
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("validate", help="show the effective config for this (or another) GPU, each change explained")
+    p = sub.add_parser("validate", help="show the effective config for this (or another) GPU, each change explained: the attention that will "
+                       "run and how packed rows are kept apart (varlen: cu_seqlens, no mask; or a mask), and why")
     p.add_argument("config")
     p.add_argument("--gpu", help="plan for this GPU instead: any name in matrices/gpus.toml (t4, a100, b200, \"NVIDIA H100 80GB HBM3\"), cpu, sm_75 or 7.5")
     p.add_argument("--plan", help="read the GPU and choices from this plan.json")
@@ -316,6 +324,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_chat_check)
+
+    p = sub.add_parser("preflight", help="under torchrun: every rank joins, a timed all-reduce, /dev/shm, ulimit -l, "
+                       "shared storage across machines; names a rank that does not answer",
+                       description="Run under torchrun with the job's launch settings (envtool doctor --multi-gpu "
+                       "and a multi-process envtool train do): every rank writes its host facts to the rendezvous "
+                       "store and waits at most --timeout seconds for the others (a rank that never joins is named); "
+                       "across machines, every machine must see output_dir and dataset_prepared_path (--config); then "
+                       "a 4 MiB all-reduce over the training backend (gloo on CPU, NCCL/RCCL on GPUs) with a watchdog "
+                       "that names the ranks that never reached it. Also /dev/shm (under 512 MiB: an error on GPUs) and "
+                       "ulimit -l with RDMA devices. The lowest rank that joined prints the findings. Exit codes: 0 no "
+                       "check failed, 1 a check failed, 2 bad input.")
+    p.add_argument("--timeout", type=float, default=30.0, help="seconds each phase waits for the other ranks (30)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="auto: the GPUs torch sees (NCCL/RCCL), else the CPU (gloo)")
+    p.add_argument("--config", help="a trainer config: across machines, check that each sees its output_dir and "
+                   "dataset_prepared_path")
+    p.add_argument("--report", help="a directory: each rank writes rank-N.json there (what envtool reads)")
+    p.add_argument("--json", action="store_true", help="print the report as one JSON line")
+    p.set_defaults(func=cmd_preflight)
 
     p = sub.add_parser("make-tiny-model", help="write a tiny local model + tokenizer (no downloads)")
     p.add_argument("dir")

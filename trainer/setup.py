@@ -34,9 +34,11 @@ def fit(cfg, gpu, plan: dict | None, model_class: bool = True):
     HardwareError where the GPU cannot do what the config pins. `model_class=False` leaves out the model class's
     attention (it imports transformers when the model's config is on this machine, and never refuses anything):
     the trainer fits it at start."""
+    from trainer.model.attention import choose_packing
     from trainer.runtime.hardware import adapt
 
     runtime = adapt(cfg, gpu, plan)
+    choose_packing(cfg, runtime, plan)  # varlen (cu_seqlens, no mask) or a mask, as the plan's `packing` says
     if model_class:
         from trainer.model.attention import for_model
 

@@ -162,10 +162,14 @@ def test_the_attention_the_trainer_runs_is_the_one_the_plan_installs(keys, gpu, 
     """The trainer's attention under the plan needs no module the plan lacks, and a backend the config asks for
     that runs on this GPU is kept (xformers: sdpa, as transformers runs it)."""
     from matrices.catalog import backend_runs_on
-    from trainer.runtime.hardware import attention_backend, attention_backends
+    from trainer.runtime.hardware import attention_backend, attention_backends, varlen_kernels
 
     cfg, fitted, _ = envtool_side(write(tmp_path, **keys), gpu)
     plan, ran = fitted.plan, fitted.trainer["attention"]
+    torchs = {v["name"]: v["attention"] for v in varlen_kernels()}  # torch's varlen_attn: the plan's sdpa, packed
+    if ran in torchs:
+        assert plan.packing == fitted.trainer["packing"] == "varlen" and plan.attention == torchs[ran], (plan, ran)
+        ran = torchs[ran]
     row = next(b for b in attention_backends() if b["name"] == ran)  # what transformers runs, as attention.toml's row
     assert not row.get("module") or plan.attention == ran, (plan.attention, ran)  # its module is the plan's
     asked = cfg.requested_attention
@@ -213,7 +217,7 @@ def test_use_ray_and_fsdp_are_read_by_the_trainers_classification(tmp_path):
 
 def test_a_plan_pinned_on_the_command_line_records_it(tmp_path):
     plan = json.loads(run_envtool("resolve", "--gpu", "a100", "--python", "3.11", "--attention", "sdpa", "--json").stdout)
-    assert plan["pinned"] == {"attention": "--attention sdpa"} and plan["plan_version"] == "1.1"
+    assert plan["pinned"] == {"attention": "--attention sdpa"} and plan["plan_version"] == "1.2"
     plain = json.loads(run_envtool("resolve", "--gpu", "a100", "--python", "3.11", "--json").stdout)
     assert "pinned" not in plain  # only when something was pinned: the contract's key set is otherwise unchanged
 
@@ -235,11 +239,12 @@ def test_the_command_line_wins_over_the_config_and_the_trainer_follows_the_plan(
     result = json.loads(out.stdout)
     assert result["plan"]["attention"] == "sdpa" and result["plan"]["pinned"] == {"attention": " ".join(option)}
     assert any(f"{' '.join(option)} wins over flash_attention: true in {path}" in r for r in result["plan"]["reasons"])
-    assert result["trainer"]["attention"] == "sdpa"
+    assert result["trainer"]["attention"] == "varlen_attn"  # sdpa's packing, torch's own varlen kernel (torch 2.15)
+    assert result["trainer"]["packing"] == result["plan"]["packing"] == "varlen"
     # the trainer, in its own process, reading the plan envtool points it at
     checked = validate_with_plan(path, result["env"]["ENVTOOL_PLAN"])
     assert checked.returncode == 0, checked.stderr
-    assert "attention:  sdpa" in checked.stdout
+    assert "attention:  varlen_attn" in checked.stdout
     assert f"attention: sdpa (set on the command line: {' '.join(option)}; the config asks for flash_attention_2)" \
         in checked.stdout
 
@@ -250,7 +255,7 @@ def test_flash_attention_false_is_off_on_an_a100_in_the_plan_and_in_the_trainer(
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
     assert result["plan"]["attention"] == "sdpa" and result["plan"]["flash_attn"] is None
-    assert result["trainer"]["attention"] == "sdpa"
+    assert result["trainer"]["attention"] == "varlen_attn"  # torch's own, no flash-attn package
     # a plan made without the config (an A100 image's, with flash-attn installed: torch 2.8 has no varlen_attn of
     # its own, so its plan takes the flash-attn 2 wheel): the trainer still keeps it off
     a100 = run_envtool("resolve", "--gpu", "a100", "--python", "3.11", "--torch", "2.8", "--json")
@@ -300,10 +305,12 @@ def test_the_config_is_parsed_once(args, tmp_path, env):
     """Counted in envtool's own process: the YAML parser runs on the config once (the k8s ConfigMap copies the
     file's text as it is)."""
     path = write(tmp_path, attn_implementation="sdpa", optimizer="paged_adamw_8bit")
-    script = ("import sys, yaml, runpy\nparsed = []\noriginal = yaml.safe_load\n"
-              "def counting(stream, *a, **k):\n    data = original(stream, *a, **k)\n"
+    # counted where every YAML loader builds a document (yaml.safe_load and the reader's bounded loader alike)
+    script = ("import sys, yaml, runpy\nparsed = []\n"
+              "original = yaml.constructor.BaseConstructor.construct_document\n"
+              "def counting(self, node):\n    data = original(self, node)\n"
               f"    parsed.append(isinstance(data, dict) and data.get('optimizer') == 'paged_adamw_8bit')\n"
-              "    return data\nyaml.safe_load = counting\n"
+              "    return data\nyaml.constructor.BaseConstructor.construct_document = counting\n"
               f"sys.argv = ['envtool', 'train', {str(path)!r}, '--gpu', 'a100', '--python', '3.11', '--dry-run', "
               f"*{args!r}]\n"
               "try:\n    runpy.run_module('resolver', run_name='__main__')\nexcept SystemExit as e:\n"

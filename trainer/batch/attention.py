@@ -1,8 +1,9 @@
 """Keeping packed sequences apart, per attention backend (attention.toml's `packing` column), and the
 backend a model's own code accepts.
 
-- position_ids (flash_attention_2/3, flash Hub kernels): transformers unpads by position_ids (cu_seqlens from where they restart at 0),
-  so the collator flattens the micro-batch into one row and passes no mask.
+- position_ids (flash_attention_2/3, flash Hub kernels, and torch's own varlen_attn, which the trainer registers
+  with transformers: trainer/model/attention_varlen.py): the attention derives cu_seqlens from where position_ids
+  restart at 0, so the collator flattens the micro-batch into one row and passes no mask.
 - sdpa and eager: transformers 5.x does NOT isolate packed sequences from position_ids when the model
   runs with a KV cache (use_cache defaults to True, even in training); measured: the logits of the second
   packed sequence differ by ~0.5 (tests/trainer/test_attention.py). So we pass an explicit 4D
@@ -18,10 +19,11 @@ from __future__ import annotations
 
 import torch
 
-from trainer.runtime.hardware import attention_backends, packing
+from trainer.runtime.hardware import attention_backends, packing, varlen_kernels
 
-# backends that separate packed sequences by position_ids (one flattened row, no mask)
-FLASH_BACKENDS = tuple(b["transformers"] for b in attention_backends() if b.get("packing") == "position_ids")
+# backends that separate packed sequences by position_ids (one flattened row, no mask): flash-attn's and torch's
+FLASH_BACKENDS = tuple(b["transformers"] for b in attention_backends() if b.get("packing") == "position_ids") \
+    + tuple(v["name"] for v in varlen_kernels())
 
 
 def needs_mask(attention: str) -> bool:

@@ -21,6 +21,9 @@ class ParallelKeys(BaseModel):
     fsdp_version: Literal[1, 2] | None = None
     ddp_find_unused_parameters: bool | None = None
     ddp_timeout: int = Field(1800, ge=1)  # seconds a collective may wait before the run stops
+    # seconds the preflight before the first step waits for every rank under torchrun (trainer/parallel/preflight.py);
+    # 0: no preflight
+    preflight_timeout: int = Field(60, ge=0)
     # --- N-D parallelism (trainer/parallel/mesh.py; context_parallel_size: trainer/parallel/context_parallel.py) -------
     dp_shard_size: int | None = Field(None, ge=1)  # FSDP shards over this many ranks (unset/1: all left)
     dp_replicate_size: int | None = Field(None, ge=1)  # replicas of the sharded model (HSDP with dp_shard_size)

@@ -1,11 +1,14 @@
 """The attention backend a model's own transformers class accepts, fitted after the hardware's choice
 (trainer/runtime/hardware.py): gpt-oss, for one, has no sdpa path and runs flash attention only through kernels that
-apply its attention sinks. No torch import here: validate calls it and stays fast."""
+apply its attention sinks. And how packed rows are kept apart (`choose_packing`): by cu_seqlens where a varlen
+kernel runs (flash-attn 2/3, torch's own varlen_attn: trainer/model/attention_varlen.py), else by a mask, with cuDNN
+SDPA kept off masked calls on builds that put it first. No torch import here: validate calls it and stays fast."""
 
 from __future__ import annotations
 
 from matrices import catalog
-from trainer.runtime.hardware import attention_backends, packing
+from trainer import facts
+from trainer.runtime.hardware import attention_backends, packing, varlen_kernels
 
 
 def for_model(cfg, runtime, local_only: bool) -> list[str]:
@@ -29,6 +32,7 @@ def for_model(cfg, runtime, local_only: bool) -> list[str]:
         cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
     except Exception:  # not readable here (a hub id with no cache, remote code): transformers decides at load
         return []
+    notes = _varlen_for_model(config, cls, runtime)
     cc = runtime.gpu.compute_capability
     runs = [b for b in attention_backends() if catalog.backend_runs_on(b, cc) and _installed(b, runtime.gpu)]
     attention, why = runtime.attention, ""
@@ -45,11 +49,192 @@ def for_model(cfg, runtime, local_only: bool) -> list[str]:
         attention = "sdpa" if cls._supports_sdpa else "eager"
         why = f"{cls.__name__} has no flex_attention path"
     if attention == runtime.attention:
-        return []
+        return notes
     note = f"attention: {runtime.attention} -> {attention} ({why})"
     runtime.attention = attention
     runtime.changes.append(note)
+    runtime.isolation = _isolation(attention, why)
+    return notes + [note]
+
+
+# ---------------------------------------------------------------------------- how packed rows are kept apart
+
+
+def choose_packing(cfg, runtime, plan: dict | None) -> None:
+    """Where the run's attention is sdpa and torch's own varlen kernel runs (torch.toml [[varlen]]: torch >= 2.10,
+    sm_80+), packed rows are kept apart by cu_seqlens through it (runtime.attention becomes its registered name);
+    with a plan, its `packing` decides, as the plan's torch is what is installed. Else a mask, with the reason.
+    Sets runtime.isolation (the sentence validate and the run print) and runtime.mask_without_cudnn, each change
+    with its note in runtime.changes."""
+    runtime.mask_without_cudnn, cudnn_note = _cudnn_first(runtime.gpu, plan)
+    why_not = None
+    if runtime.attention == "sdpa":
+        why_not = _varlen_refused(cfg, runtime, plan)
+        if why_not is None:
+            row = varlen_kernels()[0]
+            torch_version = (plan or {}).get("torch", {}).get("version") or _installed_torch()[0]
+            source = "the plan's packing: varlen" if (plan or {}).get("packing") == "varlen" else \
+                f"torch {torch_version} on {runtime.gpu.describe()}"
+            runtime.attention = row["name"]
+            runtime.changes.append(f"attention: sdpa -> {row['name']} (packed rows kept apart by cu_seqlens from "
+                                   f"position_ids, no mask: {row['function']}, FA2 kernels built into torch"
+                                   f"{row['torch']}, sm_{row['min_cc'].replace('.', '')}+; {source})")
+    runtime.isolation = _isolation(runtime.attention, why_not)
+    if runtime.mask_without_cudnn and runtime.attention == "sdpa":  # varlen_attn makes no SDPA call: no note
+        runtime.changes.append(cudnn_note)
+
+
+def _isolation(attention: str, why_not_varlen: str | None = None) -> str:
+    how = packing(attention)
+    if how == "position_ids":
+        return f"varlen: {attention} keeps packed rows apart by cu_seqlens from position_ids, no mask"
+    if how == "row_position_ids":
+        return ("mask: flex_attention's BlockMask, which transformers builds from position_ids restarting per "
+                "sequence")
+    kind = "an additive 0/-inf" if how == "float_mask" else "a boolean"
+    because = f" ({why_not_varlen})" if why_not_varlen else " (no varlen kernel for " + attention + ")"
+    return f"mask: {kind} 4-D block-diagonal mask{because}"
+
+
+def _varlen_refused(cfg, runtime, plan: dict | None) -> str | None:
+    """Why torch's varlen kernel does not run this sdpa run (None: it does)."""
+    from trainer.config.diffusion import enabled as diffusion
+
+    row = varlen_kernels()[0]
+    name = row["name"]
+    if diffusion(cfg):
+        return "diffusion attends both ways through its own mask"
+    installed, _ = _installed_torch()
+    version = (plan or {}).get("torch", {}).get("version") or installed
+    local = None  # the rule itself, on the plan's torch (else the installed one) and this GPU
+    if version is None:
+        local = f"torch is not installed here, and {name} needs torch{row['torch']}"
+    elif not _in_range(version, row["torch"]):
+        local = f"torch {version} has no {name} (torch{row['torch']})"
+    elif runtime.gpu.cc is None:
+        local = (f"{name} runs on NVIDIA GPUs (sm_{row['min_cc'].replace('.', '')}+), not on "
+                 f"{'the CPU' if runtime.gpu.kind == 'cpu' else runtime.gpu.describe()}")
+    elif catalog.cc_tuple(runtime.gpu.compute_capability) < catalog.cc_tuple(row["min_cc"]):
+        local = f"{name} needs sm_{row['min_cc'].replace('.', '')}+; {runtime.gpu.describe()} is older"
+    if plan is not None and plan.get("packing") and _plan_runs_sdpa(plan):  # the plan decides (its torch is here)
+        if plan["packing"] != "varlen":
+            return f"the plan's packing: {plan['packing']}" + (f"; {local}" if local else "")
+    elif local:  # no plan, or one that does not say (older plans; a plan for another attention): the rule
+        return local
+    if installed is not None and not _in_range(installed, row["torch"]):
+        return f"the plan says packing: varlen, but torch {installed} here has no {name} (torch{row['torch']})"
+    if runtime.gpu.cc is not None and runtime.precision == "fp32":
+        return f"{name}'s flash kernels take fp16/bf16 and this run's precision is fp32"
+    return None
+
+
+def _plan_runs_sdpa(plan: dict) -> bool:
+    from trainer.runtime.hardware import attention_backend
+
+    backend = attention_backend(plan.get("attention") or "")
+    return backend is not None and backend["transformers"] == "sdpa"
+
+
+def _varlen_for_model(config, cls, runtime) -> list[str]:
+    """Back from torch's varlen kernel to sdpa's mask for a model it cannot run: soft-capped attention logits
+    (Gemma 2), attention sinks (gpt-oss), attention dropout, a class whose attention does not go through
+    transformers' AttentionInterface, or a sliding window on a torch whose varlen_attn has no window_size (2.10)."""
+    name = varlen_kernels()[0]["name"]
+    if runtime.attention != name:
+        return []
+    why = None
+    if getattr(config, "attn_logit_softcapping", None):
+        why = f"{cls.__name__} soft-caps its attention logits, which {name} cannot"
+    elif getattr(cls, "_compatible_flash_implementations", None):
+        why = f"{cls.__name__} has attention sinks, which {name} cannot apply"
+    elif (getattr(config, "attention_dropout", 0) or 0) > 0:
+        why = f"{cls.__name__} has attention dropout {config.attention_dropout}, which {name} does not do"
+    elif not getattr(cls, "_supports_attention_backend", False):
+        why = f"{cls.__name__}'s attention does not go through transformers' AttentionInterface"
+    elif _slides(config) and not _kernel_takes_window():
+        why = f"{cls.__name__} has a sliding window and this torch's {name} has no window_size (torch >= 2.11)"
+    if why is None:
+        return []
+    fallback = "sdpa" if cls._supports_sdpa else "eager"  # Gemma 2: no sdpa path either (its soft-capping)
+    note = f"attention: {name} -> {fallback} ({why}; packed rows kept apart by a mask)"
+    runtime.attention = fallback
+    runtime.changes.append(note)
+    if fallback == "sdpa" and runtime.mask_without_cudnn:
+        runtime.changes.append("cuDNN SDPA off for masked SDPA calls (the plan's mask_without_cudnn: this build puts "
+                               "cuDNN attention first on this GPU, and it has open correctness bugs with masks)")
+    runtime.isolation = _isolation(fallback, why)
     return [note]
+
+
+def _slides(config) -> bool:
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        return "sliding_attention" in layer_types
+    return bool(getattr(config, "sliding_window", None)) and getattr(config, "use_sliding_window", True) is not False
+
+
+def _kernel_takes_window() -> bool:
+    try:
+        import inspect
+
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:  # no torch here: the plan's torch decides, and plans with varlen name torch >= 2.10
+        return True
+    return "window_size" in inspect.signature(varlen_attn).parameters
+
+
+def _cudnn_first(gpu, plan: dict | None) -> tuple[bool, str]:
+    """Whether this build puts cuDNN attention first for SDPA on this GPU (torch.toml [[cudnn_sdpa]]), so masked
+    SDPA calls run with it off: the plan's `mask_without_cudnn`, or the rows read for the plan's torch (or the
+    installed one) where the plan's attention was not sdpa."""
+    if gpu.cc is None:
+        return False, ""
+    if plan is not None:
+        version, cuda = plan.get("torch", {}).get("version"), plan.get("torch", {}).get("cuda")
+    else:
+        version, cuda = _installed_torch()
+    if version is None or (plan is not None and cuda is None):
+        return False, ""
+    cc = catalog.cc_tuple(gpu.compute_capability)
+    for row in facts.rows("torch", "cudnn_sdpa"):
+        if _in_range(version, row["torch"]) and (cuda == "?" or cuda is not None and _in_range(cuda, row["cuda"])) \
+                and catalog.cc_tuple(row["min_cc"]) <= cc <= catalog.cc_tuple(row["max_cc"]):
+            build = f"torch {version}" + (f" (CUDA {cuda})" if cuda != "?" else "")
+            return True, (f"cuDNN SDPA off for masked SDPA calls (mask_without_cudnn): {build} puts cuDNN attention "
+                          f"first on {gpu.describe()}, and cuDNN SDPA has open correctness bugs with explicit masks: "
+                          f"{row['bugs']}; those calls run on the flash, memory-efficient or math kernels")
+    return bool((plan or {}).get("mask_without_cudnn")), (
+        "cuDNN SDPA off for masked SDPA calls (the plan's mask_without_cudnn)")
+
+
+def _installed_torch() -> tuple[str | None, str | None]:
+    """(version, CUDA) of the torch installed here, without importing it: the CUDA version from the local tag
+    (+cu128 -> 12.8; +cpu, +rocm, +xpu -> None), "?" for PyPI's untagged Linux builds (CUDA 12.8 or newer since
+    2.9: torch.toml), exact from torch itself when it is already imported."""
+    import sys
+
+    if "torch" in sys.modules:
+        torch = sys.modules["torch"]
+        return torch.__version__.split("+")[0], getattr(torch.version, "cuda", None)
+    from importlib import metadata
+
+    try:
+        version = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        return None, None
+    public, _, local = version.partition("+")
+    if not local:
+        return public, "?"
+    if local.startswith("cu") and local[2:].isdigit():
+        return public, f"{local[2:-1]}.{local[-1]}"
+    return public, None
+
+
+def _in_range(version: str, spec: str) -> bool:
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    return Version(version.split("+")[0]) in SpecifierSet(spec)
 
 
 def _installed(backend: dict, gpu) -> bool:

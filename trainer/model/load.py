@@ -14,6 +14,7 @@ import torch
 
 from trainer.config import Config
 from trainer.errors import ConfigError, TrainingError
+from trainer.model import attention_varlen
 from trainer.model.attention import packed_masks
 from trainer.runtime.hardware import Runtime
 
@@ -27,6 +28,7 @@ def load_model(cfg: Config, runtime: Runtime, tokenizer, source: str | None = No
     from trainer.model.reward_model import load_kwargs as head_kwargs
 
     source = source or cfg.base_model
+    attention_varlen.install(runtime)  # torch's varlen_attn as a transformers backend; cuDNN off masked SDPA calls
     dtype = DTYPES[runtime.precision] if cfg.adapter else torch.float32
     quantization = bnb_config(cfg, DTYPES[runtime.precision], sharded=bool(cfg.deepspeed or cfg.fsdp or cfg.fsdp_config))
     extra = dict(cfg.model_config_overrides or {})  # Axolotl's model_config: overrides of the model's config
@@ -189,6 +191,8 @@ def load_trained(cfg: Config, runtime: Runtime, tokenizer, model_dir=None):
         return model
     if (Path(model_dir) / "adapter_config.json").exists():
         from peft import PeftModel
+
+        attention_varlen.install(runtime)
 
         from trainer.model.quantization import bnb_config
         from trainer.model.reward_model import auto_class, load_kwargs

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 from datetime import timedelta
 
 import torch
@@ -29,6 +30,11 @@ def make_accelerator(cfg: Config, runtime: Runtime):
     from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
 
     check_device(runtime)
+    # under torchrun, before any process group: every rank joins, an all-reduce, /dev/shm, ulimit -l, shared storage
+    # (a rank that never comes is named in seconds, not found by the first collective after ddp_timeout)
+    from trainer.parallel.preflight import check_before_training
+
+    check_before_training(cfg, runtime.device, log=lambda line: print(line, file=sys.stderr, flush=True))
     deepspeed = None
     if cfg.deepspeed:  # passed through to accelerate; DeepSpeed then owns accumulation, clipping and stepping
         if importlib.util.find_spec("deepspeed") is None:

@@ -35,9 +35,18 @@ def attention_backend(name: str) -> dict | None:
     return next((b for b in attention_backends() if b["name"] == name), None)
 
 
+def varlen_kernels() -> list[dict]:
+    """torch.toml's [[varlen]] rows: torch's own kernels that keep packed rows apart by cu_seqlens (no mask). The
+    trainer registers each with transformers under the row's `name` (trainer/model/attention_varlen.py)."""
+    return facts.rows("torch", "varlen")
+
+
 def packing(transformers_name: str) -> str:
     """How packed sequences are kept apart for the backend transformers runs under this name (attention.toml's
-    packing column: position_ids, row_position_ids, bool_mask or float_mask)."""
+    packing column: position_ids, row_position_ids, bool_mask or float_mask); torch's varlen kernels (torch.toml
+    [[varlen]]) take position_ids, as flash-attn does."""
+    if any(v["name"] == transformers_name for v in varlen_kernels()):
+        return "position_ids"
     row = next((b for b in attention_backends() if b["transformers"] == transformers_name), {})
     return row.get("packing", "bool_mask")
 
@@ -111,15 +120,23 @@ class Runtime:
     precision: str  # bf16 | fp16 | fp32
     tf32: bool
     changes: list[str] = field(default_factory=list)
+    isolation: str = ""  # how packed rows are kept apart, and why (trainer/model/attention.py choose_packing)
+    mask_without_cudnn: bool = False  # masked SDPA calls run with cuDNN attention off (the plan's mask_without_cudnn)
 
     @property
     def device(self) -> str:
         return self.gpu.device
 
+    @property
+    def packing(self) -> str:
+        """The plan's vocabulary: "varlen" (cu_seqlens from position_ids, no mask) or "mask"."""
+        return "varlen" if packing(self.attention) == "position_ids" else "mask"
+
     def to_dict(self) -> dict:
         d = asdict(self)
         d["gpu"]["arch"] = self.gpu.arch
         d["device"] = self.device
+        d["packing"] = self.packing
         return d
 
 
