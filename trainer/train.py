@@ -67,7 +67,7 @@ class Training:
         from trainer.model import kernels, qat
         from trainer.model.attention import for_model
 
-        self.cfg, self.runtime, self.log = cfg, runtime, log
+        self.cfg, self.runtime = cfg, runtime
         # 1. processes, precision, timeouts
         self.accelerator = accelerator = make_accelerator(cfg, runtime)
         self.rank, self.world, self.device = accelerator.process_index, accelerator.num_processes, accelerator.device
@@ -86,7 +86,6 @@ class Training:
         from trainer.outputs import hub
 
         loggers.check(cfg)  # trackers installed, hub reachable: fail now, not after training
-        storage = self.shared_storage()  # several nodes: do they all see dataset_prepared_path and output_dir?
         if self.main:
             hub.check(cfg)
         hub_access.ensure(cfg, say)  # a hub model with no hub: one line now (or offline from the cache), no retries
@@ -96,9 +95,8 @@ class Training:
 
             check_stream(cfg, tokenizer, self.world)
             self.data = Prepared(None, None, {"train_rows": "streamed"}, None)
-        else:  # (several nodes without a shared dataset_prepared_path: each node's first process prepares)
-            self.data = objectives.prepare(cfg, tokenizer, self.rank if storage.prepared_shared else
-                                           accelerator.local_process_index, log=say)
+        else:
+            self.data = objectives.prepare(cfg, tokenizer, self.rank, log=say)
 
         # 3. model (attention fitted to the model's class first: the collator's packing follows it)
         for note in for_model(cfg, runtime, local_only=False):
@@ -211,21 +209,6 @@ class Training:
         self.metrics = loggers.Trackers(loggers.MetricsLog(self.output_dir / "metrics.jsonl", self.main,
                                                            fresh=self.step == 0),
                                         cfg, self.output_dir, self.main, resumed=self.step > 0, log=say)
-
-    def shared_storage(self):
-        """On several nodes, whether each sees rank 0's dataset_prepared_path and output_dir (one line from the
-        first process of each node; refused where the run needs them shared). trainer/parallel/shared_storage.py"""
-        from trainer.parallel import shared_storage
-
-        storage = shared_storage.check(self.cfg, self.rank, self.accelerator.local_process_index, self.device,
-                                       self.timeout)
-        if storage.multi_node:
-            refusal = storage.refusal(self.cfg, objectives.objective_class(self.cfg).needs_reference)
-            if refusal:
-                raise ConfigError(refusal)
-            if self.accelerator.local_process_index == 0:
-                self.log(f"note: {storage.describe(self.cfg)}")
-        return storage
 
     def feature_hooks(self) -> Hooks:
         """Each feature's part in the loop (its module returns None where the config does not use it)."""
