@@ -570,10 +570,11 @@ def train(
     trainer runs in the active environment when doctor finds nothing wrong with it for the plan, else in an
     environment built for the plan and cached by it (or --venv DIR, or the plan's image with --image). One
     process per device: torchrun for several GPUs or machines. The trainer's error line and exit code are
-    envtool's, with one process or several (also in --image). An output_dir holding an earlier run's checkpoints
-    is continued with auto_resume_from_checkpoints: true, else refused before anything starts; several machines
-    check at start that dataset_prepared_path and output_dir are on storage every node sees. At the end, the
-    next commands for the run (merge-lora, export, chat-check) are printed.
+    envtool's, with one process or several (also in --image). SIGTERM, SIGUSR1 or Ctrl-C: every rank stops after
+    the same step with a checkpoint (exit 138, or 130 for Ctrl-C; twice: at once); the same command again resumes
+    it. An output_dir holding an earlier run's checkpoints (and no such stop) is continued with
+    auto_resume_from_checkpoints: true, else refused before anything starts. At the end, the next commands for
+    the run (merge-lora, export, chat-check) are printed.
 
       envtool train examples/tiny-cpu.yml --gpu cpu
 

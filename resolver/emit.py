@@ -30,6 +30,10 @@ DEFAULT_SECRET = "envtool-secrets"
 RDZV_PORT = 29500
 WORK = "/work"  # where the job's volume is mounted, and the trainer's working directory
 DEFAULT_PVC = "envtool-work"
+# Long runs (README "Long runs"): the trainer stops every rank after the same step on SIGTERM/SIGUSR1, saves one
+# checkpoint and leaves output_dir/stopped.json; the next start of the same command resumes from it.
+SIGNAL_LEAD_S = 300  # sbatch: SIGUSR1 this long before the time limit
+GRACE_S = 300  # k8s: terminationGracePeriodSeconds, the time between SIGTERM and SIGKILL
 
 
 def _stderr(line: str) -> None:
@@ -47,7 +51,7 @@ def render(kind: str, plan: Plan, launch: Launch, config: Path, dist: Distributi
         if secret is not None:
             raise BadInput("--secret goes with --emit k8s (a Slurm job takes tokens from the environment it is "
                            "submitted from)")
-        return sbatch(plan, launch, config, dist)
+        return sbatch(plan, launch, config, dist, output_dir=str(cfg.output_dir))
     claim = DEFAULT_PVC if pvc is None else check_claim(pvc)
     secret = DEFAULT_SECRET if secret is None else check_claim(secret, "--secret", "Secret")
     for line in volume_warnings(config, cfg, claim, dist):
@@ -131,7 +135,7 @@ def k8s_resource(plan: Plan) -> str:
     return "nvidia.com/gpu"
 
 
-def sbatch(plan: Plan, launch: Launch, config: Path, dist: Distribution) -> str:
+def sbatch(plan: Plan, launch: Launch, config: Path, dist: Distribution, output_dir: str = "outputs") -> str:
     """One task per node; each runs torchrun with --nproc-per-node = GPUs per node, all meeting at a c10d
     rendezvous on the first node of the allocation. `$SLURM_*` are expanded on each node by srun's shell."""
     gpus = _gpus(plan, dist)
@@ -150,7 +154,13 @@ def sbatch(plan: Plan, launch: Launch, config: Path, dist: Distribution) -> str:
     lines += [
         f"#SBATCH --cpus-per-task={max(4, 4 * nproc)}",
         f"#SBATCH --output={name}-%j.out",
+        "#SBATCH --open-mode=append",
         "#SBATCH --export=ALL",
+        f"# Before the time limit ({SIGNAL_LEAD_S} s) every task gets SIGUSR1: each rank stops after the same step "
+        "with a checkpoint (exit 138);",
+        "# the job is requeued and, started again, resumes from it. Preemption's SIGTERM does the same.",
+        f"#SBATCH --signal=USR1@{SIGNAL_LEAD_S}",
+        "#SBATCH --requeue",
         f"# {', '.join(SECRET_KEYS)}: from the environment sbatch runs in (exported to the job), never written here.",
         "set -euo pipefail",
         "",
@@ -160,6 +170,14 @@ def sbatch(plan: Plan, launch: Launch, config: Path, dist: Distribution) -> str:
     ]
     for key, value in launch.env.items():
         lines.append(f"export {key}={shlex.quote(value)}")
+    from .launch import TORCHRUN_ENV
+
+    lines += ["# torchrun forwards SIGUSR1 too, and gives the ranks time to save before it kills them.",
+              *(f"export {key}={shlex.quote(value if key != 'PET_SHUTDOWN_TIMEOUT' else str(SIGNAL_LEAD_S - 30))}"
+                for key, value in TORCHRUN_ENV.items()),
+              "# This shell outlives the signals (the tasks save, then it requeues the job).",
+              "trap 'echo \"signal: the training saves a checkpoint and stops\"' TERM USR1",
+              'started=$(mktemp "${TMPDIR:-/tmp}/envtool-start.XXXXXX")']
     config_path = str(config.resolve())
     torchrun = ["-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--nnodes={dist.nnodes}",
                 "--rdzv-backend=c10d", '--rdzv-endpoint="$RDZV_ENDPOINT"', '--rdzv-id="$SLURM_JOB_ID"',
@@ -175,6 +193,15 @@ def sbatch(plan: Plan, launch: Launch, config: Path, dist: Distribution) -> str:
                               "shared filesystem."), f"cd {shlex.quote(str(Path.cwd()))}",
                   "srun --kill-on-bad-exit=1 bash -c "
                   + shlex.quote(" ".join([f"exec {shlex.quote(launch.python)}", *torchrun, shlex.quote(config_path)]))]
+    lines[-1] += " || code=$?"
+    stopped = shlex.quote(str(Path(output_dir) / "stopped.json"))
+    lines += ["", "# Stopped by a signal (a checkpoint and output_dir/stopped.json written in this job): requeue; the "
+              "next start resumes.",
+              f'if [ {stopped} -nt "$started" ]; then',
+              '    echo "stopped with a checkpoint: requeueing $SLURM_JOB_ID"',
+              '    scontrol requeue "$SLURM_JOB_ID"',
+              "fi",
+              'exit "${code:-0}"']
     return "\n".join(lines) + "\n"
 
 
@@ -194,6 +221,8 @@ def pytorchjob(plan: Plan, launch: Launch, config: Path, dist: Distribution, *, 
     The training operator sets MASTER_ADDR / MASTER_PORT / RANK in every replica. Every pod works in the claim
     `work_claim` at /work: the config's relative paths (output_dir, dataset_prepared_path, local data) are there."""
     import yaml
+
+    from .launch import TORCHRUN_ENV
 
     gpus = _gpus(plan, dist)
     nproc = default_nproc(plan, dist)
@@ -218,7 +247,11 @@ def pytorchjob(plan: Plan, launch: Launch, config: Path, dist: Distribution, *, 
                          {"name": "work", "mountPath": WORK},
                          {"name": "config", "mountPath": "/etc/envtool", "readOnly": True}],
     }
-    pod = {"spec": {"containers": [container], "volumes": [
+    container["env"] += [{"name": k, "value": v if k != "PET_SHUTDOWN_TIMEOUT" else str(GRACE_S - 30)}
+                         for k, v in TORCHRUN_ENV.items()]
+    # SIGTERM (a drained node, a preempted pod) gives the ranks GRACE_S seconds to stop after the same step and save;
+    # the restarted pod resumes from that checkpoint (output_dir/stopped.json on the work volume)
+    pod = {"spec": {"terminationGracePeriodSeconds": GRACE_S, "containers": [container], "volumes": [
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": quantity(shm_size)}},
         {"name": "hf-cache", "persistentVolumeClaim": {"claimName": hf_cache_claim}},
         {"name": "work", "persistentVolumeClaim": {"claimName": work_claim}},

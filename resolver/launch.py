@@ -568,7 +568,9 @@ def run(launch: Launch, plan: Plan, *, hf_cache: Path | None = None, shm_size: s
     try:
         if "torch.distributed.run" in launch.command:
             return run_torchrun(launch.command, env, stdout)
-        return subprocess.run(launch.command, env=env, stdout=stdout).returncode
+        proc = subprocess.Popen(launch.command, env=env, stdout=stdout, start_new_session=True)
+        with Forwarding(proc, workers=False):
+            return proc.wait()
     except FileNotFoundError:
         raise EnvtoolError(f"cannot start {launch.command[0]}: the environment is gone; run again to rebuild it") from None
 
@@ -591,6 +593,76 @@ def next_commands(training: Training) -> list[dict]:
 
 
 ERRORS_AT = "/envtool-errors"  # in the container: where its ranks record their error lines
+# What a scheduler or a user sends to stop a run; forwarded to every trainer process (trainer/runtime/stop.py).
+STOP_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")
+# torchrun's own handling, for when it is signalled itself (Slurm signals a job step's processes; `kill` on it):
+# SIGUSR1 forwarded too (not in its default list: it would die of it and orphan its workers), and time to save.
+TORCHRUN_ENV = {"PET_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", "PET_SHUTDOWN_TIMEOUT": "600"}
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (Linux /proc; empty elsewhere)."""
+    found = []
+    for entry in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = entry.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields and int(fields[1]) == pid:
+            found.append(int(entry.parent.name))
+    return found
+
+
+def _is_worker(pid: int) -> bool:
+    try:
+        return any(v.startswith(b"LOCAL_RANK=") for v in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"))
+    except OSError:
+        return False
+
+
+class Forwarding:
+    """While the trainer runs: SIGTERM, SIGUSR1 and SIGINT to envtool go to every trainer process, never orphaning
+    them. The trainer runs in its own session, so a Ctrl-C at the terminal reaches it once, through here (the
+    terminal's SIGINT would otherwise reach it too, and a second SIGINT means "stop at once"); a SIGHUP (the
+    terminal closed) is passed on as SIGTERM, as the session no longer carries it. Under torchrun
+    (`workers`) the signal goes to its workers directly -- each rank stops after the same step, saves and exits
+    138/130, and torchrun ends when they have -- or to torchrun itself before they exist (it forwards it)."""
+
+    def __init__(self, proc, workers: bool):
+        import signal
+
+        self.proc, self.workers, self.previous = proc, workers, {}
+        self.signals = [getattr(signal, name) for name in (*STOP_SIGNALS, "SIGHUP")]
+
+    def __enter__(self):
+        import signal
+        import threading
+
+        if threading.current_thread() is threading.main_thread():
+            for number in self.signals:
+                self.previous[number] = signal.signal(number, self._forward)
+        return self
+
+    def __exit__(self, *exc):
+        import signal
+
+        for number, handler in self.previous.items():
+            signal.signal(number, handler)
+        return False
+
+    def _forward(self, number, _frame) -> None:
+        import signal
+
+        if number == signal.SIGHUP:  # the terminal went away: the trainer (in its own session) stops as on SIGTERM
+            number = signal.SIGTERM
+        targets = [pid for pid in _children(self.proc.pid) if _is_worker(pid)] if self.workers else []
+        for pid in targets or [self.proc.pid]:
+            try:
+                os.kill(pid, number)
+            except ProcessLookupError:
+                pass
+
+
 # torchrun's own log lines (glog format: level, date, time, pid, file:line]).
 TORCHRUN_LOG = re.compile(r"^[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S+:\d+\] ")
 
@@ -637,14 +709,17 @@ def run_torchrun(command: list[str], env: dict, stdout) -> int:
     from trainer.errors import ERROR_DIR_ENV
 
     # torchrun sets OMP_NUM_THREADS=1 for its workers when it is unset, with a 3-line banner saying so: the same, quietly
-    env = {"OMP_NUM_THREADS": "1", **env}
+    env = {"OMP_NUM_THREADS": "1", **TORCHRUN_ENV, **env}
     with tempfile.TemporaryDirectory(prefix="envtool-run-") as folder:
         report = HeldReport(folder)
-        proc = subprocess.Popen(command, env={**env, ERROR_DIR_ENV: folder}, stdout=stdout, stderr=subprocess.PIPE)
+        proc = subprocess.Popen(command, env={**env, ERROR_DIR_ENV: folder}, stdout=stdout, stderr=subprocess.PIPE,
+                                start_new_session=True)
+        forwarding = Forwarding(proc, workers=True).__enter__()
         try:
             # newline="": a progress bar's \r-ended updates pass at once, as lines of their own
             for line in io.TextIOWrapper(proc.stderr, errors="replace", newline=""):
                 report.line(line)
         finally:
             code = proc.wait()
+            forwarding.__exit__(None, None, None)
         return report.result(code)

@@ -12,7 +12,7 @@ import os
 import sys
 
 from trainer import __version__
-from trainer.errors import TrainerError
+from trainer.errors import Stopped, TrainerError
 
 
 def log(message: str) -> None:
@@ -260,11 +260,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_preprocess)
 
-    p = sub.add_parser("train", help="train (use torchrun for several processes)",
+    p = sub.add_parser("train", help="train (use torchrun for several processes); SIGTERM/SIGUSR1/Ctrl-C: stop "
+                       "after the step with a checkpoint, exit 138 (130 for Ctrl-C); run again to resume",
                        description="Train: checkpoints and final/ (with a generation_config.json that stops at the "
-                       "chat template's end of turn) in output_dir. An output_dir holding an earlier run's "
-                       "checkpoints is continued with auto_resume_from_checkpoints: true (or "
-                       "resume_from_checkpoint: DIR), else refused (exit 2).")
+                       "chat template's end of turn) in output_dir. A run a signal stopped resumes when run again; "
+                       "an output_dir holding other checkpoints of an earlier run is continued with "
+                       "auto_resume_from_checkpoints: true (or resume_from_checkpoint: DIR), else refused (exit 2).")
     p.add_argument("config")
     p.add_argument("--plan", help="plan.json to read instead of ENVTOOL_PLAN, the environment's own plan.json, ./plan.json")
     p.set_defaults(func=cmd_train)
@@ -364,6 +365,10 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return args.func(args)
+    except Stopped as err:  # not a failure: where the checkpoint is and how to go on, with the stop's exit code
+        if not record(str(err), err.exit_code) and rank in (None, "0"):
+            print(str(err), file=sys.stderr)
+        return err.exit_code
     except TrainerError as err:
         if args.debug:
             raise
@@ -371,8 +376,9 @@ def main(argv: list[str] | None = None) -> int:
         if not record(line, err.exit_code):
             print(line, file=sys.stderr)
         return err.exit_code
-    except KeyboardInterrupt:
-        print(prefix + "interrupted", file=sys.stderr)
+    except KeyboardInterrupt:  # Ctrl-C twice: at once, no checkpoint (trainer/runtime/stop.py)
+        if not record(prefix + "interrupted", 130):
+            print(prefix + "interrupted", file=sys.stderr)
         return 130
     except Exception as err:  # a bug or an environment problem: still one line unless --debug
         if args.debug:

@@ -76,3 +76,13 @@ def record(line: str, exit_code: int) -> bool:
     except (OSError, ValueError):
         return False
     return True
+
+
+class Stopped(TrainerError):
+    """A stop request (SIGTERM, SIGUSR1, Ctrl-C) was honoured: every rank finished the same step and the
+    checkpoint is saved. Not a failure: the message says where the checkpoint is and how to continue; the exit
+    code says why (trainer/runtime/stop.py: 138 = requeue me, 130 = Ctrl-C)."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code

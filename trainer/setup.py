@@ -164,6 +164,7 @@ def needs(cfg) -> list[Need]:
 
 
 CHECKPOINT_STATE = "trainer_state.json"  # trainer/outputs/checkpoint.py's STATE_FILE: a complete checkpoint has it
+STOPPED = "stopped.json"  # trainer/train.py's STOPPED: left by a run a stop request ended
 
 
 def earlier_checkpoints(output_dir) -> list[Path]:
@@ -180,11 +181,14 @@ def check_earlier_run(cfg) -> str | None:
     """A run into an output_dir that holds an earlier run's checkpoints continues it when the config says so
     (resume_from_checkpoint, or auto_resume_from_checkpoints: true, as Axolotl), and is refused otherwise
     (ConfigError: the newest checkpoint and the two ways forward), never started over silently beside them.
-    A torchrun elastic restart (TORCHELASTIC_RESTART_COUNT above 0) is the same run: not refused. Returns a note
+    A torchrun elastic restart (TORCHELASTIC_RESTART_COUNT above 0) and a run a signal stopped (output_dir/
+    stopped.json: the same command resumes it) are the same run: not refused. Returns a note
     when output_dir holds an earlier final/ (and no checkpoint) that this run replaces."""
     from trainer.errors import ConfigError
 
     if cfg.resume_from_checkpoint or cfg.auto_resume_from_checkpoints:
+        return None
+    if (Path(cfg.output_dir) / STOPPED).exists():  # a run a signal stopped: the same command resumes it (train.py)
         return None
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
         return None

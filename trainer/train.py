@@ -5,9 +5,11 @@ set-up   1. processes, precision and timeouts (trainer/parallel/accelerator.py)
          3. model (attention backend, LoRA, checkpointing; kernels and QAT's fake quantization)
          4. the objective, packing sampler and collator
          5. optimizer and LR schedule; the features' hooks; reference log-probs (once)
-         6. resume from a checkpoint
+         6. resume from a checkpoint (chosen at the start: the newest that verifies; on another number of
+            processes the accumulation is rescaled to keep the global batch, trainer/config/global_batch.py)
 loop     per optimizer step: hooks.before_step, `optimizer_step` (count, accumulate, clip, step: one screen),
-         hooks.after_step, log, evaluate, save
+         hooks.after_step, log, evaluate, save; a stop request (SIGTERM, SIGUSR1, Ctrl-C: trainer/runtime/stop.py)
+         rides in the step's one all-reduce, so every rank stops after the same step and saves it
 finish   the last evaluation, hooks.end, the final model or adapter and tokenizer in HF format
 
 What is trained -- SFT, a preference method, a reward model, EBFT, GRPO, diffusion -- is the objective
@@ -18,6 +20,7 @@ fake-quant schedule, LISA, ReLoRA, sparsity's masks, diffusion's samples, early 
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 import time
@@ -32,7 +35,7 @@ from trainer.batch.sampler import MultipackBatchSampler
 from trainer.config import Config
 from trainer.config.parallel import sync_each_batch
 from trainer.data.prepare import Prepared, load_tokenizer
-from trainer.errors import ConfigError, DataError, TrainingError
+from trainer.errors import ConfigError, DataError, Stopped, TrainingError
 from trainer.hooks import Hooks
 from trainer.model.load import DTYPES, load_model
 from trainer.objectives.base import to_device
@@ -44,10 +47,18 @@ from trainer.parallel.accelerator import make_accelerator
 from trainer.parallel.collective import barrier, phase, reduce_sum
 from trainer.runtime import hub_access
 from trainer.runtime.hardware import Runtime
+from trainer.runtime.stop import StopRequest
+
+STOPPED = "stopped.json"  # output_dir: written when a stop request ended a run; the next run resumes from it
 
 
 def train(cfg: Config, runtime: Runtime, log=print) -> Path:
-    return Training(cfg, runtime, log).run()
+    claims: list = []  # output_dir's lock, released however the run ends (in-process runs follow one another)
+    try:
+        return Training(cfg, runtime, log, claims).run()
+    finally:
+        for held in claims:
+            held.release()
 
 
 def cadence(every: int | None, per_epoch: int | None, steps_per_epoch: int) -> int | None:
@@ -61,7 +72,7 @@ def cadence(every: int | None, per_epoch: int | None, steps_per_epoch: int) -> i
 
 class Training:
     # --- set-up ---------------------------------------------------------------------------------------------
-    def __init__(self, cfg: Config, runtime: Runtime, log=print):
+    def __init__(self, cfg: Config, runtime: Runtime, log=print, claims: list | None = None):
         from transformers import set_seed
 
         from trainer.model import kernels, qat
@@ -81,6 +92,21 @@ class Training:
             f"precision {runtime.precision}")
         if cfg.deepspeed or cfg.fsdp or cfg.fsdp_config or cfg.fsdp_version:
             say(f"sharding: {accelerator.distributed_type.value}")
+        # one run per output_dir, and one that takes writes: found now, not at the first checkpoint
+        self.output_dir = Path(cfg.output_dir)
+        self.claim = None
+        if self.main:
+            from trainer.outputs.output_dir import claim
+
+            self.claim = claim(self.output_dir)
+            if claims is not None:
+                claims.append(self.claim)
+        barrier("claiming output_dir", self.rank, self.timeout)  # the others wait for rank 0's refusal or claim
+        # the checkpoint to resume, before anything is sized by gradient_accumulation_steps
+        mesh = accelerator.mesh
+        group = (mesh.tp * mesh.cp) if mesh is not None else 1
+        self.resume_from = self.resume_path()
+        self.cfg = cfg = self.keep_global_batch(cfg, self.world // group)
 
         # 2. tokenizer and data
         from trainer.outputs import hub
@@ -101,7 +127,6 @@ class Training:
         # 3. model (attention fitted to the model's class first: the collator's packing follows it)
         for note in for_model(cfg, runtime, local_only=False):
             say(f"note: {note}")
-        mesh = accelerator.mesh
         model = load_model(cfg, runtime, tokenizer, parallel_kwargs=parallelism.load_kwargs(mesh))
         parallelism.after_load(model, mesh)
         self.tp, self.cp = (mesh.tp, mesh.cp) if mesh is not None else (1, 1)
@@ -165,7 +190,6 @@ class Training:
             say(f"parallelism: {mesh.describe()}; {parallelism.placement(unwrapped) or 'parameters not sharded'}")
         # FSDP and ZeRO-3 gather weights in every forward (other ZeRO stages pay one extra collective in evaluation)
         self.sharded = distributed.is_sharded(unwrapped) or bool(cfg.deepspeed)
-        self.output_dir = Path(cfg.output_dir)
         self.hooks = self.feature_hooks()
 
         # 5b. reference log-probs (DPO, IPO, KTO): once, before any step and before a checkpoint's weights load,
@@ -207,7 +231,8 @@ class Training:
 
         self.eval_extra = causal_lm_metrics(cfg, tokenizer)  # do_causal_lm_eval's perplexity, at every evaluation
         self.metrics = loggers.Trackers(loggers.MetricsLog(self.output_dir / "metrics.jsonl", self.main,
-                                                           fresh=self.step == 0),
+                                                           fresh=self.step == 0,
+                                                           resumed_at=self.step if resume else None),
                                         cfg, self.output_dir, self.main, resumed=self.step > 0, log=say)
 
     def feature_hooks(self) -> Hooks:
@@ -228,26 +253,81 @@ class Training:
             early_stopping.hook(cfg, model, self.output_dir, say),  # stops, and ends with the best checkpoint
         ])
 
-    def resume(self) -> tuple[dict, str | None]:
-        """The checkpoint to continue from (resume_from_checkpoint, or the newest with auto_resume_from_checkpoints):
-        its weights, optimizer, schedule, RNG and data position; returns its trainer state and path."""
+    def resume_path(self) -> Path | None:
+        """resume_from_checkpoint; else the checkpoint a stop request saved (output_dir/stopped.json: running the
+        same command again continues); else, with auto_resume_from_checkpoints, the newest in output_dir. Of the
+        output_dir's checkpoints, the newest whose manifest verifies: damaged ones are named and skipped."""
         cfg = self.cfg
-        resume = cfg.resume_from_checkpoint
-        if resume is None and cfg.auto_resume_from_checkpoints and checkpoint.list_checkpoints(self.output_dir):
-            resume = str(checkpoint.list_checkpoints(self.output_dir)[-1])
-        if not resume:
+        if cfg.resume_from_checkpoint:
+            path = Path(cfg.resume_from_checkpoint)
+            if not path.is_dir():
+                raise ConfigError(f"resume_from_checkpoint: not found: {path}")
+            wrong = checkpoint.damage(path)
+            if wrong:
+                raise TrainingError(f"resume_from_checkpoint {path} is damaged: {wrong}; resume from another "
+                                    "checkpoint")
+            return path
+        stopped = (self.output_dir / STOPPED).exists()
+        if not (cfg.auto_resume_from_checkpoints or stopped):
+            return None
+        found = checkpoint.choose(self.output_dir, say=self.say)
+        if found is not None and stopped and not cfg.auto_resume_from_checkpoints:
+            self.say(f"note: the previous run on {self.output_dir} was stopped by a signal: continuing from {found}")
+        if found is None and stopped:
+            self.say(f"note: {self.output_dir / STOPPED} names a stop, but no checkpoint verifies: starting afresh")
+        return found
+
+    def keep_global_batch(self, cfg: Config, data_world: int) -> Config:
+        """Resuming a checkpoint written by another number of data-parallel processes: the same global batch
+        (micro_batch_size x processes x gradient_accumulation_steps) by rescaling the accumulation, so every step
+        trains on the same rows as before; refused in one line with the nearest settings where it cannot."""
+        if self.resume_from is None:
+            return cfg
+        from trainer.config.global_batch import accumulation_for, global_batch
+
+        state = checkpoint.read_state(self.resume_from)
+        sampler = state.get("sampler", {})
+        before = state.get("data_world", sampler.get("world_size", state.get("world_size")))
+        rows = state.get("global_batch")
+        if before is None or before == data_world:
+            return cfg
+        rows = rows or global_batch(cfg.micro_batch_size, before, cfg.gradient_accumulation_steps)
+        why = (f"{self.resume_from} was trained with a global batch of {rows} rows ({before} data-parallel "
+               f"process(es))")
+        ga = accumulation_for(rows, cfg.micro_batch_size, data_world, why=why)
+        if ga != cfg.gradient_accumulation_steps:
+            self.say(f"note: {why}; on {data_world} it continues with gradient_accumulation_steps {ga} "
+                     f"(the config says {cfg.gradient_accumulation_steps}) to keep it")
+        return cfg.model_copy(update={"gradient_accumulation_steps": ga})
+
+    def resume(self) -> tuple[dict, str | None]:
+        """The checkpoint chosen at the start: its weights, optimizer, schedule, RNG and data position; returns its
+        trainer state and path."""
+        resume = self.resume_from
+        if resume is None:
             return {}, None
-        if not Path(resume).is_dir():
-            raise ConfigError(f"resume_from_checkpoint: not found: {resume}")
-        state = checkpoint.load(Path(resume), self.unwrapped, self.optimizer, self.scheduler, self.accelerator.scaler,
+        state = checkpoint.load(resume, self.unwrapped, self.optimizer, self.scheduler, self.accelerator.scaler,
                                 self.rank, self.world, engine=self.model)
         self.step, self.epoch = state["step"], state["sampler"]["epoch"]
-        self.sampler.load_state_dict(state["sampler"])
+        position = dict(state["sampler"])
+        before = state.get("data_world", position.get("world_size", self.data_world))
+        if before != self.data_world and (self.cfg.streamed or self.draws != self.ga):
+            raise TrainingError(f"checkpoint {resume} was written by {before} process(es); "
+                                f"{'streamed data' if self.cfg.streamed else 'this objective'} resumes on the same "
+                                f"number only (got {self.data_world}): each process's share of the data is its own")
+        if before != self.data_world:  # micro-batches each process consumed: the same global count, spread anew
+            position["consumed"] = position["consumed"] * before // self.data_world
+            extra = " (a new rank takes the RNG state of rank `rank % " + str(before) + "`)" if self.data_world > before else ""
+            self.say(f"note: {resume} was written by {before} process(es); resuming on {self.data_world} at the "
+                     f"same place in the data{extra}")
+        self.sampler.load_state_dict(position)
         self.say(f"resumed from {resume} at step {self.step}")
         if state.get("model_only"):
             self.say(f"note: {resume} was saved with save_only_model: its weights, step and data position continue, "
                      "the optimizer restarts with empty state (moments reset) and the RNG is not restored")
-        return state, resume
+        if self.main:
+            (self.output_dir / STOPPED).unlink(missing_ok=True)
+        return state, str(resume)
 
     # --- the loop -------------------------------------------------------------------------------------------
     def run(self) -> Path:
@@ -256,6 +336,8 @@ class Training:
         progress = tqdm(total=self.total_steps, initial=self.step, disable=not self.main, desc="training", unit="step")
         self.model.train()
         stopped = False
+        self.stop = StopRequest(say_rank0=self.main).install()  # from here a signal means: this step, a checkpoint
+        self.stop_now = False
         try:  # close the progress bar on errors too, so the error is a line of its own
             while self.step < self.total_steps and not stopped:
                 self.sampler.set_epoch(self.epoch)
@@ -273,18 +355,45 @@ class Training:
                     self.hooks.after_step(self.step)
                     if self.eval_every and self.step % self.eval_every == 0 and self.step < self.total_steps:
                         stopped = self.hooks.after_evaluation(self.step, self.evaluate())
+                    saved = None
                     if self.save_every and self.step % self.save_every == 0:
-                        self.save(consumed)
+                        saved = self.save(consumed)
+                    if self.stop_now and self.step < self.total_steps:
+                        progress.close()
+                        self.stopped_by_signal(saved or self.save(consumed))
                     if self.step >= self.total_steps or stopped:
                         break
                 else:
                     self.epoch += 1
         except BaseException:
             self.metrics.close()  # finish the trackers' runs on errors too
+            self.stop.uninstall()
             raise
         finally:
             progress.close()
+        self.stop.uninstall()  # a signal from now on (the final save is under way) is not a request to stop
         return self.finish(stopped)
+
+    def stopped_by_signal(self, path: Path) -> None:
+        """Every rank saw the stop flag in the same step's all-reduce and `path` holds that step: record it (the
+        next run of the same command resumes from it), end cleanly, and leave with the stop's exit code."""
+        name = self.stop.name or "a stop request on another rank"
+        if self.main:
+            tmp = self.output_dir / f".{STOPPED}.tmp"
+            tmp.write_text(json.dumps({"step": self.step, "checkpoint": str(path), "signal": self.stop.name or None}))
+            tmp.replace(self.output_dir / STOPPED)
+        code = self.stop.exit_code
+        if self.stop.signal is None:  # another rank was signalled: SIGINT reaches all of them, so: requeue
+            from trainer.runtime.stop import REQUEUE_EXIT
+
+            code = REQUEUE_EXIT
+        self.metrics.close()
+        barrier("stopping", self.rank, self.timeout)
+        if hasattr(self.model, "destroy"):
+            self.model.destroy()
+        self.accelerator.end_training()
+        raise Stopped(f"stopped after step {self.step} of {self.total_steps} ({name}): saved {path}; run the same "
+                      f"command again to continue from it (exit code {code})", code)
 
     def optimizer_step(self, micro_batches: list) -> tuple[dict, dict]:
         """One optimizer step: the step's totals over all micro-batches and ranks first (ONE all-reduce), then
@@ -298,8 +407,12 @@ class Training:
         for batch in micro_batches:  # counts; KTO's KL forwards (no grad) run on the unwrapped model, ga per rank
             batch = to_device(batch, device) if objective.stats_need_model else batch  # on every rank (FSDP2, ZeRO-3)
             stats += torch.tensor(objective.step_stats(self.unwrapped, batch), dtype=torch.float64, device=device)
-        stats = reduce_sum(stats * self.vote, f"step {step + 1} (counting the step's totals)", self.rank, self.timeout)
-        totals = dict(zip(objective.stat_names, stats.tolist()))
+        # the stop flag rides in the same all-reduce: every rank learns of a request at this step, whichever got it
+        flag = torch.tensor([1.0 if self.stop.requested else 0.0], dtype=torch.float64, device=device)
+        stats = reduce_sum(torch.cat([stats * self.vote, flag]), f"step {step + 1} (counting the step's totals)",
+                           self.rank, self.timeout)
+        self.stop_now = bool(stats[-1].item() > 0)
+        totals = dict(zip(objective.stat_names, stats[:-1].tolist()))
         sums = torch.zeros(len(objective.metric_names), dtype=torch.float64, device=device)
         for i, batch in enumerate(micro_batches):
             last = i == self.ga - 1
@@ -350,14 +463,17 @@ class Training:
         self.metrics.write({"step": self.step, **result})
         return result
 
-    def save(self, consumed: int) -> None:
+    def save(self, consumed: int) -> Path:
         saved = self.hooks.on_save(self.step)
-        state = {"step": self.step, "world_size": self.world, "sampler": self.sampler.state_dict(consumed), **saved.state}
+        state = {"step": self.step, "world_size": self.world, "data_world": self.data_world,
+                 "global_batch": self.cfg.micro_batch_size * self.data_world * self.ga,
+                 "sampler": self.sampler.state_dict(consumed), **saved.state}
         path = checkpoint.save(self.output_dir, self.step, self.unwrapped, self.optimizer, self.scheduler,
                                self.accelerator.scaler, state, self.rank, self.timeout, keep=self.cfg.save_total_limit,
                                engine=self.model, model_only=self.cfg.save_only_model, tensors=saved.tensors or None,
                                protect=saved.keep)
         self.say(f"saved {path}")
+        return path
 
     # --- finish ---------------------------------------------------------------------------------------------
     def finish(self, stopped: bool) -> Path:

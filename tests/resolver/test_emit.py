@@ -67,6 +67,10 @@ def test_k8s_manifest_validates_against_the_pytorchjob_schema(tmp_path, schema):
     pod = replicas["Worker"]["template"]["spec"]
     container = pod["containers"][0]
     assert container["name"] == "pytorch"
+    # SIGTERM to the pod: 300 s to stop every rank after one step with a checkpoint; torchrun forwards and waits
+    assert pod["terminationGracePeriodSeconds"] == 300
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["PET_SIGNALS_TO_HANDLE"] == "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1" and env["PET_SHUTDOWN_TIMEOUT"] == "270"
     assert re.fullmatch(r"envtool-trainer:sm80-cu\d+-torch[\d.]+-py3\.11", container["image"])
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 8
     command = container["command"]
@@ -211,3 +215,42 @@ def test_k8s_warns_about_paths_the_pods_would_not_see(tmp_path):
 def test_pvc_is_checked(tmp_path, args, message):
     out = emit("examples/a100.yml", *A100, *args, "--dry-run", tmp_path=tmp_path)
     assert out.returncode == 2 and message in out.stderr and len(out.stderr.strip().splitlines()) == 1
+
+
+def test_the_slurm_script_requeues_a_run_a_signal_stopped(tmp_path):
+    """The script with stand-ins for srun/scontrol and a trainer that behaves as the real one does on SIGUSR1
+    (tests/trainer/test_long_runs.py): it writes output_dir/stopped.json and exits non-zero. The script requeues
+    the job exactly then; a run that fails without stopping, or a stopped.json from an earlier job, is not
+    requeued. Its #SBATCH lines ask for the signal before the time limit and for requeueing."""
+    config = tmp_path / "long.yml"
+    config.write_text((REPO / "examples" / "a100.yml").read_text().replace("./outputs/qwen2.5-0.5b-lora",
+                                                                          str(tmp_path / "out")))
+    script = tmp_path / "train.sbatch"
+    out = emit(str(config), *A100, "--venv", str(tmp_path / "venv"), "--emit", "slurm", "-o", str(script),
+               "--dry-run", tmp_path=tmp_path)
+    assert out.returncode == 0, out.stderr
+    text = script.read_text()
+    assert "#SBATCH --signal=USR1@300" in text.splitlines() and "#SBATCH --requeue" in text.splitlines()
+    assert "export PET_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1" in text.splitlines()
+    bin_dir = tmp_path / "bin"
+    (tmp_path / "venv" / "bin").mkdir(parents=True)
+    bin_dir.mkdir()
+    requeued = tmp_path / "requeued"
+    (bin_dir / "scontrol").write_text(f'#!/bin/sh\n[ "$1" = requeue ] && echo "$2" >> {requeued}\n'
+                                      "printf 'node-a\\n'\n")
+    (bin_dir / "srun").write_text('#!/bin/sh\nwhile [ "${1#--}" != "$1" ]; do shift; done\nexec "$@"\n')
+    python = tmp_path / "venv" / "bin" / "python"
+    for f in (bin_dir / "scontrol", bin_dir / "srun"):
+        f.chmod(0o755)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_NODELIST": "node-a", "SLURM_JOB_ID": "77",
+           "SLURM_NODEID": "0", "TMPDIR": str(tmp_path)}
+    (tmp_path / "out").mkdir()
+    for trainer, code, requeue in (
+            (f'echo "{{}}" > {tmp_path}/out/stopped.json; exit 1', 1, ["77"]),  # stopped by a signal: requeued
+            ("exit 1", 1, ["77"]),  # a failure, and stopped.json is from the earlier job: not requeued again
+            ("exit 0", 0, ["77"])):
+        python.write_text(f"#!/bin/sh\nsleep 0.01\n{trainer}\n")
+        python.chmod(0o755)
+        result = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env, cwd=tmp_path)
+        assert result.returncode == code, result.stderr
+        assert (requeued.read_text().split() if requeued.exists() else []) == requeue

@@ -100,7 +100,8 @@ def test_checkpoint_is_complete_or_absent(make_config, tmp_path, monkeypatch, ca
     out = tmp_path / "out"
     assert train(make_config(output_dir=str(out), save_steps=2)) == 1
     assert "disk full" in capsys.readouterr().err
-    assert not list(out.glob("checkpoint-*")) and (out / ".tmp-checkpoint-2").is_dir()
+    # nothing half-written stays: the partial directory is removed with the failure
+    assert not list(out.glob("checkpoint-*")) and not (out / ".tmp-checkpoint-2").exists()
     assert checkpoint_mod.list_checkpoints(out) == []
     monkeypatch.undo()
     # a later run with auto-resume ignores the partial directory and starts from scratch

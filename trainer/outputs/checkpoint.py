@@ -1,15 +1,33 @@
-"""Checkpoints: complete or absent.
+"""Checkpoints: complete or absent, verified before they are trusted, loaded without running code.
 
 Every rank writes its RNG state into output_dir/.tmp-checkpoint-N, rank 0 adds the model (HF format:
 full weights, or the LoRA adapter), optimizer, scheduler, loss scaler and trainer state (step, epoch,
-sampler position), then renames the directory to checkpoint-N. A crash leaves only a .tmp-* directory,
-which resuming ignores.
+sampler position, processes, global batch), and last `manifest.json`: every file's size and sha256. Then it
+renames the directory to checkpoint-N. A kill leaves only a .tmp-* directory, which resuming ignores and
+the next save in that place removes; a full disk removes it and says so in one line.
+
+Resuming (`choose`) takes the newest checkpoint whose manifest verifies (sizes, then hashes) and names each
+newer one it skipped and why (a truncated or overwritten file, a missing one, no manifest: a damaged copy),
+so a run continues from the previous good checkpoint instead of failing on every rerun or training on
+altered weights. Checkpoints written before manifests existed (no manifest.json, a trainer_state.json) are
+still taken, unverified, with a note.
+
+Everything is loaded with `torch.load(weights_only=True)`: tensors and plain containers, never a pickled
+object, so a downloaded checkpoint cannot run code (the RNG states are saved as plain lists for that).
+DeepSpeed's own partition files are read by DeepSpeed's loader, which unpickles them.
+
+A checkpoint written by N processes resumes on M (trainer/train.py keeps the global batch; here: ranks
+without an RNG file of their own take rank `rank % N`'s). DeepSpeed's per-rank ZeRO partitions are the
+exception: they resume on N only.
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
 import os
+import pickle
 import random
 import re
 import shutil
@@ -23,19 +41,25 @@ from trainer.model.load import load_weights
 from trainer.parallel.collective import barrier
 
 STATE_FILE = "trainer_state.json"
+MANIFEST = "manifest.json"  # written last: {"files": {relative path: {"size": bytes, "sha256": hex}}}
 DEEPSPEED_TAG = "deepspeed"  # the subdirectory DeepSpeed's own checkpoint (optimizer partitions) goes to
 
 
 def rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """Plain data only (loadable with weights_only=True): numpy's state as a list, its key array as a tensor."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = {"python": random.getstate(), "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss],
+             "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
 def set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    python = state["python"]
+    random.setstate((python[0], tuple(python[1]), python[2]))
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.int64).astype(np.uint32), pos, has_gauss, gauss))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -54,47 +78,141 @@ def save(output_dir: Path, step: int, model, optimizer, scheduler, scaler, state
 
     final = output_dir / f"checkpoint-{step}"
     tmp = output_dir / f".tmp-checkpoint-{step}"
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    barrier("checkpoint save (start)", rank, timeout_s)
-    if not model_only:
-        torch.save(rng_state(), tmp / f"rng_state_{rank}.pt")
-    barrier("checkpoint save (RNG states)", rank, timeout_s)
-    deepspeed = engine is not None and distributed.is_deepspeed(engine)
-    model_state = distributed.gathered_model_state(engine, model)  # collectives: every rank
-    optimizer_state = None if model_only else distributed.full_optimizer_state(model, optimizer)
-    if deepspeed and not model_only:
-        engine.save_checkpoint(str(tmp), tag=DEEPSPEED_TAG)  # every rank writes its own partition
-    if rank == 0:
-        model.save_pretrained(tmp, state_dict=model_state)  # a PeftModel saves only its adapter
+    try:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        barrier("checkpoint save (start)", rank, timeout_s)
         if not model_only:
-            if not deepspeed:
-                torch.save(optimizer_state if optimizer_state is not None else optimizer.state_dict(),
-                           tmp / "optimizer.pt")
-            torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-            if scaler is not None:
-                torch.save(scaler.state_dict(), tmp / "scaler.pt")
-        for name, content in (tensors or {}).items():
-            from safetensors.torch import save_file
+            torch.save(rng_state(), tmp / f"rng_state_{rank}.pt")
+        barrier("checkpoint save (RNG states)", rank, timeout_s)
+        deepspeed = engine is not None and distributed.is_deepspeed(engine)
+        model_state = distributed.gathered_model_state(engine, model)  # collectives: every rank
+        optimizer_state = None if model_only else distributed.full_optimizer_state(model, optimizer)
+        if deepspeed and not model_only:
+            engine.save_checkpoint(str(tmp), tag=DEEPSPEED_TAG)  # every rank writes its own partition
+        barrier("checkpoint save (every rank's files)", rank, timeout_s)
+        if rank == 0:
+            model.save_pretrained(tmp, state_dict=model_state)  # a PeftModel saves only its adapter
+            if not model_only:
+                if not deepspeed:
+                    torch.save(optimizer_state if optimizer_state is not None else optimizer.state_dict(),
+                               tmp / "optimizer.pt")
+                torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+                if scaler is not None:
+                    torch.save(scaler.state_dict(), tmp / "scaler.pt")
+            for name, content in (tensors or {}).items():
+                from safetensors.torch import save_file
 
-            (tmp / name).parent.mkdir(parents=True, exist_ok=True)
-            save_file(content, str(tmp / name))
-        (tmp / STATE_FILE).write_text(json.dumps({**state, "model_only": True} if model_only else state, indent=2))
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        if keep:
-            for old in list_checkpoints(output_dir)[:-keep]:
-                if old.name != protect:
-                    shutil.rmtree(old, ignore_errors=True)
+                (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+                save_file(content, str(tmp / name))
+            (tmp / STATE_FILE).write_text(json.dumps({**state, "model_only": True} if model_only else state, indent=2))
+            write_manifest(tmp)  # last: a checkpoint without one was never finished
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+            if keep:
+                for old in list_checkpoints(output_dir)[:-keep]:
+                    if old.name != protect:
+                        shutil.rmtree(old, ignore_errors=True)
+    except OSError as err:
+        shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written stays (and keeps the disk full)
+        if err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
+            raise TrainingError(f"cannot write checkpoint-{step} to {output_dir}: {os.strerror(err.errno)}; free "
+                                "space (or lower save_total_limit) and run again: it resumes from the last "
+                                "checkpoint") from None
+        raise
+    except RuntimeError as err:  # torch.save's "[enforce fail at inline_container.cc] ... unexpected pos": ENOSPC
+        shutil.rmtree(tmp, ignore_errors=True)
+        if "inline_container" in str(err) or "No space left" in str(err):
+            raise TrainingError(f"cannot write checkpoint-{step} to {output_dir}: no space left on the device "
+                                f"({str(err).splitlines()[0][:120]}); free space and run again") from None
+        raise
     barrier("checkpoint save (rename)", rank, timeout_s)
     return final
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_manifest(folder: Path) -> None:
+    files = {str(p.relative_to(folder)): {"size": p.stat().st_size, "sha256": _sha256(p)}
+             for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MANIFEST}
+    tmp = folder / f".{MANIFEST}.tmp"
+    tmp.write_text(json.dumps({"files": files}, indent=1))
+    os.replace(tmp, folder / MANIFEST)
+
+
+def damage(path: Path, hashes: bool = True) -> str | None:
+    """None when the checkpoint at `path` is whole; else what is wrong with it, in a few words. A checkpoint
+    without a manifest (written before manifests existed) passes when its trainer_state.json reads."""
+    path = Path(path)
+    manifest = path / MANIFEST
+    if not manifest.exists():
+        if not (path / STATE_FILE).exists():
+            return f"no {MANIFEST} or {STATE_FILE} (never finished)"
+        try:
+            json.loads((path / STATE_FILE).read_text())
+        except (OSError, ValueError):
+            return f"{STATE_FILE} does not read"
+        return None
+    try:
+        files = json.loads(manifest.read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"{MANIFEST} does not read"
+    for name, want in files.items():
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        if file.stat().st_size != want["size"]:
+            return f"{name} is {file.stat().st_size} bytes, the manifest says {want['size']}"
+    if hashes:
+        for name, want in files.items():
+            if _sha256(path / name) != want["sha256"]:
+                return f"{name} does not match its sha256 in the manifest (overwritten or damaged)"
+    return None
+
+
+def choose(output_dir: Path, say=print) -> Path | None:
+    """The newest checkpoint in output_dir that verifies; each newer one is named with why it was skipped."""
+    for candidate in reversed(list_checkpoints(output_dir)):
+        wrong = damage(candidate)
+        if wrong is None:
+            if not (candidate / MANIFEST).exists():
+                say(f"note: {candidate} has no {MANIFEST} (written by an older envtool): resuming it unverified")
+            return candidate
+        say(f"note: skipping {candidate}: {wrong}; trying the previous checkpoint")
+    return None
+
+
+def read_state(path: Path) -> dict:
+    try:
+        return json.loads((Path(path) / STATE_FILE).read_text())
+    except (OSError, ValueError) as err:
+        raise TrainingError(f"checkpoint {path}: {STATE_FILE} does not read ({err})") from None
+
+
+def _load(path: Path):
+    """A checkpoint file as tensors and plain containers: a pickled object (code) is refused, not run."""
+    try:
+        return torch.load(path, weights_only=True, map_location="cpu")
+    except pickle.UnpicklingError as err:
+        raise TrainingError(f"{path} holds more than tensors and plain values ({str(err).splitlines()[0][:160]}); "
+                            "envtool does not load it (it could run code): resume from a checkpoint envtool wrote, "
+                            "or start without resume_from_checkpoint") from None
+    except FileNotFoundError:
+        raise TrainingError(f"checkpoint {path.parent} has no {path.name}: it is damaged; delete it to resume "
+                            "from the previous checkpoint") from None
 
 
 def list_checkpoints(output_dir: Path) -> list[Path]:
     """Complete checkpoints, oldest first."""
     found = [p for p in Path(output_dir).glob("checkpoint-*") if re.fullmatch(r"checkpoint-\d+", p.name)
-             and (p / STATE_FILE).exists()]
+             and ((p / STATE_FILE).exists() or (p / MANIFEST).exists())]
     return sorted(found, key=lambda p: int(p.name.split("-")[1]))
 
 
@@ -123,15 +241,16 @@ def load(path: Path, model, optimizer, scheduler, scaler, rank: int, world_size:
     from trainer.parallel import distributed
 
     path = Path(path)
-    if not (path / STATE_FILE).exists():
-        raise TrainingError(f"{path} is not a complete checkpoint (no {STATE_FILE})")
-    state = json.loads((path / STATE_FILE).read_text())
-    if state["world_size"] != world_size:
-        raise TrainingError(f"checkpoint {path} was written by {state['world_size']} processes; resume it with "
-                            f"the same number (got {world_size}) so the data order continues exactly")
+    state = read_state(path)
+    written_by = state["world_size"]
+    deepspeed = engine is not None and distributed.is_deepspeed(engine)
+    if written_by != world_size and deepspeed and not state.get("model_only"):
+        raise TrainingError(f"checkpoint {path} holds DeepSpeed ZeRO partitions of {written_by} processes; resume "
+                            f"it on {written_by} (got {world_size}), or convert it with DeepSpeed's "
+                            "ds_to_universal.py first")
     if state.get("model_only"):
         return _load_model_only(path, state, model, scheduler, engine)
-    if engine is not None and distributed.is_deepspeed(engine):
+    if deepspeed:
         if not (path / DEEPSPEED_TAG).is_dir():
             raise TrainingError(f"checkpoint {path} has no DeepSpeed state ({DEEPSPEED_TAG}/); it was not written "
                                 "by a DeepSpeed run")
@@ -142,18 +261,17 @@ def load(path: Path, model, optimizer, scheduler, scaler, rank: int, world_size:
         inner = getattr(engine.optimizer, "optimizer", None)
         if inner is not None and inner is not scheduler.optimizer:
             scheduler.optimizer = inner
-    elif distributed.is_sharded(model):
+    elif distributed.is_sharded(model):  # the full optimizer state, re-sharded over this run's processes
         _load_sharded_weights(model, path)
-        distributed.load_full_optimizer_state(model, optimizer, torch.load(path / "optimizer.pt", weights_only=False))
+        distributed.load_full_optimizer_state(model, optimizer, _load(path / "optimizer.pt"))
     else:
         load_weights(model, path)
-        optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=False))
-    scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
+        optimizer.load_state_dict(_load(path / "optimizer.pt"))
+    scheduler.load_state_dict(_load(path / "scheduler.pt"))
     if scaler is not None and (path / "scaler.pt").exists():
-        scaler.load_state_dict(torch.load(path / "scaler.pt", weights_only=False))
-    set_rng_state(torch.load(path / f"rng_state_{rank}.pt", weights_only=False))
+        scaler.load_state_dict(_load(path / "scaler.pt"))
+    set_rng_state(_load(path / f"rng_state_{rank % written_by}.pt"))  # more processes now: a previous rank's
     return state
-
 
 
 def _load_model_only(path: Path, state: dict, model, scheduler, engine) -> dict:

@@ -51,12 +51,28 @@ def _prefixed(row: dict) -> dict:
 
 
 class MetricsLog:
-    """output_dir/metrics.jsonl, one JSON object per line, written by rank 0."""
+    """output_dir/metrics.jsonl, one JSON object per line, written by rank 0.
 
-    def __init__(self, path: Path, enabled: bool, fresh: bool):
+    A new run replaces an old log. A resumed run (`resumed_at`: the checkpoint's step) first cuts the log back to
+    that step -- the rows of steps trained after the checkpoint, which the resumed run trains again, are dropped
+    (atomically: the cut log replaces the old one whole) -- then appends, so every step is in it once."""
+
+    def __init__(self, path: Path, enabled: bool, fresh: bool, resumed_at: int | None = None):
         self.path, self.enabled = path, enabled
-        if enabled and fresh:  # a new run replaces an old log; a resumed run appends to it
+        if enabled and fresh:
             path.write_text("")
+        elif enabled and resumed_at is not None and path.exists():
+            kept = []
+            for line in path.read_text().splitlines():
+                try:
+                    row = json.loads(line)
+                except ValueError:  # a line cut by a kill mid-write
+                    continue
+                if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= resumed_at:
+                    kept.append(line + "\n")
+            tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+            tmp.write_text("".join(kept))
+            os.replace(tmp, path)
 
     def write(self, row: dict) -> None:
         if self.enabled:
