@@ -77,14 +77,12 @@ def validate(path: Path, gpu: str) -> tuple[int, str]:
 
 
 def refused_keys(message: str) -> list[str]:
-    """The config keys a refusal names (one refusal may list several problems, '; '-separated)."""
+    """The config keys a refusal names (the CLI prints one line per problem: `error: KEY: why`)."""
     keys = []
-    for part in message.removeprefix("error: ").split("; "):
-        if part.startswith(("did you mean", "input should be")) or part == "remove it":
-            continue
-        m = (re.match(r"unknown key '([^']+)'", part) or re.match(r"([\w.\[\]]+) is an Axolotl key", part)
-             or re.match(r"([\w.]+): ", part))
-        keys.append(re.sub(r"\.\d+\.", ".*.", m.group(1)) if m else part[:60])
+    for line in message.splitlines():
+        part = line.removeprefix("error: ")
+        m = re.match(r"([\w.\[\]]+): ", part) or re.match(r"([\w.\[\]]+) ", part)
+        keys.append(re.sub(r"\.\d+(\.|$)", r".*\1", m.group(1)) if m else part[:60])
     return keys
 
 
@@ -110,7 +108,7 @@ def main(argv=None) -> int:
             elif "(run with --debug for the traceback)" in err or code not in (1, 2):
                 crashes[rel] = err
             else:
-                refusals[rel] = err.splitlines()[-1] if err else f"exit {code}"
+                refusals[rel] = err if err else f"exit {code}"
 
     by_key: dict[str, list[str]] = defaultdict(list)
     for rel, message in refusals.items():

@@ -25,7 +25,6 @@ import statistics
 import sys
 import tempfile
 import tomllib
-from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,6 +58,8 @@ def trainer_config(entry: dict, model: Path, tmp: Path) -> dict:
            "attn_implementation": entry.get("attention", "sdpa"),
            "bf16": entry.get("precision", "bf16") == "bf16", "fp16": entry.get("precision") == "fp16"}
     adapter = entry.get("adapter", "none")
+    if adapter == "none" and entry.get("full_weights") == "fp32":  # the trainer's rule decides the regime
+        raw["fp32_master_weights"] = True
     if adapter != "none":
         raw.update(adapter=adapter, lora_r=entry.get("lora_r", 8), lora_alpha=2 * entry.get("lora_r", 8),
                    lora_dropout=entry.get("lora_dropout", 0.0))
@@ -89,9 +90,7 @@ def estimate(entry: dict, models: dict, tmp: Path):
     cfg, _ = parse_config(trainer_config(entry, folder, tmp))
     runtime = Runtime(gpu=TrainerGpu(name="gpu", compute_capability="8.0", source="--gpu"),
                       attention=entry.get("attention", "sdpa"), precision=entry.get("precision", "bf16"), tf32=True)
-    setup = memory.setup_from(cfg, runtime, entry.get("processes", 1))
-    if entry.get("full_weights") == "bf16":
-        setup = replace(setup, full_weight_bytes=2)
+    setup = memory.setup_from(cfg, runtime, entry.get("processes", 1))  # full_weights: the trainer's full_weights()
     shape = memory_model.model_shape(str(folder))
     gpu = memory.Gpu(f"{entry['gpu_memory_gb']:g} GB GPU", entry["gpu_memory_gb"], entry.get("processes", 1))
     return memory.estimate(shape, setup, gpu)

@@ -7,9 +7,10 @@ a first line `# source: URL (date)` (no date where it is not known) and, where t
 network (validate loads no tokenizer or model; HF_HUB_OFFLINE=1 makes sure), twice: for the author's GPU (else an
 A100) and for a T4.
 
-A refusal is counted by its cause: only a real hardware limit of that GPU (the trainer's HardwareError), only a local
-file the config names that is not on this machine (the authors' data and models), or anything else (a key or value
-the trainer does not take: these are what the corpus is for). Prints the figure per GPU, the refusals grouped by the
+`validate` reports every problem of a config in one run, each with its kind (config, file, hardware, model); a
+refusal is counted by them: only real hardware limits of that GPU, only local files the config names that are not on
+this machine (the authors' data and models), both, or anything else (a key or value the trainer does not take: these
+are what the corpus is for). Prints the figure per GPU, the refusals grouped by the
 key they name, and any config that failed with something other than a one-line refusal (a bug). Usage:
 
     python bench/user_configs.py [--dir tests/trainer/data/user_configs] [-v]
@@ -33,7 +34,6 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 from axolotl_examples import refused_keys, validate  # noqa: E402  (the same CLI call and refusal parsing)
 
 CORPUS = ROOT / "tests" / "trainer" / "data" / "user_configs"
-MISSING = re.compile(r"(file not found|: not found): ")
 
 
 def author_gpu(text: str) -> str | None:
@@ -41,43 +41,56 @@ def author_gpu(text: str) -> str | None:
     return m.group(1) if m else None
 
 
-def cause(path: Path, gpu: str, message: str) -> str:
-    """hardware | missing file | config: why `validate` refused (the error's type, then its parts)."""
+def cause(path: Path, gpu: str) -> str:
+    """hardware | missing file | hardware and missing file | config: why `validate` refused, by the kinds of the
+    problems it found (the trainer's errors carry them: config, file, hardware, model)."""
     from trainer.errors import HardwareError, TrainerError
     from trainer.setup import start
 
     try:
         start(path, gpu)
-    except HardwareError:
-        return "hardware"
-    except TrainerError:
-        pass
-    parts = message.removeprefix("error: ").split("; ")
-    return "missing file" if all(MISSING.search(p) for p in parts) else "config"
+    except TrainerError as err:
+        kinds = {kind for kind, _ in err.problems} or {"hardware" if isinstance(err, HardwareError) else "config"}
+        if kinds <= {"hardware", "file"}:
+            return {frozenset({"hardware"}): "hardware", frozenset({"file"}): "missing file"}.get(
+                frozenset(kinds), "hardware and missing file")
+        return "config"
+    return "ok"
 
 
-def run(configs: list[Path], which: str, verbose: bool) -> bool:
-    results = {}  # path -> (gpu, code, message, cause)
+ACCEPTED = ("ok", "hardware", "missing file", "hardware and missing file")  # what counts toward the figure
+
+
+def results(configs: list[Path], which: str) -> dict[Path, tuple[str, int, str, str]]:
+    """path -> (gpu, exit code, stderr, cause: ok | hardware | missing file | hardware and missing file | config |
+    crash) for `validate --gpu` the author's GPU (which: author; else an A100) or `which`.
+    (tests/trainer/test_user_configs.py asserts the figure with this.)"""
+    out = {}
     for path in configs:
         gpu = (author_gpu(path.read_text()) or "a100") if which == "author" else which
         code, err = validate(path, gpu)
-        line = err.splitlines()[-1] if err else ""
         if code == 0:
-            results[path] = (gpu, 0, "", "ok")
+            out[path] = (gpu, 0, "", "ok")
         elif "(run with --debug for the traceback)" in err or code not in (1, 2):
-            results[path] = (gpu, code, line, "crash")
+            out[path] = (gpu, code, err, "crash")
         else:
-            results[path] = (gpu, code, line, cause(path, gpu, line))
-    total = len(results)
-    counts = Counter(r[3] for r in results.values())
+            out[path] = (gpu, code, err, cause(path, gpu))
+    return out
+
+
+def run(configs: list[Path], which: str, verbose: bool) -> bool:
+    results_ = results(configs, which)
+    total = len(results_)
+    counts = Counter(r[3] for r in results_.values())
     label = "the author's GPU (else a100)" if which == "author" else which
-    accepted = counts["ok"] + counts["hardware"] + counts["missing file"]
+    accepted = sum(counts[c] for c in ACCEPTED)
     print(f"--gpu {label}: {counts['ok']}/{total} validate; {counts['hardware']} refused only for a hardware limit, "
-          f"{counts['missing file']} only for a missing local file; {counts['config']} refused for the config, "
+          f"{counts['missing file']} only for a missing local file, {counts['hardware and missing file']} for both; "
+          f"{counts['config']} refused for the config, "
           f"{counts['crash']} crashed -> {accepted}/{total} ({100 * accepted / max(total, 1):.1f}%) validate or are "
           "refused only for hardware or a missing file")
     by_key: dict[str, list[str]] = defaultdict(list)
-    for path, (_, _, message, why) in results.items():
+    for path, (_, _, message, why) in results_.items():
         if why == "config":
             for key in refused_keys(message):
                 by_key[key].append(path.name)
@@ -85,9 +98,10 @@ def run(configs: list[Path], which: str, verbose: bool) -> bool:
         print("  config refusals by key (a config may name several):")
         for key, names in sorted(by_key.items(), key=lambda kv: (-len(kv[1]), kv[0])):
             print(f"    {len(names):4d}  {key}: e.g. {names[0]}")
-    for path, (gpu, _, message, why) in sorted(results.items()):
+    for path, (gpu, _, message, why) in sorted(results_.items()):
         if why == "crash" or (verbose and why != "ok"):
-            print(f"  {why.upper() if why == 'crash' else why}: {path.name} (--gpu {gpu}): {message}")
+            lines = "; ".join(line.removeprefix("error: ") for line in message.splitlines())
+            print(f"  {why.upper() if why == 'crash' else why}: {path.name} (--gpu {gpu}): {lines}")
     return counts["crash"] == 0
 
 

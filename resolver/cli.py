@@ -59,7 +59,9 @@ def reported(command):
                 raise
             from trainer.errors import readable  # one line, cut to a readable size
 
-            print(readable(f"envtool: error: {e}"), file=sys.stderr)
+            from .credentials import redact  # no index credential in an error line
+
+            print(readable(redact(f"envtool: error: {e}")), file=sys.stderr)
             raise typer.Exit(e.exit_code) from None
         except KeyboardInterrupt:
             print("envtool: interrupted", file=sys.stderr)
@@ -176,11 +178,32 @@ def plan_options(**overrides):
 
 
 def _sources(values: dict):
+    from .errors import BadInput
     from .lock import Sources
 
+    for name, value in values.items():  # `--index-url ''` is an error, not PyPI; a URL envtool can name, no secret
+        option = f"--{name.replace('_', '-')}"
+        for item in value if isinstance(value, list) else [value]:
+            if item is not None and not item.strip():
+                raise BadInput(f"{option} is empty: give a value, or leave the option out for the default")
+            if item is not None and name in ("index_url", "extra_index_url", "torch_index"):
+                check_index_url(option, item)
     return Sources(index_url=values.get("index_url"), extra_index_urls=tuple(values.get("extra_index_url") or ()),
                    torch_index=values.get("torch_index"), find_links=tuple(values.get("find_links") or ()),
                    ca_bundle=values.get("ca_bundle") or None)
+
+
+def check_index_url(option: str, url: str) -> None:
+    """An index is an http(s) URL with a host, or a file:// URL; said in one line (its credentials redacted)."""
+    from urllib.parse import urlsplit
+
+    from .credentials import redact
+    from .errors import BadInput
+
+    parts = urlsplit(url)
+    if parts.scheme == "file" or (parts.scheme in ("http", "https") and parts.hostname):
+        return
+    raise BadInput(f"{option} {redact(url)!r}: give an http(s):// or file:// URL of a package index")
 
 
 def source_options(command):
@@ -555,6 +578,8 @@ def train(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan, where it runs, the attention "
                                           "the trainer will run and how it keeps packed rows apart (varlen or a "
                                           "mask, and why), and the exact command; build and run nothing.")] = False,
+    no_fit_check: Annotated[bool, typer.Option("--no-fit-check", help="Train (or write the launcher) even when the "
+                                               "memory estimate says the run does not fit the plan's GPU.")] = False,
     json_out: JsonOpt = False,
     *,
     opts,
@@ -575,6 +600,10 @@ def train(
     it. An output_dir holding an earlier run's checkpoints (and no such stop) is continued with
     auto_resume_from_checkpoints: true, else refused before anything starts. At the end, the next commands for
     the run (merge-lora, export, chat-check) are printed.
+    Before anything is built or started, the memory estimate (`envtool fit`'s, from the model's config.json when
+    it is on this machine) is checked on the plan's GPU: when even the band's low end is above its memory
+    (does_not_fit) the run stops, exit 2, naming the cheapest change that fits; --no-fit-check trains anyway.
+    --dry-run prints the estimate.
 
       envtool train examples/tiny-cpu.yml --gpu cpu
 
@@ -588,6 +617,7 @@ def train(
     """
     from .errors import BadInput
     from .emit import emit as write_launcher
+    from .fit import check as check_fit
     from .launch import Distribution, next_commands, plan_training, prepare, run
 
     if venv is not None and image:
@@ -611,6 +641,8 @@ def train(
         check_claim(pvc)
     dist = Distribution(nproc, nnodes, node_rank, rdzv_endpoint)
     training = plan_training(config, opts, dist, venv=venv, image=image, isolated=isolated, emit=emit)
+    if not (dry_run or no_fit_check):
+        check_fit(training)  # does_not_fit: exit 2 before anything is built or started
     log = (lambda s: None) if json_out else say
     if emit:
         text = write_launcher(training, emit, dist, sources, output=output, dry_run=dry_run, pvc=pvc,
@@ -634,6 +666,10 @@ def train(
         print(f"trainer: attention {trainer['attention']}, precision {trainer['precision']}"
               f"{' + tf32' if trainer['tf32'] else ''}")
         print(f"trainer: packing {trainer['isolation']}")
+        if training.fit is not None:
+            from .fit import lines
+
+            print("\n".join(lines(training.fit)))
         for note in trainer["notes"]:
             print(f"note: {note}")
         print(f"environment: {launch.kind} {launch.path or ''} — {launch.why}")
@@ -755,6 +791,9 @@ def fit(
     from .fit import fit as do_fit
 
     found = do_fit(config, gpu, nproc)
+    for note in found.config_notes:  # a misspelt key is ignored, as Axolotl does: say so, as validate and train do
+        if note.startswith("warning"):
+            say(f"note: {note}")
     if found.reason:
         say(f"envtool: {found.reason}")
     if json_out:

@@ -7,6 +7,7 @@ and the image installs from it with `uv pip sync --offline --require-hashes`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -330,15 +331,49 @@ def image_plan(image) -> dict | None:
         return None
 
 
+def check_gpus(gpus: str | None) -> None:
+    if gpus is not None and not re.fullmatch(r"all|[1-9][0-9]{0,3}", gpus):
+        raise BadInput(f"--gpus {gpus!r}: give 'all' or a count of GPUs (1, 2, ...)")
+
+
+def parse_volume(spec: str) -> tuple[str, str, bool]:
+    """`-v HOST:CONTAINER[:ro|rw]` -> (host path, container path, read-only), or one line."""
+    host, _, rest = spec.partition(":")
+    inside, _, mode = rest.partition(":")
+    if not host or not inside:
+        raise BadInput(f"-v {spec}: use HOST:CONTAINER or HOST:CONTAINER:ro")
+    if mode not in ("", "ro", "rw"):
+        raise BadInput(f"-v {spec}: the mode after the second ':' is ro or rw, not {mode!r}")
+    if not inside.startswith("/"):
+        raise BadInput(f"-v {spec}: the path in the container must be absolute")
+    if not Path(host).exists():
+        raise BadInput(f"-v {spec}: {host} does not exist on this host")
+    return str(Path(host).resolve()), inside, mode == "ro"
+
+
+RUN_LABEL = "io.envtool.run"  # on containers `envtool run` / `train --image` start: the pid of the envtool running it
+FORWARDED = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+
+
 def run(image: str, command: list[str], *, gpus: str | None, shm_size: str, hf_cache: Path | None,
         env_names: list[str], volumes: list[str], workdir: str | None = None,
         environment: dict[str, str] | None = None, network_mode: str | None = None,
-        user: str | None = INVOKING_USER, output: Callable[[str], None] | None = None) -> int:
+        user: str | None = INVOKING_USER, mounts: tuple = (), output: Callable[[str], None] | None = None) -> int:
     """Run `command` in `image` with what training needs; secrets travel as run-time environment only.
-    `user`: see container_user (default: the invoking uid:gid). `output`: given the container's output line by line
-    (a line ends at \n or a progress bar's \r) instead of writing it to stdout."""
+    `user`: see container_user (default: the invoking uid:gid). `volumes`: `-v` specs; `mounts`: (host, container,
+    read-only) binds. The container runs under an init (signals reach the command as they would outside, it is not
+    PID 1); SIGTERM, SIGINT, SIGHUP and SIGQUIT sent to envtool are passed to it, and the container is removed
+    however envtool's wait ends; the exit code is the container's (143 after SIGTERM). `output`: given the
+    container's output line by line (a line ends at \n or a progress bar's \r) instead of writing it to stdout."""
     import docker
 
+    check_gpus(gpus)
+    if not re.fullmatch(r"[0-9]+(\.[0-9]+)?[bkmgBKMG]?", shm_size or ""):
+        raise BadInput(f"--shm-size {shm_size!r}: give a size such as 8g or 512m")
+    for name in env_names:
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+            raise BadInput(f"-e {name!r}: give the name of an environment variable (its value is read from yours)")
+    binds = [*mounts, *(parse_volume(v) for v in volumes)]
     run_as = container_user(user)
     c = client()
     try:
@@ -360,30 +395,73 @@ def run(image: str, command: list[str], *, gpus: str | None, shm_size: str, hf_c
         if name not in os.environ:
             raise BadInput(f"-e {name}: not set in this environment (envtool passes values through, never stores them)")
         environment[name] = os.environ[name]
-    mounts = {}
     if hf_cache:
         hf_cache.mkdir(parents=True, exist_ok=True)
-        mounts[str(hf_cache.resolve())] = {"bind": "/home/trainer/.cache/huggingface", "mode": "rw"}
-    for spec in volumes:
-        host, _, inside = spec.partition(":")
-        if not inside:
-            raise BadInput(f"-v {spec}: use HOST:CONTAINER")
-        mounts[str(Path(host).resolve())] = {"bind": inside, "mode": "rw"}
-    container = c.containers.run(image, command or None, detach=True, environment=environment, volumes=mounts,
-                                 shm_size=shm_size, network_mode=network_mode, working_dir=workdir,
-                                 user=run_as or "", **gpu_kwargs)
+        binds.append((str(hf_cache.resolve()), "/home/trainer/.cache/huggingface", False))
+    binds_as_mounts = [docker.types.Mount(inside, host, type="bind", read_only=read_only)
+                       for host, inside, read_only in binds]
+    with _forwarding_signals() as forward:
+        container = c.containers.run(image, command or None, detach=True, environment=environment,
+                                     mounts=binds_as_mounts, shm_size=shm_size, network_mode=network_mode,
+                                     working_dir=workdir, user=run_as or "", init=True,
+                                     labels={RUN_LABEL: str(os.getpid())}, **gpu_kwargs)
+        try:
+            forward(container)
+            pending = b""
+            for chunk in container.logs(stream=True, follow=True):
+                if output is None:
+                    sys.stdout.buffer.write(chunk)
+                    sys.stdout.flush()
+                    continue
+                *lines, pending = re.split(rb"(?<=[\r\n])", pending + chunk)
+                for line in lines:
+                    output(line.decode(errors="replace"))
+            if pending:
+                output(pending.decode(errors="replace"))
+            return container.wait()["StatusCode"]
+        finally:
+            container.remove(force=True)
+
+
+@contextlib.contextmanager
+def _forwarding_signals():
+    """While a container runs: the signals envtool gets go to the container (a kill from a thread: the handler only
+    starts it), and envtool itself keeps waiting for the container's exit, then removes it. Yields `forward(container)`
+    to call once the container exists; a signal that came before is passed on then."""
+    import signal
+    import threading
+
+    state: dict = {"container": None, "pending": []}
+
+    def handler(signum, frame):
+        if state["container"] is None:
+            state["pending"].append(signum)
+        else:
+            threading.Thread(target=_kill, args=(state["container"], signum), daemon=True).start()
+
+    def forward(container):
+        state["container"] = container
+        for signum in state["pending"]:
+            _kill(container, signum)
+
+    previous = {}
+    if threading.current_thread() is not threading.main_thread():  # (signals reach the main thread only)
+        yield forward
+        return
+    for name in FORWARDED:
+        number = getattr(signal, name)
+        previous[number] = signal.signal(number, handler)
     try:
-        pending = b""
-        for chunk in container.logs(stream=True, follow=True):
-            if output is None:
-                sys.stdout.buffer.write(chunk)
-                sys.stdout.flush()
-                continue
-            *lines, pending = re.split(rb"(?<=[\r\n])", pending + chunk)
-            for line in lines:
-                output(line.decode(errors="replace"))
-        if pending:
-            output(pending.decode(errors="replace"))
-        return container.wait()["StatusCode"]
+        yield forward
     finally:
-        container.remove(force=True)
+        for number, old in previous.items():
+            signal.signal(number, old)
+
+
+def _kill(container, signum: int) -> None:
+    import docker
+
+    try:
+        container.kill(signal=int(signum))
+    except docker.errors.APIError:
+        pass  # it has exited already

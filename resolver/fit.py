@@ -25,11 +25,6 @@ class FitResult:
     reason: str | None = None  # why the verdict is unknown
 
 
-def unknown(gpu: dict, reason: str) -> dict:
-    return {"gpu": gpu, "unit": "GB", "peak_gb": None, "low_gb": None, "high_gb": None, "fits": None,
-            "verdict": "unknown", "breakdown": {}, "suggestions": []}
-
-
 def resolve_gpu(text: str, nproc: int | None):
     """(name, memory_gb, count, trainer's --gpu value) for `--gpu`."""
     from .hardware import targets
@@ -55,7 +50,6 @@ def resolve_gpu(text: str, nproc: int | None):
 
 def fit(config: Path, gpu: str = "auto", nproc: int | None = None) -> FitResult:
     name, memory_gb, count, trainer_gpu = resolve_gpu(gpu, nproc)
-    gpu_json = {"name": name, "memory_gb": memory_gb, "count": count}
     try:
         import trainer.config  # noqa: F401 (pydantic, pyyaml: the trainer's config reader)
         from trainer.errors import TrainerError
@@ -73,7 +67,6 @@ def fit(config: Path, gpu: str = "auto", nproc: int | None = None) -> FitResult:
         with memory_model.quiet_imports():  # the config reader may import transformers' model modules
             cfg, config_notes, runtime = start(config, gpu=trainer_gpu)
 
-        setup = memory.setup_from(cfg, runtime, count)
     except TrainerError as err:
         raise BadInput(str(err)) from None
     finally:
@@ -82,18 +75,58 @@ def fit(config: Path, gpu: str = "auto", nproc: int | None = None) -> FitResult:
         else:
             os.environ["WORLD_SIZE"] = previous
     try:
-        shape = memory_model.model_shape(cfg.base_model, revision=cfg.revision_of_model,
-                                         trust_remote_code=cfg.trust_remote_code,
-                                         overrides=cfg.model_config_overrides)
-    except memory_model.ModelConfigError as err:
-        if err.bad_input:
-            raise BadInput(str(err)) from None
+        found = memory.report(cfg, runtime, memory.Gpu(name, memory_gb, count))
+    except memory_model.ModelConfigError as err:  # a base_model that does not exist
+        raise BadInput(str(err)) from None
+    except TrainerError as err:  # the parallel layout against the processes (trainer/config/parallel.py)
+        raise BadInput(str(err)) from None
+    return FitResult(found.result, found.model, found.notes, config_notes + list(runtime.changes), found.estimate,
+                     found.reason)
+
+
+# ---------------------------------------------------------------------------- where `envtool train` starts
+
+
+def on_plan(cfg, runtime, config: Path, plan, processes: int):
+    """The memory estimate (trainer.runtime.memory.Report, the one `envtool fit` prints) for the trainer's Config
+    `cfg` as it runs under `plan` (`runtime`: the trainer's adaptation to it) on the plan's GPU over `processes`
+    processes. config.json from the model directory or a cache only (no network: `envtool fit` fetches it)."""
+    from trainer.runtime import memory, memory_model
+
+    gpu = memory.Gpu(plan.gpu.get("name") or plan.target, plan.gpu.get("memory_gb"), processes)
+    try:
+        return memory.report(cfg, runtime, gpu, local_only=True)
+    except memory_model.ModelConfigError as err:  # the model is the trainer's to refuse when it loads it
         reason = f"the model's shape is unknown: {err}"
-        return FitResult(unknown(gpu_json, reason), cfg.base_model, [reason], config_notes, None, reason)
-    est = memory.estimate(shape, setup, memory.Gpu(name, memory_gb, count))
-    notes = list(est.notes)
-    reason = None
-    if memory_gb is None:
-        reason = f"{name}'s memory is not in matrices/gpus.toml: name the GPU (e.g. --gpu a100-80gb)"
-        notes.append(reason)
-    return FitResult(est.to_json(), cfg.base_model, notes, config_notes + list(runtime.changes), est, reason)
+        return memory.Report(memory.unknown(gpu, reason), cfg.base_model, [reason], None, reason)
+
+
+def lines(found) -> list[str]:
+    """`envtool train --dry-run`'s fit lines."""
+    from trainer.runtime.memory import cheapest, one_line
+
+    out = [f"fit: {one_line(found)}"]
+    change = cheapest(found) if found.result["verdict"] != "fits" else None
+    if change:
+        out.append(f"fit: cheapest change that fits: {change['text']} -> {change['peak_gb']:.1f} GB")
+    if found.result["verdict"] == "does_not_fit":
+        out.append("fit: `envtool train` stops here without --no-fit-check")
+    return out
+
+
+def check(training) -> None:
+    """`envtool train` stops here, before anything is built or started, when the estimate's whole band is above
+    the GPU's memory (verdict does_not_fit): one line (exit 2) with the estimate and the cheapest change that fits."""
+    found = training.fit
+    if found is None or found.result["verdict"] != "does_not_fit":
+        return
+    from trainer.runtime.memory import cheapest, one_line
+
+    from .errors import Unsatisfiable
+
+    change = cheapest(found)
+    fix = (f"cheapest change that fits: {change['text']} (-> {change['peak_gb']:.1f} GB)" if change
+           else "no single change found to fit it")
+    raise Unsatisfiable(f"{training.config} does not fit: {one_line(found)}; {fix}; `envtool fit "
+                        f"{training.config} --gpu {training.plan.target}` shows every term; --no-fit-check trains "
+                        "anyway")

@@ -23,8 +23,9 @@ import time
 from pathlib import Path
 
 from . import DISTRIBUTION
+from .credentials import given, lock_indexes, uv_index_env
 from .errors import BadInput, EnvtoolError
-from .files import write_atomic
+from .files import one_writer, write_atomic
 from .lock import load_plan
 from .plan import PLAN_FILE
 from .uvrun import run_uv, uv_env
@@ -77,7 +78,8 @@ def check_host(plan, env_dir: Path) -> None:
 
 
 def install(env_dir: Path, venv: Path, *, offline: bool = False, wheelhouse: Path | None = None,
-            ca_bundle: str | None = None, quiet: bool = False, check_imports: bool = False) -> dict:
+            ca_bundle: str | None = None, quiet: bool = False, check_imports: bool = False,
+            secrets: dict | None = None) -> dict:
     env_dir, venv = env_dir.resolve(), Path(os.path.abspath(venv))
     plan = load_plan(env_dir)
     check_host(plan, env_dir)
@@ -90,6 +92,15 @@ def install(env_dir: Path, venv: Path, *, offline: bool = False, wheelhouse: Pat
         wheelhouse = wheelhouse or env_dir / "wheelhouse"
         requirements = check_wheelhouse(wheelhouse)
 
+    with one_writer(venv, "the venv"):  # two installs into one venv: the second waits, then swaps in its own
+        return _build_and_swap(env_dir, venv, plan, offline=offline, wheelhouse=wheelhouse,
+                               requirements=requirements if offline else None, ca_bundle=ca_bundle, quiet=quiet,
+                               check_imports=check_imports, secrets=secrets)
+
+
+def _build_and_swap(env_dir: Path, venv: Path, plan, *, offline: bool, wheelhouse: Path | None,
+                    requirements: Path | None, ca_bundle: str | None, quiet: bool, check_imports: bool,
+                    secrets: dict | None) -> dict:
     store = versions_dir(venv)
     store.mkdir(parents=True, exist_ok=True)
     current = venv.resolve() if venv.is_symlink() else None
@@ -108,7 +119,8 @@ def install(env_dir: Path, venv: Path, *, offline: bool = False, wheelhouse: Pat
                    what="Installing from the wheelhouse", env=env, quiet=quiet)
         else:
             run_uv(["sync", "--frozen", "--project", str(env_dir)], what="Installing the locked environment",
-                   env={**env, "UV_PROJECT_ENVIRONMENT": str(new)}, quiet=quiet)
+                   env={**env, **uv_index_env(lock_indexes(env_dir), secrets or given([])),
+                        "UV_PROJECT_ENVIRONMENT": str(new)}, quiet=quiet)
         versions = import_check(new / "bin" / "python", full=check_imports)
         (new / PLAN_FILE).write_text(plan.to_json() + "\n")
     except BaseException:
@@ -141,7 +153,8 @@ def interpreter_prefix(python: str) -> Path:
 
 
 def install_into(env_dir: Path, python: str, *, keep: tuple[str, ...] = (), no_build: list[str] = (),
-                 ca_bundle: str | None = None, quiet: bool = False, check_imports: bool = False) -> dict:
+                 ca_bundle: str | None = None, quiet: bool = False, check_imports: bool = False,
+                 secrets: dict | None = None) -> dict:
     """Install the lock in `env_dir` into the existing interpreter `python` with `uv pip install`.
 
     Hash-checked (the lock's hashes), CUDA packages (`no_build`) only as wheels, and the packages in `keep`
@@ -153,7 +166,8 @@ def install_into(env_dir: Path, python: str, *, keep: tuple[str, ...] = (), no_b
     if not (env_dir / "uv.lock").is_file():
         raise BadInput(f"{env_dir}: no uv.lock; run `envtool lock` first")
     prefix = interpreter_prefix(python)
-    env = uv_env(ca_bundle, {"UV_PYTHON_DOWNLOADS": "never"})
+    env = uv_env(ca_bundle, {"UV_PYTHON_DOWNLOADS": "never",
+                             **uv_index_env(lock_indexes(env_dir), secrets or given([]))})
     exported = run_uv(["export", "--frozen", "--no-header", "--no-emit-project", "--emit-index-url",
                        "--emit-find-links", "--format", "requirements-txt", "--project", str(env_dir)],
                       what="Exporting the lock", env=env, quiet=True).stdout

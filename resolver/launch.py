@@ -266,6 +266,7 @@ class Launch(NamedTuple):
     command: list[str]
     env: dict[str, str]
     why: str
+    mounts: tuple = ()  # image: (host path, path inside, read-only) per bind mount
 
     def to_dict(self) -> dict:
         return self._asdict()
@@ -382,7 +383,7 @@ def plan_launch(plan: Plan, cfg, config: Path, opts: PlanOptions, dist: Distribu
             inside = str(config.resolve())
         return Launch("image", tag, _image_exists(tag), "python", launch_command("python", inside, loopback=True,
                                                                                  **args), {},
-                      f"the plan's image {tag}")
+                      f"the plan's image {tag}", image_mounts(cfg, cwd) if mounted else ())
     if venv is not None:
         venv = Path(os.path.abspath(venv))
         ready = (venv / "bin" / "python").exists() and venv_runs(venv, plan, opts)
@@ -420,6 +421,32 @@ def venv_runs(venv: Path, plan: Plan, opts: PlanOptions) -> bool:
     if not (info.get("packages") or {}).get("transformers") or info.get("python") != plan.python:
         return False
     return not any(f.level == "error" for f in diagnose(info, target.gpu, target.driver, m, str(venv)))
+
+
+WORKDIR = "/work"  # where `--image` mounts the working directory
+
+
+def image_mounts(cfg, cwd: Path) -> tuple:
+    """What `train --image` mounts: the working directory read-only at /work (the config, the data, a local model),
+    and read-write only where the run writes: its output_dir and dataset_prepared_path (an absolute one outside the
+    working directory at the same path). Never the home directory or a directory above it (~/.ssh, ~/.netrc, a
+    docker socket would be in reach): one line before anything is built."""
+    home = Path.home().resolve()
+    if home == cwd or home.is_relative_to(cwd):
+        raise BadInput(f"--image mounts the working directory {cwd} into the container, and it holds your home "
+                       f"directory: run from the project's directory")
+    mounts = [(str(cwd), WORKDIR, True)]
+    for key in ("output_dir", "dataset_prepared_path"):
+        value = getattr(cfg, key, None)
+        if not value:
+            continue
+        host = (cwd / value).resolve()
+        if host == cwd or home.is_relative_to(host):
+            raise BadInput(f"--image: {key} {value!r} is {'the working directory' if host == cwd else 'above your home'}"
+                           f"; the container may write only there: name a directory of its own")
+        inside = f"{WORKDIR}/{host.relative_to(cwd)}" if host.is_relative_to(cwd) else str(host)
+        mounts.append((str(host), inside, False))
+    return tuple(mounts)
 
 
 def _image_exists(tag: str) -> bool:
@@ -464,13 +491,18 @@ class Training(NamedTuple):
     notes: list[str]
     trainer: dict
     launch: Launch
+    fit: Any = None  # trainer.runtime.memory.Report on the plan's GPU; None on the CPU
 
     def summary(self) -> dict:
-        """The --json object (README, "Training"): plan, config, notes, trainer, environment, command, env."""
+        """The --json object (README, "Training"): plan, config, notes, trainer, environment, command, env, fit."""
         return {"plan": self.plan.to_dict(), "config": str(self.config), "notes": self.notes,
                 "trainer": self.trainer, "environment": {"kind": self.launch.kind, "path": self.launch.path,
-                                                         "ready": self.launch.ready, "why": self.launch.why},
-                "command": self.launch.command, "env": self.launch.env}
+                                                         "ready": self.launch.ready, "why": self.launch.why,
+                                                         **({"mounts": [{"host": h, "container": c, "read_only": r}
+                                                                        for h, c, r in self.launch.mounts]}
+                                                            if self.launch.kind == "image" else {})},
+                "command": self.launch.command, "env": self.launch.env,
+                "fit": self.fit.result if self.fit is not None else None}
 
 
 def plan_training(config: Path, opts: PlanOptions, dist: Distribution, *, venv: Path | None = None,
@@ -504,7 +536,13 @@ def plan_training(config: Path, opts: PlanOptions, dist: Distribution, *, venv: 
         earlier = _trainer_call(config, check_earlier_run, cfg)
         if earlier:
             fitted = fitted._replace(notes=[*fitted.notes, earlier])
-    return Training(config, cfg, fitted.plan, fitted.notes, fitted.trainer, launch)
+    fit = None
+    if fitted.plan.on_gpu:  # the memory estimate on the plan's GPU (resolver/fit.py; `envtool train` stops on it)
+        from .fit import on_plan
+
+        fit = _trainer_call(config, on_plan, cfg, _trainer_call(config, _fit, cfg, fitted.plan), config, fitted.plan,
+                            launcher_nproc(fitted.plan, cfg, config, dist) * dist.nnodes)  # the trainer's refusals
+    return Training(config, cfg, fitted.plan, fitted.notes, fitted.trainer, launch, fit)
 
 
 def prepare(launch: Launch, plan: Plan, sources, *, quiet: bool = False,
@@ -517,11 +555,10 @@ def prepare(launch: Launch, plan: Plan, sources, *, quiet: bool = False,
         return
     venv = Path(launch.path)
     if launch.kind == "cached":
-        import fcntl
+        from .files import one_writer
 
-        venv.parent.mkdir(parents=True, exist_ok=True)
-        with open(venv.parent / f".{venv.name}.building", "w") as guard:
-            fcntl.flock(guard, fcntl.LOCK_EX)  # one build per key, however many launchers start at once
+        # one build per key, however many launchers start at once; the others wait, naming the builder's pid
+        with one_writer(venv, "the environment cached for this plan", suffix="building"):  # (on stderr, even --json)
             if (venv / "bin" / "python").exists():
                 return  # another launcher built it while this one waited
             say(f"building the environment for this plan in {venv} (once; later runs reuse it)")
@@ -552,14 +589,17 @@ def run(launch: Launch, plan: Plan, *, hf_cache: Path | None = None, shm_size: s
         from .docker import run as docker_run
 
         gpus = "all" if plan.on_gpu else None  # the image's plan says which devices (NVIDIA, AMD, Intel)
-        options = dict(gpus=gpus, shm_size=shm_size, hf_cache=hf_cache, env_names=[], workdir="/work",
+        for host, _, read_only in launch.mounts:
+            if not read_only:
+                Path(host).mkdir(parents=True, exist_ok=True)  # the user's own, before docker would make it root's
+        options = dict(gpus=gpus, shm_size=shm_size, hf_cache=hf_cache, env_names=[], volumes=[], workdir=WORKDIR,
                        network_mode="host" if "--rdzv-backend=c10d" in launch.command else None)
         if "torch.distributed.run" not in launch.command:
-            return docker_run(launch.path, launch.command, volumes=[f"{Path.cwd()}:/work"], **options)
+            return docker_run(launch.path, launch.command, mounts=launch.mounts, **options)
         # several processes in the container: their error lines come back through a mounted folder (HeldReport)
         with tempfile.TemporaryDirectory(prefix="envtool-run-") as folder:
             report = HeldReport(folder, sys.stdout)
-            code = docker_run(launch.path, launch.command, volumes=[f"{Path.cwd()}:/work", f"{folder}:{ERRORS_AT}"],
+            code = docker_run(launch.path, launch.command, mounts=(*launch.mounts, (folder, ERRORS_AT, False)),
                               environment={ERROR_DIR_ENV: ERRORS_AT}, output=report.line, **options)
             return report.result(code)
 

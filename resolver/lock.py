@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from . import DISTRIBUTION, selfwheel
+from .credentials import auth_for, given, lock_indexes, strip, uv_index_env
 from .errors import BadInput
 from .matrix import Matrix
 from .plan import PLAN_FILE, Plan
@@ -30,6 +31,11 @@ class Sources(NamedTuple):
     torch_index: str | None = None  # replaces the PyTorch index of the plan's variant
     find_links: tuple[str, ...] = ()
     ca_bundle: str | None = None
+
+
+def source_urls(sources: Sources) -> list[str | None]:
+    """The URLs of `sources` that may carry credentials (kept in memory only; see credentials.py)."""
+    return [sources.index_url, *sources.extra_index_urls, sources.torch_index]
 
 
 def target_marker(plan: Plan) -> str:
@@ -68,7 +74,7 @@ def with_sources(plan: Plan, sources: Sources) -> Plan:
     """The plan as this lock will install it: --torch-index replaces the PyTorch index it names."""
     if not sources.torch_index or plan.torch.backend == "mps":  # macOS: torch is PyPI's (or --index-url's)
         return plan
-    index = sources.torch_index.format(variant=plan.torch.variant)
+    index = strip(sources.torch_index).format(variant=plan.torch.variant)  # its credentials reach uv, not the plan
     fa = plan.flash_attn
     if fa is not None and fa.index_url == plan.torch.index_url:  # flash-attn-3 lives on the torch index: follow it
         fa = fa._replace(index_url=index, wheel_url=f"{index.rstrip('/')}/{fa.filename}")
@@ -108,8 +114,8 @@ def pyproject_text(plan: Plan, sources: Sources, envtool_wheel: str, no_build: l
                   'deepspeed = [{ requirement = "torch", match-runtime = true }]']
     indexes = []
     if sources.index_url:
-        indexes.append(("default", sources.index_url, "default = true"))
-    indexes += [(f"extra-{i + 1}", url, None) for i, url in enumerate(sources.extra_index_urls)]
+        indexes.append(("default", strip(sources.index_url), "default = true"))
+    indexes += [(f"extra-{i + 1}", strip(url), None) for i, url in enumerate(sources.extra_index_urls)]
     if not from_pypi:
         indexes.append((f"pytorch-{plan.torch.variant}", torch_index, "explicit = true"))
     fa = plan.flash_attn
@@ -146,7 +152,14 @@ def wheel_source(url: str) -> str:
 
 def lock(plan: Plan, out: Path, sources: Sources, m: Matrix, quiet: bool = False) -> Path:
     """Write and lock the project directory `out`; replace a previous one only once the new lock exists."""
+    from .files import one_writer
+
     out = out.resolve()
+    with one_writer(out, "the lock directory"):  # two locks into one --out: one after the other
+        return _lock(plan, out, sources, m, quiet)
+
+
+def _lock(plan: Plan, out: Path, sources: Sources, m: Matrix, quiet: bool) -> Path:
     plan = with_sources(plan, sources)
     if out.exists() and not (out / PLAN_FILE).exists():
         raise BadInput(f"{out} exists and is not an envtool lock directory (no {PLAN_FILE}); choose another --out")
@@ -157,7 +170,7 @@ def lock(plan: Plan, out: Path, sources: Sources, m: Matrix, quiet: bool = False
         wheel = selfwheel.build(staging / "wheels")
         (staging / "pyproject.toml").write_text(pyproject_text(plan, sources, wheel.name, m.no_build))
         (staging / PLAN_FILE).write_text(plan.to_json() + "\n")
-        env = uv_env(sources.ca_bundle)
+        env = {**uv_env(sources.ca_bundle), **uv_index_env(lock_indexes(staging), given(source_urls(sources)))}
         try:
             run_uv(["lock", "--project", str(staging)], what="Locking with uv", env=env, quiet=quiet)
         except MissingWheel as e:
@@ -197,10 +210,11 @@ def nearest_wheels(plan: Plan, sources: Sources, name: str, version: str | None)
     if name == "torch" or (plan.flash_attn and plan.flash_attn.index_url and name == plan.flash_attn.package):
         index = plan.torch.index_url if name == "torch" else plan.flash_attn.index_url
     else:
-        index = sources.index_url or "https://pypi.org/simple/"
+        index = strip(sources.index_url) or "https://pypi.org/simple/"
     project = re.sub(r"[-_.]+", "-", name).lower()
     try:
-        page = requests.get(f"{index.rstrip('/')}/{project}/", timeout=10, verify=tls_verify(sources.ca_bundle))
+        page = requests.get(f"{index.rstrip('/')}/{project}/", timeout=10, verify=tls_verify(sources.ca_bundle),
+                            auth=auth_for(index, given(source_urls(sources))))
     except requests.RequestException:
         return []
     published = {}

@@ -113,6 +113,14 @@ def image_plans(opts: PlanOptions, base_override: str | None = None) -> list[Pla
 # ---------------------------------------------------------------------------- lock, install
 
 
+def secrets_of(sources) -> dict:
+    """The index credentials given with `sources` or in the environment (never written: see credentials.py)."""
+    from .credentials import given
+    from .lock import source_urls
+
+    return given(source_urls(sources))
+
+
 def lock(plan: Plan, out: Path, sources, *, wheelhouse: Path | None = None, quiet: bool = False) -> dict:
     from .lock import lock as do_lock
     from .matrix import load
@@ -122,7 +130,8 @@ def lock(plan: Plan, out: Path, sources, *, wheelhouse: Path | None = None, quie
     if wheelhouse:
         from .wheelhouse import fill
 
-        wheels = fill(env_dir, wheelhouse, plan.python, plan.platform, sources.ca_bundle, quiet=quiet)
+        wheels = fill(env_dir, wheelhouse, plan.python, plan.platform, sources.ca_bundle, quiet=quiet,
+                      secrets=secrets_of(sources))
         result["wheelhouse"] = {"path": str(wheelhouse.resolve()), "wheels": len(wheels)}
     return result
 
@@ -137,7 +146,7 @@ def install(env_dir: Path | None, venv: Path, opts: PlanOptions, sources, *, off
             raise BadInput("give a lock directory (from `envtool lock`) or --gpu to resolve and lock first")
         env_dir = Path(lock(one_plan(opts), venv.parent / f"{venv.name}.lock", sources, quiet=quiet)["out"])
     return do_install(env_dir, venv, offline=offline, wheelhouse=wheelhouse, ca_bundle=sources.ca_bundle,
-                      quiet=quiet, check_imports=check_imports)
+                      quiet=quiet, check_imports=check_imports, secrets=secrets_of(sources))
 
 
 def is_interpreter_path(python: str | None) -> bool:
@@ -184,7 +193,7 @@ def install_system(python: str, env_dir: Path | None, opts: PlanOptions, sources
             plan = one_plan(opts)
         env_dir = Path(lock(plan, work / "lock", sources, quiet=quiet)["out"])
     result = install_into(env_dir, python, keep=kept, no_build=m.no_build, ca_bundle=sources.ca_bundle, quiet=quiet,
-                          check_imports=check_imports)
+                          check_imports=check_imports, secrets=secrets_of(sources))
     return {**result, "lock": str(env_dir)}
 
 
@@ -202,6 +211,8 @@ def build(plans: list[Plan], sources, *, tag: str | None = None, push: bool = Fa
     from .wheelhouse import fill
 
     m = load()
+    if tag is not None:  # `--tag ''` or a tag with a space: one line now, not a default tag or a failed build later
+        images.check_image_reference(tag, "--tag")
     if tag and len(plans) > 1:
         raise BadInput("--tag names one image: build several targets without it (tags name the architecture)")
     for plan in plans:
@@ -213,7 +224,8 @@ def build(plans: list[Plan], sources, *, tag: str | None = None, push: bool = Fa
         with tempfile.TemporaryDirectory(prefix="envtool-build-") as tmp:
             env_dir = Path(lock(plan, Path(tmp) / "env", sources, quiet=quiet)["out"])
             house = wheelhouse or Path(tmp) / "wheelhouse"
-            fill(env_dir, house, plan.python, plan.platform, sources.ca_bundle, quiet=quiet)
+            fill(env_dir, house, plan.python, plan.platform, sources.ca_bundle, quiet=quiet,
+                 secrets=secrets_of(sources))
             images.prepare_context(plan, m, env_dir, house, Path(tmp) / "context", base_image)
             image_id = images.build(Path(tmp) / "context", name, network=network, quiet=quiet)
         if push:

@@ -20,6 +20,7 @@ from matrices.catalog import backend_range, backend_runs_on
 
 from .matrix import (CudnnSdpa, FlashAttnImpl, FlashAttnRelease, KernelsRelease, Matrix, TorchBuild,
                      TorchRelease, VarlenKernel, Xformers, cc_tuple, in_range)
+from .credentials import strip
 from .matrix import FLASH_ATTN_URL_ENV, PYTHON_RE, TORCH_INDEX_ENV, stack_for  # noqa: F401 (also read from here)
 from .matrix import prefix_match as _prefix_match
 from .plan import FlashAttnChoice, Plan, Rejected, TorchChoice
@@ -366,14 +367,15 @@ def flash_attn_choice(req: Request, m: Matrix, c: Candidate, impl: FlashAttnImpl
         index = torch_index_url(m, c.variant)
         return FlashAttnChoice(version=rel.version, package=impl.package, filename=filename,
                                wheel_url=f"{index.rstrip('/')}/{filename}", index_url=index)
-    template = os.environ.get(FLASH_ATTN_URL_ENV) or m.flash_attn_url
+    template = strip(os.environ.get(FLASH_ATTN_URL_ENV)) or m.flash_attn_url  # a plan never holds a credential
     return FlashAttnChoice(version=rel.version, package=impl.package, filename=filename,
                            wheel_url=template.format(version=rel.version, filename=filename))
 
 
 def torch_index_url(m: Matrix, variant: str) -> str:
-    """The PyTorch index of a variant: the matrix's, or the mirror $ENVTOOL_TORCH_INDEX_URL names."""
-    return (os.environ.get(TORCH_INDEX_ENV) or m.torch_index_url).format(variant=variant)
+    """The PyTorch index of a variant: the matrix's, or the mirror $ENVTOOL_TORCH_INDEX_URL names (without the
+    credentials it may carry: those reach uv at run time, never a plan)."""
+    return (strip(os.environ.get(TORCH_INDEX_ENV)) or m.torch_index_url).format(variant=variant)
 
 
 def find_varlen(req: Request, m: Matrix, c: Candidate) -> None:

@@ -554,16 +554,24 @@ def command(*, check: bool, json_out: bool, pypi_url: str | None, matrix_dir,
     with progress(f"reading {base}", None) as advance:
         client = Client(base, on_request=lambda url: advance(1))
         report = regenerate(data, client, date=date, torch_index=torch_index)
-    texts = apply(directory, report, date=date)
+    from .credentials import redact  # a mirror's credentials (in --pypi-url, the torch index) are never written
+
+    texts = {name: (old, redact(new)) for name, (old, new) in apply(directory, report, date=date).items()}
     written = False
     if texts and not check:
         write(directory, texts)
         written = True
     if json_out:
-        print(json.dumps(as_json(report, texts=texts, written=written, pypi_url=base, directory=directory),
-                         indent=2))
+        print(redact(json.dumps(as_json(report, texts=texts, written=written, pypi_url=base, directory=directory),
+                                indent=2)))
         return 1 if check and report.stale else 0
-    _print_report(report, texts, written=written, check=check, base=base, directory=directory)
+    import contextlib
+    import io
+
+    shown = io.StringIO()
+    with contextlib.redirect_stdout(shown):
+        _print_report(report, texts, written=written, check=check, base=base, directory=directory)
+    print(redact(shown.getvalue()), end="")
     return 1 if check and report.stale else 0
 
 

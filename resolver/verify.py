@@ -308,15 +308,17 @@ def command(*, json_out: bool, pypi_url: str | None, torch_index_url: str | None
         client = Client(pypi)
         missing = run(todo, client, jobs=jobs, advance=advance)
     result = summary(todo, missing)
+    from .credentials import redact  # a mirror's credentials in $ENVTOOL_TORCH_INDEX_URL are never printed
+
     if json_out:
-        print(json.dumps(result, indent=2))
+        print(redact(json.dumps(result, indent=2)))
     else:
         kinds = ", ".join(f"{n} {k}" for k, n in result["by_kind"].items())
         if missing:
             print(f"{len(missing)} of {len(todo)} wheels a plan can name are missing ({kinds}; "
                   f"{fetches} URLs fetched):")
             for x in missing:
-                print(f"  {x.check.what}: {x.check.url} ({x.why})")
+                print(redact(f"  {x.check.what}: {x.check.url} ({x.why})"))
         else:
             print(f"all {len(todo)} wheels a plan can name exist ({kinds}; {fetches} URLs fetched)")
     sys.stdout.flush()

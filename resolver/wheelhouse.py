@@ -105,7 +105,7 @@ def locked_wheels(env_dir: Path, python: str, platform: str) -> list[Wheel]:
 
 
 def fill(env_dir: Path, wheelhouse: Path, python: str, platform: str, ca_bundle: str | None = None,
-         quiet: bool = False) -> list[Wheel]:
+         quiet: bool = False, secrets: dict | None = None) -> list[Wheel]:
     """Download (or copy) every locked wheel into `wheelhouse`, checking each sha256 before it lands."""
     wheels = locked_wheels(env_dir, python, platform)
     wheelhouse.mkdir(parents=True, exist_ok=True)
@@ -118,7 +118,7 @@ def fill(env_dir: Path, wheelhouse: Path, python: str, platform: str, ca_bundle:
                       disable=quiet or not sys.stderr.isatty(), transient=True) as progress:
             task = progress.add_task(f"Filling the wheelhouse ({len(todo)} wheels)", total=None)
             for w in todo:
-                _fetch(w, wheelhouse, progress, task, requests, ca_bundle)
+                _fetch(w, wheelhouse, progress, task, requests, ca_bundle, secrets)
     lines = [f"{w.name}=={w.version} --hash=sha256:{w.sha256}" for w in wheels]
     tmp = wheelhouse / f".{REQUIREMENTS}.tmp"
     tmp.write_text("# Written by `envtool lock --wheelhouse`; install with `envtool install --offline`.\n"
@@ -139,7 +139,10 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _fetch(w: Wheel, wheelhouse: Path, progress, task, requests, ca_bundle: str | None) -> None:
+def _fetch(w: Wheel, wheelhouse: Path, progress, task, requests, ca_bundle: str | None,
+           secrets: dict | None = None) -> None:
+    from .credentials import auth_for, given, redact
+
     tmp = wheelhouse / f".{w.filename}.part"
     if w.url is None:
         try:
@@ -148,7 +151,8 @@ def _fetch(w: Wheel, wheelhouse: Path, progress, task, requests, ca_bundle: str 
             raise EnvtoolError(f"copying {w.filename} from {w.path} failed: {e.strerror}") from None
     else:
         try:
-            with requests.get(w.url, stream=True, timeout=60, verify=tls_verify(ca_bundle)) as r:
+            with requests.get(w.url, stream=True, timeout=60, verify=tls_verify(ca_bundle),
+                              auth=auth_for(w.url, secrets if secrets is not None else given([]))) as r:
                 r.raise_for_status()
                 with open(tmp, "wb") as f:
                     for chunk in r.iter_content(1 << 20):
@@ -156,7 +160,7 @@ def _fetch(w: Wheel, wheelhouse: Path, progress, task, requests, ca_bundle: str 
                         progress.advance(task, len(chunk))
         except requests.RequestException as e:
             tmp.unlink(missing_ok=True)
-            raise EnvtoolError(f"downloading {w.filename} failed: {e}") from None
+            raise EnvtoolError(f"downloading {w.filename} failed: {redact(str(e))}") from None
     if _sha256(tmp) != w.sha256:
         tmp.unlink()
         raise EnvtoolError(f"{w.filename}: sha256 does not match uv.lock ({w.sha256[:12]}…); "

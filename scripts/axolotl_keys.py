@@ -179,8 +179,12 @@ class Schema:
                 row = {"type": type_text(stmt.annotation), "schema": owner}
                 if i:
                     row["alias_of"] = prefix + names[0]
-                if isinstance(deprecated, ast.Constant) and isinstance(deprecated.value, str):
-                    row["deprecated"] = deprecated.value
+                if isinstance(deprecated, ast.Constant) and deprecated.value:
+                    row["deprecated"] = True  # (the message itself is Axolotl's text: only what it names is kept)
+                    named = re.findall(r"`([^`]+)`", deprecated.value) if isinstance(deprecated.value, str) else []
+                    named = [n for n in named if n.split(":")[0].strip() != key]
+                    if named:
+                        row["replaced_by"] = named[0]
                 if default is not None:
                     row["default"] = default
                 rows[prefix + key] = row
@@ -298,11 +302,10 @@ def trainer_decision(key: str) -> dict[str, str]:
         return {"decision": "honoured"}
     if key in tc.Config.model_fields or key == "model_config":
         return {"decision": "honoured"}
-    for table, decision in ((tc.INERT_KEYS, "inert"), (tc.PERFORMANCE_KEYS, "inert"), (tc.UNSUPPORTED_KEYS, "refused")):
-        if key in table:
-            return {"decision": decision, "reason": table[key]}
-    if key in getattr(tc, "LEGACY_DTYPE_KEYS", {}):
-        target, value = tc.LEGACY_DTYPE_KEYS[key]
+    from trainer.config.keys import LEGACY_DTYPE_KEYS
+
+    if key in LEGACY_DTYPE_KEYS:
+        target, value = LEGACY_DTYPE_KEYS[key]
         return {"decision": "migrated", "to": f"{target}: {str(value).lower()}"}
     return {}
 
@@ -323,20 +326,12 @@ def _model_of(field):
 
 
 def effective(rows: dict[str, dict], name: str) -> dict:
-    """A key's decision by the table's rules (its header): its own, else its datasets[] twin's (test_datasets[],
-    pretraining_dataset[]), else its block's where the block is ignored or refused whole; {} when none."""
-    row = rows.get(name, {})
-    if row.get("decision"):
-        return row
-    for prefix in ("test_datasets[].", "pretraining_dataset[]."):
-        if name.startswith(prefix):
-            return effective(rows, "datasets[]." + name.removeprefix(prefix))
-    parts = name.replace("[]", "").split(".")
-    for i in range(len(parts) - 1, 0, -1):
-        for block in (".".join(parts[:i]), ".".join(parts[:i]) + "[]"):
-            if rows.get(block, {}).get("decision") in ("inert", "refused"):
-                return rows[block]
-    return {}
+    """A key's decision by the table's rules (its header); the rules live in trainer/config/keys.py, which the
+    trainer reads the table with."""
+    sys.path.insert(0, str(ROOT))
+    from trainer.config.keys import effective as rules
+
+    return rules(rows, name)
 
 
 def toml_value(value) -> str:
@@ -369,7 +364,8 @@ HEADER = """\
 #   schema    where that release declared it: the pydantic class (a plugin's: "plugin NAME: Class"), or, for
 #             keys only v0.4.0 knew, "README" (its "All yaml options" block) / "utils/config.py" (read by it)
 #   alias_of  the key is the field name behind an alias (Axolotl accepts both spellings)
-#   deprecated  Axolotl's own deprecation message, where the newest release declaring the key has one
+#   deprecated  true where the newest release declaring the key marks it deprecated
+#   replaced_by what that deprecation names instead (a key, or key: value), where it names one
 #   default   Axolotl's default for it in that release, where it is a plain value: a refused key given this value
 #             (or an empty one) asks for nothing and is accepted as ignored
 #   decision  honoured (the trainer acts on it) | inert (accepted and named in the "ignored:" note; reason says
@@ -407,7 +403,7 @@ def build(git_dir: str, ref: str, old: dict[str, dict]) -> tuple[str, dict[str, 
         present = [name in keys for keys in per_release]
         newest = next(keys[name] for keys in reversed(per_release) if name in keys)
         row = {"name": name, "releases": ranges(present, labels), "type": newest["type"], "schema": newest["schema"]}
-        for extra in ("alias_of", "deprecated", "default"):
+        for extra in ("alias_of", "deprecated", "replaced_by", "default"):
             if extra in newest:
                 row[extra] = newest[extra]
         decided = {k: v for k, v in old.get(name, {}).items() if k in ("decision", "reason", "to")}
@@ -419,7 +415,8 @@ def build(git_dir: str, ref: str, old: dict[str, dict]) -> tuple[str, dict[str, 
              "releases = [" + ", ".join(toml_str(t) for t in labels) + "]", f"main = {toml_str(head)}", ""]
     for row in table.values():
         lines.append("[[key]]")
-        for col in ("name", "releases", "type", "schema", "alias_of", "deprecated", "default", "decision", "reason", "to"):
+        for col in ("name", "releases", "type", "schema", "alias_of", "deprecated", "replaced_by", "default", "decision",
+                    "reason", "to"):
             if col in row:
                 lines.append(f"{col} = {toml_value(row[col])}")
         lines.append("")

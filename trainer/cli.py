@@ -14,6 +14,8 @@ import sys
 from trainer import __version__
 from trainer.errors import Stopped, TrainerError
 
+MAX_PROBLEM_LINES = 25  # error lines printed for one config; more are counted in the last line
+
 
 def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
@@ -31,8 +33,10 @@ def cmd_validate(args) -> int:
     from trainer.parallel import distributed
 
     cfg, notes, runtime = _setup(args, args.gpu)
+    fit = fit_block(cfg, runtime)
     if args.json:
-        print(json.dumps({"config": cfg.model_dump(), "runtime": runtime.to_dict(), "notes": notes}, indent=2))
+        print(json.dumps({"config": cfg.model_dump(), "runtime": runtime.to_dict(), "notes": notes,
+                          "fit": fit.result if fit else None}, indent=2))
         return 0
     print(f"config {args.config} is valid")
     print(f"  gpu:        {runtime.gpu.describe()} (from {runtime.gpu.source})")
@@ -41,8 +45,15 @@ def cmd_validate(args) -> int:
     print(f"  packing:    {'on' if cfg.sample_packing else 'off'} (sequence_len {cfg.sequence_len}), "
           f"eval packing {'on' if cfg.packing_for_eval else 'off'}")
     print(f"  rows apart: {runtime.isolation}")  # the plan's `packing`: varlen (cu_seqlens) or mask, and why
-    print(f"  batch:      micro_batch_size {cfg.micro_batch_size} x gradient_accumulation_steps "
-          f"{cfg.gradient_accumulation_steps} x processes")
+    if cfg.auto_find_batch_size:
+        picked = next((n for n in (fit.notes if fit else []) if n.startswith("micro_batch_size auto: ")), None)
+        batch = cfg.micro_batch_size * cfg.gradient_accumulation_steps
+        print(f"  batch:      micro_batch_size auto: {batch} rows per step per process, split "
+              + (picked.removeprefix("micro_batch_size auto: ") if picked else
+                 "at start (the whole batch on the CPU)" if fit is None else "at start (1: the estimate is unknown)"))
+    else:
+        print(f"  batch:      micro_batch_size {cfg.micro_batch_size} x gradient_accumulation_steps "
+              f"{cfg.gradient_accumulation_steps} x processes")
     print(f"  adapter:    {cfg.adapter or 'none (full fine-tune)'}"
           + {"load_in_4bit": " on 4-bit (NF4) base weights", "load_in_8bit": " on 8-bit (LLM.int8) base weights"}.get(
               quantization.mode(cfg) or "", ""))
@@ -79,6 +90,15 @@ def cmd_validate(args) -> int:
 
         print(f"  objective:  {cfg.objective} ({'sequence' if cfg.objective == 'reward' else 'token'} classification, "
               f"num_labels {num_labels(cfg)})")
+    if fit is None:
+        print("  fit:        not estimated: no GPU memory here (--gpu NAME estimates for that GPU)")
+    else:
+        from trainer.runtime.memory import cheapest, one_line
+
+        print(f"  fit:        {one_line(fit)}")
+        change = cheapest(fit) if fit.result["verdict"] in ("tight", "does_not_fit") else None
+        if change:
+            print(f"              cheapest change that fits: {change['text']} -> {change['peak_gb']:.1f} GB")
     print("changes for this hardware:" if runtime.changes else "no changes for this hardware")
     for change in runtime.changes:
         print(f"  - {change}")
@@ -87,6 +107,22 @@ def cmd_validate(args) -> int:
     for note in notes:
         print(f"  - {note}")
     return 0
+
+
+def fit_block(cfg, runtime):
+    """The memory estimate on the GPU validate judges for (trainer/runtime/memory.py, the one `envtool fit` and
+    `envtool train --dry-run` print): None on the CPU. The model's config.json from its directory or a cache only."""
+    from trainer.runtime import memory, memory_model
+
+    gpu = runtime.gpu
+    if gpu.memory_gb is None and gpu.compute_capability is None and gpu.vendor is None:
+        return None
+    on = memory.Gpu(gpu.name, gpu.memory_gb, max(1, gpu.count))
+    try:
+        return memory.report(cfg, runtime, on, local_only=True)
+    except memory_model.ModelConfigError as err:  # the model is the loader's to refuse, at train time
+        reason = f"the model's shape is unknown: {err}"
+        return memory.Report(memory.unknown(on, reason), cfg.base_model, [reason], None, reason)
 
 
 def cmd_preprocess(args) -> int:
@@ -100,6 +136,11 @@ def cmd_preprocess(args) -> int:
 
         raise ConfigError("preprocess: streamed data (pretraining_dataset, streaming: true) is tokenized while "
                           "training; there is nothing to prepare")
+    if cfg.skip_prepare_dataset:
+        from trainer.errors import ConfigError
+
+        raise ConfigError("preprocess: skip_prepare_dataset: true tokenizes while training and keeps no prepared "
+                          "data; there is nothing to prepare (remove it to prepare once and reuse)")
     from trainer.runtime import hub_access
 
     hub_access.ensure(cfg, log)  # a hub model with no hub: one line now, not after a minute of retries
@@ -125,7 +166,7 @@ def cmd_train(args) -> int:
         ray_launch.require_ray(launched_by_torchrun=int(os.environ.get("WORLD_SIZE", "1")) > 1)
     for line in runtime.changes + notes:
         if int(os.environ.get("RANK", 0)) == 0:
-            log(f"note: {line}")
+            log(line if line.startswith("warning: ") else f"note: {line}")
     if with_ray:
         ray_launch.launch(args.config, args.plan, cfg, runtime, log, debug=args.debug)
         return 0
@@ -372,9 +413,12 @@ def main(argv: list[str] | None = None) -> int:
     except TrainerError as err:
         if args.debug:
             raise
-        line = readable(prefix + str(err))
-        if not record(line, err.exit_code):
-            print(line, file=sys.stderr)
+        lines = [readable(prefix + line) for _, line in err.problems] or [readable(prefix + str(err))]
+        if len(lines) > MAX_PROBLEM_LINES:  # a config with thousands of bad values: the first ones, and a count
+            lines = lines[:MAX_PROBLEM_LINES - 1] + [f"{prefix}... and {len(lines) - MAX_PROBLEM_LINES + 1} more problems"]
+        if not record(readable(prefix + str(err)), err.exit_code):  # (envtool's launcher prints that one line)
+            for line in lines:  # several problems: one line each
+                print(line, file=sys.stderr)
         return err.exit_code
     except KeyboardInterrupt:  # Ctrl-C twice: at once, no checkpoint (trainer/runtime/stop.py)
         if not record(prefix + "interrupted", 130):

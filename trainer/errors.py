@@ -7,6 +7,10 @@ The CLI turns these into one stderr line; ``--debug`` shows the traceback.
 
 class TrainerError(Exception):
     exit_code = 1
+    # several problems found in one pass (`several` below): (kind, line), kind config | file | hardware | model;
+    # the CLI prints one line each
+    problems: list[tuple[str, str]] = []
+    config = None  # with problems from reading a config: the config as far as it could be read (else None)
 
 
 class ConfigError(TrainerError):
@@ -19,6 +23,16 @@ class HardwareError(TrainerError):
     """The config asks for something the GPU cannot do (e.g. bf16 on Turing)."""
 
     exit_code = 2
+
+
+def several(problems: list[tuple[str, str]], config=None) -> TrainerError:
+    """One error for every problem found in one pass (each (kind, line)): a HardwareError when they are all the
+    hardware's, else a ConfigError. Its message joins the lines with '; '; `.problems` keeps them apart."""
+    problems = list(dict.fromkeys(problems))  # (a rule checked again by a later pass says it once)
+    kinds = {kind for kind, _ in problems}
+    err = (HardwareError if kinds == {"hardware"} else ConfigError)("; ".join(line for _, line in problems))
+    err.problems, err.config = list(problems), config
+    return err
 
 
 class DataError(TrainerError):

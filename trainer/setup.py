@@ -20,12 +20,32 @@ def start(config: str | Path, gpu: str | None = None, plan: str | None = None):
     HardwareError, ...) for what the config or GPU cannot do."""
     from trainer.config import load_config
     from trainer.config.training import one_process_only
+    from trainer.errors import ConfigError, HardwareError, TrainerError, several
     from trainer.runtime.hardware import detect
 
-    cfg, notes = load_config(config)
-    one_process_only(cfg, processes(cfg))  # before the model loads (minutes on a real one), not after
-    found_gpu, found_plan = detect(gpu, plan)
-    return cfg, notes, fit(cfg, found_gpu, found_plan)
+    problems: list[tuple[str, str]] = []  # every problem found, reported together (key, value, file, GPU, model)
+    try:
+        cfg, notes = load_config(config)
+    except ConfigError as err:
+        if err.config is None:  # not even read (no file, not YAML, not a mapping)
+            raise
+        cfg, notes, problems = err.config, [], list(err.problems)
+    runtime = None
+    try:
+        one_process_only(cfg, processes(cfg))  # before the model loads (minutes on a real one), not after
+        found_gpu, found_plan = detect(gpu, plan)
+        runtime = fit(cfg, found_gpu, found_plan)
+    except Exception as err:
+        if not problems:
+            raise
+        if isinstance(err, TrainerError) and err.problems:
+            problems += err.problems
+        elif isinstance(err, TrainerError):
+            problems.append(("hardware" if isinstance(err, HardwareError) else "config", str(err)))
+        # (anything else comes from reading a config whose own problems are listed: those are the ones to fix)
+    if problems:
+        raise several(problems, cfg)
+    return cfg, notes, runtime
 
 
 def fit(cfg, gpu, plan: dict | None, model_class: bool = True):

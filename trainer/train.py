@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import time
 from contextlib import nullcontext
@@ -79,6 +80,12 @@ class Training:
         from trainer.model.attention import for_model
 
         self.cfg, self.runtime = cfg, runtime
+        # 0. micro_batch_size: auto: the split of the step's batch the GPU holds (before DeepSpeed's config reads it)
+        from trainer.runtime import auto_batch
+
+        resuming = bool(cfg.resume_from_checkpoint) or (cfg.auto_resume_from_checkpoints and
+                                                        bool(checkpoint.list_checkpoints(Path(cfg.output_dir))))
+        self.batch_choice = auto_batch.choose(cfg, runtime, int(os.environ.get("WORLD_SIZE", "1")), resuming)
         # 1. processes, precision, timeouts
         self.accelerator = accelerator = make_accelerator(cfg, runtime)
         self.rank, self.world, self.device = accelerator.process_index, accelerator.num_processes, accelerator.device
@@ -90,6 +97,8 @@ class Training:
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
         say(f"training on {self.world} process(es), {runtime.gpu.describe()}, attention {runtime.attention}, "
             f"precision {runtime.precision}")
+        if self.batch_choice is not None:
+            say(auto_batch.describe(self.batch_choice))
         if cfg.deepspeed or cfg.fsdp or cfg.fsdp_config or cfg.fsdp_version:
             say(f"sharding: {accelerator.distributed_type.value}")
         # one run per output_dir, and one that takes writes: found now, not at the first checkpoint
@@ -149,29 +158,7 @@ class Training:
         self.objective = objective = objectives.build(cfg, collator, token_loss_sum if context is None else context.loss_sum)
         if context is not None:
             objective.eval_loss_sum = context.loss_sum
-        self.ga = ga = cfg.gradient_accumulation_steps
-        # rows per loader batch, loader batches per step (GRPO: one batch of prompts, generated into ga micro-batches)
-        rows_per_batch, self.draws = objective.loader_batch(cfg.micro_batch_size, ga)
-        if cfg.streamed:  # max_steps x accumulation micro-batches from the stream, every rank its own rows
-            from trainer.data.streaming import StreamSampler
-
-            self.sampler = StreamSampler(cfg, tokenizer, self.data_rank, self.data_world)
-        else:
-            self.sampler = MultipackBatchSampler(
-                objective.lengths(self.data.train), rows_per_batch, objectives.capacity(cfg, cfg.sample_packing),
-                seed=cfg.seed, rank=self.data_rank, world_size=self.data_world, drop_last=True,
-                shuffle=not cfg.curriculum_sampling, group_by_length=cfg.group_by_length,
-                group_size=cfg.micro_batch_size * ga, sequential_packing=cfg.sample_packing_sequentially)
-        self.steps_per_epoch = len(self.sampler) // self.draws
-        if self.steps_per_epoch == 0:
-            unit = "micro-batches" if self.draws == ga else f"batches of {rows_per_batch} prompts"
-            raise DataError(f"{self.data.stats['train_rows']} training rows make {len(self.sampler)} {unit} per "
-                            f"process, fewer than {f'gradient_accumulation_steps={ga}' if self.draws == ga else 'one per step'}"
-                            ": add data or lower micro_batch_size/gradient_accumulation_steps")
-        self.total_steps = cfg.max_steps or self.steps_per_epoch * cfg.num_epochs
-        self.eval_every = (cadence(cfg.eval_steps, cfg.evals_per_epoch, self.steps_per_epoch)
-                           if self.data.validation is not None else None)
-        self.save_every = cadence(cfg.save_steps, cfg.saves_per_epoch, self.steps_per_epoch)
+        self.batches()
 
         # 5. optimizer and schedule (Axolotl's choice of schedule: cosine floor, constant tail)
         from trainer.optim.optimizers import make_optimizer
@@ -204,18 +191,14 @@ class Training:
         # EBFT's feature network, GRPO's reference and tokenizer: from the starting weights, before a checkpoint loads
         objective.before_training(unwrapped, tokenizer=tokenizer, dtype=DTYPES[runtime.precision], rank=self.rank,
                                   timeout=self.timeout, output_dir=self.output_dir, say=say)
-        # The loader gets its own generator: starting an iterator must not draw from the global RNG, or a
-        # resumed run (which starts one after restoring the RNG) would see different dropout masks.
-        from trainer.data.streaming import StreamRows
-
-        rows = StreamRows() if cfg.streamed else objective.rows(self.data.train, self.reference.get("train"))
-        self.loader = torch.utils.data.DataLoader(rows, batch_sampler=self.sampler, collate_fn=objective.collate,
-                                                  num_workers=cfg.dataloader_num_workers,
-                                                  generator=torch.Generator().manual_seed(cfg.seed))
+        self.make_loader()
 
         # 6. resume
         self.output_dir.mkdir(parents=True, exist_ok=True)
+        if self.batch_choice is not None and self.main:
+            auto_batch.record(self.output_dir, self.batch_choice)
         self.step, self.epoch = 0, 0
+        self.stepped = False  # an optimizer step done in this process (an OOM back-off only comes before one)
         state, resume = self.resume()
         self.hooks.start(state, Path(resume) if resume else None)  # sparsity's masks come from these weights
 
@@ -223,7 +206,7 @@ class Training:
         # examples for preference objectives), counted before the first backward in ONE all-reduce of a
         # fixed-size vector. DDP averages gradients over ranks and DeepSpeed divides by ga: scale to undo both.
         # (CP ranks are data ranks to DDP/FSDP/ZeRO, and each backward holds only its own slice's share)
-        self.loss_scale = self.data_world * self.cp * (ga if cfg.deepspeed else 1)
+        self.loss_scale = self.data_world * self.cp * (self.ga if cfg.deepspeed else 1)
         # each batch counts once: the other ranks of a tensor- or context-parallel group add zeros to the step's sums
         self.vote = 1.0 if self.rank % group == 0 else 0.0
         self.sync_every = sync_each_batch(cfg)  # accelerator_config: reduce after every micro-batch
@@ -235,9 +218,51 @@ class Training:
                                                            resumed_at=self.step if resume else None),
                                         cfg, self.output_dir, self.main, resumed=self.step > 0, log=say)
 
+    def batches(self) -> None:
+        """The sampler for the config's micro_batch_size and gradient_accumulation_steps, and what follows from it:
+        steps per epoch, total steps, evaluation and save cadence (again after an out-of-memory back-off)."""
+        cfg, objective, tokenizer = self.cfg, self.objective, self.tokenizer
+        self.ga = ga = cfg.gradient_accumulation_steps
+        # rows per loader batch, loader batches per step (GRPO: one batch of prompts, generated into ga micro-batches)
+        rows_per_batch, self.draws = objective.loader_batch(cfg.micro_batch_size, ga)
+        if cfg.streamed:  # max_steps x accumulation micro-batches from the stream, every rank its own rows
+            from trainer.data.streaming import StreamSampler
+
+            self.sampler = StreamSampler(cfg, tokenizer, self.data_rank, self.data_world)
+        else:
+            self.sampler = MultipackBatchSampler(
+                objective.lengths(self.data.train), rows_per_batch, objectives.capacity(cfg, cfg.sample_packing),
+                seed=cfg.seed, rank=self.data_rank, world_size=self.data_world, drop_last=True,
+                shuffle=not cfg.curriculum_sampling, group_by_length=cfg.group_by_length,
+                group_size=cfg.micro_batch_size * ga, sequential_packing=cfg.sample_packing_sequentially)
+        self.steps_per_epoch = len(self.sampler) // self.draws
+        if self.steps_per_epoch == 0:
+            unit = "micro-batches" if self.draws == ga else f"batches of {rows_per_batch} prompts"
+            raise DataError(f"{self.data.stats['train_rows']} training rows make {len(self.sampler)} {unit} per "
+                            f"process, fewer than {f'gradient_accumulation_steps={ga}' if self.draws == ga else 'one per step'}"
+                            ": add data or lower micro_batch_size/gradient_accumulation_steps")
+        self.total_steps = cfg.max_steps or self.steps_per_epoch * cfg.num_epochs
+        from trainer.config.training import steps_from_fractions
+
+        steps_from_fractions(cfg, self.total_steps)  # eval_steps: 0.05 and the like, as step counts now
+        self.eval_every = (cadence(cfg.eval_steps, cfg.evals_per_epoch, self.steps_per_epoch)
+                           if self.data.validation is not None else None)
+        self.save_every = cadence(cfg.save_steps, cfg.saves_per_epoch, self.steps_per_epoch)
+
+    def make_loader(self) -> None:
+        # The loader gets its own generator: starting an iterator must not draw from the global RNG, or a
+        # resumed run (which starts one after restoring the RNG) would see different dropout masks.
+        from trainer.data.streaming import StreamRows
+
+        cfg, objective = self.cfg, self.objective
+        rows = StreamRows() if cfg.streamed else objective.rows(self.data.train, self.reference.get("train"))
+        self.loader = torch.utils.data.DataLoader(rows, batch_sampler=self.sampler, collate_fn=objective.collate,
+                                                  num_workers=cfg.dataloader_num_workers,
+                                                  generator=torch.Generator().manual_seed(cfg.seed))
+
     def feature_hooks(self) -> Hooks:
         """Each feature's part in the loop (its module returns None where the config does not use it)."""
-        from trainer.model import qat, relora, sparsity
+        from trainer.model import neftune, qat, relora, sparsity
         from trainer.objectives import diffusion_steps
         from trainer.optim import lisa
         from trainer.outputs import early_stopping
@@ -251,6 +276,7 @@ class Training:
             diffusion_steps.hook(cfg, model, self.tokenizer, self.data, self.runtime.attention, self.output_dir,
                                  self.main, self.sharded or self.tp > 1, say),  # samples every N steps
             early_stopping.hook(cfg, model, self.output_dir, say),  # stops, and ends with the best checkpoint
+            neftune.hook(cfg, model),  # noise on the input embeddings while training (transformers' NEFTune)
         ])
 
     def resume_path(self) -> Path | None:
@@ -348,7 +374,17 @@ class Training:
                     self.hooks.before_step(self.step)
                     micro_batches = [next(batches) for _ in range(self.draws)]  # to the device one at a time
                     consumed += self.draws
-                    report, extra = self.optimizer_step(micro_batches)
+                    oom = None
+                    try:
+                        report, extra = self.optimizer_step(micro_batches)
+                    except torch.OutOfMemoryError as err:
+                        err.__traceback__ = None  # its frames hold the step's activations
+                        oom = err
+                    if oom is not None:
+                        del micro_batches
+                        self.out_of_memory(oom)  # raises unless it backed off to a smaller micro-batch
+                        progress.total = self.total_steps
+                        break  # the epoch again, from its first batch, in the smaller micro-batches
                     self.step += 1
                     progress.update(1)
                     self.log_step(report, extra, time.perf_counter() - started, consumed, progress)
@@ -373,6 +409,51 @@ class Training:
             progress.close()
         self.stop.uninstall()  # a signal from now on (the final save is under way) is not a request to stop
         return self.finish(stopped)
+
+    def out_of_memory(self, err: BaseException) -> None:
+        """An out-of-memory error in a step: before the run's first optimizer step, with micro_batch_size: auto on
+        one process, the micro-batch halves and the accumulation doubles (trainer/runtime/auto_batch.py) and the
+        loop starts over; otherwise one line that says what to change."""
+        from trainer.runtime import auto_batch
+
+        cfg, choice = self.cfg, self.batch_choice
+        first = self.step == 0 and not self.stepped
+        smaller = auto_batch.back_off(choice, err) if choice is not None else None
+        why = None
+        if choice is None:
+            why = "set micro_batch_size: auto to find the largest that fits"
+        elif not first:
+            why = "micro_batch_size: auto backs off before the first optimizer step only; set it lower"
+        elif self.world > 1 or cfg.deepspeed or self.draws != self.ga:
+            why = ("micro_batch_size: auto backs off in a single process without DeepSpeed only; set "
+                   "micro_batch_size lower (and gradient_accumulation_steps higher by as much)")
+        elif smaller is None:
+            why = "micro_batch_size is 1 already: see `envtool fit` for the changes that fit"
+        if why:
+            said = (str(err).splitlines() or [""])[0][:200]  # torch's "CUDA out of memory. Tried to allocate ..."
+            raise TrainingError(f"out of memory at step {self.step + 1} with micro_batch_size {cfg.micro_batch_size} "
+                                f"x gradient_accumulation_steps {cfg.gradient_accumulation_steps}: {why} "
+                                f"(torch: {said})") from None
+        self.optimizer.zero_grad(set_to_none=True)
+        import gc
+
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        self.batch_choice = smaller
+        auto_batch.apply(cfg, smaller)
+        total = self.total_steps
+        self.batches()
+        self.make_loader()
+        if self.total_steps != total:  # the packing of smaller micro-batches can change the steps per epoch
+            from trainer.optim.schedule import make_scheduler, warmup_steps
+
+            self.scheduler = make_scheduler(cfg, getattr(self.optimizer, "optimizer", self.optimizer),
+                                            warmup_steps(cfg, self.total_steps), self.total_steps)
+        self.say(f"out of memory at micro_batch_size {smaller.backoffs[-1]['micro_batch_size']}: "
+                 + auto_batch.describe(smaller))
+        if self.main:
+            auto_batch.record(self.output_dir, smaller)
 
     def stopped_by_signal(self, path: Path) -> None:
         """Every rank saw the stop flag in the same step's all-reduce and `path` holds that step: record it (the
@@ -435,6 +516,7 @@ class Training:
             grad_norm = None if norm is None else float(norm)  # None under DeepSpeed, which clips itself
         lr = float(self.scheduler.get_last_lr()[0])  # torchao optimizers keep lr as a tensor
         self.optimizer.step()
+        self.stepped = True
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return report, {"lr": lr, "grad_norm": grad_norm}

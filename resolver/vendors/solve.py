@@ -69,7 +69,9 @@ class Candidate(NamedTuple):
 
 def index_url(template: str, variant: str) -> str:
     """The index of a variant: the matrix's, or the mirror $ENVTOOL_TORCH_INDEX_URL names ({variant})."""
-    return (os.environ.get(TORCH_INDEX_ENV) or template).format(variant=variant)
+    from ..credentials import strip
+
+    return (strip(os.environ.get(TORCH_INDEX_ENV)) or template).format(variant=variant)
 
 
 def candidates(gpu, m: Matrix, v: Vendors) -> list[Candidate]:

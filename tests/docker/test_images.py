@@ -30,16 +30,20 @@ def sass_of(plan):
     return next(b for b in release.build if b.variant == plan["torch"]["variant"]).sass
 
 
-def build_image(tmp_path, docker_host, args, real_torch=None, *extra):
+def build_image(tmp_path, docker_host, args, real_torch=None, *extra, auth=None):
+    """`auth` ("user:token"): the index wants HTTP Basic, and every URL envtool is given carries the credentials."""
     plan = plan_for(args)
     root = tmp_path / "index"
     build_indexes(root, plan, sass_of(plan) if real_torch is None else [], real_torch=real_torch)
     env = {**os.environ, "DOCKER_HOST": docker_host, "UV_CACHE_DIR": str(tmp_path / "uv-cache")}
-    with serve(root) as url:
+    with serve(root, auth=auth) as url:
+        given = url.replace("://", f"://{auth}@") if auth else url
         out = run_envtool("build", *args, "--base-image", BASE_IMAGE, "--network", "none",
-                          "--index-url", f"{url}/pypi/", "--json", *extra, env={**env, **index_env(url)},
+                          "--index-url", f"{given}/pypi/", "--json", *extra, env={**env, **index_env(given)},
                           timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
+    if auth:
+        assert auth.split(":")[1] not in out.stdout + out.stderr
     (built,) = json.loads(out.stdout)
     return plan, built
 
@@ -52,7 +56,8 @@ T4 = ["--gpu", "t4", "--python", "3.11", "--platform", "x86_64"]
 
 
 def test_t4_image_tag_labels_user_and_smoke(tmp_path, docker_host, docker_client):
-    plan, built = build_image(tmp_path, docker_host, T4)
+    token = "s3cr3t-IMAGE-TOKEN-7"  # the private mirror's: used for the build, never in the image (issue 22)
+    plan, built = build_image(tmp_path, docker_host, T4, auth=f"ci-bot:{token}")
     torch_mm = ".".join(plan["torch"]["version"].split(".")[:2])
     assert built["tag"] == f"envtool-trainer:sm75-{plan['torch']['variant']}-torch{torch_mm}-py3.11"
     image = docker_client.images.get(built["tag"])
@@ -81,6 +86,8 @@ def test_t4_image_tag_labels_user_and_smoke(tmp_path, docker_host, docker_client
     assert out.returncode == 0 and out.stdout.strip() == secret, out.stderr
     history = json.dumps(docker_client.api.history(built["tag"]))
     assert secret not in history and secret not in json.dumps(image.attrs)
+    assert token not in history and token not in json.dumps(image.attrs)  # labels (the plan) included
+    assert in_image(docker_client, built["tag"], "sh", "-c", f"grep -rIl {token} /opt /etc /home /tmp; true") == ""
 
 
 def test_cpu_image_with_the_real_torch(tmp_path, docker_host, docker_client):

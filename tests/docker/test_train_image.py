@@ -43,7 +43,12 @@ def test_train_in_the_plans_image(tmp_path, docker_host, docker_client):
     assert dry.returncode == 0, dry.stderr
     launch = json.loads(dry.stdout)
     assert launch["environment"] == {"kind": "image", "path": built["tag"], "ready": True,
-                                     "why": f"the plan's image {built['tag']}"}
+                                     "why": f"the plan's image {built['tag']}",
+                                     "mounts": [{"host": str(work), "container": "/work", "read_only": True},
+                                                {"host": str(work / "out"), "container": "/work/out",
+                                                 "read_only": False},
+                                                {"host": str(work / "prepared"), "container": "/work/prepared",
+                                                 "read_only": False}]}
     assert launch["command"] == ["python", "-m", "trainer", "train", "config.yml"]
     out = subprocess.run([str(ENVTOOL), "train", "config.yml", *CPU, "--image"], capture_output=True, text=True,
                          env=env, cwd=work, timeout=600)

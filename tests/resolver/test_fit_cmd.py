@@ -193,10 +193,15 @@ def test_bad_input_is_one_line_and_exit_2(workdir, env, args, message):
     assert len(lines) == 1 and message in lines[0] and "Traceback" not in result.stderr
 
 
-def test_a_bad_config_key_is_exit_2(workdir, env, tmp_path):
-    config = write_config(tmp_path / "bad.yml", "examples/tiny-cpu.yml", micro_batch_sise=2)
+def test_a_misspelt_key_is_named_and_a_bad_value_is_exit_2(workdir, env, tmp_path):
+    # an unknown key is ignored as Axolotl ignores it, with the closest key named (the estimate is the default's)
+    config = write_config(tmp_path / "typo.yml", "examples/tiny-cpu.yml", micro_batch_sise=2)
     result = fit(workdir, config, "--gpu", "t4", env=env)
-    assert result.returncode == 2 and "micro_batch_size" in result.stderr  # the closest key is named
+    assert result.returncode == 0, result.stderr
+    assert "'micro_batch_sise' is not a key (ignored); did you mean 'micro_batch_size'?" in result.stderr
+    config = write_config(tmp_path / "bad.yml", "examples/tiny-cpu.yml", micro_batch_size=0)
+    result = fit(workdir, config, "--gpu", "t4", env=env)
+    assert result.returncode == 2 and "micro_batch_size" in result.stderr
 
 
 BLOCK_TORCH = """

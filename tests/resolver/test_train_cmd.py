@@ -238,13 +238,19 @@ def test_a_cached_environment_is_built_once_for_the_plan_and_reused(tmp_path, co
     env = {**env, "UV_PYTHON_DOWNLOADS": "never", "UV_CACHE_DIR": str(tmp_path / "uv-cache")}
     plan = json.loads(run_envtool("resolve", "--json", *args[:-1], env=env).stdout)
     build_indexes(tmp_path / "index", plan, [], real_torch=next(MIRROR.glob("torch-2.13.0+cpu-*.whl")))
+    racer = config(output_dir=str(tmp_path / "out-b")).rename(tmp_path / "config-b.yml")
     path = config()
-    with serve(tmp_path / "index") as url:
-        first = train(str(path), *args, "--index-url", f"{url}/pypi/", "--json", env={**env, **index_env(url)},
-                      timeout=900)
-    assert first.returncode == 0, first.stderr[-3000:]
-    built = json.loads(first.stdout)["environment"]
-    assert built["kind"] == "cached" and not built["ready"]
+    with serve(tmp_path / "index") as url:  # two launchers at once: one builds, the other waits for it (issue 22)
+        racers = [subprocess.Popen([str(ENVTOOL), "train", str(p), *args, "--index-url", f"{url}/pypi/", "--json"],
+                                   env={**env, **index_env(url)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                   text=True) for p in (path, racer)]
+        (first, first_err), (other, other_err) = [r.communicate(timeout=900) for r in racers]
+    assert [r.returncode for r in racers] == [0, 0], (first_err + other_err)[-3000:]
+    built, waited = json.loads(first)["environment"], json.loads(other)["environment"]
+    assert built["kind"] == "cached" and not built["ready"] and waited["path"] == built["path"]
+    assert (first_err + other_err).count("waiting for pid") == 1
+    assert len(list(Path(f"{built['path']}.versions").iterdir())) == 1  # built once, not twice
+    assert [r["step"] for r in losses(tmp_path / "out-b")] == [1, 2, 3, 4]
     assert built["path"].startswith(str(tmp_path / "cache" / "envs"))
     assert [r["step"] for r in losses(tmp_path / "out")] == [1, 2, 3, 4]
     # the environment carries its plan where the trainer's rule finds it

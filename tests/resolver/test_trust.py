@@ -206,14 +206,16 @@ def test_hostile_yaml_fails_in_one_line_in_the_one_reader(tmp_path, name, text, 
 
 
 def test_an_error_line_naming_thousands_of_problems_is_cut_to_a_readable_size(tmp_path):
-    config = tmp_path / "many.yml"
-    config.write_text("base_model: x\n" + "".join(f"unknown_key_{i}: 1\n" for i in range(5000)))
+    config = tmp_path / "many.yml"  # 5000 unknown keys are ignored (Axolotl drops them); 5000 bad values are not
+    config.write_text("base_model: x\n" + "".join(f"unknown_key_{i}: 1\n" for i in range(5000)) + "datasets:\n"
+                      + "".join(f"  - {{path: d{i}.jsonl, type: alpaca, split: [{i}]}}\n" for i in range(5000)))
     out = run_envtool("train", str(config), "--gpu", "cpu", "--dry-run")
     assert out.returncode == 2
     (line,) = out.stderr.strip().splitlines()
     assert len(line) < 2100
-    assert "unknown key 'unknown_key_0'" in line and "characters cut" in line
-    assert line.endswith("datasets: Field required (or pretraining_dataset for streamed pretraining)")
+    assert "datasets.0.split: Input should be a valid string" in line and "characters cut" in line
+    assert line.endswith("datasets.4999.split: Input should be a valid string")
+    assert "unknown_key_" not in line
 
 
 @pytest.mark.parametrize("option", ["--python", "--platform", "--attention", "--torch", "--cuda", "--driver"])
@@ -224,14 +226,100 @@ def test_an_empty_plan_option_is_an_error_not_the_default(option):
                                                "option out for the default"]
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--index-url", ""], "--index-url is empty: give a value"),
+    (["--extra-index-url", ""], "--extra-index-url is empty: give a value"),
+    (["--torch-index", " "], "--torch-index is empty: give a value"),
+    (["--ca-bundle", ""], "--ca-bundle is empty: give a value"),
+    (["--index-url", "pypi.local/simple"], "--index-url 'pypi.local/simple': give an http(s):// or file:// URL"),
+    (["--torch-index", "https://bot:tok3n@/whl/"], "--torch-index 'https://***@/whl/': give an http(s)://"),
+])
+def test_an_empty_or_hostless_source_is_an_error_not_the_default(tmp_path, args, message):
+    out = run_envtool("lock", "--gpu", "t4", *T4[:2], "--out", str(tmp_path / "env"), *args)
+    assert out.returncode == 2 and out.stdout == "" and "tok3n" not in out.stderr
+    (line,) = out.stderr.strip().splitlines()
+    assert line.startswith(f"envtool: error: {message}")
+    assert not (tmp_path / "env").exists()
+
+
+def test_an_empty_build_tag_is_an_error_not_the_default_tag():
+    out = run_envtool("build", "--gpu", "t4", *T4, "--tag", "")
+    assert out.returncode == 2 and out.stderr.startswith("envtool: error: --tag '' is not an image reference")
+
+
 def test_a_problem_quoting_a_huge_value_is_cut_and_the_others_stay_whole(tmp_path):
     config = tmp_path / "huge.yml"
-    config.write_text("base_model: x\ndatasets: [{path: d.jsonl, type: alpaca}]\nlearnin_rate: 0.1\n"
-                      f"lr_scheduler: {'z' * 100_000}\n")
+    config.write_text(f"base_model: x\ndatasets: [{{path: {tmp_path / 'd.jsonl'}, type: alpaca}}]\n"
+                      f"micro_batch_size: 0\nlr_scheduler: {'z' * 100_000}\n")
     (tmp_path / "d.jsonl").write_text("")
     out = run_envtool("train", str(config), "--gpu", "cpu", "--dry-run")
     assert out.returncode == 2
     (line,) = out.stderr.strip().splitlines()
     assert len(line) < 2100 and "characters cut" in line
-    assert "unknown key 'learnin_rate'; did you mean 'learning_rate'?" in line
-    assert line.endswith("input should be 'cosine', 'linear', 'constant' or 'constant_with_warmup'")
+    assert "micro_batch_size: Input should be greater than or equal to 1" in line
+    assert "input should be 'cosine', 'linear', 'constant' or 'constant_with_warmup'" in line
+
+
+# ---------------------------------------------------------------------------- index credentials, one writer per venv
+
+from .test_lock import A100, a100_index, uv_cache  # noqa: E402,F401 (the locked A100 index's fixtures)
+
+USER, TOKEN = "ci-bot", "s3cr3t-TRUST-TOKEN-42"
+
+
+def scan(*roots: Path) -> list[Path]:
+    """The files under `roots` whose bytes hold the token."""
+    return [p for root in roots for p in root.rglob("*") if p.is_file() and TOKEN.encode() in p.read_bytes()]
+
+
+@pytest.mark.slow
+def test_index_credentials_are_used_never_written_and_two_installs_take_turns(tmp_path, a100_index):
+    """A private mirror behind HTTP Basic: the credentials in the URLs reach uv and the downloads, never a file
+    or an output line; the install of the lock then authenticates by ~/.netrc (uv's own), and two installs into
+    one venv at once take turns (before: the second deleted the first's half-built venv, a traceback)."""
+    import subprocess
+
+    from tests.support.pypi import index_env, serve
+
+    from .conftest import ENVTOOL
+
+    root, env, start = a100_index
+    plan = start()
+    seen = []
+    env_dir, venv, house = tmp_path / "envs" / "a100", tmp_path / "project" / ".venv", tmp_path / "wheelhouse"
+    with serve(root, auth=f"{USER}:{TOKEN}", seen=seen) as url:
+        secret_url = url.replace("://", f"://{USER}:{TOKEN}@")
+        out = run_envtool("lock", *A100, "--out", str(env_dir), "--index-url", f"{secret_url}/pypi/",
+                          "--wheelhouse", str(house), "--json", env={**env, **index_env(secret_url)}, timeout=300)
+        assert out.returncode == 0, out.stderr
+        assert TOKEN not in out.stdout + out.stderr
+        locked = json.loads(out.stdout)["plan"]
+        assert locked["torch"]["index_url"] == f"{url}/torch/{plan['torch']['variant']}/"
+        assert locked["flash_attn"]["wheel_url"].startswith(f"{url}/gh/")
+        assert scan(env_dir, house) == [] and len(list(house.glob("*.whl"))) > 10
+        authorized = {path.split("/")[1] for path, ok in seen if ok}
+        assert {"pypi", "torch", "gh"} <= authorized  # every source was reached with the credentials
+
+        fresh = {**env, "UV_CACHE_DIR": str(tmp_path / "uv-cache"), "NETRC": str(tmp_path / "no-netrc")}
+        out = run_envtool("install", str(env_dir), "--venv", str(venv), env=fresh, timeout=300)
+        assert out.returncode == 1 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+        assert "401" in out.stderr and TOKEN not in out.stderr
+
+        netrc = tmp_path / "netrc"
+        netrc.write_text(f"machine 127.0.0.1 login {USER} password {TOKEN}\n")
+        netrc.chmod(0o600)
+        installs = [subprocess.Popen([str(ENVTOOL), "install", str(env_dir), "--venv", str(venv), "--json"],
+                                     env={**fresh, "NETRC": str(netrc)}, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True) for _ in range(2)]
+        results = [p.communicate(timeout=600) for p in installs]
+    for p, (stdout, stderr) in zip(installs, results):
+        assert p.returncode == 0, stderr
+        assert TOKEN not in stdout + stderr
+    waited = [stderr for _, stderr in results if "waiting for pid" in stderr]
+    assert len(waited) == 1 and str(installs[0].pid if waited[0] is results[1][1] else installs[1].pid) in waited[0]
+    paths = [json.loads(stdout)["path"] for stdout, _ in results]
+    assert str(venv.resolve()) in paths and all(Path(p).is_dir() for p in paths)  # neither deleted the other's
+    probe = subprocess.run([str(venv / "bin" / "python"), "-c", "import torch, trainer; print(torch.__version__)"],
+                           capture_output=True, text=True)
+    assert probe.stdout.strip() == f"{plan['torch']['version']}+{plan['torch']['variant']}", probe.stderr
+    assert scan(venv.resolve(), env_dir) == []

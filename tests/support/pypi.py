@@ -162,10 +162,24 @@ class _Index(http.server.SimpleHTTPRequestHandler):
     application/vnd.pypi.simple.v1+json when the client accepts it and the index has one, else index.html; the
     server's own URL put where a page says {base}."""
 
+    auth: str | None = None  # "user:password": every request must carry it (HTTP Basic), as a private mirror's
+    seen: list | None = None  # where the server records each request's path and whether it was authorized
+
     def log_message(self, *args):
         pass
 
     def send_head(self):
+        if self.auth is not None:
+            given = self.headers.get("Authorization", "")
+            ok = given == "Basic " + base64.b64encode(self.auth.encode()).decode()
+            if self.seen is not None:
+                self.seen.append((self.path, ok))
+            if not ok:
+                self.send_response(401)
+                self.send_header("WWW-Authenticate", 'Basic realm="envtool-test"')
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return None
         path = self.translate_path(self.path)
         if not os.path.isdir(path) or not self.path.split("?")[0].endswith("/"):
             return super().send_head()
@@ -184,9 +198,12 @@ class _Index(http.server.SimpleHTTPRequestHandler):
 
 
 @contextlib.contextmanager
-def serve(root: Path, tls: tuple[Path, Path] | None = None):
-    """Serve `root` on 127.0.0.1 (a free port), over HTTPS with `tls` = (certificate, key); yields the base URL."""
-    handler = lambda *a, **kw: _Index(*a, directory=str(root), **kw)  # noqa: E731
+def serve(root: Path, tls: tuple[Path, Path] | None = None, auth: str | None = None, seen: list | None = None):
+    """Serve `root` on 127.0.0.1 (a free port), over HTTPS with `tls` = (certificate, key); yields the base URL.
+    `auth` ("user:password"): every request needs HTTP Basic credentials (401 without), as a private mirror does;
+    `seen` collects (path, authorized) per request."""
+    handler_class = type("_AuthIndex", (_Index,), {"auth": auth, "seen": seen}) if auth else _Index
+    handler = lambda *a, **kw: handler_class(*a, directory=str(root), **kw)  # noqa: E731
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     if tls:
         import ssl

@@ -171,8 +171,8 @@ def test_unsupported_keys_are_one_line_naming_key_and_reason(make_config, tmp_pa
     config = make_config(loraplus_lr_ratio=16, adapter="lora")
     result = run_cli("validate", str(config), "--gpu", "a100")
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
-    assert result.stderr.startswith("error: loraplus_lr_ratio is an Axolotl key this trainer does not support "
-                                    "(this adapter option is not supported)")
+    assert result.stderr.startswith("error: loraplus_lr_ratio: LoRA+ (a higher learning rate for LoRA's B matrices) "
+                                    "is not implemented")
     result = run_cli("validate", str(make_config("p.yml", plugins=["my.custom.Plugin"])), "--gpu", "a100")
     assert result.returncode == 2 and "plugins: unknown plugin my.custom.Plugin" in result.stderr
 

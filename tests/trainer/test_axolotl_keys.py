@@ -125,7 +125,7 @@ class AxolotlInputConfig(BaseModel):
     base_model: str
     datasets: list[SFTDataset] | None = None
     sample_packing: bool | None = Field(default=False)
-    sequence_parallel_degree: int | None = Field(default=None, deprecated="use context_parallel_size")
+    sequence_parallel_degree: int | None = Field(default=None, deprecated="Use `context_parallel_size` instead.")
 '''
 
 SCHEMAS_DATASETS = '''\
@@ -194,7 +194,8 @@ def test_script_reads_every_layout(axolotl_repo, tmp_path):
     assert rows["model_config"]["schema"] == "RemappedParameters"  # the alias is the key users write ...
     assert rows["overrides_of_model_config"]["alias_of"] == "model_config"  # ... and the field name is accepted too
     assert rows["capabilities"]["releases"] == "v0.5.0"
-    assert rows["sequence_parallel_degree"]["deprecated"] == "use context_parallel_size"
+    assert rows["sequence_parallel_degree"]["deprecated"] is True  # a flag: Axolotl's own text is not kept
+    assert rows["sequence_parallel_degree"]["replaced_by"] == "context_parallel_size"
     assert rows["sample_packing"]["default"] is False
     assert rows["liger_rms_norm"]["schema"] == "plugin liger: LigerArgs"
     assert rows["datasets[].type"]["type"] == "str"  # the newest release's type

@@ -191,3 +191,51 @@ def test_exact_duplicates_are_dropped_when_asked_and_counted(make_config, tmp_pa
     deduped = prepare(cfg, tok)
     assert deduped.stats["dropped_duplicates"] == 5 and deduped.stats["train_rows"] == 12
     assert len({tuple(ids) for ids in deduped.train["input_ids"]}) == 12
+
+
+@pytest.mark.slow
+def test_a_damaged_cache_is_rebuilt_leftovers_go_and_a_full_disk_is_one_line(make_config, tmp_path):
+    """Issue 22, through `python -m trainer preprocess`: bytes overwritten inside the prepared .arrow (same size),
+    a deleted stats.json, a killed run's temp directory; then a full and a read-only dataset_prepared_path
+    (small tmpfs mounts in a user+mount namespace of their own: `unshare -rm`, no privileges needed)."""
+    import hashlib
+    import subprocess
+    import sys
+
+    config = make_config()
+    first = run_cli("preprocess", str(config), "--json")
+    assert first.returncode == 0, first.stderr
+    cache = tmp_path / "prepared" / json.loads(first.stdout)["path"].rsplit("/", 1)[-1]
+    arrow = next((cache / "train").glob("*.arrow"))
+    digest = hashlib.sha256(arrow.read_bytes()).hexdigest()
+    with open(arrow, "r+b") as f:  # 4 KB of other bytes inside the file: its size stays
+        f.seek(arrow.stat().st_size // 2)
+        f.write(bytes(4096))
+    leftover = cache.with_name(f".{cache.name}.tmp-4194301")  # what a SIGKILLed preparation leaves
+    (leftover / "train").mkdir(parents=True)
+    again = run_cli("preprocess", str(config), "--json")
+    assert again.returncode == 0, again.stderr
+    assert f"the dataset cache {cache} is damaged (the bytes of train/{arrow.name} changed" in again.stderr
+    assert hashlib.sha256(arrow.read_bytes()).hexdigest() == digest  # rebuilt: the rows it had, not others
+    assert not leftover.exists()
+    (cache / "stats.json").unlink()
+    again = run_cli("preprocess", str(config), "--json")
+    assert again.returncode == 0 and "(stats.json is missing)" in again.stderr, again.stderr
+    assert json.loads(again.stdout) == json.loads(first.stdout)
+    assert sorted(p.name for p in cache.parent.iterdir()) == [cache.name, f"{cache.name}.lock"]
+
+    full, read_only = tmp_path / "full", tmp_path / "ro"
+    full.mkdir(), read_only.mkdir()
+    (tmp_path / "full.yml").write_text(config.read_text().replace(str(tmp_path / "prepared"), str(full)))
+    (tmp_path / "ro.yml").write_text(config.read_text().replace(str(tmp_path / "prepared"), str(read_only)))
+    trainer = f"{sys.executable} -m trainer preprocess"
+    script = (f"mount -t tmpfs -o size=16k tmpfs {full} && mount -t tmpfs -o ro,size=16k tmpfs {read_only} && "
+              f"{trainer} {tmp_path / 'full.yml'}; echo \"exit $?\"; ls -A {full}; echo ---; "
+              f"{trainer} {tmp_path / 'ro.yml'}; echo \"exit $?\"")
+    out = subprocess.run(["unshare", "-rm", "sh", "-c", script], capture_output=True, text=True, timeout=300)
+    report, _, after = out.stdout.partition("---")
+    assert "exit 1" in report and [line for line in report.split("exit 1")[1].split() if "tmp" in line] == []
+    lines = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 2 and "Traceback" not in out.stderr, out.stderr
+    assert "no space left on the device of dataset_prepared_path" in lines[0] and "nothing was left behind" in lines[0]
+    assert "exit 2" in after and f"dataset_prepared_path {read_only}: cannot write the dataset cache there" in lines[1]

@@ -143,7 +143,7 @@ def test_lora_reference_is_the_base_with_the_adapter_off(grpo_config, tmp_path, 
 
 
 @pytest.mark.parametrize("trl, message", [
-    ({"use_vllm": True}, "use_vllm: true is not supported"),
+    ({"sync_ref_model": True}, "sync_ref_model: not supported"),
     ({"reward_funcs": ["rwd.no_such_reward", "rwd.format_reward"]}, "has no function no_such_reward"),
     ({"reward_funcs": ["nomodule.reward", "rwd.format_reward"]}, "trl.reward_funcs: cannot import nomodule.reward: no module nomodule.py in"),
     ({"reward_weights": [1.0]}, "reward_weights: 1 weights for 2 reward_funcs"),

@@ -121,6 +121,7 @@ def one_step(cfg, rt):
 
 REGIMES = {
     "full": {},
+    "full-bf16": {"bf16": True},  # Axolotl's regime, the default under bf16: 2 + 2 + 4 bytes per parameter
     "lora": {"adapter": "lora", "lora_target_linear": True, "lora_r": 8},
     "lora-qv": {"adapter": "lora", "lora_target_modules": ["q_proj", "v_proj"], "lora_r": 4},
     "qlora": {"adapter": "qlora", "load_in_4bit": True, "lora_target_linear": True},
@@ -133,8 +134,10 @@ REGIMES = {
 @pytest.mark.parametrize("regime", list(REGIMES))
 def test_static_terms_equal_the_bytes_after_a_step(tiny_llama, regime):
     cfg = config(tiny_llama, **REGIMES[regime])
-    rt = runtime(cfg)
+    rt = runtime(cfg, "bf16" if cfg.bf16 is True else "fp32")
     model, optimizer = one_step(cfg, rt)
+    if regime == "full-bf16":
+        assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     static = memory.static_terms(memory_model.model_shape(str(tiny_llama)), memory.setup_from(cfg, rt, 1))
     grads = storage_bytes([p.grad for p in model.parameters() if p.grad is not None])
     assert (parameter_bytes(model), grads, optimizer_bytes(optimizer)) == \
@@ -212,8 +215,8 @@ ACT_REGIMES = {
                               "bf16", True, False),
     "qlora-bf16-autocast": ({"adapter": "qlora", "load_in_4bit": True, "lora_target_linear": True}, "bf16", True,
                             False),
-    "full-fp32-master-autocast": ({}, "bf16", True, False),
-    "full-bf16-weights": ({}, "bf16", True, True),
+    "full-fp32-master-autocast": ({"fp32_master_weights": True}, "bf16", True, False),
+    "full-bf16-weights": ({}, "bf16", True, False),  # the default under bf16: loaded in bf16 (Axolotl's regime)
 }
 
 

@@ -149,7 +149,7 @@ def test_rl_keys_with_axolotls_names_validate():
 @pytest.mark.parametrize("raw,message", [
     ({**BASE, "rl": "grpo"}, "rl: grpo needs trl.reward_funcs"),
     ({**BASE, "datasets": [{"path": "org/data", "type": "chatml.intel"}]}, "a preference type: set rl"),
-    ({**BASE, "rl": "dpo", "datasets": [{"path": "o/d", "type": "alpaca"}]}, "not a preference pair dataset type"),
+    ({**BASE, "rl": "dpo", "datasets": [{"path": "o/d", "type": "chatml.intell"}]}, "not a preference pair dataset type"),
     ({**BASE, "rl": "kto"}, "not a KTO dataset type"),
     ({**BASE, "rl": "orpo", "dpo_loss_type": ["ipo"]}, "dpo_loss_type: only with rl: dpo"),
     ({**BASE, "rl": "dpo", "precompute_ref_log_probs": False}, "always computed once before training"),

@@ -69,8 +69,11 @@ def test_stream_keys_are_checked(tiny_llama):
     base = {"base_model": str(tiny_llama), "pretraining_dataset": [{"path": "allenai/c4", "name": "en"}]}
     with pytest.raises(ConfigError, match="needs max_steps"):
         parse_config(base)
+    _, notes = parse_config({**base, "max_steps": 3, "val_set_size": 0.1})  # Axolotl ignores it there too
+    assert any(n.startswith("val_set_size: 0.1 ignored with pretraining_dataset") for n in notes)
     with pytest.raises(ConfigError, match="val_set_size must be 0"):
-        parse_config({**base, "max_steps": 3, "val_set_size": 0.1})
+        parse_config({"base_model": "m", "datasets": [{"path": "x.jsonl", "type": "alpaca"}], "streaming": True,
+                      "max_steps": 3, "val_set_size": 0.1})
     with pytest.raises(ConfigError, match="datasets or pretraining_dataset, not both"):
         parse_config({**base, "max_steps": 3, "datasets": [{"path": "x.jsonl", "type": "alpaca"}]})
     with pytest.raises(ConfigError, match="datasets: Field required"):

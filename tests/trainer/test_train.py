@@ -288,4 +288,4 @@ def test_train_reads_the_plan(make_config, tmp_path, monkeypatch, capsys):
     t4_plan.write_text(json.dumps(plan_for("Tesla T4", "7.5", "sdpa", "fp16")))
     monkeypatch.setenv("ENVTOOL_PLAN", str(t4_plan))
     assert train(make_config(max_steps=1)) == 1
-    assert "the plan is for Tesla T4 (sm_75, turing) but torch sees no CUDA GPU here" in capsys.readouterr().err
+    assert "the plan is for Tesla T4 (sm_75, turing) but torch sees no CUDA device here" in capsys.readouterr().err

@@ -3,7 +3,8 @@
 
     load.py        reading: the key check, pydantic's value check, then the named choices (load_config)
     schema.py      Config: every section's keys, and the order the sections' rules run in
-    keys.py        Axolotl keys that are inert, off here, or unsupported; legacy spellings
+    keys.py        the key policy: matrices/axolotl_keys.toml's decision for every key of Axolotl's history
+    migrate.py     retired and renamed Axolotl forms rewritten before the config is read, each with a note
     model.py       model, tokenizer, adapter (LoRA, QLoRA, LoftQ), quantized loading
     datasets.py    datasets, pretraining_dataset and streaming, chat templates by name
     training.py    batching, optimizer, schedule, cadence, checkpoints, evaluation, LISA, ReLoRA, early stopping
@@ -16,12 +17,12 @@
 Each section owns its keys and their rules; no section imports a feature's runtime module.
 """
 
-from trainer.config.datasets import DatasetConfig, PretrainingDatasetConfig, PromptFormat
+from trainer.config.datasets import DatasetConfig, PretrainingDatasetConfig, PromptFormat, UserDefinedFormat
 from trainer.config.hardware import Attention
-from trainer.config.keys import INERT_KEYS, LEGACY_DTYPE_KEYS, PERFORMANCE_KEYS, UNSUPPORTED_KEYS
-from trainer.config.load import check_local_paths, load_config, looks_local, parse_config
+from trainer.config.keys import LEGACY_DTYPE_KEYS
+from trainer.config.load import check_local_paths, load_config, looks_local, missing_local_paths, parse_config
 from trainer.config.schema import Config
 
-__all__ = ["INERT_KEYS", "LEGACY_DTYPE_KEYS", "PERFORMANCE_KEYS", "UNSUPPORTED_KEYS", "Attention", "Config",
-           "DatasetConfig", "PretrainingDatasetConfig", "PromptFormat", "check_local_paths", "load_config",
-           "looks_local", "parse_config"]
+__all__ = ["LEGACY_DTYPE_KEYS", "Attention", "Config", "DatasetConfig", "PretrainingDatasetConfig", "PromptFormat",
+           "UserDefinedFormat", "check_local_paths", "load_config", "looks_local", "missing_local_paths",
+           "parse_config"]

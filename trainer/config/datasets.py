@@ -21,16 +21,51 @@ from trainer.errors import ConfigError
 PromptFormat = Literal["alpaca", "chat_template", "completion", "input_output"]
 # Axolotl's alpaca styles (`type: alpaca:<style>`; the texts are trainer/data/formats/alpaca_styles.py's)
 ALPACA_TYPES = ("alpaca", "alpaca:instruct", "alpaca:chat", "alpaca:chatml", "alpaca:phi")
+# Axolotl's older instruction types, each an alpaca prompter over its own columns (trainer/data/formats/instruction.py
+# NAMED; tests/trainer/test_user_formats.py checks the two lists agree)
+INSTRUCTION_TYPES = ("alpaca_chat", "alpaca_chat.load_qa", "alpaca_chat.load_concise", "alpaca_chat.load_camel_ai",
+                     "context_qa", "context_qa.load_v2", "context_qa.load_404",
+                     "oasst", "oasst:chat", "oasst:chatml", "oasst:phi", "oasst:instruct")
+
+
+class UserDefinedFormat(BaseModel):
+    """A dataset `type:` given as a mapping: Axolotl's user-defined prompt format (prompt_strategies/user_defined.py,
+    its defaults); rendered by trainer/data/formats/user_defined.py."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    system_prompt: str = ""  # the system text when a row has no field_system column
+    field_system: str = "system"
+    field_instruction: str = "instruction"
+    field_input: str = "input"
+    field_output: str = "output"
+    format: str = "{instruction} {input} "  # the prompt of a row with an input ({instruction}, {input})
+    no_input_format: str = "{instruction} "  # ... and of a row without one ({instruction})
+    system_format: str = "{system}"  # written before the prompt where there is a system text
+
+    @model_validator(mode="after")
+    def _placeholders(self) -> UserDefinedFormat:
+        import string
+
+        for key, allowed in (("format", {"instruction", "input"}), ("no_input_format", {"instruction"}),
+                             ("system_format", {"system"})):
+            names = {n for _, n, _, _ in string.Formatter().parse(getattr(self, key)) if n is not None}
+            if names - allowed:
+                raise ValueError(f"{key}: unknown placeholder(s) {', '.join(sorted(names - allowed))} (this format "
+                                 f"fills {', '.join('{' + a + '}' for a in sorted(allowed))})")
+        return self
 
 
 class DatasetConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    path: str
-    # a PromptFormat, or with rl: a PAIR_TYPES / KTO_TYPES entry (checked by Config); None: pre-tokenized rows
-    type: str | None = None
+    path: str | None = None  # a hub id, a file or a directory; None: files given by data_files (with ds_type)
+    # a PromptFormat, an alpaca style, an INSTRUCTION_TYPES name, a user-defined format (a mapping), or with rl: a
+    # PAIR_TYPES / KTO_TYPES entry (checked by Config); None: pre-tokenized rows (rl: prompt/chosen/rejected rows)
+    type: str | UserDefinedFormat | None = None
     split: str = "train"
     name: str | None = None  # hub dataset configuration name
+    revision: str | None = None  # the hub dataset's branch, tag or commit
     data_files: str | list[str] | None = None
     ds_type: Literal["json", "parquet", "csv"] | None = None  # file format when the extension does not say
     # alpaca
@@ -48,7 +83,9 @@ class DatasetConfig(BaseModel):
     message_field_content: str | None = None  # legacy spelling of message_property_mappings.content
     roles: dict[str, list[str]] | None = None  # canonical role -> names used in the data
     roles_to_train: list[str] = ["assistant"]
-    # preference types (rl:) -- chat_template.default: the chosen/rejected message (or string) fields
+    # preference types (rl:) -- chat_template.default: the chosen/rejected message (or string) fields; rows
+    # without a type: the prompt / chosen / rejected columns
+    field_prompt: str = "prompt"
     field_chosen: str = "chosen"
     field_rejected: str = "rejected"
     drop_system_message: bool = False
@@ -64,6 +101,22 @@ class DatasetConfig(BaseModel):
     step_separator: str = "\n"  # appended to every step; the step's label sits on its last token
     max_completion_length: int | None = Field(None, ge=1)  # steps' tokens kept (prompt not counted)
     train_on_last_step_only: bool = False  # only the last step's label is trained
+
+    @model_validator(mode="after")
+    def _source(self) -> DatasetConfig:
+        if not self.path and not self.data_files:
+            raise ValueError("path: Field required (or data_files with ds_type)")
+        return self
+
+    @property
+    def source(self) -> str:
+        """What the rows are read from, as a user reads it (the path, else the data files)."""
+        files = [self.data_files] if isinstance(self.data_files, str) else list(self.data_files or [])
+        return self.path or ", ".join(files)
+
+    @property
+    def user_defined(self) -> UserDefinedFormat | None:
+        return self.type if isinstance(self.type, UserDefinedFormat) else None
 
     @property
     def role_key(self) -> str:
@@ -110,6 +163,9 @@ class DataKeys(BaseModel):
 
     datasets: list[DatasetConfig] = []  # required unless pretraining_dataset is set (checked below)
     val_set_size: float = Field(0.0, ge=0)  # < 1: fraction, >= 1: number of rows
+    # the validation rows: these datasets, prepared like `datasets`, instead of a val_set_size split
+    test_datasets: list[DatasetConfig] | None = None
+    skip_prepare_dataset: bool = False  # tokenize for this run only: no prepared cache is written or read
     dataset_prepared_path: str = "last_run_prepared"
     dataset_exact_deduplication: bool = False  # drop rows identical after tokenising (train and validation)
     dataset_processes: int | None = Field(None, ge=1)  # default min(cpu_count, 8)
@@ -146,6 +202,12 @@ class DataKeys(BaseModel):
             raise ValueError("datasets: Field required (or pretraining_dataset for streamed pretraining)")
         if self.datasets and self.pretraining_dataset:
             raise ValueError("set datasets or pretraining_dataset, not both")
+        if self.test_datasets and self.val_set_size:
+            raise ValueError("set test_datasets or val_set_size, not both (each makes the validation rows)")
+        if self.test_datasets and (self.rl in ("grpo", "gdpo", "ebft") or self.pretraining_dataset or self.streaming):
+            raise ValueError("test_datasets: validation rows from their own datasets are read for SFT, preference and "
+                             "reward training; not with rl: grpo, gdpo or ebft, nor with streamed data (use "
+                             "val_set_size where it applies)")
         if self.streaming_multipack_buffer_size and self.pretrain_multipack_buffer_size:
             raise ValueError("pretrain_multipack_buffer_size is the deprecated spelling of "
                              "streaming_multipack_buffer_size; set only one")
@@ -154,7 +216,7 @@ class DataKeys(BaseModel):
         what = "pretraining_dataset" if self.pretraining_dataset else "streaming: true"
         if self.max_steps is None:
             raise ValueError(f"{what} needs max_steps (a stream has no length to count epochs by)")
-        if self.val_set_size:
+        if self.val_set_size and not self.pretraining_dataset:  # (pretraining_dataset: ignored, see stream_notes)
             raise ValueError(f"{what}: val_set_size must be 0 (a stream has no held-out split here)")
         if self.rl:
             raise ValueError(f"{what}: not with rl: (preference data is prepared up front)")
@@ -168,10 +230,27 @@ class DataKeys(BaseModel):
         """Without rl: or reward models, each dataset's type is a prompt format (or none: pre-tokenized rows)."""
         from trainer.config.rl import KTO_TYPES, PAIR_TYPES
 
-        for i, ds in enumerate(self.datasets):
-            if ds.type is not None and ds.type not in PromptFormat.__args__ and ds.type not in ALPACA_TYPES:
+        for group, entries in (("datasets", self.datasets), ("test_datasets", self.test_datasets or [])):
+            for i, ds in enumerate(entries):
+                if ds.type is None or ds.user_defined or ds.type in SFT_TYPES:
+                    continue
                 hint = " (a preference type: set rl: dpo, ipo, orpo, simpo or kto)" if ds.type in PAIR_TYPES + KTO_TYPES else ""
-                raise ValueError(f"datasets.{i}.type: got {ds.type!r}{hint}; use alpaca (or alpaca:instruct|chat|chatml|phi), chat_template, completion or input_output")
+                close = difflib.get_close_matches(ds.type, SFT_TYPES, n=1)
+                hint += f"; did you mean '{close[0]}'?" if close and not hint else ""
+                raise ValueError(f"{group}.{i}.type: got {ds.type!r}{hint}; use alpaca (or alpaca:instruct|chat|chatml"
+                                 f"|phi), chat_template, completion, input_output, a format of your own (a mapping: "
+                                 f"format, no_input_format, ...) or one of Axolotl's older types "
+                                 f"({', '.join(INSTRUCTION_TYPES)})")
+
+
+def stream_notes(cfg) -> list[str]:
+    if cfg.pretraining_dataset and cfg.val_set_size:
+        return [f"val_set_size: {cfg.val_set_size:g} ignored with pretraining_dataset (a stream has no held-out split; "
+                "Axolotl ignores it there too)"]
+    return []
+
+
+SFT_TYPES = (*PromptFormat.__args__, *ALPACA_TYPES[1:], *INSTRUCTION_TYPES)
 
 
 # --- chat templates by name: trainer/templates/<name>.jinja, each listed with its source in SOURCES.toml ----------

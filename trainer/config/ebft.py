@@ -66,7 +66,7 @@ def check(cfg) -> list[str]:
                 key, "the feature network would need the whole weights; this trainer runs rl: ebft with DDP only")
             raise ConfigError(f"{key}: not with rl: ebft ({why})")
     for i, ds in enumerate(cfg.datasets):
-        if not ds.type or "." not in ds.type:
+        if not isinstance(ds.type, str) or "." not in ds.type:
             raise ConfigError(f"datasets.{i}.type: rl: ebft reads rows through a transform named module.function "
                               f"(e.g. ebft_pretrain.transform, ebft_strided_structured.transform), got {ds.type!r}")
     if num_blocks(cfg.sequence_len, e.generate_max_len, e.context_length, e.stride) <= 0:

@@ -23,7 +23,7 @@ class TrlConfig(BaseModel):
 
     beta: float | None = Field(None, ge=0)  # KL coefficient; TRL's default 0.0 (no reference model at all)
     max_completion_length: int | None = Field(None, ge=1)  # TRL's default 512
-    use_vllm: bool = False  # true is refused: no vLLM here; completions come from model.generate
+    use_vllm: bool = False  # true: off here (a note); completions come from model.generate
     reward_funcs: list[str] | None = None  # "module.function", imported from the config's directory or the cwd
     reward_weights: list[float] | None = None  # default 1.0 each
     num_generations: int | None = Field(None, ge=2)  # completions per prompt (a group); TRL's default 8
@@ -71,9 +71,6 @@ class TrlConfig(BaseModel):
 
     @model_validator(mode="after")
     def _supported(self) -> TrlConfig:
-        if self.use_vllm:
-            raise ValueError("use_vllm: true is not supported (vLLM is not part of this trainer; completions are "
-                             "generated with the policy's own model.generate): set use_vllm: false")
         if self.sync_ref_model:
             raise ValueError("sync_ref_model: not supported (the reference is the starting model)")
         if self.use_data_producer or self.async_prefetch:
@@ -139,11 +136,14 @@ def check(cfg) -> list[str]:
     if cfg.sample_packing:
         raise ValueError(f"sample_packing: not with rl: {cfg.rl} (completions are generated, one per row)")
     for i, ds in enumerate(cfg.datasets):
-        if ds.type is not None and "." not in ds.type:
+        if ds.type is not None and (not isinstance(ds.type, str) or "." not in ds.type):
             raise ValueError(f"datasets.{i}.type: {ds.type!r}; with rl: {cfg.rl} use a transform 'module.function' "
                              "(as Axolotl's rwd.gsm8k_transform) or no type (rows with a prompt column)")
     notes = []
-    if any(getattr(trl, k) is not None for k in VLLM_KEYS):
+    if trl.use_vllm:
+        notes.append("trl.use_vllm: off (vLLM is not part of this trainer: the completions are sampled from the policy "
+                     "with its own model.generate, with the same sampling settings; slower, and no vLLM server is used)")
+    elif any(getattr(trl, k) is not None for k in VLLM_KEYS):
         notes.append("trl.vllm_*: ignored, use_vllm is false (completions come from model.generate)")
     return notes
 

@@ -56,6 +56,7 @@ class HardwareKeys(BaseModel):
     # resolved against the GPU by trainer.runtime.hardware
     bf16: bool | Literal["auto"] = "auto"
     fp16: bool | None = None
+    fp32_master_weights: bool = False  # full fine-tunes under bf16: fp32 weights under autocast (default: bf16 weights, as Axolotl)
     tf32: bool | Literal["auto"] = "auto"
     attn_implementation: Attention | None = None
     flash_attention: bool | None = None  # legacy flags, same meaning as attn_implementation

@@ -1,64 +1,125 @@
-"""Reading a config: Axolotl-style YAML keys, validated up front.
+"""Reading a config: Axolotl-style YAML keys, by the key policy of matrices/axolotl_keys.toml (trainer/config/keys.py).
 
-Reading a config is three passes:
-1. key check: every key is a supported key (a field of a section, trainer/config/schema.py), an inert Axolotl key
-   (accepted, with a note), or an Axolotl key we do not support (an error unless its value is empty;
-   trainer/config/keys.py). Anything else is an unknown key, and the error names the closest valid key.
-2. value check: pydantic validates types and ranges of the supported keys, then each section's rules.
-3. named choices: names checked against data tables and each feature's rules against the rest (_named_choices).
-Every problem found is reported together, in one line.
+Reading a config is four passes, and every problem any of them finds is reported together, one line each:
+1. retired forms rewritten (trainer/config/migrate.py), each with a note: renamed keys, sharegpt, old paths.
+2. keys sorted by the table (each level: the config, a dataset entry, a block such as trl:): a key the trainer reads
+   is kept; an Axolotl key it does not act on is named in ONE note line ("ignored: ..."); a refused key is a
+   problem, with the table's reason, unless its value is empty or Axolotl's default; a key no Axolotl release knew is
+   ignored as Axolotl ignores it (named in the same note), with a "did you mean" warning when it is one edit from a
+   key the trainer reads.
+3. value check: pydantic validates types and ranges, then each section's rules.
+4. named choices: names checked against data tables and each feature's rules against the rest (_named_choices).
+When pass 3 fails, the keys it names are set aside and the rest is read again, so the files, the GPU and the model
+can still be checked in the same run (trainer/setup.py).
 
 A YAML null (``fp16:``) means "unset", as in Axolotl, so it takes the default.
 """
 
 from __future__ import annotations
 
-import difflib
+import re
+import typing
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
-from trainer.config import datasets, diffusion, ebft, grpo, hardware, model, parallel, qat, rl, sparsity, training
+from trainer.config import datasets, diffusion, ebft, grpo, hardware, migrate, model, parallel, qat, rl, sparsity, training
+from trainer.config import keys
 from trainer.config.datasets import DatasetConfig
-from trainer.config.keys import INERT_KEYS, LEGACY_DTYPE_KEYS, PERFORMANCE_KEYS, TORCH_DTYPES, UNSUPPORTED_KEYS
 from trainer.config.parallel import deepspeed_path
 from trainer.config.schema import Config
-from trainer.errors import ConfigError
+from trainer.errors import ConfigError, several
+
+IGNORED_HOW = {"inert": "no effect on this run: matrices/axolotl_keys.toml says why",
+               "unknown": "not Axolotl keys: Axolotl drops them too"}
 
 
-def _is_empty(value: Any) -> bool:
-    return value is None or value is False or value == "" or value == [] or value == {}
+def _model_in(field) -> tuple[type[BaseModel] | None, bool]:
+    """(the pydantic model a field holds, whether in a list), (None, False) for plain values and mappings."""
+    stack = [getattr(field, "annotation", None)]
+    while stack:
+        ann = stack.pop()
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            return ann, False
+        if typing.get_origin(ann) is list:
+            inner = [a for a in typing.get_args(ann) if isinstance(a, type) and issubclass(a, BaseModel)]
+            if inner:
+                return inner[0], True
+            continue
+        if typing.get_origin(ann) is dict:
+            continue
+        stack += list(typing.get_args(ann))
+    return None, False
 
 
-def _check_keys(raw: dict, fields: set[str], where: str, notes: list[str], allow_axolotl: bool) -> tuple[dict, list[str]]:
-    """Return the supported keys with non-null values, and the problems found."""
-    kept, problems = {}, []
-    known = sorted(fields | (set(INERT_KEYS) | set(PERFORMANCE_KEYS) | set(UNSUPPORTED_KEYS) if allow_axolotl else set()))
-    for key, value in raw.items():
-        key = str(key)
-        if key in fields:
-            if value is not None:
-                kept[key] = value
-        elif allow_axolotl and key in INERT_KEYS:
-            if not _is_empty(value):
-                notes.append(f"{where}{key}: ignored ({INERT_KEYS[key]})")
-        elif allow_axolotl and key in PERFORMANCE_KEYS:
-            if not _is_empty(value):
-                notes.append(f"{where}{key}: off ({PERFORMANCE_KEYS[key]})")
-        elif allow_axolotl and key in UNSUPPORTED_KEYS:
-            if _is_empty(value):
-                notes.append(f"{where}{key}: empty, ignored")
-            else:
-                problems.append(f"{where}{key} is an Axolotl key this trainer does not support ({UNSUPPORTED_KEYS[key]}); remove it")
+class Sift:
+    """Pass 2: a config's keys sorted by the table, at every level of the sections' models."""
+
+    def __init__(self) -> None:
+        self.ignored: dict[str, list[str]] = {"inert": [], "unknown": []}
+        self.warnings: list[str] = []
+        self.problems: list[str] = []
+
+    def mapping(self, raw: dict, model: type[BaseModel], prefix: str, where: str) -> dict:
+        """The keys of `raw` that `model` reads (non-null), sorted at every level below."""
+        fields = model.model_fields
+        kept = {}
+        for key, value in raw.items():
+            key = str(key)
+            if key in fields:
+                if value is not None:
+                    kept[key] = self.value(value, fields[key], f"{prefix}{key}", f"{where}{key}")
+                continue
+            self.other(key, value, set(fields), prefix, where)
+        return kept
+
+    def value(self, value: Any, field, name: str, where: str) -> Any:
+        inner, listed = _model_in(field)
+        if inner is None:
+            return value
+        if listed and isinstance(value, list):
+            return [self.mapping({k: v for k, v in e.items()}, inner, f"{name}[].", f"{where}.{i}.")
+                    if isinstance(e, dict) else e for i, e in enumerate(value)]
+        if not listed and isinstance(value, dict):
+            return self.mapping(value, inner, f"{name}.", f"{where}.")
+        return value
+
+    def other(self, key: str, value: Any, fields: set[str], prefix: str, where: str) -> None:
+        """A key the section does not read: by the table's decision."""
+        name = f"{prefix}{key}"
+        row = keys.decision(name)
+        decided = row.get("decision")
+        if decided == "refused":
+            if not keys.asks_nothing(name, value):
+                self.problems.append(f"{where}{key}: {row['reason']}")
+            return
+        if keys.is_empty(value):
+            return
+        if decided in ("inert", "migrated"):  # (a migrated key left here was given with a null value)
+            self.ignored["inert"].append(f"{where}{key}")
+        elif decided == "honoured":  # the table says the trainer reads it, and no section does: a bug here
+            self.problems.append(f"{where}{key}: matrices/axolotl_keys.toml says this key is read, but no section "
+                                 "of the trainer's config reads it (a bug; please report it)")
         else:
-            close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
-            hint = f"; did you mean '{close[0]}'?" if close else ""
-            problems.append(f"unknown key '{where}{key}'{hint}")
-    return kept, problems
+            close = sorted(f for f in fields if keys.one_edit(key, f))
+            if close:
+                self.warnings.append(f"warning: '{where}{key}' is not a key (ignored); did you mean "
+                                     f"'{where}{close[0]}'?")
+            else:
+                self.ignored["unknown"].append(f"{where}{key}")
+
+    def notes(self) -> list[str]:
+        parts = [f"{_some(names)} ({IGNORED_HOW[how]})" for how, names in self.ignored.items() if names]
+        return self.warnings + ([f"ignored: {'; '.join(parts)}"] if parts else [])
 
 
-def _format_validation_error(err: ValidationError) -> str:
+def _some(names: list[str], most: int = 30) -> str:
+    """Names for a note line: all of them, or the first `most` and how many more."""
+    return ", ".join(names) if len(names) <= most else f"{', '.join(names[:most])} and {len(names) - most} more"
+
+
+def _validation_problems(err: ValidationError) -> list[str]:
     parts = []
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"])
@@ -66,69 +127,77 @@ def _format_validation_error(err: ValidationError) -> str:
         if e["type"] == "literal_error":
             msg = f"got {e['input']!r}; {msg[0].lower()}{msg[1:]}"
         parts.append(f"{loc}: {msg}" if loc else msg)
-    return "; ".join(parts)
+    return parts
 
 
-def _legacy_keys(raw: dict, notes: list[str]) -> dict:
-    """Axolotl's older spellings of the precision: bfloat16/float16/float32: true and torch_dtype."""
-    if "model_config" in raw:
-        raw["model_config_overrides"] = raw.pop("model_config")
-    for key, (target, value) in LEGACY_DTYPE_KEYS.items():
-        if key in raw:
-            given = raw.pop(key)
-            if given and raw.get(target) is None:
-                raw[target] = value
-                notes.append(f"{key}: true is the legacy spelling of {target}: {str(value).lower()}")
-    if "torch_dtype" in raw:
-        given = raw.pop("torch_dtype")
-        precision = TORCH_DTYPES.get(str(given).removeprefix("torch."))
-        if given is not None and precision is None:
-            raise ConfigError(f"torch_dtype: unknown dtype {given!r}; use bfloat16, float16 or float32")
-        if precision and raw.get("bf16") is None and raw.get("fp16") is None:
-            raw["bf16" if precision != "fp16" else "fp16"] = precision == "bf16" or (True if precision == "fp16" else False)
-            notes.append(f"torch_dtype: {given} is read as {precision}")
-    return raw
+def _format_validation_error(err: ValidationError) -> str:
+    return "; ".join(_validation_problems(err))
+
+
+def _lenient(kept: dict, err: ValidationError) -> Config | None:
+    """The config without the keys pydantic refused and without the cross-key rules, for the checks that can
+    still run (files, GPU, model); None when even that cannot be read."""
+    bad = {e["loc"][0] for e in err.errors() if e["loc"]}
+    rest = {k: v for k, v in kept.items() if k not in bad}
+    if "datasets" in bad and "pretraining_dataset" not in rest:
+        rest["datasets"] = [DatasetConfig.model_construct(path="")]  # (required; nothing to check in it)
+    try:
+        cfg = _Unchecked.model_validate(rest)
+    except ValidationError:
+        return None
+    return cfg
+
+
+class _Unchecked(Config):
+    """Config without its cross-key rules (each field still validated): only for _lenient."""
+
+    def _consistent(self):  # replaces the model validator of Config
+        return self
 
 
 def parse_config(raw: Any) -> tuple[Config, list[str]]:
-    """Validate a config mapping. Returns the config and notes about keys that were accepted but do nothing."""
+    """Validate a config mapping. Returns the config and the notes about what was rewritten or ignored. Raises a
+    ConfigError naming every problem (`.problems`, one line each; `.config`: the config as far as it reads)."""
     if not isinstance(raw, dict):
         raise ConfigError("the config must be a YAML mapping of keys to values")
-    notes: list[str] = []
-    assert not any("; " in r for r in UNSUPPORTED_KEYS.values())  # refusals are '; '-joined
-    raw = _legacy_keys(dict(raw), notes)
-    kept, problems = _check_keys(raw, set(Config.model_fields), "", notes, allow_axolotl=True)
-    datasets = kept.get("datasets")
-    if isinstance(datasets, list):
-        cleaned = []
-        for i, entry in enumerate(datasets):
-            if not isinstance(entry, dict):
-                problems.append(f"datasets.{i}: each dataset must be a mapping with at least path and type")
-                continue
-            if entry.get("type") == "chat_template.default":  # Axolotl's full name of the same strategy
-                entry = {**entry, "type": "chat_template"}
-            if isinstance(entry.get("type"), dict):
-                problems.append(f"datasets.{i}.type: custom prompt formats are not supported; use alpaca, chat_template, completion or input_output")
-                continue
-            d, p = _check_keys(entry, set(DatasetConfig.model_fields), f"datasets.{i}.", notes, allow_axolotl=False)
-            cleaned.append(d)
-            problems += p
-        kept["datasets"] = cleaned
-    if isinstance(kept.get("pretraining_dataset"), list):  # a YAML null in an entry means unset, as above
-        kept["pretraining_dataset"] = [{k: v for k, v in e.items() if v is not None} if isinstance(e, dict) else e
-                                       for e in kept["pretraining_dataset"]]
+    raw, rewrite = migrate.migrate({str(k): v for k, v in raw.items()}, set(Config.model_fields) | {"model_config"},
+                                   set(DatasetConfig.model_fields))
+    notes, problems = list(rewrite.notes), list(rewrite.problems)
+    if "model_config" in raw:  # Axolotl's model_config: pydantic owns the name
+        raw["model_config_overrides"] = raw.pop("model_config")
+    if raw.get("micro_batch_size") == "auto":  # the batch per step is micro 1 x gradient_accumulation_steps,
+        raw["micro_batch_size"] = 1  # split by the estimate at start (trainer/runtime/auto_batch.py)
+        raw["auto_find_batch_size"] = True
+    sift = Sift()
+    kept = sift.mapping(raw, Config, "", "")
+    problems += sift.problems
+    for i, entry in enumerate(kept.get("datasets") or []):
+        if not isinstance(entry, dict):
+            problems.append(f"datasets.{i}: each dataset must be a mapping with at least path and type")
+    kept["datasets"] = [e for e in kept.get("datasets") or [] if isinstance(e, dict)] if "datasets" in kept else []
+    if not kept["datasets"]:
+        kept.pop("datasets")
+    for entry in kept.get("datasets", []):
+        if entry.get("type") == "chat_template.default":  # Axolotl's full name of the strategy
+            entry["type"] = "chat_template"
+    set_aside: set[str] = set()
     try:
         cfg = Config.model_validate(kept)
-    except ValidationError as err:  # report key and value problems together, so one run shows them all
-        problems.append(_format_validation_error(err))
-    else:
-        problems += _named_choices(cfg, notes)
+    except ValidationError as err:  # key and value problems together, so one run shows them all
+        problems += _validation_problems(err)
+        cfg = _lenient(kept, err)
+        set_aside = {str(e["loc"][0]) for e in err.errors() if e["loc"]}
+    if cfg is not None:
+        # a rule that reads a key set aside above would only say that the key is missing: not a problem to report
+        problems += [p for p in _named_choices(cfg, notes, lenient=bool(problems))
+                     if not any(re.search(rf"(?<![\w.]){re.escape(key)}\b", p) for key in set_aside)]
+    notes = sift.notes() + notes
     if problems:
-        raise ConfigError("; ".join(problems))
+        raise several([("config", p) for p in problems], cfg)
     return cfg, notes
 
 
-def _named_choices(cfg: Config, notes: list[str]) -> list[str]:
+def _named_choices(cfg: Config, notes: list[str], lenient: bool = False) -> list[str]:
     """The rules that read more than one key's type and range: names checked against data tables (optimizer,
     chat templates, plugins), each feature against the rest of the config. Every problem is collected, so one
     run names them all."""
@@ -140,7 +209,7 @@ def _named_choices(cfg: Config, notes: list[str]) -> list[str]:
     checks += [lambda ds=ds: datasets.check_chat_template(ds.chat_template, ds.chat_template_jinja)
                for ds in cfg.datasets if ds.chat_template]
     checks += [lambda: notes.extend(hardware.check_plugins(cfg)), lambda: notes.extend(parallel.check_backend(cfg))]
-    checks += [lambda: notes.extend(model.check_mistral_tokenizer(cfg))]
+    checks += [lambda: notes.extend(model.check_mistral_tokenizer(cfg)), lambda: notes.extend(datasets.stream_notes(cfg))]
     checks += [lambda: qat.check_config(cfg)]
     checks += [lambda: notes.extend(sparsity.check(cfg))]
     checks += [lambda: notes.extend(_objective_notes(cfg))]
@@ -154,6 +223,9 @@ def _named_choices(cfg: Config, notes: list[str]) -> list[str]:
             check()
         except ConfigError as err:
             problems.append(str(err))
+        except Exception:  # noqa: BLE001  (lenient: a config whose own rules failed; those problems are reported)
+            if not lenient:
+                raise
     return problems
 
 
@@ -244,13 +316,22 @@ def _check_expanded_size(root, path: Path) -> None:
 
 
 def load_config(path: str | Path) -> tuple[Config, list[str]]:
+    """Read and check a config file: every problem of the config and of the local files it names, together."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     raw = read_yaml(path)
-    cfg, notes = parse_config(raw)
+    try:
+        cfg, notes = parse_config(raw)
+        problems = []
+    except ConfigError as err:
+        if err.config is None:
+            raise
+        cfg, notes, problems = err.config, [], list(err.problems)
     cfg._config_dir = str(path.resolve().parent)
-    check_local_paths(cfg)
+    problems += [("file", line) for line in missing_local_paths(cfg)]
+    if problems:
+        raise several(problems, cfg)
     return cfg, notes
 
 
@@ -259,18 +340,34 @@ def looks_local(path: str) -> bool:
     return path.startswith(("/", "./", "../", "~")) or Path(path).suffix in {".json", ".jsonl", ".parquet", ".csv"} or Path(path).exists()
 
 
-def check_local_paths(cfg: Config) -> None:
-    """Missing local files are bad input: say so before any work starts."""
+BUILDERS = ("json", "csv", "parquet", "text", "arrow")  # datasets' file builders, as a `path`
+
+
+def missing_local_paths(cfg: Config) -> list[str]:
+    """The local files and directories the config names that are not on this machine, one line each."""
     missing = []
-    entries = [("datasets", cfg.datasets), ("pretraining_dataset", cfg.pretraining_dataset or [])]
+    entries = [("datasets", cfg.datasets), ("test_datasets", cfg.test_datasets or []),
+               ("pretraining_dataset", cfg.pretraining_dataset or [])]
     for key, i, ds in [(key, i, ds) for key, group in entries for i, ds in enumerate(group)]:
-        if looks_local(ds.path) and not Path(ds.path).expanduser().exists():
+        if ds.path and looks_local(ds.path) and not Path(ds.path).expanduser().exists():
             missing.append(f"{key}.{i}.path: file not found: {ds.path}")
-    for key in ("base_model", "tokenizer_config", "deepspeed"):
+        files = [ds.data_files] if isinstance(ds.data_files, str) else ds.data_files or []
+        builder = ds.path in BUILDERS  # `path: json` with data_files: the files are local
+        if not ds.path or builder or (looks_local(ds.path) and Path(ds.path).expanduser().is_dir()):
+            base = Path("." if not ds.path or builder else ds.path).expanduser()
+            missing += [f"{key}.{i}.data_files: file not found: {f}" for f in files
+                        if looks_local(f) and not (base / Path(f).expanduser()).exists()]
+    for key in ("base_model", "base_model_config", "tokenizer_config", "deepspeed"):
         value = getattr(cfg, key)
         if key == "deepspeed" and value:
             value = str(deepspeed_path(value))
         if value and looks_local(value) and not Path(value).expanduser().exists():
             missing.append(f"{key}: not found: {value}")
+    return missing
+
+
+def check_local_paths(cfg: Config) -> None:
+    """Missing local files are bad input: say so before any work starts."""
+    missing = missing_local_paths(cfg)
     if missing:
-        raise ConfigError("; ".join(missing))
+        raise several([("file", line) for line in missing], cfg)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
 
 class LoggingKeys(BaseModel):
@@ -26,3 +26,13 @@ class LoggingKeys(BaseModel):
     loss_watchdog_patience: int = Field(3, ge=1)  # ... for this many steps in a row
     hub_model_id: str | None = None  # push the final model or adapter to the hub at the end
     hub_strategy: str | None = None
+
+    @field_validator("wandb_project", "wandb_entity", "wandb_name", "wandb_run_id", "wandb_watch", "wandb_log_model",
+                     "mlflow_experiment_name", "mlflow_run_name", mode="before")
+    @classmethod
+    def _as_text(cls, value):
+        """YAML reads `wandb_name: 3.1` as a number and `wandb_watch: false` as a boolean; both are the text
+        written (transformers reads WANDB_WATCH / WANDB_LOG_MODEL "false" as off)."""
+        if isinstance(value, bool):
+            return str(value).lower()
+        return str(value) if isinstance(value, int | float) else value

@@ -28,12 +28,15 @@ class PeftOptions(BaseModel):  # Axolotl's `peft:` block
 class ModelKeys(BaseModel):
     # model and tokenizer
     base_model: str
+    # the model's config (and, without tokenizer_config, the tokenizer) read from here instead of base_model, as
+    # Axolotl's load_model_config / load_tokenizer; the same value as base_model is dropped on reading
+    base_model_config: str | None = None
     tokenizer_config: str | None = None
     trust_remote_code: bool = False
     # Axolotl's `model_config:` (overrides of the model's config); renamed on reading, pydantic owns the name
     model_config_overrides: dict[str, Any] | None = None
     revision_of_model: str | None = None  # the model repository's branch, tag or commit
-    special_tokens: dict[str, str] | None = None
+    special_tokens: dict[str, str | list[str]] | None = None  # bos_token, ..., additional_special_tokens: [...]
     tokens: list[str] | None = None  # extra tokens added to the vocabulary
     resize_token_embeddings_to_32x: bool = False
     cls_model_config: str | None = None  # transformers config class to read the model's config with

@@ -75,10 +75,17 @@ class RlKeys(BaseModel):
         if self.rl == "ebft":  # transforms named module.function (trainer/config/ebft.py check)
             return
         allowed = KTO_TYPES if self.rl == "kto" else PAIR_TYPES
-        for i, ds in enumerate(self.datasets):
-            if ds.type not in allowed:
-                raise ValueError(f"datasets.{i}.type: {ds.type!r} is not a {'KTO' if self.rl == 'kto' else 'preference pair'} "
-                                 f"dataset type; use one of {', '.join(allowed)}")
+        for group, entries in (("datasets", self.datasets), ("test_datasets", self.test_datasets or [])):
+            for i, ds in enumerate(entries):
+                if ds.user_defined:
+                    raise ValueError(f"{group}.{i}.type: a format of your own (a mapping) is for SFT here; with rl: "
+                                     f"{self.rl} use one of {', '.join(allowed)}, or no type (rows with prompt, chosen "
+                                     "and rejected texts)")
+                if ds.type is None and self.rl != "kto":
+                    continue  # Axolotl: no type means rows already in prompt / chosen / rejected form
+                if ds.type not in allowed:
+                    raise ValueError(f"{group}.{i}.type: {ds.type!r} is not a {'KTO' if self.rl == 'kto' else 'preference pair'} "
+                                     f"dataset type; use one of {', '.join(allowed)}")
         if self.dpo_loss_type is not None and (self.rl != "dpo" or len(self.dpo_loss_type) != 1):
             raise ValueError("dpo_loss_type: only with rl: dpo, as a single loss ([sigmoid] or [ipo])")
         if self.precompute_ref_log_probs is False:

@@ -40,6 +40,8 @@ def modifiers(recipe) -> list[dict]:
             raise ConfigError(f"llmcompressor.recipe.{key}: expected a <name>_stage mapping of <name>_modifiers "
                               "groups (llmcompressor reads nothing else)")
         for group, mods in value.items():
+            if isinstance(mods, list) and all(isinstance(m, dict) and len(m) == 1 for m in mods):
+                mods = {name: args for m in mods for name, args in m.items()}  # a list of {Name: options}
             if not group.endswith("_modifiers") or not isinstance(mods, dict):
                 raise ConfigError(f"llmcompressor.recipe.{key}.{group}: expected a <name>_modifiers mapping of "
                                   "modifier name to its options")

@@ -8,7 +8,7 @@ from __future__ import annotations
 import difflib
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
 from trainer import facts
 from trainer.errors import ConfigError
@@ -19,7 +19,8 @@ class TrainingKeys(BaseModel):
     sample_packing: bool = False
     eval_sample_packing: bool | None = None  # default: same as sample_packing
     pad_to_sequence_len: bool = False
-    micro_batch_size: int = Field(1, ge=1)
+    micro_batch_size: int = Field(1, ge=1)  # `auto` in YAML: auto_find_batch_size over micro 1 x accumulation (load.py)
+    auto_find_batch_size: bool = False  # the largest micro-batch that fits, the step's batch kept; an OOM backs off
     eval_batch_size: int | None = Field(None, ge=1)
     gradient_accumulation_steps: int = Field(1, ge=1)
     dataloader_num_workers: int = Field(0, ge=0)
@@ -44,11 +45,13 @@ class TrainingKeys(BaseModel):
 
     # outputs and cadence
     output_dir: str = "./outputs"
-    logging_steps: int = Field(1, ge=1)
-    eval_steps: int | None = Field(None, ge=1)
+    # logging_steps, eval_steps, save_steps: a step count, or a fraction (< 1) of the total steps, rounded up, as
+    # transformers' TrainingArguments reads them (resolved by steps_from_fractions once the total is known)
+    logging_steps: int | float = Field(1, gt=0)
+    eval_steps: int | float | None = Field(None, gt=0)
     evals_per_epoch: int | None = Field(None, ge=0)  # 0: none, as in Axolotl
-    save_steps: int | None = Field(None, ge=1)
-    saves_per_epoch: int | None = Field(None, ge=1)
+    save_steps: int | float | None = Field(None, gt=0)
+    saves_per_epoch: int | None = Field(None, ge=0)  # 0: none (only the final model), as evals_per_epoch
     save_total_limit: int | None = Field(None, ge=1)
     save_only_model: bool = False  # checkpoints without optimizer/scheduler/RNG state (resume restarts the optimizer)
     resume_from_checkpoint: str | None = None
@@ -66,6 +69,9 @@ class TrainingKeys(BaseModel):
     do_causal_lm_eval: bool = False  # eval_causal_lm_metrics at every evaluation (trainer.objectives.causal_lm_eval)
     eval_causal_lm_metrics: list[str] | None = None  # Axolotl's default: sacrebleu, comet, ter, chrf
     eval_max_new_tokens: int = Field(128, ge=1)  # Axolotl's default; perplexity's window length
+    # NEFTune: uniform noise of alpha / sqrt(sequence length x hidden size) on the input embeddings while training,
+    # transformers' own neftune_noise_alpha (trainer/model/neftune.py)
+    neftune_noise_alpha: float | None = Field(None, gt=0)
     eval_table_size: int | None = Field(None, ge=0)  # Axolotl logs prediction tables only to wandb/mlflow/comet
     relora: bool = False  # ReLoRA: merge LoRA into the base every jagged_restart_steps (trainer.model.relora)
     relora_prune_ratio: float | None = Field(None, ge=0, le=1)  # share of LoRA's optimizer state zeroed at a restart
@@ -74,6 +80,15 @@ class TrainingKeys(BaseModel):
     jagged_restart_steps: int | None = Field(None, ge=1)  # LR restarts (and ReLoRA merges) every this many steps
     jagged_restart_warmup_steps: int | None = Field(None, ge=0)  # warmup after each restart (0/unset: 10)
     jagged_restart_anneal_steps: int | None = Field(None, ge=0)  # anneal before each restart (0/unset: 1)
+
+    @field_validator("logging_steps", "eval_steps", "save_steps", mode="after")
+    @classmethod
+    def _steps_or_fraction(cls, value, info):
+        if isinstance(value, float) and value >= 1:
+            if not value.is_integer():
+                raise ValueError(f"{value} is neither a step count nor a fraction (< 1) of the total steps")
+            return int(value)
+        return value
 
     @property
     def packing_for_eval(self) -> bool:
@@ -91,7 +106,8 @@ class TrainingKeys(BaseModel):
                 raise ValueError("lisa_n_layers: not with DeepSpeed or FSDP (their sharded optimizers fix the trained "
                                  "parameters up front; LISA changes them every lisa_step_interval steps)")
         if self.early_stopping_patience:
-            if not (self.save_steps and self.eval_steps) or self.save_steps % self.eval_steps:
+            if not (self.save_steps and self.eval_steps) or (
+                    isinstance(self.save_steps, int) and isinstance(self.eval_steps, int) and self.save_steps % self.eval_steps):
                 raise ValueError("early_stopping_patience needs save_steps and eval_steps, with eval_steps dividing "
                                  "save_steps (as Axolotl requires: the best checkpoint becomes the final model)")
             if not self.val_set_size:
@@ -123,9 +139,6 @@ class TrainingKeys(BaseModel):
                                  "Face Hub); only perplexity is computed here")
             if self.rl:
                 raise ValueError("do_causal_lm_eval: for SFT only (no preference training)")
-        if self.eval_table_size and (self.wandb_project or self.use_wandb or self.use_mlflow):
-            raise ValueError("eval_table_size: prediction tables are not logged to wandb/mlflow here (Axolotl logs "
-                             "them only there, and has deprecated the key for generate_samples)")
 
     def _check_schedule(self) -> None:
         if self.warmup_ratio is not None and self.warmup_steps is not None:
@@ -219,11 +232,25 @@ def schedule_notes(cfg) -> list[str]:
 
 
 def eval_table_notes(cfg) -> list[str]:
-    """eval_table_size without a tracker that takes tables (the config refuses it with one)."""
-    if cfg.eval_table_size:  # (with a tracker the config refuses it)
+    """eval_table_size: prediction tables are a tracker's output, not part of training."""
+    if cfg.eval_table_size and (cfg.wandb_project or cfg.use_wandb or cfg.use_mlflow):
+        return ["eval_table_size: ignored (no prediction tables are logged to wandb/mlflow here; what is trained is "
+                "the same; Axolotl has deprecated the key for generate_samples)"]
+    if cfg.eval_table_size:
         return ["eval_table_size: ignored (Axolotl logs prediction tables only to wandb, mlflow or comet, and none "
                 "is configured)"]
     return []
+
+
+def steps_from_fractions(cfg, total_steps: int) -> None:
+    """logging_steps, eval_steps and save_steps given as a fraction (< 1) of the total steps, as step counts:
+    ceil(total x fraction), as transformers' TrainingArguments does. Called once the total is known."""
+    import math
+
+    for key in ("logging_steps", "eval_steps", "save_steps"):
+        value = getattr(cfg, key)
+        if isinstance(value, float) and value < 1:
+            setattr(cfg, key, max(1, math.ceil(total_steps * value)))
 
 
 def one_process_only(cfg, processes: int) -> None:

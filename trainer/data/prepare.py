@@ -5,10 +5,17 @@ contents, or the hub dataset's fingerprint), the tokenizer, and every config key
 With several processes, rank 0 prepares (under a file lock, so a concurrent `preprocess` or a second job
 does not prepare the same cache twice) and the other ranks wait for the finished cache directory, which
 appears atomically (temp dir + rename).
+
+Damage is detected, never trained on: the cache carries `manifest.json` (every file's size and sha256, written
+last), checked before each load (sizes always, hashes too up to HASH_LIMIT bytes); a cache that fails the check
+(bytes changed, a file missing, no manifest) is said so in one line and prepared again. Temp directories a killed
+run left for this key are removed under the key's lock; a failed write removes its own; a full disk or a
+read-only dataset_prepared_path is one line (TrainerError, exit 1; DataError, exit 2).
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -24,6 +31,8 @@ from trainer.data.formats.prompts import tokenize_row
 from trainer.errors import ConfigError, DataError, TrainerError
 
 CACHE_FORMAT = 2  # bump when tokenization changes, so old caches are not reused
+MANIFEST = "manifest.json"
+HASH_LIMIT = 1 << 30  # caches up to 1 GiB are hashed at every load (~1 s/GB); larger ones are checked by size
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
@@ -100,7 +109,14 @@ def _sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+def _files(ds: DatasetConfig) -> list[str]:
+    return [ds.data_files] if isinstance(ds.data_files, str) else list(ds.data_files or [])
+
+
 def _data_identity(ds: DatasetConfig) -> str:
+    if not ds.path or ds.path in FILE_BUILDERS.values():  # local files given by data_files
+        return hashlib.sha256("".join(_sha256_file(Path(f).expanduser()) if Path(f).expanduser().is_file() else f
+                                      for f in _files(ds)).encode()).hexdigest()
     path = Path(ds.path).expanduser()
     if path.is_file():
         return _sha256_file(path)
@@ -126,6 +142,8 @@ def cache_key(cfg: Config, tokenizer, hub_fingerprints: list[str], kind: dict | 
         "format": CACHE_FORMAT,
         "datasets": [d.model_dump() for d in cfg.datasets],
         "data": [_data_identity(d) for d in cfg.datasets] + hub_fingerprints,
+        **({"test_datasets": [d.model_dump() for d in cfg.test_datasets],
+            "test_data": [_data_identity(d) for d in cfg.test_datasets]} if cfg.test_datasets else {}),
         "tokenizer": tokenizer_identity(tokenizer),
         **(kind or {"kind": "sft"}),
         **{k: getattr(cfg, k) for k in ("sequence_len", "excess_length_strategy", "train_on_inputs", "val_set_size",
@@ -137,9 +155,16 @@ def cache_key(cfg: Config, tokenizer, hub_fingerprints: list[str], kind: dict | 
 
 
 def load_raw(ds: DatasetConfig):
-    """A local file or directory, or a hub dataset (needs the network)."""
+    """A local file or directory, local files given by data_files (no path, or path: json|csv|parquet|...), or a
+    hub dataset (needs the network; at `revision` where given)."""
     import datasets
 
+    if not ds.path:
+        files = _files(ds)
+        builder = ds.ds_type or FILE_BUILDERS.get(Path(files[0]).suffix.lower())
+        if builder is None:
+            raise DataError(f"dataset {ds.source}: unknown file type; set ds_type: json, parquet or csv")
+        return datasets.load_dataset(builder, data_files=files, split="train")
     path = Path(ds.path).expanduser()
     if path.is_file():
         builder = ds.ds_type or FILE_BUILDERS.get(path.suffix.lower())
@@ -155,7 +180,7 @@ def load_raw(ds: DatasetConfig):
         except Exception as err:
             raise DataError(f"dataset {ds.path}{files.directory_problem(path, err)}") from None
     try:
-        return datasets.load_dataset(ds.path, ds.name, data_files=ds.data_files, split=ds.split)
+        return datasets.load_dataset(ds.path, ds.name, data_files=ds.data_files, split=ds.split, revision=ds.revision)
     except Exception as err:  # hub errors come in many types; the first line says what happened
         raise TrainerError(f"cannot load dataset {ds.path} (split {ds.split}): {str(err).splitlines()[0]}") from None
 
@@ -165,7 +190,7 @@ class Prepared:
     train: object  # datasets.Dataset with input_ids, labels, length
     validation: object | None
     stats: dict
-    path: Path
+    path: Path | None  # None with skip_prepare_dataset (nothing cached)
 
 
 def workers_for(cfg: Config, rows: int) -> int:
@@ -210,7 +235,7 @@ def tokenize_example(row: dict, ds: DatasetConfig, cfg: Config, tokenizer) -> di
 def _tokenize(raw, ds: DatasetConfig, cfg: Config, tokenizer):
     workers = workers_for(cfg, len(raw))
     return raw.map(lambda row: tokenize_example(row, ds, cfg, tokenizer), remove_columns=raw.column_names,
-                   num_proc=workers if workers > 1 else None, desc=f"tokenizing {ds.path}")
+                   num_proc=workers if workers > 1 else None, desc=f"tokenizing {ds.source}")
 
 
 def build(cfg: Config, tokenizer) -> tuple[object, object | None, dict]:
@@ -219,6 +244,8 @@ def build(cfg: Config, tokenizer) -> tuple[object, object | None, dict]:
 
     parts = [_tokenize(load_raw(ds), ds, cfg, tokenizer) for ds in cfg.datasets]
     data, validation, stats = filter_and_split(cfg, datasets.concatenate_datasets(parts))
+    if cfg.test_datasets:
+        validation = held_out(cfg, [_tokenize(load_raw(ds), ds, cfg, tokenizer) for ds in cfg.test_datasets])
     stats.update(train_rows=len(data), train_tokens=int(sum(data["length"])),
                  validation_rows=len(validation) if validation is not None else 0)
     return data, validation, stats
@@ -229,11 +256,31 @@ def tokenize_and_split(cfg: Config, tokenizer, tokenize):
     (the shared tail of the preference and reward data paths)."""
     import datasets
 
-    parts = []
-    for ds in cfg.datasets:
-        raw = load_raw(ds)
-        parts.append(tokenize(raw, ds, cfg, tokenizer, workers_for(cfg, len(raw))))
-    return filter_and_split(cfg, datasets.concatenate_datasets(parts))
+    def each(entries):
+        parts = []
+        for ds in entries:
+            raw = load_raw(ds)
+            parts.append(tokenize(raw, ds, cfg, tokenizer, workers_for(cfg, len(raw))))
+        return parts
+
+    data, validation, stats = filter_and_split(cfg, datasets.concatenate_datasets(each(cfg.datasets)))
+    if cfg.test_datasets:
+        validation = held_out(cfg, each(cfg.test_datasets))
+    return data, validation, stats
+
+
+def held_out(cfg: Config, parts: list):
+    """test_datasets' rows (tokenized like the training rows) as the validation set, with the rows filter_and_split
+    drops from training dropped here too (too long under drop, nothing to train on)."""
+    import datasets
+
+    data = datasets.concatenate_datasets(parts)
+    drop = cfg.excess_length_strategy == "drop"
+    keep = [i for i, (long, targets) in enumerate(zip(data["too_long"], data["targets"]))
+            if targets > 0 and not (long and drop)]
+    if not keep:
+        raise DataError("test_datasets: no rows left to evaluate on after filtering (too long or nothing to train on)")
+    return data.select(keep).remove_columns(["too_long"])
 
 
 def filter_and_split(cfg: Config, data) -> tuple[object, object | None, dict]:
@@ -279,11 +326,75 @@ def filter_and_split(cfg: Config, data) -> tuple[object, object | None, dict]:
 def _save(path: Path, train, validation, stats: dict) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    train.save_to_disk(str(tmp / "train"))
-    if validation is not None:
-        validation.save_to_disk(str(tmp / "validation"))
-    (tmp / "stats.json").write_text(json.dumps(stats, indent=2))
-    os.replace(tmp, path)  # the cache is complete or absent
+    try:
+        train.save_to_disk(str(tmp / "train"))
+        if validation is not None:
+            validation.save_to_disk(str(tmp / "validation"))
+        (tmp / "stats.json").write_text(json.dumps(stats, indent=2))
+        (tmp / MANIFEST).write_text(json.dumps(_describe(tmp), indent=1))  # last: a cache with one is whole
+        os.replace(tmp, path)  # the cache is complete or absent
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if _no_space(e):
+            raise TrainerError(f"no space left on the device of dataset_prepared_path {path.parent} while writing the "
+                            f"dataset cache (nothing was left behind): free space there or point "
+                            f"dataset_prepared_path at a larger disk") from None
+        raise
+
+
+def _no_space(e: BaseException) -> bool:
+    """ENOSPC however it arrives: an OSError, or pyarrow's / datasets' error that carries its text."""
+    while e is not None:
+        if getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "No space left on device" in str(e):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def _files(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*") if p.is_file() and p.name != MANIFEST)
+
+
+def _describe(root: Path) -> dict:
+    return {str(p.relative_to(root)): {"size": p.stat().st_size, "sha256": _sha256_file(p)} for p in _files(root)}
+
+
+def damage(path: Path) -> str | None:
+    """Why the cache at `path` cannot be trusted, or None: checked against its manifest (sizes, and hashes up to
+    HASH_LIMIT bytes in all)."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except FileNotFoundError:
+        return f"it has no {MANIFEST} (an interrupted or older cache)"
+    except (OSError, ValueError) as e:
+        return f"its {MANIFEST} is unreadable ({e})"
+    for name, want in manifest.items():
+        f = path / name
+        if not f.is_file():
+            return f"{name} is missing"
+        if f.stat().st_size != want["size"]:
+            return f"{name} is {f.stat().st_size} bytes, its manifest says {want['size']}"
+    if sum(w["size"] for w in manifest.values()) <= HASH_LIMIT:
+        for name, want in manifest.items():
+            if _sha256_file(path / name) != want["sha256"]:
+                return f"the bytes of {name} changed since it was written"
+    return None
+
+
+def _discard(path: Path) -> None:
+    """Remove a damaged cache: renamed aside first, so no reader meets it half-deleted."""
+    aside = path.with_name(f".{path.name}.damaged-{os.getpid()}")
+    shutil.rmtree(aside, ignore_errors=True)
+    os.replace(path, aside)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def _clean_leftovers(path: Path) -> None:
+    """Temp and set-aside directories of this cache key: only a dead writer leaves them while the key's lock is
+    held by this process."""
+    for leftover in path.parent.glob(f".{path.name}.*-*"):
+        if leftover.is_dir() and leftover.name.rsplit("-", 1)[-1].isdigit():
+            shutil.rmtree(leftover, ignore_errors=True)
 
 
 def _load(path: Path) -> Prepared:
@@ -295,7 +406,9 @@ def _load(path: Path) -> Prepared:
 
 
 def _hub_fingerprints(cfg: Config) -> list[str]:
-    return [load_raw(d)._fingerprint for d in cfg.datasets if not looks_local(d.path)]
+    entries = list(cfg.datasets) + list(cfg.test_datasets or [])
+    return [load_raw(d)._fingerprint for d in entries
+            if d.path and d.path not in FILE_BUILDERS.values() and not looks_local(d.path)]
 
 
 def prepare(cfg: Config, tokenizer, rank: int = 0, log=print, builder=None, kind: dict | None = None) -> Prepared:
@@ -305,21 +418,38 @@ def prepare(cfg: Config, tokenizer, rank: int = 0, log=print, builder=None, kind
     passes its own (trainer/objectives/: Objective.prepare_data), with `kind` naming them in the cache key."""
     from filelock import FileLock, Timeout
 
+    if cfg.skip_prepare_dataset:  # tokenized in memory by every process; no cache written or read (as Axolotl)
+        train, validation, stats = (builder or build)(cfg, tokenizer)
+        if rank == 0 and stats["too_long"]:
+            log(f"{stats['too_long']} of {stats['rows']} rows are longer than sequence_len {cfg.sequence_len}")
+        return Prepared(train, validation, stats, None)
     root = Path(cfg.dataset_prepared_path)
     path = root / cache_key(cfg, tokenizer, _hub_fingerprints(cfg), kind)
     if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
         try:
-            with FileLock(str(root / f"{path.name}.lock"), timeout=cfg.dataset_prepare_timeout):
-                if not (path / "stats.json").exists():
-                    log(f"preparing dataset into {path}")
-                    _save(path, *(builder or build)(cfg, tokenizer))
+            root.mkdir(parents=True, exist_ok=True)
+            lock = FileLock(str(root / f"{path.name}.lock"), timeout=cfg.dataset_prepare_timeout)
+            lock.acquire()
         except Timeout:
             raise TrainerError(f"another process has held the lock on {path} for {cfg.dataset_prepare_timeout}s; "
                                "if none is running, delete the .lock file") from None
+        except OSError as e:  # read-only, full, or not a directory: before anything is tokenized
+            raise DataError(f"dataset_prepared_path {root}: cannot write the dataset cache there "
+                            f"({e.strerror or e})") from None
+        try:
+            _clean_leftovers(path)
+            why = damage(path) if path.exists() else None
+            if why:
+                log(f"the dataset cache {path} is damaged ({why}): preparing it again")
+                _discard(path)
+            if not path.exists():
+                log(f"preparing dataset into {path}")
+                _save(path, *(builder or build)(cfg, tokenizer))
+        finally:
+            lock.release()
     else:
         deadline = time.monotonic() + cfg.dataset_prepare_timeout
-        while not (path / "stats.json").exists():
+        while not (path / MANIFEST).exists() or damage(path):
             if time.monotonic() > deadline:
                 raise TrainerError(f"rank {rank} waited {cfg.dataset_prepare_timeout}s for rank 0 to prepare the "
                                    f"dataset cache {path}; run `python -m trainer preprocess` first or raise "

@@ -10,11 +10,15 @@ from trainer.errors import ConfigError
 
 
 def load(cfg, source: str, overrides: dict, revision: str | None = None):
-    """The model's config read with cls_model_config, with Axolotl's model_config overrides applied."""
+    """The model's config read with cls_model_config (else AutoConfig: base_model_config), with Axolotl's
+    model_config overrides applied."""
     kwargs = {"revision": revision} if revision else {}
     try:
-        config = config_class(cfg.cls_model_config).from_pretrained(source, trust_remote_code=cfg.trust_remote_code,
-                                                                    **kwargs)
+        if cfg.cls_model_config:
+            reader = config_class(cfg.cls_model_config)
+        else:  # base_model_config alone: the class its config.json names
+            from transformers import AutoConfig as reader
+        config = reader.from_pretrained(source, trust_remote_code=cfg.trust_remote_code, **kwargs)
     except OSError as err:
         raise ConfigError(f"cannot load the model config from {source}: {str(err).splitlines()[0]}") from None
     for key, value in overrides.items():

@@ -1,6 +1,7 @@
 """Load the model for training: attention backend, dtype, quantization, LoRA, gradient checkpointing.
 
-Full fine-tuning keeps fp32 master weights and trains under autocast (accelerate's mixed precision).
+Full fine-tuning under bf16 holds the weights in bf16, as Axolotl does (trainer/runtime/hardware.py `full_weights`);
+with `fp32_master_weights: true`, and under fp16, it keeps fp32 master weights and trains under autocast.
 LoRA loads the frozen base in the training precision and keeps the adapter weights in fp32.
 QLoRA / 8-bit LoRA load the base through bitsandbytes (trainer.model.quantization), then peft's
 prepare_model_for_kbit_training (norms in fp32, input gradients for checkpointing) before the adapter.
@@ -29,7 +30,9 @@ def load_model(cfg: Config, runtime: Runtime, tokenizer, source: str | None = No
 
     source = source or cfg.base_model
     attention_varlen.install(runtime)  # torch's varlen_attn as a transformers backend; cuDNN off masked SDPA calls
-    dtype = DTYPES[runtime.precision] if cfg.adapter else torch.float32
+    from trainer.runtime.hardware import full_weights
+
+    dtype = DTYPES[runtime.precision] if cfg.adapter else DTYPES[full_weights(cfg, runtime.precision)]
     quantization = bnb_config(cfg, DTYPES[runtime.precision], sharded=bool(cfg.deepspeed or cfg.fsdp or cfg.fsdp_config))
     extra = dict(cfg.model_config_overrides or {})  # Axolotl's model_config: overrides of the model's config
     if quantization is not None:
@@ -41,12 +44,14 @@ def load_model(cfg: Config, runtime: Runtime, tokenizer, source: str | None = No
     if cfg.revision_of_model:
         extra["revision"] = cfg.revision_of_model
     extra.update(parallel_kwargs or {})  # tensor parallelism: transformers' DistributedConfig (trainer/parallel/mesh.py)
-    if cfg.cls_model_config:  # Axolotl's cls_model_config: read the config with that class (trainer/model/config_class.py)
+    other_config = cfg.base_model_config if source == cfg.base_model else None  # Axolotl's base_model_config
+    if cfg.cls_model_config or other_config:  # read the config with that class / from there (trainer/model/config_class.py)
         from trainer.model import config_class
 
         overrides = dict(cfg.model_config_overrides or {})
         extra = {k: v for k, v in extra.items() if k not in overrides}
-        extra["config"] = config_class.load(cfg, source, overrides, cfg.revision_of_model)
+        extra["config"] = config_class.load(cfg, other_config or source, overrides,
+                                            None if other_config else cfg.revision_of_model)
     try:
         if cfg.reinit_weights:  # Axolotl's from_config: the architecture only, weights drawn from the seed
             model = fresh_model(cfg, source, dtype, runtime.attention, extra)

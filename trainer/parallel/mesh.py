@@ -14,7 +14,7 @@ Supported here: dp_shard_size and dp_replicate_size (FSDP, and HSDP through acce
 only), and tensor_parallel_size (transformers loads the model sharded by its tp_plan, with FSDP2/HSDP over the
 ranks TP leaves), on GPUs and on CPU over gloo, and context_parallel_size (trainer/parallel/context_parallel.py: the
 ranks of one CP group read the same batches and split each sequence; under FSDP they shard with the data
-ranks). A size of 1 means "none" and is accepted. expert_parallel_size stays in trainer/config/keys.py UNSUPPORTED_KEYS.
+ranks). A size of 1 means "none" and is accepted. expert_parallel_size is refused by matrices/axolotl_keys.toml.
 The sizes' rules are checked with the config (trainer/config/parallel.py).
 """
 

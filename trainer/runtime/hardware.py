@@ -61,6 +61,7 @@ class Gpu:
     target: str | None = None  # AMD's gfx target, Intel's AOT family, "mps"
     bf16_native: bool | None = None  # AMD: amd.toml's per target (or the plan's); None: decided on the device
     rocm: str | None = None  # a ROCm plan's ROCm (which bitsandbytes library loads)
+    memory_gb: float | None = None  # per device (gpus.toml's, the plan's or the probe's); None: unknown
 
     @property
     def cc(self) -> tuple[int, int] | None:
@@ -149,7 +150,8 @@ def gpu_from_name(name: str) -> Gpu:
         return Gpu(name=name, compute_capability=cc, source="--gpu")
     row = catalog.find_gpu(name, facts.rows("gpus", "gpu"))
     if row is not None:
-        return Gpu(name=row["name"], compute_capability=row["compute_capability"], source="--gpu")
+        return Gpu(name=row["name"], compute_capability=row["compute_capability"], source="--gpu",
+                   memory_gb=row.get("memory_gb"))
     other = vendors.lookup(name)
     if other is not None:
         vendor, found, target = other
@@ -173,7 +175,7 @@ def gpu_from_plan(plan: dict, source: str) -> Gpu:
                    source=source, vendor=vendor, target=g.get("target"), bf16_native=g.get("bf16"),
                    rocm=(plan.get("torch") or {}).get("rocm"))
     return Gpu(name=g.get("name") or "gpu", compute_capability=g.get("compute_capability"),
-               count=int(g.get("count") or 1), source=source)
+               count=int(g.get("count") or 1), source=source, memory_gb=g.get("memory_gb"))
 
 
 def probe_gpu() -> Gpu:
@@ -191,7 +193,18 @@ def probe_gpu() -> Gpu:
         return Gpu(name="cpu", compute_capability=None, count=0, source="torch probe")
     major, minor = torch.cuda.get_device_capability()
     return Gpu(name=torch.cuda.get_device_name(), compute_capability=f"{major}.{minor}",
-               count=torch.cuda.device_count(), source="torch probe")
+               count=torch.cuda.device_count(), source="torch probe",
+               memory_gb=round(torch.cuda.get_device_properties(0).total_memory / 2 ** 30, 1))
+
+
+def full_weights(cfg, precision: str) -> str:
+    """The dtype a full fine-tune holds its weights (and so its gradients and optimizer states) in: the training
+    precision under bf16, as Axolotl loads them (torch_dtype bf16: 2 + 2 + 4 bytes per parameter with AdamW);
+    fp32 master weights under autocast with `fp32_master_weights: true`, and always under fp16 (its loss scaler
+    unscales fp32 gradients only) and fp32."""
+    if precision == "bf16" and not getattr(cfg, "fp32_master_weights", False):
+        return "bf16"
+    return "fp32"
 
 
 def _bf16_floor() -> str:

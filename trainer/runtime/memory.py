@@ -2,7 +2,8 @@
 
 The estimate follows what this trainer does (trainer/model/load.py, trainer/train.py, trainer/optim/optimizers.py), term by term:
 
-- weights: the dtype each parameter is held in. Full fine-tunes keep fp32 master weights (trainer/model/load.py); LoRA
+- weights: the dtype each parameter is held in. Full fine-tunes hold bf16 weights under bf16 (Axolotl's regime) and
+  fp32 master weights with fp32_master_weights: true or under fp16 (trainer/runtime/hardware.py full_weights); LoRA
   keeps the frozen base in the training precision and the adapter in fp32; QLoRA stores each nn.Linear in NF4
   (4 bits per weight, plus bitsandbytes' quantization state: one absmax per 64 weights, itself quantized to 8 bits
   per 256 blocks with double quantization, and a code table per tensor) or LLM.int8 (1 byte per weight and an fp32
@@ -99,7 +100,7 @@ class Setup:
     ds: dict = field(default_factory=dict)  # the DeepSpeed zero_optimization block
     tp: int = 1
     cp: int = 1
-    full_weight_bytes: int = 4  # a full fine-tune's master weights (trainer/model/load.py loads them in fp32)
+    full_weight_bytes: int = 4  # a full fine-tune's weights: 2 in bf16 (the default under bf16), 4 as fp32 masters
     attention_dropout: float = 0.0
     device: str = "cuda"  # cuda | cpu: dropout's mask is 1 byte on CUDA (native_dropout), the input's dtype on CPU
     liger_norm: bool = False  # liger's RMSNorm/LayerNorm kernels (trainer/model/kernels.py applies them where triton runs)
@@ -217,7 +218,10 @@ def setup_from(cfg, runtime, world: int) -> Setup:
                    "use_rslora": cfg.peft_use_rslora, "use_dora": cfg.peft_use_dora,
                    "modules_to_save": cfg.lora_modules_to_save, "task_type": lora_task_type(cfg),
                    "exclude_modules": lora_exclusions(cfg)} if cfg.adapter else {}
+    from trainer.runtime.hardware import full_weights
+
     return Setup(
+        full_weight_bytes=DTYPE_BYTES[full_weights(cfg, runtime.precision)],
         precision=runtime.precision, attention=runtime.attention, adapter=cfg.adapter, quant=quant,
         double_quant=double_quant, lora_r=cfg.lora_r, lora_targets=targets, lora_dropout=cfg.lora_dropout,
         lora_dora=cfg.peft_use_dora, lora_modules_to_save=list(cfg.lora_modules_to_save or []),
@@ -949,3 +953,88 @@ def largest(make, shape, gpu: Gpu, lo: int, hi: int, step: int = 1, surely: bool
         else:
             bad = mid
     return good
+
+
+# --------------------------------------------------------------------------- micro_batch_size: auto
+
+
+def auto_micro_batch(shape, s: Setup, gpu: Gpu) -> int:
+    """The largest micro-batch dividing the step's batch per process (micro_batch x grad_accum) whose estimate fits
+    `gpu` (1 when none does: the run then says so through its fit block)."""
+    batch = s.micro_batch * s.grad_accum
+    for m in sorted((d for d in range(1, batch + 1) if batch % d == 0), reverse=True):
+        if m == 1 or _fits(shape, replace(s, micro_batch=m, grad_accum=batch // m), gpu)[0]:
+            return m
+    return 1
+
+
+# --------------------------------------------------------------------------- one config, one GPU: the fit block
+
+
+@dataclass
+class Report:
+    """The fit block of `envtool fit`, `python -m trainer validate` and `envtool train --dry-run` (one estimator)."""
+
+    result: dict  # the JSON object (README: `envtool fit --json`)
+    model: str
+    notes: list[str] = field(default_factory=list)  # what the estimate assumed or could not count
+    estimate: Estimate | None = None  # None when unknown
+    reason: str | None = None  # why the verdict is unknown
+
+
+def unknown(gpu: Gpu, reason: str) -> dict:
+    return {"gpu": {"name": gpu.name, "memory_gb": gpu.memory_gb, "count": gpu.count}, "unit": "GB",
+            "peak_gb": None, "low_gb": None, "high_gb": None, "fits": None, "verdict": "unknown", "breakdown": {},
+            "suggestions": [], "reason": reason}
+
+
+def report(cfg, runtime, gpu: Gpu, local_only: bool = False) -> Report:
+    """The estimate for `cfg` as the trainer runs it on `runtime` (precision, attention) over gpu.count processes
+    of `gpu`: the model's shape from its config.json (`local_only`: the model directory or a cache, never the
+    network). With auto_find_batch_size, at the micro-batch the run would pick. Raises ModelConfigError with
+    bad_input for a base_model that does not exist; every other unknown is a verdict of "unknown" with its reason."""
+    from trainer.runtime import memory_model
+
+    s = setup_from(cfg, runtime, gpu.count)
+    try:
+        with memory_model.quiet_imports():
+            shape = memory_model.model_shape(cfg.base_model, revision=cfg.revision_of_model,
+                                             trust_remote_code=cfg.trust_remote_code,
+                                             overrides=cfg.model_config_overrides, local_only=local_only)
+    except memory_model.ModelConfigError as err:
+        if err.bad_input:
+            raise
+        reason = f"the model's shape is unknown: {err}"
+        return Report(unknown(gpu, reason), cfg.base_model, [reason], None, reason)
+    notes = []
+    if getattr(cfg, "auto_find_batch_size", False) and gpu.memory_gb is not None:
+        m = auto_micro_batch(shape, s, gpu)
+        batch = s.micro_batch * s.grad_accum
+        s = replace(s, micro_batch=m, grad_accum=batch // m)
+        notes.append(f"micro_batch_size auto: {m} x gradient_accumulation_steps {batch // m} (the largest that "
+                     "fits at the estimate)")
+    est = estimate(shape, s, gpu)
+    notes += list(est.notes)
+    reason = None
+    result = est.to_json()
+    if gpu.memory_gb is None:
+        reason = f"{gpu.name}'s memory is not in matrices/gpus.toml: name the GPU (e.g. --gpu a100-80gb)"
+        notes.append(reason)
+        result["reason"] = reason
+    return Report(result, cfg.base_model, notes, est, reason)
+
+
+def one_line(r: Report) -> str:
+    """The block in one line: `peak 71.3 GB per GPU (band 66.0-80.2) on a100-80gb (80 GB) x 1 -> tight`."""
+    res, gpu = r.result, r.result["gpu"]
+    memory = f"{gpu['memory_gb']:g} GB" if gpu["memory_gb"] else "memory unknown"
+    where = f"{gpu['name']} ({memory}) x {gpu['count']}"
+    if res["peak_gb"] is None:
+        return f"unknown on {where} ({r.reason})"
+    return (f"peak {res['peak_gb']:.1f} GB per GPU (band {res['low_gb']:.1f}-{res['high_gb']:.1f}) on {where} -> "
+            f"{res['verdict'].replace('_', ' ')}")
+
+
+def cheapest(r: Report) -> dict | None:
+    """The cheapest change that fits (the first suggestion that is a change, not a largest-value line)."""
+    return next((x for x in r.result.get("suggestions", []) if not x["kind"].startswith("max_")), None)

@@ -112,8 +112,9 @@ def _offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
 
 
-def read_config(model: str, revision: str | None = None) -> tuple[dict, str, Path]:
-    """(config dict, where it was read, the directory holding config.json) for a local directory or a hub id."""
+def read_config(model: str, revision: str | None = None, local_only: bool = False) -> tuple[dict, str, Path]:
+    """(config dict, where it was read, the directory holding config.json) for a local directory or a hub id;
+    `local_only`: the directory or a cache, never the network (what validate and envtool train's check read)."""
     path = Path(model).expanduser()
     if path.is_dir():
         file = path / "config.json"
@@ -123,7 +124,7 @@ def read_config(model: str, revision: str | None = None) -> tuple[dict, str, Pat
     if path.exists() or model.count("/") != 1 or model.startswith(("/", ".", "~")):
         raise ModelConfigError(f"base_model {model}: not a model directory here, nor a Hub id (org/name)",
                                bad_input=True)
-    file = _hub_config(model, revision)
+    file = _hub_config(model, revision, local_only)
     return _load(file), f"{model} (config.json from the Hub{', revision ' + revision if revision else ''})", file.parent
 
 
@@ -137,11 +138,14 @@ def _load(file: Path) -> dict:
     return data
 
 
-def _hub_config(repo: str, revision: str | None) -> Path:
+def _hub_config(repo: str, revision: str | None, local_only: bool = False) -> Path:
     """config.json of a Hub repository: from the cache, else downloaded (that file only)."""
+    plain = config_cache_dir() / repo / (revision or "main") / "config.json"
     try:
         import huggingface_hub  # noqa: F401
     except ImportError:
+        if local_only and not plain.is_file():
+            raise ModelConfigError(f"{repo}: config.json is not on this machine (`envtool fit` fetches it once)")
         return _hub_config_plain(repo, revision)
     from huggingface_hub import hf_hub_download, try_to_load_from_cache
     from huggingface_hub.errors import (EntryNotFoundError, GatedRepoError, LocalEntryNotFoundError,
@@ -150,6 +154,10 @@ def _hub_config(repo: str, revision: str | None) -> Path:
     cached = try_to_load_from_cache(repo, "config.json", revision=revision)
     if isinstance(cached, str):
         return Path(cached)
+    if plain.is_file():  # fetched without huggingface_hub before
+        return plain
+    if local_only:
+        raise ModelConfigError(f"{repo}: config.json is not on this machine (`envtool fit` fetches it once)")
     if _offline():
         raise ModelConfigError(f"{repo}: config.json is not in the Hugging Face cache and HF_HUB_OFFLINE is set")
     try:
@@ -161,11 +169,11 @@ def _hub_config(repo: str, revision: str | None) -> Path:
         raise ModelConfigError(f"{repo}: no such model on the Hub (or private: set HF_TOKEN)", bad_input=True) from None
     except RevisionNotFoundError:
         raise ModelConfigError(f"{repo}: no revision {revision} on the Hub", bad_input=True) from None
-    except EntryNotFoundError:
-        raise ModelConfigError(f"{repo} has no config.json on the Hub", bad_input=True) from None
-    except LocalEntryNotFoundError as err:  # no network and not cached
+    except LocalEntryNotFoundError as err:  # no network and not cached (a subclass of EntryNotFoundError: first)
         raise ModelConfigError(f"{repo}: cannot reach the Hub for config.json ({str(err).splitlines()[0][:160]})") \
             from None
+    except EntryNotFoundError:
+        raise ModelConfigError(f"{repo} has no config.json on the Hub", bad_input=True) from None
     except Exception as err:  # HTTP errors, timeouts: the estimate is then unknown, not a crash
         raise ModelConfigError(f"{repo}: cannot read config.json from the Hub ({str(err).splitlines()[0][:160]})") \
             from None
@@ -210,10 +218,10 @@ def _hub_config_plain(repo: str, revision: str | None) -> Path:
 
 
 def model_shape(model: str, revision: str | None = None, trust_remote_code: bool = False,
-                overrides: dict | None = None, exact: bool | None = None) -> ModelShape:
+                overrides: dict | None = None, exact: bool | None = None, local_only: bool = False) -> ModelShape:
     """The shape of `model` (a directory or hub id): exact on the meta device where transformers imports
-    (exact=None: when it can; True: must; False: the analytic count)."""
-    config, source, directory = read_config(model, revision)
+    (exact=None: when it can; True: must; False: the analytic count). `local_only`: never the network."""
+    config, source, directory = read_config(model, revision, local_only)
     config = {**config, **(overrides or {})}
     if exact is not False:
         try:

@@ -148,7 +148,12 @@ def _chat(row: dict, ds: DatasetConfig, tokenizer) -> tuple[str, list[str]]:
 
 
 def render(row: dict, ds: DatasetConfig, tokenizer, kto: bool) -> tuple[str, list[str], bool]:
-    """(prompt, completions, add_special_tokens): chat templates render their own BOS; written templates do not."""
+    """(prompt, completions, add_special_tokens): chat templates render their own BOS; written templates do not.
+    No type: the row's own prompt / chosen / rejected texts (field_prompt, field_chosen, field_rejected), used as
+    they are, as Axolotl's DPO loader does with a dataset it has no transform for."""
+    if ds.type is None:
+        return (str(_get(row, ds.field_prompt, ds)),
+                [str(_get(row, ds.field_chosen, ds)), str(_get(row, ds.field_rejected, ds))], True)
     if ds.type.startswith("chat_template"):
         prompt, completions = _chat(row, ds, tokenizer)
         return prompt, completions, False

@@ -8,6 +8,8 @@ unless train_on_inputs.
                 chatml, phi) writes the prompt in Axolotl's style of that name (trainer.data.formats.alpaca_styles).
 - completion:   {text}; trains on all of it and EOS.
 - input_output: {segments: [{text, label}]}; trains on segments with label: true. No special tokens added.
+- a format of your own (type: a mapping) and Axolotl's older instruction types (alpaca_chat[.load_*],
+                context_qa[.load_*], oasst[:style]): trainer.data.formats.instruction.
 - chat_template:{messages: [{role, content}]} rendered by the chat template (the tokenizer's, or one named
                 in chat_template, see trainer.data.formats.chat_templates); trains on the turns of roles_to_train
                 (default: assistant), without the turn header, with its reasoning text (field_thinking ->
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 from trainer.batch.labels import IGNORE
 from trainer.config import DatasetConfig
-from trainer.data.formats import alpaca_styles
+from trainer.data.formats import alpaca_styles, instruction
 from trainer.data.formats.roles import role_alias
 from trainer.errors import DataError
 
@@ -164,6 +166,8 @@ def tokenize_row(row: dict, ds: DatasetConfig, tokenizer, train_on_inputs: bool,
         return mistral_tokenizer.tokenize_chat(row, ds, tokenizer, train_on_inputs)
     if ds.type == "chat_template":
         text, spans, add_special = render_chat(row, ds, tokenizer, eot_tokens)
+    elif ds.user_defined is not None or ds.type in instruction.NAMED:
+        text, spans, add_special = instruction.render(row, ds, tokenizer)
     else:
         text, spans, add_special = RENDERERS[ds.type.partition(":")[0]](row, ds, tokenizer)
     enc = tokenizer(text, add_special_tokens=add_special, return_offsets_mapping=True)

@@ -1,0 +1,51 @@
+"""Retired and renamed Axolotl forms (trainer/config/migrate.py): each read as its present form, with a note; a
+rewrite never overrides a key the config also sets; every `migrated` row of matrices/axolotl_keys.toml has one."""
+
+from __future__ import annotations
+
+import pytest
+
+from trainer.config import DatasetConfig, parse_config
+from trainer.config import keys
+from trainer.config.migrate import migration
+from trainer.config.schema import Config
+from trainer.errors import ConfigError
+
+BASE = {"base_model": "org/model", "datasets": [{"path": "org/data", "type": "alpaca"}]}
+
+
+def test_every_migrated_key_of_the_table_has_its_rewrite():
+    config_fields = set(Config.model_fields) | {"model_config"}
+    for name, row in keys.rows().items():
+        if row.get("decision") != "migrated":
+            continue
+        fields = set(DatasetConfig.model_fields) if name.startswith("datasets[].") else config_fields
+        assert migration(name, fields) is not None, f"{name} -> {row.get('to')}: no rewrite"
+
+
+def test_sharegpt_is_read_as_chat_template_with_its_conversation():
+    cfg, notes = parse_config({**BASE, "datasets": [{"path": "org/chats", "type": "sharegpt", "conversation": "llama-3",
+                                                     "field_human": "human"}]})
+    ds = cfg.datasets[0]
+    assert (ds.type, ds.field_messages, ds.role_key, ds.content_key, ds.chat_template) == (
+        "chat_template", "conversations", "from", "value", "llama3")
+    assert any("type: sharegpt (Axolotl's conversation format until 0.5) is read as type: chat_template" in n
+               for n in notes)
+    with pytest.raises(ConfigError, match="FastChat's 'vicuna_v0' conversation template has no chat template here"):
+        parse_config({**BASE, "datasets": [{"path": "x", "type": "sharegpt", "conversation": "vicuna_v0"}]})
+
+
+def test_renamed_keys_and_old_paths():
+    cfg, notes = parse_config({**BASE, "sequence_parallel_degree": 2, "deepspeed": "deepspeed/zero2.json",
+                               "base_model_config": "org/other"})
+    assert cfg.context_parallel_size == 2
+    assert cfg.deepspeed == "deepspeed_configs/zero2.json"
+    assert cfg.tokenizer_config == "org/other"
+    text = " ".join(notes)
+    assert "sequence_parallel_degree: 2 read as context_parallel_size: 2" in text
+    assert "Axolotl's folder before it was renamed deepspeed_configs/" in text
+
+
+def test_a_rewrite_never_overrides_a_key_the_config_sets():
+    with pytest.raises(ConfigError, match="sequence_parallel_degree conflicts with context_parallel_size"):
+        parse_config({**BASE, "sequence_parallel_degree": 2, "context_parallel_size": 4})

@@ -1,0 +1,313 @@
+"""Retired and renamed Axolotl forms, rewritten to what this trainer reads before the config is checked, each with a
+note saying what was read as what.
+
+Keys: every row of matrices/axolotl_keys.toml whose decision is `migrated` is rewritten to its `to`: a plain rename
+where `to` is a key of the same section (sequence_parallel_degree -> context_parallel_size, load_4bit ->
+load_in_4bit, ...), else by its own function in MIGRATIONS below (batch_size, relora_steps, rope_scaling, the
+precision switches, sharegpt's conversation / field_human / field_model). tests/trainer/test_migrations.py checks
+that every migrated row has its rewrite.
+
+Values (retired forms of a key that is still read):
+- `type: sharegpt` (and sharegpt.load_role / load_guanaco / load_ultrachat), Axolotl's conversation format until it
+  was refused in 0.5: `type: chat_template` with the messages field and the role/content names sharegpt read, the
+  chat template named by `conversation`, the role names field_human / field_model added to `roles`.
+- `deepspeed: deepspeed/zero3.json`: Axolotl's 2023 folder of DeepSpeed configs, renamed deepspeed_configs/; read
+  as the bundled deepspeed_configs/ file of that name where the given path does not exist.
+- a preference method (rl: dpo, ipo, orpo, simpo) over a dataset whose type names no preference format
+  (alpaca, completion, an unknown chatml.<function>, ...): Axolotl 0.4's DPO loader found no transform for it and used the rows unchanged, as
+  prompt / chosen / rejected; so does this trainer (no type), with a note.
+- `base_model_config` equal to base_model (Axolotl's own default): nothing to read.
+
+A rewrite never overrides a key the config also sets to another value: that is a problem (set one of them).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+from trainer.config import keys
+
+# the key a table row names, by the list the entry sits in
+LISTS = ("datasets", "test_datasets", "pretraining_dataset")
+
+# Axolotl 0.4's sharegpt loaders: type -> (messages field, role property, content property, extra role names)
+SHAREGPT = {
+    "sharegpt": ("conversations", "from", "value", {}),
+    "sharegpt.load_role": ("conversations", "role", "value", {}),
+    "sharegpt.load_guanaco": ("conversations", "role", "text", {"user": ["prompter"]}),
+    "sharegpt.load_ultrachat": ("messages", "role", "content", {}),
+}
+# FastChat conversation names whose chat template here has another name
+CONVERSATIONS = {"llama-3": "llama3"}
+# Axolotl's role names when a conversation dataset sets none (trainer/data/formats/roles.py's DEFAULT_ROLES)
+DEFAULT_ROLES = {"user": ["human", "user"], "assistant": ["gpt", "assistant"], "system": ["system"], "tool": ["tool"]}
+PREFERENCE_METHODS = ("dpo", "ipo", "orpo", "simpo")
+
+
+class Rewrite:
+    """One config's rewrites: notes say what was read as what, problems what cannot be."""
+
+    def __init__(self) -> None:
+        self.notes: list[str] = []
+        self.problems: list[str] = []
+
+    def set(self, raw: dict, key: str, value: Any, where: str, why: str) -> None:
+        """raw[key] = value, unless the config already sets key to something else."""
+        if raw.get(key) is not None and raw[key] != value:
+            self.problems.append(f"{why} conflicts with {where}{key}: {raw[key]!r} also given; set only {where}{key}")
+            return
+        raw[key] = value
+
+
+Migration = Callable[[dict, str, Any, str, Rewrite], None]  # (mapping, old key, its value, where, rewrite)
+
+
+def _rename(target: str) -> Migration:
+    def rename(raw: dict, key: str, value: Any, where: str, rw: Rewrite) -> None:
+        rw.set(raw, target, value, where, f"{where}{key}")
+        rw.notes.append(f"{where}{key}: {value!r} read as {where}{target}: {value!r} (Axolotl's older name)")
+    return rename
+
+
+def _precision(target: str, flag: bool) -> Migration:
+    def precision(raw: dict, key: str, value: Any, where: str, rw: Rewrite) -> None:
+        if value and raw.get(target) is None:
+            raw[target] = flag
+            rw.notes.append(f"{key}: true is the legacy spelling of {target}: {str(flag).lower()}")
+    return precision
+
+
+def _torch_dtype(raw: dict, key: str, value: Any, where: str, rw: Rewrite) -> None:
+    precision = keys.TORCH_DTYPES.get(str(value).removeprefix("torch."))
+    if precision is None:
+        rw.problems.append(f"torch_dtype: unknown dtype {value!r}; use bfloat16, float16 or float32")
+    elif raw.get("bf16") is None and raw.get("fp16") is None:
+        raw["bf16" if precision != "fp16" else "fp16"] = precision in ("bf16", "fp16")
+        rw.notes.append(f"torch_dtype: {value} is read as {precision}")
+
+
+def _batch_size(raw: dict, key: str, value: Any, where: str, rw: Rewrite) -> None:
+    micro = raw.get("micro_batch_size") or 1
+    if not isinstance(value, int) or isinstance(micro, bool) or not isinstance(micro, int) or value < micro:
+        rw.problems.append(f"batch_size: {value!r} must be a whole number of micro-batches (micro_batch_size "
+                           f"{micro!r}); write gradient_accumulation_steps instead")
+        return
+    rw.set(raw, "gradient_accumulation_steps", value // micro, "", "batch_size")
+    rw.notes.append(f"batch_size: {value} is read as gradient_accumulation_steps: {value // micro} (batch_size // "
+                    "micro_batch_size, as Axolotl derives it; per process)")
+
+
+def _max_packed(raw: dict, key: str, value: Any, where: str, rw: Rewrite) -> None:
+    rw.set(raw, "sample_packing", True, "", "max_packed_sequence_len")
+    rw.set(raw, "sequence_len", value, "", "max_packed_sequence_len")
+    rw.notes.append(f"max_packed_sequence_len: {value} is read as sample_packing: true with sequence_len: {value} "
+                    "(Axolotl's packing before sample_packing)")
+
+
+def _relora_steps(raw: dict, key: str, value: Any, where: str, rw: Rewrite) -> None:
+    rw.set(raw, "relora", True, "", "relora_steps")
+    rw.set(raw, "jagged_restart_steps", value, "", "relora_steps")
+    rw.notes.append(f"relora_steps: {value} is read as relora: true with jagged_restart_steps: {value} (ReLoRA's "
+                    "older keys)")
+
+
+def _rope_scaling(raw: dict, key: str, value: Any, where: str, rw: Rewrite) -> None:
+    overrides = raw.get("model_config")
+    overrides = dict(overrides) if isinstance(overrides, dict) else {}
+    rw.set(overrides, "rope_scaling", value, "model_config.", "rope_scaling")
+    raw["model_config"] = overrides
+    rw.notes.append("rope_scaling: read as model_config.rope_scaling (an override of the model's config)")
+
+
+def _model_config(raw: dict, key: str, value: Any, where: str, rw: Rewrite) -> None:
+    """Axolotl's model_config alias and its field name overrides_of_model_config: the trainer's model_config_overrides."""
+    rw.set(raw, "model_config", value, "", key)
+    if key != "model_config":
+        rw.notes.append(f"{key}: read as model_config (its field name in Axolotl's schema)")
+
+
+def _conversation(entry: dict, key: str, value: Any, where: str, rw: Rewrite) -> None:
+    """Read with type: sharegpt (sharegpt()); with any other type Axolotl 0.4 did not read it."""
+    rw.notes.append(f"{where}conversation: ignored (type {entry.get('type')!r} does not read it; only sharegpt did)")
+
+
+def _extra_role(role: str) -> Migration:
+    def extra_role(entry: dict, key: str, value: Any, where: str, rw: Rewrite) -> None:
+        if not isinstance(value, str) or not value:
+            return
+        roles = {r: list(v) for r, v in (entry.get("roles") or DEFAULT_ROLES).items()}
+        if value not in roles.setdefault(role, []):
+            roles[role].append(value)
+        entry["roles"] = roles
+        rw.notes.append(f"{where}{key}: {value!r} turns are read as {role} turns (roles.{role})")
+    return extra_role
+
+
+# the rewrites that are not a plain rename, by the table's name of the key
+MIGRATIONS: dict[str, Migration] = {
+    "bfloat16": _precision("bf16", True), "float16": _precision("fp16", True), "float32": _precision("bf16", False),
+    "torch_dtype": _torch_dtype,
+    "batch_size": _batch_size,
+    "max_packed_sequence_len": _max_packed,
+    "relora_steps": _relora_steps,
+    "rope_scaling": _rope_scaling,
+    "overrides_of_model_config": _model_config,
+    "datasets[].conversation": _conversation,
+    "datasets[].field_human": _extra_role("user"),
+    "datasets[].field_model": _extra_role("assistant"),
+}
+
+
+def migration(name: str, fields: set[str]) -> Migration | None:
+    """The rewrite of a migrated key (its table name), or None where the table's `to` is not a key of `fields`."""
+    if name in MIGRATIONS:
+        return MIGRATIONS[name]
+    target = str(keys.decision(name).get("to", "")).removeprefix("datasets[].")
+    return _rename(target) if target in fields else None
+
+
+def _keys_of(mapping: dict, prefix: str, where: str, fields: set[str], rw: Rewrite) -> dict:
+    """The mapping with its migrated keys rewritten (in the order written)."""
+    out = dict(mapping)
+    for key in list(mapping):
+        name = f"{prefix}{key}"
+        if key not in out or keys.decision(name).get("decision") != "migrated" or key in fields:
+            continue
+        value = out.pop(key)
+        if value is None:
+            continue
+        rewrite = migration(_table_name(name), fields)
+        if rewrite is None:  # a table row without its rewrite (tests/trainer/test_migrations.py catches this)
+            rw.problems.append(f"{where}{key}: no rewrite to {keys.decision(name).get('to')} here; write that instead")
+            continue
+        rewrite(out, key, value, where, rw)
+    return out
+
+
+def _table_name(name: str) -> str:
+    for prefix in ("test_datasets[].", "pretraining_dataset[]."):
+        if name.startswith(prefix):
+            return "datasets[]." + name.removeprefix(prefix)
+    return name
+
+
+def sharegpt(entry: dict, where: str, rw: Rewrite) -> dict:
+    """type: sharegpt[...] -> type: chat_template, read the way Axolotl 0.4's sharegpt loader read the rows."""
+    from trainer.config.datasets import template_names
+
+    kind = entry.get("type")
+    base = kind.split(":")[0]
+    if base not in SHAREGPT:
+        rw.problems.append(f"{where}type: {kind!r} is one of Axolotl's retired sharegpt loaders this trainer does not "
+                           f"translate ({', '.join(SHAREGPT)} are); write type: chat_template with field_messages and "
+                           "message_property_mappings")
+        return entry
+    messages, role, content, extra = SHAREGPT[base]
+    out = {k: v for k, v in entry.items() if k not in ("conversation", "strict")}
+    out["type"] = "chat_template"
+    rw.set(out, "field_messages", messages, where, f"{where}type: {kind}")
+    out["message_property_mappings"] = {"role": role, "content": content}
+    roles = {r: list(v) for r, v in (out.get("roles") or DEFAULT_ROLES).items()}
+    for r, names in extra.items():
+        roles[r] = roles.get(r, []) + [n for n in names if n not in roles.get(r, [])]
+    if extra or "roles" in out:
+        out["roles"] = roles
+    conversation = entry.get("conversation")
+    template = ""
+    if conversation:
+        name = CONVERSATIONS.get(conversation, conversation)
+        if name not in template_names():
+            rw.problems.append(f"{where}conversation: FastChat's {conversation!r} conversation template has no chat "
+                               f"template here; write type: chat_template with chat_template: one of "
+                               f"{', '.join(template_names())} (or jinja with chat_template_jinja)")
+            return out
+        rw.set(out, "chat_template", name, where, f"{where}conversation")
+        template = f", chat template {name}"
+    else:
+        template = (", the config's chat_template (Axolotl 0.4 rendered it with FastChat's vicuna_v1.1 when "
+                    "conversation was unset)")
+    rw.notes.append(f"{where}type: {kind} (Axolotl's conversation format until 0.5) is read as type: chat_template "
+                    f"with field_messages: {messages}, message_property_mappings {{role: {role}, content: {content}}}"
+                    f"{template}")
+    return out
+
+
+def _old_deepspeed(raw: dict, rw: Rewrite) -> None:
+    from trainer.config.parallel import BUNDLED_DS
+
+    value = raw.get("deepspeed")
+    if not isinstance(value, str) or Path(value).expanduser().exists():
+        return
+    given = Path(value)
+    if given.parent.name == "deepspeed" and (BUNDLED_DS / given.name).exists():
+        raw["deepspeed"] = f"deepspeed_configs/{given.name}"
+        rw.notes.append(f"deepspeed: {value} (Axolotl's folder before it was renamed deepspeed_configs/) is read as "
+                        f"the bundled deepspeed_configs/{given.name}")
+
+
+def _preference_types(raw: dict, rw: Rewrite) -> None:
+    from trainer.config.rl import KTO_TYPES, PAIR_TYPES, PRM_TYPES, REWARD_TYPES
+
+    if raw.get("rl") not in PREFERENCE_METHODS:
+        return
+    for group in ("datasets", "test_datasets"):
+        for i, entry in enumerate(raw.get(group) or []):
+            kind = entry.get("type") if isinstance(entry, dict) else None
+            # Axolotl's strategy loader returns no transform for any name it cannot import (prompt_strategies/base.py
+            # load), and the rows are used as they are. Not so here for a pair type (or one edit from one: a typo)
+            # or another method's type (KTO, reward models): those are mistakes to name.
+            if not isinstance(kind, str) or kind in PAIR_TYPES + KTO_TYPES + REWARD_TYPES + PRM_TYPES or any(
+                    keys.one_edit(kind, t) for t in PAIR_TYPES):
+                continue
+            entry.pop("type")
+            rw.notes.append(f"{group}.{i}.type: {kind!r} names no preference format; as in Axolotl 0.4 (whose DPO "
+                            "loader found no transform for it), the rows are read unchanged: prompt, chosen and "
+                            "rejected texts (field_prompt / field_chosen / field_rejected name other columns)")
+
+
+def _base_model_config(raw: dict, rw: Rewrite) -> None:
+    """The same value as base_model is Axolotl's own default (nothing to read); another one is where the model's
+    config is read from, and the tokenizer too unless tokenizer_config says otherwise, as Axolotl's load_tokenizer."""
+    other = raw.get("base_model_config")
+    if other is None or other == raw.get("base_model"):
+        raw.pop("base_model_config", None)
+        return
+    if raw.get("tokenizer_config") is None:
+        raw["tokenizer_config"] = other
+        rw.notes.append(f"base_model_config: the model's config and the tokenizer are read from {other} (Axolotl's "
+                        "tokenizer_config default)")
+
+
+def _load_best_model(raw: dict, rw: Rewrite) -> None:
+    """load_best_model_at_end: true with early_stopping_patience is what early stopping does here."""
+    if raw.get("load_best_model_at_end") is True and raw.get("early_stopping_patience"):
+        raw.pop("load_best_model_at_end")
+        rw.notes.append("load_best_model_at_end: true is what early_stopping_patience does here (the best "
+                        "checkpoint by eval_loss becomes the final model)")
+
+
+def migrate(raw: dict, config_fields: set[str], entry_fields: set[str]) -> tuple[dict, Rewrite]:
+    """The config with every retired form rewritten (a new mapping), and the notes and problems of doing so."""
+    rw = Rewrite()
+    out = _keys_of(dict(raw), "", "", config_fields, rw)
+    for group in LISTS:
+        entries = out.get(group)
+        if not isinstance(entries, list):
+            continue
+        rewritten = []
+        for i, entry in enumerate(entries):
+            if not isinstance(entry, dict):
+                rewritten.append(entry)
+                continue
+            where = f"{group}.{i}."
+            if group != "pretraining_dataset" and isinstance(entry.get("type"), str) and \
+                    entry["type"].split(":")[0].startswith("sharegpt"):
+                entry = sharegpt(entry, where, rw)
+            rewritten.append(_keys_of(entry, f"{group}[].", where, entry_fields, rw))
+        out[group] = rewritten
+    _old_deepspeed(out, rw)
+    _preference_types(out, rw)
+    _base_model_config(out, rw)
+    _load_best_model(out, rw)
+    return out, rw
