@@ -595,8 +595,11 @@ def train(
     trainer runs in the active environment when doctor finds nothing wrong with it for the plan, else in an
     environment built for the plan and cached by it (or --venv DIR, or the plan's image with --image). One
     process per device: torchrun for several GPUs or machines. The trainer's error line and exit code are
-    envtool's, with one process or several. SIGTERM, SIGUSR1 or Ctrl-C: every rank stops after the same step
-    with a checkpoint (exit 138, or 130 for Ctrl-C; twice: at once); the same command again resumes it.
+    envtool's, with one process or several (also in --image). SIGTERM, SIGUSR1 or Ctrl-C: every rank stops after
+    the same step with a checkpoint (exit 138, or 130 for Ctrl-C; twice: at once); the same command again resumes
+    it. An output_dir holding an earlier run's checkpoints (and no such stop) is continued with
+    auto_resume_from_checkpoints: true, else refused before anything starts. At the end, the next commands for
+    the run (merge-lora, export, chat-check) are printed.
     Before anything is built or started, the memory estimate (`envtool fit`'s, from the model's config.json when
     it is on this machine) is checked on the plan's GPU: when even the band's low end is above its memory
     (does_not_fit) the run stops, exit 2, naming the cheapest change that fits; --no-fit-check trains anyway.
@@ -615,7 +618,7 @@ def train(
     from .errors import BadInput
     from .emit import emit as write_launcher
     from .fit import check as check_fit
-    from .launch import Distribution, plan_training, prepare, run
+    from .launch import Distribution, next_commands, plan_training, prepare, run
 
     if venv is not None and image:
         raise BadInput("--venv and --image are two places to train: give one")
@@ -683,8 +686,13 @@ def train(
     prepare(launch, training.plan, sources, quiet=json_out, say=log)
     log(f"envtool: {shlex.join(launch.command)}")
     code = run(launch, training.plan, hf_cache=hf_cache, stdout_to_stderr=json_out)
+    steps = next_commands(training) if code == 0 else []
     if json_out:
-        print(json.dumps({**summary, "exit_code": code}, indent=2))
+        print(json.dumps({**summary, "exit_code": code, "next_steps": steps}, indent=2))
+    elif steps:
+        log("envtool: next, for this run (README, \"After training\"):")
+        for step in steps:
+            log(f"  {shlex.join(step['command'])}    # {step['what']}")
     raise typer.Exit(code)
 
 
@@ -701,6 +709,8 @@ def run(
     env: Annotated[Optional[list[str]], typer.Option("-e", "--env", help="Pass this environment variable "
                                                      "(e.g. HF_TOKEN) at run time; repeatable.")] = None,
     volume: Annotated[Optional[list[str]], typer.Option("-v", "--volume", help="HOST:CONTAINER; repeatable.")] = None,
+    workdir: Annotated[Optional[str], typer.Option("-w", "--workdir", help="The command's working directory in "
+                                                   "the container (e.g. /work, where -v mounts yours).")] = None,
     user: UserOpt = "invoking",
 ) -> None:
     """Run a command in an image with what training needs: GPUs, shared memory, the HF cache, tokens.
@@ -715,7 +725,7 @@ def run(
     if not image:
         raise BadInput("--image is required")
     code = do_run(image, command or [], gpus=gpus, shm_size=shm_size, hf_cache=hf_cache, env_names=env or [],
-                  volumes=volume or [], user=user)
+                  volumes=volume or [], workdir=workdir, user=user)
     raise typer.Exit(code)
 
 

@@ -15,6 +15,7 @@ import shutil
 import sys
 from collections import deque
 from pathlib import Path
+from typing import Callable
 
 from . import DISTRIBUTION, __version__
 from .errors import BadInput, EnvtoolError
@@ -357,12 +358,13 @@ FORWARDED = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
 def run(image: str, command: list[str], *, gpus: str | None, shm_size: str, hf_cache: Path | None,
         env_names: list[str], volumes: list[str], workdir: str | None = None,
         environment: dict[str, str] | None = None, network_mode: str | None = None,
-        user: str | None = INVOKING_USER, mounts: tuple = ()) -> int:
+        user: str | None = INVOKING_USER, mounts: tuple = (), output: Callable[[str], None] | None = None) -> int:
     """Run `command` in `image` with what training needs; secrets travel as run-time environment only.
     `user`: see container_user (default: the invoking uid:gid). `volumes`: `-v` specs; `mounts`: (host, container,
     read-only) binds. The container runs under an init (signals reach the command as they would outside, it is not
     PID 1); SIGTERM, SIGINT, SIGHUP and SIGQUIT sent to envtool are passed to it, and the container is removed
-    however envtool's wait ends; the exit code is the container's (143 after SIGTERM)."""
+    however envtool's wait ends; the exit code is the container's (143 after SIGTERM). `output`: given the
+    container's output line by line (a line ends at \n or a progress bar's \r) instead of writing it to stdout."""
     import docker
 
     check_gpus(gpus)
@@ -405,9 +407,17 @@ def run(image: str, command: list[str], *, gpus: str | None, shm_size: str, hf_c
                                      labels={RUN_LABEL: str(os.getpid())}, **gpu_kwargs)
         try:
             forward(container)
+            pending = b""
             for chunk in container.logs(stream=True, follow=True):
-                sys.stdout.buffer.write(chunk)
-                sys.stdout.flush()
+                if output is None:
+                    sys.stdout.buffer.write(chunk)
+                    sys.stdout.flush()
+                    continue
+                *lines, pending = re.split(rb"(?<=[\r\n])", pending + chunk)
+                for line in lines:
+                    output(line.decode(errors="replace"))
+            if pending:
+                output(pending.decode(errors="replace"))
             return container.wait()["StatusCode"]
         finally:
             container.remove(force=True)

@@ -303,16 +303,18 @@ def active_env_runs(plan: Plan, opts: PlanOptions, required: tuple[str, ...] = (
 
 def launch_command(python: str, config: str, *, nproc: int, nnodes: int = 1, node_rank: int = 0,
                    rdzv_endpoint: str | None = None, rdzv_id: str = "envtool",
-                   trainer_args: list[str] | None = None) -> list[str]:
+                   trainer_args: list[str] | None = None, loopback: bool = False) -> list[str]:
     """One process for one device; torchrun (as `python -m torch.distributed.run`, the environment's own)
     for several, with a c10d rendezvous across machines. `trainer_args`: another `python -m trainer` command
-    than `train CONFIG` (doctor --multi-gpu's `preflight ...`)."""
+    than `train CONFIG` (doctor --multi-gpu's `preflight ...`). `loopback` (one machine, in a container): the
+    ranks meet at 127.0.0.1, not at the name torchrun finds for the host (socket.getfqdn()), which a container
+    without a network (or DNS) cannot resolve (pytorch/pytorch#150532; --local-addr is pytorch#88922's)."""
     train = ["-m", "trainer", *(trainer_args or ["train", config])]
     if nproc == 1 and nnodes == 1:
         return [python, *train]
     cmd = [python, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--nnodes={nnodes}"]
     if nnodes == 1:
-        cmd.append("--standalone")
+        cmd += ["--standalone", *(["--local-addr=127.0.0.1"] if loopback else [])]
     else:
         cmd += [f"--node-rank={node_rank}", "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}",
                 f"--rdzv-id={rdzv_id}"]
@@ -379,7 +381,8 @@ def plan_launch(plan: Plan, cfg, config: Path, opts: PlanOptions, dist: Distribu
             raise BadInput(f"--image: {config} must be under the working directory (it is mounted at /work)")
         else:
             inside = str(config.resolve())
-        return Launch("image", tag, _image_exists(tag), "python", launch_command("python", inside, **args), {},
+        return Launch("image", tag, _image_exists(tag), "python", launch_command("python", inside, loopback=True,
+                                                                                 **args), {},
                       f"the plan's image {tag}", image_mounts(cfg, cwd) if mounted else ())
     if venv is not None:
         venv = Path(os.path.abspath(venv))
@@ -523,6 +526,16 @@ def plan_training(config: Path, opts: PlanOptions, dist: Distribution, *, venv: 
                                             f"image (--python overrides)", *fitted.notes])
     launch = plan_launch(fitted.plan, cfg, config, opts, dist, venv=venv, image=image or emit == "k8s",
                          isolated=isolated, mounted=emit != "k8s")  # k8s carries the config in a ConfigMap
+    if launch.kind in ("venv", "cached") and not launch.ready:  # no interpreter for the plan's Python: one line
+        from .install import find_python                       # now (also --dry-run), not after "training in"
+
+        find_python(fitted.plan.python)
+    if emit is None:  # checkpoints of an earlier run in output_dir: continued when the config says so, else refused
+        from trainer.setup import check_earlier_run
+
+        earlier = _trainer_call(config, check_earlier_run, cfg)
+        if earlier:
+            fitted = fitted._replace(notes=[*fitted.notes, earlier])
     fit = None
     if fitted.plan.on_gpu:  # the memory estimate on the plan's GPU (resolver/fit.py; `envtool train` stops on it)
         from .fit import on_plan
@@ -537,10 +550,6 @@ def prepare(launch: Launch, plan: Plan, sources, *, quiet: bool = False,
     """Build what `launch` needs and does not have yet: the cached or named venv, or the image."""
     if launch.ready:
         return
-    if launch.kind != "image":
-        from .install import find_python
-
-        find_python(plan.python)  # no interpreter for the plan's Python: one line now, not after the lock
     if launch.kind == "image":
         build([plan], sources, tag=launch.path, quiet=quiet, say=say)
         return
@@ -572,17 +581,27 @@ def run(launch: Launch, plan: Plan, *, hf_cache: Path | None = None, shm_size: s
     `stdout_to_stderr` keeps envtool's stdout for its own --json result."""
     import subprocess
 
+    from trainer.errors import ERROR_DIR_ENV
+
     if launch.kind == "image":
+        import tempfile
+
         from .docker import run as docker_run
 
         gpus = "all" if plan.on_gpu else None  # the image's plan says which devices (NVIDIA, AMD, Intel)
         for host, _, read_only in launch.mounts:
             if not read_only:
                 Path(host).mkdir(parents=True, exist_ok=True)  # the user's own, before docker would make it root's
-        return docker_run(launch.path, launch.command, gpus=gpus, shm_size=shm_size, hf_cache=hf_cache,
-                          env_names=[], volumes=[], mounts=launch.mounts, workdir=WORKDIR,
-                          network_mode="host" if "--rdzv-backend=c10d" in launch.command else None)
-    from trainer.errors import ERROR_DIR_ENV
+        options = dict(gpus=gpus, shm_size=shm_size, hf_cache=hf_cache, env_names=[], volumes=[], workdir=WORKDIR,
+                       network_mode="host" if "--rdzv-backend=c10d" in launch.command else None)
+        if "torch.distributed.run" not in launch.command:
+            return docker_run(launch.path, launch.command, mounts=launch.mounts, **options)
+        # several processes in the container: their error lines come back through a mounted folder (HeldReport)
+        with tempfile.TemporaryDirectory(prefix="envtool-run-") as folder:
+            report = HeldReport(folder, sys.stdout)
+            code = docker_run(launch.path, launch.command, mounts=(*launch.mounts, (folder, ERRORS_AT, False)),
+                              environment={ERROR_DIR_ENV: ERRORS_AT}, output=report.line, **options)
+            return report.result(code)
 
     env = {k: v for k, v in {**os.environ, **launch.env}.items() if k != ERROR_DIR_ENV}  # one process prints its own
     stdout = sys.stderr if stdout_to_stderr else None
@@ -596,6 +615,24 @@ def run(launch: Launch, plan: Plan, *, hf_cache: Path | None = None, shm_size: s
         raise EnvtoolError(f"cannot start {launch.command[0]}: the environment is gone; run again to rebuild it") from None
 
 
+def next_commands(training: Training) -> list[dict]:
+    """What to run after a finished run (README, "After training"), as commands for where it trained: the
+    environment's own python, or `envtool run` in the plan's image with the working directory at /work. Each
+    {"what", "command"}; [] when this machine holds no output_dir/final (a failed run, another node's disk)."""
+    from trainer.setup import next_steps
+
+    launch = training.launch
+    config = launch.command[launch.command.index("train") + 1]  # the config as the trainer was given it
+    steps = _trainer_call(training.config, next_steps, training.cfg, config)
+    if launch.kind == "image":
+        prefix = ["envtool", "run", "--image", launch.path, "-v", f"{Path.cwd().resolve()}:/work", "-w", "/work",
+                  "--", "python"]
+    else:
+        prefix = [launch.python]
+    return [{"what": step.what, "command": [*prefix, "-m", "trainer", *step.args]} for step in steps]
+
+
+ERRORS_AT = "/envtool-errors"  # in the container: where its ranks record their error lines
 # What a scheduler or a user sends to stop a run; forwarded to every trainer process (trainer/runtime/stop.py).
 STOP_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")
 # torchrun's own handling, for when it is signalled itself (Slurm signals a job step's processes; `kill` on it):
@@ -670,12 +707,41 @@ class Forwarding:
 TORCHRUN_LOG = re.compile(r"^[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S+:\d+\] ")
 
 
+class HeldReport:
+    """The output of a multi-process run, line by line, so that a trainer's failure reads as it does in one
+    process: every rank records its error line and exit code in `folder` (ENVTOOL_ERROR_DIR, trainer/errors.py)
+    instead of printing it; once one has, torchrun's own lines (its failure report: a log line, a traceback, a
+    ChildFailedError table) are held back. `result` prints the first failure's line once and returns its exit code;
+    a failure no rank recorded (a crash, a signal) shows torchrun's report as it was, with torchrun's exit code."""
+
+    def __init__(self, folder: str | Path, out=None):
+        self.folder, self.out, self.held = Path(folder), out or sys.stderr, []
+
+    def line(self, line: str) -> None:
+        if self.held or (TORCHRUN_LOG.match(line) and any(self.folder.iterdir())):
+            self.held.append(line)  # after a rank reported its error, the rest is torchrun's report
+            return
+        self.out.write(line)
+        self.out.flush()
+
+    def result(self, code: int) -> int:
+        records = []
+        for path in self.folder.glob("rank-*.json"):
+            try:
+                records.append(json.loads(path.read_text()))
+            except (OSError, ValueError):
+                continue
+        if code != 0 and records:
+            first = min(records, key=lambda r: (r.get("time", 0), r.get("rank", 0)))
+            print(first["line"], file=sys.stderr, flush=True)
+            return int(first["exit_code"])
+        self.out.writelines(self.held)
+        self.out.flush()
+        return code
+
+
 def run_torchrun(command: list[str], env: dict, stdout) -> int:
-    """Run torchrun so that a trainer's failure reads as it does in one process: every rank records its error line
-    and exit code in a folder made for this run (ENVTOOL_ERROR_DIR, trainer/errors.py) instead of printing it; once
-    one has, torchrun's own lines (its failure report: a log line, a traceback, a ChildFailedError table) are held
-    back. At the end the first failure's line is printed once and its exit code returned. A failure no rank
-    recorded (a crash, a signal) shows torchrun's report as it was, with torchrun's exit code."""
+    """Run torchrun here with its output through HeldReport: the first failing rank's line and exit code."""
     import io
     import subprocess
     import tempfile
@@ -685,30 +751,15 @@ def run_torchrun(command: list[str], env: dict, stdout) -> int:
     # torchrun sets OMP_NUM_THREADS=1 for its workers when it is unset, with a 3-line banner saying so: the same, quietly
     env = {"OMP_NUM_THREADS": "1", **TORCHRUN_ENV, **env}
     with tempfile.TemporaryDirectory(prefix="envtool-run-") as folder:
+        report = HeldReport(folder)
         proc = subprocess.Popen(command, env={**env, ERROR_DIR_ENV: folder}, stdout=stdout, stderr=subprocess.PIPE,
                                 start_new_session=True)
-        held: list[str] = []
         forwarding = Forwarding(proc, workers=True).__enter__()
         try:
             # newline="": a progress bar's \r-ended updates pass at once, as lines of their own
             for line in io.TextIOWrapper(proc.stderr, errors="replace", newline=""):
-                if held or (TORCHRUN_LOG.match(line) and os.listdir(folder)):
-                    held.append(line)  # after a rank reported its error, the rest is torchrun's report
-                    continue
-                sys.stderr.write(line)
-                sys.stderr.flush()
+                report.line(line)
         finally:
             code = proc.wait()
             forwarding.__exit__(None, None, None)
-        records = []
-        for path in Path(folder).glob("rank-*.json"):
-            try:
-                records.append(json.loads(path.read_text()))
-            except (OSError, ValueError):
-                continue
-    if code != 0 and records:
-        first = min(records, key=lambda r: (r.get("time", 0), r.get("rank", 0)))
-        print(first["line"], file=sys.stderr, flush=True)
-        return int(first["exit_code"])
-    sys.stderr.writelines(held)
-    return code
+        return report.result(code)

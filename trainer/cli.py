@@ -141,6 +141,9 @@ def cmd_preprocess(args) -> int:
 
         raise ConfigError("preprocess: skip_prepare_dataset: true tokenizes while training and keeps no prepared "
                           "data; there is nothing to prepare (remove it to prepare once and reuse)")
+    from trainer.runtime import hub_access
+
+    hub_access.ensure(cfg, log)  # a hub model with no hub: one line now, not after a minute of retries
     prepared = prepare(cfg, load_tokenizer(cfg), int(os.environ.get("RANK", 0)), log=log)
     result = {"path": str(prepared.path), **prepared.stats}
     print(json.dumps(result, indent=2) if args.json else
@@ -154,7 +157,10 @@ def cmd_train(args) -> int:
 
     cfg, notes, runtime = _setup(args)
     from trainer import ray_launch
+    from trainer.setup import check_earlier_run
 
+    earlier = check_earlier_run(cfg)  # checkpoints of an earlier run: continued when the config says so, else refused
+    notes = [*notes, earlier] if earlier else notes
     with_ray = cfg.use_ray and not ray_launch.in_worker()  # Ray Train starts the workers, each running this loop
     if with_ray:
         ray_launch.require_ray(launched_by_torchrun=int(os.environ.get("WORLD_SIZE", "1")) > 1)
@@ -187,6 +193,9 @@ def cmd_evaluate(args) -> int:
     if not cfg.val_set_size:
         raise ConfigError("evaluate needs a validation split: set val_set_size")
     model_dir = Path(args.model) if args.model else Path(cfg.output_dir) / "final"
+    from trainer.runtime import hub_access
+
+    hub_access.ensure(cfg, log)
     tokenizer = load_tokenizer(cfg)
     prepared = prepare(cfg, tokenizer, log=log)
     device = torch.device(runtime.device)
@@ -258,7 +267,10 @@ def cmd_chat_check(args) -> int:
     from trainer.config import load_config
     from trainer.outputs.chat_check import chat_check, print_report
 
+    from trainer.runtime import hub_access
+
     cfg, _ = load_config(args.config)
+    hub_access.ensure(cfg, log)  # an adapter's hub base with no hub: one line, no retries
     report = chat_check(cfg, args.model, args.max_new_tokens)
     print_report(report, args.json)
     return 0 if report["stopped"] else 1
@@ -290,7 +302,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_preprocess)
 
     p = sub.add_parser("train", help="train (use torchrun for several processes); SIGTERM/SIGUSR1/Ctrl-C: stop "
-                       "after the step with a checkpoint, exit 138 (130 for Ctrl-C); run again to resume")
+                       "after the step with a checkpoint, exit 138 (130 for Ctrl-C); run again to resume",
+                       description="Train: checkpoints and final/ (with a generation_config.json that stops at the "
+                       "chat template's end of turn) in output_dir. A run a signal stopped resumes when run again; "
+                       "an output_dir holding other checkpoints of an earlier run is continued with "
+                       "auto_resume_from_checkpoints: true (or resume_from_checkpoint: DIR), else refused (exit 2).")
     p.add_argument("config")
     p.add_argument("--plan", help="plan.json to read instead of ENVTOOL_PLAN, the environment's own plan.json, ./plan.json")
     p.set_defaults(func=cmd_train)

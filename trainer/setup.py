@@ -181,3 +181,89 @@ def needs(cfg) -> list[Need]:
     if cfg.use_ray:
         found.append(Need("use_ray", "ray", None))
     return found
+
+
+CHECKPOINT_STATE = "trainer_state.json"  # trainer/outputs/checkpoint.py's STATE_FILE: a complete checkpoint has it
+STOPPED = "stopped.json"  # trainer/train.py's STOPPED: left by a run a stop request ended
+
+
+def earlier_checkpoints(output_dir) -> list[Path]:
+    """output_dir's complete checkpoint-N directories, oldest first (the rule of trainer/outputs/checkpoint.py's
+    list_checkpoints, without its torch import: the resolver asks this too)."""
+    import re
+
+    found = [p for p in Path(output_dir).glob("checkpoint-*")
+             if re.fullmatch(r"checkpoint-\d+", p.name) and (p / CHECKPOINT_STATE).is_file()]
+    return sorted(found, key=lambda p: int(p.name.split("-")[1]))
+
+
+def check_earlier_run(cfg) -> str | None:
+    """A run into an output_dir that holds an earlier run's checkpoints continues it when the config says so
+    (resume_from_checkpoint, or auto_resume_from_checkpoints: true, as Axolotl), and is refused otherwise
+    (ConfigError: the newest checkpoint and the two ways forward), never started over silently beside them.
+    A torchrun elastic restart (TORCHELASTIC_RESTART_COUNT above 0) and a run a signal stopped (output_dir/
+    stopped.json: the same command resumes it) are the same run: not refused. Returns a note
+    when output_dir holds an earlier final/ (and no checkpoint) that this run replaces."""
+    from trainer.errors import ConfigError
+
+    if cfg.resume_from_checkpoint or cfg.auto_resume_from_checkpoints:
+        return None
+    if (Path(cfg.output_dir) / STOPPED).exists():  # a run a signal stopped: the same command resumes it (train.py)
+        return None
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
+        return None
+    found = earlier_checkpoints(cfg.output_dir)
+    if found:
+        newest = found[-1]
+        raise ConfigError(f"output_dir {cfg.output_dir} holds {newest.name} from an earlier run, which this one would "
+                          "silently start over beside: to continue it, set auto_resume_from_checkpoints: true (or "
+                          f"resume_from_checkpoint: {newest}); to start over, set a new output_dir (or delete "
+                          f"{cfg.output_dir})")
+    if (Path(cfg.output_dir) / "final").is_dir():
+        return f"output_dir {cfg.output_dir} holds final/ from an earlier run: this run replaces it at its end"
+    return None
+
+
+class Step(NamedTuple):
+    """A command to run after training, as `python -m trainer ARGS`."""
+
+    what: str
+    args: list[str]
+
+
+def next_steps(cfg, config: str | Path) -> list[Step]:
+    """What to run next on the run that wrote output_dir/final (README, "After training"): merge-lora for an
+    adapter, export to GGUF for the families the exporter writes, chat-check where the tokenizer has a chat
+    template; [] when there is no final/ here (a failed run, or another node's disk) or the model does not
+    generate (a reward model)."""
+    import json
+
+    from trainer.outputs.gguf import FAMILIES
+
+    final = Path(cfg.output_dir) / "final"
+    if not final.is_dir() or cfg.objective in ("reward", "prm"):
+        return []
+    config = str(config)
+    steps = []
+    adapter = (final / "adapter_config.json").is_file()
+    if adapter:
+        steps.append(Step(f"merge the adapter into {cfg.base_model}: a full model in "
+                          f"{Path(cfg.output_dir) / 'merged'}", ["merge-lora", config]))
+        model_config = Path(cfg.base_model).expanduser() / "config.json"
+    else:
+        model_config = final / "config.json"
+    try:
+        model_type = json.loads(model_config.read_text()).get("model_type")
+    except (OSError, ValueError):
+        model_type = None  # a hub base: the exporter says in one line if it does not write it
+    if model_type is None or model_type in FAMILIES:
+        steps.append(Step("export one GGUF file for llama.cpp / Ollama" + (" (after merge-lora)" if adapter else ""),
+                          ["export", config, "--format", "gguf"]))
+    template = (final / "chat_template.jinja").is_file()
+    try:
+        template = template or "chat_template" in json.loads((final / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        pass
+    if template:
+        steps.append(Step("check that the model stops at the end of a chat turn", ["chat-check", config]))
+    return steps

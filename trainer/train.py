@@ -46,6 +46,7 @@ from trainer.parallel import distributed
 from trainer.parallel import mesh as parallelism
 from trainer.parallel.accelerator import make_accelerator
 from trainer.parallel.collective import barrier, phase, reduce_sum
+from trainer.runtime import hub_access
 from trainer.runtime.hardware import Runtime
 from trainer.runtime.stop import StopRequest
 
@@ -122,6 +123,7 @@ class Training:
         loggers.check(cfg)  # trackers installed, hub reachable: fail now, not after training
         if self.main:
             hub.check(cfg)
+        hub_access.ensure(cfg, say)  # a hub model with no hub: one line now (or offline from the cache), no retries
         self.tokenizer = tokenizer = load_tokenizer(cfg)
         if cfg.streamed:  # read while training (trainer/data/streaming.py); checked now, before the model loads
             from trainer.data.streaming import check_stream
@@ -570,6 +572,7 @@ class Training:
             self.unwrapped.save_pretrained(tmp, state_dict=full_state)
         if self.main:
             self.tokenizer.save_pretrained(tmp)
+            self.write_generation_config(tmp)
             shutil.rmtree(final, ignore_errors=True)
             tmp.rename(final)
             self.say(f"saved the final {'adapter' if self.cfg.adapter else 'model'} to {final}")
@@ -581,3 +584,20 @@ class Training:
             self.model.destroy()
         self.accelerator.end_training()
         return final
+
+    def write_generation_config(self, directory: Path) -> None:
+        """final/generation_config.json whose eos_token_id includes the chat template's end-of-turn token, so the
+        model (or the adapter on its base) stops where a turn ends (trainer/outputs/chat_check.py). Starts from the
+        model's own generation config; a model that does not generate (a reward model) gets none."""
+        base = self.unwrapped.get_base_model() if hasattr(self.unwrapped, "get_base_model") else self.unwrapped
+        if not (getattr(base, "can_generate", lambda: False)() and getattr(base, "generation_config", None)):
+            return
+        from trainer.outputs.chat_check import write_generation_config
+
+        eos = write_generation_config(directory, self.tokenizer, eot_tokens=self.cfg.eot_tokens,
+                                      start=base.generation_config)
+        try:
+            names = ", ".join(self.tokenizer.convert_ids_to_tokens(eos))
+        except Exception:  # a tokenizer without token names (mistral-common's): the ids
+            names = str(eos)
+        self.say(f"generation_config.json: generation stops on {names}")

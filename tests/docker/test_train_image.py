@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -64,3 +65,19 @@ def test_train_in_the_plans_image(tmp_path, docker_host, docker_client):
                          env=env, cwd=work, timeout=600)
     assert bad.returncode == 2 and bad.stdout == "" and bad.stderr.startswith("envtool: error: bad.yml: learning_rate")
     assert len(bad.stderr.strip().splitlines()) == 1
+    # two processes in the container, a data error they meet there: the trainer's line once and its exit code, as
+    # with one process (no torchrun report, no traceback); then the next commands for the run that finished above
+    text = (work / "data.jsonl").read_text().splitlines()
+    (work / "broken.jsonl").write_text("\n".join([*text[:2], text[2][:-1], *text[3:]]) + "\n")
+    (work / "two.yml").write_text(yaml.safe_dump({**cfg, "datasets": [{"path": "broken.jsonl", "type": "alpaca"}],
+                                                  "output_dir": "out-two"}))
+    two = subprocess.run([str(ENVTOOL), "train", "two.yml", *CPU, "--image", "--nproc", "2"], capture_output=True,
+                         text=True, env=env, cwd=work, timeout=600)
+    assert two.returncode == 2, two.stderr[-3000:]
+    errors = [line for line in two.stderr.splitlines() if "error" in line]
+    assert len(errors) == 1 and re.fullmatch(r"error: dataset broken.jsonl line 3, column \d+: not valid JSON "
+                                             r"\(Expecting ',' delimiter\)", errors[0]), two.stderr[-3000:]
+    assert "ChildFailedError" not in two.stdout + two.stderr and "Traceback" not in two.stdout + two.stderr
+    assert "envtool: next" in out.stderr and (
+        f"envtool run --image {built['tag']} -v {work}:/work -w /work -- python -m trainer export config.yml "
+        "--format gguf") in out.stderr

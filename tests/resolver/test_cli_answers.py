@@ -94,21 +94,21 @@ def test_a_driver_of_the_gpus_first_branch_or_later_gets_a_plan(gpu, driver):
 
 def test_train_never_runs_a_plan_for_another_python_in_this_environment(tmp_path):
     """`--python 3.9` from a 3.11 environment: the plan is 3.9's, so the active 3.11 environment is not used; with
-    no 3.9 interpreter uv can find, the run refuses in one line before locking or building anything."""
+    no 3.9 interpreter uv can find, the run refuses in one line before it says where it trains and before locking
+    or building anything, and --dry-run refuses the same way (a dry run shows what the run would do)."""
     env = dict(ENVTOOL_CACHE_DIR=str(tmp_path / "cache"), ENVTOOL_PLAN=None, ENVTOOL_GPU=None)
     host = f"{sys.version_info.major}.{sys.version_info.minor}"
     other = "3.9" if host != "3.9" else "3.10"
-    dry = run_envtool("train", TINY, "--gpu", "cpu", "--python", other, "--dry-run", "--json", **env)
-    assert dry.returncode == 0, dry.stderr
-    launch = json.loads(dry.stdout)
-    assert launch["plan"]["python"] == other
-    assert launch["environment"]["kind"] == "cached"
-    assert f"the active environment runs Python {host}, the plan is for {other}" in launch["environment"]["why"]
+    refusal = (f"envtool: error: the plan is for Python {other} and uv finds no Python {other} interpreter on this "
+               f"machine: install one (`uv python install {other}`) or drop --python to plan for this one")
     # PATH without pyenv or other interpreters, no uv-managed ones: uv finds no Python `other`
-    out = run_envtool("train", TINY, "--gpu", "cpu", "--python", other, PATH="/usr/bin:/bin",
-                      UV_PYTHON_INSTALL_DIR=str(tmp_path / "no-pythons"), **env)
-    assert out.returncode == 2, out.stderr
-    errors = [line for line in out.stderr.splitlines() if line.startswith("envtool: error:")]
-    assert errors == [f"envtool: error: the plan is for Python {other} and uv finds no Python {other} interpreter on "
-                      f"this machine: install one (`uv python install {other}`) or drop --python to plan for this one"]
+    bare = dict(PATH="/usr/bin:/bin", UV_PYTHON_INSTALL_DIR=str(tmp_path / "no-pythons"), **env)
+    for dry in ([], ["--dry-run"], ["--dry-run", "--json"]):
+        out = run_envtool("train", TINY, "--gpu", "cpu", "--python", other, *dry, **bare)
+        assert out.returncode == 2 and out.stdout == "", out.stderr
+        assert out.stderr.strip() == refusal  # the only line: no "training in ... environment" before it
     assert not (tmp_path / "cache" / "envs").exists() or not any((tmp_path / "cache" / "envs").iterdir())
+    # the host's own Python is found: the plan for it runs here (the active environment), no interpreter asked for
+    same = run_envtool("train", TINY, "--gpu", "cpu", "--python", host, "--dry-run", "--json", **bare)
+    assert same.returncode == 0, same.stderr
+    assert json.loads(same.stdout)["environment"]["kind"] == "active"

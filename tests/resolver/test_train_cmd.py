@@ -7,6 +7,7 @@ form one torchrun job over a c10d rendezvous.
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -68,15 +69,29 @@ def losses(output_dir: Path) -> list[dict]:
 
 
 def test_trains_the_tiny_example_in_the_active_environment(tmp_path, config, env):
-    out = train(str(config()), *CPU, "--json", env=env)
+    path = config(save_steps=2, adapter="lora", lora_r=4, lora_alpha=8, lora_target_modules=["q_proj", "v_proj"])
+    out = train(str(path), *CPU, "--json", env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     result = json.loads(out.stdout)
     assert result["environment"]["kind"] == "active" and result["exit_code"] == 0
-    assert result["command"][1:] == ["-m", "trainer", "train", str(tmp_path / "config.yml")]
+    assert result["command"][1:] == ["-m", "trainer", "train", str(path)]
     assert [r["step"] for r in losses(tmp_path / "out")] == [1, 2, 3, 4]
     assert (tmp_path / "out" / "final").is_dir()
     plan = json.loads(Path(result["env"]["ENVTOOL_PLAN"]).read_text())  # what the trainer was pointed at
     assert plan["gpu"]["compute_capability"] is None and plan["attention"] == "sdpa"
+    # what to run next, in the environment it trained in: an adapter to merge, a family the exporter writes, a
+    # tokenizer with a chat template
+    python = result["command"][0]
+    assert [s["command"] for s in result["next_steps"]] == [
+        [python, "-m", "trainer", "merge-lora", str(path)],
+        [python, "-m", "trainer", "export", str(path), "--format", "gguf"],
+        [python, "-m", "trainer", "chat-check", str(path)]]
+    # the same command again would start over beside checkpoint-4: refused in one line before anything starts
+    again = train(str(path), *CPU, env=env)
+    assert again.returncode == 2 and again.stdout == ""
+    assert again.stderr.startswith(f"envtool: error: {path}: output_dir {tmp_path / 'out'} holds checkpoint-4 from an "
+                                   "earlier run") and len(again.stderr.strip().splitlines()) == 1
+    assert [r["step"] for r in losses(tmp_path / "out")] == [1, 2, 3, 4]
 
 
 def test_the_readme_command_from_the_repository(env, tmp_path):
@@ -187,6 +202,31 @@ def test_two_launchers_on_one_host_form_one_job_and_train(tmp_path, config, env)
     single = train(str(config(max_steps=3, output_dir=str(tmp_path / "single"))), *CPU, env=env)
     assert single.returncode == 0, single.stderr[-2000:]
     assert sum(r["tokens"] for r in rows) > 1.5 * sum(r["tokens"] for r in losses(tmp_path / "single"))
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_two_nodes_that_share_no_disk_are_told_in_one_line_within_seconds(tmp_path, config, env):
+    """Each launcher in its own working directory, with relative dataset_prepared_path and output_dir: the two
+    "nodes" see different directories, as machines without a shared filesystem do. The preflight before the first
+    step (trainer/parallel/preflight.py) stops both launchers in one line naming the directory, instead of node 1
+    waiting dataset_prepare_timeout (30 min) for rank 0's cache; nothing is prepared."""
+    nodes = [tmp_path / "node0", tmp_path / "node1"]
+    raw = yaml.safe_load(config(max_steps=2, dataset_prepared_path="prepared", output_dir="out").read_text())
+    for node in nodes:
+        node.mkdir()
+        (node / "config.yml").write_text(yaml.safe_dump(raw))
+    endpoint = f"127.0.0.1:{free_port()}"
+    launchers = [subprocess.Popen([str(ENVTOOL), "train", "config.yml", *CPU, "--nnodes", "2", "--node-rank", str(i),
+                                   "--rdzv-endpoint", endpoint], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True, env=env, cwd=node) for i, node in enumerate(nodes)]
+    results = [(p, p.communicate(timeout=420)[1]) for p in launchers]
+    for p, err in results:
+        assert p.returncode == 1, err[-3000:]
+        errors = [line for line in err.splitlines() if line.startswith("error")]
+        assert len(errors) == 1 and "ChildFailedError" not in err and "Traceback" not in err, err[-3000:]
+        assert re.match(r"error( \(rank 1\))?: preflight: machine 1 does not see output_dir out \(", errors[0])
+    assert not [p for node in nodes for p in (node / "prepared").rglob("*") if p.is_file()]  # nothing prepared
 
 
 @pytest.mark.slow

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from trainer.batch.labels import IGNORE
 from trainer.config import Config, DatasetConfig, looks_local
+from trainer.data import files as local_files
 from trainer.data.formats.prompts import tokenize_row
 from trainer.errors import ConfigError, DataError, TrainerError
 
@@ -169,12 +170,16 @@ def load_raw(ds: DatasetConfig):
         builder = ds.ds_type or FILE_BUILDERS.get(path.suffix.lower())
         if builder is None:
             raise DataError(f"dataset {ds.path}: unknown file type '{path.suffix}'; set ds_type: json, parquet or csv")
-        return datasets.load_dataset(builder, data_files=str(path), split="train")
+        return local_files.load_file(path, builder, ds.path)  # a malformed row: the file and line, exit 2
     if looks_local(ds.path) and not path.exists():
         raise DataError(f"dataset file not found: {ds.path}")
+    if path.is_dir():
+        try:
+            with local_files.quiet_datasets():
+                return datasets.load_dataset(str(path), data_files=ds.data_files, split=ds.split)
+        except Exception as err:
+            raise DataError(f"dataset {ds.path}{local_files.directory_problem(path, err)}") from None
     try:
-        if path.is_dir():
-            return datasets.load_dataset(str(path), data_files=ds.data_files, split=ds.split)
         return datasets.load_dataset(ds.path, ds.name, data_files=ds.data_files, split=ds.split, revision=ds.revision)
     except Exception as err:  # hub errors come in many types; the first line says what happened
         raise TrainerError(f"cannot load dataset {ds.path} (split {ds.split}): {str(err).splitlines()[0]}") from None
