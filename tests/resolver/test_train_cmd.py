@@ -48,7 +48,8 @@ def config(tmp_path, tiny_model):
         cfg.update(base_model=str(tiny_model), datasets=[{"path": str(REPO / "examples/data/tiny-alpaca.jsonl"),
                                                            "type": "alpaca"}],
                    dataset_prepared_path=str(tmp_path / "prepared"), output_dir=str(tmp_path / "out"),
-                   max_steps=4, saves_per_epoch=None, evals_per_epoch=None, save_total_limit=None)
+                   max_steps=4, saves_per_epoch=None, evals_per_epoch=None, save_total_limit=None,
+                   auto_resume_from_checkpoints=None)  # (the example resumes; these runs start clean)
         for key, value in overrides.items():
             cfg[key] = value
         path = tmp_path / "config.yml"
