@@ -174,7 +174,7 @@ def test_real_axolotl_config_validates_unchanged(tmp_path, tiny_llama, capsys):
     out = capsys.readouterr().out
     assert "flash_attention_2 -> sdpa" in out  # flash_attention: true on a T4
     assert "bf16: auto -> fp16" in out
-    assert "ignored: model_type, tokenizer_type" in out
+    assert "ignored: model_type (" in out and "; tokenizer_type (AutoTokenizer picks the class" in out  # each with its reason
     assert "load_in_8bit: bitsandbytes LLM.int8()" in out and "adapter:    lora on 8-bit" in out
     assert "optimizer:  adamw_bnb_8bit (bitsandbytes)" in out
 

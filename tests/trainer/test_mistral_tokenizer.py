@@ -168,6 +168,7 @@ def test_unsupported_combinations_are_one_line(tmp_path, extra, says):
            "datasets": [{"path": "org/chats", "type": "chat_template"}], **extra}
     config = tmp_path / "c.yml"
     config.write_text(yaml.safe_dump(raw))
+    (tmp_path / "a.jsonl").write_text('{"instruction": "x", "output": "y"}\n')  # a local dataset is there: one problem
     result = run_cli("validate", str(config), "--gpu", "a100", cwd=tmp_path)
     assert result.returncode == 2
     lines = [line for line in result.stderr.splitlines() if line.startswith("error")]

@@ -231,7 +231,6 @@ def test_qat_and_fp8_floors_come_from_the_matrices(make_config):
     ({"weight_dtype": "nvfp4", "activation_dtype": "nvfp4", "group_size": 32}, {}, "set group_size: 16"),
     ({"weight_dtype": "nvfp4", "group_size": 16}, {}, "no weight-only NVFP4 QAT"),
     ({"weight_dtype": "mxfp4", "fake_quant_after_n_steps": 3}, {}, "cannot switch fake quantization off"),
-    ({"weight_dtype": "int4", "group_sizes": 3}, {}, "group_sizes"),
     (INT8_INT4, {"adapter": "lora"}, "qat with adapter"),
     (INT8_INT4, {"adapter": "qlora", "load_in_4bit": True}, "qat and load_in_4bit cannot be used together"),
     (INT8_INT4, {"deepspeed": "deepspeed_configs/zero2.json"}, "qat with deepspeed is not supported"),
@@ -240,6 +239,12 @@ def test_bad_qat_configs_are_one_line_errors(qat, extra, message, make_config):
     result = run_cli("validate", str(make_config(qat=qat, **extra)), "--gpu", "cpu")
     assert result.returncode == 2 and message in result.stderr, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and result.stderr.startswith("error:")
+
+
+def test_a_misspelt_qat_key_is_named_with_the_key_it_resembles(make_config):
+    result = run_cli("validate", str(make_config(qat={"weight_dtype": "int4", "group_sizes": 3})), "--gpu", "cpu")
+    assert result.returncode == 0, result.stderr
+    assert "'qat.group_sizes' is not a key (ignored); did you mean 'qat.group_size'?" in result.stdout
 
 
 def test_a_layer_the_group_size_does_not_tile_is_a_config_error(make_config):

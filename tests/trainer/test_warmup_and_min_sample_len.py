@@ -68,7 +68,7 @@ def test_refusals_name_the_key(keys, message):
 def test_tiled_mlp_is_a_memory_note_and_sync_each_batch_is_accepted():
     cfg, notes = parse_config({**BASE, "tiled_mlp": True,
                                "accelerator_config": {"gradient_accumulation_kwargs": {"sync_each_batch": True}}})
-    assert any(n.startswith("tiled_mlp: off (ALST's tiled MLP") for n in notes)
+    assert any(n.startswith("ignored: tiled_mlp (ALST's tiled MLP") for n in notes)
     from trainer.config.parallel import sync_each_batch
 
     assert sync_each_batch(cfg) is True

@@ -60,6 +60,7 @@ class Sift:
         self.ignored: dict[str, list[str]] = {"inert": [], "unknown": []}
         self.warnings: list[str] = []
         self.problems: list[str] = []
+        self.reasons: dict[str, str] = {}  # an inert key's reason, from the table
 
     def mapping(self, raw: dict, model: type[BaseModel], prefix: str, where: str) -> dict:
         """The keys of `raw` that `model` reads (non-null), sorted at every level below."""
@@ -98,6 +99,7 @@ class Sift:
             return
         if decided in ("inert", "migrated"):  # (a migrated key left here was given with a null value)
             self.ignored["inert"].append(f"{where}{key}")
+            self.reasons[f"{where}{key}"] = row.get("reason") or IGNORED_HOW["inert"]
         elif decided == "honoured":  # the table says the trainer reads it, and no section does: a bug here
             self.problems.append(f"{where}{key}: matrices/axolotl_keys.toml says this key is read, but no section "
                                  "of the trainer's config reads it (a bug; please report it)")
@@ -110,7 +112,12 @@ class Sift:
                 self.ignored["unknown"].append(f"{where}{key}")
 
     def notes(self) -> list[str]:
-        parts = [f"{_some(names)} ({IGNORED_HOW[how]})" for how, names in self.ignored.items() if names]
+        by_reason: dict[str, list[str]] = {}  # inert keys grouped by the table's reason, so the user sees why
+        for name in self.ignored["inert"]:
+            by_reason.setdefault(self.reasons.get(name, IGNORED_HOW["inert"]), []).append(name)
+        parts = [f"{_some(names)} ({reason})" for reason, names in by_reason.items()]
+        if self.ignored["unknown"]:
+            parts.append(f"{_some(self.ignored['unknown'])} ({IGNORED_HOW['unknown']})")
         return self.warnings + ([f"ignored: {'; '.join(parts)}"] if parts else [])
 
 

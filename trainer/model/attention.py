@@ -213,8 +213,8 @@ def _installed_torch() -> tuple[str | None, str | None]:
     2.9: torch.toml), exact from torch itself when it is already imported."""
     import sys
 
-    if "torch" in sys.modules:
-        torch = sys.modules["torch"]
+    torch = sys.modules.get("torch")  # (None where a caller blocked the import: read the metadata then)
+    if torch is not None:
         return torch.__version__.split("+")[0], getattr(torch.version, "cuda", None)
     from importlib import metadata
 

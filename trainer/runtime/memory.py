@@ -43,6 +43,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from trainer import facts
+from trainer.errors import ConfigError
 
 GB = 2 ** 30
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -177,7 +178,12 @@ def setup_from(cfg, runtime, world: int) -> Setup:
     elif cfg.load_in_8bit:
         quant = "int8"
     fsdp_on = fsdp_enabled(cfg)
-    mesh = mesh_for(cfg, world, fsdp_on)
+    try:
+        mesh = mesh_for(cfg, world, fsdp_on)
+    except ConfigError:  # validated on one process (or fewer than the sizes ask): estimate for the sizes' own count
+        from trainer.config.parallel import given
+
+        mesh = mesh_for(cfg, math.prod(v for v in given(cfg).values() if v), fsdp_on)
     tp = mesh.tp if mesh else 1
     cp = mesh.cp if mesh else 1
     zero, ds, offload_opt, offload_params = 0, {}, False, False
