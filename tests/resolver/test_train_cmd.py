@@ -213,7 +213,8 @@ def test_two_nodes_that_share_no_disk_are_told_in_one_line_within_seconds(tmp_pa
     step (trainer/parallel/preflight.py) stops both launchers in one line naming the directory, instead of node 1
     waiting dataset_prepare_timeout (30 min) for rank 0's cache; nothing is prepared."""
     nodes = [tmp_path / "node0", tmp_path / "node1"]
-    raw = yaml.safe_load(config(max_steps=2, dataset_prepared_path="prepared", output_dir="out").read_text())
+    raw = yaml.safe_load(config(max_steps=2, dataset_prepared_path="prepared", output_dir="out",
+                                preflight_timeout=10).read_text())  # (machine 1 looks for the marker that long)
     for node in nodes:
         node.mkdir()
         (node / "config.yml").write_text(yaml.safe_dump(raw))
