@@ -75,7 +75,8 @@ def test_two_processes_with_uneven_pairs_evaluate_checkpoint_and_match_one_proce
 DS_ZERO2 = Path(__file__).parent / "data" / "deepspeed_configs" / "zero2.json"  # Axolotl's zero2.json, verbatim
 
 
-@pytest.mark.parametrize("rl", ["dpo", "kto", "orpo"])
+# (DPO under DeepSpeed runs in test_preference_sharded under ZeRO-3, the harder stage: left out here for CI's time)
+@pytest.mark.parametrize("rl", ["kto", "orpo"])
 def test_deepspeed_zero2_matches_ddp_evaluates_checkpoints_and_resumes(rl, make_config, tmp_path):
     """DPO, KTO and ORPO under `deepspeed: zero2.json` on 2 processes accumulating 2 micro-batches: the reference
     pass before training, the loss normalised by the step's pairs (examples) on all ranks while DeepSpeed divides
