@@ -239,3 +239,12 @@ def test_a_damaged_cache_is_rebuilt_leftovers_go_and_a_full_disk_is_one_line(mak
     assert len(lines) == 2 and "Traceback" not in out.stderr, out.stderr
     assert "no space left on the device of dataset_prepared_path" in lines[0] and "nothing was left behind" in lines[0]
     assert "exit 2" in after and f"dataset_prepared_path {read_only}: cannot write the dataset cache there" in lines[1]
+
+
+def test_local_data_files_without_a_path_are_prepared(make_config, alpaca_file):
+    """Axolotl's `data_files:` with no `path`: local files, so no Hub probe, and the cache's manifest lists the
+    cache's own files (two helpers once shared the name `_files`, and the dataset one was shadowed)."""
+    config = make_config(datasets=[{"data_files": str(alpaca_file), "type": "alpaca"}])
+    result = run_cli("preprocess", str(config))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "prepared" in result.stdout and "training" in result.stdout

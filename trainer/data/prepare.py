@@ -351,12 +351,12 @@ def _no_space(e: BaseException) -> bool:
     return False
 
 
-def _files(root: Path) -> list[Path]:
+def _cache_files(root: Path) -> list[Path]:
     return sorted(p for p in root.rglob("*") if p.is_file() and p.name != MANIFEST)
 
 
 def _describe(root: Path) -> dict:
-    return {str(p.relative_to(root)): {"size": p.stat().st_size, "sha256": _sha256_file(p)} for p in _files(root)}
+    return {str(p.relative_to(root)): {"size": p.stat().st_size, "sha256": _sha256_file(p)} for p in _cache_files(root)}
 
 
 def damage(path: Path) -> str | None:

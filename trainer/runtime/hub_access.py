@@ -47,7 +47,7 @@ def hub_models(cfg) -> list[tuple[str, str, str]]:
 
 def hub_datasets(cfg) -> list[str]:
     groups = [*(getattr(cfg, "datasets", None) or []), *(getattr(cfg, "pretraining_dataset", None) or [])]
-    return [ds.path for ds in groups if not looks_local(ds.path)]
+    return [ds.path for ds in groups if ds.path and not looks_local(ds.path)]  # (no path: local data_files)
 
 
 def reachable(url: str, timeout: float = PROBE_TIMEOUT_S) -> str | None:
