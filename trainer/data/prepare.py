@@ -29,6 +29,7 @@ from trainer.config import Config, DatasetConfig, looks_local
 from trainer.data import files as local_files
 from trainer.data.formats.prompts import tokenize_row
 from trainer.errors import ConfigError, DataError, TrainerError
+from trainer.runtime.digest import sha256_file
 
 CACHE_FORMAT = 2  # bump when tokenization changes, so old caches are not reused
 MANIFEST = "manifest.json"
@@ -101,12 +102,6 @@ def prepare_diffusion_tokenizer(cfg, tokenizer) -> None:
     cfg.diffusion._special_ids = sorted({i for i in ids if i is not None})
 
 
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _files(ds: DatasetConfig) -> list[str]:
@@ -115,13 +110,13 @@ def _files(ds: DatasetConfig) -> list[str]:
 
 def _data_identity(ds: DatasetConfig) -> str:
     if not ds.path or ds.path in FILE_BUILDERS.values():  # local files given by data_files
-        return hashlib.sha256("".join(_sha256_file(Path(f).expanduser()) if Path(f).expanduser().is_file() else f
+        return hashlib.sha256("".join(sha256_file(Path(f).expanduser()) if Path(f).expanduser().is_file() else f
                                       for f in _files(ds)).encode()).hexdigest()
     path = Path(ds.path).expanduser()
     if path.is_file():
-        return _sha256_file(path)
+        return sha256_file(path)
     if path.is_dir():
-        return hashlib.sha256("".join(_sha256_file(p) for p in sorted(path.rglob("*")) if p.is_file()).encode()).hexdigest()
+        return hashlib.sha256("".join(sha256_file(p) for p in sorted(path.rglob("*")) if p.is_file()).encode()).hexdigest()
     return ""  # hub dataset: identified by its fingerprint once loaded (see load_raw)
 
 
@@ -356,7 +351,7 @@ def _cache_files(root: Path) -> list[Path]:
 
 
 def _describe(root: Path) -> dict:
-    return {str(p.relative_to(root)): {"size": p.stat().st_size, "sha256": _sha256_file(p)} for p in _cache_files(root)}
+    return {str(p.relative_to(root)): {"size": p.stat().st_size, "sha256": sha256_file(p)} for p in _cache_files(root)}
 
 
 def damage(path: Path) -> str | None:
@@ -376,7 +371,7 @@ def damage(path: Path) -> str | None:
             return f"{name} is {f.stat().st_size} bytes, its manifest says {want['size']}"
     if sum(w["size"] for w in manifest.values()) <= HASH_LIMIT:
         for name, want in manifest.items():
-            if _sha256_file(path / name) != want["sha256"]:
+            if sha256_file(path / name) != want["sha256"]:
                 return f"the bytes of {name} changed since it was written"
     return None
 

@@ -24,7 +24,6 @@ exception: they resume on N only.
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 import pickle
@@ -39,6 +38,7 @@ import torch
 from trainer.errors import TrainingError
 from trainer.model.load import load_weights
 from trainer.parallel.collective import barrier
+from trainer.runtime.digest import sha256_file
 
 STATE_FILE = "trainer_state.json"
 MANIFEST = "manifest.json"  # written last: {"files": {relative path: {"size": bytes, "sha256": hex}}}
@@ -131,16 +131,10 @@ def save(output_dir: Path, step: int, model, optimizer, scheduler, scaler, state
     return final
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def write_manifest(folder: Path) -> None:
-    files = {str(p.relative_to(folder)): {"size": p.stat().st_size, "sha256": _sha256(p)}
+    files = {str(p.relative_to(folder)): {"size": p.stat().st_size, "sha256": sha256_file(p)}
              for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MANIFEST}
     tmp = folder / f".{MANIFEST}.tmp"
     tmp.write_text(json.dumps({"files": files}, indent=1))
@@ -172,7 +166,7 @@ def damage(path: Path, hashes: bool = True) -> str | None:
             return f"{name} is {file.stat().st_size} bytes, the manifest says {want['size']}"
     if hashes:
         for name, want in files.items():
-            if _sha256(path / name) != want["sha256"]:
+            if sha256_file(path / name) != want["sha256"]:
                 return f"{name} does not match its sha256 in the manifest (overwritten or damaged)"
     return None
 
