@@ -25,6 +25,7 @@ def resolve(*args: str) -> tuple[int, dict | list | None, str]:
     return out.returncode, (json.loads(out.stdout) if out.returncode == 0 else None), out.stderr.strip()
 
 
+@pytest.mark.slow
 def test_thor_with_jetpack_7s_driver_580_00_gets_a_cuda_13_plan():
     """JetPack 7 prints driver 580.00 (vllm#34470's collect_env), below the desktop CUDA 13 floor 580.65.06:
     JetPack's own numbering, which runs CUDA 13.0."""
@@ -49,6 +50,7 @@ def test_torch_2_11_on_a_gh200():
     assert plan["torch"]["version"] == "2.11.0" and plan["platform"] == "aarch64"
 
 
+@pytest.mark.slow
 def test_orin_on_jetpack_6_is_refused_in_one_line_naming_l4t_and_nvidias_jetson_wheels():
     for args in (("--gpu", "Orin (nvgpu)", "--driver", "540.4.0"), ("--gpu", "sm_87")):
         out = run_envtool("resolve", *args)
@@ -105,6 +107,7 @@ def _user_config_gpus() -> list[str]:
     return names
 
 
+@pytest.mark.slow
 def test_every_gpu_the_readme_tables_and_user_configs_name_resolves_and_the_new_ones_too():
     names = set(_readme_gpus()) | set(_user_config_gpus())
     assert "Tesla T4" in names  # the tables were read

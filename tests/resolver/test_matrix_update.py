@@ -631,6 +631,7 @@ def test_verify_reads_the_flash_attn_3_folder_page_of_each_variant(world, synthe
 # ---------------------------------------------------------------------------- the stack installs together
 
 
+@pytest.mark.slow
 def test_transformers_5_24_is_held_back_while_pypi_has_no_peft_it_accepts(world, copy, tmp_path):
     """transformers 5.24.0 (2026-11-21, captured) checks peft >= 0.22.0 when it loads an adapter (its
     dependency_versions_table.py; no Requires-Dist), and PyPI's newest peft is 0.21.2: the update keeps the
@@ -650,6 +651,7 @@ def test_transformers_5_24_is_held_back_while_pypi_has_no_peft_it_accepts(world,
     assert f"held back: packages.toml: [[stack]] python>=3.11: {held}" in text
 
 
+@pytest.mark.slow
 def test_the_stack_moves_to_a_release_once_what_it_requires_is_on_pypi(world, copy, tmp_path):
     """The same rule lets a release through once its requirement exists: with a peft 0.22.0 on the index (a
     stand-in: peft 0.21.2's captured METADATA under the new version), the update moves transformers and peft
@@ -672,6 +674,7 @@ def test_the_stack_moves_to_a_release_once_what_it_requires_is_on_pypi(world, co
     assert not [h for h in data["held_back"] if h["why"].startswith("transformers 5.24.0")]
 
 
+@pytest.mark.slow
 def test_the_train_extra_is_bounded_by_what_the_stack_installs_together(world):
     """pyproject's `train` extra admits the newest stack row's versions and no release the update holds back
     (captured metadata of today's releases): `pip install envtool[train]` never pairs transformers 5.24.0 with
