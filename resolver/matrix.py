@@ -58,6 +58,10 @@ class Gpu(NamedTuple):
     p2p: str | None = None  # "none": no GPU peer-to-peer (NCCL goes through host memory); None: not recorded
     p2p_hang_below_driver: str | None = None  # older drivers claim P2P the card does not have: NCCL hangs
     p2p_source: str = ""
+    jetpack_driver: str | None = None  # Jetson: the driver version JetPack's nvidia-smi prints (its own numbering)
+    jetpack_cuda: str | None = None  # the CUDA that JetPack runs with that driver
+    l4t: bool = False  # Jetson on L4T's CUDA (nvgpu): the PyTorch index's SBSA wheels do not run there
+    l4t_note: str = ""
 
 
 class CudaMajor(NamedTuple):
@@ -264,6 +268,12 @@ class Matrix(NamedTuple):
     flash_attn_reviewed: list[str] = []  # releases looked at and deliberately not recorded
 
     # Queries used by the solver; kept here so the data's shape stays in one file.
+    def gpu_rows(self, name: str, cc: str | None) -> list[Gpu]:
+        """The catalog rows a target is: its own row by name, else (named by compute capability, `--gpu sm_110`)
+        every row of that compute capability."""
+        own = [g for g in self.gpus if g.name == name]
+        return own or [g for g in self.gpus if cc is not None and g.compute_capability == cc]
+
     def arch_for(self, cc: str) -> Arch | None:
         """The row for `cc`, else the nearest lower minor of the same major (sm_XZ runs sm_XY code)."""
         return catalog.arch_for(cc, self.archs)

@@ -53,7 +53,9 @@ def make_plans(opts: PlanOptions) -> list[Plan]:
     m = load()
     plans = []
     for t in targets(opts.gpu or "auto", m, opts.driver):
-        platform, notes = opts.platform or host_platform(), list(t.notes)
+        platform, notes = target_platform(t.gpu, t.driver, opts.platform, m), list(t.notes)
+        if not opts.platform and platform != host_platform() and t.gpu.vendor != "apple":
+            notes.append(f"platform: {platform} (implied: {t.gpu.describe()} comes only with an {platform} host CPU)")
         if t.gpu.vendor == "apple":  # a Mac is macOS on arm64 whatever Linux host --platform names
             if opts.platform:
                 notes.append(f"platform: macOS arm64 (--platform {opts.platform} names the Linux hosts of other "
@@ -66,6 +68,24 @@ def make_plans(opts: PlanOptions) -> list[Plan]:
         plans.append(solve(req, m))
     pins = command_line_pins(opts)
     return [plan._replace(pinned=pins) for plan in plans] if pins else plans
+
+
+def target_platform(gpu, driver: str | None, explicit: str | None, m) -> str:
+    """The Linux host CPU a plan is for: --platform, else the one every catalog row of the GPU comes with (GH200,
+    GB200/GB300, GB10 and Jetson come only on aarch64 hosts), else this machine's. A --platform such a GPU never
+    comes with is refused, as is a Jetson on L4T (its CUDA stack runs no PyPI/PyTorch-index wheel)."""
+    rows = m.gpu_rows(gpu.name, gpu.compute_capability) if gpu.is_nvidia else []
+    sole = {p for g in rows for p in g.platforms}
+    platform = explicit or (next(iter(sole)) if len(sole) == 1 else host_platform())
+    if rows and platform not in sole:
+        what = rows[0].name if len(rows) == 1 else f"every {gpu.sm} GPU ({', '.join(g.name for g in rows)})"
+        raise Unsatisfiable(f"--platform {platform} with {gpu.describe()}: {what} comes only with an "
+                            f"{'/'.join(sorted(sole))} host CPU (a Grace superchip or a Jetson/Spark SoC); "
+                            f"leave --platform out or pass --platform {'/'.join(sorted(sole))}")
+    l4t = [g for g in rows if g.l4t]
+    if rows and len(l4t) == len(rows) and (driver is None or int(driver.split(".")[0]) < 580):
+        raise Unsatisfiable(f"{gpu.describe()}: {l4t[0].l4t_note}")
+    return platform
 
 
 def command_line_pins(opts: PlanOptions) -> dict[str, str]:

@@ -195,6 +195,13 @@ def rule_sass(req: Request, m: Matrix, c: Candidate) -> str | None:
 def rule_driver(req: Request, m: Matrix, c: Candidate) -> str | None:
     if req.driver is None:
         return None
+    jetpack = {g.jetpack_cuda for g in m.gpu_rows(req.gpu.name, req.gpu.compute_capability)
+               if g.jetpack_driver == req.driver}
+    if jetpack:  # JetPack's own driver numbering (Thor's 580.00 runs CUDA 13.0): not a desktop branch's build
+        if Version(c.cuda) <= Version(max(jetpack, key=Version)):
+            c.native_driver = True
+            return None
+        return f"JetPack's driver {req.driver} runs CUDA ≤ {max(jetpack, key=Version)}, not {c.cuda}"
     toolkit = m.toolkit(c.cuda)
     major = m.cuda_major(int(c.cuda.split(".")[0]))
     driver = Version(req.driver)

@@ -36,8 +36,8 @@ from packaging.version import Version
 
 from . import matrix as matrix_module
 from .errors import MatrixError
-from .upstream import (MACHINES, Client, Project, Release, admits_python, linux_machines, linux_wheel,
-                       python_range, requirement)
+from .upstream import (MACHINES, Client, Release, admits_python, any_wheel, linux_machines, linux_wheel,
+                       python_range, requirement, requirements)
 
 UPDATED_RE = re.compile(r"; (?:[\w, ]+ )?updated by envtool matrix update from (?:PyPI metadata|the PyTorch index) "
                         r"on \d{4}-\d{2}-\d{2}"
@@ -75,6 +75,7 @@ class Report(NamedTuple):
     changes: list[Change]
     additions: list[Addition]
     reviews: list[Review]
+    held: list[Review] = []  # newer releases a stack row cannot take yet, and why (not stale: nothing to do)
 
     @property
     def stale(self) -> bool:
@@ -114,7 +115,7 @@ def regenerate(data: dict[str, dict], client: Client, *, date: str, torch_index:
                step: Callable[[str], None] = lambda what: None) -> Report:
     """Compare the matrices (tomllib data per file stem) with upstream; nothing is written here. torch_index:
     the PyTorch index template ({variant}) whose pages say where index-hosted wheels (flash-attn-3) are."""
-    report = Report([], [], [])
+    report = Report([], [], [], [])
     step("torch")
     _torch(data["torch"], client, date, report, step)
     step("xformers")
@@ -409,28 +410,152 @@ def _kernels(data: dict, client: Client, date: str, report: Report) -> None:
                                      "until its Requires-Dist kernels (extra 'kernels') is recorded"))
 
 
+# Packages whose wheel declares, beside Requires-Dist, the versions of other packages it checks at run time
+# (transformers' dependency_versions_table.py: `peft` is no Requires-Dist of transformers 5.24.0, yet its PEFT
+# integration refuses peft < 0.22.0 when an adapter loads). These count as requirements like Requires-Dist.
+RUNTIME_TABLES = {"transformers": r"transformers/dependency_versions_table\.py"}
+
+
+class _Need(NamedTuple):
+    requirement: object  # packaging Requirement
+    origin: str  # "Requires-Dist" | the runtime table's file name
+
+
+def _needs(client: Client, name: str, release: Release, python: str, names: set[str]) -> list[_Need]:
+    """What `release` of `name` requires of the other stack packages: its Requires-Dist (no extras, Linux, the
+    row's Python) and its runtime version table where RUNTIME_TABLES names one. An sdist-only release
+    (deepspeed) states none that can be read without building it."""
+    import ast
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    wheel = any_wheel(release)
+    if wheel is None:
+        return []
+    out = [_Need(r, "Requires-Dist") for r in requirements(client.metadata(name, wheel), python)
+           if canonicalize_name(r.name) in names]
+    pattern = RUNTIME_TABLES.get(name)
+    if pattern:
+        entry = client.simple_files(name).get(wheel.filename)
+        text = client.wheel_member(entry["url"] if entry else wheel.url, pattern)
+        tree = ast.parse(text or "")
+        table = next((ast.literal_eval(n.value) for n in ast.walk(tree) if isinstance(n, ast.Assign)
+                      and isinstance(n.value, ast.Dict)), {})
+        for key, spec in table.items():
+            req = Requirement(spec)
+            if canonicalize_name(req.name) in names:
+                out.append(_Need(req, f"its {pattern.replace(chr(92), '')}, checked at run time"))
+    return out
+
+
+def _admits(need: _Need, version: Version) -> bool:
+    return need.requirement.specifier.contains(version, prereleases=True)
+
+
+def co_installable(client: Client, pins: dict[str, str], python: str, step=lambda what: None
+                   ) -> tuple[dict[str, Version] | None, list[str]]:
+    """The newest versions of the stack's packages (each at least its pin, Requires-Python admitting `python`)
+    that install together: every chosen release's requirements (_needs) admit every other chosen one. Packages
+    are settled in the row's order, newest first, backtracking where a later one has no fitting release.
+    Returns (the set, or None where even the pins conflict; one line per newer release held back, naming what
+    held it)."""
+    from packaging.utils import canonicalize_name
+
+    names = {canonicalize_name(n): n for n in pins}
+    keys = list(names)
+    candidates: dict[str, list[Release]] = {}
+    newest_fitting: dict[str, list[Release]] = {}
+    for key in keys:
+        step(names[key])
+        fitting = [r for r in client.project(names[key]).final() if admits_python(r, python)]
+        newest_fitting[key] = fitting
+        floor = Version(pins[names[key]])
+        candidates[key] = [r for r in reversed(fitting) if r.version >= floor] or \
+            [r for r in client.project(names[key]).releases.values() if r.version == floor]
+    cache: dict[tuple[str, Version], list[_Need]] = {}
+
+    def needs(key: str, release: Release) -> list[_Need]:
+        if (key, release.version) not in cache:
+            cache[(key, release.version)] = _needs(client, names[key], release, python, set(keys))
+        return cache[(key, release.version)]
+
+    def conflict(key: str, release: Release, chosen: dict[str, Release]) -> str | None:
+        for need in needs(key, release):
+            other = chosen.get(canonicalize_name(need.requirement.name))
+            if other is not None and not _admits(need, other.version):
+                return f"requires {need.requirement} ({need.origin})"
+        for other_key, other in chosen.items():
+            for need in needs(other_key, other):
+                if canonicalize_name(need.requirement.name) == key and not _admits(need, release.version):
+                    return f"{names[other_key]} {other.version} requires {need.requirement} ({need.origin})"
+        return None
+
+    def search(i: int, chosen: dict[str, Release]) -> dict[str, Release] | None:
+        if i == len(keys):
+            return chosen
+        for release in candidates[keys[i]]:
+            if conflict(keys[i], release, chosen) is None:
+                found = search(i + 1, {**chosen, keys[i]: release})
+                if found is not None:
+                    return found
+        return None
+
+    found = search(0, {})
+    if found is None:
+        return None, [f"the recorded versions ({', '.join(f'{n} {v}' for n, v in pins.items())}) do not install "
+                      f"together"]
+    held = []
+    for key in keys:
+        newer = [r for r in candidates[key] if r.version > found[key].version]
+        if not newer:
+            continue
+        top = newer[0]
+        why = conflict(key, top, {k: r for k, r in found.items() if k != key})
+        if why and why.startswith("requires "):
+            need = next(n for n in needs(key, top) if why == f"requires {n.requirement} ({n.origin})")
+            other = canonicalize_name(need.requirement.name)
+            exists = [r for r in newest_fitting.get(other, []) if _admits(need, r.version)]
+            why += (f", and {names[other]} {found[other].version} is the newest that installs with the rest"
+                    if exists else f", and PyPI has no {names[other]} release that fits it for Python {python} "
+                    f"(newest: {newest_fitting[other][-1].version if newest_fitting.get(other) else 'none'})")
+        held.append(f"{names[key]} {top.version} held back at {found[key].version}: "
+                    f"{why or 'a release it needs conflicts with another package of the stack'}")
+    return {names[k]: r.version for k, r in found.items()}, held
+
+
 def _stacks(data: dict, client: Client, report: Report, step) -> None:
+    """Each [[stack]] row moves to the newest set of releases that install together (co_installable), never
+    to a package's newest release on its own; what held a package back is reported beside the changes."""
     rows = data.get("stack", [])
     for i, row in enumerate(rows):
         python = _lowest_python(row["python"])
+        where = f"[[stack]] torch{row['torch']} python{row['python']}"
+        unfit = [n for n in row["packages"] if not any(admits_python(r, python) for r in client.project(n).final())]
+        for name in unfit:
+            report.reviews.append(Review("packages.toml", f"{where}: {name}", f"no release of {name} admits "
+                                         f"Python {python}"))
+        if unfit:
+            continue
+        chosen, held = co_installable(client, dict(row["packages"]), python, step)
+        if chosen is None:
+            report.reviews.append(Review("packages.toml", where, held[0]))
+            continue
+        report.held.extend(Review("packages.toml", f"[[stack]] python{row['python']}", h) for h in held)
         for name, pinned in row["packages"].items():
-            step(name)
-            project: Project = client.project(name)
-            fitting = [r for r in project.final() if admits_python(r, python)]
-            if not fitting:
-                report.reviews.append(Review("packages.toml", f"[[stack]] torch{row['torch']} python"
-                                             f"{row['python']}: {name}", f"no release of {name} admits Python "
-                                             f"{python}"))
-                continue
-            newest = fitting[-1]
-            if newest.version > Version(pinned):
+            if chosen[name] > Version(pinned):
+                newest = next(r for r in client.project(name).final() if r.version == chosen[name])
                 report.changes.append(Change("packages.toml", "stack", i, f"[[stack]] python{row['python']}",
-                                             f"packages.{name}", pinned, str(newest.version),
+                                             f"packages.{name}", pinned, str(chosen[name]),
                                              f"newest {name} whose Requires-Python "
-                                             f"({newest.requires_python or 'any'}) admits Python {python}"))
+                                             f"({newest.requires_python or 'any'}) admits Python {python} and "
+                                             f"that installs with the rest of the row (each release's "
+                                             f"Requires-Dist and runtime version table)"))
             if i == 0:
+                project = client.project(name)
                 overall = project.final()[-1]
-                if overall.version > newest.version:
+                fitting = [r for r in project.final() if admits_python(r, python)]
+                if fitting and overall.version > fitting[-1].version:
                     report.reviews.append(Review(
                         "packages.toml", f"{name} {overall.version}",
                         f"needs Python {overall.requires_python}: no [[stack]] row for it yet (the newest row "
@@ -532,6 +657,7 @@ def as_json(report: Report, *, texts: dict[str, tuple[str, str]], written: bool,
                     for c in report.changes],
         "added": [{"file": a.file, "row": a.row, "fields": a.fields, "why": a.why} for a in report.additions],
         "needs_review": [{"file": r.file, "row": r.row, "why": r.why} for r in report.reviews],
+        "held_back": [{"file": r.file, "row": r.row, "why": r.why} for r in report.held],
         "files": sorted(texts),
         "diff": unified_diff(texts),
     }
@@ -584,6 +710,8 @@ def _print_report(report: Report, texts, *, written: bool, check: bool, base: st
         print(f"{a.file}: new row {a.row} ({a.why})")
     for r in report.reviews:
         print(f"needs review: {r.file}: {r.row}: {r.why}")
+    for r in report.held:
+        print(f"held back: {r.file}: {r.row}: {r.why}")
     diff = unified_diff(texts)
     if diff:
         if sys.stdout.isatty():

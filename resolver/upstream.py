@@ -157,13 +157,19 @@ class Client:
         return message
 
     def metadata_from_wheel(self, url: str) -> str:
+        text = self.wheel_member(url, r"[^/]+\.dist-info/METADATA")
+        if text is None:
+            raise UpstreamError(f"{url}: no single *.dist-info/METADATA in the wheel")
+        return text
+
+    def wheel_member(self, url: str, pattern: str) -> str | None:
+        """The text of the one member of a remote wheel whose path matches `pattern` (None: no single one), read
+        with range requests (the zip's central directory, then that member)."""
         remote = _RangeFile(self, url)
         try:
             with zipfile.ZipFile(remote) as z:
-                names = [n for n in z.namelist() if re.fullmatch(r"[^/]+\.dist-info/METADATA", n)]
-                if len(names) != 1:
-                    raise UpstreamError(f"{url}: no single *.dist-info/METADATA in the wheel")
-                return z.read(names[0]).decode("utf-8", "replace")
+                names = [n for n in z.namelist() if re.fullmatch(pattern, n)]
+                return z.read(names[0]).decode("utf-8", "replace") if len(names) == 1 else None
         except zipfile.BadZipFile as e:
             raise UpstreamError(f"{url}: not a readable wheel ({e})") from None
 
@@ -368,3 +374,27 @@ def requirement(metadata: Message, name: str) -> Pin | None:
         lows = [s.version for s in req.specifier if s.operator in ("==", "~=", ">=", "===")]
         return Pin(version=min(lows, key=Version) if lows else "", specifier=str(req.specifier), marker=marker)
     return None
+
+
+def any_wheel(release: Release) -> WheelFile | None:
+    """The wheel whose METADATA stands for the release on Linux: its pure-Python wheel, else its Linux x86_64 one."""
+    pure = [w for w in release.files if "any" in w.platforms and not w.yanked]
+    return min(pure, key=lambda w: w.filename) if pure else linux_wheel(release)
+
+
+def requirements(metadata: Message, python: str, machine: str = "x86_64") -> list:
+    """The Requires-Dist entries (packaging Requirements) that apply without extras on Linux `machine` with
+    `python` ("3.11")."""
+    from packaging.requirements import InvalidRequirement, Requirement
+
+    env = {"python_version": python, "python_full_version": f"{python}.0", "platform_machine": machine,
+           "platform_system": "Linux", "sys_platform": "linux", "os_name": "posix", "extra": ""}
+    out = []
+    for line in metadata.get_all("Requires-Dist") or []:
+        try:
+            req = Requirement(line)
+        except InvalidRequirement:
+            continue
+        if req.marker is None or req.marker.evaluate(env):
+            out.append(req)
+    return out

@@ -113,7 +113,8 @@ def test_grace_superchips_need_the_aarch64_platform(m):
     for gpu in ("gh200", "gb200"):
         why = refusal(m, gpu)
         assert "aarch64 host CPU, not x86_64: pass --platform aarch64" in why
-    assert plan(m, "gb200", platform="aarch64").torch.variant.startswith("cu13")
+    # with no driver (assumed CUDA 12 only): the newest aarch64 build with sm_100 and CUDA 12 is 2.11.0+cu128
+    assert plan(m, "gb200", platform="aarch64").torch.variant == "cu128"
 
 
 # ---------------------------------------------------------------------------- driver branches
@@ -128,9 +129,8 @@ def test_b200_with_an_r550_driver_is_refused_with_the_reason(m):
 @pytest.mark.parametrize("gpu", ["b200", "rtx5090", "gb200"])
 def test_blackwell_runs_from_the_first_r570_driver(m, gpu):
     platform = "aarch64" if gpu == "gb200" else "x86_64"
-    # GB200's aarch64 builds with sm_100 are all CUDA 13 (the aarch64 cu126 list stops at sm_90): driver 580+
-    first = "580.65.06" if gpu == "gb200" else "570.26"
-    p = plan(m, gpu, driver=first, platform=platform)
+    # GB200 on R570: torch 2.9-2.11's aarch64 cu128 builds carry sm_100 (issue 34; 2.12+ aarch64 is cu126 or CUDA 13)
+    p = plan(m, gpu, driver="570.26", platform=platform)
     assert "10.0" in build_of(m, p).sass_aarch64 if gpu == "gb200" else p.torch.variant in ("cu128", "cu129")
     assert refusal(m, gpu, driver="565.57.01", platform=platform).count("R570") == 1
 

@@ -123,10 +123,13 @@ def test_check_is_clean_when_the_matrices_match_upstream(world, copy, tmp_path):
     assert data["stale"] is False and data["written"] is False
     assert data["changes"] == data["added"] == data["needs_review"] == [] and data["diff"] == ""
     assert snapshot(copy) == before
-    # what was read: the JSON API, the PEP 691 page and PEP 658 files, never a wheel
+    # what was read: the JSON API, the PEP 691 page and PEP 658 files, never a torch or xformers wheel; the
+    # training stack's wheels (no PEP 658 here; transformers' runtime version table) only by range requests
     paths = [p for _, p, _ in world.requests]
     assert "/pypi/torch/json" in paths and "/simple/torch/" in paths
-    assert any(p.endswith(".whl.metadata") for p in paths) and not any(p.endswith(".whl") for p in paths)
+    assert any(p.endswith(".whl.metadata") for p in paths)
+    assert not any(p.endswith(".whl") and p.rsplit("/", 1)[-1].startswith(("torch-", "xformers-")) for p in paths)
+    assert all(r for _, p, r in world.requests if p.endswith(".whl"))
 
 
 def regress(copy: Path, world: World) -> tuple[str, str, str, str]:
@@ -171,8 +174,8 @@ def test_check_names_newer_torch_and_transformers_releases_and_writes_nothing(wo
     assert ("packages.toml", "packages.transformers", old_tf, new_tf) in found
     # meta.toml's version is today's date already (make_current wrote it)
     assert {"torch.toml", "packages.toml"} <= set(data["files"]) <= {"torch.toml", "packages.toml", "meta.toml"}
-    assert set(data) == {"stale", "written", "pypi_url", "matrix_dir", "changes", "added", "needs_review", "files",
-                         "diff"}
+    assert set(data) == {"stale", "written", "pypi_url", "matrix_dir", "changes", "added", "needs_review",
+                         "held_back", "files", "diff"}
 
 
 def test_update_writes_valid_files_keeping_comments(world, copy, tmp_path):
@@ -623,3 +626,78 @@ def test_verify_reads_the_flash_attn_3_folder_page_of_each_variant(world, synthe
         assert {(m["what"], m["url"], m["why"]) for m in data["missing"]} == {
             (f"flash-attn-3 3.0.0 for torch 2.15.0+cu130 cp3{n} aarch64 (on {url}/whl/cu130)",
              f"{url}/whl/cu130/flash-attn-3/", "not listed on the index page") for n in ("11", "12")}
+
+
+# ---------------------------------------------------------------------------- the stack installs together
+
+
+@pytest.mark.slow
+def test_transformers_5_24_is_held_back_while_pypi_has_no_peft_it_accepts(world, copy, tmp_path):
+    """transformers 5.24.0 (2026-11-21, captured) checks peft >= 0.22.0 when it loads an adapter (its
+    dependency_versions_table.py; no Requires-Dist), and PyPI's newest peft is 0.21.2: the update keeps the
+    stack at 5.23.0 and says what held it, instead of writing a set that breaks LoRA loading."""
+    trim_flash_attn(world, copy)
+    assert "5.24.0" in world.pypi["transformers"]["releases"]
+    with serve(world) as url:
+        make_current(url, copy, tmp_path)
+        data = json.loads(update(url, copy, "--check", "--json", tmp=tmp_path).stdout)
+        text = update(url, copy, "--check", tmp=tmp_path).stdout
+    stack = tomlkit.parse((copy / "packages.toml").read_text())["stack"][0]["packages"]
+    assert (stack["transformers"], stack["peft"]) == ("5.23.0", "0.21.2")
+    assert data["stale"] is False and data["changes"] == []
+    (held,) = [h["why"] for h in data["held_back"] if h["why"].startswith("transformers 5.24.0")]
+    assert "held back at 5.23.0: requires peft>=0.22.0" in held and "dependency_versions_table.py" in held
+    assert "PyPI has no peft release that fits it" in held
+    assert f"held back: packages.toml: [[stack]] python>=3.11: {held}" in text
+
+
+@pytest.mark.slow
+def test_the_stack_moves_to_a_release_once_what_it_requires_is_on_pypi(world, copy, tmp_path):
+    """The same rule lets a release through once its requirement exists: with a peft 0.22.0 on the index (a
+    stand-in: peft 0.21.2's captured METADATA under the new version), the update moves transformers and peft
+    together to 5.24.0 and 0.22.0."""
+    import copy as copying
+
+    trim_flash_attn(world, copy)
+    (old,) = [n for n in world.wheels if n.startswith("peft-0.21.2-")]
+    new = old.replace("0.21.2", "0.22.0")
+    world.wheels[new] = {k.replace("0.21.2", "0.22.0"): v.replace("Version: 0.21.2", "Version: 0.22.0")
+                         for k, v in world.wheels[old].items()}
+    files = copying.deepcopy(world.pypi["peft"]["releases"]["0.21.2"])
+    for f in files:
+        f["filename"], f["url"] = f["filename"].replace("0.21.2", "0.22.0"), f["url"].replace("0.21.2", "0.22.0")
+    world.pypi["peft"]["releases"]["0.22.0"] = files
+    with serve(world) as url:
+        data = json.loads(update(url, copy, "--check", "--json", tmp=tmp_path).stdout)
+    found = {(c["field"], c["new"]) for c in data["changes"] if c["row"] == "[[stack]] python>=3.11"}
+    assert {("packages.transformers", "5.24.0"), ("packages.peft", "0.22.0")} <= found
+    assert not [h for h in data["held_back"] if h["why"].startswith("transformers 5.24.0")]
+
+
+@pytest.mark.slow
+def test_the_train_extra_is_bounded_by_what_the_stack_installs_together(world):
+    """pyproject's `train` extra admits the newest stack row's versions and no release the update holds back
+    (captured metadata of today's releases): `pip install envtool[train]` never pairs transformers 5.24.0 with
+    peft 0.21.2 again."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    from resolver.update import co_installable
+    from resolver.upstream import Client
+
+    extra = {Requirement(r).name: Requirement(r).specifier
+             for r in tomllib.loads((REPO_MATRICES.parent / "pyproject.toml").read_text())
+             ["project"]["optional-dependencies"]["train"]}
+    newest = tomllib.loads((REPO_MATRICES / "packages.toml").read_text())["stack"][0]
+    with serve(world) as url:
+        chosen, held = co_installable(Client(url), dict(newest["packages"]), "3.11")
+    for name, version in chosen.items():
+        if name in extra:
+            assert extra[name].contains(version), f"the train extra's {name}{extra[name]} excludes {version}"
+    assert held
+    for line in held:
+        name, version = line.split()[:2]
+        if name in extra:
+            assert not extra[name].contains(Version(version)), f"the train extra admits {line}"

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import contextlib
 import http.server
+import io
 import json
 import re
 import threading
+import zipfile
 from pathlib import Path
 
 CAPTURED = Path(__file__).resolve().parents[1] / "resolver" / "data" / "upstream"
@@ -23,6 +25,11 @@ class World:
         self.pypi = {p.stem: json.loads(p.read_text()) for p in (captured / "pypi").glob("*.json")}
         self.simple = {p.stem: json.loads(p.read_text()) for p in (captured / "simple").glob("*.json")}
         self.metadata = {p.name.removesuffix(".metadata"): p.read_bytes() for p in (captured / "metadata").iterdir()}
+        # wheel filename -> {member: text}: the captured members of the stack's wheels (see capture.py), served as
+        # a wheel of just those members, with range requests
+        self.wheels = {p.name.removesuffix(".json"): json.loads(p.read_text())
+                       for p in (captured / "wheels").glob("*.json")}
+        self._zips: dict[str, bytes] = {}
         self.paths: dict[str, tuple[int, bytes, dict]] = {}
         self.fail: dict[str, int] = {}
         self.head_fail: dict[str, int] = {}  # path -> status for HEAD only (storage URLs signed for GET)
@@ -53,6 +60,15 @@ class World:
                 return 406, b"only PEP 691 JSON here", {"Content-Type": "text/plain"}
             return (200, self._rebase(json.dumps(self.simple[m.group(1)])),
                     {"Content-Type": "application/vnd.pypi.simple.v1+json"})
+        if path.endswith(".whl") and path.rsplit("/", 1)[-1] in self.wheels:
+            name = path.rsplit("/", 1)[-1]
+            if name not in self._zips:
+                buffer = io.BytesIO()
+                with zipfile.ZipFile(buffer, "w") as z:
+                    for member, text in self.wheels[name].items():
+                        z.writestr(member, text)
+                self._zips[name] = buffer.getvalue()
+            return 200, self._zips[name], {"Content-Type": "application/zip", "Accept-Ranges": "bytes"}
         if path.endswith(".whl.metadata"):
             name = path.rsplit("/", 1)[-1].removesuffix(".metadata")
             if name in self.metadata:

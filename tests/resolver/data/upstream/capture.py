@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -29,6 +30,10 @@ FLOORS = {"torch": "2.4.0", "xformers": "0.0.28", "flash-attn": "2.7.4", "triton
           "transformers": "4.57.0", "peft": "0.17.0", "trl": "0.24.0", "accelerate": "1.10.0", "datasets": "4.4.0",
           "deepspeed": "0.19.0", "bitsandbytes": "0.48.0", "kernels": "0.9.0"}
 METADATA_OF = {"torch", "xformers"}
+# The training stack's packages: per release, the members of its wheel `envtool matrix update` reads (METADATA
+# without its long description, and the runtime version table of RUNTIME_TABLES) go to wheels/<filename>.json;
+# the stand-in server rebuilds a wheel of just those members (tests/support/upstream.py).
+WHEELS_OF = {"transformers", "peft", "trl", "accelerate", "datasets", "bitsandbytes"}
 
 
 def keep_file(name: str, f: dict) -> bool:
@@ -64,6 +69,8 @@ def main(base: str, names: list[str] | None = None) -> None:
         data["vulnerabilities"] = []
         (HERE / "pypi").mkdir(exist_ok=True)
         (HERE / "pypi" / f"{name}.json").write_text(json.dumps(data, separators=(",", ":")) + "\n")
+        if name in WHEELS_OF:
+            capture_wheels(client, name, parse_project(data, f"{base}/pypi/{name}/json"))
         if name not in METADATA_OF:
             continue
         project = parse_project(data, f"{base}/pypi/{name}/json")
@@ -92,6 +99,25 @@ def main(base: str, names: list[str] | None = None) -> None:
         (HERE / "simple").mkdir(exist_ok=True)
         (HERE / "simple" / f"{name}.json").write_text(json.dumps(simple, separators=(",", ":")) + "\n")
         print(name, len(releases), "releases")
+
+
+def capture_wheels(client: Client, name: str, project) -> None:
+    from resolver.update import RUNTIME_TABLES
+    from resolver.upstream import any_wheel
+
+    (HERE / "wheels").mkdir(exist_ok=True)
+    for release in project.final():
+        wheel = any_wheel(release)
+        if wheel is None:
+            continue
+        members = {}
+        text = client.wheel_member(wheel.url, r"[^/]+\.dist-info/METADATA")
+        info = f"{wheel.filename.split('-')[0]}-{release.version}.dist-info"
+        members[f"{info}/METADATA"] = text.split("\n\n", 1)[0] + "\n\n"
+        if name in RUNTIME_TABLES:
+            path = RUNTIME_TABLES[name].replace("\\", "")
+            members[path] = client.wheel_member(wheel.url, RUNTIME_TABLES[name])
+        (HERE / "wheels" / f"{wheel.filename}.json").write_text(json.dumps(members, indent=1) + "\n")
 
 
 if __name__ == "__main__":
