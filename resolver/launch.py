@@ -178,7 +178,7 @@ def _flash_kernels_plan(cfg, config: Path, opts: PlanOptions, m, key: str) -> Pl
     attention dropout, a sliding window on torch 2.10), and the plan says so. None where the plain plan runs no
     FlashAttention kernel (a T4; a --torch pin with neither a wheel nor varlen_attn): the caller asks for
     flash_attention_2 then, and says why it does not run."""
-    from trainer.model.attention import model_varlen_limit
+    from trainer.setup import varlen_limit
 
     plan = one_plan(opts)
     if plan.packing != "varlen":
@@ -187,7 +187,7 @@ def _flash_kernels_plan(cfg, config: Path, opts: PlanOptions, m, key: str) -> Pl
     varlen = next((v for v in m.varlen if v.attention == plan.attention), None)
     limit = None
     if plan.flash_attn is None and varlen is not None:  # served by torch's own kernel: can it run this model?
-        limit = _trainer_call(config, model_varlen_limit, cfg, plan.torch.version)
+        limit = _trainer_call(config, varlen_limit, cfg, plan.torch.version)
     if limit is not None and limit[0] in fa2.handles:
         try:
             held = one_plan(opts._replace(attention=fa2.attention))
