@@ -148,7 +148,8 @@ def _attention_plan(cfg, config: Path, opts: PlanOptions) -> Plan:
                     f"{gpu['name']} (sm_{gpu['compute_capability'].replace('.', '')})"
                 cause = f"{ask} needs {backend_range(backend)}; {where} is outside that"
             else:  # the solver's words, less its command-line framing ("--attention X with GPU: ...; use ...")
-                cause = re.sub(r"; use --attention \S+$", "", re.sub(r"^--attention \S+ with [^:]+: ", "", str(e)))
+                cause = re.sub(r"; use --attention \S+$", "", re.sub(r"^(?:--\S+ \S+ )*--attention \S+ with [^:]+: ", "",
+                                                                 str(e)))
             why = f"{key} in {config} -> {plan.attention}: {cause}; the fastest attention that runs here"
     reasons = list(plan.reasons)
     if ask is not None and why.startswith("as "):  # the solver's other reasons (a torch held back for the wheel) too
@@ -208,7 +209,7 @@ def _flash_kernels_plan(cfg, config: Path, opts: PlanOptions, m, key: str) -> Pl
     else:
         served = f"torch {plan.torch.version}'s own {varlen.name} ({varlen.counts_as}'s kernels built into torch)"
     why = (f"{plan.attention}: {key} in {config} asks for FlashAttention kernels: served by {served}, the fastest "
-           f"that runs with the newest torch here; attn_implementation: {fa2.attention} would ask for the "
+           f"that runs here on torch {plan.torch.version}; attn_implementation: {fa2.attention} would ask for the "
            f"{fa2.package} wheel itself")
     return _with_reason(plan, why)
 

@@ -167,3 +167,28 @@ def test_flash_attention_takes_the_flash_attn_2_wheel_only_for_a_model_that_need
             in reasons, reasons
         assert "newest build that carries" not in reasons and plan.pinned in (None, {})
         assert fitted.trainer["attention"] == "flash_attention_2"
+
+
+@pytest.mark.parametrize("keys, gpu, torch, expected, says", [
+    # flash_attention: true under a torch pin: the fastest FlashAttention that runs on the torch the pin allows
+    ({"flash_attention": True}, "a100", "2.8", ("2.8.0", "flash_attention_2", "varlen"),
+     ["held back by the pin: torch ", "flash_attention: true in {path} asks for FlashAttention kernels: served by "
+                                      "the flash-attn 2.8.3.post1 wheel, the fastest that runs here on torch 2.8.0"]),
+    ({"flash_attention": True}, "a100", "2.9", ("2.9.1", "sdpa", "mask"),
+     ["held back by the pin: torch ", "flash_attention: true in {path} -> sdpa: flash-attn publishes no prebuilt "
+                                      "wheel for torch 2.9"]),
+    # the wheel asked for by name: torch held back by it, and the plan names the key, not a command-line option
+    ({"attn_implementation": "flash_attention_2"}, "h100", None, ("2.8.0", "flash_attention_2", "varlen"),
+     ["held back by the flash-attn wheel (attn_implementation: flash_attention_2 in {path}): torch "]),
+])
+def test_what_holds_torch_back_from_flash_attention_is_named(keys, gpu, torch, expected, says, tmp_path):
+    path = tmp_path / "config.yml"
+    path.write_text(yaml.safe_dump({"base_model": "org/model", "datasets": [{"path": "org/data", "type": "alpaca"}],
+                                    **keys}))
+    cfg, notes = read_config(path)
+    plan = plan_for_config(cfg, notes, path, PlanOptions(gpu=gpu, torch=torch, python="3.11", platform="x86_64")).plan
+    reasons = "\n".join(plan.reasons)
+    assert (plan.torch.version, plan.attention, plan.packing) == expected, reasons
+    assert "newest build that carries" not in reasons and "--attention" not in reasons, reasons
+    for text in says:
+        assert text.format(path=path) in reasons, reasons
