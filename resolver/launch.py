@@ -206,8 +206,10 @@ def _flash_kernels_plan(cfg, config: Path, opts: PlanOptions, m, key: str) -> Pl
             f"wheel's kernel does ({limit[0]}), so the plan takes it and the torch it needs"))
     if plan.flash_attn is not None:
         served = f"the {plan.flash_attn.package} {plan.flash_attn.version} wheel"
-    else:
+    elif varlen is not None:
         served = f"torch {plan.torch.version}'s own {varlen.name} ({varlen.counts_as}'s kernels built into torch)"
+    else:
+        served = plan.attention
     why = (f"{plan.attention}: {key} in {config} asks for FlashAttention kernels: served by {served}, the fastest "
            f"that runs here on torch {plan.torch.version}; attn_implementation: {fa2.attention} would ask for the "
            f"{fa2.package} wheel itself")
