@@ -61,7 +61,9 @@ def attention_key(cfg) -> str | None:
     if cfg.attn_implementation:
         return f"attn_implementation: {cfg.attn_implementation}"
     flags = [name for name in cfg.model_fields_set if name.endswith("_attention") and getattr(cfg, name) is True]
-    return f"{sorted(flags)[0]}: true" if flags else None
+    if flags:
+        return f"{sorted(flags)[0]}: true"
+    return "flash_attention: false" if cfg.flash_attention is False else None
 
 
 # ---------------------------------------------------------------------------- the plan for a config
@@ -121,6 +123,8 @@ def _attention_plan(cfg, config: Path, opts: PlanOptions) -> Plan:
             why = f"{opts.attention}: --attention {opts.attention} wins over flash_attention: false in {config}"
     elif opts.no_flash_attn and asked in flash:
         why = f"--no-flash-attn wins over {key} in {config}"
+    elif cfg.asks_flash_kernels and (flash_plan := _flash_kernels_plan(cfg, config, opts, m, key)) is not None:
+        return flash_plan
     elif asked:
         backend = m.backend(asked) if asked in {b.name for b in m.attention} else None
         if backend is not None:  # the backend transformers will run for it (xformers: sdpa, nothing to install)
@@ -144,9 +148,13 @@ def _attention_plan(cfg, config: Path, opts: PlanOptions) -> Plan:
                     f"{gpu['name']} (sm_{gpu['compute_capability'].replace('.', '')})"
                 cause = f"{ask} needs {backend_range(backend)}; {where} is outside that"
             else:  # the solver's words, less its command-line framing ("--attention X with GPU: ...; use ...")
-                cause = re.sub(r"; use --attention \S+$", "", re.sub(r"^--attention \S+ with [^:]+: ", "", str(e)))
+                cause = re.sub(r"; use --attention \S+$", "", re.sub(r"^(?:--\S+ \S+ )*--attention \S+ with [^:]+: ", "",
+                                                                 str(e)))
             why = f"{key} in {config} -> {plan.attention}: {cause}; the fastest attention that runs here"
     reasons = list(plan.reasons)
+    if ask is not None and why.startswith("as "):  # the solver's other reasons (a torch held back for the wheel) too
+        reasons = [r.replace(f"--attention {ask}", f"{key} in {config}") if not r.startswith(
+            (f"{plan.attention}:", f"{plan.attention} (")) else r for r in reasons]
     if why:  # the solver's attention reason speaks of the command line: say what the config did, in it or beside it
         at = next((i for i, r in enumerate(reasons) if r.startswith((f"{plan.attention}:", f"{plan.attention} ("))),
                   None)
@@ -160,6 +168,60 @@ def _attention_plan(cfg, config: Path, opts: PlanOptions) -> Plan:
             reasons.insert(len(reasons) if at is None else at + 1,
                            f"{plan.attention}: {why}" if why.startswith("as ") else why)
     return plan._replace(reasons=reasons, pinned=pins)
+
+
+def _flash_kernels_plan(cfg, config: Path, opts: PlanOptions, m, key: str) -> Plan | None:
+    """`flash_attention: true` asks for FlashAttention kernels, not for one package: the plan `envtool resolve` makes
+    for the same command line serves them where its packing is varlen (FA3 on Hopper, torch's own varlen_attn -- FA2's
+    kernels inside torch -- or a flash-attn 2 wheel where only that runs), on the newest torch the driver allows. The
+    flash-attn 2 wheel is asked for instead only where the config's model needs what torch's kernel cannot do and
+    the wheel does (trainer/model/attention.py `varlen_limit`, flash_attn.toml `handles`: soft-capped logits,
+    attention dropout, a sliding window on torch 2.10), and the plan says so. None where the plain plan runs no
+    FlashAttention kernel (a T4; a --torch pin with neither a wheel nor varlen_attn): the caller asks for
+    flash_attention_2 then, and says why it does not run."""
+    from trainer.setup import varlen_limit
+
+    plan = one_plan(opts)
+    if plan.packing != "varlen":
+        return None
+    fa2 = m.flash_attn_impl("fa2")
+    varlen = next((v for v in m.varlen if v.attention == plan.attention), None)
+    limit = None
+    if plan.flash_attn is None and varlen is not None:  # served by torch's own kernel: can it run this model?
+        limit = _trainer_call(config, varlen_limit, cfg, plan.torch.version)
+    if limit is not None and limit[0] in fa2.handles:
+        try:
+            held = one_plan(opts._replace(attention=fa2.attention))
+        except Unsatisfiable as e:
+            return _with_reason(plan, (
+                f"{plan.attention}: {key} in {config} asks for FlashAttention kernels, and base_model "
+                f"{cfg.base_model}: {limit[1]}; no {fa2.package} wheel installs here either ({e}), so the trainer keeps "
+                f"packed rows apart by a mask"))
+        reasons = [r.replace(f"--attention {fa2.attention}", f"{key} in {config}, for base_model {cfg.base_model}")
+                   for r in held.reasons]
+        held = held._replace(reasons=reasons, pinned=command_line_pins(opts))
+        return _with_reason(held, (
+            f"{fa2.attention}: {key} in {config} asks for FlashAttention kernels, and base_model {cfg.base_model} "
+            f"needs what torch {plan.torch.version}'s own {varlen.name} cannot do: {limit[1]}; the {fa2.package} "
+            f"wheel's kernel does ({limit[0]}), so the plan takes it and the torch it needs"))
+    if plan.flash_attn is not None:
+        served = f"the {plan.flash_attn.package} {plan.flash_attn.version} wheel"
+    elif varlen is not None:
+        served = f"torch {plan.torch.version}'s own {varlen.name} ({varlen.counts_as}'s kernels built into torch)"
+    else:
+        served = plan.attention
+    why = (f"{plan.attention}: {key} in {config} asks for FlashAttention kernels: served by {served}, the fastest "
+           f"that runs here on torch {plan.torch.version}; attn_implementation: {fa2.attention} would ask for the "
+           f"{fa2.package} wheel itself")
+    return _with_reason(plan, why)
+
+
+def _with_reason(plan: Plan, why: str) -> Plan:
+    """The plan with `why` after its attention reason (or at the end)."""
+    reasons = list(plan.reasons)
+    at = next((i for i, r in enumerate(reasons) if r.startswith((f"{plan.attention}:", f"{plan.attention} ("))), None)
+    reasons.insert(len(reasons) if at is None else at + 1, why)
+    return plan._replace(reasons=reasons)
 
 
 def _needs(cfg, config: Path, plan: Plan) -> tuple[Plan, list[str]]:

@@ -119,6 +119,7 @@ class FlashAttnImpl(NamedTuple):
     package: str
     source: str
     min_cuda: str | None = None
+    handles: list[str] = []  # what its varlen kernel does that torch's varlen_attn cannot (the trainer's words)
 
 
 class FlashAttnRelease(NamedTuple):

@@ -677,7 +677,7 @@ def build_plan(req: Request, m: Matrix, best: Candidate, survivors: list[Candida
     gpu = req.gpu
     reasons = list(req.notes)
     reasons.append(describe_target(gpu))
-    reasons.append(torch_reason(req, m, best, survivors))
+    reasons.append(torch_reason(req, m, best, survivors, rejected))
     if best.build is not None:
         reasons.append(driver_reason(req, m, best))
     chosen, why = choose_attention(req, m, best)
@@ -725,7 +725,46 @@ def describe_target(gpu: GpuSpec) -> str:
     return gpu.target_reason()
 
 
-def torch_reason(req: Request, m: Matrix, best: Candidate, survivors: list[Candidate]) -> str:
+# What holds torch back, by the rule that rejected a newer build that carries code for the GPU.
+HELD_BACK_BY = {"python": "the Python", "torch_pin": "the pin", "cuda_pin": "the pin", "driver": "the driver",
+                "training_stack": "the training stack", "attention_pin": "the attention asked for",
+                "hub_kernels": "the Hub kernel asked for"}
+CODE_RULES = (rule_platform_build, rule_cuda_major_supports_gpu, rule_sass)  # whether a build runs on the GPU at all
+
+
+def held_back(req: Request, m: Matrix, best: Candidate, rejected: list[Rejected]) -> Rejected | None:
+    """Why the newest torch release newer than the chosen one that has a build carrying code for the GPU was not
+    taken, when a rule rejected it (a pin, the Python, the driver, the wheel the attention asked for needs): its
+    rejection, with the rule. None where no newer release carries code for the GPU, or where one passed every rule
+    and lost on preference (torch_reason says why then)."""
+    why = {(r.torch, r.variant): r for r in rejected}
+    newer = sorted((r for r in m.torch if Version(r.version) > Version(best.release.version)),
+                   key=lambda r: Version(r.version), reverse=True)
+    for release in newer:
+        runs = [c for c in (Candidate(release, b) for b in release.build)
+                if sass_for(c.build, req.platform) is not None and first_failure(CODE_RULES, req, m, c) is None
+                and (req.driver is not None or runs_on(m, c.cuda, m.assumed_driver))]  # (else: "pass --driver")
+        if not runs:
+            continue
+        found = [why.get((release.version, c.variant)) for c in runs]
+        if any(r is None for r in found):
+            return None  # a survivor: it lost on preference, not to a rule
+        return next((r for r in found if r.rule in HELD_BACK_BY), None)
+    return None
+
+
+def held_back_what(req: Request, m: Matrix, held: Rejected) -> str:
+    """What a rejection holds torch back by, in a few words: 'the flash-attn wheel (--attention flash_attention_2)'."""
+    if held.rule != "attention_pin":
+        return HELD_BACK_BY[held.rule]
+    impl = next((i for i in m.flash_attn_impls if i.attention == req.attention), None)
+    package = impl.package if impl else "flash-attn" if req.flash_attn else req.attention
+    asked = ", ".join(p for p in req.pins() if p.startswith(("--attention", "--flash-attn")))
+    return f"the {package} wheel ({asked})" if impl or req.flash_attn else f"{package} ({asked})"
+
+
+def torch_reason(req: Request, m: Matrix, best: Candidate, survivors: list[Candidate],
+                 rejected: list[Rejected] = ()) -> str:
     if best.build is None:
         return f"torch {best.release.version} (cpu): the newest release for Python {req.python}"
     sass = f"carries {req.gpu.sm} code (SASS {' '.join(sass_for(best.build, req.platform))})"
@@ -733,6 +772,10 @@ def torch_reason(req: Request, m: Matrix, best: Candidate, survivors: list[Candi
     slower = max(survivors, key=lambda c: rank(c)[1:])  # the best candidate had attention speed not counted
     newest = max(survivors, key=lambda c: Version(c.release.version))
     status = "" if best.build.status == "stable" else f" (an experimental build of {best.release.version})"
+    held = held_back(req, m, best, rejected)
+    if held is not None:  # never "newest build that carries sm_XX code" when a newer one does and was refused
+        return (f"{best.label}{status}: {sass}; held back by {held_back_what(req, m, held)}: torch {held.torch} is "
+                f"newer and carries {req.gpu.sm} code, but {held.reason}")
     text = f"{best.label}{status}: newest build that {sass}"
     if slower is not best and rank(slower)[0] < rank(best)[0]:
         here, there = attention_for(req, m, slower), attention_for(req, m, best)

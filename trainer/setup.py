@@ -75,6 +75,15 @@ def for_plan(cfg, plan: dict, source: str = "the plan"):
     return fit(cfg, gpu_from_plan(plan, source), plan, model_class=False)
 
 
+def varlen_limit(cfg, torch_version: str) -> tuple[str, str] | None:
+    """What torch's own varlen kernel cannot do that the config's model needs, under a plan's torch, as (what, why)
+    (trainer.model.attention.varlen_limit; the model's config read from this machine's files only, None where it is
+    not here): envtool's plan takes the flash-attn 2 wheel for `flash_attention: true` where that wheel does it."""
+    from trainer.model.attention import model_varlen_limit
+
+    return model_varlen_limit(cfg, torch_version)
+
+
 def processes(cfg) -> int:
     """How many processes the run trains on: torchrun's WORLD_SIZE, or the Ray Train workers use_ray starts."""
     world = int(os.environ.get("WORLD_SIZE", "1"))

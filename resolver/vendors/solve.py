@@ -317,8 +317,14 @@ def why_not(c: Candidate, best: Candidate) -> str:
 def torch_reason(req, m: Matrix, v: Vendors, best: Candidate, survivors: list[Candidate]) -> str:
     gpu = req.gpu
     if best.build.backend == "rocm":
-        text = (f"{best.label}: newest build that carries {gpu.target} code (its targets: "
+        code = next((c for c in sorted(candidates(gpu, m, v), key=preference, reverse=True)
+                     if rule_python(req, m, v, c) is None and rule_gfx(req, m, v, c) is None), best)
+        held = req.torch and Version(code.release.version) > Version(best.release.version)
+        text = (f"{best.label}: {'carries' if held else 'newest build that carries'} {gpu.target} code (its targets: "
                 f"{' '.join(best.build.gfx)}), from {best.build.index_url}")
+        if held:  # never "newest" under a pin that excludes a newer build with the GPU's code
+            return text + (f"; held back by the pin: {code.label} is newer and carries {gpu.target} code, but "
+                           f"--torch {req.torch} excludes it")
         if best.build.status != "stable":
             text += f" (the second ROCm variant of torch {best.release.version})"
         newest = max((c for c in candidates(gpu, m, v) if rule_python(req, m, v, c) is None),

@@ -180,3 +180,20 @@ def test_xformers_is_chosen_only_on_request_and_within_its_arch_list(matrix):
     assert plan(m, "t4", attention="xformers").packages["xformers"] == "0.9.0"
     with pytest.raises(Unsatisfiable, match=r"xformers 0.9.0 \(for torch 3.1.0\) carries kernels for sm_75\+ only, not sm_70"):
         plan(m, "v100", attention="xformers")
+
+
+@pytest.mark.parametrize("gpu, driver, pins, held, by", [
+    ("a100", None, {"attention": "flash_attention_2"}, "3.1.0", "the flash-attn wheel (--attention flash_attention_2)"),
+    ("a100", None, {"torch": "3.0"}, "3.1.0", "the pin"),
+    ("a100", "525.60.13", {}, "3.2.0", "the driver"),
+])
+def test_a_torch_held_back_names_what_holds_it_back_never_newest_build_with_the_gpus_code(matrix, gpu, driver,
+                                                                                          pins, held, by):
+    """The torch reason says "newest build that carries sm_XX code" only where it is true; where a newer build
+    carries the GPU's code and a pin, the driver or the wheel an attention needs refused it, it names that."""
+    p = plan(matrix(), gpu, driver, **pins)
+    line = next(r for r in p.reasons if r.startswith(f"torch {p.torch.version}+"))
+    assert "newest build that" not in line, line
+    assert f"held back by {by}: torch {held} is newer and carries sm_80 code, but " in line, line
+    free = plan(matrix(), "v100")  # nothing newer carries sm_70 code here: the plain sentence, true
+    assert f"torch {free.torch.version}+cu126: newest build that carries sm_70 code" in reasons(free)

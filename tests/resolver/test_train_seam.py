@@ -160,7 +160,8 @@ def test_the_plan_carries_the_library_each_config_choice_runs_on(keys, gpu, pack
 @pytest.mark.parametrize("gpu", ["t4", "a100", "h100", "cpu"])
 def test_the_attention_the_trainer_runs_is_the_one_the_plan_installs(keys, gpu, tmp_path):
     """The trainer's attention under the plan needs no module the plan lacks, and a backend the config asks for
-    that runs on this GPU is kept (xformers: sdpa, as transformers runs it)."""
+    that runs on this GPU is kept (xformers: sdpa, as transformers runs it); `flash_attention: true` asks for
+    FlashAttention kernels, and gets the ones `envtool resolve` plans (FA3, torch's varlen_attn)."""
     from matrices.catalog import backend_runs_on
     from trainer.runtime.hardware import attention_backend, attention_backends, varlen_kernels
 
@@ -174,7 +175,11 @@ def test_the_attention_the_trainer_runs_is_the_one_the_plan_installs(keys, gpu, 
     assert not row.get("module") or plan.attention == ran, (plan.attention, ran)  # its module is the plan's
     asked = cfg.requested_attention
     cc = plan.gpu["compute_capability"]
-    if asked and backend_runs_on(attention_backend(asked), cc):  # kept where a plan can install it
+    if cfg.asks_flash_kernels and plan.packing == "varlen":  # FlashAttention, as `envtool resolve` serves it here
+        plain = one_plan(opts(gpu))
+        assert (plan.torch, plan.attention, plan.flash_attn) == (plain.torch, plain.attention, plain.flash_attn)
+        assert ran == attention_backend(plan.attention)["transformers"], (plan.attention, ran)
+    elif asked and backend_runs_on(attention_backend(asked), cc):  # kept where a plan can install it
         runs_as = attention_backend(asked)["transformers"]
         try:
             one_plan(opts(gpu, attention=runs_as))

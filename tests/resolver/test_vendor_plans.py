@@ -207,7 +207,7 @@ def test_train_dry_run_on_mi300x_shows_the_plan_the_image_and_the_command():
     out = run_envtool("train", "examples/a100.yml", "--gpu", "mi300x", *X86, "--dry-run", "--json")
     result = json.loads(out.stdout)
     assert result["plan"]["attention"] == "sdpa" and result["trainer"]["attention"] == "sdpa"
-    assert any(r.startswith("attn_implementation: flash_attention_2 in examples/a100.yml -> sdpa: Dao-AILab "
+    assert any(r.startswith("flash_attention: true in examples/a100.yml -> sdpa: Dao-AILab "
                             "publishes no ROCm wheels") for r in result["plan"]["reasons"])
     assert result["trainer"]["tf32"] is False  # a100.yml's tf32: true is NVIDIA's format
     assert any(n.startswith("tf32: true -> false") for n in result["trainer"]["notes"])

@@ -128,8 +128,8 @@ def test_validate_json_reports_runtime_for_another_gpu(capsys):
     assert out["config"]["micro_batch_size"] == 2
 
 
-HARDWARE_KEYS = {"bf16", "fp16", "tf32", "attn_implementation", "micro_batch_size", "gradient_accumulation_steps",
-                 "gradient_checkpointing"}
+HARDWARE_KEYS = {"bf16", "fp16", "tf32", "attn_implementation", "flash_attention", "micro_batch_size",
+                 "gradient_accumulation_steps", "gradient_checkpointing"}  # (the attention key: either spelling)
 
 
 def test_gpu_examples_differ_only_where_the_hardware_demands():

@@ -23,6 +23,12 @@ LEGACY_ATTENTION = {
     "flex_attention": "flex_attention",
 }
 
+# The flag that asks for FlashAttention as such, not for one implementation of it (Axolotl's only such spelling:
+# its newer attn_implementation takes exact backend names and refuses short forms like "flash"). The plan serves
+# it by the fastest FlashAttention kernels that run with the newest torch (FA3, torch's varlen_attn, the flash-attn
+# 2 wheel); `attn_implementation: flash_attention_2` asks for that wheel itself.
+GENERIC_FLASH = "flash_attention"
+
 LIGER = "axolotl.integrations.liger.LigerPlugin"
 CCE = "axolotl.integrations.cut_cross_entropy.CutCrossEntropyPlugin"
 
@@ -87,6 +93,11 @@ class HardwareKeys(BaseModel):
             if getattr(self, flag):
                 return name
         return self.attn_implementation
+
+    @property
+    def asks_flash_kernels(self) -> bool:
+        """`flash_attention: true`: FlashAttention kernels, whichever implementation serves them best (GENERIC_FLASH)."""
+        return getattr(self, GENERIC_FLASH) is True
 
     def _check_precision(self) -> None:
         if self.bf16 is True and self.fp16:

@@ -21,17 +21,10 @@ def for_model(cfg, runtime, local_only: bool) -> list[str]:
     - flex_attention on a class without flex support: sdpa, else eager.
     The model's config is read from the local files or cache only when `local_only` (validate, no download); a
     model that cannot be read keeps the hardware's choice."""
-    if local_only and not _config_at_hand(cfg.base_model):
-        return []  # (cheap check first: validate stays fast, no transformers import for a model not here)
-    try:
-        from transformers import AutoConfig
-        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
-        config = AutoConfig.from_pretrained(cfg.base_model, trust_remote_code=cfg.trust_remote_code,
-                                            local_files_only=local_only)
-        cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
-    except Exception:  # not readable here (a hub id with no cache, remote code): transformers decides at load
+    found = _model_class(cfg, local_only)
+    if found is None:
         return []
+    config, cls = found
     notes = _varlen_for_model(config, cls, runtime)
     cc = runtime.gpu.compute_capability
     runs = [b for b in attention_backends() if catalog.backend_runs_on(b, cc) and _installed(b, runtime.gpu)]
@@ -135,26 +128,65 @@ def _plan_runs_sdpa(plan: dict) -> bool:
     return backend is not None and backend["transformers"] == "sdpa"
 
 
+def _model_class(cfg, local_only: bool):
+    """(config, causal-LM class) of the config's model, or None where it cannot be read here (a hub id with no cache
+    when `local_only`, remote code): transformers decides at load then."""
+    if local_only and not _config_at_hand(cfg.base_model):
+        return None  # (cheap check first: validate stays fast, no transformers import for a model not here)
+    try:
+        from transformers import AutoConfig
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+        config = AutoConfig.from_pretrained(cfg.base_model, trust_remote_code=cfg.trust_remote_code,
+                                            local_files_only=local_only)
+        return config, MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except Exception:
+        return None
+
+
+WINDOW_SIZE_FROM = "2.11"  # varlen_attn takes window_size from torch 2.11 (torch.toml [[varlen]] source)
+
+
+def varlen_limit(config, cls, takes_window: bool) -> tuple[str, str] | None:
+    """What torch's varlen kernel cannot do that the model needs, as (what, why): "softcap" (soft-capped attention
+    logits: Gemma 2), "sinks" (attention sinks: gpt-oss), "dropout" (attention dropout), "interface" (a class whose
+    attention does not go through transformers' AttentionInterface) or "sliding_window" (a sliding window, on a torch
+    whose varlen_attn has no window_size: `takes_window` False). None where it runs the model. flash_attn.toml's
+    [[impl]] `handles` names the ones a flash-attn wheel does."""
+    name = varlen_kernels()[0]["name"]
+    if getattr(config, "attn_logit_softcapping", None):
+        return "softcap", f"{cls.__name__} soft-caps its attention logits, which {name} cannot"
+    if getattr(cls, "_compatible_flash_implementations", None):
+        return "sinks", f"{cls.__name__} has attention sinks, which {name} cannot apply"
+    if (getattr(config, "attention_dropout", 0) or 0) > 0:
+        return "dropout", f"{cls.__name__} has attention dropout {config.attention_dropout}, which {name} does not do"
+    if not getattr(cls, "_supports_attention_backend", False):
+        return "interface", f"{cls.__name__}'s attention does not go through transformers' AttentionInterface"
+    if _slides(config) and not takes_window:
+        return "sliding_window", (f"{cls.__name__} has a sliding window and this torch's {name} has no window_size "
+                                  f"(torch >= {WINDOW_SIZE_FROM})")
+    return None
+
+
+def model_varlen_limit(cfg, torch_version: str) -> tuple[str, str] | None:
+    """`varlen_limit` for the config's model under a plan's torch, for a planner: the model's config read from this
+    machine's files only (a local directory or the Hub cache); None where it is not at hand (the trainer checks again
+    at start, with the model's files) or where torch's varlen kernel runs it."""
+    found = _model_class(cfg, local_only=True)
+    if found is None:
+        return None
+    return varlen_limit(*found, takes_window=_in_range(torch_version, f">={WINDOW_SIZE_FROM}"))
+
+
 def _varlen_for_model(config, cls, runtime) -> list[str]:
-    """Back from torch's varlen kernel to sdpa's mask for a model it cannot run: soft-capped attention logits
-    (Gemma 2), attention sinks (gpt-oss), attention dropout, a class whose attention does not go through
-    transformers' AttentionInterface, or a sliding window on a torch whose varlen_attn has no window_size (2.10)."""
+    """Back from torch's varlen kernel to sdpa's mask for a model it cannot run (`varlen_limit`)."""
     name = varlen_kernels()[0]["name"]
     if runtime.attention != name:
         return []
-    why = None
-    if getattr(config, "attn_logit_softcapping", None):
-        why = f"{cls.__name__} soft-caps its attention logits, which {name} cannot"
-    elif getattr(cls, "_compatible_flash_implementations", None):
-        why = f"{cls.__name__} has attention sinks, which {name} cannot apply"
-    elif (getattr(config, "attention_dropout", 0) or 0) > 0:
-        why = f"{cls.__name__} has attention dropout {config.attention_dropout}, which {name} does not do"
-    elif not getattr(cls, "_supports_attention_backend", False):
-        why = f"{cls.__name__}'s attention does not go through transformers' AttentionInterface"
-    elif _slides(config) and not _kernel_takes_window():
-        why = f"{cls.__name__} has a sliding window and this torch's {name} has no window_size (torch >= 2.11)"
-    if why is None:
+    limit = varlen_limit(config, cls, _kernel_takes_window())
+    if limit is None:
         return []
+    why = limit[1]
     fallback = "sdpa" if cls._supports_sdpa else "eager"  # Gemma 2: no sdpa path either (its soft-capping)
     note = f"attention: {name} -> {fallback} ({why}; packed rows kept apart by a mask)"
     runtime.attention = fallback

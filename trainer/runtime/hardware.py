@@ -225,6 +225,9 @@ def resolve_attention(cfg: Config, gpu: Gpu, plan: dict | None, changes: list[st
         asked = f"; the config asks for {requested}" if requested and requested != plan["attention"] else ""
         requested = plan["attention"]
         changes.append(f"attention: {requested} (set on the command line: {pinned}{asked})")
+    elif cfg.asks_flash_kernels and plan and plan.get("packing") == "varlen" and plan.get("attention"):
+        requested = plan["attention"]  # FlashAttention kernels as the plan serves them (FA3, varlen_attn, a wheel)
+        changes.append(f"attention: {requested} (flash_attention: true: the plan's FlashAttention kernels)")
     no_flash = requested is None and cfg.flash_attention is False
     if requested is None and plan and plan.get("attention") and not (no_flash and _is_flash(plan["attention"])):
         requested = plan["attention"]
