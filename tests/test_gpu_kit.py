@@ -109,7 +109,7 @@ def test_the_cpu_mode_runs_every_step_through_run_sh_and_reports_each_figure_or_
     out = tmp_path / "out"
     env = {**os.environ, "PYTHON": sys.executable, "OUT": str(out), "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu" / "run.sh"), "--cpu"], capture_output=True, text=True,
-                          env=env, timeout=1200)
+                          env=env, timeout=1500)
     (report_path,) = out.glob("gpu-kit-cpu-*.json")
     report = json.loads(report_path.read_text())
     steps = report["steps"]

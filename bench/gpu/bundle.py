@@ -22,7 +22,6 @@ manifest present with its size and sha256, no wheel the manifest does not name, 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import re
@@ -34,6 +33,10 @@ import tomllib
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+from trainer.runtime.digest import sha256_file as sha256  # noqa: E402 (stdlib only: runs before anything is installed)
+
 DEFAULT_OUT = Path(__file__).resolve().parent / "wheels"
 MANIFEST = "manifest.json"
 LIMIT_MIB = 40
@@ -159,14 +162,6 @@ def closure(requirements: list[str], resolved: dict[str, dict]) -> list[tuple[st
                                          for e in (seen[name] or {""})):
                 todo.append(dep)
     return sorted((n, resolved[n]["version"]) for n in seen)
-
-
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def write_manifest(folder: Path, requirements: list[str], limit_mib: float = LIMIT_MIB) -> dict:

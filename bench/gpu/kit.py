@@ -49,13 +49,13 @@ GIB = 2 ** 30
 # (name, seconds on a GPU, seconds on the CPU, what it proves)
 STEPS = [
     ("install", 90, 30, "the bundle installs offline beside the machine's torch, and the project from the tree"),
-    ("detect", 30, 90, "envtool resolve --gpu auto and envtool doctor on the real GPU and driver"),
-    ("numerics", 45, 90, "packed rows: varlen_attn and masked SDPA (with and without cuDNN) = each sequence alone"),
-    ("speed", 110, 240, "trained tokens/s: packing by varlen vs by mask vs padding"),
-    ("memory", 110, 150, "peak allocated vs envtool fit's estimate; micro_batch_size auto's pick and back-off"),
-    ("train", 75, 200, "envtool train CONFIG to a saved model, in the machine's environment"),
+    ("detect", 30, 120, "envtool resolve --gpu auto and envtool doctor on the real GPU and driver"),
+    ("numerics", 45, 150, "packed rows: varlen_attn and masked SDPA (with and without cuDNN) = each sequence alone"),
+    ("speed", 110, 300, "trained tokens/s: packing by varlen vs by mask vs padding"),
+    ("memory", 110, 240, "peak allocated vs envtool fit's estimate; micro_batch_size auto's pick and back-off"),
+    ("train", 75, 240, "envtool train CONFIG to a saved model, in the machine's environment"),
 ]
-GPU_BUDGET, CPU_BUDGET = 470, 900
+GPU_BUDGET, CPU_BUDGET = 470, 1100  # (the CPU's bounds are for a busy 2-core machine)
 REPORT_RESERVE = 5  # seconds kept for writing the report
 
 # The model on a GPU: Qwen/Qwen2.5-0.5B's config.json, as bench/data/model_configs.toml captured it (random weights).
@@ -257,9 +257,14 @@ def part(fn, *args, **kwargs) -> dict:
 
 
 def sh(command: list[str], timeout: float = 120, env: dict | None = None, check: bool = True,
-       cwd: Path | None = None) -> subprocess.CompletedProcess:
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd or REPO)
-    sys.stdout.write(f"$ {' '.join(map(str, command))} -> {proc.returncode}\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}\n")
+       cwd: Path | None = None, capture: bool = True) -> subprocess.CompletedProcess:
+    """Run a command; `capture=False` streams its output into this step's log as it comes (a training)."""
+    sys.stdout.write(f"$ {' '.join(map(str, command))}\n")
+    sys.stdout.flush()
+    proc = subprocess.run(command, capture_output=capture, text=True, timeout=timeout, env=env, cwd=cwd or REPO)
+    proc.stdout, proc.stderr = proc.stdout or "", proc.stderr or ""
+    sys.stdout.write(f"-> exit {proc.returncode}\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}\n")
+    sys.stdout.flush()
     if check and proc.returncode != 0:
         raise RuntimeError(f"{' '.join(map(str, command[:4]))} exited {proc.returncode}: "
                            f"{(proc.stderr.strip().splitlines() or proc.stdout.strip().splitlines() or [''])[-1]}")
@@ -430,8 +435,8 @@ def trainer_config(ctx, work: Path, name: str, **overrides) -> Path:
     config = {"base_model": str(model_dir(ctx, work)),
               "datasets": [{"path": str(data_file(work, 600 if cpu else 4000)), "type": "completion"}],
               "dataset_prepared_path": str(work / "prepared"), "output_dir": str(work / "runs" / name),
-              "sequence_len": 512 if cpu else 4096, "sample_packing": True, "micro_batch_size": 1,
-              "gradient_accumulation_steps": 1, "max_steps": 8 if cpu else 25, "learning_rate": 1e-5,
+              "sequence_len": 256 if cpu else 4096, "sample_packing": True, "micro_batch_size": 1,
+              "gradient_accumulation_steps": 1, "max_steps": 4 if cpu else 25, "learning_rate": 1e-5,
               "lr_scheduler": "constant", "optimizer": "adamw_torch", "attn_implementation": "sdpa",
               "bf16": "auto", "logging_steps": 1, "seed": 0, "gradient_checkpointing": False}
     config.update(overrides)
@@ -447,7 +452,7 @@ def train(ctx, work: Path, config: Path, timeout: float, env: dict | None = None
     command = [ctx["python"], str(Path(__file__).resolve()), "--run-trainer", str(config), str(result)]
     if ballast_gib:
         command += ["--ballast-gib", f"{ballast_gib:.3f}"]
-    sh(command, timeout=timeout, env={**os.environ, **(env or {})}, check=False)
+    sh(command, timeout=timeout, env={**os.environ, **(env or {})}, check=False, capture=False)
     if not result.is_file():
         raise RuntimeError(f"the trainer left no result for {config.name}")
     out = json.loads(result.read_text())
@@ -613,6 +618,11 @@ def _compare_packed(ctx, model, examples, reference, tol, how: str, device: str)
                 loss, grads = _loss_and_grads(model, batch, device)
         else:
             loss, grads = _loss_and_grads(model, batch, device)
+    except RuntimeError as err:
+        if how == "cudnn" and "kernel" in str(err).lower():  # a finding, not a failure: cuDNN did not take the call
+            raise Skip(f"cuDNN SDPA does not take this masked call on torch {torch.__version__}: "
+                       f"{str(err).splitlines()[0][:200]}") from None
+        raise
     finally:
         attention_varlen._WithoutCudnn.on = False
         model.set_attn_implementation("sdpa")
@@ -644,7 +654,7 @@ def step_speed(ctx, work: Path):
     import torch
 
     on_gpu = not ctx["cpu"] and torch.cuda.is_available()
-    seq = 512 if ctx["cpu"] else 4096
+    seq = 256 if ctx["cpu"] else 4096
     plans = _plans(ctx, work) if on_gpu else {}
     per_batch = _padded_batch(ctx, work, seq)
     figures = {"sequence_len": seq, "model": "tiny qwen2 (trainer/model/tiny.py)" if ctx["cpu"] else
@@ -711,7 +721,7 @@ def _speed_run(ctx, work: Path, mode: str, overrides: dict, plans: dict, on_gpu:
             env["ENVTOOL_PLAN"] = str(plan)
     config = trainer_config(ctx, work, f"speed-{mode}", **overrides)
     run = train(ctx, work, config, timeout=100 if on_gpu else 150, env=env)
-    out = metrics(work / "runs" / f"speed-{mode}")
+    out = metrics(work / "runs" / f"speed-{mode}", warmup=3 if on_gpu else 1)
     out["peak_allocated_gib"] = run.get("peak_allocated_gib")
     out["packing"] = "plan: " + mode if env else ("mask (the CPU)" if mode == "mask" else mode)
     shutil.rmtree(work / "runs" / f"speed-{mode}" / "final", ignore_errors=True)
@@ -725,8 +735,8 @@ def step_memory(ctx, work: Path):
     import torch
 
     on_gpu = not ctx["cpu"] and torch.cuda.is_available()
-    seq = 512 if ctx["cpu"] else 2048
-    common = dict(sequence_len=seq, max_steps=3, bf16=True if on_gpu else "auto")
+    seq = 256 if ctx["cpu"] else 2048
+    common = dict(sequence_len=seq, max_steps=3 if on_gpu else 1, bf16=True if on_gpu else "auto")
     figures = {"sequence_len": seq}
     figures["full_bf16"] = part(_peak_vs_fit, ctx, work, "mem-full", dict(common, micro_batch_size=2), on_gpu)
     figures["lora"] = part(_peak_vs_fit, ctx, work, "mem-lora", dict(common, micro_batch_size=2, adapter="lora",
@@ -825,7 +835,7 @@ def step_train(ctx, work: Path):
     import torch
 
     on_gpu = not ctx["cpu"] and torch.cuda.is_available()
-    config = trainer_config(ctx, work, "envtool-train", max_steps=5 if on_gpu else 4,
+    config = trainer_config(ctx, work, "envtool-train", max_steps=5 if on_gpu else 2,
                             sequence_len=2048 if on_gpu else 256, micro_batch_size=1)
     tool = envtool(ctx)
     gpu = ["--gpu", "cpu"] if ctx["cpu"] else []
