@@ -48,7 +48,7 @@ GIB = 2 ** 30
 
 # (name, seconds on a GPU, seconds on the CPU, what it proves)
 STEPS = [
-    ("install", 90, 30, "the bundle installs offline beside the machine's torch, and the project from the tree"),
+    ("install", 90, 240, "the bundle installs offline beside the machine's torch, and the project from the tree"),
     ("detect", 30, 120, "envtool resolve --gpu auto and envtool doctor on the real GPU and driver"),
     ("numerics", 45, 150, "packed rows: varlen_attn and masked SDPA (with and without cuDNN) = each sequence alone"),
     ("speed", 110, 300, "trained tokens/s: packing by varlen vs by mask vs padding"),
@@ -274,7 +274,10 @@ def sh(command: list[str], timeout: float = 120, env: dict | None = None, check:
 def envtool(ctx) -> str:
     """The `envtool` command of the environment the steps run in (the console script pip installed)."""
     script = Path(ctx["python"]).parent / "envtool"
-    return str(script) if script.exists() else (shutil.which("envtool") or "envtool")
+    found = str(script) if script.exists() else shutil.which("envtool")
+    if not found:
+        raise RuntimeError(f"no envtool command beside {ctx['python']} nor on PATH (did the install step fail?)")
+    return found
 
 
 def has_cuda() -> bool:
@@ -316,8 +319,14 @@ def step_install(ctx, work: Path):
     torch_before = sh([base, "-c", "import torch; print(torch.__version__)"]).stdout.strip()
     venv = Path(os.environ.get("KIT_VENV") or "/tmp/envtool-gpu-kit-venv")
     shutil.rmtree(venv, ignore_errors=True)
-    # --without-pip: the machine's pip is seen through its site-packages (no ensurepip needed)
-    sh([base, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)])
+    # A venv whose sys.path ends with the machine's own site-packages (a .pth file: --system-site-packages alone would
+    # reach the base interpreter's, not those of a venv or a conda env the stack lives in). Its own packages come
+    # first; the machine's torch and pip are the ones seen; nothing outside the venv is ever uninstalled.
+    sh([base, "-m", "venv", "--without-pip", str(venv)])
+    theirs = json.loads(sh([base, "-c", "import json, sys, os; print(json.dumps([p for p in sys.path if os.path.isdir(p) "
+                            "and os.path.basename(p) in ('site-packages', 'dist-packages')]))"]).stdout)
+    ours = sh([str(venv / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"]).stdout.strip()
+    Path(ours, "_envtool_gpu_kit_machine.pth").write_text("".join(f"{p}\n" for p in theirs))
     python = str(venv / "bin" / "python")
     pip = [python, "-m", "pip", "install", "--no-index", "--find-links", str(WHEELS), "--disable-pip-version-check"]
     done = sh(pip + manifest["requirements"], timeout=240)
@@ -751,8 +760,11 @@ def step_memory(ctx, work: Path):
             summary.append(f"{key}: measured {r['measured_gib']:.2f} GiB allocated, envtool fit {r['estimate_gib']:.2f}"
                            f" GiB (band {r['estimate_low_gib']:.2f}-{r['estimate_high_gib']:.2f}): error "
                            f"{100 * r['relative_error']:+.1f}%")
+        elif r["status"] == "ok":
+            summary.append(f"{key}: envtool fit {r['estimate_gib']:.2f} GiB allocated on {r['gpu']} (band "
+                           f"{r['estimate_low_gib']:.2f}-{r['estimate_high_gib']:.2f}); measured: {r['measured']}")
         else:
-            summary.append(f"{key}: {r['status']}: {r.get('reason') or r.get('measured')}")
+            summary.append(f"{key}: {r['status']}: {r.get('reason')}")
     a = figures["auto_batch"]
     summary.append(f"micro_batch_size auto: {a['status']}: " + (json.dumps(a.get("record")) if a.get("record")
                                                                  else str(a.get("reason"))))
@@ -769,7 +781,8 @@ def fit_estimate(ctx, config: Path) -> dict:
         raise RuntimeError(f"envtool fit has no estimate: {found.reason}")
     e = found.estimate
     return {"gpu": gpu, "estimate_gib": round(e.allocated / GIB, 3), "estimate_low_gib": round(e.allocated_low / GIB, 3),
-            "estimate_high_gib": round(e.allocated_high / GIB, 3), "fit_json": found.result}
+            "estimate_high_gib": round(e.allocated_high / GIB, 3), "micro_batch": e.setup.micro_batch,
+            "fit_json": found.result}
 
 
 def _peak_vs_fit(ctx, work: Path, name: str, overrides: dict, on_gpu: bool) -> dict:
@@ -797,23 +810,20 @@ def _auto_batch(ctx, work: Path, overrides: dict, on_gpu: bool) -> dict:
     config = trainer_config(ctx, work, "mem-auto", **overrides)
     ballast, plan = 0.0, {}
     if on_gpu:
-        sizes = {}
-        for m in (1, 2, 4, 8, 16):
-            sizes[m] = fit_estimate(ctx, trainer_config(ctx, work, f"mem-auto-mb{m}", **{**overrides,
-                                                                                           "micro_batch_size": m,
-                                                                                           "gradient_accumulation_steps": 16 // m}))
-        total = torch.cuda.get_device_properties(0).total_memory / GIB
-        fitting = [m for m, s in sizes.items() if s["fit_json"].get("peak_gb") is not None
-                   and s["fit_json"]["peak_gb"] * 1e9 / GIB <= total] or [1]  # (peak_gb is in GB: 1e9 bytes)
-        pick = max(fitting)
+        pick = fit_estimate(ctx, config)["micro_batch"]  # envtool fit's pick: the one the trainer makes at start
         if pick == 1:
             raise Skip("envtool fit says only micro_batch_size 1 fits: there is nothing to back off from")
-        half = max(m for m in sizes if m <= pick // 2)
-        target = (sizes[pick]["estimate_gib"] + sizes[half]["estimate_gib"]) / 2 + 0.5  # + the trainer's CUDA context
+        batch = overrides["gradient_accumulation_steps"]
+        half = max(m for m in range(1, pick // 2 + 1) if batch % m == 0)
+        at = {m: fit_estimate(ctx, trainer_config(ctx, work, f"mem-auto-mb{m}", **{
+            **overrides, "micro_batch_size": m, "gradient_accumulation_steps": batch // m}))["estimate_gib"]
+            for m in (pick, half)}
+        # free now (this step's own CUDA context already taken) less the trainer's context: what the run may allocate
+        # is set halfway between the estimates at the pick and at half of it
         free = torch.cuda.mem_get_info()[0] / GIB
-        ballast = max(0.0, free - target - 1.0)  # (this process's own context is gone when the trainer starts)
-        plan = {"estimated_pick": pick, "estimate_gib_at_pick": sizes[pick]["estimate_gib"],
-                "estimate_gib_at_half": sizes[half]["estimate_gib"], "ballast_gib": round(ballast, 2),
+        ballast = max(0.0, free - 0.5 - (at[pick] + at[half]) / 2)
+        plan = {"estimated_pick": pick, "estimate_gib_at_pick": at[pick], "half": half,
+                "estimate_gib_at_half": at[half], "ballast_gib": round(ballast, 2),
                 "free_gib_left_for_the_run": round(free - ballast, 2)}
     run = train(ctx, work, config, timeout=100 if on_gpu else 150, ballast_gib=ballast)
     record = json.loads((work / "runs" / "mem-auto" / FILE).read_text())
