@@ -133,8 +133,8 @@ def test_the_cpu_mode_runs_every_step_through_run_sh_and_reports_each_figure_or_
 
     memory = steps["memory"]["figures"]
     for key in ("full_bf16", "lora"):
-        assert memory[key]["estimate_gib"] > 0 and memory[key]["measured"].startswith("skipped: ")
-    assert memory["full_bf16"]["estimate_gib"] > memory["lora"]["estimate_gib"]
+        assert memory[key]["estimate_high_gib"] >= memory[key]["estimate_gib"] >= memory[key]["estimate_low_gib"] > 0
+        assert memory[key]["measured"].startswith("skipped: ")
     assert memory["auto_batch"]["record"]["micro_batch_size"] >= 1
 
     train = steps["train"]["figures"]

@@ -50,9 +50,9 @@ GIB = 2 ** 30
 STEPS = [
     ("install", 90, 240, "the bundle installs offline beside the machine's torch, and the project from the tree"),
     ("detect", 30, 120, "envtool resolve --gpu auto and envtool doctor on the real GPU and driver"),
-    ("numerics", 45, 150, "packed rows: varlen_attn and masked SDPA (with and without cuDNN) = each sequence alone"),
+    ("numerics", 60, 150, "packed rows: varlen_attn and masked SDPA (with and without cuDNN) = each sequence alone"),
     ("speed", 110, 300, "trained tokens/s: packing by varlen vs by mask vs padding"),
-    ("memory", 110, 240, "peak allocated vs envtool fit's estimate; micro_batch_size auto's pick and back-off"),
+    ("memory", 100, 240, "peak allocated vs envtool fit's estimate; micro_batch_size auto's pick and back-off"),
     ("train", 75, 240, "envtool train CONFIG to a saved model, in the machine's environment"),
 ]
 GPU_BUDGET, CPU_BUDGET = 470, 1100  # (the CPU's bounds are for a busy 2-core machine)
@@ -92,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def orchestrate(args) -> int:
     started = time.time()
+    on_term = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the running step is killed, the work removed
     budget = args.budget or (CPU_BUDGET if args.cpu else GPU_BUDGET)
     deadline = started + budget
     wanted = set(args.steps.split(",")) if args.steps else None
@@ -132,6 +133,7 @@ def orchestrate(args) -> int:
         print(paths[1].read_text())
         print(f"[kit] report: {paths[0]} and {paths[1]} ({time.time() - started:.0f} s)")
     finally:
+        signal.signal(signal.SIGTERM, on_term)
         if not keep:
             shutil.rmtree(work, ignore_errors=True)
     failed = [n for n, r in results.items() if r["status"] == "failed"]
@@ -168,6 +170,9 @@ def spawn_step(name: str, python: str, work: Path, cpu: bool, limit: float) -> d
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             code = None
+        except BaseException:  # the kit itself stopped (Ctrl-C, SIGTERM): its step's processes stop with it
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise
     seconds = round(time.time() - begun, 1)
     if result_file.is_file():
         result = json.loads(result_file.read_text())
@@ -176,6 +181,9 @@ def spawn_step(name: str, python: str, work: Path, cpu: bool, limit: float) -> d
                   else f"exited {code} without a result: {tail(log, 1)}"}
     if code is None and result.get("status") != "failed":
         result = {**result, "status": "failed", "reason": f"timed out after {limit:.0f} s (the step's bound)"}
+    partial = result_file.with_suffix(".partial.json")
+    if "figures" not in result and partial.is_file():  # the parts it finished before it was stopped
+        result["figures"] = json.loads(partial.read_text())
     result["seconds"] = seconds
     result["log_tail"] = tail(log, 15)
     return result
@@ -236,6 +244,7 @@ def run_step(name: str, work: Path, cpu: bool) -> int:
     work = Path(work)
     ctx = json.loads((work / "context.json").read_text())
     ctx["cpu"] = cpu
+    os.environ["KIT_PARTIAL"] = str(work / "results" / f"{name}.partial.json")
     result: dict
     try:
         figures, summary = globals()[f"step_{name}"](ctx, work)
@@ -256,6 +265,15 @@ def run_step(name: str, work: Path, cpu: bool) -> int:
     tmp.write_text(json.dumps(result, indent=2, default=str))
     tmp.replace(path)
     return 0
+
+
+def checkpoint(figures: dict) -> None:
+    """The step's figures so far, where the kit finds them if the step is stopped at its bound."""
+    path = Path(os.environ["KIT_PARTIAL"]) if os.environ.get("KIT_PARTIAL") else None
+    if path is not None:
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(json.dumps(figures, default=str))
+        tmp.replace(path)
 
 
 def part(fn, *args, **kwargs) -> dict:
@@ -546,7 +564,9 @@ def step_numerics(ctx, work: Path):
     reference = _reference(model, examples, device)
     figures = {"device": device, "dtype": str(dtype).replace("torch.", ""), "lengths": lengths, "tolerances": tol,
                "reference_loss": reference[0]}
+    checkpoint(figures)
     figures["varlen_attn"] = part(_compare_packed, ctx, model, examples, reference, tol, "varlen", device)
+    checkpoint(figures)
     figures["masked_sdpa_cudnn"] = part(_compare_packed, ctx, model, examples, reference, tol, "cudnn", device)
     figures["masked_sdpa_default"] = part(_compare_packed, ctx, model, examples, reference, tol, "default", device)
     figures["masked_sdpa_without_cudnn"] = part(_compare_packed, ctx, model, examples, reference, tol, "no_cudnn",
@@ -678,9 +698,9 @@ def step_speed(ctx, work: Path):
     on_gpu = not ctx["cpu"] and torch.cuda.is_available()
     seq = 256 if ctx["cpu"] else 4096
     plans = _plans(ctx, work) if on_gpu else {}
-    per_batch = _padded_batch(ctx, work, seq)
+    per_batch, lengths = _padded_batch(ctx, work, seq)
     figures = {"sequence_len": seq, "model": "tiny qwen2 (trainer/model/tiny.py)" if ctx["cpu"] else
-               f"{GPU_MODEL} config, random weights, bf16", "padded_micro_batch": per_batch}
+               f"{GPU_MODEL} config, random weights, bf16", "padded_micro_batch": per_batch, "lengths": lengths}
     runs = {
         "varlen": dict(sample_packing=True, micro_batch_size=1),
         "mask": dict(sample_packing=True, micro_batch_size=1),
@@ -688,6 +708,7 @@ def step_speed(ctx, work: Path):
     }
     for mode, overrides in runs.items():
         figures[mode] = part(_speed_run, ctx, work, mode, overrides, plans, on_gpu)
+        checkpoint(figures)
     summary = []
     base = figures["padding"].get("tokens_per_s")
     for mode in runs:
@@ -720,14 +741,19 @@ def _plans(ctx, work: Path) -> dict:
     return plans
 
 
-def _padded_batch(ctx, work: Path, seq: int) -> int:
-    """As many sequences per padded micro-batch as fit sequence_len on average (bench_train_packed_vs_padded's rule)."""
+def _padded_batch(ctx, work: Path, seq: int) -> tuple[int, dict]:
+    """As many sequences per padded micro-batch as fit sequence_len on average (bench_train_packed_vs_padded's rule),
+    at most as many of the longest as fit 4 x sequence_len: padded to the longest of a random draw, a micro-batch of
+    the average's count can reach tens of thousands of tokens (logits of a 152k vocabulary: tens of GB)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir(ctx, work))
     texts = [json.loads(l)["text"] for l in data_file(work, 600 if ctx["cpu"] else 4000).read_text().splitlines()]
     lengths = [min(len(tokenizer(t)["input_ids"]) + 1, seq) for t in texts]
-    return max(1, round(seq / (sum(lengths) / len(lengths))))
+    mean, longest = sum(lengths) / len(lengths), max(lengths)
+    by_mean, cap = max(1, round(seq / mean)), max(1, 4 * seq // longest)
+    return min(by_mean, cap), {"mean_tokens": round(mean, 1), "longest_tokens": longest, "by_mean": by_mean,
+                               "cap_4x_sequence_len": cap}
 
 
 def _speed_run(ctx, work: Path, mode: str, overrides: dict, plans: dict, on_gpu: bool) -> dict:
@@ -761,9 +787,11 @@ def step_memory(ctx, work: Path):
     common = dict(sequence_len=seq, max_steps=3 if on_gpu else 1, bf16=True if on_gpu else "auto")
     figures = {"sequence_len": seq}
     figures["full_bf16"] = part(_peak_vs_fit, ctx, work, "mem-full", dict(common, micro_batch_size=2), on_gpu)
+    checkpoint(figures)
     figures["lora"] = part(_peak_vs_fit, ctx, work, "mem-lora", dict(common, micro_batch_size=2, adapter="lora",
                                                                        lora_r=16, lora_alpha=32, lora_dropout=0.0,
                                                                        lora_target_linear=True), on_gpu)
+    checkpoint(figures)
     figures["auto_batch"] = part(_auto_batch, ctx, work, dict(common, micro_batch_size="auto",
                                                                gradient_accumulation_steps=16), on_gpu)
     summary = []
