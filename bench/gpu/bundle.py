@@ -99,7 +99,8 @@ def _environment() -> dict:
 
 
 def _pip_target_options() -> list[str]:
-    options = ["--python-version", PYTHON, "--implementation", "cp", "--abi", "cp" + PYTHON.replace(".", ""), "--only-binary=:all:"]
+    options = ["--python-version", PYTHON, "--implementation", "cp", "--abi", "cp" + PYTHON.replace(".", ""),
+               "--only-binary=:all:"]
     for platform in PLATFORMS:
         options += ["--platform", platform]
     return options

@@ -159,7 +159,8 @@ def spawn_step(name: str, python: str, work: Path, cpu: bool, limit: float) -> d
     log = work / "logs" / f"{name}.log"
     command = [python, str(Path(__file__).resolve()), "--step", name, "--work", str(work)] + (["--cpu"] if cpu else [])
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+           "TOKENIZERS_PARALLELISM": "false",
            "WANDB_MODE": "disabled"}
     begun = time.time()
     with open(log, "w") as f:
@@ -199,7 +200,8 @@ def tail(path: Path, lines: int) -> str:
 def machine(results: dict, cpu: bool) -> dict:
     detect = results.get("detect", {}).get("figures", {})
     plan = detect.get("resolve", {}).get("plan") or {}
-    return {"gpu": (plan.get("gpu") or {}).get("name") or detect.get("device") or ("cpu" if cpu else "unknown-gpu"), "driver": (plan.get("driver") or {}).get("version"),
+    gpu = (plan.get("gpu") or {}).get("name") or detect.get("device") or ("cpu" if cpu else "unknown-gpu")
+    return {"gpu": gpu, "driver": (plan.get("driver") or {}).get("version"),
             "torch": detect.get("torch"), "python": plan.get("python")}
 
 
@@ -251,8 +253,9 @@ def run_step(name: str, work: Path, cpu: bool) -> int:
         result = {"status": "ok", "figures": figures, "summary": summary}
         parts = [v for v in figures.values() if isinstance(v, dict) and "status" in v]
         if any(p["status"] == "failed" for p in parts):
-            result["status"], result["reason"] = "failed", "; ".join(
-                f"{k}: {v['reason']}" for k, v in figures.items() if isinstance(v, dict) and v.get("status") == "failed")
+            failed = [f"{k}: {v['reason']}" for k, v in figures.items()
+                      if isinstance(v, dict) and v.get("status") == "failed"]
+            result["status"], result["reason"] = "failed", "; ".join(failed)
         if name == "install" and figures.get("python"):
             result["python"] = figures["python"]
     except Skip as why:
@@ -354,9 +357,10 @@ def step_install(ctx, work: Path):
     # reach the base interpreter's, not those of a venv or a conda env the stack lives in). Its own packages come
     # first; the machine's torch and pip are the ones seen; nothing outside the venv is ever uninstalled.
     sh([base, "-m", "venv", "--without-pip", str(venv)])
-    theirs = json.loads(sh([base, "-c", "import json, sys, os; print(json.dumps([p for p in sys.path if os.path.isdir(p) "
-                            "and os.path.basename(p) in ('site-packages', 'dist-packages')]))"]).stdout)
-    ours = sh([str(venv / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"]).stdout.strip()
+    theirs = json.loads(sh([base, "-c", "import json, sys, os; print(json.dumps([p for p in sys.path if os.path"
+                            ".isdir(p) and os.path.basename(p) in ('site-packages', 'dist-packages')]))"]).stdout)
+    ours = sh([str(venv / "bin" / "python"), "-c",
+               "import sysconfig; print(sysconfig.get_path('purelib'))"]).stdout.strip()
     Path(ours, "_envtool_gpu_kit_machine.pth").write_text("".join(f"{p}\n" for p in theirs))
     python = str(venv / "bin" / "python")
     pip = [python, "-m", "pip", "install", "--no-index", "--find-links", str(WHEELS), "--disable-pip-version-check"]
@@ -396,13 +400,15 @@ def step_detect(ctx, work: Path):
     plan = figures["resolve"].get("plan") or {}
     summary = []
     if plan:
-        summary.append(f"resolve: {plan['gpu'].get('name')} (sm_{str(plan['gpu'].get('compute_capability')).replace('.', '')}"
-                       f"), driver {(plan.get('driver') or {}).get('version')}, torch {plan['torch']['version']}"
+        cc = str(plan["gpu"].get("compute_capability")).replace(".", "")
+        summary.append(f"resolve: {plan['gpu'].get('name')} (sm_{cc}), driver "
+                       f"{(plan.get('driver') or {}).get('version')}, torch {plan['torch']['version']}"
                        f"+{plan['torch'].get('variant')}, attention {plan.get('attention')}, packing "
                        f"{plan.get('packing')}, mask_without_cudnn {plan.get('mask_without_cudnn')}")
     verdict = figures["doctor"].get("plan") or {}  # (the parsed JSON of doctor --json)
     if verdict:
-        findings = [f for f in verdict.get("findings") or [] if f.get("level") != "ok"] or verdict.get("findings") or []
+        findings = verdict.get("findings") or []
+        findings = [f for f in findings if f.get("level") != "ok"] or findings
         summary.append(f"doctor (exit {figures['doctor']['exit']}): " + ("; ".join(
             f"{f.get('level')}: {f.get('message')}" for f in findings[:6]) or "no findings"))
     return figures, summary
@@ -821,7 +827,8 @@ def fit_estimate(ctx, config: Path) -> dict:
     if found.estimate is None:
         raise RuntimeError(f"envtool fit has no estimate: {found.reason}")
     e = found.estimate
-    return {"gpu": gpu, "estimate_gib": round(e.allocated / GIB, 3), "estimate_low_gib": round(e.allocated_low / GIB, 3),
+    return {"gpu": gpu, "estimate_gib": round(e.allocated / GIB, 3),
+            "estimate_low_gib": round(e.allocated_low / GIB, 3),
             "estimate_high_gib": round(e.allocated_high / GIB, 3), "micro_batch": e.setup.micro_batch,
             "fit_json": found.result}
 
@@ -872,7 +879,8 @@ def _auto_batch(ctx, work: Path, overrides: dict, on_gpu: bool) -> dict:
     if on_gpu:
         out["backed_off"] = bool(record.get("backoffs"))
         if not record.get("backoffs"):
-            out["note"] = "no out-of-memory error: the pick ran in the memory left (the estimate is above the real peak)"
+            out["note"] = ("no out-of-memory error: the pick ran in the memory left (the estimate is above the real "
+                           "peak)")
     else:
         out["backed_off"] = "skipped: a real out-of-memory error needs a CUDA device"
     return out
