@@ -1,0 +1,142 @@
+"""The GPU acceptance kit (bench/gpu/, issue 28): its wheel bundle's manifest check, its time budget, and its CPU mode
+run as a user runs it (`bash bench/gpu/run.sh --cpu`), so the kit cannot rot between GPU hosts."""
+
+import json
+import os
+import subprocess
+import sys
+import tomllib
+import zipfile
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench" / "gpu"))
+
+import bundle  # noqa: E402
+import kit  # noqa: E402
+
+
+def _wheel(folder: Path, name: str, version: str, payload: bytes = b"x") -> Path:
+    path = folder / f"{name}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr(f"{name}/__init__.py", payload)
+    return path
+
+
+def test_a_bundle_matches_its_manifest_until_a_wheel_changes_goes_missing_or_is_added(tmp_path):
+    a = _wheel(tmp_path, "alpha", "1.0")
+    _wheel(tmp_path, "beta_pkg", "2.0", b"y" * 1000)
+    manifest = bundle.write_manifest(tmp_path, ["alpha", "beta-pkg"])
+    assert [(w["name"], w["version"]) for w in manifest["wheels"]] == [("alpha", "1.0"), ("beta-pkg", "2.0")]
+    assert bundle.check_bundle(tmp_path) == []
+    assert bundle.check_bundle(tmp_path, limit_mib=1000 / 2 ** 20) == [
+        f"the wheels add up to {manifest['total_size'] / 2 ** 20:.1f} MiB, over the {1000 / 2 ** 20:g} MiB limit"]
+
+    extra = _wheel(tmp_path, "gamma", "3.0")
+    assert bundle.check_bundle(tmp_path) == [f"{extra.name}: not in the manifest"]
+    extra.unlink()
+    data = a.read_bytes()
+    a.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))  # same size, one bit flipped
+    assert bundle.check_bundle(tmp_path) == [f"{a.name}: sha256 differs from the manifest's"]
+    a.unlink()
+    assert bundle.check_bundle(tmp_path) == [f"{a.name}: missing"]
+    assert "no manifest" in bundle.check_bundle(tmp_path / "nowhere")[0]
+
+
+def test_every_dependency_of_the_project_is_in_the_bundle_on_the_host_or_left_out_with_a_reason():
+    """A dependency added to pyproject.toml fails here until the bundle takes it (or says why not)."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    roots = {bundle.canonical(Requirement(r).name) for r in bundle.roots()}
+    wanted = project["project"]["dependencies"] + project["project"]["optional-dependencies"]["train"]
+    for text in wanted + project["build-system"]["requires"]:
+        name = bundle.canonical(Requirement(text).name)
+        assert name in roots or name in bundle.HOST or name in bundle.LEFT_OUT, name
+    assert not roots & set(bundle.HOST)
+    assert {"pydantic", "datasets", "trl", "tomlkit", "uv-build"} <= roots
+
+
+def test_the_closure_follows_extras_and_markers_and_never_enters_the_hosts_stack():
+    resolved = {
+        "datasets": {"version": "5.0.1", "requires_dist": ["fsspec[http]<=2026.6.0", "pyarrow>=21", "dill",
+                                                           "tomli; python_version < '3.11'"]},
+        "fsspec": {"version": "2026.6.0", "requires_dist": ["aiohttp; extra == 'http'", "gcsfs; extra == 'gcs'"]},
+        "aiohttp": {"version": "3.14.5", "requires_dist": ["torch"]},  # (a host package: never followed)
+        "dill": {"version": "0.4.1", "requires_dist": []},
+        "tomli": {"version": "2.0", "requires_dist": []},
+        "gcsfs": {"version": "1", "requires_dist": []},
+        "pyarrow": {"version": "26", "requires_dist": []},
+        "torch": {"version": "2.11.0", "requires_dist": []},
+    }
+    assert bundle.closure(["datasets==5.0.1"], resolved) == [
+        ("aiohttp", "3.14.5"), ("datasets", "5.0.1"), ("dill", "0.4.1"), ("fsspec", "2026.6.0")]
+
+
+@pytest.mark.skipif(not (bundle.DEFAULT_OUT / bundle.MANIFEST).is_file(), reason="no bundle built here "
+                    "(python bench/gpu/bundle.py)")
+def test_the_bundle_built_here_matches_its_manifest_and_carries_none_of_the_hosts_stack():
+    assert bundle.check_bundle(bundle.DEFAULT_OUT, limit_mib=bundle.LIMIT_MIB) == []
+    manifest = json.loads((bundle.DEFAULT_OUT / bundle.MANIFEST).read_text())
+    assert not {w["name"] for w in manifest["wheels"]} & set(bundle.HOST)
+
+
+def test_a_spent_budget_skips_every_step_with_the_reason_and_still_writes_the_report(tmp_path):
+    code = kit.main(["--cpu", "--budget", "1", "--out", str(tmp_path)])
+    assert code == 0
+    (report,) = tmp_path.glob("gpu-kit-*.json")
+    steps = json.loads(report.read_text())["steps"]
+    assert list(steps) == [s[0] for s in kit.STEPS]
+    assert {s["status"] for s in steps.values()} == {"skipped"}
+    assert all("budget" in s["reason"] for s in steps.values())
+    assert report.with_suffix(".md").is_file()
+
+
+def test_a_step_past_its_bound_is_killed_and_recorded_as_failed(tmp_path):
+    (tmp_path / "results").mkdir()
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "context.json").write_text(json.dumps({"cpu": True, "python": sys.executable}))
+    result = kit.spawn_step("detect", sys.executable, tmp_path, cpu=True, limit=0.05)
+    assert result["status"] == "failed"
+    assert result["reason"] == "timed out after 0 s (the step's bound)"
+
+
+@pytest.mark.slow
+def test_the_cpu_mode_runs_every_step_through_run_sh_and_reports_each_figure_or_why_not(tmp_path):
+    """`bash bench/gpu/run.sh --cpu` as a user runs it: every step ok or skipped with a reason, the GPU-only parts
+    skipped, the figures the CPU can give present; one report, JSON and Markdown, in $OUT."""
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHON": sys.executable, "OUT": str(out), "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu" / "run.sh"), "--cpu"], capture_output=True, text=True,
+                          env=env, timeout=1500)
+    (report_path,) = out.glob("gpu-kit-cpu-*.json")
+    report = json.loads(report_path.read_text())
+    steps = report["steps"]
+    assert proc.returncode == 0, {n: (s["status"], s.get("reason"), s.get("log_tail")) for n, s in steps.items()}
+    assert (out / report_path.name.replace(".json", ".md")).is_file()
+    assert list(steps) == [s[0] for s in kit.STEPS]
+    for name, step in steps.items():
+        assert step["status"] in ("ok", "skipped"), (name, step.get("reason"))
+
+    detect = steps["detect"]["figures"]
+    assert detect["resolve"]["plan"]["gpu"]["name"] == "CPU" and detect["doctor"]["exit"] == 0
+
+    numerics = steps["numerics"]["figures"]
+    assert numerics["varlen_attn"]["status"] == "skipped" and "CUDA" in numerics["varlen_attn"]["reason"]
+    assert numerics["masked_sdpa_default"]["within"] is True
+    assert numerics["no_isolation"]["within"] is False  # the comparison tells isolation from none
+
+    speed = steps["speed"]["figures"]
+    assert speed["varlen"]["status"] == "skipped"
+    assert speed["mask"]["tokens_per_s"] > 0 and speed["padding"]["tokens_per_s"] > 0
+
+    memory = steps["memory"]["figures"]
+    for key in ("full_bf16", "lora"):
+        assert memory[key]["estimate_high_gib"] >= memory[key]["estimate_gib"] >= memory[key]["estimate_low_gib"] > 0
+        assert memory[key]["measured"].startswith("skipped: ")
+    assert memory["auto_batch"]["record"]["micro_batch_size"] >= 1
+
+    train = steps["train"]["figures"]
+    assert train["dry_run"]["kind"] == "active" and train["run"]["exit"] == 0
+    assert any(n.endswith(".safetensors") for n in train["run"]["saved"])
