@@ -14,6 +14,17 @@ was signalled, finishes that step, writes one checkpoint and exits with
 
 A second SIGINT stops at once (KeyboardInterrupt, no checkpoint). Repeated SIGTERMs are one request: Slurm signals
 every process of a job step and torchrun forwards the signal again, so a rank may see it twice.
+
+The handler stays installed until the final model's last byte is written. A request that arrives during the final
+evaluation or save (`finishing()`; the emitted sbatch sends SIGUSR1 five minutes before the time limit) does not
+interrupt them: they finish, the run is complete and exits 0. (trainer/train.py writes output_dir/stopped.json
+when they begin, naming the newest checkpoint, so that if the scheduler kills the process before the save ends
+the same command resumes and completes the run; the finished save removes it again.)
+
+ENVTOOL_PAUSE_AT=POINT (`pause_at`): the run prints one line and waits, at that point of the real code path, until
+a stop signal arrives (at most 10 minutes), then goes on. Points: `final-eval` (before the final evaluation) and
+`final-save` (the final model written to its temporary directory, not yet renamed). For tests and for rehearsing
+a scheduler's signal at the worst moment.
 """
 
 from __future__ import annotations
@@ -21,6 +32,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 
 REQUEUE_EXIT = 138
 INTERRUPT_EXIT = 130
@@ -35,6 +47,7 @@ class StopRequest:
         self.interrupts = 0
         self.say = say_rank0
         self.previous: dict[int, object] = {}
+        self.in_final = False  # set when the final evaluation and save begin
 
     @property
     def requested(self) -> bool:
@@ -56,6 +69,19 @@ class StopRequest:
             self.previous[number] = signal.signal(number, self._handle)
         return self
 
+    def finishing(self) -> None:
+        """From now on a request does not stop the run: the final evaluation and save finish first."""
+        self.in_final = True
+
+    def pause_at(self, point: str, say=print, limit: float = 600.0) -> None:
+        """ENVTOOL_PAUSE_AT=point: say so and wait for a stop signal (the real path goes on afterwards)."""
+        if os.environ.get("ENVTOOL_PAUSE_AT") != point or not self.previous:
+            return
+        say(f"paused at {point} (ENVTOOL_PAUSE_AT): waiting for a stop signal")
+        deadline = time.monotonic() + limit
+        while not self.requested and time.monotonic() < deadline:
+            time.sleep(0.05)
+
     def uninstall(self) -> None:
         for number, handler in self.previous.items():
             signal.signal(number, handler)
@@ -69,7 +95,11 @@ class StopRequest:
                 raise KeyboardInterrupt
         if self.signal is None:
             self.signal = number
-            if self.say:
+            if self.say and self.in_final:
+                again = " (Ctrl-C again stops at once, without it)" if number == signal.SIGINT else ""
+                os.write(2, f"\n{signal.Signals(number).name}: the final evaluation and save are under way: "
+                         f"finishing them first{again}\n".encode())
+            elif self.say:
                 again = " (Ctrl-C again stops at once, without one)" if number == signal.SIGINT else ""
                 os.write(2, f"\n{signal.Signals(number).name}: stopping after this step with a checkpoint{again}\n"
                          .encode())
