@@ -246,11 +246,6 @@ def export_gguf(config: str | Path, outtype: str = "f16", output: str | Path | N
         import gguf
     except ImportError:
         raise ConfigError("export: the gguf package is not installed (pip install 'envtool-llm[export]', or gguf)") from None
-    import itertools
-    import math
-
-    import numpy as np
-    from safetensors import safe_open
 
     from trainer.config import load_config
     from trainer.outputs.chat_check import _tokenizer, end_of_turn
@@ -258,6 +253,9 @@ def export_gguf(config: str | Path, outtype: str = "f16", output: str | Path | N
     cfg, _ = load_config(config)
     model_dir = source_dir(cfg)
     target = Path(output) if output else Path(cfg.output_dir) / f"{Path(cfg.output_dir).resolve().name}-{outtype}.gguf"
+    from trainer.runtime.signals import remove_leftovers, stop_cleanly
+
+    remove_leftovers(target.parent, target.name, log)  # an export killed before its rename (trainer/runtime/signals.py)
     if target.exists():
         raise ConfigError(f"export: {target} already exists; remove it or pass --output FILE")
     model_config = json.loads((model_dir / "config.json").read_text())
@@ -270,7 +268,27 @@ def export_gguf(config: str | Path, outtype: str = "f16", output: str | Path | N
 
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     target.parent.mkdir(parents=True, exist_ok=True)
-    writer = gguf.GGUFWriter(tmp, arch_name)
+    with stop_cleanly("export"):  # SIGTERM, SIGUSR1, SIGHUP end in write_gguf's except, which removes tmp
+        tokens = write_gguf(gguf.GGUFWriter(tmp, arch_name), cfg, model_config, model_dir, plan, outtype, arch_name,
+                            permute_qk, vocab_size, eot_id, tmp, target, log)
+    return {"path": str(target), "source": str(model_dir), "architecture": arch_name,
+            "model_type": model_config["model_type"], "outtype": outtype, "tensors": len(plan),
+            "bytes": target.stat().st_size, **tokens}
+
+
+def write_gguf(writer, cfg, model_config, model_dir, plan, outtype, arch_name, permute_qk, vocab_size, eot_id, tmp,
+               target, log=print) -> dict:
+    """The header, tokenizer and tensors into `tmp` (already open in `writer`), renamed to `target` at the end;
+    `tmp` is removed on any error or stop signal. Returns the tokenizer's part of the report."""
+    import itertools
+    import math
+
+    import gguf
+    import numpy as np
+    from safetensors import safe_open
+
+    from trainer.runtime.signals import pause_at
+
     try:
         writer.add_name(Path(cfg.output_dir).resolve().name)
         hidden, heads = model_config["hidden_size"], model_config["num_attention_heads"]
@@ -305,6 +323,7 @@ def export_gguf(config: str | Path, outtype: str = "f16", output: str | Path | N
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
+        pause_at("export-tensors", log)
         for shard, entries in itertools.groupby(plan, key=lambda e: e["shard"]):  # then the data, a tensor at a time
             with safe_open(model_dir / shard, framework="pt") as f:
                 for entry in entries:
@@ -315,6 +334,4 @@ def export_gguf(config: str | Path, outtype: str = "f16", output: str | Path | N
         writer.close()
         tmp.unlink(missing_ok=True)
         raise
-    return {"path": str(target), "source": str(model_dir), "architecture": arch_name,
-            "model_type": model_config["model_type"], "outtype": outtype, "tensors": len(plan),
-            "bytes": target.stat().st_size, **tokens}
+    return tokens

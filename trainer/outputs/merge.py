@@ -264,7 +264,6 @@ def merge_lora(config: str | Path, output: str | Path | None = None, dtype: str 
     dtype: bf16 | fp16 | fp32, else `precision()` (the CLI passes the run's training precision on this machine,
     from trainer.setup, which this layer does not import), else the base checkpoint's own dtype."""
     import torch
-    from safetensors import safe_open
 
     from trainer.config import load_config
 
@@ -278,6 +277,9 @@ def merge_lora(config: str | Path, output: str | Path | None = None, dtype: str 
                     "note": f"{final} is a full model (no adapter), so there is nothing to merge; export it directly"}
         raise ConfigError(f"merge-lora: {final} holds no adapter (no adapter_config.json) and no model")
     out = Path(output) if output else Path(cfg.output_dir) / "merged"
+    from trainer.runtime.signals import remove_leftovers, stop_cleanly
+
+    remove_leftovers(out.parent, out.name, log)  # a merge killed before its rename (trainer/runtime/signals.py)
     if out.exists():
         raise ConfigError(f"merge-lora: {out} already exists; remove it or pass --output DIR")
     adapter = read_adapter(final)
@@ -305,7 +307,18 @@ def merge_lora(config: str | Path, output: str | Path | None = None, dtype: str 
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     out.parent.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    with stop_cleanly("merge-lora"):  # SIGTERM, SIGUSR1, SIGHUP end in the except below, which removes tmp
+        tmp.mkdir()
+        return _write_merged(cfg, final, base, base_config, adapter, shards, dtype, target, tmp, out, log)
+
+
+def _write_merged(cfg, final, base, base_config, adapter, shards, dtype, target, tmp, out, log) -> dict:
+    """The merged shards, config, tokenizer and generation config into `tmp`, renamed to `out` at the end (tmp is
+    removed on any error or stop signal)."""
+    from safetensors import safe_open
+
+    from trainer.runtime.signals import pause_at
+
     try:
         new_map, total, changed, vocab_rows = {}, 0, 0, None
         for number, shard in enumerate(shards, 1):
@@ -338,6 +351,8 @@ def merge_lora(config: str | Path, output: str | Path | None = None, dtype: str 
 
                 total += write_safetensors(tmp / shard, header, tensors())
             log(f"merge-lora: shard {number}/{len(shards)} {shard} written")
+            if number == 1:
+                pause_at("merge-shard", log)
         if len(shards) > 1:
             (tmp / "model.safetensors.index.json").write_text(
                 json.dumps({"metadata": {"total_size": total}, "weight_map": new_map}, indent=2))

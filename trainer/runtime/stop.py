@@ -21,10 +21,9 @@ interrupt them: they finish, the run is complete and exits 0. (trainer/train.py 
 when they begin, naming the newest checkpoint, so that if the scheduler kills the process before the save ends
 the same command resumes and completes the run; the finished save removes it again.)
 
-ENVTOOL_PAUSE_AT=POINT (`pause_at`): the run prints one line and waits, at that point of the real code path, until
-a stop signal arrives (at most 10 minutes), then goes on. Points: `final-eval` (before the final evaluation) and
-`final-save` (the final model written to its temporary directory, not yet renamed). For tests and for rehearsing
-a scheduler's signal at the worst moment.
+ENVTOOL_PAUSE_AT=POINT (`pause_at`, trainer/runtime/signals.py): the run prints one line and waits, at that point
+of the real code path, until a stop signal arrives (at most 10 minutes), then goes on. Points: `final-eval` (before
+the final evaluation) and `final-save` (the final model written to its temporary directory, not yet renamed).
 """
 
 from __future__ import annotations
@@ -32,7 +31,6 @@ from __future__ import annotations
 import os
 import signal
 import threading
-import time
 
 REQUEUE_EXIT = 138
 INTERRUPT_EXIT = 130
@@ -73,14 +71,12 @@ class StopRequest:
         """From now on a request does not stop the run: the final evaluation and save finish first."""
         self.in_final = True
 
-    def pause_at(self, point: str, say=print, limit: float = 600.0) -> None:
+    def pause_at(self, point: str, say=print) -> None:
         """ENVTOOL_PAUSE_AT=point: say so and wait for a stop signal (the real path goes on afterwards)."""
-        if os.environ.get("ENVTOOL_PAUSE_AT") != point or not self.previous:
-            return
-        say(f"paused at {point} (ENVTOOL_PAUSE_AT): waiting for a stop signal")
-        deadline = time.monotonic() + limit
-        while not self.requested and time.monotonic() < deadline:
-            time.sleep(0.05)
+        if self.previous:  # only while the handler is installed (else the signal would end the process)
+            from trainer.runtime.signals import pause_at
+
+            pause_at(point, say, until=lambda: self.requested)
 
     def uninstall(self) -> None:
         for number, handler in self.previous.items():
