@@ -11,6 +11,11 @@ plan, a lock's pyproject.toml, an image, a log line or --json, and hands it to t
 3. with no credentials given, uv and requests read `~/.netrc` ($NETRC) themselves.
 
 `redact` is the last guard: every error line the CLI prints passes through it.
+
+4. a URL whose credentials stand without a scheme (`user:token@host/...`, `token@host/...`: urlsplit reads `user`
+   as the scheme and the rest as a path, so nothing would be stripped) is refused in one line (BadInput, exit 2)
+   by `split`/`strip`/`given`, naming where it came from ($ENVTOOL_TORCH_INDEX_URL, $ENVTOOL_FLASH_ATTN_URL or the
+   option) with the credentials redacted; `redact` hides that form in free text too.
 """
 
 from __future__ import annotations
@@ -21,10 +26,47 @@ from typing import Iterable
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 _USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<userinfo>[^/@\s]*)@")
+# credentials with no `scheme://` before them, at the start of a word (or after `https:/`): `user:secret@host`;
+# `secret@host/...` (a host, then a path: not an e-mail address); `'secret@host` / `=secret@host` (a quoted value)
+_BARE_USERINFO = re.compile(r"""(?P<pre>^|[\s'"=(,<\[]|:/?)(?P<userinfo>[^\s/@'"]+:[^\s/'"]*"""
+                            r"""|[^\s/@'"]+(?=@[^\s/@'"]+/)|(?<=['"=])[^\s/@'"]+)@(?=[^\s/'"])""")
+
+
+def _schemeless_secret(url: str) -> bool:
+    """Credentials in a URL urlsplit gives no host: `user:token@host/...`, `token@host/...`, `https:/u:t@host`."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:  # an unbalanced [ in the host: judged by its text alone
+        parts = None
+    if parts is not None and (parts.netloc or parts.scheme == "file"):
+        return False
+    return "@" in url.split("?", 1)[0].split("#", 1)[0]
+
+
+def _source(url: str) -> str:
+    """Where a URL came from, for an error line: the environment variable that holds it, else the URL option."""
+    from .matrix import FLASH_ATTN_URL_ENV, TORCH_INDEX_ENV
+
+    for name in (TORCH_INDEX_ENV, FLASH_ATTN_URL_ENV):
+        if os.environ.get(name) == url:
+            return f"${name}"
+    return "an index URL"
+
+
+def refuse_schemeless(url: str) -> None:
+    """One line (BadInput, exit 2) for credentials in a URL without `scheme://` (see the module doc, 4)."""
+    if _schemeless_secret(url):
+        from .errors import BadInput
+
+        shown = "***@" + url.split("?", 1)[0].split("#", 1)[0].rpartition("@")[2]
+        raise BadInput(f"{_source(url)} {shown!r} carries credentials but no scheme: put https:// "
+                       "(or http://) in front of it (the credentials are then used, never written)")
 
 
 def split(url: str) -> tuple[str, tuple[str, str] | None]:
-    """`https://user:token@host/path` -> (`https://host/path`, (user, token)); a URL without them unchanged."""
+    """`https://user:token@host/path` -> (`https://host/path`, (user, token)); a URL without them unchanged.
+    Credentials without a scheme are refused (BadInput)."""
+    refuse_schemeless(url)
     parts = urlsplit(url)
     if "@" not in parts.netloc:
         return url, None
@@ -38,8 +80,9 @@ def strip(url: str | None) -> str | None:
 
 
 def redact(text: str) -> str:
-    """Any `scheme://user:secret@` in text becomes `scheme://***@`."""
-    return _USERINFO.sub(lambda m: f"{m['scheme']}***@", text)
+    """Any `scheme://user:secret@` in text becomes `scheme://***@`, and a bare `user:secret@host` `***@host`."""
+    text = _USERINFO.sub(lambda m: f"{m['scheme']}***@", text)
+    return _BARE_USERINFO.sub(lambda m: f"{m['pre']}***@", text)
 
 
 def _realm(url: str) -> tuple[str, str, int | None]:

@@ -298,7 +298,12 @@ class Training:
             return None
         found = checkpoint.choose(self.output_dir, say=self.say)
         if found is not None and stopped and not cfg.auto_resume_from_checkpoints:
-            self.say(f"note: the previous run on {self.output_dir} was stopped by a signal: continuing from {found}")
+            try:
+                during = json.loads((self.output_dir / STOPPED).read_text()).get("during")
+            except (OSError, ValueError, AttributeError):
+                during = None
+            how = f"ended during {during}" if isinstance(during, str) else "was stopped by a signal"
+            self.say(f"note: the previous run on {self.output_dir} {how}: continuing from {found}")
         if found is None and stopped:
             self.say(f"note: {self.output_dir / STOPPED} names a stop, but no checkpoint verifies: starting afresh")
         return found
@@ -407,8 +412,28 @@ class Training:
             raise
         finally:
             progress.close()
-        self.stop.uninstall()  # a signal from now on (the final save is under way) is not a request to stop
-        return self.finish(stopped)
+        # a signal from now on (the final evaluation and save) lets them finish: the handler stays until the last
+        # byte is written; a kill before then finds stopped.json naming the newest checkpoint (the same command
+        # resumes from it and completes the run)
+        self.stop.finishing()
+        if self.main:
+            self.mark_finishing()
+        try:
+            return self.finish(stopped)
+        finally:
+            self.stop.uninstall()
+
+    def mark_finishing(self) -> None:
+        """output_dir/stopped.json naming the newest checkpoint, while the final evaluation and save are under way:
+        if the process dies before final/ is complete (a scheduler's kill after its signal, a lost node), the same
+        command resumes from that checkpoint and completes the run. The finished save removes it (finish)."""
+        newest = checkpoint.list_checkpoints(self.output_dir)
+        if not newest:  # nothing to resume from: a rerun starts afresh either way
+            return
+        tmp = self.output_dir / f".{STOPPED}.tmp"
+        tmp.write_text(json.dumps({"step": int(newest[-1].name.split("-")[-1]), "checkpoint": str(newest[-1]),
+                                   "signal": None, "during": "the final evaluation and save"}))
+        tmp.replace(self.output_dir / STOPPED)
 
     def out_of_memory(self, err: BaseException) -> None:
         """An out-of-memory error in a step: before the run's first optimizer step, with micro_batch_size: auto on
@@ -560,6 +585,7 @@ class Training:
     # --- finish ---------------------------------------------------------------------------------------------
     def finish(self, stopped: bool) -> Path:
         """The last evaluation, then the final model (or adapter) and tokenizer in HF format."""
+        self.stop.pause_at("final-eval", self.say)
         if self.data.validation is not None and not stopped:  # (an early stop has just evaluated)
             self.hooks.after_evaluation(self.step, self.evaluate())
         self.metrics.close()
@@ -573,9 +599,14 @@ class Training:
         if self.main:
             self.tokenizer.save_pretrained(tmp)
             self.write_generation_config(tmp)
+            self.stop.pause_at("final-save", self.say)
             shutil.rmtree(final, ignore_errors=True)
             tmp.rename(final)
+            (self.output_dir / STOPPED).unlink(missing_ok=True)  # complete: the next run of the command is not a resume
             self.say(f"saved the final {'adapter' if self.cfg.adapter else 'model'} to {final}")
+            if self.stop.requested:
+                self.say(f"note: {self.stop.name or 'a stop request'} arrived during the final evaluation or save: "
+                         "finished them first; the run is complete")
             from trainer.outputs import hub
 
             hub.push(self.cfg, self.unwrapped, self.tokenizer, self.say)

@@ -132,8 +132,8 @@ def test_sigterm_to_envtool_train_or_torchrun_stops_both_ranks_at_one_step_and_t
     assert main(["train", str(make_config("one.yml", output_dir=str(damaged), gradient_accumulation_steps=1,
                                           **common))]) == 0  # python -m trainer train, in this process
     err = capsys.readouterr().err
-    assert (f"note: skipping {damaged / f'checkpoint-{step}'}: model.safetensors does not match its sha256 in the "
-            "manifest") in err
+    assert (f"note: skipping {damaged / f'checkpoint-{step}'}: the bytes of model.safetensors changed since it was "
+            "written (its sha256 does not match the manifest)") in err
     assert "on 1 it continues with gradient_accumulation_steps 2 (the config says 1)" in err
     assert f"resumed from {damaged / f'checkpoint-{previous}'} at step {previous}" in err
     assert [r["step"] for r in read_metrics(damaged) if "loss" in r] == list(range(1, steps + 1))  # cut back, then appended

@@ -29,6 +29,7 @@ from trainer.config import Config, DatasetConfig, looks_local
 from trainer.data import files as local_files
 from trainer.data.formats.prompts import tokenize_row
 from trainer.errors import ConfigError, DataError, TrainerError
+from trainer.runtime import digest
 from trainer.runtime.digest import sha256_file
 
 CACHE_FORMAT = 2  # bump when tokenization changes, so old caches are not reused
@@ -346,12 +347,8 @@ def _no_space(e: BaseException) -> bool:
     return False
 
 
-def _cache_files(root: Path) -> list[Path]:
-    return sorted(p for p in root.rglob("*") if p.is_file() and p.name != MANIFEST)
-
-
 def _describe(root: Path) -> dict:
-    return {str(p.relative_to(root)): {"size": p.stat().st_size, "sha256": sha256_file(p)} for p in _cache_files(root)}
+    return digest.describe(root, MANIFEST)  # every file (trainer/runtime/digest.py: the one manifest rule)
 
 
 def damage(path: Path) -> str | None:
@@ -363,17 +360,7 @@ def damage(path: Path) -> str | None:
         return f"it has no {MANIFEST} (an interrupted or older cache)"
     except (OSError, ValueError) as e:
         return f"its {MANIFEST} is unreadable ({e})"
-    for name, want in manifest.items():
-        f = path / name
-        if not f.is_file():
-            return f"{name} is missing"
-        if f.stat().st_size != want["size"]:
-            return f"{name} is {f.stat().st_size} bytes, its manifest says {want['size']}"
-    if sum(w["size"] for w in manifest.values()) <= HASH_LIMIT:
-        for name, want in manifest.items():
-            if sha256_file(path / name) != want["sha256"]:
-                return f"the bytes of {name} changed since it was written"
-    return None
+    return digest.damage(path, manifest, MANIFEST, hash_limit=HASH_LIMIT)
 
 
 def _discard(path: Path) -> None:

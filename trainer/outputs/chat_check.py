@@ -128,6 +128,11 @@ def model_dir_for(cfg, model: str | None) -> Path:
             raise ConfigError(f"--model {model}: no such directory")
         return path
     out = Path(cfg.output_dir)
+    from trainer.outputs.merge import stale_merge
+
+    stale = stale_merge(out)
+    if stale:
+        raise ConfigError(f"chat-check: {stale} (or pass --model {out / 'final'})")
     for candidate in (out / "merged", out / "final"):
         if candidate.is_dir():
             return candidate

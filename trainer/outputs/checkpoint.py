@@ -38,7 +38,7 @@ import torch
 from trainer.errors import TrainingError
 from trainer.model.load import load_weights
 from trainer.parallel.collective import barrier
-from trainer.runtime.digest import sha256_file
+from trainer.runtime import digest
 
 STATE_FILE = "trainer_state.json"
 MANIFEST = "manifest.json"  # written last: {"files": {relative path: {"size": bytes, "sha256": hex}}}
@@ -134,8 +134,7 @@ def save(output_dir: Path, step: int, model, optimizer, scheduler, scaler, state
 
 
 def write_manifest(folder: Path) -> None:
-    files = {str(p.relative_to(folder)): {"size": p.stat().st_size, "sha256": sha256_file(p)}
-             for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MANIFEST}
+    files = digest.describe(folder, MANIFEST)  # every file (trainer/runtime/digest.py: the one manifest rule)
     tmp = folder / f".{MANIFEST}.tmp"
     tmp.write_text(json.dumps({"files": files}, indent=1))
     os.replace(tmp, folder / MANIFEST)
@@ -155,20 +154,10 @@ def damage(path: Path, hashes: bool = True) -> str | None:
             return f"{STATE_FILE} does not read"
         return None
     try:
-        files = json.loads(manifest.read_text())["files"]
-    except (OSError, ValueError, KeyError, TypeError):
+        files = json.loads(manifest.read_text()).get("files")
+    except (OSError, ValueError, AttributeError):
         return f"{MANIFEST} does not read"
-    for name, want in files.items():
-        file = path / name
-        if not file.is_file():
-            return f"{name} is missing"
-        if file.stat().st_size != want["size"]:
-            return f"{name} is {file.stat().st_size} bytes, the manifest says {want['size']}"
-    if hashes:
-        for name, want in files.items():
-            if sha256_file(path / name) != want["sha256"]:
-                return f"{name} does not match its sha256 in the manifest (overwritten or damaged)"
-    return None
+    return digest.damage(path, files, MANIFEST, hash_limit=None if hashes else -1)
 
 
 def choose(output_dir: Path, say=print) -> Path | None:

@@ -22,6 +22,7 @@ written in turn, so memory holds about one tensor. The file is written under a t
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -59,6 +60,11 @@ def source_dir(cfg) -> Path:
     """output_dir/merged, else output_dir/final when it holds a full model."""
     out = Path(cfg.output_dir)
     if (out / "merged" / "config.json").is_file():
+        from trainer.outputs.merge import stale_merge
+
+        stale = stale_merge(out)
+        if stale:
+            raise ConfigError(f"export: {stale}")
         return out / "merged"
     final = out / "final"
     if (final / "config.json").is_file() and not (final / "adapter_config.json").is_file():
@@ -69,9 +75,33 @@ def source_dir(cfg) -> Path:
     raise ConfigError(f"export: no trained model in {out} (neither merged/ nor a full final/); train first")
 
 
+def check_vocab(model_dir: Path, vocab_size, plan: list[dict], tokenizer) -> None:
+    """config.json's vocab_size is the embedding's (and the output head's) rows, and holds the tokenizer: a GGUF
+    whose vocabulary and embedding disagree loads with the wrong tokens (or not at all). ConfigError otherwise."""
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size <= 0:
+        raise ConfigError(f"export: {model_dir / 'config.json'}: vocab_size {vocab_size!r} is not a positive whole number")
+    for entry in plan:
+        if entry["name"] in ("token_embd.weight", "output.weight") and entry["shape"][0] != vocab_size:
+            raise ConfigError(f"export: {model_dir / 'config.json'} says vocab_size {vocab_size}, but {entry['key']} "
+                              f"has {entry['shape'][0]} rows: the config does not match the weights")
+    if tokenizer is not None and len(tokenizer) > vocab_size:
+        raise ConfigError(f"export: the tokenizer in {model_dir} has {len(tokenizer)} tokens, more than vocab_size "
+                          f"{vocab_size} rows of the embedding: the model cannot embed them")
+
+
 def rope_theta(config: dict) -> float:
     params = config.get("rope_parameters") or {}
     return float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
+
+
+def rope_scaling(config: dict) -> dict:
+    """The rope scaling the model runs with, as transformers reads it: a `rope_scaling` (Axolotl's key, written into
+    merged/config.json as an override) wins over `rope_parameters`, which transformers 5 fills from it."""
+    for key in ("rope_scaling", "rope_parameters"):
+        value = config.get(key)
+        if isinstance(value, dict) and value:
+            return value
+    return {}
 
 
 def check_config(config: dict, log) -> tuple[str, bool]:
@@ -82,11 +112,16 @@ def check_config(config: dict, log) -> tuple[str, bool]:
         raise ConfigError(f"export: model_type {model_type!r} is not exported to GGUF here; supported: "
                           f"{', '.join(FAMILIES)} (transformers also reads GGUF for {', '.join(others)}, which this "
                           "exporter does not write)")
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    rope = rope_scaling(config)
     rope_type = rope.get("rope_type") or rope.get("type") or "default"
-    if rope_type != "default":
+    if rope_type not in ("default", "linear"):
         raise ConfigError(f"export: rope scaling {rope_type!r} is not written by this exporter (llama.cpp needs its "
-                          "own scaling keys and rope_freqs tensor for it); only models without rope scaling export")
+                          "own scaling keys and rope_freqs tensor for it); models without rope scaling, or with "
+                          "linear scaling, export")
+    factor = rope.get("factor")
+    if rope_type == "linear" and (isinstance(factor, bool) or not isinstance(factor, (int, float))
+                                  or not math.isfinite(factor) or factor <= 0):
+        raise ConfigError(f"export: linear rope scaling needs a positive factor; the model's config has {factor!r}")
     window = config.get("sliding_window")
     if window and config.get("use_sliding_window", True) and window < config.get("max_position_embeddings", 0):
         log(f"export: note: sliding_window {window} is not part of GGUF's {FAMILIES[model_type][0]} architecture; "
@@ -246,11 +281,6 @@ def export_gguf(config: str | Path, outtype: str = "f16", output: str | Path | N
         import gguf
     except ImportError:
         raise ConfigError("export: the gguf package is not installed (pip install 'envtool-llm[export]', or gguf)") from None
-    import itertools
-    import math
-
-    import numpy as np
-    from safetensors import safe_open
 
     from trainer.config import load_config
     from trainer.outputs.chat_check import _tokenizer, end_of_turn
@@ -258,6 +288,9 @@ def export_gguf(config: str | Path, outtype: str = "f16", output: str | Path | N
     cfg, _ = load_config(config)
     model_dir = source_dir(cfg)
     target = Path(output) if output else Path(cfg.output_dir) / f"{Path(cfg.output_dir).resolve().name}-{outtype}.gguf"
+    from trainer.runtime.signals import remove_leftovers, stop_cleanly
+
+    remove_leftovers(target.parent, target.name, log)  # an export killed before its rename (trainer/runtime/signals.py)
     if target.exists():
         raise ConfigError(f"export: {target} already exists; remove it or pass --output FILE")
     model_config = json.loads((model_dir / "config.json").read_text())
@@ -267,10 +300,31 @@ def export_gguf(config: str | Path, outtype: str = "f16", output: str | Path | N
     eot = end_of_turn(tokenizer) if tokenizer is not None else None
     eot_id = tokenizer.convert_tokens_to_ids(eot) if eot else None
     plan = plan_tensors(model_dir, arch_name, model_config["num_hidden_layers"], outtype)
+    check_vocab(model_dir, vocab_size, plan, tokenizer)
 
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     target.parent.mkdir(parents=True, exist_ok=True)
-    writer = gguf.GGUFWriter(tmp, arch_name)
+    with stop_cleanly("export"):  # SIGTERM, SIGUSR1, SIGHUP end in write_gguf's except, which removes tmp
+        tokens = write_gguf(gguf.GGUFWriter(tmp, arch_name), cfg, model_config, model_dir, plan, outtype, arch_name,
+                            permute_qk, vocab_size, eot_id, tmp, target, log)
+    return {"path": str(target), "source": str(model_dir), "architecture": arch_name,
+            "model_type": model_config["model_type"], "outtype": outtype, "tensors": len(plan),
+            "bytes": target.stat().st_size, **tokens}
+
+
+def write_gguf(writer, cfg, model_config, model_dir, plan, outtype, arch_name, permute_qk, vocab_size, eot_id, tmp,
+               target, log=print) -> dict:
+    """The header, tokenizer and tensors into `tmp` (already open in `writer`), renamed to `target` at the end;
+    `tmp` is removed on any error or stop signal. Returns the tokenizer's part of the report."""
+    import itertools
+    import math
+
+    import gguf
+    import numpy as np
+    from safetensors import safe_open
+
+    from trainer.runtime.signals import pause_at
+
     try:
         writer.add_name(Path(cfg.output_dir).resolve().name)
         hidden, heads = model_config["hidden_size"], model_config["num_attention_heads"]
@@ -282,6 +336,10 @@ def export_gguf(config: str | Path, outtype: str = "f16", output: str | Path | N
         writer.add_head_count(heads)
         writer.add_head_count_kv(model_config.get("num_key_value_heads", heads))
         writer.add_rope_freq_base(rope_theta(model_config))
+        rope = rope_scaling(model_config)
+        if (rope.get("rope_type") or rope.get("type")) == "linear":  # as llama.cpp's convert_hf_to_gguf.py writes it
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(float(rope["factor"]))
         writer.add_layer_norm_rms_eps(model_config.get("rms_norm_eps", 1e-6))
         if arch_name == "llama":
             writer.add_vocab_size(vocab_size)
@@ -305,6 +363,7 @@ def export_gguf(config: str | Path, outtype: str = "f16", output: str | Path | N
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
+        pause_at("export-tensors", log)
         for shard, entries in itertools.groupby(plan, key=lambda e: e["shard"]):  # then the data, a tensor at a time
             with safe_open(model_dir / shard, framework="pt") as f:
                 for entry in entries:
@@ -315,6 +374,4 @@ def export_gguf(config: str | Path, outtype: str = "f16", output: str | Path | N
         writer.close()
         tmp.unlink(missing_ok=True)
         raise
-    return {"path": str(target), "source": str(model_dir), "architecture": arch_name,
-            "model_type": model_config["model_type"], "outtype": outtype, "tensors": len(plan),
-            "bytes": target.stat().st_size, **tokens}
+    return tokens

@@ -163,12 +163,62 @@ def read_adapter(final: Path) -> Adapter:
         if part.magnitude is not None and part.kind == "embedding":
             raise ConfigError(f"merge-lora: DoRA on the embedding {module} is not supported by this merge")
         r = rank_pattern.get(get_pattern_key(rank_pattern.keys(), module), config.get("r", part.A.shape[0]))
+        check_rank(final, module, part, r)
         alpha = alpha_pattern.get(get_pattern_key(alpha_pattern.keys(), module), config.get("lora_alpha", r))
         part.scaling = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
         adapter.deltas[f"{module}.weight"] = part
         if part.bias is not None:
             adapter.biases[f"{module}.bias"] = part
     return adapter
+
+
+MADE_FROM = "envtool-merge.json"  # in merged/: the adapter it was made from ({"adapter", "files": {name: sha256}})
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin")
+
+
+def adapter_fingerprint(final: Path) -> dict:
+    from trainer.runtime.digest import sha256_file
+
+    return {name: sha256_file(final / name) for name in ADAPTER_FILES if (final / name).is_file()}
+
+
+def stale_merge(out: Path) -> str | None:
+    """Why output_dir/merged no longer is output_dir/final's adapter merged (training continued, or ran again,
+    after merge-lora), or None. Read from merged/envtool-merge.json; a merged/ without one (an older envtool) is
+    stale when an adapter file is newer than its config.json."""
+    merged, final = Path(out) / "merged", Path(out) / "final"
+    if not (merged / "config.json").is_file() or not (final / "adapter_config.json").is_file():
+        return None
+    try:
+        made_from = json.loads((merged / MADE_FROM).read_text()).get("files")
+    except (OSError, ValueError, AttributeError):
+        made_from = None
+    if isinstance(made_from, dict):
+        if made_from == adapter_fingerprint(final):
+            return None
+        why = "its adapter files changed since"
+    else:
+        newer = [n for n in ADAPTER_FILES if (final / n).is_file()
+                 and (final / n).stat().st_mtime > (merged / "config.json").stat().st_mtime]
+        if not newer:
+            return None
+        why = f"{newer[0]} is newer"
+    return (f"{merged} was merged from an earlier {final} ({why}: training continued after merge-lora); merge again: "
+            f"remove {merged} and run python -m trainer merge-lora CONFIG")
+
+
+def check_rank(final: Path, module: str, part: Delta, r) -> None:
+    """The rank the scaling divides by must be the tensors' own: A is (r, in), B is (out, r) (embeddings: A (r,
+    vocab), B (dim, r)). adapter_config.json's `r` (or its rank_pattern) saying otherwise scales the update wrongly
+    (r 4 on rank-8 tensors doubles it) and peft refuses to load the adapter: ConfigError, before anything is written."""
+    shape_a, shape_b = tuple(part.A.shape), tuple(part.B.shape)
+    if len(shape_a) != 2 or len(shape_b) != 2 or shape_a[0] != shape_b[1]:
+        raise ConfigError(f"merge-lora: {final}: {module}'s LoRA factors have shapes {shape_a} and {shape_b}, which "
+                          "do not multiply (A must be rank x in, B out x rank): the adapter file is damaged")
+    if isinstance(r, bool) or not isinstance(r, int) or r != shape_a[0]:
+        raise ConfigError(f"merge-lora: {final / 'adapter_config.json'} says r {r!r} for {module}, but its tensors "
+                          f"have rank {shape_a[0]}: the config does not belong to these weights (peft refuses to load "
+                          "it too)")
 
 
 def base_dir(cfg) -> Path:
@@ -264,7 +314,6 @@ def merge_lora(config: str | Path, output: str | Path | None = None, dtype: str 
     dtype: bf16 | fp16 | fp32, else `precision()` (the CLI passes the run's training precision on this machine,
     from trainer.setup, which this layer does not import), else the base checkpoint's own dtype."""
     import torch
-    from safetensors import safe_open
 
     from trainer.config import load_config
 
@@ -278,6 +327,9 @@ def merge_lora(config: str | Path, output: str | Path | None = None, dtype: str 
                     "note": f"{final} is a full model (no adapter), so there is nothing to merge; export it directly"}
         raise ConfigError(f"merge-lora: {final} holds no adapter (no adapter_config.json) and no model")
     out = Path(output) if output else Path(cfg.output_dir) / "merged"
+    from trainer.runtime.signals import remove_leftovers, stop_cleanly
+
+    remove_leftovers(out.parent, out.name, log)  # a merge killed before its rename (trainer/runtime/signals.py)
     if out.exists():
         raise ConfigError(f"merge-lora: {out} already exists; remove it or pass --output DIR")
     adapter = read_adapter(final)
@@ -305,7 +357,18 @@ def merge_lora(config: str | Path, output: str | Path | None = None, dtype: str 
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     out.parent.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    with stop_cleanly("merge-lora"):  # SIGTERM, SIGUSR1, SIGHUP end in the except below, which removes tmp
+        tmp.mkdir()
+        return _write_merged(cfg, final, base, base_config, adapter, shards, dtype, target, tmp, out, log)
+
+
+def _write_merged(cfg, final, base, base_config, adapter, shards, dtype, target, tmp, out, log) -> dict:
+    """The merged shards, config, tokenizer and generation config into `tmp`, renamed to `out` at the end (tmp is
+    removed on any error or stop signal)."""
+    from safetensors import safe_open
+
+    from trainer.runtime.signals import pause_at
+
     try:
         new_map, total, changed, vocab_rows = {}, 0, 0, None
         for number, shard in enumerate(shards, 1):
@@ -338,6 +401,8 @@ def merge_lora(config: str | Path, output: str | Path | None = None, dtype: str 
 
                 total += write_safetensors(tmp / shard, header, tensors())
             log(f"merge-lora: shard {number}/{len(shards)} {shard} written")
+            if number == 1:
+                pause_at("merge-shard", log)
         if len(shards) > 1:
             (tmp / "model.safetensors.index.json").write_text(
                 json.dumps({"metadata": {"total_size": total}, "weight_map": new_map}, indent=2))
@@ -356,6 +421,8 @@ def merge_lora(config: str | Path, output: str | Path | None = None, dtype: str 
         from trainer.outputs.chat_check import _tokenizer, write_generation_config
 
         eos = write_generation_config(tmp, _tokenizer(cfg, final), base=base, eot_tokens=cfg.eot_tokens)
+        (tmp / MADE_FROM).write_text(json.dumps({"adapter": str(final.resolve()), "base": str(base),
+                                                 "files": adapter_fingerprint(final)}, indent=1))
         tmp.rename(out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

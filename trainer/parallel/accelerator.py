@@ -45,6 +45,10 @@ def make_accelerator(cfg: Config, runtime: Runtime):
         deepspeed.deepspeed_config["train_micro_batch_size_per_gpu"] = cfg.micro_batch_size
         world = int(os.environ.get("WORLD_SIZE", "1"))  # "auto" in Axolotl's files; DeepSpeed checks the product
         deepspeed.deepspeed_config["train_batch_size"] = cfg.micro_batch_size * cfg.gradient_accumulation_steps * world
+        if int(os.environ.get("LOCAL_RANK", "0") or 0) == 0:  # once per machine, before any rank builds an op
+            from trainer.parallel import ds_ops
+
+            ds_ops.prepare(deepspeed.deepspeed_config, say=lambda line: print(line, file=sys.stderr, flush=True))
     # gradient_accumulation_steps stays 1: the loop accumulates itself, normalising by the step's token count
     mesh = mesh_for(cfg, parallelism.world_size(), distributed.enabled(cfg))  # sizes vs processes
     mesh_config = parallelism.parallelism_config(mesh)

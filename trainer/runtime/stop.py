@@ -14,6 +14,16 @@ was signalled, finishes that step, writes one checkpoint and exits with
 
 A second SIGINT stops at once (KeyboardInterrupt, no checkpoint). Repeated SIGTERMs are one request: Slurm signals
 every process of a job step and torchrun forwards the signal again, so a rank may see it twice.
+
+The handler stays installed until the final model's last byte is written. A request that arrives during the final
+evaluation or save (`finishing()`; the emitted sbatch sends SIGUSR1 five minutes before the time limit) does not
+interrupt them: they finish, the run is complete and exits 0. (trainer/train.py writes output_dir/stopped.json
+when they begin, naming the newest checkpoint, so that if the scheduler kills the process before the save ends
+the same command resumes and completes the run; the finished save removes it again.)
+
+ENVTOOL_PAUSE_AT=POINT (`pause_at`, trainer/runtime/signals.py): the run prints one line and waits, at that point
+of the real code path, until a stop signal arrives (at most 10 minutes), then goes on. Points: `final-eval` (before
+the final evaluation) and `final-save` (the final model written to its temporary directory, not yet renamed).
 """
 
 from __future__ import annotations
@@ -35,6 +45,7 @@ class StopRequest:
         self.interrupts = 0
         self.say = say_rank0
         self.previous: dict[int, object] = {}
+        self.in_final = False  # set when the final evaluation and save begin
 
     @property
     def requested(self) -> bool:
@@ -56,6 +67,17 @@ class StopRequest:
             self.previous[number] = signal.signal(number, self._handle)
         return self
 
+    def finishing(self) -> None:
+        """From now on a request does not stop the run: the final evaluation and save finish first."""
+        self.in_final = True
+
+    def pause_at(self, point: str, say=print) -> None:
+        """ENVTOOL_PAUSE_AT=point: say so and wait for a stop signal (the real path goes on afterwards)."""
+        if self.previous:  # only while the handler is installed (else the signal would end the process)
+            from trainer.runtime.signals import pause_at
+
+            pause_at(point, say, until=lambda: self.requested)
+
     def uninstall(self) -> None:
         for number, handler in self.previous.items():
             signal.signal(number, handler)
@@ -69,7 +91,11 @@ class StopRequest:
                 raise KeyboardInterrupt
         if self.signal is None:
             self.signal = number
-            if self.say:
+            if self.say and self.in_final:
+                again = " (Ctrl-C again stops at once, without it)" if number == signal.SIGINT else ""
+                os.write(2, f"\n{signal.Signals(number).name}: the final evaluation and save are under way: "
+                         f"finishing them first{again}\n".encode())
+            elif self.say:
                 again = " (Ctrl-C again stops at once, without one)" if number == signal.SIGINT else ""
                 os.write(2, f"\n{signal.Signals(number).name}: stopping after this step with a checkpoint{again}\n"
                          .encode())
