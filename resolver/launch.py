@@ -50,9 +50,13 @@ def _trainer_call(config: Path, function, *args):
     try:
         return function(*args)
     except TrainerError as e:
-        message = str(e) if str(config) in str(e) else f"{config}: {e}"
-        error = BadInput(message) if e.exit_code == 2 else EnvtoolError(message)
+        def named(text: str) -> str:
+            return text if str(config) in text else f"{config}: {text}"
+
+        error = BadInput(named(str(e))) if e.exit_code == 2 else EnvtoolError(named(str(e)))
         error.exit_code = e.exit_code
+        if len(e.problems) > 1:  # several problems found in one pass: the CLI prints one line each
+            error.lines = [named(line) for _, line in e.problems]
         raise error from None
 
 
@@ -512,6 +516,10 @@ def plan_training(config: Path, opts: PlanOptions, dist: Distribution, *, venv: 
     if emit is None:
         dist.check()
     cfg, load_notes = read_config(config)
+    if emit is None:  # what the run reads first, found here (the model only for this machine, no GPU named)
+        from trainer.setup import check_inputs
+
+        _trainer_call(config, check_inputs, cfg, (opts.gpu or "auto") == "auto")
     if emit and cfg.use_ray:
         raise BadInput(f"--emit {emit}: {config} sets use_ray, which starts its workers through a local Ray cluster; "
                        "these launchers run torchrun: set use_ray: false for them")

@@ -33,6 +33,9 @@ def cmd_validate(args) -> int:
     from trainer.parallel import distributed
 
     cfg, notes, runtime = _setup(args, args.gpu)
+    from trainer.setup import check_inputs
+
+    check_inputs(cfg, model=args.gpu in (None, "auto"))  # the rows and (on this machine) the model, as the run reads them
     fit = fit_block(cfg, runtime)
     if args.json:
         print(json.dumps({"config": cfg.model_dump(), "runtime": runtime.to_dict(), "notes": notes,
