@@ -353,6 +353,20 @@ def default_nproc(plan: Plan, dist: Distribution) -> int:
     return max(int(plan.gpu.get("count") or 1), 1)
 
 
+def more_processes_than_gpus(plan: Plan, dist: Distribution) -> str | None:
+    """A warning for --nproc above the GPUs the plan counts on one machine (None: as many or fewer, or the CPU)."""
+    gpus = max(int(plan.gpu.get("count") or 1), 1)
+    if not plan.on_gpu or not dist.nproc or dist.nproc <= gpus:
+        return None
+    from .hardware import NAMED_SOURCES
+
+    named = plan.gpu.get("source") in NAMED_SOURCES
+    return (f"warning: --nproc {dist.nproc} starts more processes than the {gpus} × {plan.gpu['name']} "
+            f"{'named' if named else 'on this machine'}: ranks would share a GPU, which NCCL refuses (\"Duplicate GPU "
+            f"detected\"); give --nproc {gpus} or fewer" + ("" if not named else
+                                                           f", or name the count (--gpu \"{plan.target} x{dist.nproc}\")"))
+
+
 def launcher_nproc(plan: Plan, cfg, config: Path, dist: Distribution) -> int:
     """Processes to start: default_nproc, or one for a use_ray config, whose trainer starts its Ray Train
     workers itself (torchrun around it would start that many Ray clusters)."""
@@ -538,6 +552,9 @@ def plan_training(config: Path, opts: PlanOptions, dist: Distribution, *, venv: 
         from .install import find_python                       # now (also --dry-run), not after "training in"
 
         find_python(fitted.plan.python)
+    crowded = more_processes_than_gpus(fitted.plan, dist)
+    if crowded:
+        fitted = fitted._replace(notes=[*fitted.notes, crowded])
     if emit is None:  # checkpoints of an earlier run in output_dir: continued when the config says so, else refused
         from trainer.setup import check_earlier_run
 
