@@ -113,7 +113,7 @@ class Seen(NamedTuple):
 # ---------------------------------------------------------------------------- named GPUs
 
 
-NAMED_SOURCES = ("catalog", "compute-capability", "gfx-target", "ENVTOOL_GPU")  # GpuSpec.source of a named GPU
+NAMED_SOURCES = catalog.NAMED_GPU_SOURCES  # GpuSpec.source of a named GPU
 # A count with a name: "T4 x2", "t4 × 2", "t4x2", "2x T4", "8xH100". Read as a count only where the text is not a
 # name the catalogs know exactly ("6800xt", "max1550") and the part left is a GPU (else the text is looked up whole).
 COUNTED = (re.compile(r"^(?P<name>.*?\S)\s*[x×]\s*(?P<count>\d+)$", re.IGNORECASE),

@@ -530,14 +530,16 @@ def plan_training(config: Path, opts: PlanOptions, dist: Distribution, *, venv: 
     if emit is None:
         dist.check()
     cfg, load_notes = read_config(config)
-    if emit is None:  # what the run reads first, found here (the model only for this machine, no GPU named)
-        from trainer.setup import check_inputs
-
-        _trainer_call(config, check_inputs, cfg, (opts.gpu or "auto") == "auto")
     if emit and cfg.use_ray:
         raise BadInput(f"--emit {emit}: {config} sets use_ray, which starts its workers through a local Ray cluster; "
                        "these launchers run torchrun: set use_ray: false for them")
     fitted = plan_for_config(cfg, load_notes, config, opts)
+    if emit is None:  # what the run reads first, found here; the model only for this machine's plan (no GPU named)
+        from matrices.catalog import NAMED_GPU_SOURCES
+        from trainer.setup import check_inputs
+
+        here = (opts.gpu or "auto") == "auto" and fitted.plan.gpu.get("source") not in NAMED_GPU_SOURCES
+        _trainer_call(config, check_inputs, cfg, here)
     if (image or emit == "k8s") and not opts.python:  # in the plan's image: the Python of its base, where it has one
         from .pipeline import base_python
 
