@@ -38,6 +38,11 @@ def cc_tuple(cc: str) -> tuple[int, int]:
     return int(major), int(minor)
 
 
+# A plan's gpu.source when the GPU was named (--gpu, ENVTOOL_GPU) rather than found on the machine: such a plan is
+# for another machine, and what it says of "this machine" it says of the GPU named.
+NAMED_GPU_SOURCES = ("catalog", "compute-capability", "gfx-target", "ENVTOOL_GPU")
+
+
 def cc_from_text(text: str) -> str | None:
     """'sm_75', 'sm75', '7.5', '75' -> '7.5'; anything else None."""
     match = SM_RE.match(normalize_name(text))

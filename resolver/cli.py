@@ -61,7 +61,8 @@ def reported(command):
 
             from .credentials import redact  # no index credential in an error line
 
-            print(readable(redact(f"envtool: error: {e}")), file=sys.stderr)
+            for line in getattr(e, "lines", None) or [str(e)]:  # several problems found at once: one line each
+                print(readable(redact(f"envtool: error: {line}")), file=sys.stderr)
             raise typer.Exit(e.exit_code) from None
         except KeyboardInterrupt:
             print("envtool: interrupted", file=sys.stderr)

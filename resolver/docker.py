@@ -401,11 +401,18 @@ def run(image: str, command: list[str], *, gpus: str | None, shm_size: str, hf_c
     binds_as_mounts = [docker.types.Mount(inside, host, type="bind", read_only=read_only)
                        for host, inside, read_only in binds]
     with _forwarding_signals() as forward:
-        container = c.containers.run(image, command or None, detach=True, environment=environment,
-                                     mounts=binds_as_mounts, shm_size=shm_size, network_mode=network_mode,
-                                     working_dir=workdir, user=run_as or "", init=True,
-                                     labels={RUN_LABEL: str(os.getpid())}, **gpu_kwargs)
+        container = c.containers.create(image, command or None, environment=environment,
+                                        mounts=binds_as_mounts, shm_size=shm_size, network_mode=network_mode,
+                                        working_dir=workdir, user=run_as or "", init=True,
+                                        labels={RUN_LABEL: str(os.getpid())}, **gpu_kwargs)
         try:
+            try:
+                container.start()
+            except docker.errors.APIError as e:
+                refusal = gpu_runtime_missing(e, gpus)
+                if refusal:
+                    raise BadInput(refusal) from None
+                raise
             forward(container)
             pending = b""
             for chunk in container.logs(stream=True, follow=True):
@@ -421,6 +428,25 @@ def run(image: str, command: list[str], *, gpus: str | None, shm_size: str, hf_c
             return container.wait()["StatusCode"]
         finally:
             container.remove(force=True)
+
+
+# What the engine answers when it starts a container with a GPU device request and has no GPU runtime: no NVIDIA
+# Container Toolkit (moby's daemon/devices.go, `docker run --gpus all` on a fresh host), or CDI devices it cannot
+# resolve (Docker 25+ with the CDI feature on and no spec in /etc/cdi or /var/run/cdi).
+NO_GPU_RUNTIME = ("could not select device driver", "unresolvable CDI devices", "nvidia-container-cli",
+                  'unknown or invalid runtime name: nvidia')
+
+
+def gpu_runtime_missing(error: Exception, gpus: str | None) -> str | None:
+    """The one line for an engine that cannot give a container GPUs (None: another failure)."""
+    text = str(getattr(error, "explanation", None) or error)
+    if not gpus or not any(needle in text for needle in NO_GPU_RUNTIME):
+        return None
+    said = next((line.strip() for line in text.splitlines() if any(n in line for n in NO_GPU_RUNTIME)), text)
+    return (f"--gpus {gpus}: this Docker engine cannot give containers GPUs ({said[:160]}): install the NVIDIA "
+            "Container Toolkit and register it (`sudo nvidia-ctk runtime configure --runtime=docker && sudo systemctl "
+            "restart docker`), or generate its CDI spec (`sudo nvidia-ctk cdi generate --output=/etc/cdi/nvidia.yaml`);"
+            " see https://docs.nvidia.com/datacenter/cloud-native/container-toolkit/latest/install-guide.html")
 
 
 @contextlib.contextmanager

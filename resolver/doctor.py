@@ -124,6 +124,14 @@ def fix_command(venv: Path | None, target: str, driver: str | None) -> str:
     return f"envtool install --python {shlex.quote(str(path / 'bin' / 'python'))} {gpu}"
 
 
+def machine_has(gpu: GpuSpec) -> str:
+    """"this machine has X" for a detected GPU; for one only named (--gpu, ENVTOOL_GPU) on a machine that may have
+    none, "X is named (--gpu)" -- never a claim about this machine's hardware it did not see."""
+    if gpu.named:
+        return f"{gpu.describe()} is named ({'ENVTOOL_GPU' if gpu.source == 'ENVTOOL_GPU' else '--gpu'}, not detected here)"
+    return f"this machine has {gpu.describe()}"
+
+
 def diagnose(info: dict, gpu: GpuSpec, driver: str | None, m: Matrix, venv: str,
              fix: str | None = None) -> list[Finding]:
     """Findings for the environment `info` describes on `gpu` with `driver`; `fix` is the command each error
@@ -144,10 +152,10 @@ def diagnose(info: dict, gpu: GpuSpec, driver: str | None, m: Matrix, venv: str,
     if gpu.is_cpu:
         add(Finding("ok", "gpu", "no GPU found: a CPU environment is what this machine can use"))
     elif backend in ("rocm", "xpu", "mps"):
-        add(Finding("error", "torch-backend", f"torch is the {build_name(backend, torch)} build, but this machine "
-                    f"has {gpu.describe()}, which runs torch's CUDA builds", fix))
+        add(Finding("error", "torch-backend", f"torch is the {build_name(backend, torch)} build, but "
+                    f"{machine_has(gpu)}, which runs torch's CUDA builds", fix))
     elif cuda is None:
-        add(Finding("error", "torch-cuda", f"torch is the CPU build, but this machine has {gpu.describe()}", fix))
+        add(Finding("error", "torch-cuda", f"torch is the CPU build, but {machine_has(gpu)}", fix))
     else:
         sms = sorted({a for a in arch_list if SM.match(a)})
         major, minor = cc_tuple(gpu.compute_capability)
@@ -197,7 +205,7 @@ def diagnose(info: dict, gpu: GpuSpec, driver: str | None, m: Matrix, venv: str,
         planned = target_label(plan.get("gpu") or {})
         if planned != gpu.sm:
             add(Finding("warning", "plan", f"the environment was planned for {'CPU' if planned == 'cpu' else planned}, "
-                        f"this machine is {gpu.sm}", fix))
+                        f"{'the GPU named is' if gpu.named else 'this machine is'} {gpu.sm}", fix))
     return findings
 
 
@@ -238,8 +246,8 @@ def vendor_findings(info: dict, backend: str, gpu: GpuSpec, fix: str) -> list[Fi
     add = findings.append
     want = BACKEND_OF_VENDOR[gpu.vendor]
     if backend != want:
-        add(Finding("error", "torch-backend", f"torch is the {build_name(backend, torch)} build, but this machine "
-                    f"has {gpu.describe()}, which needs torch's {want.upper() if want != 'rocm' else 'ROCm'} build", fix))
+        add(Finding("error", "torch-backend", f"torch is the {build_name(backend, torch)} build, but "
+                    f"{machine_has(gpu)}, which needs torch's {want.upper() if want != 'rocm' else 'ROCm'} build", fix))
     elif want == "rocm":
         arch_list = [a.split(":")[0] for a in torch.get("arch_list") or []]
         if gpu.target in arch_list:
@@ -268,7 +276,8 @@ def vendor_findings(info: dict, backend: str, gpu: GpuSpec, fix: str) -> list[Fi
 
         planned = target_label(plan.get("gpu") or {})
         if planned != gpu.sm:
-            add(Finding("warning", "plan", f"the environment was planned for {planned}, this machine is {gpu.sm}", fix))
+            add(Finding("warning", "plan", f"the environment was planned for {planned}, "
+                        f"{'the GPU named is' if gpu.named else 'this machine is'} {gpu.sm}", fix))
     return findings
 
 

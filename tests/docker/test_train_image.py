@@ -67,17 +67,32 @@ def test_train_in_the_plans_image(tmp_path, docker_host, docker_client):
     assert len(bad.stderr.strip().splitlines()) == 1
     # two processes in the container, a data error they meet there: the trainer's line once and its exit code, as
     # with one process (no torchrun report, no traceback); then the next commands for the run that finished above
+    # (a row past the first rows envtool checks before it starts: tests/resolver/test_dry_run_inputs.py)
+    from trainer.data.inputs import FIRST_ROWS
+
     text = (work / "data.jsonl").read_text().splitlines()
-    (work / "broken.jsonl").write_text("\n".join([*text[:2], text[2][:-1], *text[3:]]) + "\n")
+    rows = (text * FIRST_ROWS)[:FIRST_ROWS]
+    (work / "broken.jsonl").write_text("\n".join([*rows, '{"question": "no instruction"}']) + "\n")
     (work / "two.yml").write_text(yaml.safe_dump({**cfg, "datasets": [{"path": "broken.jsonl", "type": "alpaca"}],
                                                   "output_dir": "out-two"}))
     two = subprocess.run([str(ENVTOOL), "train", "two.yml", *CPU, "--image", "--nproc", "2"], capture_output=True,
                          text=True, env=env, cwd=work, timeout=600)
     assert two.returncode == 2, two.stderr[-3000:]
     errors = [line for line in two.stderr.splitlines() if "error" in line]
-    assert len(errors) == 1 and re.fullmatch(r"error: dataset broken.jsonl line 3, column \d+: not valid JSON "
-                                             r"\(Expecting ',' delimiter\)", errors[0]), two.stderr[-3000:]
+    assert len(errors) == 1 and re.fullmatch(r"error: dataset broken.jsonl: a row has no 'instruction' field "
+                                             r"\(type alpaca\); columns are \[.*\]; map the field in the dataset's "
+                                             r"config", errors[0]), two.stderr[-3000:]
     assert "ChildFailedError" not in two.stdout + two.stderr and "Traceback" not in two.stdout + two.stderr
+    # a malformed row anywhere in the file: envtool's one line before any container starts
+    (work / "malformed.jsonl").write_text("\n".join([*text[:2], text[2][:-1], *text[3:]]) + "\n")
+    (work / "three.yml").write_text(yaml.safe_dump({**cfg, "datasets": [{"path": "malformed.jsonl", "type": "alpaca"}],
+                                                    "output_dir": "out-three"}))
+    three = subprocess.run([str(ENVTOOL), "train", "three.yml", *CPU, "--image", "--nproc", "2"], capture_output=True,
+                           text=True, env=env, cwd=work, timeout=600)
+    assert three.returncode == 2 and len(three.stderr.strip().splitlines()) == 1, three.stderr[-3000:]
+    assert re.fullmatch(r"envtool: error: three.yml: dataset malformed.jsonl line 3, column \d+: not valid JSON "
+                        r"\(Expecting ',' delimiter\)", three.stderr.strip()), three.stderr
+    assert not (work / "out-three").exists()  # no container wrote (or made) its output_dir
     assert "envtool: next" in out.stderr and (
         f"envtool run --image {built['tag']} -v {work}:/work -w /work -- python -m trainer export config.yml "
         "--format gguf") in out.stderr

@@ -363,8 +363,11 @@ TORCHRUN_NOISE = ("ChildFailedError", "Traceback", "torch.distributed.elastic")
 def test_a_data_error_under_torchrun_is_the_trainers_one_line_and_exit_code(config, env, tmp_path):
     """A malformed row shows only when rank 0 tokenizes: torchrun alone prints both ranks' fate, its 48-line
     ChildFailedError report and exits 1; envtool prints the trainer's line once and exits 2."""
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"instruction": "a", "output": "b"}\n{"question": "no instruction here"}\n')
+    from trainer.data.inputs import FIRST_ROWS
+
+    bad = tmp_path / "bad.jsonl"  # the bad row past the rows envtool checks before it starts (tests/resolver/
+    bad.write_text('{"instruction": "a", "output": "b"}\n' * FIRST_ROWS  # test_dry_run_inputs.py: those it refuses)
+                   + '{"question": "no instruction here"}\n')
     path = config(datasets=[{"path": str(bad), "type": "alpaca"}])
     out = train(str(path), *CPU, "--nproc", "2", env=env)
     assert out.returncode == 2, out.stderr[-3000:]

@@ -37,31 +37,58 @@ def _json_value(value, where: str) -> str | None:
     return f"{where}: {kind}, not a JSON object (one object per row)"
 
 
+class Malformed(Exception):
+    """Where a JSON / JSON Lines file stops being one JSON object per row ("line N[, column C]: what")."""
+
+
+def json_rows(path: Path):
+    """The rows of `path` (JSON Lines, or one JSON array of objects), each a dict, read one line at a time (a JSON
+    array whole); raises Malformed at the first place that is not a JSON object per row."""
+    with open(path, "rb") as f:
+        head = f.read(4096).lstrip()
+    if head.startswith(b"["):  # one JSON array
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as err:
+            line = path.read_bytes()[:err.start].count(b"\n") + 1
+            raise Malformed(f"line {line}: not UTF-8 text ({err.reason})") from None
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise Malformed(f"line {err.lineno}, column {err.colno}: not valid JSON ({err.msg})") from None
+        if isinstance(rows, list):
+            for i, row in enumerate(rows):
+                if (p := _json_value(row, f"element {i}")) is not None:
+                    raise Malformed(p)
+                yield row
+            return
+        raise Malformed(_json_value(rows, "line 1") or "line 1: one JSON object, not one per row")
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8").rstrip("\r\n")
+            except UnicodeDecodeError as err:
+                raise Malformed(f"line {number}: not UTF-8 text ({err.reason})") from None
+            if not line.strip():
+                continue
+            try:
+                value = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise Malformed(f"line {number}, column {err.colno}: not valid JSON ({err.msg})") from None
+            problem = _json_value(value, f"line {number}")
+            if problem:
+                raise Malformed(problem)
+            yield value
+
+
 def json_problem(path: Path) -> str | None:
     """Where `path` (JSON Lines, or one JSON array of objects) first stops being JSON objects, as "line N[, column
     C]: what"; None when every row is a JSON object."""
     try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as err:
-        line = path.read_bytes()[:err.start].count(b"\n") + 1
-        return f"line {line}: not UTF-8 text ({err.reason})"
-    if text.lstrip().startswith("["):  # one JSON array
-        try:
-            rows = json.loads(text)
-        except json.JSONDecodeError as err:
-            return f"line {err.lineno}, column {err.colno}: not valid JSON ({err.msg})"
-        if isinstance(rows, list):
-            return next((p for i, row in enumerate(rows) if (p := _json_value(row, f"element {i}")) is not None), None)
-    for number, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            value = json.loads(line)
-        except json.JSONDecodeError as err:
-            return f"line {number}, column {err.colno}: not valid JSON ({err.msg})"
-        problem = _json_value(value, f"line {number}")
-        if problem:
-            return problem
+        for _ in json_rows(path):
+            pass
+    except Malformed as err:
+        return str(err)
     return None
 
 

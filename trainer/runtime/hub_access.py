@@ -60,13 +60,17 @@ def reachable(url: str, timeout: float = PROBE_TIMEOUT_S) -> str | None:
     except httpx.TimeoutException:
         return f"no answer in {timeout:g}s"
     except httpx.HTTPError as err:
-        text = str(err) or type(err).__name__
-        for needle, why in (("refused", "connection refused"), ("Name or service not known", "unknown host"),
-                            ("nodename nor servname", "unknown host"), ("Temporary failure in name resolution",
-                                                                         "unknown host")):
-            if needle in text:
-                return why
-        return text.splitlines()[0][:120]
+        return why_not(str(err) or type(err).__name__)
+
+
+def why_not(text: str) -> str:
+    """A connection error's text in a few words (connection refused, unknown host), else its first line."""
+    for needle, why in (("refused", "connection refused"), ("Name or service not known", "unknown host"),
+                        ("nodename nor servname", "unknown host"), ("Temporary failure in name resolution",
+                                                                     "unknown host")):
+        if needle in text:
+            return why
+    return text.splitlines()[0][:120] if text else "no answer"
 
 
 def cached(repo: str, filename: str, revision: str | None) -> bool:
