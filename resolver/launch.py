@@ -418,7 +418,8 @@ def plan_launch(plan: Plan, cfg, config: Path, opts: PlanOptions, dist: Distribu
     if not isolated:
         from trainer.setup import needs
 
-        required = tuple(dict.fromkeys(n.package for n in needs(cfg, plan.to_dict()) if n.package in plan.packages))
+        required = tuple(dict.fromkeys(n.package for n in needs(cfg, plan.to_dict())  # (training's; a step after
+                                       if n.step == "train" and n.package in plan.packages))  # it: next_commands)
         ok, why = active_env_runs(plan, opts, required)
         if ok:
             python = sys.executable
@@ -657,9 +658,17 @@ def next_commands(training: Training) -> list[dict]:
     steps = _trainer_call(training.config, next_steps, training.cfg, config)
     # a step whose packages (trainer/features.py: gguf for `export`) the plan does not install is not printed: it
     # would exit 2 in this environment ("gguf package is not installed")
-    lacking = {n.step for n in _trainer_call(training.config, needs, training.cfg, training.plan.to_dict())
-               if n.step != "train" and n.package not in training.plan.packages}
+    after = [n for n in _trainer_call(training.config, needs, training.cfg, training.plan.to_dict()) if n.step != "train"]
+    lacking = {n.step for n in after if n.package not in training.plan.packages}
     steps = [step for step in steps if step.args[0] not in lacking]
+    if launch.kind == "active":  # the active environment was judged on training's packages only: say what to add
+        missing = {}
+        for n in after:
+            if not _installed(n.package):
+                missing.setdefault(n.step, []).append(f"{n.package}=={training.plan.packages[n.package]}")
+        steps = [step._replace(what=f"{step.what} (this environment lacks {', '.join(missing[step.args[0]])}: "
+                                    f"pip install {' '.join(missing[step.args[0]])} first)")
+                 if step.args[0] in missing else step for step in steps]
     if launch.kind == "image":
         prefix = ["envtool", "run", "--image", launch.path, "-v", f"{Path.cwd().resolve()}:/work", "-w", "/work",
                   "--", "python"]

@@ -150,7 +150,7 @@ FEATURES: list[Feature] = [
     Feature("wandb", "Weights & Biases logging (offline without credentials)", ("wandb_project", "use_wandb"),
             ("wandb",), ("wandb",), "any", _tracker("wandb")),
     Feature("tensorboard", "TensorBoard event files in output_dir/runs", ("use_tensorboard",), ("tensorboard",),
-            ("torch.utils.tensorboard",), "any", _tracker("tensorboard")),
+            ("tensorboard", "torch.utils.tensorboard"), "any", _tracker("tensorboard")),
     Feature("mlflow", "MLflow logging (a local file store unless mlflow_tracking_uri)",
             ("use_mlflow", "mlflow_tracking_uri", "mlflow_experiment_name"), ("mlflow-skinny",), ("mlflow",),
             "any", _tracker("mlflow")),
