@@ -196,6 +196,19 @@ def test_a_package_no_plan_installs_is_refused_by_validate_and_the_dry_run_in_on
     assert "optimizer: adamw_torch_8bit needs torchao, which no plan installs for Intel" in validate.stderr
 
 
+@pytest.mark.slow  # one plan, with the trainer's imports: ~3-5 s
+def test_the_lock_installs_a_feature_package_with_the_extras_its_row_names(tmp_path):
+    """use_ray needs ray[train] (Ray Train's pyarrow, pandas ...): the lock asks for the extra, not bare ray."""
+    from resolver.launch import read_config
+
+    path = _write(tmp_path, use_ray=True, use_mlflow=True)
+    cfg, notes = read_config(path)
+    plan = plan_for_config(cfg, notes, path, PlanOptions(gpu="cpu", python="3.11", platform="x86_64")).plan
+    locked = _lock_requirements(plan, load())
+    assert locked["ray"].extras == {"train"} and str(locked["ray"].specifier) == f"=={plan.packages['ray']}"
+    assert str(locked["mlflow-skinny"].specifier) == f"=={plan.packages['mlflow-skinny']}"
+
+
 @pytest.mark.slow  # four plans (about 4 s)
 def test_liger_is_planned_only_where_the_trainer_runs_its_kernels(tmp_path):
     """The trainer's kernels decision (trainer/model/kernels.py) and the plan's packages agree on every GPU."""
