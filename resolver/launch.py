@@ -229,10 +229,12 @@ def _with_reason(plan: Plan, why: str) -> Plan:
 
 
 def _needs(cfg, config: Path, plan: Plan) -> tuple[Plan, list[str]]:
-    """The libraries the config needs (the trainer's classification), against the plan's packages: noted with the
-    version the plan installs; a stack package the plan left out for this target added back (the trainer found
-    the config runs here: DeepSpeed's ZeRO over gloo on the CPU); one no plan installs noted as the environment's."""
-    from trainer.setup import needs
+    """The packages the config's features import (trainer/features.py, through `trainer.setup.needs`), against the
+    plan's packages: noted with the version the plan installs; one of matrices/packages.toml's [[package]] rows
+    (trackers, liger-kernel, torchao, gguf for the export step ...) added at the version its row gives for this
+    target, or refused in one line naming the key where no row installs here; a stack package the plan left out
+    for this target added back where the trainer found the config runs (DeepSpeed's ZeRO over gloo on the CPU)."""
+    from trainer.setup import needs, pin
 
     from .matrix import load
     from .solve import stack_for
@@ -240,29 +242,42 @@ def _needs(cfg, config: Path, plan: Plan) -> tuple[Plan, list[str]]:
     m = load()
     notes = []
     packages = dict(plan.packages)
+    target = f"{plan.gpu['name'] if plan.on_gpu else 'the CPU'} ({plan.target_label})"
     vendor = plan.on_gpu and plan.gpu.get("compute_capability") is None  # AMD, Intel, Apple
-    for need in _trainer_call(config, needs, cfg):
+    facts = plan.to_dict()
+    for need in _trainer_call(config, needs, cfg, facts):
         feature = next((f for f in m.features if f.name == need.feature), None)
         what = f" ({feature.reason})" if feature else ""
-        if vendor:
+        if vendor and need.feature:
             from .vendors.solve import feature_refusal
 
-            refused = feature_refusal(plan, need.feature) if need.feature else None
+            refused = feature_refusal(plan, need.feature)
             if refused:
                 raise Unsatisfiable(f"{config}: {need.key} does not run on {plan.gpu['name']}: {refused}")
-            if need.package not in packages:
-                left_out = next((r for r in plan.reasons if r.startswith(f"{need.package} left out:")), None)
-                why = left_out.split(": ", 1)[1] if left_out else "envtool's plans do not install it"
-                raise Unsatisfiable(f"{config}: {need.key} needs {need.package}, which the plan for "
-                                    f"{plan.gpu['name']} ({plan.target_label}) leaves out: {why}")
         if need.package in packages:
             notes.append(f"{need.key}: {need.package} {packages[need.package]}{what}")
             continue
-        version = stack_for(m, plan.torch.version, plan.python).packages.get(need.package)
-        if version is None:
-            notes.append(f"{need.key}: needs {need.package}, which envtool's plans do not install: the environment "
-                         "must have it")
+        row = pin(need.package, facts)
+        if row is not None:  # a [[package]] row: the plan installs it for this config, where a release installs here
+            if row.version is None and need.step != "train":  # a command after training: not offered, not refused
+                notes.append(f"{need.key}: not offered, {need.package} does not install here: {row.why}")
+                continue
+            if row.version is None:
+                raise Unsatisfiable(f"{config}: {need.key} needs {need.package}, which no plan installs for {target}: "
+                                    f"{row.why}")
+            packages[need.package] = row.version
+            notes.append(f"{need.key}: {need.package} {row.version}{what}, added to the plan for this config")
             continue
+        if vendor:
+            left_out = next((r for r in plan.reasons if r.startswith(f"{need.package} left out:")), None)
+            why = left_out.split(": ", 1)[1] if left_out else "envtool's plans do not install it"
+            raise Unsatisfiable(f"{config}: {need.key} needs {need.package}, which the plan for "
+                                f"{plan.gpu['name']} ({plan.target_label}) leaves out: {why}")
+        stack = stack_for(m, plan.torch.version, plan.python)
+        version = stack.packages.get(need.package) if stack else None
+        if version is None:
+            raise Unsatisfiable(f"{config}: {need.key} needs {need.package}, which no plan installs for {target} "
+                                "(no row in matrices/packages.toml names it for this torch and Python)")
         floor = next((r for r in m.gpu_requirements if r.package == need.package), None)
         cc = plan.gpu["compute_capability"]
         if floor is not None and cc is not None:  # the plan left it out: this GPU is below the package's floor
@@ -338,6 +353,15 @@ class Launch(NamedTuple):
         return self._asdict()
 
 
+def _installed(package: str) -> bool:
+    import importlib.metadata as md
+
+    try:
+        return bool(md.version(package))
+    except md.PackageNotFoundError:
+        return False
+
+
 def active_env_runs(plan: Plan, opts: PlanOptions, required: tuple[str, ...] = ()) -> tuple[bool, str]:
     """Does the interpreter running envtool run the plan's choices? doctor finds nothing wrong for the plan's
     GPU, the training stack imports, the plan's flash-attn is there, explicit pins match, and the packages the
@@ -351,7 +375,8 @@ def active_env_runs(plan: Plan, opts: PlanOptions, required: tuple[str, ...] = (
     info = probe(None)
     packages = info.get("packages") or {}
     missing = [n for n in ("torch", "transformers", "envtool") if not packages.get(n)]
-    missing += [n for n in required if n in packages and not packages[n]]  # (the probe lists what it looks for)
+    missing += [n for n in required if not packages.get(n) and not _installed(n)]  # (the probe lists a few; the
+    # active environment is this interpreter's, so the rest are looked up here)
     if missing:
         return False, f"the active environment lacks {', '.join(missing)}"
     if info.get("python") != plan.python:
@@ -461,7 +486,7 @@ def plan_launch(plan: Plan, cfg, config: Path, opts: PlanOptions, dist: Distribu
             raise BadInput(f"--image: {config} must be under the working directory (it is mounted at /work)")
         else:
             inside = str(config.resolve())
-        return Launch("image", tag, _image_exists(tag), "python", launch_command("python", inside, loopback=True,
+        return Launch("image", tag, _image_exists(tag, plan), "python", launch_command("python", inside, loopback=True,
                                                                                  **args), {},
                       f"the plan's image {tag}", image_mounts(cfg, cwd) if mounted else ())
     if venv is not None:
@@ -473,7 +498,8 @@ def plan_launch(plan: Plan, cfg, config: Path, opts: PlanOptions, dist: Distribu
     if not isolated:
         from trainer.setup import needs
 
-        required = tuple(n.package for n in needs(cfg) if n.package in plan.packages)
+        required = tuple(dict.fromkeys(n.package for n in needs(cfg, plan.to_dict())  # (training's; a step after
+                                       if n.step == "train" and n.package in plan.packages))  # it: next_commands)
         ok, why = active_env_runs(plan, opts, required)
         if ok:
             python = sys.executable
@@ -529,14 +555,20 @@ def image_mounts(cfg, cwd: Path) -> tuple:
     return tuple(mounts)
 
 
-def _image_exists(tag: str) -> bool:
+def _image_exists(tag: str, plan: Plan | None = None) -> bool:
+    """Whether the image `tag` is there and, given `plan`, carries every package it pins (its io.envtool.plan
+    label): an image built for another config under the same tag (without the wandb or gguf this one needs) is
+    built again."""
     try:
-        from .docker import client
+        from .docker import client, image_plan
 
-        client().images.get(tag)
-        return True
+        image = client().images.get(tag)
     except Exception:  # no engine or no image: it will be built (and a missing engine named) when needed
         return False
+    if plan is None:
+        return True
+    built = (image_plan(image) or {}).get("packages") or {}
+    return all(built.get(name) == version for name, version in plan.packages.items())
 
 
 def image_line(plan: Plan, opts: PlanOptions) -> str:
@@ -708,11 +740,24 @@ def next_commands(training: Training) -> list[dict]:
     """What to run after a finished run (README, "After training"), as commands for where it trained: the
     environment's own python, or `envtool run` in the plan's image with the working directory at /work. Each
     {"what", "command"}; [] when this machine holds no output_dir/final (a failed run, another node's disk)."""
-    from trainer.setup import next_steps
+    from trainer.setup import needs, next_steps
 
     launch = training.launch
     config = launch.command[launch.command.index("train") + 1]  # the config as the trainer was given it
     steps = _trainer_call(training.config, next_steps, training.cfg, config)
+    # a step whose packages (trainer/features.py: gguf for `export`) the plan does not install is not printed: it
+    # would exit 2 in this environment ("gguf package is not installed")
+    after = [n for n in _trainer_call(training.config, needs, training.cfg, training.plan.to_dict()) if n.step != "train"]
+    lacking = {n.step for n in after if n.package not in training.plan.packages}
+    steps = [step for step in steps if step.args[0] not in lacking]
+    if launch.kind == "active":  # the active environment was judged on training's packages only: say what to add
+        missing = {}
+        for n in after:
+            if not _installed(n.package):
+                missing.setdefault(n.step, []).append(f"{n.package}=={training.plan.packages[n.package]}")
+        steps = [step._replace(what=f"{step.what} (this environment lacks {', '.join(missing[step.args[0]])}: "
+                                    f"pip install {' '.join(missing[step.args[0]])} first)")
+                 if step.args[0] in missing else step for step in steps]
     if launch.kind == "image":
         prefix = ["envtool", "run", "--image", launch.path, "-v", f"{Path.cwd().resolve()}:/work", "-w", "/work",
                   "--", "python"]

@@ -55,15 +55,26 @@ def torch_triton(plan: Plan) -> str | None:
     return row.package if row is not None and row.package in plan.packages else None
 
 
-def requirements(plan: Plan) -> list[str]:
-    """What the environment asks for: envtool itself (trainer, doctor) and every package the plan pins.
+def requirements(plan: Plan, m: Matrix | None = None) -> list[str]:
+    """What the environment asks for: envtool itself (trainer, doctor) and every package the plan pins, the
+    packages a config's features import included (a plan for a config carries them: resolver/launch.py `_needs`),
+    each with the extras its packages.toml [[package]] row names (ray[train]).
     triton is left to torch's own pin (torch 2.14+ pins it as `~=`); a ROCm / XPU torch's triton is named
     without a version (torch pins it) so that it can be taken from the torch index: uv routes direct
     dependencies only."""
+    if m is None:
+        from .matrix import load
+
+        m = load()
+    extras = {p.name: p.extras for p in m.packages if p.extras}
     routed = torch_triton(plan)
-    pins = [name if name == routed else f"{name}=={version}" for name, version in plan.packages.items()
-            if name != "triton"]
+    pins = [name if name == routed else f"{name}{_extras(extras.get(name))}=={version}"
+            for name, version in plan.packages.items() if name != "triton"]
     return [f"{DISTRIBUTION}[train]", *pins]
+
+
+def _extras(names: list[str] | None) -> str:
+    return f"[{','.join(names)}]" if names else ""
 
 
 def _toml_list(items: list[str]) -> str:
@@ -81,7 +92,8 @@ def with_sources(plan: Plan, sources: Sources) -> Plan:
     return plan._replace(torch=plan.torch._replace(index_url=index), flash_attn=fa)
 
 
-def pyproject_text(plan: Plan, sources: Sources, envtool_wheel: str, no_build: list[str]) -> str:
+def pyproject_text(plan: Plan, sources: Sources, envtool_wheel: str, no_build: list[str],
+                   m: Matrix | None = None) -> str:
     torch_index = plan.torch.index_url
     gpu = plan.gpu["name"] if plan.on_gpu else "CPU"
     marker = target_marker(plan)
@@ -97,7 +109,7 @@ def pyproject_text(plan: Plan, sources: Sources, envtool_wheel: str, no_build: l
         'version = "0.0.0"',
         f'requires-python = "=={plan.python}.*"',
         "dependencies = [",
-        *[f"    {json.dumps(r)}," for r in requirements(plan)],
+        *[f"    {json.dumps(r)}," for r in requirements(plan, m)],
         "]",
         "",
         "[tool.uv]",
@@ -168,7 +180,7 @@ def _lock(plan: Plan, out: Path, sources: Sources, m: Matrix, quiet: bool) -> Pa
     staging.mkdir(parents=True)
     try:
         wheel = selfwheel.build(staging / "wheels")
-        (staging / "pyproject.toml").write_text(pyproject_text(plan, sources, wheel.name, m.no_build))
+        (staging / "pyproject.toml").write_text(pyproject_text(plan, sources, wheel.name, m.no_build, m))
         (staging / PLAN_FILE).write_text(plan.to_json() + "\n")
         env = {**uv_env(sources.ca_bundle), **uv_index_env(lock_indexes(staging), given(source_urls(sources)))}
         try:

@@ -181,6 +181,19 @@ class KernelsRelease(NamedTuple):
     source: str
 
 
+class Package(NamedTuple):
+    """A package a config's feature imports beyond the stack (trainer/features.py reads the same rows: `pin`)."""
+
+    name: str
+    version: str
+    backends: list[str]  # torch backends a plan installs it for: cpu, cuda, rocm, xpu, mps
+    source: str
+    python: str | None = None  # range; None: any
+    torch: str | None = None  # range; None: any
+    extras: list[str] = []
+    not_on: dict[str, str] = {}  # backend -> why it is left out
+
+
 class Xformers(NamedTuple):
     version: str
     torch: str  # the torch releases it accepts, e.g. "==2.8.0"
@@ -266,6 +279,7 @@ class Matrix(NamedTuple):
     cudnn_sdpa: list[CudnnSdpa] = []
     kernels_requirements: list[KernelsRequirement] = []
     kernels_releases: list[KernelsRelease] = []
+    packages: list[Package] = []
     flash_attn_reviewed: list[str] = []  # releases looked at and deliberately not recorded
 
     # Queries used by the solver; kept here so the data's shape stays in one file.
@@ -445,6 +459,7 @@ def _load(directory: Path) -> Matrix:
                                             directory / "packages.toml"),
         kernels_releases=_optional_rows(files["packages"], "kernels_release", KernelsRelease,
                                         directory / "packages.toml"),
+        packages=_optional_rows(files["packages"], "package", Package, directory / "packages.toml"),
         flash_attn_reviewed=_typed(list[str], files["flash_attn"].get("reviewed", []), "flash_attn.toml: reviewed",
                                    directory / "flash_attn.toml"),
     )
@@ -675,6 +690,15 @@ def _check_facts(m: Matrix, directory: Path) -> None:
         spec(k.kernels, where)
     for k in m.kernels_releases:
         version(k.version, f"packages.toml [[kernels_release]] (version={k.version})")
+    for p in m.packages:
+        where = f"packages.toml [[package]] (name={p.name}, version={p.version})"
+        version(p.version, where)
+        for r in (p.python, p.torch):
+            if r is not None:
+                spec(r, where)
+        unknown = sorted({*p.backends, *p.not_on} - {"cpu", "cuda", "rocm", "xpu", "mps"})
+        if unknown:
+            raise MatrixError(f"{where}: unknown backend {unknown[0]!r} (cpu, cuda, rocm, xpu, mps)")
     for x in m.xformers:
         where = f"xformers.toml [[release]] (version={x.version})"
         version(x.version, where)

@@ -33,13 +33,15 @@ def cmd_validate(args) -> int:
     from trainer.parallel import distributed
 
     cfg, notes, runtime = _setup(args, args.gpu)
-    from trainer.setup import check_inputs
+    from trainer.setup import check_inputs, needs
 
     check_inputs(cfg, model=_for_this_machine(args))  # the rows and (for this machine) the model, as the run reads them
     fit = fit_block(cfg, runtime)
+    wanted = needs(cfg, {"features": {"liger": runtime.kernels}})  # (liger only where its kernels run)
     if args.json:
         print(json.dumps({"config": cfg.model_dump(), "runtime": runtime.to_dict(), "notes": notes,
-                          "fit": fit.result if fit else None}, indent=2))
+                          "fit": fit.result if fit else None,
+                          "needs": [{"key": n.key, "package": n.package, "step": n.step} for n in wanted]}, indent=2))
         return 0
     print(f"config {args.config} is valid")
     print(f"  gpu:        {runtime.gpu.describe()} (from {runtime.gpu.source})")
@@ -93,6 +95,8 @@ def cmd_validate(args) -> int:
 
         print(f"  objective:  {cfg.objective} ({'sequence' if cfg.objective == 'reward' else 'token'} classification, "
               f"num_labels {num_labels(cfg)})")
+    if wanted:  # trainer/features.py: what the plan for this config installs beside torch and transformers
+        print(f"  packages:   {'; '.join(f'{n.package} ({n.key})' for n in wanted)}")
     if fit is None:
         print("  fit:        not estimated: no GPU memory here (--gpu NAME estimates for that GPU)")
     else:

@@ -98,14 +98,33 @@ def feature_notes(cfg, runtime, plan) -> list[str]:
     from trainer.parallel import distributed
 
     if runtime.gpu.other_vendor:
-        return vendor_feature_notes(cfg, runtime, plan)
+        notes = vendor_feature_notes(cfg, runtime, plan)
+        refuse_uninstallable(cfg, runtime.gpu, plan)  # (after each feature's own, more specific, refusal)
+        return notes
     notes = quantization.hardware_notes(cfg, runtime.gpu) + optimizers.hardware_notes(cfg.optimizer, runtime.gpu)
     notes += qat.hardware_notes(cfg, runtime.gpu)  # qat dtypes' and fp8's floors
     notes += bitnet.hardware_notes(cfg, runtime.gpu, plan)  # use_onebitllms: triton kernels, so a GPU
     runtime.kernels, kernel_notes = kernels.plan_notes(cfg, runtime.gpu, plan)
     if distributed.enabled(cfg) and runtime.device == "cpu" and distributed.fsdp_settings(cfg)["fsdp_version"] == 1:
         notes.append(distributed.CPU_FSDP1_NOTE)
+    refuse_uninstallable(cfg, runtime.gpu, plan)
     return notes + kernel_notes
+
+
+def refuse_uninstallable(cfg, gpu, plan) -> None:
+    """HardwareError naming the key where a package a feature of the config imports installs for no plan on this
+    GPU's backend (matrices/packages.toml [[package]] `backends`): what `envtool train --dry-run` refuses, refused
+    by validate too. Liger's kernels are left out: off where triton does not run, not refused."""
+    from trainer.errors import HardwareError
+    from trainer.features import backend_refusal, pin
+
+    for need in needs(cfg, plan if plan is not None else {"features": {"liger": False}}):
+        if need.step != "train" or (plan is not None and need.package in (plan.get("packages") or {})):
+            continue
+        found = pin(need.package, plan) if plan is not None and "torch" in plan else None
+        why = found.why if found is not None and found.version is None else backend_refusal(need.package, gpu.kind)
+        if why:
+            raise HardwareError(f"{need.key} needs {need.package}, which no plan installs for {gpu.describe()}: {why}")
 
 
 def vendor_feature_notes(cfg, runtime, plan) -> list[str]:
@@ -127,14 +146,19 @@ def vendor_feature_notes(cfg, runtime, plan) -> list[str]:
         raise HardwareError(f"use_onebitllms: onebitllms' triton kernels are unverified on {gpu.describe()}, remove "
                             "use_onebitllms")
     packages = (plan or {}).get("packages")
-    for need in needs(cfg):
+    for need in (n for n in needs(cfg, plan) if n.name != "liger"):  # (liger's kernels are off here)
         refused = vendors.feature_refusal(gpu.kind, need.feature) or vendors.package_refusal(gpu.kind, need.package)
         if refused:
             raise HardwareError(f"{need.key} does not run on {gpu.describe()}: {refused}")
-        if packages is not None and need.package not in packages and need.package != "ray":
-            left = next((r for r in plan.get("reasons", []) if r.startswith(f"{need.package} left out:")), None)
-            raise HardwareError(f"{need.key} needs {need.package}, which the plan for {gpu.describe()} leaves out"
-                                + (f": {left.split(': ', 1)[1]}" if left else ""))
+        if packages is not None and need.package not in packages:
+            found = pin(need.package, plan)  # a [[package]] row: the plan for the config adds it, where one installs
+            if found is not None and found.version is None:
+                raise HardwareError(f"{need.key} needs {need.package}, which no plan installs for {gpu.describe()}: "
+                                    f"{found.why}")
+            if found is None:
+                left = next((r for r in plan.get("reasons", []) if r.startswith(f"{need.package} left out:")), None)
+                raise HardwareError(f"{need.key} needs {need.package}, which the plan for {gpu.describe()} leaves out"
+                                    + (f": {left.split(': ', 1)[1]}" if left else ""))
         if need.package == "bitsandbytes" and gpu.kind == "amd":
             import importlib.metadata as md
 
@@ -153,43 +177,22 @@ def vendor_feature_notes(cfg, runtime, plan) -> list[str]:
     return notes
 
 
-class Need(NamedTuple):
-    """A library a config's choice runs on, beyond torch and transformers."""
+def needs(cfg, plan: dict | None = None):
+    """The packages `cfg`'s features import (trainer/features.py, one list of features; each Need has the key
+    that asks, the package, its [[feature]] floor and the step that imports it). `plan`: judged under that plan
+    (liger only where it runs triton kernels). The resolver asks this rather than reading the config's keys
+    itself, so the plan carries what the trainer will import."""
+    from trainer.features import needs as feature_needs
 
-    key: str  # the config key that asks for it, as a user reads it ("optimizer: paged_adamw_8bit")
-    package: str  # the distribution the environment must carry
-    feature: str | None  # its matrices/packages.toml [[feature]] row (the hardware floor), None when it has none
+    return feature_needs(cfg, plan)
 
 
-def needs(cfg) -> list[Need]:
-    """The libraries `cfg` needs, by the trainer's own classification (the modules that build each part):
-    quantized loading (trainer/model/quantization.py), the optimizer's library (matrices/optimizers.toml through
-    trainer/config/training.py), qat (trainer/model/qat.py), use_onebitllms, deepspeed and use_ray. The resolver asks this
-    rather than reading the config's keys itself, so the plan carries what the trainer will import."""
-    from trainer import facts
-    from trainer.config.training import check_optimizer
-    from trainer.model import bitnet, quantization
+def pin(package: str, plan: dict):
+    """The version a plan installs `package` at, from matrices/packages.toml [[package]] (trainer/features.py
+    `pin`); None for a [[stack]] package."""
+    from trainer.features import pin as feature_pin
 
-    found = []
-    mode = quantization.mode(cfg)
-    if mode:
-        feature = quantization.MODES[mode]
-        key = f"{mode} (adapter: qlora)" if cfg.adapter == "qlora" else mode
-        found.append(Need(key, facts.feature(feature)["package"], feature))
-    row = check_optimizer(cfg.optimizer)
-    if row["library"] not in ("torch", "transformers"):
-        feature = row.get("feature")
-        package = facts.feature(feature)["package"] if feature else row["library"]
-        found.append(Need(f"optimizer: {cfg.optimizer}", package, feature))
-    if cfg.qat is not None:
-        found.append(Need(f"qat ({cfg.qat.describe()})", facts.feature(cfg.qat.feature)["package"], cfg.qat.feature))
-    if cfg.use_onebitllms:
-        found.append(Need("use_onebitllms", facts.feature(bitnet.FEATURE)["package"], bitnet.FEATURE))
-    if cfg.deepspeed:
-        found.append(Need(f"deepspeed: {cfg.deepspeed}", "deepspeed", None))
-    if cfg.use_ray:
-        found.append(Need("use_ray", "ray", None))
-    return found
+    return feature_pin(package, plan)
 
 
 CHECKPOINT_STATE = "trainer_state.json"  # trainer/outputs/checkpoint.py's STATE_FILE: a complete checkpoint has it

@@ -132,9 +132,10 @@ def test_every_optimizer_name_gets_the_library_the_trainer_builds_it_with(gpu, t
             assert package == library == "bitsandbytes"
             assert mentions == [f"optimizer: {name}: {package} {fitted.plan.packages[package]} "
                                 f"({facts.feature(row['feature'])['reason']})"], (name, fitted.notes)
-        else:  # torchao: no plan pins it; said, and never mistaken for bitsandbytes
-            assert mentions == [f"optimizer: {name}: needs {library}, which envtool's plans do not install: the "
-                                "environment must have it"], (name, fitted.notes)
+        else:  # torchao: the plan for the config pins it (packages.toml [[package]]), never mistaken for bitsandbytes
+            assert library == "torchao" and "bitsandbytes" not in mentions[0], (name, fitted.notes)
+            assert mentions == [f"optimizer: {name}: torchao {fitted.plan.packages['torchao']}, added to the plan "
+                                "for this config"], (name, fitted.notes)
 
 
 @pytest.mark.parametrize("keys, gpu, package, note", [

@@ -30,6 +30,13 @@ def requested(cfg) -> list[str]:
     return keys
 
 
+def liger_on(cfg) -> list[str]:
+    """The liger_* keys the trainer runs through liger-kernel where triton kernels run (the loss kernels stay off:
+    the trainer computes the loss itself)."""
+    return [k for k in requested(cfg) if k not in ("cut_cross_entropy", "liger_fused_linear_cross_entropy",
+                                                   "liger_cross_entropy") and LIGER_KEYS.get(k)]
+
+
 def triton_runs(gpu, plan: dict | None) -> tuple[bool, str]:
     """Whether triton kernels run here, and why not."""
     if gpu.cc is None:
@@ -58,8 +65,7 @@ def plan_notes(cfg, gpu, plan: dict | None) -> tuple[bool, list[str]]:
     if not ok:
         notes.append(f"{', '.join(keys)}: off ({why}; same training, slower)")
         return False, notes
-    on = [k for k in keys if k not in ("cut_cross_entropy", "liger_fused_linear_cross_entropy", "liger_cross_entropy")
-          and LIGER_KEYS.get(k)]
+    on = liger_on(cfg)
     off = [k for k in keys if k not in on]
     if on:
         notes.append(f"{', '.join(on)}: on (liger-kernel's triton kernels)")

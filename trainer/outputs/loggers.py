@@ -34,6 +34,16 @@ def wanted(cfg) -> list[str]:
     return names
 
 
+def asked_by(cfg, name: str) -> str:
+    """The config key that turns tracker `name` on, as the user wrote it ("wandb_project: demo")."""
+    if name == "wandb":
+        return "use_wandb: true" if cfg.use_wandb else f"wandb_project: {cfg.wandb_project}"
+    if name == "tensorboard":
+        return "use_tensorboard: true"
+    key = next(k for k in ("use_mlflow", "mlflow_tracking_uri", "mlflow_experiment_name") if getattr(cfg, k))
+    return f"{key}: {str(getattr(cfg, key)).lower() if key == 'use_mlflow' else getattr(cfg, key)}"
+
+
 def check(cfg) -> None:
     """Before any work: every tracker asked for is installed."""
     missing = [PACKAGES[n] for n in wanted(cfg) if importlib.util.find_spec(PACKAGES[n]) is None]

@@ -1,0 +1,240 @@
+"""A config's features and the packages they import: one ordered list, `FEATURES`.
+
+Each `Feature` names the config keys that turn it on, the distributions the trainer imports for it (`packages`,
+the modules in `imports`), a one-line description, its hardware notes and the step that imports it (training, or
+a command run after it such as `export --format gguf`). `uses(cfg, plan)` says which keys of a config use it, as
+a user reads them. Whatever reads "what does this config need installed" iterates this list:
+
+- `trainer.setup.needs` (validate, the trainer's start, the resolver's plan for a config);
+- the plan (resolver/launch.py `_needs`): each package is pinned in the plan, so the lock (resolver/lock.py),
+  the environment it installs and the image built from it (dockerfiles/) carry it;
+- the printed next steps (resolver/launch.py `next_commands`): a step whose packages the plan lacks says so.
+
+The versions and where each package installs are facts, in matrices/packages.toml: a [[stack]] row (packages
+every plan installs beside torch where their floors allow: bitsandbytes, deepspeed) or a [[package]] row (the
+rest: trackers, liger-kernel, torchao, gguf ...). `pin` is the one rule that picks a [[package]] row for a plan.
+
+(The loop's hooks, trainer/hooks.py, will hang on these objects too: `hook` is their place. Adding a feature:
+its module, and one entry on this list.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, NamedTuple
+
+from trainer import facts
+
+
+class Use(NamedTuple):
+    """One way a config uses a feature."""
+
+    key: str  # the config key as a user reads it ("optimizer: paged_adamw_8bit", "wandb_project: demo")
+    floor: str | None = None  # its matrices/packages.toml [[feature]] row (a hardware floor), None when none
+
+
+@dataclass(frozen=True)
+class Feature:
+    name: str
+    summary: str  # one line, for validate and the dry-run
+    keys: tuple[str, ...]  # the config keys that can turn it on
+    packages: tuple[str, ...]  # the distributions it needs installed (packages.toml [[package]] or [[stack]])
+    imports: tuple[str, ...]  # the modules the trainer imports for it
+    hardware: str  # where it runs (the floors themselves are [[feature]] / [[package]] rows)
+    uses: Callable  # (cfg, plan dict | None) -> list[Use]; [] when the config does not use it
+    step: str = "train"  # "train", or "export": imported only by `python -m trainer export --format gguf`
+    hook: Callable | None = None  # its hook into the loop (issue 30), where it has one
+
+
+# ---------------------------------------------------------------------------- how each feature reads a config
+# (imports inside these functions: the resolver reads configs where torch and most of the trainer are not
+# imported, and each feature's module is imported only when asked)
+
+
+def _quantized(cfg, plan) -> list[Use]:
+    from trainer.model import quantization
+
+    mode = quantization.mode(cfg)
+    if not mode:
+        return []
+    return [Use(f"{mode} (adapter: qlora)" if cfg.adapter == "qlora" else mode, quantization.MODES[mode])]
+
+
+def _optimizer_of(library: str):
+    def uses(cfg, plan) -> list[Use]:
+        from trainer.config.training import check_optimizer
+
+        row = check_optimizer(cfg.optimizer)
+        return [Use(f"optimizer: {cfg.optimizer}", row.get("feature"))] if row["library"] == library else []
+    return uses
+
+
+def _qat(cfg, plan) -> list[Use]:
+    return [Use(f"qat ({cfg.qat.describe()})", cfg.qat.feature)] if cfg.qat is not None else []
+
+
+def _bitnet(cfg, plan) -> list[Use]:
+    from trainer.model import bitnet
+
+    return [Use("use_onebitllms", bitnet.FEATURE)] if cfg.use_onebitllms else []
+
+
+def _deepspeed(cfg, plan) -> list[Use]:
+    return [Use(f"deepspeed: {cfg.deepspeed}")] if cfg.deepspeed else []
+
+
+def _ray(cfg, plan) -> list[Use]:
+    return [Use("use_ray")] if cfg.use_ray else []
+
+
+def _liger(cfg, plan) -> list[Use]:
+    """The liger_* keys the trainer runs through liger-kernel (trainer/model/kernels.py `plan_notes`): none where
+    the plan switches triton kernels off (the CPU, AMD/Intel/Apple GPUs, GPUs below triton's floor)."""
+    from trainer.model import kernels
+
+    if plan is not None and not (plan.get("features") or {}).get("liger"):
+        return []
+    return [Use(f"{key}: true") for key in kernels.liger_on(cfg)]
+
+
+def _tracker(name: str):
+    def uses(cfg, plan) -> list[Use]:
+        from trainer.outputs import loggers
+
+        return [Use(loggers.asked_by(cfg, name))] if name in loggers.wanted(cfg) else []
+    return uses
+
+
+def _mistral(cfg, plan) -> list[Use]:
+    return [Use("tokenizer_use_mistral_common: true")] if cfg.tokenizer_use_mistral_common else []
+
+
+def _gguf(cfg, plan) -> list[Use]:
+    """The export step `next_steps` offers after a run (trainer/setup.py): every model that generates, unless its
+    local config.json names a family the exporter does not write (a hub model: offered, the exporter decides)."""
+    import json
+    from pathlib import Path
+
+    from trainer.outputs.gguf import FAMILIES
+
+    if cfg.objective in ("reward", "prm"):
+        return []
+    try:
+        model_type = json.loads((Path(cfg.base_model).expanduser() / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, TypeError):
+        model_type = None
+    return [Use("export --format gguf (after training)")] if model_type in (None, *FAMILIES) else []
+
+
+FEATURES: list[Feature] = [
+    Feature("quantized_loading", "bitsandbytes 4-bit (NF4) or 8-bit (LLM.int8) base weights",
+            ("load_in_4bit", "load_in_8bit", "adapter: qlora"), ("bitsandbytes",), ("bitsandbytes",),
+            "floors per mode: packages.toml [[feature]] bnb_4bit, bnb_int8_loading; CPU backend too", _quantized),
+    Feature("bnb_optimizer", "bitsandbytes' 8-bit and paged optimizers", ("optimizer",), ("bitsandbytes",),
+            ("bitsandbytes",), "packages.toml [[feature]] bnb_8bit_optimizer", _optimizer_of("bitsandbytes")),
+    Feature("torchao_optimizer", "torchao's 8-bit/4-bit AdamW (adamw_torch_8bit, adamw_torch_4bit, ao_adamw_*)",
+            ("optimizer",), ("torchao",), ("torchao.optim",), "Python over torch ops (torch.compile); any device",
+            _optimizer_of("torchao")),
+    Feature("qat", "quantization-aware training (torchao fake quantization)", ("qat",), ("torchao",),
+            ("torchao.quantization.qat",), "floors per dtype: packages.toml [[feature]] torchao_*", _qat),
+    Feature("bitnet", "BitNet b1.58 training (onebitllms' BitNetLinear)", ("use_onebitllms",), ("onebitllms",),
+            ("onebitllms",), "triton kernels: a CUDA GPU triton compiles for", _bitnet),
+    Feature("deepspeed", "DeepSpeed ZeRO sharding", ("deepspeed",), ("deepspeed",), ("deepspeed",),
+            "CUDA GPUs (ZeRO over gloo on the CPU): packages.toml [[gpu_requirement]]", _deepspeed),
+    Feature("ray", "Ray Train launcher (workers on a local Ray cluster)", ("use_ray",), ("ray",),
+            ("ray.train.torch",), "any device torch runs on", _ray),
+    Feature("liger", "liger-kernel's triton kernels (RoPE, RMSNorm, SwiGLU, LayerNorm)",
+            ("liger_rope", "liger_rms_norm", "liger_layer_norm", "liger_glu_activation", "liger_swiglu"),
+            ("liger-kernel",), ("liger_kernel.transformers",),
+            "where the plan says triton kernels run (plan features.liger); off elsewhere", _liger),
+    Feature("wandb", "Weights & Biases logging (offline without credentials)", ("wandb_project", "use_wandb"),
+            ("wandb",), ("wandb",), "any", _tracker("wandb")),
+    Feature("tensorboard", "TensorBoard event files in output_dir/runs", ("use_tensorboard",), ("tensorboard",),
+            ("tensorboard", "torch.utils.tensorboard"), "any", _tracker("tensorboard")),
+    Feature("mlflow", "MLflow logging (a local file store unless mlflow_tracking_uri)",
+            ("use_mlflow", "mlflow_tracking_uri", "mlflow_experiment_name"), ("mlflow-skinny",), ("mlflow",),
+            "any", _tracker("mlflow")),
+    Feature("mistral_common", "Mistral's own tokenizer (mistral-common)", ("tokenizer_use_mistral_common",),
+            ("mistral-common",), ("mistral_common", "transformers.tokenization_mistral_common"), "any", _mistral),
+    Feature("gguf_export", "`python -m trainer export --format gguf`, printed as a next step after training", (),
+            ("gguf",), ("gguf",), "any (pure Python)", _gguf, step="export"),
+]
+
+
+class Need(NamedTuple):
+    """A package a config's feature imports, beyond torch and the training stack's transformers."""
+
+    key: str  # the config key that asks for it, as a user reads it ("optimizer: paged_adamw_8bit")
+    package: str  # the distribution the environment must carry
+    feature: str | None  # its matrices/packages.toml [[feature]] row (the hardware floor), None when it has none
+    step: str = "train"  # when it is imported: "train", or "export" (a command run after training)
+    name: str = ""  # the Feature's name
+
+
+def needs(cfg, plan: dict | None = None) -> list[Need]:
+    """Every package `cfg`'s features import, in FEATURES' order. `plan` (a plan dict): judged under it (liger
+    only where the plan runs triton kernels); None: every feature the config asks for."""
+    return [Need(use.key, package, use.floor, f.step, f.name)
+            for f in FEATURES for use in f.uses(cfg, plan) for package in f.packages]
+
+
+def used(cfg, plan: dict | None = None) -> list[tuple[Feature, list[Use]]]:
+    """The features `cfg` uses, with how (for validate's report)."""
+    return [(f, uses) for f in FEATURES if (uses := f.uses(cfg, plan))]
+
+
+# ---------------------------------------------------------------------------- which version a plan installs
+
+
+class Pin(NamedTuple):
+    version: str | None  # None: no plan installs it for this target
+    why: str  # the row's source, or why there is none
+    extras: tuple[str, ...] = ()
+
+
+def _admits(version: str, spec: str | None) -> bool:
+    if not spec:
+        return True
+    from packaging.specifiers import SpecifierSet
+
+    return SpecifierSet(spec).contains(version, prereleases=True)
+
+
+BACKENDS = {"nvidia": "cuda", "amd": "rocm", "intel": "xpu", "apple": "mps", "cpu": "cpu"}  # GPU kind -> torch's
+
+
+def backend_refusal(package: str, kind: str) -> str | None:
+    """Why no plan installs `package` for a GPU of `kind` (nvidia, amd, intel, apple, cpu) whatever its torch and
+    Python, else None (validate's check without a plan; `pin` is the plan's)."""
+    rows = [r for r in facts.rows("packages", "package") if r["name"] == package]
+    backend = BACKENDS[kind]
+    if not rows or any(backend in r["backends"] for r in rows):
+        return None
+    why = rows[0].get("not_on", {}).get(backend) or f"no recorded {package} release runs on {backend}"
+    return f"{package} does not install on {backend} ({why})"
+
+
+def pin(package: str, plan: dict) -> Pin | None:
+    """The packages.toml [[package]] row a plan takes for `package`: the first (rows newest first) whose `torch`,
+    `python` and `backends` admit the plan's. None when the package has no [[package]] rows (a [[stack]] package:
+    the plan's stack row decides). Pin(None, why) when it has rows and none admits this plan: the one line the
+    dry-run refuses with."""
+    rows = [r for r in facts.rows("packages", "package") if r["name"] == package]
+    if not rows:
+        return None
+    torch = plan["torch"]
+    backend = torch.get("backend") or ("cpu" if torch.get("cuda") is None else "cuda")
+    version = str(torch["version"]).split("+")[0]
+    for row in rows:
+        if (backend in row["backends"] and _admits(version, row.get("torch"))
+                and _admits(plan["python"], row.get("python"))):
+            return Pin(row["version"], row["source"], tuple(row.get("extras", ())))
+    where = {r["version"]: r for r in rows}
+    newest = rows[0]
+    if backend not in newest["backends"]:
+        why = newest.get("not_on", {}).get(backend) or f"no recorded {package} release runs on {backend}"
+        return Pin(None, f"{package} does not install on {backend} ({why})")
+    ranges = "; ".join(f"{v}: torch {r.get('torch') or 'any'}, Python {r.get('python') or 'any'}"
+                       for v, r in where.items())
+    return Pin(None, f"no recorded {package} release installs beside torch {version} and Python {plan['python']} "
+                     f"({ranges})")
