@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The first run (README): a virtualenv in .venv with envtool and its `train` extra, the tiny local model that
+# examples/tiny-cpu.yml trains (no download), then `envtool train examples/tiny-cpu.yml --gpu cpu`.
+# No root, no Docker, no npm: only Python >= 3.10 with venv, and a package index (pip's, or uv's when uv is on PATH).
+# Safe to run again: the venv is reused, and the example continues from its last checkpoint.
+#
+# torch: `torch==2.13.0` is the version the tests pin. pip takes it from PyPI, where it is the multi-GB CUDA build,
+# unless an index with the CPU build comes first: set PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu
+# (uv: UV_EXTRA_INDEX_URL) before running this on a machine whose pip configuration does not already find it.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+VENV=${VENV:-.venv}
+TORCH=${TORCH:-torch==2.13.0}
+
+if ! "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null; then
+    echo "quickstart: error: envtool needs Python >= 3.10; $PYTHON is $("$PYTHON" -V 2>&1 || echo missing): set PYTHON=python3.11" >&2
+    exit 2
+fi
+[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+
+echo "quickstart: installing envtool[train] and $TORCH into $VENV" >&2
+# (the torch pin on the same line keeps the resolver from swapping the CPU build for another)
+if command -v uv >/dev/null 2>&1; then
+    uv pip install --quiet --python "$VENV/bin/python" -e ".[train]" "$TORCH"
+else
+    "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -e ".[train]" "$TORCH"
+fi
+
+[ -f outputs/tiny-model/config.json ] || "$VENV/bin/python" -m trainer make-tiny-model outputs/tiny-model >/dev/null
+"$VENV/bin/envtool" train examples/tiny-cpu.yml --gpu cpu
+echo "quickstart: done. The trained model is in outputs/tiny-cpu/final; next: source $VENV/bin/activate" >&2
