@@ -23,6 +23,7 @@ plan contract fails it until this script is run again.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -113,10 +114,24 @@ PLAN_FIELDS: dict[str, tuple[str, str]] = {
 }
 
 
-def _in_process(app, args: list[str]) -> str:
-    from typer.testing import CliRunner
+@functools.cache
+def _envtool():
+    """envtool's click command tree, built once (typer builds it anew on every call otherwise)."""
+    import typer
 
-    result = CliRunner().invoke(app, args, prog_name="envtool")
+    from resolver.cli import app
+
+    return typer.main.get_command(app)
+
+
+def _in_process(args: list[str]) -> str:
+    """`envtool ARGS` run in this process (typer's test runner, given the command tree built once)."""
+    from unittest import mock
+
+    import typer.testing
+
+    with mock.patch.object(typer.testing, "_get_command", lambda app: _envtool()):
+        result = typer.testing.CliRunner().invoke(None, args, prog_name="envtool")
     if result.exit_code != 0:
         raise SystemExit(f"gen_docs: envtool {' '.join(args)} exited {result.exit_code}: {result.output[-500:]}")
     return result.output
@@ -128,18 +143,15 @@ def fence(text: str) -> str:
 
 def cli_page() -> str:
     import click
-    import typer
 
-    from resolver.cli import app
-
-    root = typer.main.get_command(app)
+    root = _envtool()
     out = [GENERATED.format(what="each command's own `--help`"), "", "# `envtool` command line", "",
            "Every command's `--help`, as `envtool COMMAND --help` prints it. Errors are one line on stderr and an exit "
            "code ([Exit codes](exit-codes.md)); `envtool --debug COMMAND ...` shows the traceback.", ""]
 
     def walk(command: click.Command, path: list[str]) -> None:
         title = " ".join(["envtool", *path])
-        out.extend([f"## `{title}`" if path else "## `envtool`", "", fence(_in_process(app, [*path, "--help"]))])
+        out.extend([f"## `{title}`" if path else "## `envtool`", "", fence(_in_process([*path, "--help"]))])
         if hasattr(command, "list_commands"):  # a group (typer's TyperGroup: click's Group)
             context = click.Context(command)
             for name in command.list_commands(context):
@@ -244,14 +256,13 @@ def config_keys_page() -> str:
 
 def _plan_fields() -> set[str]:
     """Every field a plan has, from the code: Plan's fields, and the objects' fields of real plans."""
-    from resolver.cli import app
     from resolver.plan import FlashAttnChoice, Plan, Rejected, TorchChoice
 
     found = set(Plan._fields) | {"rejected"}
     found |= {f"torch.{f}" for f in TorchChoice._fields} | {f"flash_attn.{f}" for f in FlashAttnChoice._fields}
     found |= {f"rejected.{f}" for f in Rejected._fields}
     # (the objects' key sets are the same for every plan: tests/resolver/test_cli.py asserts them per vendor)
-    plan = json.loads(_in_process(app, ["resolve", "--gpu", "t4", "--python", "3.11", "--platform", "x86_64", "--json"]))
+    plan = json.loads(_in_process(["resolve", "--gpu", "t4", "--python", "3.11", "--platform", "x86_64", "--json"]))
     for key in ("gpu", "driver", "features"):
         found |= {f"{key}.{f}" for f in plan[key]}
     return found
@@ -325,11 +336,9 @@ def exit_codes_page() -> str:
 
 def refresh_plan_tables(text: str) -> str:
     """Each `<!-- plans:begin -->` block replaced by the output of the last resolve command named before it."""
-    from resolver.cli import app
-
     def replace(match: re.Match) -> str:
         command = PLAN_COMMAND.findall(text[:match.start()])[-1]
-        table = _in_process(app, ["resolve", "--gpu", *command.split()]).strip()
+        table = _in_process(["resolve", "--gpu", *command.split()]).strip()
         return match.group(1) + table + match.group(3)
 
     return PLANS.sub(replace, text)
