@@ -83,6 +83,13 @@ def test_ci_runs_the_readme_test_command():
     assert any(command in line for line in ci.splitlines() for command in tests), (tests, ci)
 
 
+def test_the_config_shown_is_the_example_file():
+    """The README's YAML is examples/t4-qlora.yml as it is, less its comment header: copying either is the same."""
+    (shown,) = re.findall(r"```yaml\n(.*?)```", README.read_text(), re.S)
+    example = (ROOT / "examples" / "t4-qlora.yml").read_text()
+    assert shown == "".join(line for line in example.splitlines(keepends=True) if not line.startswith("#"))
+
+
 def test_quickstart_needs_no_root_no_docker_no_npm():
     script = (ROOT / "scripts" / "quickstart.sh").read_text()
     code = "\n".join(line for line in script.splitlines() if not line.lstrip().startswith("#"))
