@@ -323,6 +323,7 @@ def exit_codes_page() -> str:
            "(found before anything slow starts). `--debug` shows the traceback.", "",
            "## `envtool`", "", "| code | error | when |", "|---|---|---|", "| 0 | | success |",
            *family(renv, renv.EnvtoolError), "",
+           "Failures while working include uv failing, a hash mismatch and a malformed matrix file. "
            "`envtool doctor` exits 1 on an error-level finding. `envtool train` exits with the trainer's code "
            "(below), with one process or several.", "",
            "## `python -m trainer`", "",
