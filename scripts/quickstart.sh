@@ -33,7 +33,8 @@ fi
 # CA bundle from pip's environment variables or configuration files, where no UV_* setting says otherwise.
 pip_setting() {  # PIP_<NAME> from the environment, else pip's configuration (global.<name>)
     local env="PIP_$(echo "$1" | tr 'a-z-' 'A-Z_')"
-    if [ -n "${!env:-}" ]; then echo "${!env}"; else "$VENV/bin/python" -m pip config get "global.$1" 2>/dev/null || true; fi
+    if [ -n "${!env:-}" ]; then echo "${!env}"; return 0; fi
+    "$VENV/bin/python" -m pip config list 2>/dev/null | sed -n "s/^\(global\|install\)\.$1='\(.*\)'\$/\2/p" | tail -n 1
 }
 carry() {  # carry UV_NAME pip-name [separator]
     local value
