@@ -691,7 +691,7 @@ def train(
     if json_out:
         print(json.dumps({**summary, "exit_code": code, "next_steps": steps}, indent=2))
     elif steps:
-        log("envtool: next, for this run (README, \"After training\"):")
+        log("envtool: next, for this run (docs/guides/after-training.md):")
         for step in steps:
             log(f"  {shlex.join(step['command'])}    # {step['what']}")
     raise typer.Exit(code)

@@ -1,4 +1,4 @@
-"""The install route of README's "Install" section: a wheel built from the repo with `uv build` installs into a
+"""The install route of the install guide (docs/guides/install.md): a wheel built from the repo with `uv build` installs into a
 fresh venv with no index (dependencies from the local mirror), as the distribution `envtool-llm` with the command
 `envtool`; it carries the matrices, and `envtool --help` and `envtool resolve` work there with no network."""
 
@@ -55,17 +55,20 @@ def test_wheel_installs_and_resolves_from_a_fresh_venv(tmp_path):
 
 
 def test_every_install_line_installs_this_project_not_pypis_envtool():
-    """PyPI's `envtool` is an unrelated project: no README command, notebook cell or workflow may install it."""
+    """PyPI's `envtool` is an unrelated project: no command of the README or the docs, notebook cell or workflow may
+    install it."""
     import re
 
-    texts = {p: p.read_text() for p in [ROOT / "README.md", *sorted((ROOT / ".github" / "workflows").glob("*.yml"))]}
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")),
+             *sorted((ROOT / ".github" / "workflows").glob("*.yml"))]
+    texts = {p: p.read_text() for p in pages}
     for path, text in texts.items():
         for line in text.splitlines():
             assert not re.search(r"pip install (-\S+ )*['\"]?envtool(['\"\s\[]|$)", line), f"{path.name}: {line}"
-    readme = texts[ROOT / "README.md"]
-    install = readme.split("\n## Install\n", 1)[1].split("\n## ", 1)[0]
+    install = texts[ROOT / "docs" / "guides" / "install.md"]
     assert "uv build --wheel" in install and "envtool_llm-" in install
     assert f'pip install "{DISTRIBUTION} @ git+https://github.com/' in install
-    assert "pip install -q envtool_llm-" in readme  # the notebook cell
+    assert "pip install -q envtool_llm-" in texts[ROOT / "docs" / "guides" / "notebooks.md"]  # the notebook cell
+    assert "uv build --wheel" in texts[ROOT / "README.md"]
     workflow = (ROOT / ".github" / "workflows" / "gpu-matrix.yml").read_text()
     assert 'pip install "$ENVTOOL_SPEC"' in workflow or "pip install --quiet \"$ENVTOOL_SPEC\"" in workflow

@@ -96,8 +96,8 @@ def test_trains_the_tiny_example_in_the_active_environment(tmp_path, config, env
 
 
 def test_the_readme_command_from_the_repository(env, tmp_path):
-    """`envtool train examples/tiny-cpu.yml --gpu cpu` as the README's first line runs it (dry run: the real
-    run writes into the checkout's outputs/)."""
+    """`envtool train examples/tiny-cpu.yml --gpu cpu` as scripts/quickstart.sh (the README's first line) runs it
+    (dry run: the real run writes into the checkout's outputs/)."""
     out = train("examples/tiny-cpu.yml", *CPU, "--dry-run", env=env, cwd=REPO)
     assert out.returncode == 0, out.stderr
     assert "environment: active" in out.stdout

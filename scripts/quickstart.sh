@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# The first run (README): a virtualenv in .venv with envtool and its `train` extra, the tiny local model that
+# examples/tiny-cpu.yml trains (no download), then `envtool train examples/tiny-cpu.yml --gpu cpu`.
+# No root, no Docker, no npm: only Python >= 3.10 with venv and pip, and a package index.
+# Safe to run again: the venv is reused, and the example continues from its last checkpoint.
+#
+# torch: `torch==2.13.0` is the version the tests pin. pip takes it from PyPI, where it is the multi-GB CUDA build,
+# unless an index with the CPU build comes first: set PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu
+# (or UV_EXTRA_INDEX_URL) before running this on a machine whose pip configuration does not already find it.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+VENV=${VENV:-.venv}
+TORCH=${TORCH:-torch==2.13.0}
+
+if ! "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null; then
+    echo "quickstart: error: envtool needs Python >= 3.10; $PYTHON is $("$PYTHON" -V 2>&1 || echo missing): set PYTHON=python3.11" >&2
+    exit 2
+fi
+[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+
+# uv installs: it fetches in parallel and keeps a cache, so a second run installs from disk (pip keeps no cache
+# where the index forbids it, as this project's CI proxy does: 7.5 minutes for pip, every time). uv is one of
+# envtool's own dependencies; without one on PATH, pip installs it into the venv first.
+if command -v uv >/dev/null 2>&1; then
+    UV=uv
+else
+    "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "uv>=0.9"
+    UV="$VENV/bin/uv"
+fi
+# uv reads UV_* settings, not pip's: carry over the index, the extra index (torch's CPU build), find-links and the
+# CA bundle from pip's environment variables or configuration files, where no UV_* setting says otherwise.
+pip_setting() {  # PIP_<NAME> from the environment, else pip's configuration (global.<name>)
+    local env="PIP_$(echo "$1" | tr 'a-z-' 'A-Z_')"
+    if [ -n "${!env:-}" ]; then echo "${!env}"; return 0; fi
+    "$VENV/bin/python" -m pip config list 2>/dev/null | sed -n "s/^\(global\|install\)\.$1='\(.*\)'\$/\2/p" | tail -n 1
+}
+carry() {  # carry UV_NAME pip-name [separator]
+    local value
+    [ -n "${!1:-}" ] && return 0
+    value=$(pip_setting "$2")
+    [ -n "$value" ] && export "$1=$(echo $value | tr ' ' "${3:- }")"
+    return 0
+}
+carry UV_INDEX_URL index-url
+carry UV_EXTRA_INDEX_URL extra-index-url
+carry UV_FIND_LINKS find-links ,
+carry SSL_CERT_FILE cert
+
+echo "quickstart: installing envtool[train] and $TORCH into $VENV" >&2
+# (the torch pin on the same line keeps the resolver from swapping the CPU build for another)
+"$UV" pip install --quiet --python "$VENV/bin/python" -e ".[train]" "$TORCH"
+
+# One thread: the tiny model gains nothing from more, and on a busy machine several spinning OpenMP threads make
+# each step many times slower (measured on the 2-core CI machine: 12 steps 3m08s with torch's default, 1m37s with 1).
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+[ -f outputs/tiny-model/config.json ] || "$VENV/bin/python" -m trainer make-tiny-model outputs/tiny-model >/dev/null
+"$VENV/bin/envtool" train examples/tiny-cpu.yml --gpu cpu
+echo "quickstart: done. The trained model is in outputs/tiny-cpu/final; next: source $VENV/bin/activate" >&2
