@@ -1,0 +1,77 @@
+"""The test tiers (pyproject.toml [tool.pytest.ini_options]): `pytest` runs the fast tier, the unmarked unit and
+policy tests; `pytest -m ""` runs everything (.ci/run does). A test that starts a training, torchrun, Docker or
+takes more than a few seconds is marked `slow` (or `distributed` / `docker`).
+
+This file keeps the tiers honest, and keeps the full run safe under pytest-xdist (`-n 2 --dist loadgroup`):
+
+- Under CI (CI=true, which .ci/run sets) an unmarked test whose call takes more than FAST_TEST_CPU_SECONDS of CPU
+  fails, naming the marker to add.
+- Every `docker` test runs in one xdist group (one worker, one after another): their fixture removes the images a
+  test added and prunes dangling images engine-wide, which would pull images from under a build on another worker.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import time
+
+import pytest
+
+TIER_MARKERS = ("slow", "distributed", "docker")
+
+# What the guard measures: the CPU time (user + system) of the test's call phase -- not its fixtures' set-up --
+# spent by the pytest process (all its threads) plus the child processes it waited for (subprocess.run,
+# torchrun, `envtool ...`), from resource.getrusage(RUSAGE_SELF) and (RUSAGE_CHILDREN). CPU time, unlike wall
+# time, hardly moves when other processes load the machine (a loaded 2-core CI runner, an xdist neighbour), so
+# the guard does not flake; the fast tier's slowest tests use ~1.5 s. A test that mostly waits (sleeps, a child
+# it never reaps) uses little CPU: FAST_TEST_WALL_SECONDS catches those, with a 24x margin over the CPU budget
+# for a loaded machine.
+FAST_TEST_CPU_SECONDS = 5.0
+FAST_TEST_WALL_SECONDS = 120.0
+
+
+def _cpu_seconds() -> float:
+    me, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + children.ru_utime + children.ru_stime
+
+
+def _is_fast_tier(item: pytest.Item) -> bool:
+    return not any(item.get_closest_marker(name) for name in TIER_MARKERS)
+
+
+_GUARD = os.environ.get("CI", "").lower() in ("true", "1", "yes")
+_SPENT = pytest.StashKey[tuple[float, float]]()
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups (--dist loadgroup)
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("docker"):
+            item.add_marker(pytest.mark.xdist_group("docker"))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    if not (_GUARD and _is_fast_tier(item)):
+        return (yield)
+    cpu, wall = _cpu_seconds(), time.monotonic()
+    try:
+        return (yield)
+    finally:
+        item.stash[_SPENT] = (_cpu_seconds() - cpu, time.monotonic() - wall)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    spent = item.stash.get(_SPENT, None)
+    if call.when == "call" and spent is not None and report.passed:
+        cpu, wall = spent
+        if cpu > FAST_TEST_CPU_SECONDS or wall > FAST_TEST_WALL_SECONDS:
+            report.outcome = "failed"
+            report.longrepr = (
+                f"{item.nodeid} has no tier marker but took {cpu:.1f} s of CPU ({wall:.1f} s wall) in its call; "
+                f"the fast tier allows {FAST_TEST_CPU_SECONDS:.0f} s of CPU ({FAST_TEST_WALL_SECONDS:.0f} s wall): "
+                "mark it @pytest.mark.slow (or distributed / docker), or make it faster")
+    return report
