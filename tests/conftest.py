@@ -8,6 +8,7 @@ This file keeps the tiers honest, and keeps the full run safe under pytest-xdist
   fails, naming the marker to add.
 - Every `docker` test runs in one xdist group (one worker, one after another): their fixture removes the images a
   test added and prunes dangling images engine-wide, which would pull images from under a build on another worker.
+- A marked test that uses a module-scoped fixture runs in its module's group, so the fixture is made once.
 """
 
 from __future__ import annotations
@@ -44,11 +45,23 @@ _GUARD = os.environ.get("CI", "").lower() in ("true", "1", "yes")
 _SPENT = pytest.StashKey[tuple[float, float]]()
 
 
+def _shares_a_module_fixture(item: pytest.Item) -> bool:
+    info = getattr(item, "_fixtureinfo", None)
+    return info is not None and any(defs[-1].scope in ("module", "class", "package")
+                                    for defs in info.name2fixturedefs.values() if defs)
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups (--dist loadgroup)
 def pytest_collection_modifyitems(config, items):
     for item in items:
+        if item.get_closest_marker("xdist_group"):
+            continue
         if item.get_closest_marker("docker"):
             item.add_marker(pytest.mark.xdist_group("docker"))
+        elif not _is_fast_tier(item) and _shares_a_module_fixture(item):
+            # a marked test whose module-scoped fixture trains (ddp_runs, trained, one_process, ...) runs on the
+            # worker that made it for the module's other tests, instead of each worker training it again
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
 
 
 @pytest.hookimpl(wrapper=True)

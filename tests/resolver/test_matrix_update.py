@@ -111,6 +111,7 @@ def make_current(url, directory, tmp):
 # ---------------------------------------------------------------------------- update
 
 
+@pytest.mark.slow
 def test_check_is_clean_when_the_matrices_match_upstream(world, copy, tmp_path):
     trim_flash_attn(world, copy)
     with serve(world) as url:
