@@ -13,6 +13,7 @@ This file keeps the tiers honest, and keeps the full run safe under pytest-xdist
 
 from __future__ import annotations
 
+import importlib
 import os
 import resource
 import time
@@ -23,13 +24,20 @@ TIER_MARKERS = ("slow", "distributed", "docker")
 
 # What the guard measures: the CPU time (user + system) of the test's call phase -- not its fixtures' set-up --
 # spent by the pytest process (all its threads) plus the child processes it waited for (subprocess.run,
-# torchrun, `envtool ...`), from resource.getrusage(RUSAGE_SELF) and (RUSAGE_CHILDREN). CPU time, unlike wall
-# time, hardly moves when other processes load the machine (a loaded 2-core CI runner, an xdist neighbour), so
-# the guard does not flake; the fast tier's slowest tests use ~1.5 s. A test that mostly waits (sleeps, a child
-# it never reaps) uses little CPU: FAST_TEST_WALL_SECONDS catches those, with a 24x margin over the CPU budget
-# for a loaded machine.
+# torchrun, `envtool ...`), from resource.getrusage(RUSAGE_SELF) and (RUSAGE_CHILDREN). CPU time moves far less
+# than wall time when other processes load the machine (an xdist neighbour, a shared runner): on a 2-core machine
+# at load 11, a `python -m trainer validate` subprocess took 12 s of CPU and 150 s of wall time. Tests that took
+# more than 3 s of CPU there are marked, so the fast tier keeps a wide margin below the budget. A test that
+# mostly waits (sleeps, a child it never reaps) uses little CPU: FAST_TEST_WALL_SECONDS catches those, with a
+# 24x margin over the CPU budget for a loaded machine.
 FAST_TEST_CPU_SECONDS = 5.0
 FAST_TEST_WALL_SECONDS = 120.0
+# A library's first import is paid by whichever test needs it first, and under xdist that test changes from run to
+# run: trl, peft and datasets alone take ~5 s of CPU. With the guard on, each process imports them before its
+# first test, so a test's count is its own work.
+WARM_IMPORTS = ("torch", "transformers", "peft", "trl", "datasets", "accelerate", "tokenizers",
+                "transformers.models.llama.modeling_llama", "transformers.models.qwen2.modeling_qwen2",
+                "trainer.train", "trainer.setup", "trainer.cli")
 
 
 def _cpu_seconds() -> float:
@@ -62,6 +70,15 @@ def pytest_collection_modifyitems(config, items):
             # a marked test whose module-scoped fixture trains (ddp_runs, trained, one_process, ...) runs on the
             # worker that made it for the module's other tests, instead of each worker training it again
             item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+
+
+def pytest_collection_finish(session):
+    if _GUARD and any(_is_fast_tier(item) for item in session.items):
+        for name in WARM_IMPORTS:
+            try:
+                importlib.import_module(name)
+            except ImportError:  # the test that needs it says so
+                pass
 
 
 @pytest.hookimpl(wrapper=True)

@@ -164,6 +164,7 @@ def on_a_claim(pod: dict, path: str) -> str | None:
     return None
 
 
+@pytest.mark.slow
 def test_k8s_pods_train_on_a_volume_so_outputs_and_prepared_data_outlive_them(tmp_path, schema):
     """A one-pod job keeps final/ (output_dir is on the claim, not in the container), and every node of a
     multi-node job reads the one prepared dataset; --pvc names the claim."""

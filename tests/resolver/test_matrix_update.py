@@ -153,6 +153,7 @@ def regress(copy: Path, world: World) -> tuple[str, str, str, str]:
     return older_torch, newest_torch, older_tf, str(newest_tf)
 
 
+@pytest.mark.slow
 def test_check_names_newer_torch_and_transformers_releases_and_writes_nothing(world, copy, tmp_path):
     trim_flash_attn(world, copy)
     with serve(world) as url:
@@ -176,6 +177,7 @@ def test_check_names_newer_torch_and_transformers_releases_and_writes_nothing(wo
                          "diff"}
 
 
+@pytest.mark.slow
 def test_update_writes_valid_files_keeping_comments(world, copy, tmp_path):
     trim_flash_attn(world, copy)
     with serve(world) as url:
@@ -201,6 +203,7 @@ def test_update_writes_valid_files_keeping_comments(world, copy, tmp_path):
     assert not [p for p in copy.iterdir() if p.name.startswith(".")]  # no temp files left
 
 
+@pytest.mark.slow
 def test_a_new_torch_minor_becomes_a_row_without_builds(world, copy, tmp_path):
     trim_flash_attn(world, copy)
     with serve(world) as url:
