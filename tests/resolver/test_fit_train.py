@@ -68,6 +68,7 @@ def big_config(tmp_path) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_a_full_fine_tune_that_does_not_fit_is_stopped_before_anything_is_built(tmp_path):
     """Llama-3-8B full fine-tune, micro-batch 2 x 2048 tokens, no checkpointing, on an A100 80GB: validate and the
     dry run print the estimate (the same static terms; the dry run on the plan's attention); `envtool train` stops

@@ -231,6 +231,7 @@ def validate_with_plan(path: Path, plan_path: str) -> subprocess.CompletedProces
                           capture_output=True, text=True, env={**environment, "PYTHONPATH": str(REPO), **OFFLINE})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("option", [["--attention", "sdpa"], ["--no-flash-attn"]])
 def test_the_command_line_wins_over_the_config_and_the_trainer_follows_the_plan(option, tmp_path, env):
     path = write(tmp_path, flash_attention=True)
@@ -249,6 +250,7 @@ def test_the_command_line_wins_over_the_config_and_the_trainer_follows_the_plan(
         in checked.stdout
 
 
+@pytest.mark.slow
 def test_flash_attention_false_is_off_on_an_a100_in_the_plan_and_in_the_trainer(tmp_path, env):
     path = write(tmp_path, flash_attention=False)
     out = train(str(path), "--gpu", "a100", "--python", "3.11", "--dry-run", "--json", env=env)
