@@ -23,6 +23,10 @@ from .conftest import ENVTOOL, run_envtool
 REPO = Path(__file__).resolve().parents[2]
 CPU = ["--gpu", "cpu"]
 
+# every test runs `envtool train` on a config in a subprocess, and even --dry-run checks the config with the
+# trainer (torch imported): 5.5 s of CPU measured for the README's dry run
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):

@@ -91,6 +91,7 @@ def test_train_accepts_what_validate_accepts_and_refuses_what_it_refuses(gpu, mo
                and gpu == "cpu"), verdicts
 
 
+@pytest.mark.slow
 def test_the_t4_qlora_example_dry_run_says_flash_attention_becomes_sdpa():
     """The scenario this project exists for: an Axolotl config with flash_attention: true taken to a T4."""
     out = run_envtool("train", "examples/t4-qlora.yml", "--gpu", "t4", "--dry-run", env={**os.environ, **OFFLINE})
