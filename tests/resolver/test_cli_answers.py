@@ -92,6 +92,7 @@ def test_a_driver_of_the_gpus_first_branch_or_later_gets_a_plan(gpu, driver):
     assert out.returncode == 0, out.stderr
 
 
+@pytest.mark.slow
 def test_train_never_runs_a_plan_for_another_python_in_this_environment(tmp_path):
     """`--python 3.9` from a 3.11 environment: the plan is 3.9's, so the active 3.11 environment is not used; with
     no 3.9 interpreter uv can find, the run refuses in one line before it says where it trains and before locking

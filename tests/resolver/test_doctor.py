@@ -68,6 +68,7 @@ def test_cpu_torch_on_a_gpu_machine_and_a_broken_torch(m):
     assert levels(check(m, "a100", None, torch_error="ImportError: libcudart.so.12"))["torch"] == "error"
 
 
+@pytest.mark.slow
 def test_doctor_cli_on_this_cpu_machine(tmp_path):
     out = run_envtool("doctor", "--json", PATH="/usr/bin:/bin", PYTHONPATH=str(FAKES), ENVTOOL_GPU=None)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -77,6 +78,7 @@ def test_doctor_cli_on_this_cpu_machine(tmp_path):
     assert any(f["check"] == "torch" and "CPU build" in f["message"] for f in result["findings"])
 
 
+@pytest.mark.slow
 def test_doctor_cli_exits_1_on_errors_with_a_table():
     out = run_envtool("doctor", "--gpu", "sm_120", "--driver", "580.65.06", COLUMNS="200")
     assert out.returncode == 1

@@ -55,6 +55,7 @@ def emit(*args, cwd=REPO, tmp_path):
                           timeout=120)
 
 
+@pytest.mark.slow
 def test_k8s_manifest_validates_against_the_pytorchjob_schema(tmp_path, schema):
     out = emit("examples/a100.yml", *A100, "--nproc", "8", "--nnodes", "4", "--emit", "k8s", "--dry-run",
                tmp_path=tmp_path)
@@ -85,6 +86,7 @@ def test_k8s_manifest_validates_against_the_pytorchjob_schema(tmp_path, schema):
     assert volumes["config"]["configMap"]["name"] == config_map["metadata"]["name"]
 
 
+@pytest.mark.slow
 def test_the_strict_schema_catches_what_a_cluster_would_refuse(tmp_path, schema):
     """The check can fail: a misspelt field, or a GPU count of the wrong type, is refused."""
     out = emit("examples/a100.yml", *A100, "--emit", "k8s", "--dry-run", tmp_path=tmp_path)
@@ -162,6 +164,7 @@ def on_a_claim(pod: dict, path: str) -> str | None:
     return None
 
 
+@pytest.mark.slow
 def test_k8s_pods_train_on_a_volume_so_outputs_and_prepared_data_outlive_them(tmp_path, schema):
     """A one-pod job keeps final/ (output_dir is on the claim, not in the container), and every node of a
     multi-node job reads the one prepared dataset; --pvc names the claim."""

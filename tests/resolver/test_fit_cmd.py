@@ -26,6 +26,9 @@ CONTRACT = {"gpu", "unit", "peak_gb", "low_gb", "high_gb", "fits", "verdict", "b
 TERMS = {"weights", "gradients", "optimizer", "activations", "logits", "overhead"}
 HUB_MODELS = ("Qwen/Qwen2.5-7B-Instruct", "Qwen/Qwen2.5-0.5B")
 
+# each `envtool fit` on a config counts the model with torch: 13-15 s of CPU a test, measured
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):

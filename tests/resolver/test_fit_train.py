@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from .conftest import ENVTOOL
@@ -67,6 +68,7 @@ def big_config(tmp_path) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_a_full_fine_tune_that_does_not_fit_is_stopped_before_anything_is_built(tmp_path):
     """Llama-3-8B full fine-tune, micro-batch 2 x 2048 tokens, no checkpointing, on an A100 80GB: validate and the
     dry run print the estimate (the same static terms; the dry run on the plan's attention); `envtool train` stops
@@ -105,6 +107,7 @@ def test_a_full_fine_tune_that_does_not_fit_is_stopped_before_anything_is_built(
     assert dry.returncode == 0 and "fit: peak" in dry.stdout and "does not fit" not in dry.stdout
 
 
+@pytest.mark.slow
 def test_micro_batch_size_auto_backs_off_from_an_out_of_memory_error_keeping_the_step_batch(tmp_path):
     """micro_batch_size: auto with gradient_accumulation_steps 4 on the CPU starts with the whole step's batch in
     one micro-batch; the forward raises torch.OutOfMemoryError above 1 row, so the trainer backs off 4 -> 2 -> 1

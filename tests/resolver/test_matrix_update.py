@@ -111,6 +111,7 @@ def make_current(url, directory, tmp):
 # ---------------------------------------------------------------------------- update
 
 
+@pytest.mark.slow
 def test_check_is_clean_when_the_matrices_match_upstream(world, copy, tmp_path):
     trim_flash_attn(world, copy)
     with serve(world) as url:
@@ -155,6 +156,7 @@ def regress(copy: Path, world: World) -> tuple[str, str, str, str]:
     return older_torch, newest_torch, older_tf, str(newest_tf)
 
 
+@pytest.mark.slow
 def test_check_names_newer_torch_and_transformers_releases_and_writes_nothing(world, copy, tmp_path):
     trim_flash_attn(world, copy)
     with serve(world) as url:
@@ -178,6 +180,7 @@ def test_check_names_newer_torch_and_transformers_releases_and_writes_nothing(wo
                          "held_back", "files", "diff"}
 
 
+@pytest.mark.slow
 def test_update_writes_valid_files_keeping_comments(world, copy, tmp_path):
     trim_flash_attn(world, copy)
     with serve(world) as url:
@@ -203,6 +206,7 @@ def test_update_writes_valid_files_keeping_comments(world, copy, tmp_path):
     assert not [p for p in copy.iterdir() if p.name.startswith(".")]  # no temp files left
 
 
+@pytest.mark.slow
 def test_a_new_torch_minor_becomes_a_row_without_builds(world, copy, tmp_path):
     trim_flash_attn(world, copy)
     with serve(world) as url:

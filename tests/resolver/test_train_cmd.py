@@ -23,6 +23,10 @@ from .conftest import ENVTOOL, run_envtool
 REPO = Path(__file__).resolve().parents[2]
 CPU = ["--gpu", "cpu"]
 
+# every test runs `envtool train` on a config in a subprocess, and even --dry-run checks the config with the
+# trainer (torch imported): 5.5 s of CPU measured for the README's dry run
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
@@ -69,6 +73,7 @@ def losses(output_dir: Path) -> list[dict]:
             if "loss" in json.loads(line)]
 
 
+@pytest.mark.slow
 def test_trains_the_tiny_example_in_the_active_environment(tmp_path, config, env):
     path = config(save_steps=2, adapter="lora", lora_r=4, lora_alpha=8, lora_target_modules=["q_proj", "v_proj"])
     out = train(str(path), *CPU, "--json", env=env)
@@ -166,6 +171,7 @@ def test_config_pins_are_honoured(config, env):
     assert fp16["plan"]["precision"] == fp16["trainer"]["precision"] == "fp16"
 
 
+@pytest.mark.slow
 def test_a_config_error_is_the_trainers_own_line_before_anything_starts(config, env, tmp_path):
     """Read by the trainer's reader: the same words `python -m trainer validate` prints, exit 2, nothing built."""
     path = config(learning_rate="fast")

@@ -32,6 +32,7 @@ def test_a_multi_gpu_plan_launches_torchrun_but_one_process_for_use_ray():
         launcher_nproc(eight, ray_config(use_ray=True), path, Distribution(nnodes=2, rdzv_endpoint="h:1"))
 
 
+@pytest.mark.slow
 def test_dry_run_json_is_one_trainer_process_with_a_note(tmp_path, config, env):  # noqa: F811
     out = train(str(config(use_ray=True, ray_num_workers=2)), *CPU, "--dry-run", "--json", env=env)
     assert out.returncode == 0, out.stderr

@@ -91,6 +91,7 @@ def test_train_accepts_what_validate_accepts_and_refuses_what_it_refuses(gpu, mo
                and gpu == "cpu"), verdicts
 
 
+@pytest.mark.slow
 def test_the_t4_qlora_example_dry_run_says_flash_attention_becomes_sdpa():
     """The scenario this project exists for: an Axolotl config with flash_attention: true taken to a T4."""
     out = run_envtool("train", "examples/t4-qlora.yml", "--gpu", "t4", "--dry-run", env={**os.environ, **OFFLINE})
@@ -237,6 +238,7 @@ def validate_with_plan(path: Path, plan_path: str) -> subprocess.CompletedProces
                           capture_output=True, text=True, env={**environment, "PYTHONPATH": str(REPO), **OFFLINE})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("option", [["--attention", "sdpa"], ["--no-flash-attn"]])
 def test_the_command_line_wins_over_the_config_and_the_trainer_follows_the_plan(option, tmp_path, env):
     path = write(tmp_path, flash_attention=True)
@@ -255,6 +257,7 @@ def test_the_command_line_wins_over_the_config_and_the_trainer_follows_the_plan(
         in checked.stdout
 
 
+@pytest.mark.slow
 def test_flash_attention_false_is_off_on_an_a100_in_the_plan_and_in_the_trainer(tmp_path, env):
     path = write(tmp_path, flash_attention=False)
     out = train(str(path), "--gpu", "a100", "--python", "3.11", "--dry-run", "--json", env=env)

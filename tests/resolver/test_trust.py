@@ -184,6 +184,7 @@ LAUGHS = "\n".join(["a: &a [lol, lol, lol, lol, lol, lol, lol, lol, lol]"]
                    + [f"{c}: &{c} [{', '.join(['*' + p] * 9)}]" for p, c in zip("abcdefgh", "bcdefghi")]) + "\n"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, text, message", [
     ("laughs.yml", "base_model: x\n" + LAUGHS, "its aliases expand it to more than"),
     ("deep.yml", "base_model: " + "[" * 20000 + "]" * 20000 + "\n", "nests deeper than 100 levels"),
@@ -205,6 +206,7 @@ def test_hostile_yaml_fails_in_one_line_in_the_one_reader(tmp_path, name, text, 
     assert trainer.returncode == 2 and message in trainer.stderr and len(trainer.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_an_error_line_naming_thousands_of_problems_is_cut_to_a_readable_size(tmp_path):
     config = tmp_path / "many.yml"  # 5000 unknown keys are ignored (Axolotl drops them); 5000 bad values are not
     config.write_text("base_model: x\n" + "".join(f"unknown_key_{i}: 1\n" for i in range(5000)) + "datasets:\n"
@@ -247,6 +249,7 @@ def test_an_empty_build_tag_is_an_error_not_the_default_tag():
     assert out.returncode == 2 and out.stderr.startswith("envtool: error: --tag '' is not an image reference")
 
 
+@pytest.mark.slow
 def test_a_problem_quoting_a_huge_value_is_cut_and_the_others_stay_whole(tmp_path):
     config = tmp_path / "huge.yml"
     config.write_text(f"base_model: x\ndatasets: [{{path: {tmp_path / 'd.jsonl'}, type: alpaca}}]\n"

@@ -187,6 +187,7 @@ def test_rocm_dockerfile_and_the_images_refused():
     assert "Level Zero" in refused("build", "--gpu", "max1550", *X86)
 
 
+@pytest.mark.slow
 def test_train_dry_run_on_mi300x_shows_the_plan_the_image_and_the_command():
     out = run_envtool("train", "examples/mi300x.yml", "--gpu", "mi300x", "--dry-run", COLUMNS="200")
     assert out.returncode == 0, out.stderr
@@ -225,6 +226,7 @@ def test_config_features_the_gpu_cannot_run_are_refused(tmp_path):
     assert "bitsandbytes 8-bit optimizers" in line
 
 
+@pytest.mark.slow
 def test_launchers_ask_for_the_vendors_resources():
     out = run_envtool("train", "examples/mi300x.yml", "--gpu", "mi300x", "--python", "3.12", "--platform", "x86_64",
                       "--nproc", "8", "--emit", "k8s", "--dry-run")

@@ -55,6 +55,7 @@ def test_rendered_prompt_is_axolotls(style):
         assert trained == "5</s>"
 
 
+@pytest.mark.slow
 def test_alpaca_phi_trains(make_config, tmp_path):
     rows = [{"instruction": f"Say {i}.", "input": "" if i % 2 else "x", "output": f"number {i}"} for i in range(24)]
     data = write_jsonl(tmp_path / "phi.jsonl", rows)

@@ -297,6 +297,7 @@ def test_without_a_plan_the_same_rule_reads_torch_and_the_gpu():
     assert fit(diffusion, gpu_from_name("a100"), None, model_class=False).attention == "sdpa"
 
 
+@pytest.mark.slow
 def test_validate_says_how_packed_rows_are_kept_apart_as_the_plan_does(make_config, tmp_path):
     config = make_config(attn_implementation=None, sample_packing=True)
     for gpu, words in (("a100", "varlen: varlen_attn keeps packed rows apart by cu_seqlens from position_ids, "

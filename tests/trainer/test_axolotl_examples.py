@@ -25,6 +25,7 @@ def test_each_copy_names_its_source():
         assert first.startswith("# source: github.com/axolotl-ai-cloud/axolotl/blob/") and "/examples/" in first
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
 def test_axolotl_example_validates_unchanged_offline(path, tmp_path):
     """validate reads no tokenizer or model: hub ids need no download, so it works with no network."""
@@ -33,6 +34,7 @@ def test_axolotl_example_validates_unchanged_offline(path, tmp_path):
     assert "Traceback" not in result.stderr and "is valid" in result.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["llama-3__qlora-1b.yml", "llama-3__instruct-lora-8b.yml", "gemma3__gemma-3-1b-qlora.yml"])
 def test_qlora_and_8bit_examples_validate_for_a_t4(name, tmp_path):
     result = run_cli("validate", str(EXAMPLES[0].parent / name), "--gpu", "t4", env=OFFLINE, cwd=tmp_path)
@@ -167,6 +169,7 @@ def test_legacy_dtype_keys():
     assert parse_config({**base, "torch_dtype": "torch.float16"})[0].fp16 is True
 
 
+@pytest.mark.slow
 def test_unsupported_keys_are_one_line_naming_key_and_reason(make_config, tmp_path):
     config = make_config(loraplus_lr_ratio=16, adapter="lora")
     result = run_cli("validate", str(config), "--gpu", "a100")
@@ -204,6 +207,7 @@ def test_rslora_and_dora_reach_peft(make_config):
     assert "default" in q.lora_magnitude_vector  # DoRA's magnitude
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("gpu, on", [("cpu", False), ("v100", False), ("t4", True), ("a100", True)])
 def test_liger_and_cce_follow_where_triton_runs(make_config, gpu, on):
     config = make_config(plugins=["axolotl.integrations.liger.LigerPlugin",
@@ -222,6 +226,7 @@ def test_liger_and_cce_follow_where_triton_runs(make_config, gpu, on):
         assert f"liger_rope, liger_rms_norm, liger_glu_activation, cut_cross_entropy: off ({why}" in out
 
 
+@pytest.mark.slow
 def test_the_plan_decides_liger(make_config, tmp_path):
     import json
 

@@ -18,6 +18,7 @@ from tests.trainer.helpers import run_cli
 
 
 # ------------------------------------------------------------------------------------ validate and train refuse
+@pytest.mark.slow
 def test_validate_accepts_it_where_triton_runs_and_refuses_it_on_cpu_with_the_source(make_config):
     config = str(make_config(use_onebitllms=True))
     a100 = run_cli("validate", config, "--gpu", "a100")
@@ -30,6 +31,7 @@ def test_validate_accepts_it_where_triton_runs_and_refuses_it_on_cpu_with_the_so
         assert "source: onebitllms 0.0.4" in result.stderr and len(result.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_the_plan_decides_whether_triton_runs(make_config, tmp_path):
     import json
 
@@ -40,6 +42,7 @@ def test_the_plan_decides_whether_triton_runs(make_config, tmp_path):
     assert result.returncode == 2 and "the plan switches triton kernels off for this GPU" in result.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("extra, message", [
     ({"adapter": "lora", "lora_r": 4, "lora_target_linear": True}, "use_onebitllms: not with adapter: lora"),
     ({"adapter": "qlora", "load_in_4bit": True}, "use_onebitllms: not with adapter: qlora"),
@@ -49,6 +52,7 @@ def test_adapters_are_refused_with_it_as_in_axolotl(extra, message, make_config)
     assert result.returncode == 2 and message in result.stderr, result.stderr
 
 
+@pytest.mark.slow
 def test_train_on_cpu_stops_before_loading_anything(make_config, tmp_path):
     result = run_cli("train", str(make_config(use_onebitllms=True)))
     assert result.returncode == 2 and "use_onebitllms: cannot run on the CPU" in result.stderr
@@ -122,6 +126,7 @@ def test_without_the_key_nothing_is_swapped(onebitllms, make_config):
     assert not any(isinstance(m, onebitllms.BitNetLinear) for m in model.modules())
 
 
+@pytest.mark.slow
 def test_dpo_with_it_validates_and_does_not_reuse_a_plain_models_reference_log_probs(make_config, tmp_path):
     """Falcon-E's DPO example: the reference log-probs come from the swapped model, so they are cached apart."""
     from types import SimpleNamespace

@@ -147,6 +147,7 @@ def test_legacy_attention_flags_mean_attn_implementation():
         parse_config({**BASE, "flash_attention": True, "attn_implementation": "eager"})
 
 
+@pytest.mark.slow
 def test_bad_config_fails_with_one_clear_line(tmp_path, tiny_llama):
     raw = yaml.safe_load(AXOLOTL_INSTRUCT_LORA.format(model=tiny_llama))
     raw.update(chat_template="llama_3", optimizer="adamw_bnb_9bit", loraplus_lr_ratio=16)
@@ -179,6 +180,7 @@ def test_real_axolotl_config_validates_unchanged(tmp_path, tiny_llama, capsys):
     assert "optimizer:  adamw_bnb_8bit (bitsandbytes)" in out
 
 
+@pytest.mark.slow
 def test_missing_dataset_file_is_bad_input(make_config, tmp_path):
     path = make_config(datasets=[{"path": str(tmp_path / "nope.jsonl"), "type": "alpaca"}])
     result = run_cli("validate", str(path), "--gpu", "cpu")
@@ -195,6 +197,7 @@ def test_missing_config_and_bad_yaml(tmp_path, capsys):
     assert "config file not found" in err and "is not valid YAML at line" in err
 
 
+@pytest.mark.slow
 def test_debug_shows_the_traceback(tmp_path):
     result = run_cli("--debug", "validate", str(tmp_path / "none.yml"))
     assert result.returncode != 0 and "Traceback" in result.stderr

@@ -227,6 +227,7 @@ def test_context_parallel_size_that_does_not_divide_the_world_is_one_line():
         mesh_for(cfg(context_parallel_size=2, **FSDP2), 3, True)
 
 
+@pytest.mark.slow
 def test_context_parallel_bad_configs_are_one_line_exit_2(tmp_path, tiny_llama):
     with pytest.raises(ConfigError, match="needs micro_batch_size: 1"):
         cfg(context_parallel_size=2, sample_packing=True, micro_batch_size=2)

@@ -241,6 +241,7 @@ def test_a_damaged_cache_is_rebuilt_leftovers_go_and_a_full_disk_is_one_line(mak
     assert "exit 2" in after and f"dataset_prepared_path {read_only}: cannot write the dataset cache there" in lines[1]
 
 
+@pytest.mark.slow
 def test_local_data_files_without_a_path_are_prepared(make_config, alpaca_file):
     """Axolotl's `data_files:` with no `path`: local files, so no Hub probe, and the cache's manifest lists the
     cache's own files (two helpers once shared the name `_files`, and the dataset one was shadowed)."""

@@ -112,6 +112,7 @@ def test_attention_is_bidirectional(make_config):
     assert torch.allclose(a[0, end + 1:end + 4], b[0, end + 1:end + 4], atol=1e-6)  # the next sequence is apart
 
 
+@pytest.mark.slow
 def test_trains_evaluates_and_resumes_exactly(make_config, tmp_path, capsys):
     full, _ = train_then_resume(main, make_config, tmp_path, checkpoint=2, plugins=[PLUGIN],
                                 diffusion={"mask_token_id": 5}, sample_packing=True, gradient_accumulation_steps=2,
@@ -141,6 +142,7 @@ def test_mask_token_is_added_when_the_id_is_not_in_the_vocabulary(make_config):
     assert load_tokenizer(cfg) and cfg.diffusion.mask_token_id == len(tokenizer) - 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("extra,message", [
     (dict(diffusion={"eps": 0.1}), "diffusion: needs plugins"),
     (dict(plugins=[PLUGIN], diffusion={"min_mask_ratio": 0.9, "max_mask_ratio": 0.1}), "min_mask_ratio must be"),
@@ -155,6 +157,7 @@ def test_bad_values_are_one_line_config_errors(make_config, extra, message):
     assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_a_key_the_diffusion_block_does_not_have_is_named_and_ignored_as_axolotl_drops_it(make_config):
     result = run_cli("validate", str(make_config(plugins=[PLUGIN], diffusion={"mask_id": 3})), "--gpu", "cpu")
     assert result.returncode == 0, result.stderr
@@ -183,6 +186,8 @@ def test_axolotls_sft_example_trains_with_only_model_and_data_swapped(tiny_llama
     assert "<|diffusion_mask|>" in tokenizer.all_special_tokens
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_two_processes_train_as_one_accumulating(make_config, tmp_path):
     """Masks keyed by (seed, step, example) and the loss averaged over the step's sequences on all ranks: two
     processes with one packed micro-batch each train exactly as one process accumulating two."""

@@ -99,6 +99,7 @@ def test_cls_model_config_picks_the_architecture(make_config):
     assert type(model).__name__ == "LlamaForCausalLM" and model.config.rms_norm_eps == 1e-3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("extra,message", [
     (dict(use_eaft=True, eaft_k=1), "eaft_k"),
     (dict(use_eaft=True, eaft_alpha=-1), "eaft_alpha"),

@@ -272,6 +272,7 @@ def test_structured_rows_anchor_after_the_prompt_and_train_ce(ebft_config, tmp_p
         assert r["loss"] == pytest.approx(r["ebft/rl_loss"] + 0.03 * r["ebft/ce_loss"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("block,message", [
     ({"mode": "structured"}, "ebft.mode: structured"),
     ({"embed_method": "nonsense"}, "ebft.embed_method"),
@@ -284,6 +285,7 @@ def test_bad_ebft_configs_are_one_line_errors(ebft_config, block, message):
     assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_missing_transform_is_one_line(ebft_config, tmp_path):
     config = ebft_config(datasets=[{"path": str(tmp_path / "text.jsonl"), "type": "no_such_module.transform"}])
     result = run_cli("train", str(config))

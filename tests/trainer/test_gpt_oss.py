@@ -197,6 +197,7 @@ def test_a_gpt_oss_example_shaped_config_trains_and_resumes_exactly(tiny_gpt_oss
     assert (full / "final" / "adapter_model.safetensors").is_file()
 
 
+@pytest.mark.slow
 def test_validate_shows_the_gpt_oss_fit_on_an_a100(tiny_gpt_oss, tmp_path):
     """The example's Hub FA3 kernel on an A100: the hardware's fallback (flash_attention_2), then the gpt-oss
     class's own (flex_attention, which applies its sinks), both explained; the model's config is local."""

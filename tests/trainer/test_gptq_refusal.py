@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
+import pytest
+
 from tests.trainer.helpers import run_cli
 
 
+@pytest.mark.slow
 def test_gptq_lora_is_refused_in_one_line_naming_gptqmodel(make_config):
     config = make_config(adapter="lora", lora_r=4, lora_target_modules=["q_proj", "v_proj"], gptq=True,
                          gptq_disable_exllama=True)

@@ -113,6 +113,7 @@ def test_without_plan_torch_is_probed(monkeypatch, tmp_path):
     assert plan is None and gpu.source == "torch probe" and gpu.cc is None  # this machine has no GPU
 
 
+@pytest.mark.slow
 def test_broken_plan_is_bad_input(tmp_path):
     bad = tmp_path / "plan.json"
     bad.write_text("{not json")

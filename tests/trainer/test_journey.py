@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import socket
 
+import pytest
+
 from tests.trainer.helpers import read_metrics, run_cli, write_jsonl
 
 
@@ -17,6 +19,7 @@ def one_error_line(result) -> str:
     return lines[0]
 
 
+@pytest.mark.slow
 def test_a_rerun_is_refused_or_resumed_and_the_final_model_stops_at_the_end_of_a_turn(make_config, tmp_path):
     from transformers import AutoTokenizer
 
@@ -45,6 +48,7 @@ def test_a_rerun_is_refused_or_resumed_and_the_final_model_stops_at_the_end_of_a
     assert [r["step"] for r in read_metrics(out) if "loss" in r] == [1, 2, 3, 4]
 
 
+@pytest.mark.slow
 def test_a_malformed_jsonl_row_names_the_file_and_line(make_config, tmp_path):
     rows = [{"instruction": "Say hi.", "input": "", "output": "hi"}] * 4
     broken = write_jsonl(tmp_path / "broken.jsonl", rows)
@@ -63,6 +67,7 @@ def test_a_malformed_jsonl_row_names_the_file_and_line(make_config, tmp_path):
     assert one_error_line(result) == f"error: dataset {array} line 2: an array, not a JSON object (one object per row)"
 
 
+@pytest.mark.slow
 def test_a_hub_model_with_no_hub_is_one_line_naming_it(make_config, tmp_path):
     with socket.socket() as s:  # a port nothing listens on: the connection is refused, as with no network
         s.bind(("127.0.0.1", 0))

@@ -69,6 +69,7 @@ def test_every_part_of_trainer_sits_in_a_layer_of_the_contract():
     assert named - parts == set()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("feature, message", [
     ({"lisa_n_layers": 1, "lisa_step_interval": 2}, "lisa_n_layers: runs in one process here"),
     ({"adapter": "lora", "lora_target_linear": True, "relora": True, "jagged_restart_steps": 2},

@@ -49,6 +49,7 @@ def test_loftq_initialisation(make_config, tiny_llama):
         assert torch.linalg.norm(w - base - layer.scaling["default"] * b @ a) < 0.9 * torch.linalg.norm(w - base)
 
 
+@pytest.mark.slow
 def test_loftq_trains_resumes_and_evaluates(make_config, tmp_path):
     full, _ = train_then_resume(main, make_config, tmp_path, checkpoint=2, max_steps=4, save_steps=2,
                                 val_set_size=8, **LOFTQ)

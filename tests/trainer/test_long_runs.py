@@ -192,6 +192,7 @@ def test_ctrl_c_saves_once_a_second_run_is_refused_and_a_planted_pickle_never_ru
     assert not marker.exists()
 
 
+@pytest.mark.slow
 def test_an_output_dir_that_refuses_writes_is_one_line_before_training(make_config, tmp_path):
     """The kernel refuses writes past RLIMIT_FSIZE (EFBIG), as a full disk refuses them (ENOSPC): found by the
     probe at the start, one line, exit 1, nothing left behind."""

@@ -158,6 +158,7 @@ def test_the_cache_key_follows_the_tokenizer_version(tokenizers):
     assert tokenizer_identity(setup(tokenizers["v3"])[1]) == keys["v3"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("extra, says", [
     ({"chat_template": "chatml"}, "chat_template cannot be set with tokenizer_use_mistral_common"),
     ({"special_tokens": {"pad_token": "<pad>"}}, "special_tokens cannot be used with tokenizer_use_mistral_common"),
@@ -203,6 +204,7 @@ def test_missing_package_is_a_config_error(tokenizers, monkeypatch):
         setup(tokenizers["v13"])
 
 
+@pytest.mark.slow
 def test_the_example_validates_with_its_notes(tmp_path):
     result = run_cli("validate", str(EXAMPLE), "--gpu", "a100", "--json", cwd=tmp_path)
     assert result.returncode == 0, result.stderr

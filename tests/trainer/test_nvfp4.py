@@ -172,6 +172,7 @@ def test_the_native_floor_comes_from_the_matrix(monkeypatch):
         assert nvfp4.runs_natively(torch.device("cuda", 0)) is native, capability
 
 
+@pytest.mark.slow
 def test_validate_says_emulated_below_blackwell_and_native_on_it(make_config):
     cfg = make_config("nvfp4.yml", qat=NVFP4, bf16=True)
     for gpu in ("a100", "h100", "cpu"):

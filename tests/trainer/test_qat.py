@@ -80,6 +80,7 @@ def test_int8_int4_qat_fake_quantizes_every_linear_and_changes_training(make_con
 MXFP4 = {"activation_dtype": "mxfp4", "weight_dtype": "mxfp4", "group_size": 32}
 
 
+@pytest.mark.slow
 def test_mxfp4_trains_under_bf16_autocast_with_checkpointing(make_config, tmp_path, captured):
     """As Axolotl's 3b-qat-mxfp4 example: bf16 (fp32 master weights under autocast here), gradient checkpointing.
     torchao's MX linear asserts its output has its input's dtype, which autocast breaks; the trainer runs it in
@@ -175,6 +176,7 @@ def test_zero_constant_ratio_with_min_ratio_one_is_transformers_cosine_with_min_
     assert expected == pytest.approx([0, 5e-4, 1e-3, 1e-3, 1e-3, 1e-3])
 
 
+@pytest.mark.slow
 def test_schedule_keys_in_validate(make_config, tmp_path):
     result = run_cli("validate", str(make_config(eta_min=7e-7, lr_scheduler="linear", cosine_constant_lr_ratio=0.5,
                                                  cosine_min_lr_ratio=0.1)), "--gpu", "cpu")
@@ -184,6 +186,7 @@ def test_schedule_keys_in_validate(make_config, tmp_path):
 
 
 # --------------------------------------------------------------------------------------- save_only_model
+@pytest.mark.slow
 def test_save_only_model_checkpoints_hold_no_optimizer_and_resume_restarts_it(make_config, tmp_path):
     common = dict(max_steps=4, save_steps=2, save_only_model=True, lr_scheduler="cosine", warmup_steps=1)
     full, resumed = tmp_path / "full", tmp_path / "resumed"
@@ -211,6 +214,7 @@ def test_a_full_checkpoint_still_resumes_exactly_with_save_only_model_off(make_c
 
 
 # ----------------------------------------------------------------------------------- validate and floors
+@pytest.mark.slow
 def test_qat_and_fp8_floors_come_from_the_matrices(make_config):
     # nvfp4: emulated below sm_100, torchao's FP4 GEMM on it (tests/trainer/test_nvfp4.py)
     fp8 = make_config("fp8.yml", fp8=True, fp8_enable_fsdp_float8_all_gather=True)
@@ -226,6 +230,7 @@ def test_qat_and_fp8_floors_come_from_the_matrices(make_config):
     assert mx.returncode == 0 and "qat (activations mxfp4, weights mxfp4): torchao fake quantization" in mx.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("qat, extra, message", [
     ({"weight_dtype": "int8"}, {}, "activation_dtype None with weight_dtype int8 has no torchao QAT scheme"),
     ({"weight_dtype": "nvfp4", "activation_dtype": "nvfp4", "group_size": 32}, {}, "set group_size: 16"),
@@ -241,12 +246,14 @@ def test_bad_qat_configs_are_one_line_errors(qat, extra, message, make_config):
     assert len(result.stderr.strip().splitlines()) == 1 and result.stderr.startswith("error:")
 
 
+@pytest.mark.slow
 def test_a_misspelt_qat_key_is_named_with_the_key_it_resembles(make_config):
     result = run_cli("validate", str(make_config(qat={"weight_dtype": "int4", "group_sizes": 3})), "--gpu", "cpu")
     assert result.returncode == 0, result.stderr
     assert "'qat.group_sizes' is not a key (ignored); did you mean 'qat.group_size'?" in result.stdout
 
 
+@pytest.mark.slow
 def test_a_layer_the_group_size_does_not_tile_is_a_config_error(make_config):
     result = run_cli("train", str(make_config(qat={"weight_dtype": "int4", "group_size": 48})))
     assert result.returncode == 2 and "qat: torchao cannot fake-quantize this model" in result.stderr, result.stderr

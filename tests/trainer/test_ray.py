@@ -132,6 +132,7 @@ def test_zero3_lora_under_ray_resumes_a_checkpoint_exactly(tmp_path, tiny_llama)
     assert (resumed / "final" / "adapter_model.safetensors").exists()
 
 
+@pytest.mark.slow
 def test_the_axolotl_ray_example_validates_and_says_how_it_launches(tmp_path):
     example = Path(__file__).parent / "data" / "axolotl_examples" / "llama-3__lora-1b-ray.yml"
     result = run_cli("validate", str(example), "--gpu", "a100", cwd=tmp_path, env={"HF_HUB_OFFLINE": "1"})
@@ -141,6 +142,7 @@ def test_the_axolotl_ray_example_validates_and_says_how_it_launches(tmp_path):
     assert cpu.returncode == 0 and "4 worker(s) of 1 CPU" in cpu.stdout and "GPU left out" in cpu.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overrides, message", [
     ({"ray_num_workers": 0}, "ray_num_workers"),
     ({"ray_num_workers": -2}, "ray_num_workers"),

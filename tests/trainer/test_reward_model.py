@@ -211,6 +211,7 @@ def test_reward_keys_route_to_their_objectives_not_rl():
     assert cfg.objective == "prm" and cfg.datasets[0].step_separator == "\n\n"
 
 
+@pytest.mark.slow
 def test_refusal_is_one_line_exit_2(rm_config):
     result = run_cli("validate", str(rm_config(rl="dpo")), "--gpu", "a100")
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
@@ -424,6 +425,7 @@ def test_a_new_head_on_a_bf16_base_is_initialised(kind, rm_config):
     assert torch.equal(heads[0], heads[1])
 
 
+@pytest.mark.slow
 def test_a_template_that_refuses_system_turns_is_one_clear_line(rm_config, tmp_path):
     """gemma's template raises on a system turn: one line naming the fix, exit 2, not a traceback."""
     gemma_like = ("{% for m in messages %}{% if m['role'] == 'system' %}"

@@ -185,6 +185,7 @@ def test_class_name_targets_and_the_examples_weight_name_regexes(sparse_llama):
         n for n, _ in model.named_parameters() if targeted(n)}
 
 
+@pytest.mark.slow
 def test_targets_matching_nothing_is_one_line_exit_2(make_config, sparse_llama, tmp_path):
     modifier = {"ConstantPruningModifier": {"targets": ["re:.*nothing"], "start": 0}}
     recipe = {"recipe": {"s_stage": {"m_modifiers": modifier}}}
@@ -194,6 +195,8 @@ def test_targets_matching_nothing_is_one_line_exit_2(make_config, sparse_llama, 
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_two_processes_keep_the_zeros_and_train_as_one_accumulating(make_config, sparse_llama, tmp_path):
     """DDP: every rank holds whole weights and applies the same mask after its (identical) optimizer step."""
     from tests.trainer.helpers import assert_same_training, torchrun_train

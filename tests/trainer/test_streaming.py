@@ -290,6 +290,7 @@ def test_pretokenized_rows_train_as_given(make_config, tiny_llama, tmp_path):
     assert len(train_losses(tmp_path / "out")) == 4
 
 
+@pytest.mark.slow
 def test_pretokenized_rows_without_input_ids_are_bad_input(make_config, tmp_path):
     data = write_jsonl(tmp_path / "a.jsonl", alpaca_rows(8))
     result = run_cli("train", str(make_config(datasets=[{"path": str(data)}])))
@@ -328,6 +329,7 @@ def test_two_processes_fsdp2_muon_pretraining_finish_and_resume(pretrain_config,
     assert train_losses(resumed) == {s: losses[s] for s in (3, 4)}
 
 
+@pytest.mark.slow
 def test_preprocess_and_evaluate_say_a_stream_has_nothing_to_prepare(pretrain_config):
     for command in ("preprocess", "evaluate"):
         result = run_cli(command, str(pretrain_config()))

@@ -40,6 +40,7 @@ def test_the_plan_decides_device_and_precision(gpu, device, precision, kind):
     assert runtime.device == plan["device"]
 
 
+@pytest.mark.slow
 def test_validate_with_an_amd_plan_reports_the_device(tmp_path):
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps(plan_for("mi50")))
@@ -60,6 +61,7 @@ def test_validate_with_an_amd_plan_reports_the_device(tmp_path):
     assert runtime["gpu"]["arch"] == "CDNA3"
 
 
+@pytest.mark.slow
 def test_training_with_an_amd_plan_where_torch_sees_no_device_stops_in_one_line(tmp_path):
     """This machine has a CPU torch: the plan's device is not there, and the trainer says which torch it needs."""
     plan = tmp_path / "plan.json"
