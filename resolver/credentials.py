@@ -28,8 +28,8 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 _USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<userinfo>[^/@\s]*)@")
 # credentials with no `scheme://` before them, at the start of a word (or after `https:/`): `user:secret@host`;
 # `secret@host/...` (a host, then a path: not an e-mail address); `'secret@host` / `=secret@host` (a quoted value)
-_BARE_USERINFO = re.compile(r"""(?P<pre>^|[\s'"=(,<\[]|:/?)(?P<userinfo>[^\s/@'"]+:[^\s/'"]*"""
-                            r"""|[^\s/@'"]+(?=@[^\s/@'"]+/)|(?<=['"=])[^\s/@'"]+)@(?=[^\s/'"])""")
+_BARE_USERINFO = re.compile(r"""(?P<pre>^|[\s'"=(,<\[]|:/?)(?P<userinfo>[^\s/@'"]+:[^\s/]*"""
+                            r"""|[^\s/@'"][^\s/@]*(?=@[^\s/@'"]+/)|(?<=['"=])[^\s/@'"][^\s/@]*)@(?=[^\s/'"])""")
 
 
 def _schemeless_secret(url: str) -> bool:

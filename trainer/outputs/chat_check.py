@@ -128,7 +128,7 @@ def model_dir_for(cfg, model: str | None) -> Path:
             raise ConfigError(f"--model {model}: no such directory")
         return path
     out = Path(cfg.output_dir)
-    from trainer.outputs.merge import stale_merge
+    from trainer.outputs.made_from import stale_merge
 
     stale = stale_merge(out)
     if stale:

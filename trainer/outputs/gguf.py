@@ -60,7 +60,7 @@ def source_dir(cfg) -> Path:
     """output_dir/merged, else output_dir/final when it holds a full model."""
     out = Path(cfg.output_dir)
     if (out / "merged" / "config.json").is_file():
-        from trainer.outputs.merge import stale_merge
+        from trainer.outputs.made_from import stale_merge
 
         stale = stale_merge(out)
         if stale:

@@ -172,41 +172,6 @@ def read_adapter(final: Path) -> Adapter:
     return adapter
 
 
-MADE_FROM = "envtool-merge.json"  # in merged/: the adapter it was made from ({"adapter", "files": {name: sha256}})
-ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin")
-
-
-def adapter_fingerprint(final: Path) -> dict:
-    from trainer.runtime.digest import sha256_file
-
-    return {name: sha256_file(final / name) for name in ADAPTER_FILES if (final / name).is_file()}
-
-
-def stale_merge(out: Path) -> str | None:
-    """Why output_dir/merged no longer is output_dir/final's adapter merged (training continued, or ran again,
-    after merge-lora), or None. Read from merged/envtool-merge.json; a merged/ without one (an older envtool) is
-    stale when an adapter file is newer than its config.json."""
-    merged, final = Path(out) / "merged", Path(out) / "final"
-    if not (merged / "config.json").is_file() or not (final / "adapter_config.json").is_file():
-        return None
-    try:
-        made_from = json.loads((merged / MADE_FROM).read_text()).get("files")
-    except (OSError, ValueError, AttributeError):
-        made_from = None
-    if isinstance(made_from, dict):
-        if made_from == adapter_fingerprint(final):
-            return None
-        why = "its adapter files changed since"
-    else:
-        newer = [n for n in ADAPTER_FILES if (final / n).is_file()
-                 and (final / n).stat().st_mtime > (merged / "config.json").stat().st_mtime]
-        if not newer:
-            return None
-        why = f"{newer[0]} is newer"
-    return (f"{merged} was merged from an earlier {final} ({why}: training continued after merge-lora); merge again: "
-            f"remove {merged} and run python -m trainer merge-lora CONFIG")
-
-
 def check_rank(final: Path, module: str, part: Delta, r) -> None:
     """The rank the scaling divides by must be the tensors' own: A is (r, in), B is (out, r) (embeddings: A (r,
     vocab), B (dim, r)). adapter_config.json's `r` (or its rank_pattern) saying otherwise scales the update wrongly
@@ -421,6 +386,8 @@ def _write_merged(cfg, final, base, base_config, adapter, shards, dtype, target,
         from trainer.outputs.chat_check import _tokenizer, write_generation_config
 
         eos = write_generation_config(tmp, _tokenizer(cfg, final), base=base, eot_tokens=cfg.eot_tokens)
+        from trainer.outputs.made_from import MADE_FROM, adapter_fingerprint
+
         (tmp / MADE_FROM).write_text(json.dumps({"adapter": str(final.resolve()), "base": str(base),
                                                  "files": adapter_fingerprint(final)}, indent=1))
         tmp.rename(out)
