@@ -546,6 +546,7 @@ def test_verify_checks_pinned_pypi_versions(world, synthetic, tmp_path):
 # ---------------------------------------------------------------------------- flash-attn-3 on the PyTorch index
 
 
+@pytest.mark.slow
 def test_update_reads_where_the_pytorch_index_holds_flash_attn_3(world, copy, tmp_path):
     """The root page links every variant folder: a new folder (cu132) and a platform gone are written into the
     row (with where they were read), a newer release is left for review."""

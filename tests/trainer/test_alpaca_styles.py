@@ -67,6 +67,7 @@ def test_unknown_style_is_refused():
         parse_config({"base_model": "x", "datasets": [{"path": "x", "type": "alpaca:vicuna"}]})
 
 
+@pytest.mark.slow
 def test_axolotl_phi3_ft_example_trains_with_only_model_and_data_swapped(tiny_llama, tmp_path):
     """examples/phi/phi3-ft.yml (copy in data/axolotl_examples): alpaca:phi, early_stopping_patience,
     do_causal_lm_eval with perplexity, eval_table_size, use_reentrant: true, resize_token_embeddings_to_32x."""

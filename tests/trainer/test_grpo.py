@@ -72,6 +72,7 @@ def test_validate_takes_the_gdpo_example_keys(grpo_config, capsys):
     assert "objective:  gdpo (2 completions per prompt, up to 6 tokens; beta 0.001; rewards rwd.format_reward" in out
 
 
+@pytest.mark.slow
 def test_axolotls_gdpo_example_trains_with_only_model_data_and_steps_swapped(grpo_config, tiny_llama, tmp_path, capsys):
     """examples/llama-3/qlora-1b-gdpo.yaml as Axolotl ships it (128-token completions, accumulation 8, llama3
     template, adamw_torch_fused, gradient checkpointing), on the tiny model and local GSM8K-shaped rows."""

@@ -45,6 +45,7 @@ def judge(blocked: tuple[str, ...]) -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_the_config_reader_judges_every_config_without_the_training_stack():
     """trainer.config and trainer.setup.start(path, gpu=...) are what `envtool train` reads a config with, in an
     environment that may have no torch, transformers, peft, datasets or accelerate: with those blocked, every

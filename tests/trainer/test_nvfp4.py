@@ -197,6 +197,7 @@ def captured(monkeypatch):
     return seen
 
 
+@pytest.mark.slow
 def test_axolotls_3b_qat_nvfp4_block_trains_emulated_on_cpu(make_config, tmp_path, captured):
     """Axolotl's examples/llama-3/3b-qat-nvfp4.yaml: qat nvfp4/nvfp4, group_size 16, bf16, gradient
     checkpointing. Every linear layer is the emulated NVFP4 one, the loss falls, and the first step's loss

@@ -21,6 +21,9 @@ from trainer.config import parse_config
 
 DS_CONFIGS = Path(__file__).parent / "data" / "deepspeed_configs"  # Axolotl's zero3.json, verbatim
 RAY_TIMEOUT = 900  # a local Ray cluster starts in ~15 s alone; on 2 shared cores, far more
+# one local Ray cluster at a time under pytest-xdist: each takes the machine's CPUs and a few GB, and the first two
+# tests share the module's ddp_runs
+pytestmark = pytest.mark.xdist_group("ray")
 
 
 def ray_train(config: Path, timeout: int = RAY_TIMEOUT) -> subprocess.CompletedProcess:

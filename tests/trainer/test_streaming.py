@@ -204,6 +204,7 @@ def test_reinit_weights_starts_from_the_seeded_config_not_the_weights(make_confi
     assert not torch.allclose(trained[name], base[name], atol=1e-3)
 
 
+@pytest.mark.slow
 def test_axolotls_streaming_pretrain_example_trains_with_only_model_and_data_swapped(tiny_llama, text_file, tmp_path):
     """examples/streaming/pretrain.yaml as Axolotl ships it (copy in data/axolotl_examples/), with a local
     model and file, and 3 of its 1000 steps: 8 accumulated micro-batches of one packed 1024-token row each."""
