@@ -292,6 +292,7 @@ def doctor(env, *args):
     return out.returncode, json.loads(out.stdout)
 
 
+@pytest.mark.slow
 def test_doctor_on_a_hip_torch(hip_torch):
     code, result = doctor(hip_torch, "--gpu", "mi300x")
     assert code == 0, result
