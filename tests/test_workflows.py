@@ -43,6 +43,7 @@ def test_actionlint_finds_nothing_in_the_workflow():
     assert actionlint(*sorted((REPO / ".github" / "workflows").glob("*.yml"))) == []
 
 
+@pytest.mark.slow
 def test_actionlint_would_catch_a_broken_workflow(tmp_path):
     broken = tmp_path / "broken.yml"
     broken.write_text(WORKFLOW.read_text().replace("${{ matrix.arch }}", "${{ matrix.architecture }}")

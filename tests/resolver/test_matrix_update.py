@@ -233,6 +233,7 @@ def test_a_new_torch_minor_becomes_a_row_without_builds(world, copy, tmp_path):
     assert [r["row"] for r in review] == [f"torch {version}"] and "[[release.build]]" in review[0]["why"]
 
 
+@pytest.mark.slow
 def test_new_xformers_and_flash_attn_releases_need_review_and_are_not_written(world, copy, tmp_path):
     (copy / "xformers.toml").write_text('[[release]]\nversion = "0.0.29"\ntorch = "==2.5.1"\nmin_cc = "7.5"\n'
                                         'source = "test"\n')
@@ -274,6 +275,7 @@ source = "test"
 '''
 
 
+@pytest.mark.slow
 def test_a_triton_pin_for_some_pythons_only_is_written_or_reported(world, copy, tmp_path):
     """torch 2.5.1's wheel requires triton only where python_version < "3.13" (its real METADATA): a schema with
     `triton_python` gets the marker written; one without reports that its `triton` cannot say so."""
@@ -297,6 +299,7 @@ def test_a_triton_pin_for_some_pythons_only_is_written_or_reported(world, copy, 
             assert not [c for c in data["changes"] if c["row"] == "torch 2.5.1"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("failure", ["500 on a metadata page", "404 on a project", "unreachable"])
 def test_upstream_failure_is_one_line_and_touches_nothing(world, copy, tmp_path, failure):
     trim_flash_attn(world, copy)

@@ -61,6 +61,7 @@ def envtool_side(path: Path, gpu: str, **more):
 # ---------------------------------------------------------------------------- one rule: validate <=> train
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("gpu", GPUS)
 def test_train_accepts_what_validate_accepts_and_refuses_what_it_refuses(gpu, monkeypatch, tmp_path):
     """Both commands over every config here, through their own entry points (in this process, for speed: the
@@ -310,6 +311,7 @@ def test_a_typo_is_one_line_before_anything_is_built_pulled_or_started(args, con
     assert not (tmp_path / "cache" / "envs").exists() and not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args", [["--dry-run"], ["--emit", "slurm"], ["--emit", "k8s"]])
 def test_the_config_is_parsed_once(args, tmp_path, env):
     """Counted in envtool's own process: the YAML parser runs on the config once (the k8s ConfigMap copies the
@@ -329,6 +331,7 @@ def test_the_config_is_parsed_once(args, tmp_path, env):
     assert out.stderr.strip().splitlines()[-1] == "parsed 1", out.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_train_needs_no_torch_to_read_a_config(tmp_path, env):
     """envtool installed without the train extra (its own dependencies only, from the local wheel mirror):
     `envtool train --dry-run` reads and checks the config (pydantic, pyyaml) and plans the environment."""

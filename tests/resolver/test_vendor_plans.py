@@ -101,6 +101,7 @@ def test_precision_attention_env_and_bitsandbytes_follow_the_target():
     assert mi100["precision"] == "bf16" and mi100["env"] == {}
 
 
+@pytest.mark.slow
 def test_driver_cuda_and_flash_attn_pins_are_refused_for_amd():
     assert "NVIDIA driver version" in refused("resolve", "--gpu", "mi300x", "--driver", "550.54.14", *X86)
     assert "pin --torch instead" in refused("resolve", "--gpu", "mi300x", "--cuda", "12.6", *X86)
@@ -111,6 +112,7 @@ def test_driver_cuda_and_flash_attn_pins_are_refused_for_amd():
     assert "names a backend, not a GPU" in refused("resolve", "--gpu", "rocm")
 
 
+@pytest.mark.slow
 def test_intel_and_apple_plans():
     max1550 = resolve("--gpu", "max1550", *X86)
     assert (max1550["device"], max1550["torch"]["variant"], max1550["gpu"]["target"]) == ("xpu", "xpu", "pvc")
@@ -175,6 +177,7 @@ def test_github_matrix_mixes_vendors():
 # ---------------------------------------------------------------------------- images, train, launchers
 
 
+@pytest.mark.slow
 def test_rocm_dockerfile_and_the_images_refused():
     out = run_envtool("dockerfile", "--gpu", "mi355x", "--platform", "x86_64")  # no --python: the base's
     assert out.returncode == 0, out.stderr
@@ -214,6 +217,7 @@ def test_train_dry_run_on_mi300x_shows_the_plan_the_image_and_the_command():
     assert any(n.startswith("tf32: true -> false") for n in result["trainer"]["notes"])
 
 
+@pytest.mark.slow
 def test_config_features_the_gpu_cannot_run_are_refused(tmp_path):
     config = yaml.safe_load((ROOT / "examples/mi300x.yml").read_text())
     qlora = tmp_path / "qlora.yml"
@@ -292,6 +296,7 @@ def doctor(env, *args):
     return out.returncode, json.loads(out.stdout)
 
 
+@pytest.mark.slow
 def test_doctor_on_a_hip_torch(hip_torch):
     code, result = doctor(hip_torch, "--gpu", "mi300x")
     assert code == 0, result

@@ -38,6 +38,7 @@ def weights(path):
     return {k: v for f in sorted(path.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
 
 
+@pytest.mark.slow
 def test_stops_where_transformers_would_and_keeps_the_best_checkpoint(make_config, tmp_path):
     plain, stopping = tmp_path / "plain", tmp_path / "stopping"
     assert main(["train", str(make_config("a.yml", output_dir=str(plain), **RUN))]) == 0

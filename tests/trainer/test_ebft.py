@@ -233,6 +233,7 @@ def ebft_rows(output_dir):
     return [r for r in read_metrics(output_dir) if "ebft/cfm_loss" in r]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("adapter", ["lora", None])
 def test_trains_and_resumes_exactly(ebft_config, tmp_path, adapter):
     lora = dict(adapter="lora", lora_r=4, lora_alpha=8, lora_dropout=0.05, lora_target_linear=True) if adapter else {}

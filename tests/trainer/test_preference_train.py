@@ -96,6 +96,7 @@ def test_accumulation_and_micro_batch_size_do_not_change_what_is_trained(rl, pre
         assert got == pytest.approx(losses[(4, 1)], rel=1e-5, abs=1e-6), key
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rl,adapter", [("dpo", "lora"), ("kto", None)])
 def test_resumed_run_continues_exactly_even_without_the_reference_cache(rl, adapter, pref_config, tmp_path):
     """The reference is computed before a checkpoint's weights load, with LoRA from the base with the adapter

@@ -164,6 +164,7 @@ def test_more_workers_than_cpus_validate(make_config):
     assert cfg.ray_num_workers == 64 and cfg.resources_per_worker is None
 
 
+@pytest.mark.slow
 def test_without_ray_installed_train_names_the_extra(make_config):
     """`import ray` fails as it does when Ray is not installed (None in sys.modules makes the import raise)."""
     code = ("import sys; sys.modules['ray'] = None; from trainer.cli import main; "

@@ -27,6 +27,7 @@ CORPUS = ROOT / "tests" / "trainer" / "data" / "user_configs"
 sys.path.insert(0, str(ROOT / "bench"))
 
 
+@pytest.mark.slow
 def test_users_configs_are_accepted_as_axolotl_accepts_them(capsys):
     from user_configs import ACCEPTED, results
 
