@@ -347,8 +347,13 @@ def _no_space(e: BaseException) -> bool:
     return False
 
 
+# Folders the objectives add to a prepared cache later, each keyed and checked on its own (trainer/objectives/
+# reference.py: reference-<key>/ holds the reference model's log-probs): not the cache's files.
+DERIVED = ("reference-",)
+
+
 def _describe(root: Path) -> dict:
-    return digest.describe(root, MANIFEST)  # every file (trainer/runtime/digest.py: the one manifest rule)
+    return digest.describe(root, MANIFEST, DERIVED)  # every file (trainer/runtime/digest.py: the one manifest rule)
 
 
 def damage(path: Path) -> str | None:
@@ -360,7 +365,7 @@ def damage(path: Path) -> str | None:
         return f"it has no {MANIFEST} (an interrupted or older cache)"
     except (OSError, ValueError) as e:
         return f"its {MANIFEST} is unreadable ({e})"
-    return digest.damage(path, manifest, MANIFEST, hash_limit=HASH_LIMIT)
+    return digest.damage(path, manifest, MANIFEST, hash_limit=HASH_LIMIT, derived=DERIVED)
 
 
 def _discard(path: Path) -> None:

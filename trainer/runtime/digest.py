@@ -27,16 +27,19 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def files_under(root: Path, manifest: str) -> list[Path]:
-    """Every file under root but the manifest, sorted."""
-    return sorted(p for p in Path(root).rglob("*") if p.is_file() and p.relative_to(root).as_posix() != manifest)
+def files_under(root: Path, manifest: str, derived: tuple[str, ...] = ()) -> list[Path]:
+    """Every file under root but the manifest, sorted; `derived`: prefixes of top-level folders that hold caches
+    made from the folder later, with their own keys (a dataset cache's reference-<key>/ log-probs), not part of it."""
+    root = Path(root)
+    return sorted(p for p in root.rglob("*") if p.is_file() and p.relative_to(root).as_posix() != manifest
+                  and not p.relative_to(root).parts[0].startswith(derived))
 
 
-def describe(root: Path, manifest: str) -> dict[str, dict]:
-    """{relative path: {"size", "sha256"}} of every file under root but the manifest."""
+def describe(root: Path, manifest: str, derived: tuple[str, ...] = ()) -> dict[str, dict]:
+    """{relative path: {"size", "sha256"}} of every file under root but the manifest (and `derived`)."""
     root = Path(root)
     return {p.relative_to(root).as_posix(): {"size": p.stat().st_size, "sha256": sha256_file(p)}
-            for p in files_under(root, manifest)}
+            for p in files_under(root, manifest, derived)}
 
 
 def _entry_problem(name, want) -> str | None:
@@ -56,7 +59,7 @@ def _entry_problem(name, want) -> str | None:
     return None
 
 
-def damage(root: Path, files, manifest: str, hash_limit: int | None = None) -> str | None:
+def damage(root: Path, files, manifest: str, hash_limit: int | None = None, derived: tuple[str, ...] = ()) -> str | None:
     """Why the folder at `root` is not what its manifest's `files` ({path: {"size", "sha256"}}) proves, or None
     (see the module doc for the rule)."""
     root = Path(root)
@@ -66,7 +69,7 @@ def damage(root: Path, files, manifest: str, hash_limit: int | None = None) -> s
         problem = _entry_problem(name, want)
         if problem:
             return f"{manifest} {problem}"
-    unlisted = [p.relative_to(root).as_posix() for p in files_under(root, manifest)
+    unlisted = [p.relative_to(root).as_posix() for p in files_under(root, manifest, derived)
                 if p.relative_to(root).as_posix() not in files]
     if unlisted:
         more = f" (and {len(unlisted) - 1} more)" if len(unlisted) > 1 else ""
