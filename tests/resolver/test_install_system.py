@@ -95,7 +95,7 @@ def test_a_preinstalled_torch_wrong_for_the_gpu_is_replaced_by_the_plans(noteboo
         out = run_envtool("install", "--python", str(python), "--gpu", "t4", "--index-url", f"{url}/pypi/", "--json",
                           env={**env, **index_env(url), "ENVTOOL_GPU": "t4"}, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "replacing the installed torch 2.13.0+cpu: torch is the CPU build, but this machine has Tesla T4" in out.stderr
+    assert "replacing the installed torch 2.13.0+cpu: torch is the CPU build, but Tesla T4 (sm_75, Turing) is named (--gpu, not detected here)" in out.stderr
     result = json.loads(out.stdout)
     assert result["kept"] == [] and result["torch"] == f"{t4['torch']['version']}+cu126"
     assert torch_files(python)[0] == f"{t4['torch']['version']}+cu126"
