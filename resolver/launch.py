@@ -45,7 +45,7 @@ def read_config(config: Path):
 
 
 def _trainer_call(config: Path, function, *args):
-    from trainer.errors import TrainerError
+    from trainer.errors import TrainerError, capped
 
     try:
         return function(*args)
@@ -56,7 +56,7 @@ def _trainer_call(config: Path, function, *args):
         error = BadInput(named(str(e))) if e.exit_code == 2 else EnvtoolError(named(str(e)))
         error.exit_code = e.exit_code
         if len(e.problems) > 1:  # several problems found in one pass: the CLI prints one line each
-            error.lines = [named(line) for _, line in e.problems]
+            error.lines = capped([named(line) for _, line in e.problems], f"{config}: ")
         raise error from None
 
 

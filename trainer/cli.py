@@ -14,7 +14,6 @@ import sys
 from trainer import __version__
 from trainer.errors import Stopped, TrainerError
 
-MAX_PROBLEM_LINES = 25  # error lines printed for one config; more are counted in the last line
 
 
 def log(message: str) -> None:
@@ -421,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger(name).setLevel(logging.ERROR)
     rank = os.environ.get("RANK")
     prefix = f"error (rank {rank}): " if rank not in (None, "0") else "error: "
-    from trainer.errors import readable, record  # under envtool's torchrun launcher the line goes to it, printed once
+    from trainer.errors import capped, readable, record  # under envtool's torchrun launcher the line goes to it, printed once
 
     try:
         return args.func(args)
@@ -433,8 +432,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.debug:
             raise
         lines = [readable(prefix + line) for _, line in err.problems] or [readable(prefix + str(err))]
-        if len(lines) > MAX_PROBLEM_LINES:  # a config with thousands of bad values: the first ones, and a count
-            lines = lines[:MAX_PROBLEM_LINES - 1] + [f"{prefix}... and {len(lines) - MAX_PROBLEM_LINES + 1} more problems"]
+        lines = capped(lines, prefix)  # a config with thousands of bad values: the first ones, and a count
         if not record(readable(prefix + str(err)), err.exit_code):  # (envtool's launcher prints that one line)
             for line in lines:  # several problems: one line each
                 print(line, file=sys.stderr)

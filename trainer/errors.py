@@ -25,6 +25,16 @@ class HardwareError(TrainerError):
     exit_code = 2
 
 
+MAX_PROBLEM_LINES = 25  # error lines printed for one config (trainer's and envtool's alike); more are counted
+
+
+def capped(lines: list[str], prefix: str = "") -> list[str]:
+    """At most MAX_PROBLEM_LINES lines: a config with thousands of bad values gets the first ones and a count."""
+    if len(lines) <= MAX_PROBLEM_LINES:
+        return lines
+    return lines[:MAX_PROBLEM_LINES - 1] + [f"{prefix}... and {len(lines) - MAX_PROBLEM_LINES + 1} more problems"]
+
+
 def several(problems: list[tuple[str, str]], config=None) -> TrainerError:
     """One error for every problem found in one pass (each (kind, line)): a HardwareError when they are all the
     hardware's, else a ConfigError. Its message joins the lines with '; '; `.problems` keeps them apart."""
