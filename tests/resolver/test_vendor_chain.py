@@ -67,7 +67,7 @@ def test_rocm_torch_and_its_triton_come_from_the_rocm_index_and_doctor_checks_th
     arch = next(f for f in result["findings"] if f["check"] == "arch")
     assert "has no gfx1101 code" in arch["message"] and arch["fix"] == f"envtool install --gpu rx7800xt --venv {venv}"
     plan_check = next(f for f in result["findings"] if f["check"] == "plan")
-    assert plan_check["message"] == "the environment was planned for gfx942, this machine is gfx1101"
+    assert plan_check["message"] == "the environment was planned for gfx942, the GPU named is gfx1101"  # --gpu names it: not this machine
 
 
 def test_a_rocm_index_without_torch_s_triton_fails_the_lock_naming_it(tmp_path, rocm_index):
