@@ -8,6 +8,7 @@ build of torch ships no triton and the kernels cannot run without a GPU; no forw
 
 from __future__ import annotations
 
+import json
 import sys
 import types
 
@@ -136,7 +137,9 @@ def test_dpo_with_it_validates_and_does_not_reuse_a_plain_models_reference_log_p
     from trainer.runtime.hardware import adapt, gpu_from_name
 
     rows = tmp_path / "pairs.jsonl"
-    rows.write_text('{"prompt": "hi", "chosen": "yes", "rejected": "no"}\n')
+    turn = [{"role": "user", "content": "hi"}]  # chatml.ultra: chosen/rejected are conversations (validate reads the rows)
+    rows.write_text(json.dumps({"prompt": "hi", "chosen": [*turn, {"role": "assistant", "content": "yes"}],
+                                "rejected": [*turn, {"role": "assistant", "content": "no"}]}) + "\n")
     dpo = dict(rl="dpo", datasets=[{"path": str(rows), "type": "chatml.ultra"}])
     bitnet = make_config("bitnet.yml", use_onebitllms=True, **dpo)
     result = run_cli("validate", str(bitnet), "--gpu", "a100")
