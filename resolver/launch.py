@@ -486,7 +486,7 @@ def plan_launch(plan: Plan, cfg, config: Path, opts: PlanOptions, dist: Distribu
             raise BadInput(f"--image: {config} must be under the working directory (it is mounted at /work)")
         else:
             inside = str(config.resolve())
-        return Launch("image", tag, _image_exists(tag, plan), "python", launch_command("python", inside, loopback=True,
+        return Launch("image", tag, _image_exists(tag, plan, _after_only(cfg, plan)), "python", launch_command("python", inside, loopback=True,
                                                                                  **args), {},
                       f"the plan's image {tag}", image_mounts(cfg, cwd) if mounted else ())
     if venv is not None:
@@ -555,10 +555,19 @@ def image_mounts(cfg, cwd: Path) -> tuple:
     return tuple(mounts)
 
 
-def _image_exists(tag: str, plan: Plan | None = None) -> bool:
-    """Whether the image `tag` is there and, given `plan`, carries every package it pins (its io.envtool.plan
-    label): an image built for another config under the same tag (without the wandb or gguf this one needs) is
-    built again."""
+def _after_only(cfg, plan: Plan) -> set[str]:
+    """Packages the plan carries only for a step after training (gguf for `export`): an image without them still
+    trains the config."""
+    from trainer.setup import needs
+
+    found = needs(cfg, plan.to_dict())
+    return {n.package for n in found if n.step != "train"} - {n.package for n in found if n.step == "train"}
+
+
+def _image_exists(tag: str, plan: Plan | None = None, after_only: set[str] = frozenset()) -> bool:
+    """Whether the image `tag` is there and, given `plan`, carries every package it pins for training (its
+    io.envtool.plan label): an image built for another config under the same tag (without the wandb this one
+    needs) is built again; one without a package only a later step uses (`after_only`: gguf) is used as it is."""
     try:
         from .docker import client, image_plan
 
@@ -568,7 +577,7 @@ def _image_exists(tag: str, plan: Plan | None = None) -> bool:
     if plan is None:
         return True
     built = (image_plan(image) or {}).get("packages") or {}
-    return all(built.get(name) == version for name, version in plan.packages.items())
+    return all(built.get(name) == version for name, version in plan.packages.items() if name not in after_only)
 
 
 def image_line(plan: Plan, opts: PlanOptions) -> str:
