@@ -53,13 +53,27 @@ def find_gpu(text: str, gpus: Iterable[Any]):
     """The catalog row a user's or nvidia-smi's name means: an exact name or alias first ("t4", "Tesla T4"),
     else the row with the longest name or alias spelled by whole words of it ("NVIDIA H100 80GB HBM3" -> H100,
     "NVIDIA GeForce RTX 4090" -> rtx4090; "a101" is not "a10"), else None."""
+    if not isinstance(text, str):
+        return None  # a number where a tool prints a name
     key = normalize_name(text)
     rows = list(gpus)
-    for row in rows:
-        if key in {normalize_name(a) for a in _get(row, "aliases")} | {normalize_name(_get(row, "name"))}:
+    labels = [(row, {normalize_name(a) for a in (_get(row, "name"), *_get(row, "aliases"))}) for row in rows]
+    for row, names in labels:
+        if key in names:
             return row
+    # Runs of consecutive words no longer than the longest label: a run longer than every label matches none, and
+    # bounding them keeps this linear in the text's length (a 1,500-word name built ~10^6 runs of ~10^4
+    # characters each when every run was formed).
+    longest = max((len(n) for _, names in labels for n in names), default=0)
     words = [w for w in re.split(r"[\s_\-/,()]+", text.strip().lower()) if w]
-    runs = {"".join(words[i:j]) for i in range(len(words)) for j in range(i + 1, len(words) + 1)}
+    runs = set()
+    for i in range(len(words)):
+        run = ""
+        for word in words[i:]:
+            run += word
+            if len(run) > longest:
+                break
+            runs.add(run)
     best, best_len = None, 0
     for row in rows:
         for label in (_get(row, "name"), *_get(row, "aliases")):
@@ -126,7 +140,7 @@ def gfx_from_kfd(version: int) -> str | None:
     major, minor, stepping = version // 10000, (version // 100) % 100, version % 100
     if minor > 15 or stepping > 15:
         return None
-    return f"gfx{major}{minor:x}{stepping:x}"
+    return gfx_from_text(f"gfx{major}{minor:x}{stepping:x}")  # a major no GPU has (a damaged file): None
 
 
 def find_target(gfx: str, targets: Iterable[Any]):

@@ -119,6 +119,9 @@ NAMED_SOURCES = catalog.NAMED_GPU_SOURCES  # GpuSpec.source of a named GPU
 COUNTED = (re.compile(r"^(?P<name>.*?\S)\s*[x×]\s*(?P<count>\d+)$", re.IGNORECASE),
            re.compile(r"^(?P<count>\d+)\s*[x×]\s*(?P<name>\S.*)$", re.IGNORECASE))
 NOT_A_TARGET = ("none", "null", "nil", "undefined")  # what a script's unset variable prints as
+# The longest GPU name a user types is ~40 characters ("NVIDIA GeForce RTX 4090 Laptop GPU x8"); a longer --gpu
+# is a pasted paragraph or a script's mistake, refused before any matching work.
+MAX_NAME_CHARS = 100
 
 
 def check_target_text(text: str | None, where: str = "--gpu") -> None:
@@ -134,16 +137,20 @@ def check_target_text(text: str | None, where: str = "--gpu") -> None:
     if any(not c.isprintable() for c in text):  # a name is never a line break: it would reach Dockerfiles, scripts
         raise BadInput(f"{where} {text!r}: a GPU name is one line of printable characters")
     for name in text.split(","):
+        if len(name.strip()) > MAX_NAME_CHARS:
+            raise BadInput(f"{where} {name.strip()[:40]!r}... ({len(name.strip()):,} characters): a GPU name is at "
+                           f"most {MAX_NAME_CHARS} characters (`envtool gpus` lists the known ones)")
         if normalize_name(name) in NOT_A_TARGET:
             raise BadInput(f"{where} {name.strip()!r} is not a GPU (a script's unset variable?): give a GPU name, a "
                            f"compute capability (sm_80), or 'cpu' for a CPU plan")
 
 
-def lookup(text: str, m: Matrix, source: str = "catalog") -> GpuSpec:
-    """A GPU by alias ("t4"), full name ("Tesla T4"), or compute capability ("sm_75", "7.5"), or "cpu"."""
+def lookup(text: str, m: Matrix, source: str = "catalog", *, counts: bool = True) -> GpuSpec:
+    """A GPU by alias ("t4"), full name ("Tesla T4"), or compute capability ("sm_75", "7.5"), or "cpu"; with
+    `counts`, a name with a count ("T4 x2")."""
     where = GPU_ENV if source == GPU_ENV else "--gpu"
     check_target_text(text, where)
-    counted = _counted(text, m, source)
+    counted = _counted(text, m, source) if counts else None
     if counted is not None:  # "T4 x2": that GPU, that many (the plan's count: torchrun's processes, the estimate)
         gpu, count = counted
         if gpu.is_cpu:
@@ -193,7 +200,8 @@ def _counted(text: str, m: Matrix, source: str) -> tuple[GpuSpec, int] | None:
         if found is None:
             continue
         try:
-            return lookup(found["name"], m, source), int(found["count"])
+            # the name part without counts of its own: "2x2x2x..." was tried every way, 2^n lookups
+            return lookup(found["name"], m, source, counts=False), int(found["count"])
         except BadInput:
             continue  # not a GPU with a count: the text as one name
     return None
@@ -351,9 +359,12 @@ def probe_nvidia_smi(m: Matrix) -> tuple[list[Seen], str | None, str]:
     if exe is None:
         return [], None, "nvidia-smi: not on PATH"
     try:
-        out = subprocess.run([exe, *NVIDIA_SMI_QUERY], capture_output=True, text=True, timeout=30)
+        # errors="replace": a name with invalid UTF-8 is read, never a UnicodeDecodeError out of --gpu auto
+        out = subprocess.run([exe, *NVIDIA_SMI_QUERY], capture_output=True, text=True, errors="replace",
+                             timeout=30)
         if out.returncode != 0 and "compute_cap" in out.stdout + out.stderr:
-            old = subprocess.run([exe, *NVIDIA_SMI_OLD_QUERY], capture_output=True, text=True, timeout=30)
+            old = subprocess.run([exe, *NVIDIA_SMI_OLD_QUERY], capture_output=True, text=True, errors="replace",
+                                 timeout=30)
             if old.returncode == 0:
                 seen, driver, unknown = parse_old_nvidia_smi(old.stdout, m)
                 note = f"nvidia-smi (a driver without compute_cap; CC from the GPU names): {len(seen)} GPU(s), " \
@@ -368,6 +379,11 @@ def probe_nvidia_smi(m: Matrix) -> tuple[list[Seen], str | None, str]:
     return seen, driver, f"nvidia-smi: {len(seen)} GPU(s), driver {driver}"
 
 
+# ASCII digits, bounded: `\d+` also takes other scripts' digits and numbers int() refuses past 4,300 digits
+MIB = re.compile(r"^([0-9]{1,12})\s*MiB$")
+CC_FIELD = re.compile(r"^[0-9]{1,2}\.[0-9]{1,2}$")
+
+
 def parse_old_nvidia_smi(text: str, m: Matrix) -> tuple[list[Seen], str | None, list[str]]:
     """`Tesla V100-SXM2-16GB, 16160 MiB, 470.82.01` lines; the compute capability comes from the catalog."""
     seen, driver, unknown = [], None, []
@@ -380,7 +396,7 @@ def parse_old_nvidia_smi(text: str, m: Matrix) -> tuple[list[Seen], str | None, 
         if cc is None:
             unknown.append(name)
             continue
-        mib = re.match(r"^(\d+)\s*MiB$", memory)
+        mib = MIB.match(memory)
         seen.append(Seen(name, cc, round(int(mib.group(1)) / 1024, 1) if mib else None))
     return seen, driver, unknown
 
@@ -399,10 +415,10 @@ def parse_nvidia_smi(text: str) -> tuple[list[Seen], str | None]:
     seen, driver = [], None
     for line in text.splitlines():
         parts = [p.strip() for p in line.split(",")]
-        if len(parts) != 4 or not re.match(r"^\d+\.\d+$", parts[1]):
+        if len(parts) != 4 or not CC_FIELD.match(parts[1]):
             continue
         name, cc, memory, driver = parts
-        mib = re.match(r"^(\d+)\s*MiB$", memory)
+        mib = MIB.match(memory)
         seen.append(Seen(name, cc, round(int(mib.group(1)) / 1024, 1) if mib else None))
     return seen, driver
 
@@ -411,8 +427,8 @@ def probe_proc_driver(path: str | None = None) -> tuple[str | None, str]:
     """The kernel module's version line: `NVRM version: NVIDIA UNIX x86_64 Kernel Module  535.104.05  ...`."""
     path = path or PROC_DRIVER_VERSION
     try:
-        with open(path) as f:
-            text = f.read()
+        with open(path, errors="replace") as f:
+            text = f.read(1 << 16)
     except OSError:
         return None, f"{path}: not present"
     match = re.search(r"Kernel Module(?: for \w+)?\s+(\d+\.\d+(?:\.\d+)?)", text)
@@ -422,7 +438,8 @@ def probe_proc_driver(path: str | None = None) -> tuple[str | None, str]:
 
 
 def _text(value) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
+    """NVML's strings (bytes in older nvidia-ml-py): a name with invalid UTF-8 is still a name."""
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
 
 
 class Target(NamedTuple):

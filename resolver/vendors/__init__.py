@@ -117,17 +117,17 @@ def detect(v: Vendors | None = None) -> Detection:
     gpus: list[Accelerator] = []
     driver = None
     for probe in amd.PROBES:
-        result = probe(v)
+        result = _guarded(probe, v, amd.Probe([], None, ""))
         notes.append(result.note)
         driver = driver or result.driver
         if result.seen:
             gpus += _count_amd(result.seen, probe.__name__.removeprefix("probe_").replace("_", "-"), v, notes)
             break
     for probe in intel.PROBES:
-        result = probe(v)
+        result = _guarded(probe, v, intel.Probe([], ""))
         notes.append(result.note)
         if result.seen:
-            gpus += _count_intel(result.seen, probe.__name__.removeprefix("probe_").replace("_", "-"), v)
+            gpus += _count_intel(result.seen, probe.__name__.removeprefix("probe_").replace("_", "-"), v, notes)
             break
     result = apple.probe_platform(v)
     notes.append(result.note)
@@ -137,6 +137,18 @@ def detect(v: Vendors | None = None) -> Detection:
         if apple.macos_at_least(s.macos, v.mps_min_macos) is False:
             notes.append(f"macOS {s.macos} is older than {v.mps_min_macos}, which torch's MPS support needs")
     return Detection(gpus, driver, notes)
+
+
+def _guarded(probe, v: Vendors, empty):
+    """A probe's result; where its parser still meets output it cannot read (the parsers drop what they cannot
+    use, and tests/resolver/test_vendor_parsers.py fuzzes them: this is the last line), that source saw nothing,
+    and a note says why, instead of a traceback out of every `--gpu auto`."""
+    try:
+        return probe(v)
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError, RecursionError) as e:
+        source = probe.__name__.removeprefix("probe_").replace("_", "-")
+        return empty._replace(note=f"{source}: its output could not be read ({type(e).__name__}: {str(e)[:120]}); "
+                                   "skipped")
 
 
 def _count_amd(seen: list[amd.Seen], source: str, v: Vendors, notes: list[str]) -> list[Accelerator]:
@@ -161,10 +173,16 @@ def _note(notes: list[str], note: str) -> None:
         notes.append(note)
 
 
-def _count_intel(seen: list[intel.Seen], source: str, v: Vendors) -> list[Accelerator]:
+def _count_intel(seen: list[intel.Seen], source: str, v: Vendors,
+                 notes: list[str] | None = None) -> list[Accelerator]:
+    notes = [] if notes is None else notes
     groups: dict[tuple, int] = {}
     for s in seen:
-        groups[intel.identify(s, v)] = groups.get(intel.identify(s, v), 0) + 1
+        if s.name is None and s.pci_id is None:
+            _note(notes, f"{source}: a device with neither a name nor a PCI device ID it could read: ignored")
+            continue
+        key = intel.identify(s, v)
+        groups[key] = groups.get(key, 0) + 1
     return [_intel(name, aot, None, source, v, count=n) for (name, aot), n in groups.items()]
 
 

@@ -28,6 +28,19 @@ AMD_SMI_ARGS = ["static", "--asic", "--vram", "--driver"]
 ROCM_SMI_ARGS = ["--showproductname", "--json"]
 
 
+# What a parser keeps of a tool's value, else None: a PCI device ID is 16 bits in hex; a number is ASCII digits,
+# bounded (int() refuses past 4,300 digits; no GPU's memory in KB needs 20)
+PCI_ID = re.compile(r"0x[0-9a-fA-F]{1,4}")
+NUMBER = r"[0-9]{1,20}"
+MAX_TEXT = 1 << 22  # 4 MiB: rocminfo on 8 GPUs and 2 CPUs prints ~40 KB; more is not a tool's output
+
+
+def decode(data: bytes) -> str:
+    """A tool's or sysfs file's bytes as text: invalid UTF-8 becomes U+FFFD (the field that holds it then matches
+    nothing), never a UnicodeDecodeError out of `--gpu auto`; past MAX_TEXT it is cut."""
+    return data[:MAX_TEXT].decode("utf-8", errors="replace")
+
+
 class Seen(NamedTuple):
     """One GPU as a source reports it; any field may be missing."""
 
@@ -52,6 +65,8 @@ def find(text: str, v: Vendors) -> AmdGpu | None:
 
 
 def by_pci_id(pci_id: str, v: Vendors) -> AmdGpu | None:
+    if not PCI_ID.fullmatch(pci_id):
+        return None
     want = int(pci_id, 16)
     return next((g for g in v.amd_gpus if any(int(p, 16) == want for p in g.pci_ids)), None)
 
@@ -96,10 +111,10 @@ def parse_amd_smi(text: str) -> tuple[list[Seen], str | None]:
         name = _value(asic.get("MARKET_NAME"))
         gfx = catalog.gfx_from_text(asic.get("TARGET_GRAPHICS_VERSION", ""))
         pci = _value(asic.get("DEVICE_ID"))
-        size = re.match(r"^(\d+)\s*MB$", vram.get("SIZE", ""))
+        size = re.match(rf"^({NUMBER})\s*MB$", vram.get("SIZE", ""))
         driver = _value(drv.get("VERSION")) or driver
         seen.append(Seen(name, gfx, round(int(size.group(1)) / 1024, 1) if size else None,
-                         pci.lower() if pci and pci.lower().startswith("0x") else None))
+                         pci.lower() if pci and PCI_ID.fullmatch(pci) else None))
     return seen, driver
 
 
@@ -125,10 +140,11 @@ def parse_rocminfo(text: str) -> tuple[list[Seen], str | None]:
         if fields.get("Device Type") != "GPU":
             continue
         gfx = catalog.gfx_from_text(fields.get("Name", ""))
-        chip = re.search(r"\((0x[0-9a-fA-F]+)\)", fields.get("Chip ID", ""))
+        chip = re.search(r"\((0x[0-9a-fA-F]{1,4})\)", fields.get("Chip ID", ""))
         name = fields.get("Marketing Name") or None
         memory = None
-        pools = re.search(r"Segment:\s*GLOBAL; FLAGS: COARSE GRAINED\s*\n\s*Size:\s*(\d+)\(0x[0-9a-f]+\) KB", block)
+        pools = re.search(rf"Segment:\s*GLOBAL; FLAGS: COARSE GRAINED\s*\n\s*Size:\s*({NUMBER})\(0x[0-9a-f]+\) KB",
+                          block)
         if pools:
             memory = round(int(pools.group(1)) / 2**20, 1)
         seen.append(Seen(name, gfx, memory, chip.group(1).lower() if chip else None))
@@ -148,7 +164,7 @@ def parse_kfd_properties(text: str) -> dict[str, int]:
     props = {}
     for line in text.splitlines():
         parts = line.split()
-        if len(parts) == 2 and parts[1].isdigit():
+        if len(parts) == 2 and re.fullmatch(NUMBER, parts[1]):  # not str.isdigit(): it takes '²', int() does not
             props[parts[0]] = int(parts[1])
     return props
 
@@ -161,14 +177,14 @@ def parse_kfd(nodes: Path) -> tuple[list[Seen], list[str]]:
     seen, skipped = [], []
     for node in sorted(nodes.iterdir(), key=lambda p: int(p.name) if p.name.isdigit() else 1 << 30):
         try:
-            props = parse_kfd_properties((node / "properties").read_text())
+            props = parse_kfd_properties(_read(node / "properties"))
         except OSError:
             continue
         if props.get("simd_count", 0) == 0:
             continue  # a CPU node
         gfx = catalog.gfx_from_kfd(props.get("gfx_target_version", 0))
         device = props.get("device_id")
-        pci = f"0x{device:04x}" if device else None
+        pci = f"0x{device:04x}" if device and device < 1 << 16 else None
         memory = props.get("local_mem_size") or _bank_bytes(node)
         if gfx is None and pci is None:
             skipped.append(f"node {node.name}: no gfx_target_version or device_id")
@@ -177,11 +193,16 @@ def parse_kfd(nodes: Path) -> tuple[list[Seen], list[str]]:
     return seen, skipped
 
 
+def _read(path: Path) -> str:
+    with path.open("rb") as f:
+        return decode(f.read(MAX_TEXT))
+
+
 def _bank_bytes(node: Path) -> int:
     total = 0
     for bank in sorted((node / "mem_banks").glob("*/properties")):
         try:
-            props = parse_kfd_properties(bank.read_text())
+            props = parse_kfd_properties(_read(bank))
         except OSError:
             continue
         if props.get("heap_type") in (1, 2):
@@ -211,7 +232,9 @@ def parse_rocm_smi(text: str) -> list[Seen]:
     PCI device ID on newer releases ("0x7408"); newer releases add the GFX Version."""
     text = text.strip()
     if text.startswith("{"):
-        cards = [c for k, c in json.loads(text).items() if k.startswith("card") and isinstance(c, dict)]
+        data = json.loads(text)
+        cards = [c for k, c in data.items() if k.startswith("card") and isinstance(c, dict)] \
+            if isinstance(data, dict) else []
     else:
         import csv
         import io
@@ -219,7 +242,8 @@ def parse_rocm_smi(text: str) -> list[Seen]:
         cards = [r for r in csv.DictReader(io.StringIO(text)) if (r.get("device") or "").startswith("card")]
     seen = []
     for card in cards:
-        card = {(k or "").strip().lower(): (v or "").strip() for k, v in card.items()}
+        # a value that is not text (a number where a name goes; csv's list for a row with extra fields) is dropped
+        card = {k.strip().lower(): v.strip() for k, v in card.items() if isinstance(k, str) and isinstance(v, str)}
         series, model = card.get("card series", ""), card.get("card model", "")
         hexid = re.compile(r"0x[0-9a-fA-F]{1,4}")
         # Releases that print a Subsystem ID print the PCI device ID as the model; older ones print the
@@ -269,7 +293,7 @@ def probe_rocm_smi(v: Vendors) -> Probe:
         return Probe([], None, out)
     try:
         seen = parse_rocm_smi(out)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON; or JSON nested past the parser's depth
         return Probe([], None, "rocm-smi: --showproductname --json printed no JSON")
     return Probe(seen, None, f"rocm-smi: {len(seen)} GPU(s)")
 
@@ -280,7 +304,7 @@ PROBES = (probe_amd_smi, probe_rocminfo, probe_kfd, probe_rocm_smi)
 def _module_version(path: str = AMDGPU_VERSION) -> str | None:
     """The out-of-tree (DKMS) amdgpu module's version; the distribution kernel's inbox driver has none."""
     try:
-        return Path(path).read_text().strip() or None
+        return _read(Path(path)).strip() or None
     except OSError:
         return None
 
@@ -294,10 +318,11 @@ def _run(tool: str, args: list[str]) -> str:
     if exe is None:
         return f"{tool}: not on PATH"
     try:
-        out = subprocess.run([exe, *args], capture_output=True, text=True, timeout=30)
+        out = subprocess.run([exe, *args], capture_output=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired) as e:
         return f"{tool}: {e}"
+    stdout, stderr = decode(out.stdout), decode(out.stderr)
     if out.returncode != 0:
-        first = (out.stderr or out.stdout).strip().splitlines()[:1]
-        return f"{tool}: exit {out.returncode}" + (f": {first[0]}" if first else "")
-    return out.stdout
+        first = (stderr or stdout).strip().splitlines()[:1]
+        return f"{tool}: exit {out.returncode}" + (f": {first[0][:200]}" if first else "")
+    return stdout

@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 from matrices import catalog
 
+from . import amd
 from .facts import IntelGpu, Vendors
 
 PCI_DEVICES = "/sys/bus/pci/devices"
@@ -40,6 +41,8 @@ def find(text: str, v: Vendors) -> IntelGpu | None:
 
 
 def by_pci_id(pci_id: str, v: Vendors) -> IntelGpu | None:
+    if _pci(pci_id) is None:
+        return None
     want = int(pci_id, 16)
     return next((g for g in v.intel_gpus if any(int(p, 16) == want for p in g.pci_ids)), None)
 
@@ -57,10 +60,12 @@ def parse_xpu_smi_json(text: str) -> list[Seen]:
     """`xpu-smi discovery -j`: {"device_list": [{"device_name", "pci_device_id", "device_type", ...}]}."""
     data = json.loads(text)
     seen = []
-    for d in data.get("device_list", []) if isinstance(data, dict) else []:
+    devices = data.get("device_list") if isinstance(data, dict) else None
+    for d in devices if isinstance(devices, list) else []:
         if not isinstance(d, dict) or d.get("device_type", "GPU") != "GPU":
             continue
-        seen.append(Seen(d.get("device_name"), _pci(d.get("pci_device_id"))))
+        name = d.get("device_name")
+        seen.append(Seen(name.strip() or None if isinstance(name, str) else None, _pci(d.get("pci_device_id"))))
     return seen
 
 
@@ -83,10 +88,10 @@ def parse_pci(devices: Path) -> tuple[list[Seen], list[str]]:
     gpus, vga = [], []
     for dev in sorted(devices.iterdir()):
         try:
-            vendor = int((dev / "vendor").read_text().strip(), 16)
-            klass = int((dev / "class").read_text().strip(), 16) >> 8
-            device = (dev / "device").read_text().strip().lower()
-        except (OSError, ValueError):
+            vendor = int(_read(dev / "vendor"), 16)
+            klass = int(_read(dev / "class"), 16) >> 8
+            device = _read(dev / "device").lower()
+        except (OSError, ValueError):  # ValueError: not hex (a damaged or odd file): not a device to plan for
             continue
         if vendor != INTEL_VENDOR:
             continue
@@ -97,8 +102,14 @@ def parse_pci(devices: Path) -> tuple[list[Seen], list[str]]:
     return gpus, vga
 
 
+def _read(path: Path) -> str:
+    with path.open("rb") as f:
+        return amd.decode(f.read(64)).strip()  # sysfs's vendor, device and class are one short hex line
+
+
 def _pci(value) -> str | None:
-    if not isinstance(value, str) or not value.lower().startswith("0x"):
+    """'0x0BD5' -> '0x0bd5'; anything that is not a 16-bit hex PCI ID (a number, '0xzz') -> None."""
+    if not isinstance(value, str) or not amd.PCI_ID.fullmatch(value.strip()):
         return None
     return f"0x{int(value, 16):04x}"
 
@@ -111,7 +122,7 @@ def probe_xpu_smi(v: Vendors) -> Probe:
         return Probe([], out)
     try:
         seen = parse_xpu_smi_json(out)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON (an older xpu-smi): its table
         seen = parse_xpu_smi_table(_run("xpu-smi", ["discovery"]))
     return Probe(seen, f"xpu-smi: {len(seen)} GPU(s)")
 
