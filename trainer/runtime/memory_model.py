@@ -223,6 +223,7 @@ def model_shape(model: str, revision: str | None = None, trust_remote_code: bool
     (exact=None: when it can; True: must; False: the analytic count). `local_only`: never the network."""
     config, source, directory = read_config(model, revision, local_only)
     config = {**config, **(overrides or {})}
+    check_sizes(config, source, overrides or {})
     if exact is not False:
         try:
             shape = _meta_shape(config, source, directory, trust_remote_code)
@@ -239,6 +240,53 @@ def model_shape(model: str, revision: str | None = None, trust_remote_code: bool
     shape.notes.append("parameters counted from config.json's sizes (transformers is not importable here, or "
                        "could not build this model on the meta device): the band is wider")
     return shape
+
+
+# The sizes a model's shape is built from, each a whole number in a range some real model could have: a string
+# ("64"), NaN, 0 or -1 gave a traceback, or "fits, 0.5 GB" for a model that cannot exist; 10^8 layers hung while
+# the model was built. The upper bounds are far above any published model (Llama 3.1 405B: 126 layers, hidden
+# 16384, vocab 128256; Gemma 3: vocab 262144; DeepSeek-V3: 256 experts) and keep building or counting it bounded.
+SIZES = {  # key: (least, most)
+    "hidden_size": (1, 1 << 18), "d_model": (1, 1 << 18), "n_embd": (1, 1 << 18),
+    "num_hidden_layers": (1, 1024), "n_layer": (1, 1024), "num_layers": (1, 1024),
+    "num_attention_heads": (1, 1 << 14), "n_head": (1, 1 << 14), "num_key_value_heads": (1, 1 << 14),
+    "head_dim": (1, 1 << 14), "vocab_size": (1, 1 << 24), "intermediate_size": (0, 1 << 20),
+    "moe_intermediate_size": (0, 1 << 20), "shared_expert_intermediate_size": (0, 1 << 20),
+    "num_local_experts": (0, 1 << 14), "num_experts": (0, 1 << 14), "n_routed_experts": (0, 1 << 14),
+    "num_experts_per_tok": (0, 1 << 14), "max_position_embeddings": (1, 1 << 31), "n_positions": (1, 1 << 31),
+}
+
+
+def check_sizes(config: dict, source: str, overrides: dict | None = None) -> None:
+    """Refuse (ModelConfigError, bad input: exit 2) a config.json whose sizes no model can have, naming the file
+    (or the training config's model_config_overrides) and the key: the one check before the shape is counted."""
+    overrides = overrides or {}
+    inner = config.get("text_config")
+    for part, where in ((config, ""), (inner if isinstance(inner, dict) else {}, "text_config.")):
+        for key, (least, most) in SIZES.items():
+            value = part.get(key)
+            if value is None:
+                continue
+            origin = "model_config_overrides" if not where and key in overrides else source
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ModelConfigError(f"{origin}: {where}{key} is {_shown(value)}: a model's sizes are whole "
+                                       "numbers", bad_input=True)
+            if not least <= value <= most:
+                raise ModelConfigError(f"{origin}: {where}{key} is {value:,}: no model has that (expected "
+                                       f"{least} to {most:,})", bad_input=True)
+        heads, kv = part.get("num_attention_heads"), part.get("num_key_value_heads")
+        if heads and kv and heads % kv:
+            raise ModelConfigError(f"{source}: {where}num_key_value_heads {kv} does not divide num_attention_heads "
+                                   f"{heads}", bad_input=True)
+        hidden = part.get("hidden_size")
+        if heads and hidden and part.get("head_dim") is None and hidden % heads:
+            raise ModelConfigError(f"{source}: {where}hidden_size {hidden} is not a multiple of num_attention_heads "
+                                   f"{heads} and there is no head_dim", bad_input=True)
+
+
+def _shown(value) -> str:
+    text = json.dumps(value, allow_nan=True) if isinstance(value, (str, float, list, dict)) else repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def text_config(config: dict) -> dict:
