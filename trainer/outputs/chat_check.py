@@ -28,6 +28,42 @@ CONVERSATION = [{"role": "user", "content": "What is the capital of France?"}]
 MAX_NEW_TOKENS = 32
 
 
+TEMPLATE_SECONDS = 10.0  # rendering one short conversation: real templates take milliseconds
+
+
+class _Expired(BaseException):  # not an Exception: jinja and transformers catch those and would carry on
+    pass
+
+
+def render(tokenizer, messages, **kwargs):
+    """tokenizer.apply_chat_template under a time budget: a template from a file (chat_template.jinja, the
+    config's chat_template_jinja) with nested `range(100000)` loops otherwise hangs the final save, merge-lora,
+    export and chat-check, printing nothing. Past TEMPLATE_SECONDS: ConfigError naming the tokenizer's directory.
+    The budget is a SIGALRM timer, so it holds in the main thread (where every command renders); elsewhere the
+    template renders unbounded."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
+        return tokenizer.apply_chat_template(messages, **kwargs)
+
+    def expired(signum, frame):
+        raise _Expired()
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, TEMPLATE_SECONDS)
+    try:
+        return tokenizer.apply_chat_template(messages, **kwargs)
+    except _Expired:
+        where = getattr(tokenizer, "name_or_path", None) or "the tokenizer"
+        raise ConfigError(f"{where}: the chat template did not finish rendering a {len(messages)}-message "
+                          f"conversation in {TEMPLATE_SECONDS:g} s (a loop without bound, e.g. nested range()?): fix "
+                          "chat_template.jinja, or the config's chat_template / chat_template_jinja") from None
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 def is_mistral_common(tokenizer) -> bool:
     return getattr(tokenizer, "backend", None) == "mistral_common"
 
@@ -41,7 +77,7 @@ def end_of_turn(tokenizer) -> str | None:
         raise ConfigError("the tokenizer has no chat template (set chat_template in the config, or use a tokenizer "
                           "that has one), so there is no end-of-turn token to find")
     messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": MARKER}]
-    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    text = render(tokenizer, messages, tokenize=False)
     if MARKER not in text:
         return None
     tail = text[text.rindex(MARKER) + len(MARKER):]
@@ -59,8 +95,8 @@ def stop_ids(tokenizer, eot_tokens: list[str] | None = None) -> list[int]:
     if is_mistral_common(tokenizer) or getattr(tokenizer, "chat_template", None):
         try:
             eot = end_of_turn(tokenizer)
-        except Exception:  # a template that cannot render this conversation (roles it refuses): the eos alone
-            eot = None
+        except Exception:  # a template that cannot render this conversation (roles it refuses), or one past its
+            eot = None     # time budget (render): the eos alone, and the save completes
     names = [tokenizer.eos_token, eot, *(eot_tokens or [])]
     ids: list[int] = []
     for name in names:
@@ -194,7 +230,7 @@ def chat_check(cfg, model: str | None = None, max_new_tokens: int = MAX_NEW_TOKE
         gen = GenerationConfig.from_pretrained(model_dir)
     saved = [i for i in (gen.eos_token_id if isinstance(gen.eos_token_id, list) else [gen.eos_token_id])
              if i is not None]
-    ids = tokenizer.apply_chat_template(CONVERSATION, add_generation_prompt=True, tokenize=True)
+    ids = render(tokenizer, CONVERSATION, add_generation_prompt=True, tokenize=True)
     if isinstance(ids, dict) or hasattr(ids, "keys"):
         ids = ids["input_ids"]
     prompt = torch.tensor([list(ids)])

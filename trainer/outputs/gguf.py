@@ -107,7 +107,7 @@ def rope_scaling(config: dict) -> dict:
 def check_config(config: dict, log) -> tuple[str, bool]:
     """(GGUF architecture, permute q/k) for this model config; ConfigError for what this exporter does not write."""
     model_type = config.get("model_type")
-    if model_type not in FAMILIES:
+    if not isinstance(model_type, str) or model_type not in FAMILIES:
         others = [n for n in readable_by_transformers() if n not in FAMILIES]
         raise ConfigError(f"export: model_type {model_type!r} is not exported to GGUF here; supported: "
                           f"{', '.join(FAMILIES)} (transformers also reads GGUF for {', '.join(others)}, which this "
@@ -293,9 +293,20 @@ def export_gguf(config: str | Path, outtype: str = "f16", output: str | Path | N
     remove_leftovers(target.parent, target.name, log)  # an export killed before its rename (trainer/runtime/signals.py)
     if target.exists():
         raise ConfigError(f"export: {target} already exists; remove it or pass --output FILE")
-    model_config = json.loads((model_dir / "config.json").read_text())
+    try:
+        model_config = json.loads((model_dir / "config.json").read_text(errors="replace"))
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"export: {model_dir / 'config.json'} is not a readable config.json ({err})") from None
+    if not isinstance(model_config, dict):
+        raise ConfigError(f"export: {model_dir / 'config.json'} is not a JSON object")
+    from trainer.runtime.memory_model import ModelConfigError, check_sizes
+
+    try:  # the sizes `envtool fit` checks, with the same words: "vocab_size is 2e9" never reaches the writer
+        check_sizes(model_config, str(model_dir / "config.json"))
+    except ModelConfigError as err:
+        raise ConfigError(f"export: {err}") from None
     arch_name, permute_qk = check_config(model_config, log)
-    vocab_size = model_config["vocab_size"]
+    vocab_size = model_config.get("vocab_size")  # checked against the embedding before anything is written
     tokenizer = _tokenizer(cfg, model_dir) if (model_dir / "tokenizer.json").is_file() else None
     eot = end_of_turn(tokenizer) if tokenizer is not None else None
     eot_id = tokenizer.convert_tokens_to_ids(eot) if eot else None

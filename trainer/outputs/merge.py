@@ -126,8 +126,6 @@ def read_adapter(final: Path) -> Adapter:
         tensors = torch.load(final / "adapter_model.bin", map_location="cpu", weights_only=True)
     else:
         raise ConfigError(f"merge-lora: {final} has adapter_config.json but no adapter_model.safetensors")
-    from peft.utils.other import get_pattern_key
-
     adapter = Adapter(config=config)
     rank_pattern, alpha_pattern = config.get("rank_pattern") or {}, config.get("alpha_pattern") or {}
     parts: dict[str, Delta] = {}
@@ -162,14 +160,42 @@ def read_adapter(final: Path) -> Adapter:
             raise ConfigError(f"merge-lora: the adapter has only half of {module}'s LoRA factors")
         if part.magnitude is not None and part.kind == "embedding":
             raise ConfigError(f"merge-lora: DoRA on the embedding {module} is not supported by this merge")
-        r = rank_pattern.get(get_pattern_key(rank_pattern.keys(), module), config.get("r", part.A.shape[0]))
+        r = rank_pattern.get(pattern_key(final, "rank_pattern", rank_pattern, module), config.get("r", part.A.shape[0]))
         check_rank(final, module, part, r)
-        alpha = alpha_pattern.get(get_pattern_key(alpha_pattern.keys(), module), config.get("lora_alpha", r))
+        alpha = alpha_pattern.get(pattern_key(final, "alpha_pattern", alpha_pattern, module),
+                                  config.get("lora_alpha", r))
         part.scaling = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
         adapter.deltas[f"{module}.weight"] = part
         if part.bias is not None:
             adapter.biases[f"{module}.bias"] = part
     return adapter
+
+
+PATTERN_SECONDS = 1.0  # one rank_pattern / alpha_pattern key against one module name (a plain key takes microseconds)
+
+
+def pattern_key(final: Path, field: str, patterns: dict, module: str) -> str:
+    """peft's get_pattern_key (the first key K with `(.*\\.)?(K)$` matching the module's name, else the name), with
+    the `regex` module's time limit: a key like `(.|.)*X` backtracks for ever on a 60-character module name with
+    Python's `re`. `regex` is transformers' own dependency, so always here when a merge runs. A key that is not a
+    regular expression, or takes longer than PATTERN_SECONDS, is ConfigError naming adapter_config.json and the key."""
+    import regex
+
+    where = final / "adapter_config.json"
+    for key in patterns:
+        if not isinstance(key, str):
+            raise ConfigError(f"merge-lora: {where}: {field} key {key!r} is not a module name or pattern")
+        try:
+            if regex.match(rf"(.*\.)?({key})$", module, timeout=PATTERN_SECONDS):
+                return key
+        except regex.error as err:
+            raise ConfigError(f"merge-lora: {where}: {field} key {key[:80]!r} is not a regular expression "
+                              f"({err})") from None
+        except TimeoutError:
+            raise ConfigError(f"merge-lora: {where}: {field} key {key[:80]!r} took more than {PATTERN_SECONDS:g} s "
+                              f"to match the module name {module!r} (a pattern that backtracks without end): write "
+                              "the module names plainly (e.g. 'q_proj' or 'layers.0.self_attn.q_proj')") from None
+    return module
 
 
 def check_rank(final: Path, module: str, part: Delta, r) -> None:
