@@ -209,6 +209,16 @@ class Stack(NamedTuple):
     python: str  # specifier
     packages: dict[str, str]
     source: str
+    # The pins a Hub-kernel plan takes instead, where the row's own transformers admits no `kernels` release on
+    # PyPI (5.23.0 needs kernels>=0.18.2): an older transformers whose range one fits, installing with the rest.
+    hub_kernels: dict[str, str] = {}
+    hub_kernels_source: str | None = None
+
+    def packages_for(self, attention: str | None) -> dict[str, str]:
+        """The row's pins for a plan with this attention: a Hub kernel (a name with a slash) takes hub_kernels."""
+        if attention and "/" in attention and self.hub_kernels:
+            return {**self.packages, **self.hub_kernels}
+        return dict(self.packages)
 
 
 class GpuRequirement(NamedTuple):
@@ -690,6 +700,13 @@ def _check_facts(m: Matrix, directory: Path) -> None:
         spec(k.kernels, where)
     for k in m.kernels_releases:
         version(k.version, f"packages.toml [[kernels_release]] (version={k.version})")
+    for s in m.stacks:
+        if s.hub_kernels and not s.hub_kernels_source:
+            fail(f"packages.toml [[stack]] (python{s.python}): hub_kernels without hub_kernels_source")
+        for name, v in s.hub_kernels.items():
+            if name not in s.packages:
+                fail(f"packages.toml [[stack]] (python{s.python}): hub_kernels.{name} is not one of its packages")
+            version(v, f"packages.toml [[stack]] (python{s.python}) hub_kernels.{name}")
     for p in m.packages:
         where = f"packages.toml [[package]] (name={p.name}, version={p.version})"
         version(p.version, where)

@@ -247,8 +247,8 @@ def rule_hub_kernels(req: Request, m: Matrix, c: Candidate) -> str | None:
     if stack is not newest:
         return (f"{c.label} takes transformers {stack.packages.get('transformers')}; Hub kernels are planned with "
                 f"the newest training stack for Python {req.python} (transformers "
-                f"{newest.packages.get('transformers')}) only, never by holding torch back")
-    release, why = hub_kernels_release(m, stack.packages.get("transformers"))
+                f"{newest.packages_for(req.attention).get('transformers')}) only, never by holding torch back")
+    release, why = hub_kernels_release(m, stack.packages_for(req.attention).get("transformers"))
     return None if release else why
 
 
@@ -829,9 +829,12 @@ def choose_attention(req: Request, m: Matrix, best: Candidate) -> tuple[Attentio
                         f"torch{best.xformers.torch}){note}; {packing}")
     if req.attention and "/" in req.attention:
         stack = stack_for(m, best.release.version, req.python)
-        kernels, _ = hub_kernels_release(m, stack.packages.get("transformers"))
+        transformers = stack.packages_for(req.attention).get("transformers")
+        kernels, _ = hub_kernels_release(m, transformers)
+        held = (f" (transformers {transformers}, not {stack.packages.get('transformers')}, whose range no kernels "
+                f"release fits)" if transformers != stack.packages.get("transformers") else "")
         return choice, (f"{backend.name} (--attention {backend.name}){note}; kernels {kernels.version}: the newest "
-                        f"release inside the range transformers requires; {packing}")
+                        f"release inside the range transformers requires{held}; {packing}")
     if req.attention and req.attention != "sdpa":
         return choice, f"{backend.name} (--attention {backend.name}){note}; {packing}"
     kernel = "torch's scaled_dot_product_attention" + (" (math/CPU kernels)" if gpu.is_cpu else "")
@@ -975,10 +978,13 @@ def choose_packages(req: Request, m: Matrix, best: Candidate, triton: str | None
         packages[best.flash_attn.package] = best.flash_attn.version
     if attention == "xformers":
         packages["xformers"] = best.xformers.version
+    pins = stack.packages_for(attention)
     if "/" in attention:  # a Hub kernel: the `kernels` release inside transformers' range (rule_hub_kernels)
-        packages["kernels"] = hub_kernels_release(m, stack.packages.get("transformers"))[0].version
+        packages["kernels"] = hub_kernels_release(m, pins.get("transformers"))[0].version
     notes = [f"training stack: {stack.source}"]
-    for name, version in stack.packages.items():
+    if pins != stack.packages:
+        notes.append(f"Hub kernels: {stack.hub_kernels_source}")
+    for name, version in pins.items():
         need = next((r for r in m.gpu_requirements if r.package == name), None)
         if need and (req.gpu.is_cpu or cc_tuple(req.gpu.compute_capability) < cc_tuple(need.min_cc)):
             notes.append(f"{name} left out: {need.reason}")
