@@ -403,8 +403,17 @@ def _kernels(data: dict, client: Client, date: str, report: Report) -> None:
             "source": f"added by envtool matrix update from PyPI metadata on {date} (the newest kernels release)"},
             "a kernels release newer than the recorded ones is on PyPI"))
     required = {r["transformers"] for r in data.get("kernels_requirement", [])}
-    for version in sorted({s["packages"].get("transformers") for s in data.get("stack", [])} - required - {None},
-                          key=Version):
+    ranges = {r["transformers"]: SpecifierSet(r["kernels"]) for r in data.get("kernels_requirement", [])}
+    releases = {Version(r["version"]) for r in data.get("kernels_release", [])} | {r.version for r in final}
+    for s in data.get("stack", []):
+        own, hub = s["packages"].get("transformers"), s.get("hub_kernels", {}).get("transformers")
+        if hub and own in ranges and any(ranges[own].contains(v) for v in releases):
+            report.reviews.append(Review("packages.toml", f"[[stack]] python{s['python']}",
+                                         f"hub_kernels (transformers {hub}) is no longer needed: a kernels release "
+                                         f"fits transformers {own}'s range kernels{ranges[own]}; drop it"))
+    used = {s["packages"].get("transformers") for s in data.get("stack", [])} | \
+        {s.get("hub_kernels", {}).get("transformers") for s in data.get("stack", [])}
+    for version in sorted(used - required - {None}, key=Version):
         report.reviews.append(Review("packages.toml", f"transformers {version}",
                                      "no [[kernels_requirement]] row: Hub kernel plans with this stack are refused "
                                      "until its Requires-Dist kernels (extra 'kernels') is recorded"))
