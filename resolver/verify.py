@@ -62,6 +62,9 @@ def checks(m: Matrix, *, torch_index: str, pypi: str) -> list[Check]:
     for s in m.stacks:
         for name, version in s.packages.items():
             pinned.setdefault((name, version), f"{name} {version} ([[stack]] torch{s.torch} python{s.python})")
+        for name, version in s.hub_kernels.items():
+            pinned.setdefault((name, version), f"{name} {version} ([[stack]] torch{s.torch} python{s.python} "
+                                               f"hub_kernels, --attention <org>/<kernel>)")
     for x in m.xformers:
         pinned.setdefault(("xformers", x.version), f"xformers {x.version} (--attention xformers)")
     for k in m.kernels_releases:
