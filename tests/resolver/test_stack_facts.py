@@ -186,3 +186,17 @@ def test_matrix_update_asks_to_drop_hub_kernels_once_a_kernels_release_fits_the_
     assert reviews(captured) == []
     (drop,) = reviews([*captured, "0.18.2"])
     assert "transformers 5.22.2" in str(drop) and "5.23.0" in str(drop) and "drop it" in str(drop)
+
+
+def test_every_stack_row_installs_together_by_its_releases_own_metadata(m):
+    """The same oracle for each [[stack]] row as written (what `envtool matrix update` leaves or proposes), on
+    the lowest Python it admits: no pin that another pin's Requires-Dist or runtime table rejects."""
+    for s in m.stacks:
+        python = s.python.split(",")[0].lstrip(">=")
+        names = {canonicalize_name(n) for n in s.packages}
+        pinned = {canonicalize_name(n): Version(v) for n, v in s.packages.items()}
+        for name, version in s.packages.items():
+            for req, where in needs(name, version, python, names):
+                other = pinned[canonicalize_name(req.name)]
+                assert req.specifier.contains(other, prereleases=True), \
+                    f"[[stack]] python{s.python}: {name} {version} requires {req} ({where}), the row pins {other}"
