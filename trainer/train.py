@@ -119,7 +119,7 @@ class Training:
         self.resume_from = self.resume_path()
         if self.resume_from is not None:  # a changed config: refused or noted key by key, before anything loads
             before = checkpoint.read_state(self.resume_from).get("config")
-            for note in resume_keys.compare(str(self.resume_from), before, cfg):
+            for note in resume_keys.compare(str(self.resume_from), before, self.recorded_config):
                 say(note)
         self.cfg = cfg = self.keep_global_batch(cfg, self.world // group)
 

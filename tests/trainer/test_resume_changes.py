@@ -42,7 +42,7 @@ def test_a_changed_key_is_refused_or_noted_never_ignored(make_config):
     def check(key, old):
         before = {**now, key: old}
         try:
-            notes = resume_keys.compare("out/checkpoint-3", before, cfg)
+            notes = resume_keys.compare("out/checkpoint-3", before, now)
         except ConfigError as err:  # refused: one line, the checkpoint and the key
             line = str(err)
             assert "\n" not in line and "out/checkpoint-3" in line and f"{key}: " in line
@@ -61,17 +61,18 @@ def test_values_are_shown_both_ways_and_an_older_checkpoint_is_noted(make_config
     cfg, _ = load_config(make_config(learning_rate=1e-4, max_steps=8))
     before = {**resume_keys.recorded(cfg), "learning_rate": 1e-3, "lora_r": 16, "max_steps": 4}
     with pytest.raises(ConfigError) as err:
-        resume_keys.compare("o/checkpoint-2", before, cfg)
+        resume_keys.compare("o/checkpoint-2", before, resume_keys.recorded(cfg))
     assert "learning_rate: 0.001 -> 0.0001" in str(err.value) and "lora_r: 16 -> 8" in str(err.value)
     assert "max_steps" not in str(err.value)
-    notes = resume_keys.compare("o/checkpoint-2", {**before, "learning_rate": 1e-4, "lora_r": 8}, cfg)
+    notes = resume_keys.compare("o/checkpoint-2", {**before, "learning_rate": 1e-4, "lora_r": 8},
+                                resume_keys.recorded(cfg))
     assert notes == ["note: max_steps changed since o/checkpoint-2 was saved: 4 -> 8 (allowed on a resume)"]
-    assert "does not record the config" in resume_keys.compare("o/checkpoint-2", None, cfg)[0]
+    assert "does not record the config" in resume_keys.compare("o/checkpoint-2", None, {})[0]
     # a key an older checkpoint does not record is compared with its default
     older = {k: v for k, v in resume_keys.recorded(cfg).items() if k != "neftune_noise_alpha"}
     cfg2, _ = load_config(make_config("n.yml", learning_rate=1e-4, max_steps=8, neftune_noise_alpha=5))
     with pytest.raises(ConfigError, match="neftune_noise_alpha: unset -> 5"):
-        resume_keys.compare("o/checkpoint-2", older, cfg2)
+        resume_keys.compare("o/checkpoint-2", older, resume_keys.recorded(cfg2))
 
 
 def fake_checkpoint(out, cfg, step=2):
@@ -120,3 +121,23 @@ def test_a_real_checkpoint_records_its_config_and_the_command_line_refuses_a_cha
     assert "note: max_steps changed since" in err and "2 -> 3" in err
     assert "note: logging_steps changed since" in err
     assert f"resumed from {out / 'checkpoint-2'} at step 2" in err
+
+
+def test_an_older_checkpoint_of_another_lora_r_is_one_line_naming_it(tiny_llama, tmp_path):
+    """No recorded config to compare: the shape mismatch on load is still one line (exit 2) naming the checkpoint."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from trainer.model.load import load_weights
+
+    def adapter(r):
+        base = AutoModelForCausalLM.from_pretrained(tiny_llama)
+        return get_peft_model(base, LoraConfig(r=r, lora_alpha=8, target_modules=["q_proj"]))
+
+    ckpt = tmp_path / "checkpoint-2"
+    adapter(4).save_pretrained(ckpt)
+    with pytest.raises(ConfigError) as err:
+        load_weights(adapter(8), ckpt)
+    line = str(err.value)
+    assert "\n" not in line and str(ckpt) in line and "size mismatch" in line and "lora_r" in line
+    assert err.value.exit_code == 2

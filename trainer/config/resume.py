@@ -24,6 +24,7 @@ by an older envtool) is not compared: one note says so.
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Any
 
 TRAINS, MAY_CHANGE, RESUME = "trains", "may change", "resume"
@@ -74,6 +75,13 @@ CLASSES: dict[str, str] = {**{k: TRAINS for k in _TRAINS.split()}, **{k: MAY_CHA
                            **{k: RESUME for k in _RESUME.split()}}
 
 
+@lru_cache(maxsize=1)
+def _defaults() -> dict[str, Any]:
+    from trainer.config.schema import Config
+
+    return recorded(Config.model_construct())
+
+
 def recorded(cfg) -> dict[str, Any]:
     """What a checkpoint records: the config's values as JSON."""
     return cfg.model_dump(mode="json")
@@ -95,16 +103,17 @@ def changes(before: dict[str, Any], now: dict[str, Any], defaults: dict[str, Any
     return out
 
 
-def compare(checkpoint: str, before: dict[str, Any] | None, cfg) -> list[str]:
+def compare(checkpoint: str, before: dict[str, Any] | None, now: dict[str, Any]) -> list[str]:
     """The notes for the allowed changes; raises ConfigError (exit 2) naming the checkpoint and every refused key
-    with both values. `before`: the checkpoint's recorded config (None: an older checkpoint, one note)."""
+    with both values. `before`: the checkpoint's recorded config (None: an older checkpoint, one note); `now`:
+    this run's, recorded(cfg) as loaded (before auto_find_batch_size or another number of processes sets the
+    batch split)."""
     from trainer.errors import ConfigError
 
     if not isinstance(before, dict):
         return [f"note: {checkpoint} does not record the config it was trained with (written by an older envtool): "
                 "this config is not compared with it"]
-    defaults = recorded(type(cfg).model_construct())
-    found = changes(before, recorded(cfg), defaults)
+    found = changes(before, now, _defaults())
     refused = [(k, old, new) for k, kind, old, new in found if kind == TRAINS]
     if refused:
         what = "; ".join(f"{k}: {_show(old)} -> {_show(new)}" for k, old, new in refused)
