@@ -34,6 +34,7 @@ from trainer import objectives
 from trainer.batch.collate import Collator
 from trainer.batch.sampler import MultipackBatchSampler
 from trainer.config import Config
+from trainer.config import resume as resume_keys
 from trainer.config.parallel import sync_each_batch
 from trainer.data.prepare import Prepared, load_tokenizer
 from trainer.errors import ConfigError, DataError, Stopped, TrainingError
@@ -80,6 +81,7 @@ class Training:
         from trainer.model.attention import for_model
 
         self.cfg, self.runtime = cfg, runtime
+        self.recorded_config = resume_keys.recorded(cfg)  # as given: what checkpoints record, and resumes compare
         # 0. micro_batch_size: auto: the split of the step's batch the GPU holds (before DeepSpeed's config reads it)
         from trainer.runtime import auto_batch
 
@@ -115,6 +117,10 @@ class Training:
         mesh = accelerator.mesh
         group = (mesh.tp * mesh.cp) if mesh is not None else 1
         self.resume_from = self.resume_path()
+        if self.resume_from is not None:  # a changed config: refused or noted key by key, before anything loads
+            before = checkpoint.read_state(self.resume_from).get("config")
+            for note in resume_keys.compare(str(self.resume_from), before, self.recorded_config):
+                say(note)
         self.cfg = cfg = self.keep_global_batch(cfg, self.world // group)
 
         # 2. tokenizer and data
@@ -574,7 +580,7 @@ class Training:
         saved = self.hooks.on_save(self.step)
         state = {"step": self.step, "world_size": self.world, "data_world": self.data_world,
                  "global_batch": self.cfg.micro_batch_size * self.data_world * self.ga,
-                 "sampler": self.sampler.state_dict(consumed), **saved.state}
+                 "sampler": self.sampler.state_dict(consumed), **saved.state, "config": self.recorded_config}
         path = checkpoint.save(self.output_dir, self.step, self.unwrapped, self.optimizer, self.scheduler,
                                self.accelerator.scaler, state, self.rank, self.timeout, keep=self.cfg.save_total_limit,
                                engine=self.model, model_only=self.cfg.save_only_model, tensors=saved.tensors or None,

@@ -229,12 +229,18 @@ def load_weights(model, path: Path) -> None:
     if not files:
         raise TrainingError(f"checkpoint {path} has no *.safetensors weights")
     weights = {k: v for f in files for k, v in load_file(str(f)).items()}
-    if hasattr(model, "peft_config"):
-        from peft import set_peft_model_state_dict
+    try:
+        if hasattr(model, "peft_config"):
+            from peft import set_peft_model_state_dict
 
-        set_peft_model_state_dict(model, weights)
-        return
-    missing, unexpected = model.load_state_dict(weights, strict=False)
+            set_peft_model_state_dict(model, weights)
+            return
+        missing, unexpected = model.load_state_dict(weights, strict=False)
+    except RuntimeError as err:  # "size mismatch for ...": a checkpoint without a recorded config to compare first
+        first = next((line.strip() for line in str(err).splitlines() if "size mismatch" in line), str(err)[:200])
+        raise ConfigError(f"checkpoint {path} does not match this config's model or adapter ({first[:300]}): it was "
+                          "trained with another base_model or lora_r; resume it with the config it was trained "
+                          "with, or start a new run with a new output_dir") from None
     tied = set(getattr(model, "_tied_weights_keys", None) or [])
     if unexpected or [k for k in missing if k not in tied and not k.endswith("lm_head.weight")]:
         raise TrainingError(f"checkpoint {path} does not match the model (missing {missing[:3]}, unexpected {unexpected[:3]})")
