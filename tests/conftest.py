@@ -9,6 +9,9 @@ This file keeps the tiers honest, and keeps the full run safe under pytest-xdist
 - Every `docker` test runs in one xdist group (one worker, one after another): their fixture removes the images a
   test added and prunes dangling images engine-wide, which would pull images from under a build on another worker.
 - A marked test that uses a module-scoped fixture runs in its module's group, so the fixture is made once.
+- The node ids in tests/extended.txt (measured heaviest end-to-end tests) get the `extended` marker: CI's run
+  (`bash .ci/run`) leaves them out, `bash .ci/run --extended` runs them. A listed id that names no test fails a run of
+  the whole suite, so the list cannot go stale silently.
 """
 
 from __future__ import annotations
@@ -17,10 +20,20 @@ import importlib
 import os
 import resource
 import time
+from pathlib import Path
 
 import pytest
 
 TIER_MARKERS = ("slow", "distributed", "docker")
+EXTENDED_LIST = Path(__file__).with_name("extended.txt")
+# Files whose tests share one uv cache, one local package index and one uv process pool: under xdist, two of them at
+# once made uv answer with another error than the one the test names (test_lock's missing wheel, vendor_chain's triton).
+UV_GROUP = ("tests/resolver/test_lock.py", "tests/resolver/test_vendor_chain.py")
+
+
+def _extended_ids() -> set[str]:
+    lines = (line.split("#", 1)[0].strip() for line in EXTENDED_LIST.read_text().splitlines())
+    return {line for line in lines if line}
 
 # What the guard measures: the CPU time (user + system) of the test's call phase -- not its fixtures' set-up --
 # spent by the pytest process (all its threads) plus the child processes it waited for (subprocess.run,
@@ -61,11 +74,27 @@ def _shares_a_module_fixture(item: pytest.Item) -> bool:
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups (--dist loadgroup)
 def pytest_collection_modifyitems(config, items):
+    extended = _extended_ids()
+    seen = set()
+    for item in items:
+        if item.nodeid in extended:
+            if not item.get_closest_marker("slow") and not item.get_closest_marker("distributed") \
+                    and not item.get_closest_marker("docker"):
+                raise pytest.UsageError(f"tests/extended.txt: {item.nodeid} is in the fast tier; list only marked tests")
+            item.add_marker(pytest.mark.extended)
+            seen.add(item.nodeid)
+    whole_run = not config.args or [str(a).rstrip("/") for a in config.args] == ["tests"]
+    stale = sorted(extended - seen)
+    if whole_run and stale:  # (a run of some files or ids collects only those)
+        raise pytest.UsageError(f"tests/extended.txt: {stale[0]} names no test ({len(stale)} such lines); "
+                                "remove or rename it")
     for item in items:
         if item.get_closest_marker("xdist_group"):
             continue
         if item.get_closest_marker("docker"):
             item.add_marker(pytest.mark.xdist_group("docker"))
+        elif item.nodeid.split("::")[0] in UV_GROUP and not _is_fast_tier(item):
+            item.add_marker(pytest.mark.xdist_group("uv"))
         elif not _is_fast_tier(item) and _shares_a_module_fixture(item):
             # a marked test whose module-scoped fixture trains (ddp_runs, trained, one_process, ...) runs on the
             # worker that made it for the module's other tests, instead of each worker training it again

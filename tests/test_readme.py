@@ -76,15 +76,28 @@ def test_every_readme_command_has_a_test():
 
 def test_ci_runs_the_readme_test_command():
     """CI runs `bash .ci/run`, the README's command for every test: it sets up as the README's fast-tier command does,
-    and its two tiers are complements (together `pytest -m ""`), so CI runs the README's fast tier and the rest."""
+    and its tiers (with --extended's) split every combination of markers a test can carry into exactly one tier, so
+    CI runs the README's fast tier and the rest, and nothing falls between the tiers."""
+    from itertools import combinations
+
+    from _pytest.mark.expression import Expression
+
     ci = (ROOT / ".ci" / "run").read_text()
     commands = readme_commands()
     assert "bash .ci/run" in commands
     fast = [c for c in commands if c.startswith("bash .ci/setup && ")]
     assert fast == ["bash .ci/setup && .venv/bin/python -m pytest -q"], fast
     assert "bash .ci/setup" in ci and ".venv/bin/python -m pytest -q" in ci
-    assert 'tier "fast (no marker)" -m "not slow and not distributed and not docker"' in ci
-    assert 'tier "slow, distributed, docker" -m "slow or distributed or docker"' in ci
+    tiers = dict(re.findall(r'^\s*tier "([^"]+)" \S+ -m "([^"]+)"', ci, re.M))
+    assert tiers["fast (no marker)"] == "not slow and not distributed and not docker"
+    assert "extended" in tiers
+    base = ("slow", "distributed", "docker")
+    for size in range(len(base) + 1):
+        for marks in combinations(base, size):
+            for extended in ((False, True) if marks else (False,)):
+                names = set(marks) | ({"extended"} if extended else set())
+                hits = [t for t, expr in tiers.items() if Expression.compile(expr).evaluate(lambda n: n in names)]
+                assert len(hits) == 1, (names, hits)
     addopts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["addopts"]
     assert "not slow and not distributed and not docker" in addopts  # plain `pytest` is the fast tier
 

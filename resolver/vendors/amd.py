@@ -239,7 +239,12 @@ def parse_rocm_smi(text: str) -> list[Seen]:
         import csv
         import io
 
-        cards = [r for r in csv.DictReader(io.StringIO(text)) if (r.get("device") or "").startswith("card")]
+        # newline="" lets csv see a lone \r in a field (damaged output) as text, not as csv.Error
+        try:
+            cards = [r for r in csv.DictReader(io.StringIO(text, newline=""))
+                     if isinstance(r.get("device"), str) and r["device"].startswith("card")]
+        except csv.Error:  # output csv cannot read: no card from rocm-smi (the caller notes an empty answer)
+            cards = []
     seen = []
     for card in cards:
         # a value that is not text (a number where a name goes; csv's list for a row with extra fields) is dropped
