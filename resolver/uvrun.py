@@ -70,13 +70,18 @@ def run_uv(args: list[str], *, what: str, env: dict[str, str], cwd: Path | None 
 
 
 MISSING_WHEEL = re.compile(r"Because (?P<name>[\w.\-]+)==(?P<version>[\w.+\-]+) has no (?:usable|.*?-compatible) wheels")
-MISSING_URL = re.compile(r"Failed to download `(?P<name>[\w.\-]+) @ (?P<url>\S+)`")
+# (uv wraps a long URL onto the next line, and under a split by markers names the package mid-sentence: "Because all
+# versions of torch depend on pytorch-triton-rocm and pytorch-triton-rocm was not found in the package registry")
+MISSING_URL = re.compile(r"Failed to download `(?P<name>[\w.\-]+) @\s*(?P<url>[^`\s]+)")
 HTTP_STATUS = re.compile(r"HTTP status (?:client|server) error \((?P<status>[^)]+)\)")
-NOT_ON_INDEX = re.compile(r"Because (?P<name>[\w.\-]+) was not found in the package registry")
+NOT_ON_INDEX = re.compile(r"(?:Because|and) (?P<name>[\w.\-]+) was not found in the package registry")
 
 
 def explain_failure(stderr: str, what: str) -> EnvtoolError:
     """Name the package and wheel that is missing when that is why uv failed; else uv's own error line."""
+    stderr_lines = stderr
+    # uv wraps its sentences to the terminal (and its tree prefixes: │ ╰─▶): the patterns read them unwrapped
+    stderr = re.sub(r"[ \t]*\n[ \t│╰─▶]*", " ", stderr)
     missing = MISSING_WHEEL.search(stderr)
     if missing:
         name, version = missing["name"], missing["version"]
@@ -89,10 +94,10 @@ def explain_failure(stderr: str, what: str) -> EnvtoolError:
     status = HTTP_STATUS.search(stderr)
     if url and status and status["status"].startswith("404"):
         return MissingWheel(url["name"], None, url["url"], stderr, status["status"])
-    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    lines = [line.strip() for line in stderr_lines.splitlines() if line.strip()]
     errors = [line for line in lines if line.startswith(("error:", "cause:", "×"))] or lines[-1:]
     hint = ""
-    if "certificate" in stderr.lower():
+    if "certificate" in stderr_lines.lower():
         hint = " (an index behind a proxy or mirror with its own CA? pass --ca-bundle FILE or set SSL_CERT_FILE)"
     text = " ".join(errors)
     return UvFailed(f"{what} failed: uv says: {text[:300]}{' … ' + text[-300:] if len(text) > 600 else text[300:]}{hint}")
@@ -108,8 +113,8 @@ class MissingWheel(Unsatisfiable):
                     f"{f' ({status})' if status else ''}; envtool never builds {name} from source: "
                     f"`envtool resolve --no-flash-attn` skips it, or ENVTOOL_FLASH_ATTN_URL names a mirror")
         elif status == "not on its index":
-            text = (f"{name}=={version or '(any)'} is not on the index it comes from; envtool never builds {name} "
-                    f"from source")
+            wanted = f"{name}=={version}" if version else f"{name} (no version of it)"
+            text = f"{wanted} is not on the index it comes from; envtool never builds {name} from source"
         else:
             text = (f"no prebuilt wheel of {name}=={version} for the target (Python, platform); "
                     f"envtool never builds {name} from source")
