@@ -79,25 +79,24 @@ NOT_ON_INDEX = re.compile(r"(?:Because|and) (?P<name>[\w.\-]+) was not found in 
 
 def explain_failure(stderr: str, what: str) -> EnvtoolError:
     """Name the package and wheel that is missing when that is why uv failed; else uv's own error line."""
-    stderr_lines = stderr
     # uv wraps its sentences to the terminal (and its tree prefixes: │ ╰─▶): the patterns read them unwrapped
-    stderr = re.sub(r"[ \t]*\n[ \t│╰─▶]*", " ", stderr)
-    missing = MISSING_WHEEL.search(stderr)
+    flat = re.sub(r"[ \t]*\n[ \t│╰─▶]*", " ", stderr)
+    missing = MISSING_WHEEL.search(flat)
     if missing:
         name, version = missing["name"], missing["version"]
         return MissingWheel(name, version, None, stderr)
-    absent = NOT_ON_INDEX.search(stderr)
+    absent = NOT_ON_INDEX.search(flat)
     if absent:  # an index that does not carry the package at all (flash-attn-3 on a PyTorch index folder)
-        pin = re.search(rf"depends on {re.escape(absent['name'])}==(?P<version>[\w.+\-]+?)[,\s]", stderr)
+        pin = re.search(rf"depends on {re.escape(absent['name'])}==(?P<version>[\w.+\-]+?)[,\s]", flat)
         return MissingWheel(absent["name"], pin["version"] if pin else None, None, stderr, "not on its index")
-    url = MISSING_URL.search(stderr)
-    status = HTTP_STATUS.search(stderr)
+    url = MISSING_URL.search(flat)
+    status = HTTP_STATUS.search(flat)
     if url and status and status["status"].startswith("404"):
         return MissingWheel(url["name"], None, url["url"], stderr, status["status"])
-    lines = [line.strip() for line in stderr_lines.splitlines() if line.strip()]
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
     errors = [line for line in lines if line.startswith(("error:", "cause:", "×"))] or lines[-1:]
     hint = ""
-    if "certificate" in stderr_lines.lower():
+    if "certificate" in stderr.lower():
         hint = " (an index behind a proxy or mirror with its own CA? pass --ca-bundle FILE or set SSL_CERT_FILE)"
     text = " ".join(errors)
     return UvFailed(f"{what} failed: uv says: {text[:300]}{' … ' + text[-300:] if len(text) > 600 else text[300:]}{hint}")

@@ -26,9 +26,6 @@ import pytest
 
 TIER_MARKERS = ("slow", "distributed", "docker")
 EXTENDED_LIST = Path(__file__).with_name("extended.txt")
-# Files whose tests share one uv cache, one local package index and one uv process pool: under xdist, two of them at
-# once made uv answer with another error than the one the test names (test_lock's missing wheel, vendor_chain's triton).
-UV_GROUP = ("tests/resolver/test_lock.py", "tests/resolver/test_vendor_chain.py")
 
 
 def _extended_ids() -> set[str]:
@@ -93,8 +90,6 @@ def pytest_collection_modifyitems(config, items):
             continue
         if item.get_closest_marker("docker"):
             item.add_marker(pytest.mark.xdist_group("docker"))
-        elif item.nodeid.split("::")[0] in UV_GROUP and not _is_fast_tier(item):
-            item.add_marker(pytest.mark.xdist_group("uv"))
         elif not _is_fast_tier(item) and _shares_a_module_fixture(item):
             # a marked test whose module-scoped fixture trains (ddp_runs, trained, one_process, ...) runs on the
             # worker that made it for the module's other tests, instead of each worker training it again

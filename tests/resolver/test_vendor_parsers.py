@@ -6,6 +6,7 @@ answer in bounded time (hypothesis' deadline). And `--gpu` text of any length an
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import tempfile
@@ -151,17 +152,23 @@ def test_damaged_nvidia_smi_output_never_raises_but_a_clear_line(m, name, data):
                 assert "\n" not in str(e)
 
 
+@contextlib.contextmanager
+def damaged_copy(source: Path, pattern: str, data):
+    """A copy of the captured tree `source` with one to three of its files matching `pattern` damaged."""
+    files = sorted(p.relative_to(source) for p in source.rglob(pattern) if p.is_file())
+    with tempfile.TemporaryDirectory() as tmp:
+        copy = Path(tmp) / source.name
+        shutil.copytree(source, copy)
+        for rel in data.draw(st.lists(st.sampled_from(files), min_size=1, max_size=3, unique=True)):
+            (copy / rel).write_bytes(data.draw(mutated((source / rel).read_bytes())))
+        yield copy
+
+
 @pytest.mark.parametrize("tree", ["amd/kfd-vega10", "amd/kfd-mi210-xgmi", "amd/kfd-mi308x-cpx"])
 @given(data=st.data())
 @settings(max_examples=20, deadline=timedelta(seconds=1), suppress_health_check=[HealthCheck.too_slow])
 def test_damaged_kfd_topology_never_raises(v, tree, data):
-    source = CAPTURED / tree
-    files = sorted(p.relative_to(source) for p in source.rglob("properties"))
-    with tempfile.TemporaryDirectory() as tmp:
-        nodes = Path(tmp) / "nodes"
-        shutil.copytree(source, nodes)
-        for rel in data.draw(st.lists(st.sampled_from(files), min_size=1, max_size=3, unique=True)):
-            (nodes / rel).write_bytes(data.draw(mutated((source / rel).read_bytes())))
+    with damaged_copy(CAPTURED / tree, "properties", data) as nodes:
         seen, _ = amd.parse_kfd(nodes)
         for gpu in vendors._count_amd(seen, "kfd", v, []):
             assert gpu.target is None or gpu.target.startswith("gfx")
@@ -171,13 +178,7 @@ def test_damaged_kfd_topology_never_raises(v, tree, data):
 @given(data=st.data())
 @settings(max_examples=20, deadline=timedelta(seconds=1), suppress_health_check=[HealthCheck.too_slow])
 def test_damaged_pci_sysfs_never_raises(v, tree, data):
-    source = CAPTURED / tree
-    files = sorted(p.relative_to(source) for p in source.rglob("*") if p.is_file())
-    with tempfile.TemporaryDirectory() as tmp:
-        devices = Path(tmp) / "devices"
-        shutil.copytree(source, devices)
-        for rel in data.draw(st.lists(st.sampled_from(files), min_size=1, max_size=3, unique=True)):
-            (devices / rel).write_bytes(data.draw(mutated((source / rel).read_bytes())))
+    with damaged_copy(CAPTURED / tree, "*", data) as devices:
         gpus, _ = intel.parse_pci(devices)
         vendors._count_intel(gpus, "pci", v, [])
 
