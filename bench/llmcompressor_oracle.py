@@ -33,7 +33,7 @@ from trainer.config.sparsity import PLUGIN
 from trainer.model.sparsity import Pruning
 from trainer.model.tiny import build_model, build_tokenizer
 
-EXAMPLE = Path(__file__).parents[1] / "tests/trainer/data/axolotl_examples/llama-3__sparse-finetuning.yaml"
+EXAMPLE = Path(__file__).parents[1] / "tests/trainer/fixtures/axolotl_examples/llama-3__sparse-finetuning.yaml"
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 

@@ -1,6 +1,6 @@
 """How many users' own Axolotl configs `python -m trainer validate` takes unchanged, for their GPU and for a T4.
 
-The corpus is tests/trainer/data/user_configs/: whole config files from public repositories of fine-tuned models,
+The corpus is tests/trainer/fixtures/user_configs/: whole config files from public repositories of fine-tuned models,
 courses and cloud recipes (none from Axolotl's examples/), read through the search index (SOURCES.md there), each with
 a first line `# source: URL (date)` (no date where it is not known) and, where the author named the GPU it ran on,
 `# gpu: NAME`. Each config is validated by the real CLI, in this process, with no
@@ -13,7 +13,7 @@ this machine (the authors' data and models), both, or anything else (a key or va
 are what the corpus is for). Prints the figure per GPU, the refusals grouped by the
 key they name, and any config that failed with something other than a one-line refusal (a bug). Usage:
 
-    python bench/user_configs.py [--dir tests/trainer/data/user_configs] [-v]
+    python bench/user_configs.py [--dir tests/trainer/fixtures/user_configs] [-v]
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from axolotl_examples import refused_keys, validate  # noqa: E402  (the same CLI call and refusal parsing)
 
-CORPUS = ROOT / "tests" / "trainer" / "data" / "user_configs"
+CORPUS = ROOT / "tests" / "trainer" / "fixtures" / "user_configs"
 
 
 def author_gpu(text: str) -> str | None:
@@ -64,7 +64,7 @@ ACCEPTED = ("ok", "hardware", "missing file", "hardware and missing file")  # wh
 def results(configs: list[Path], which: str) -> dict[Path, tuple[str, int, str, str]]:
     """path -> (gpu, exit code, stderr, cause: ok | hardware | missing file | hardware and missing file | config |
     crash) for `validate --gpu` the author's GPU (which: author; else an A100) or `which`.
-    (tests/trainer/test_user_configs.py asserts the figure with this.)"""
+    (tests/trainer/config/test_user_configs.py asserts the figure with this.)"""
     out = {}
     for path in configs:
         gpu = (author_gpu(path.read_text()) or "a100") if which == "author" else which

@@ -15,7 +15,7 @@ head given by --ref, the config schema is parsed with Python's ast:
 
 The decision columns (decision, reason, to) are kept from the existing table for every key already in it; a key
 new to the table takes the trainer's present behaviour where the trainer knows it (trainer.config's fields and its
-key lists), else it is left undecided, and tests/trainer/test_axolotl_keys.py fails until someone decides.
+key lists), else it is left undecided, and tests/trainer/config/test_axolotl_keys.py fails until someone decides.
 
     python scripts/axolotl_keys.py /work/.mirror/axolotl-ai-cloud+axolotl/repo [--ref HEAD] [--out matrices/axolotl_keys.toml]
 """
@@ -371,7 +371,7 @@ HEADER = """\
 #   decision  honoured (the trainer acts on it) | inert (accepted and named in the "ignored:" note; reason says
 #             why the run is the same) | migrated (rewritten to `to`, with a note) | refused (exit 2; reason
 #             says why ignoring it would change what the user asked for, and what to write instead);
-#             empty: undecided (tests/trainer/test_axolotl_keys.py fails)
+#             empty: undecided (tests/trainer/config/test_axolotl_keys.py fails)
 #   reason    why (inert, refused; optional for honoured and migrated)
 #   to        migrated: what the key becomes
 #

@@ -141,7 +141,7 @@ def detect(v: Vendors | None = None) -> Detection:
 
 def _guarded(probe, v: Vendors, empty):
     """A probe's result; where its parser still meets output it cannot read (the parsers drop what they cannot
-    use, and tests/resolver/test_vendor_parsers.py fuzzes them: this is the last line), that source saw nothing,
+    use, and tests/resolver/vendors/test_vendor_parsers.py fuzzes them: this is the last line), that source saw nothing,
     and a note says why, instead of a traceback out of every `--gpu auto`."""
     try:
         return probe(v)

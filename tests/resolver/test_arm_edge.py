@@ -100,7 +100,7 @@ def _readme_gpus() -> list[str]:
 def _user_config_gpus() -> list[str]:
     """Every `gpu:` a user config names (a number is a GPU count, not a name)."""
     names = []
-    for path in sorted((REPO / "tests" / "trainer" / "data" / "user_configs").glob("*.y*ml")):
+    for path in sorted((REPO / "tests" / "trainer" / "fixtures" / "user_configs").glob("*.y*ml")):
         doc = yaml.safe_load(path.read_text())
         if isinstance(doc, dict) and isinstance(doc.get("gpu"), str):
             names.append(doc["gpu"])

@@ -1,7 +1,7 @@
 """One rule for agreement between `envtool train CONFIG --dry-run` and `envtool resolve --gpu G`.
 
 For every config the repository holds (the project's examples, the copies of Axolotl's own examples and the users'
-corpus under tests/trainer/data) x every target of the plan tables in the docs (the `envtool resolve --gpu ... --format
+corpus under tests/trainer/fixtures) x every target of the plan tables in the docs (the `envtool resolve --gpu ... --format
 markdown` commands that print them, read from the docs, so a GPU added there is covered here), the plan a config gets
 picks the torch release, the CUDA variant, the attention and its packing that `envtool resolve` picks for that target,
 unless the config pins something; then the plan's reasons name the key (`attn_implementation: flash_attention_2 in
@@ -32,7 +32,7 @@ from trainer.errors import ConfigError
 from .conftest import run_envtool
 
 REPO = Path(__file__).resolve().parents[2]
-CONFIGS = sorted(REPO.glob("examples/**/*.yml")) + sorted((REPO / "tests" / "trainer" / "data").rglob("*.y*ml"))
+CONFIGS = sorted(REPO.glob("examples/**/*.yml")) + sorted((REPO / "tests" / "trainer" / "fixtures").rglob("*.y*ml"))
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_ENDPOINT": "http://127.0.0.1:9"}
 TABLE_COMMAND = re.compile(r"`envtool resolve --gpu\s+([^`]*?--format markdown)`")
 

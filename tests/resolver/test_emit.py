@@ -222,7 +222,7 @@ def test_pvc_is_checked(tmp_path, args, message):
 
 def test_the_slurm_script_requeues_a_run_a_signal_stopped(tmp_path):
     """The script with stand-ins for srun/scontrol and a trainer that behaves as the real one does on SIGUSR1
-    (tests/trainer/test_long_runs.py): it writes output_dir/stopped.json and exits non-zero. The script requeues
+    (tests/trainer/outputs/test_long_runs.py): it writes output_dir/stopped.json and exits non-zero. The script requeues
     the job exactly then; a run that fails without stopping, or a stopped.json from an earlier job, is not
     requeued. Its #SBATCH lines ask for the signal before the time limit and for requeueing."""
     config = tmp_path / "long.yml"

@@ -43,7 +43,7 @@ from trainer.features import FEATURES
 from .conftest import run_envtool
 
 REPO = Path(__file__).resolve().parents[2]
-CONFIGS = sorted([*REPO.glob("examples/**/*.yml"), *(REPO / "tests/trainer/data/user_configs").glob("*.y*ml")])
+CONFIGS = sorted([*REPO.glob("examples/**/*.yml"), *(REPO / "tests/trainer/fixtures/user_configs").glob("*.y*ml")])
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_ENDPOINT": "http://127.0.0.1:9"}
 
 

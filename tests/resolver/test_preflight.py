@@ -3,7 +3,7 @@
 
 A rank that never joins, or joins and never reaches the all-reduce, is rehearsed with
 ENVTOOL_PREFLIGHT_STALL_RANKS (that rank sleeps where a stuck one would hang); a container's small /dev/shm with a
-captured `df` (tests/trainer/data/preflight/docker-default-shm.df, its source in its header); the GPU's P2P with
+captured `df` (tests/trainer/fixtures/preflight/docker-default-shm.df, its source in its header); the GPU's P2P with
 the catalog's rows (matrices/gpus.toml p2p columns) and the driver a user gives.
 """
 
@@ -22,7 +22,7 @@ from trainer.parallel.preflight import SHM_MIN_BYTES, host_findings, shm_from_df
 from .conftest import ENVTOOL, run_envtool
 from .test_train_cmd import CPU, config, env, free_port, tiny_model, train  # noqa: F401 (fixtures)
 
-DOCKER_DF = Path(__file__).resolve().parents[1] / "trainer" / "data" / "preflight" / "docker-default-shm.df"
+DOCKER_DF = Path(__file__).resolve().parents[1] / "trainer" / "fixtures" / "preflight" / "docker-default-shm.df"
 TORCHRUN_NOISE = ("ChildFailedError", "Traceback", "torch.distributed.elastic")
 
 

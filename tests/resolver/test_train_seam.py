@@ -34,7 +34,7 @@ from .test_train_cmd import CPU, config, env, losses, tiny_model, train  # noqa:
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted(REPO.glob("examples/**/*.yml"))
-AXOLOTL = sorted((REPO / "tests" / "trainer" / "data").rglob("*.y*ml"))  # Axolotl's examples, users' configs
+AXOLOTL = sorted((REPO / "tests" / "trainer" / "fixtures").rglob("*.y*ml"))  # Axolotl's examples, users' configs
 GPUS = ("t4", "v100", "a100", "h100", "cpu")
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_ENDPOINT": "http://127.0.0.1:9"}
 

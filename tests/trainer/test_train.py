@@ -277,7 +277,7 @@ def test_bf16_autocast_runs_on_cpu_close_to_fp32(make_config, tmp_path):
 
 
 def test_train_reads_the_plan(make_config, tmp_path, monkeypatch, capsys):
-    from tests.trainer.test_hardware import plan_for
+    from tests.trainer.runtime.test_hardware import plan_for
 
     cpu_plan = tmp_path / "cpu-plan.json"
     cpu_plan.write_text(json.dumps(plan_for("cpu", None, "sdpa", "fp32")))

@@ -1,7 +1,7 @@
 """A stand-in for torch.nn.attention.varlen.varlen_attn where the real one cannot run (CPU: torch 2.13's CPU build
 has no aten::_flash_attention_forward kernel).
 
-Same signature as the installed torch's (tests/trainer/test_attention_varlen.py compares them), the same argument
+Same signature as the installed torch's (tests/trainer/model/test_attention_varlen.py compares them), the same argument
 checks, and flash-attention's semantics computed the plain way, one sequence at a time with SDPA and an explicit
 mask: query i of a sequence (Lq queries, Lk keys, aligned bottom-right as flash-attn 2.1+ does) sees key j iff
 i + Lk - Lq - left <= j <= i + Lk - Lq + right, a negative bound meaning none (flash-attn's window_size; torch's

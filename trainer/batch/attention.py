@@ -6,7 +6,7 @@ backend a model's own code accepts.
   restart at 0, so the collator flattens the micro-batch into one row and passes no mask.
 - sdpa and eager: transformers 5.x does NOT isolate packed sequences from position_ids when the model
   runs with a KV cache (use_cache defaults to True, even in training); measured: the logits of the second
-  packed sequence differ by ~0.5 (tests/trainer/test_attention.py). So we pass an explicit 4D
+  packed sequence differ by ~0.5 (tests/trainer/batch/test_attention.py). So we pass an explicit 4D
   block-diagonal causal mask [batch, 1, q, k], which transformers uses as given. sdpa takes it as bool;
   eager adds it to the scores, so it gets 0 / -inf floats.
 - row_position_ids (flex_attention): no mask; with no KV cache (every forward here passes use_cache=False)

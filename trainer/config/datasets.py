@@ -22,7 +22,7 @@ PromptFormat = Literal["alpaca", "chat_template", "completion", "input_output"]
 # Axolotl's alpaca styles (`type: alpaca:<style>`; the texts are trainer/data/formats/alpaca_styles.py's)
 ALPACA_TYPES = ("alpaca", "alpaca:instruct", "alpaca:chat", "alpaca:chatml", "alpaca:phi")
 # Axolotl's older instruction types, each an alpaca prompter over its own columns (trainer/data/formats/instruction.py
-# NAMED; tests/trainer/test_user_formats.py checks the two lists agree)
+# NAMED; tests/trainer/data/test_user_formats.py checks the two lists agree)
 INSTRUCTION_TYPES = ("alpaca_chat", "alpaca_chat.load_qa", "alpaca_chat.load_concise", "alpaca_chat.load_camel_ai",
                      "context_qa", "context_qa.load_v2", "context_qa.load_404",
                      "oasst", "oasst:chat", "oasst:chatml", "oasst:phi", "oasst:instruct")

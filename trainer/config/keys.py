@@ -1,7 +1,7 @@
 """Axolotl's keys and what this trainer does with each: matrices/axolotl_keys.toml, read here (tomllib only).
 
 Every key any Axolotl release since v0.4.0 declared has a row there with a decision (scripts/axolotl_keys.py
-regenerates the history; tests/trainer/test_axolotl_keys.py fails on a key without one):
+regenerates the history; tests/trainer/config/test_axolotl_keys.py fails on a key without one):
 
     honoured   a field of a config section (trainer/config/schema.py): the trainer acts on it
     inert      accepted and named in the run's one "ignored: ..." note (the row's reason says why the run is the same)

@@ -4,7 +4,7 @@ note saying what was read as what.
 Keys: every row of matrices/axolotl_keys.toml whose decision is `migrated` is rewritten to its `to`: a plain rename
 where `to` is a key of the same section (sequence_parallel_degree -> context_parallel_size, load_4bit ->
 load_in_4bit, ...), else by its own function in MIGRATIONS below (batch_size, relora_steps, rope_scaling, the
-precision switches, sharegpt's conversation / field_human / field_model). tests/trainer/test_migrations.py checks
+precision switches, sharegpt's conversation / field_human / field_model). tests/trainer/config/test_migrations.py checks
 that every migrated row has its rewrite.
 
 Values (retired forms of a key that is still read):
@@ -178,7 +178,7 @@ def _keys_of(mapping: dict, prefix: str, where: str, fields: set[str], rw: Rewri
         if value is None:
             continue
         rewrite = migration(_table_name(name), fields)
-        if rewrite is None:  # a table row without its rewrite (tests/trainer/test_migrations.py catches this)
+        if rewrite is None:  # a table row without its rewrite (tests/trainer/config/test_migrations.py catches this)
             rw.problems.append(f"{where}{key}: no rewrite to {keys.decision(name).get('to')} here; write that instead")
             continue
         rewrite(out, key, value, where, rw)

@@ -17,7 +17,7 @@ state carry the old rate, and loading them overrode a new value without a word. 
 mean rewriting each scheduler's base rates mid-schedule (the HF Trainer does not either); a user who wants a new
 rate starts a new run (a new output_dir, or lora_model_dir from the checkpoint for an adapter).
 
-Every key of Config is in exactly one class (tests/trainer/test_resume_changes.py fails on an unclassified key);
+Every key of Config is in exactly one class (tests/trainer/config/test_resume_changes.py fails on an unclassified key);
 a key missing from the table at run time is treated as `trains`. A checkpoint without a recorded config (written
 by an older envtool) is not compared: one note says so.
 """

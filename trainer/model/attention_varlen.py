@@ -20,7 +20,7 @@
    sliding window (trainer/model/attention.py keeps such models on the mask). Sliding windows are flash-attn's
    inclusive (left, right) bounds, as transformers converts them: (sliding_window - 1, 0) when causal.
    The kernel runs on CUDA only: torch 2.13's CPU build has no `aten::_flash_attention_forward` for CPU tensors
-   (NotImplementedError, checked by tests/trainer/test_attention_varlen.py).
+   (NotImplementedError, checked by tests/trainer/model/test_attention_varlen.py).
 
 2. Where a build puts cuDNN attention first for SDPA (torch.toml [[cudnn_sdpa]]: cuDNN SDPA has open correctness
    bugs with explicit masks) and the run still passes masks to SDPA, `install` wraps transformers' sdpa backend so

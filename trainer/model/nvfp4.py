@@ -18,7 +18,7 @@ torchao_nvfp4_gemm) and elsewhere replaces only that GEMM, following _addmm_nvfp
 
 pytorch/ao issue #3102 found that "dequantize to bf16 + F.linear" does not match the FP4 GEMM: rounding the
 dequantized operands (per-tensor scale included) and the products to bf16 loses what the FP4 GEMM keeps. Here
-nothing is rounded before the float32 sums; tests/trainer/test_nvfp4.py checks the result against the exact
+nothing is rounded before the float32 sums; tests/trainer/model/test_nvfp4.py checks the result against the exact
 float64 value of the FP4 GEMM. The backward pass is torchao's (straight-through: gradients from the dequantized
 operands, in the input's dtype), and it also gives the bias its gradient, which torchao 0.18's backward drops
 (returns None: on sm_100+, where torchao's own path runs unchanged, linear biases such as Qwen2's q/k/v stay
