@@ -40,6 +40,7 @@ from trainer.data.prepare import Prepared, load_tokenizer
 from trainer.errors import ConfigError, DataError, Stopped, TrainingError
 from trainer.hooks import Hooks
 from trainer.model.load import DTYPES, load_model
+from trainer.objectives import chunked_loss
 from trainer.objectives.base import to_device
 from trainer.objectives.loss import token_loss_sum
 from trainer.outputs import checkpoint, loggers
@@ -397,6 +398,9 @@ class Training:
                         progress.total = self.total_steps
                         break  # the epoch again, from its first batch, in the smaller micro-batches
                     self.step += 1
+                    if self.step == 1:  # how the loss ran (decided at the first forward): once, here
+                        for note in chunked_loss.notes():
+                            self.say(note)
                     progress.update(1)
                     self.log_step(report, extra, time.perf_counter() - started, consumed, progress)
                     self.hooks.after_step(self.step)

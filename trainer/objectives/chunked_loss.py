@@ -1,0 +1,199 @@
+"""Cross-entropy over the vocabulary without the whole logits tensor (issue 32).
+
+The unfused loss holds the head's output for every token of the micro-batch, its fp32 copy and log-softmax: at a
+152k vocabulary and 4 x 4096 tokens that is most of a QLoRA run's memory. Here the model runs with its output head
+swapped for an identity for the duration of one forward, so it returns its last hidden states; the head is then
+applied to the target tokens only, a chunk at a time, each chunk under activation checkpointing (its logits are
+recomputed in the backward instead of kept). Same loss and gradients as `F.cross_entropy` over the full logits
+(tests/trainer/objectives/test_chunked_loss.py is the oracle test), in plain torch, on every device.
+
+Where it runs: a model whose output head is a direct child of the causal LM (peft's base model included), whose
+parameters are not sharded (FSDP2 and tensor parallelism make them DTensors, ZeRO-3 gathers them only inside the
+model's own forward) and not compiled, and whose config names no change to the logits after the head (Gemma 2's
+final_logit_softcapping, Cohere's logit_scale, Granite's logits_scaling, Falcon-H1's lm_head_multiplier: what
+the head's input gets before it, as MiniCPM's scaling, is kept by the swap). Before the first use on a model, one
+probe on a few tokens compares the head's output with the model's own logits in eval mode (no dropout, no random
+numbers drawn); a difference or an error falls back to the full logits, with one note.
+
+Chunk size: as many tokens as keep one chunk's fp32 logits within 256 MiB (chunk_tokens says why not Liger's rule).
+"""
+
+from __future__ import annotations
+
+import re
+import weakref
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from trainer.batch.labels import IGNORE
+
+PROBE_TOKENS = 16
+_decided: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (owner, name) or None
+_notes: list[str] = []  # why a model fell back (read once by the loop's notes)
+
+
+class _HiddenOut(torch.nn.Module):
+    """Stands in for the output head during one forward: returns what it is given, and records the autocast state
+    and dtype the head would have run under, so the chunks run the head the same way."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: dict = {}
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        kind = hidden.device.type
+        enabled = torch.is_autocast_enabled(kind) if kind in ("cuda", "cpu", "xpu", "mps") else False
+        self.seen = {"dtype": hidden.dtype, "device_type": kind, "autocast": enabled,
+                     "autocast_dtype": torch.get_autocast_dtype(kind) if enabled else None}
+        return hidden
+
+
+def _inner(model):
+    """The causal LM under the wrappers: accelerate/DDP/DeepSpeed's `.module`, then peft's base model."""
+    inner = model
+    while hasattr(inner, "module") and isinstance(inner.module, torch.nn.Module):
+        inner = inner.module
+    return inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+
+
+def _head_slot(model):
+    """(owner, attribute name) of the output head, or (None, reason) where the chunked loss cannot run."""
+    if hasattr(model, "_orig_mod") or hasattr(_inner(model), "_orig_mod"):
+        return None, "the model is compiled"
+    base = _inner(model)
+    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    if head is None:
+        return None, "the model has no output head"
+    name = next((n for n, child in base.named_children() if child is head), None)
+    if name is None:
+        return None, "the output head is not a direct child of the model"
+    for p in head.parameters():
+        if hasattr(p, "ds_id") or type(p).__name__ == "DTensor" or type(p.data).__name__ == "DTensor":
+            return None, "the head's parameters are sharded (FSDP2, ZeRO-3 or tensor parallel)"
+    return (base, name), ""
+
+
+def forward_hidden(model, owner, name, inputs):
+    """One forward with the head swapped out: (hidden states [B, T, H], the head, how the head would have run)."""
+    head = getattr(owner, name)
+    stand_in = _HiddenOut()
+    setattr(owner, name, stand_in)
+    try:
+        hidden = model(**inputs, use_cache=False).logits
+    finally:
+        setattr(owner, name, head)
+    return hidden, head, stand_in.seen
+
+
+def _chunk_loss(head, seen):
+    def run(h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(seen["device_type"], dtype=seen["autocast_dtype"] or torch.float32,
+                            enabled=bool(seen["autocast"])):
+            logits = head(h.to(seen["dtype"]))
+        return F.cross_entropy(logits.float(), y, reduction="sum")
+    return run
+
+
+CHUNK_LOGITS_BYTES = 256 * 2**20  # one chunk's fp32 logits: ~6% of the full logits at 152k x 4096
+
+
+def chunk_tokens(n_tokens: int, vocab_size: int) -> int:
+    """Tokens per chunk: as many as keep one chunk's fp32 logits within CHUNK_LOGITS_BYTES (a power of two, at
+    least 16). Fewer, larger chunks than Liger's vocab/hidden rule: each chunk adds a whole weight-sized gradient
+    to the head's, which at 148 chunks (152k vocabulary, hidden 1024) cost more than the matmuls on CPU."""
+    fit = max(16, CHUNK_LOGITS_BYTES // (4 * max(vocab_size, 1)))
+    return min(1 << (fit.bit_length() - 1), max(n_tokens, 1))
+
+
+def loss_sum_from_hidden(hidden, head, seen, labels) -> torch.Tensor:
+    """Sum of the target tokens' cross-entropy, the head applied a chunk of target tokens at a time."""
+    h = hidden[:, :-1].flatten(0, 1)
+    y = labels[:, 1:].flatten().to(h.device)
+    keep = y != IGNORE
+    h, y = h[keep], y[keep]
+    if y.numel() == 0:  # zero, through the head as the full path's is: every parameter gets its (zero) gradient
+        return _chunk_loss(head, seen)(hidden[:1, -1], torch.zeros(1, dtype=torch.long, device=hidden.device)) * 0.0
+    vocab = head.out_features if hasattr(head, "out_features") else head.weight.shape[0]
+    size = chunk_tokens(y.numel(), vocab)
+    run = _chunk_loss(head, seen)
+    total = None
+    for i in range(0, y.numel(), size):
+        part = (checkpoint(run, h[i:i + size], y[i:i + size], use_reentrant=False) if torch.is_grad_enabled()
+                else run(h[i:i + size], y[i:i + size]))
+        total = part if total is None else total + part
+    return total
+
+
+def full_loss_sum(model, inputs, labels) -> torch.Tensor:
+    logits = model(**inputs, use_cache=False).logits
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
+                           ignore_index=IGNORE, reduction="sum")
+
+
+AFTER_HEAD = re.compile(r"^(?!attn|attention)\w*(logit|lm_head|output)\w*(softcap|scal|multiplier)\w*$")
+
+
+def _after_head(config) -> str:
+    """A config field that says the model changes its logits after the head (final_logit_softcapping, logit_scale,
+    logits_scaling, lm_head_multiplier, ...), set to something other than a no-op; '' where none."""
+    fields = config.to_dict() if hasattr(config, "to_dict") else {}
+    for key, value in sorted(fields.items()):
+        if AFTER_HEAD.match(key) and value not in (None, False, 0, 1, 0.0, 1.0) and not isinstance(value, dict):
+            return f"{key}: {value}"
+    return ""
+
+
+def _probe(model, slot, inputs) -> str:
+    """'' where the head applied to the swapped forward's hidden states gives the model's own logits on a few
+    tokens (eval mode: no dropout, no random numbers drawn), else why not."""
+    width = inputs["input_ids"].shape[1]
+    n = min(width, PROBE_TOKENS)
+
+    def first_tokens(v):  # the first row's first n tokens, on every dimension that runs over the tokens (4D masks)
+        return v[(slice(0, 1), *(slice(0, n) if size == width else slice(None) for size in v.shape[1:]))]
+
+    if any(not isinstance(v, torch.Tensor) or v.dim() < 2 for v in inputs.values()):
+        return "its inputs are not per-token"
+    cut = {k: first_tokens(v) for k, v in inputs.items()}
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            want = model(**cut, use_cache=False).logits.float()
+            hidden, head, seen = forward_hidden(model, *slot, cut)
+            with torch.autocast(seen["device_type"], dtype=seen["autocast_dtype"] or torch.float32,
+                                enabled=bool(seen["autocast"])):
+                got = head(hidden.to(seen["dtype"])).float()
+    except Exception as error:  # noqa: BLE001 - any failure means: use the full logits, and say why
+        return f"the probe raised {type(error).__name__}: {str(error).splitlines()[0][:120] if str(error) else ''}"
+    finally:
+        model.train(was_training)
+    low = seen["dtype"] in (torch.bfloat16, torch.float16) or seen["autocast"]
+    rtol = 2e-2 if low else 1e-5
+    if got.shape != want.shape or not torch.allclose(got, want, rtol=rtol, atol=rtol * float(want.abs().max())):
+        return "the model changes its logits after the head (the probe's logits differ)"
+    return ""
+
+
+def decide(model, inputs):
+    """The head slot for the chunked loss on this model, or None (decided once per model, noted once)."""
+    if model in _decided:
+        return _decided[model]
+    slot, why = _head_slot(model)
+    if slot is not None:
+        transform = _after_head(getattr(slot[0], "config", None))
+        why = f"the model changes its logits after the head ({transform})" if transform else _probe(model, slot, inputs)
+    _decided[model] = slot if not why else None
+    _notes.append(f"loss: full logits (the chunked cross-entropy does not run here: {why})" if why else
+                  "loss: chunked cross-entropy (the head applied to the target tokens a chunk at a time; the logits "
+                  "are never whole)")
+    return _decided[model]
+
+
+def notes() -> list[str]:
+    """Fall-back notes not yet shown (each shown once)."""
+    out = list(_notes)
+    _notes.clear()
+    return out
