@@ -149,7 +149,8 @@ def fit_report(found, console: Console | None = None) -> None:
     console.print(f"counted: {est.static.total / 1e9:.2f}B parameters ({est.shape.counted}), "
                   f"{est.static.trained / 1e6:.1f}M trained; {s.micro_batch} x {s.sequence_len} tokens per "
                   f"micro-batch; {s.precision}, attention {s.attention}, optimizer {s.optimizer}"
-                  f"{', gradient checkpointing' if s.checkpointing else ''}")
+                  f"{', gradient checkpointing' if s.checkpointing else ''}"
+                  f"{', loss in chunks (the logits never whole)' if est.chunked_loss else ''}")
     for note in found.notes:
         console.print(f"note: {note}")
     for suggestion in r["suggestions"]:

@@ -23,18 +23,23 @@ LIGER_KEYS = {  # config key -> liger-kernel's _apply_liger_kernel_to_instance a
 LORA_KERNEL_KEYS = ("lora_mlp_kernel", "lora_qkv_kernel", "lora_o_kernel")
 
 
+# the keys that ask for a fused loss: the trainer's chunked cross-entropy serves them (trainer/objectives/chunked_loss.py)
+LOSS_KEYS = ("cut_cross_entropy", "liger_fused_linear_cross_entropy", "liger_cross_entropy")
+
+
 def requested(cfg) -> list[str]:
     keys = [k for k in LIGER_KEYS if getattr(cfg, k)]
-    if cfg.cut_cross_entropy:
+    # listing Axolotl's Cut Cross Entropy plugin turns it on there (its CutCrossEntropyArgs default is true)
+    cce_listed = any(p.rstrip(".").endswith("CutCrossEntropyPlugin") for p in cfg.plugins or [])
+    if cfg.cut_cross_entropy or (cce_listed and "cut_cross_entropy" not in cfg.model_fields_set):
         keys.append("cut_cross_entropy")
     return keys
 
 
 def liger_on(cfg) -> list[str]:
-    """The liger_* keys the trainer runs through liger-kernel where triton kernels run (the loss kernels stay off:
-    the trainer computes the loss itself)."""
-    return [k for k in requested(cfg) if k not in ("cut_cross_entropy", "liger_fused_linear_cross_entropy",
-                                                   "liger_cross_entropy") and LIGER_KEYS.get(k)]
+    """The liger_* keys the trainer runs through liger-kernel where triton kernels run (the loss keys are served by
+    the trainer's chunked cross-entropy instead)."""
+    return [k for k in requested(cfg) if k not in LOSS_KEYS and LIGER_KEYS.get(k)]
 
 
 def triton_runs(gpu, plan: dict | None) -> tuple[bool, str]:
@@ -59,6 +64,12 @@ def plan_notes(cfg, gpu, plan: dict | None) -> tuple[bool, list[str]]:
         notes.append(f"{', '.join(lora_kernels)}: off (Axolotl's own LoRA triton kernels are not part of this "
                      "trainer; same training, slower)")
     keys = requested(cfg)
+    losses = [k for k in keys if k in LOSS_KEYS]
+    if losses:
+        notes.append(f"{', '.join(losses)}: served by the trainer's own chunked cross-entropy, on by default "
+                     "wherever the model allows it (the logits never whole, the same loss summed over the step's "
+                     "tokens; the first step says whether it runs), not by that kernel")
+    keys = [k for k in keys if k not in LOSS_KEYS]
     if not keys:
         return False, notes
     ok, why = triton_runs(gpu, plan)
@@ -66,12 +77,8 @@ def plan_notes(cfg, gpu, plan: dict | None) -> tuple[bool, list[str]]:
         notes.append(f"{', '.join(keys)}: off ({why}; same training, slower)")
         return False, notes
     on = liger_on(cfg)
-    off = [k for k in keys if k not in on]
     if on:
         notes.append(f"{', '.join(on)}: on (liger-kernel's triton kernels)")
-    if off:
-        notes.append(f"{', '.join(off)}: off (the trainer computes the loss itself, summed over the step's tokens "
-                     "across micro-batches and ranks; a fused loss kernel would replace that)")
     return bool(on), notes
 
 

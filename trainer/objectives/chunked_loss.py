@@ -15,12 +15,12 @@ the head's input gets before it, as MiniCPM's scaling, is kept by the swap). Bef
 probe on a few tokens compares the head's output with the model's own logits in eval mode (no dropout, no random
 numbers drawn); a difference or an error falls back to the full logits, with one note.
 
-Chunk size: as many tokens as keep one chunk's fp32 logits within 256 MiB (chunk_tokens says why not Liger's rule).
+Chunk size: as many tokens as keep one chunk's fp32 logits within 256 MiB (trainer/runtime/loss_chunks.py, which
+the memory estimate reads too).
 """
 
 from __future__ import annotations
 
-import re
 import weakref
 
 import torch
@@ -28,8 +28,10 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from trainer.batch.labels import IGNORE
+from trainer.runtime import loss_chunks
 
 PROBE_TOKENS = 16
+CHUNK_LOGITS_BYTES = loss_chunks.CHUNK_LOGITS_BYTES  # (tests make it small to run many chunks)
 _decided: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (owner, name) or None
 _notes: list[str] = []  # why a model fell back (read once by the loop's notes)
 
@@ -62,6 +64,13 @@ def _head_slot(model):
     """(owner, attribute name) of the output head, or (None, reason) where the chunked loss cannot run."""
     if hasattr(model, "_orig_mod") or hasattr(_inner(model), "_orig_mod"):
         return None, "the model is compiled"
+    wrapper = model
+    while isinstance(getattr(wrapper, "module", None), torch.nn.Module):
+        if getattr(wrapper, "find_unused_parameters", False):  # DDP would call the head unused in the forward
+            return None, "DDP looks for unused parameters (ddp_find_unused_parameters: true)"
+        if "FullyShardedDataParallel" in type(wrapper).__name__:  # FSDP1 frees the head's weight after its forward
+            return None, "the head's parameters are sharded (FSDP)"
+        wrapper = wrapper.module
     base = _inner(model)
     head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
     if head is None:
@@ -96,17 +105,6 @@ def _chunk_loss(head, seen):
     return run
 
 
-CHUNK_LOGITS_BYTES = 256 * 2**20  # one chunk's fp32 logits: ~6% of the full logits at 152k x 4096
-
-
-def chunk_tokens(n_tokens: int, vocab_size: int) -> int:
-    """Tokens per chunk: as many as keep one chunk's fp32 logits within CHUNK_LOGITS_BYTES (a power of two, at
-    least 16). Fewer, larger chunks than Liger's vocab/hidden rule: each chunk adds a whole weight-sized gradient
-    to the head's, which at 148 chunks (152k vocabulary, hidden 1024) cost more than the matmuls on CPU."""
-    fit = max(16, CHUNK_LOGITS_BYTES // (4 * max(vocab_size, 1)))
-    return min(1 << (fit.bit_length() - 1), max(n_tokens, 1))
-
-
 def loss_sum_from_hidden(hidden, head, seen, labels) -> torch.Tensor:
     """Sum of the target tokens' cross-entropy, the head applied a chunk of target tokens at a time."""
     h = hidden[:, :-1].flatten(0, 1)
@@ -116,7 +114,7 @@ def loss_sum_from_hidden(hidden, head, seen, labels) -> torch.Tensor:
     if y.numel() == 0:  # zero, through the head as the full path's is: every parameter gets its (zero) gradient
         return _chunk_loss(head, seen)(hidden[:1, -1], torch.zeros(1, dtype=torch.long, device=hidden.device)) * 0.0
     vocab = head.out_features if hasattr(head, "out_features") else head.weight.shape[0]
-    size = chunk_tokens(y.numel(), vocab)
+    size = loss_chunks.chunk_tokens(y.numel(), vocab, CHUNK_LOGITS_BYTES)
     run = _chunk_loss(head, seen)
     total = None
     for i in range(0, y.numel(), size):
@@ -132,17 +130,8 @@ def full_loss_sum(model, inputs, labels) -> torch.Tensor:
                            ignore_index=IGNORE, reduction="sum")
 
 
-AFTER_HEAD = re.compile(r"^(?!attn|attention)\w*(logit|lm_head|output)\w*(softcap|scal|multiplier)\w*$")
-
-
 def _after_head(config) -> str:
-    """A config field that says the model changes its logits after the head (final_logit_softcapping, logit_scale,
-    logits_scaling, lm_head_multiplier, ...), set to something other than a no-op; '' where none."""
-    fields = config.to_dict() if hasattr(config, "to_dict") else {}
-    for key, value in sorted(fields.items()):
-        if AFTER_HEAD.match(key) and value not in (None, False, 0, 1, 0.0, 1.0) and not isinstance(value, dict):
-            return f"{key}: {value}"
-    return ""
+    return loss_chunks.after_head(config.to_dict() if hasattr(config, "to_dict") else {})
 
 
 def _probe(model, slot, inputs) -> str:

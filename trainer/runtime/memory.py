@@ -44,6 +44,7 @@ from dataclasses import dataclass, field, replace
 
 from trainer import facts
 from trainer.errors import ConfigError
+from trainer.runtime import loss_chunks
 
 GB = 2 ** 30
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -90,7 +91,7 @@ class Setup:
     packing: bool
     grad_accum: int
     checkpointing: bool
-    liger_flce: bool
+    chunked_loss: bool  # the loss runs in chunks, the logits never whole (trainer/objectives/chunked_loss.py)
     objective: str
     world: int  # processes
     shard: int  # processes the sharded states are divided over (1: not sharded)
@@ -235,9 +236,10 @@ def setup_from(cfg, runtime, world: int) -> Setup:
         optimizer=cfg.optimizer, micro_batch=cfg.micro_batch_size, sequence_len=cfg.sequence_len,
         packing=cfg.sample_packing, grad_accum=cfg.gradient_accumulation_steps,
         checkpointing=bool(cfg.gradient_checkpointing),
-        # the trainer computes its loss itself (token sums across micro-batches and ranks): liger's loss kernels and
-        # cut_cross_entropy stay off there (trainer/model/kernels.py), so the logits are always materialised
-        liger_flce=False,
+        # SFT's loss runs in chunks wherever the head is whole in one process and the model does not change its
+        # logits after it (trainer/objectives/chunked_loss.py decides the same at the first step, and says so)
+        chunked_loss=(cfg.objective == "sft" and not cfg.use_eaft and tp == 1 and cp == 1 and zero != 3
+                      and not fsdp and not cfg.ddp_find_unused_parameters),
         liger_norm=kernels_on and bool(cfg.liger_rms_norm or cfg.liger_layer_norm),
         liger_glu=kernels_on and bool(cfg.liger_glu_activation or cfg.liger_swiglu),
         objective=cfg.objective, world=world, shard=shard, zero=zero, fsdp=fsdp, offload_optimizer=offload_opt,
@@ -687,16 +689,23 @@ def pair_factor(s: Setup) -> int:
     return 2 if s.objective in ("dpo", "ipo", "orpo", "simpo") else 1
 
 
+def chunked(shape, s: Setup) -> bool:
+    """Whether the chunked loss runs: the setup allows it and the model keeps its logits as the head gives them."""
+    return (s.chunked_loss and not getattr(shape, "final_softcap", False)
+            and not loss_chunks.after_head(getattr(shape, "config", None) or {}))
+
+
 def logits_bytes(shape, s: Setup, tokens: float) -> float:
     """The loss's peak: the head's output, its fp32 copy and log-softmax in the forward, and in the backward the
     kept log-softmax, the gradient of the loss and of the log-softmax, all over the vocabulary (trainer/objectives/loss.py):
-    12 bytes per token per entry. Fused kernels (liger's linear cross-entropy, cut_cross_entropy) work in
-    chunks of about tokens x hidden / vocabulary tokens."""
+    12 bytes per token per entry. The chunked loss holds that for one chunk of tokens at a time
+    (trainer/runtime/loss_chunks.py), plus the target tokens' hidden states it gathers and, where the head trains, a
+    second head-sized gradient while a chunk's is added to it."""
     v = shape.vocab_size / s.tp
     tokens = tokens / s.cp
-    if s.liger_flce:
-        chunk = max(1.0, 2 ** math.ceil(math.log2(max(1.0, tokens / max(1, math.ceil(v / shape.hidden_size))))))
-        return chunk * v * 8 + tokens * shape.hidden_size * 4
+    if chunked(shape, s):
+        chunk = loss_chunks.chunk_tokens(tokens, int(v))
+        return chunk * v * 12 + tokens * shape.hidden_size * s.e + (v * shape.hidden_size * 4 if s.full else 0.0)
     return tokens * v * 12
 
 
@@ -731,6 +740,11 @@ class Estimate:
     allocated_high: float = 0.0
     notes: list[str] = field(default_factory=list)
     suggestions: list[dict] = field(default_factory=list)
+
+    @property
+    def chunked_loss(self) -> bool:
+        """The loss runs in chunks (the logits never whole): what the trainer says at its first step."""
+        return chunked(self.shape, self.setup)
 
     @property
     def peak(self) -> float:
@@ -785,7 +799,7 @@ def estimate(shape, s: Setup, gpu: Gpu, suggest: bool = True) -> Estimate:
     moments = [
         Moment("forward", {**base, "gradients": persist_grads, "activations": acts.saved + transient_kbit,
                            "weight_copies": forward_copies,
-                           "logits": tokens / s.cp * shape.vocab_size / s.tp * s.e if not s.liger_flce else 0.0}),
+                           "logits": tokens / s.cp * shape.vocab_size / s.tp * s.e if not chunked(shape, s) else 0.0}),
         Moment("loss", {**base, "gradients": persist_grads, "activations": ckpt_saved,
                         "weight_copies": 0.0 if s.checkpointing else st.weight_copies, "logits": logits}),
         Moment("backward", {**base, "gradients": persist_grads or st.gradients * 0.5,

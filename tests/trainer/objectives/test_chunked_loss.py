@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from trainer.batch.labels import IGNORE
 from trainer.objectives import chunked_loss
 from trainer.objectives.loss import MODEL_INPUTS, token_loss_sum
+from trainer.runtime import loss_chunks
 
 SMALL = 4096  # bytes of fp32 logits per chunk in these tests: 16 tokens a chunk, so most batches run several chunks
 
@@ -81,7 +82,7 @@ def test_many_chunks_and_no_target_at_all():
     with a graph (every rank runs the same backward)."""
     model = model_of("llama", 4000, 16, tied=False)
     batch = batch_of(4000, 2, 64, 0.2)
-    assert chunked_loss.chunk_tokens(100, 4000) == 16
+    assert loss_chunks.chunk_tokens(100, 4000, SMALL) == 16
     assert_same(model, batch, **FP32)
     empty = dict(batch, labels=torch.full_like(batch["labels"], IGNORE))
     loss = token_loss_sum(model, empty)
