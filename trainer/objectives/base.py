@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from trainer.batch.labels import IGNORE
 from trainer.batch.sampler import MultipackBatchSampler
 from trainer.data.prepare import prepare
+from trainer.objectives import chunked_loss
 from trainer.objectives.loss import MODEL_INPUTS
 from trainer.parallel.collective import reduce_sum
 
@@ -216,12 +217,19 @@ def sequence_logps(model, batch: dict, with_all: bool = False):
     block-diagonal mask): the sums are gathered by sequence id, so the layout does not change them.
     """
     inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
-    logits = model(**inputs, use_cache=False).logits
     ids, seq, n = batch["input_ids"][:, 1:], batch["sequence_ids"], int(batch["n_sequences"])
     nxt = seq[:, 1:]
-    token_logps = -F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids.flatten(), reduction="none").view_as(ids)
     inside = (nxt >= 0) & (nxt == seq[:, :-1])
     completion = inside & (batch["labels"][:, 1:] != IGNORE)
+    slot = chunked_loss.decide(model, inputs)
+    if slot is not None:  # the head over the counted positions only, a chunk at a time (the logits never whole)
+        hidden, head, seen = chunked_loss.forward_hidden(model, *slot, inputs)
+        token_logps = chunked_loss.token_logps_from_hidden(hidden, head, seen, batch["input_ids"],
+                                                           inside if with_all else completion)
+    else:
+        logits = model(**inputs, use_cache=False).logits
+        token_logps = -F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids.flatten(),
+                                       reduction="none").view_as(ids)
 
     def total(mask):
         return torch.zeros(n, dtype=token_logps.dtype, device=ids.device).index_add(0, nxt[mask], token_logps[mask])

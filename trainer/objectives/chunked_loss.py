@@ -124,6 +124,32 @@ def loss_sum_from_hidden(hidden, head, seen, labels) -> torch.Tensor:
     return total
 
 
+def _chunk_logps(head, seen):
+    def run(h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(seen["device_type"], dtype=seen["autocast_dtype"] or torch.float32,
+                            enabled=bool(seen["autocast"])):
+            logits = head(h.to(seen["dtype"]))
+        return -F.cross_entropy(logits.float(), y, reduction="none")
+    return run
+
+
+def token_logps_from_hidden(hidden, head, seen, ids, where) -> torch.Tensor:
+    """Each next token's log-prob ([B, T-1], float32) at the positions `where` marks ([B, T-1] bool), 0 elsewhere:
+    the head applied to those positions only, a chunk at a time (the preference objectives' sequence sums)."""
+    h = hidden[:, :-1][where]
+    y = ids[:, 1:][where]
+    out = torch.zeros(where.shape, dtype=torch.float32, device=hidden.device)
+    if y.numel() == 0:  # zero, through the head (every parameter gets its gradient)
+        zero = _chunk_logps(head, seen)(hidden[:1, -1], torch.zeros(1, dtype=torch.long, device=hidden.device))
+        return out + zero.sum() * 0.0
+    vocab = head.out_features if hasattr(head, "out_features") else head.weight.shape[0]
+    size = loss_chunks.chunk_tokens(y.numel(), vocab, CHUNK_LOGITS_BYTES)
+    run = _chunk_logps(head, seen)
+    parts = [checkpoint(run, h[i:i + size], y[i:i + size], use_reentrant=False) if torch.is_grad_enabled()
+             else run(h[i:i + size], y[i:i + size]) for i in range(0, y.numel(), size)]
+    return out.masked_scatter(where, torch.cat(parts))
+
+
 def full_loss_sum(model, inputs, labels) -> torch.Tensor:
     logits = model(**inputs, use_cache=False).logits
     return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),

@@ -146,3 +146,46 @@ def test_a_change_after_the_head_that_no_config_field_names_is_found_by_the_prob
     torch.testing.assert_close(token_loss_sum(model, batch), full_path(model, batch), **FP32)
     assert chunked_loss._decided[model] is None
     assert any("the probe's logits differ" in n for n in chunked_loss.notes())
+
+
+def test_preference_sequence_log_probs_equal_the_full_logits():
+    """The preference objectives' per-sequence sums (objectives/base.py sequence_logps: completion tokens, and all
+    tokens with with_all), packed two sequences to a row and a padded row, against the full logits; gradients too."""
+    from trainer.objectives.base import sequence_logps
+
+    model = model_of("llama", 700, 32, tied=False)
+    batch = batch_of(700, 2, 30, 0.4, seed=3)
+    seq = torch.full((2, 30), -1)
+    seq[0, :12], seq[0, 12:30], seq[1, :20] = 0, 1, 2  # row 0 packs two sequences; row 1 is padded after 20
+    batch.update(sequence_ids=seq, n_sequences=torch.tensor(3))
+
+    for with_all in (False, True):
+        model.zero_grad(set_to_none=True)
+        with chunked_loss_off(model):
+            want = sequence_logps(model, batch, with_all=with_all)
+        (torch.stack(want).sum() if with_all else want.sum()).backward()
+        want_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        model.zero_grad(set_to_none=True)
+        got = sequence_logps(model, batch, with_all=with_all)
+        (torch.stack(got).sum() if with_all else got.sum()).backward()
+        assert chunked_loss._decided.get(model) is not None
+        torch.testing.assert_close(got, want, **FP32)
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, want_grads[name], **FP32, msg=lambda m: f"{name}: {m}")
+
+
+class chunked_loss_off:
+    """The full-logits path for one model (what the chunked path is compared with)."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __enter__(self):
+        self.before = chunked_loss._decided.get(self.model, "unset")
+        chunked_loss._decided[self.model] = None
+
+    def __exit__(self, *exc):
+        if self.before == "unset":
+            del chunked_loss._decided[self.model]
+        else:
+            chunked_loss._decided[self.model] = self.before
