@@ -97,6 +97,8 @@ def on_plan(cfg, runtime, config: Path, plan, processes: int):
     try:
         return memory.report(cfg, runtime, gpu, local_only=True)
     except memory_model.ModelConfigError as err:  # the model is the trainer's to refuse when it loads it
+        if err.bad_input:  # a config.json no model can have: bad input now, not at load time
+            raise BadInput(str(err)) from None
         reason = f"the model's shape is unknown: {err}"
         return memory.Report(memory.unknown(gpu, reason), cfg.base_model, [reason], None, reason)
 

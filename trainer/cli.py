@@ -12,7 +12,7 @@ import os
 import sys
 
 from trainer import __version__
-from trainer.errors import Stopped, TrainerError
+from trainer.errors import ConfigError, Stopped, TrainerError
 
 
 
@@ -139,6 +139,8 @@ def fit_block(cfg, runtime):
     try:
         return memory.report(cfg, runtime, on, local_only=True)
     except memory_model.ModelConfigError as err:  # the model is the loader's to refuse, at train time
+        if err.bad_input:  # a config.json no model can have: bad input now, not at load time
+            raise ConfigError(str(err)) from None
         reason = f"the model's shape is unknown: {err}"
         return memory.Report(memory.unknown(on, reason), cfg.base_model, [reason], None, reason)
 

@@ -72,8 +72,17 @@ def test_overridden_sizes_are_named_as_the_training_config_s():
             memory_model.model_shape(tmp, overrides={"vocab_size": -1}, exact=False)
 
 
-@pytest.mark.slow  # `envtool fit` reads the training config with the trainer's reader: ~10 s of CPU
-def test_envtool_fit_on_a_config_json_with_a_string_size_is_one_line_exit_2(tmp_path):
+COMMANDS = {  # the three paths that read a model's config.json before training: they must agree (exit 2, one line)
+    "fit": ([str(ENVTOOL), "fit", "tiny-cpu.yml", "--gpu", "a100-80gb"], "envtool: error: "),
+    "train --dry-run": ([str(ENVTOOL), "train", "tiny-cpu.yml", "--gpu", "a100-80gb", "--dry-run"], "envtool: error: "),
+    "validate": ([str(ENVTOOL.parent / "python"), "-m", "trainer", "validate", "tiny-cpu.yml", "--gpu", "a100-80gb"],
+                 "error: "),
+}
+
+
+@pytest.mark.slow  # each command reads the training config with the trainer's reader: ~10 s of CPU
+@pytest.mark.parametrize("command", list(COMMANDS))
+def test_envtool_fit_on_a_config_json_with_a_string_size_is_one_line_exit_2(tmp_path, command):
     shutil.copytree(REPO / "examples" / "data", tmp_path / "examples" / "data")
     model = tmp_path / "model"
     model.mkdir()
@@ -81,9 +90,9 @@ def test_envtool_fit_on_a_config_json_with_a_string_size_is_one_line_exit_2(tmp_
     config = (REPO / "examples" / "tiny-cpu.yml").read_text().replace("base_model: outputs/tiny-model",
                                                                       f"base_model: {model}")
     (tmp_path / "tiny-cpu.yml").write_text(config)
-    result = subprocess.run([str(ENVTOOL), "fit", "tiny-cpu.yml", "--gpu", "a100-80gb"], capture_output=True,
-                            text=True, cwd=tmp_path, timeout=300)
+    argv, prefix = COMMANDS[command]
+    result = subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert result.returncode == 2, result.stdout + result.stderr
-    assert result.stdout == ""
-    assert result.stderr.strip() == (f'envtool: error: {model / "config.json"}: hidden_size is "896": a model\'s '
-                                     "sizes are whole numbers")
+    assert result.stderr.strip().splitlines()[-1] == (f'{prefix}{model / "config.json"}: hidden_size is "896": a '
+                                                      "model's sizes are whole numbers")
+    assert "Traceback" not in result.stderr
