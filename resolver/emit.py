@@ -18,14 +18,13 @@ from typing import Callable
 
 from .errors import BadInput
 from .files import write_atomic
-from .launch import Distribution, Launch, Training, default_nproc, prepare
+from .launch import SECRET_KEYS, Distribution, Launch, Training, default_nproc, prepare
 from .plan import Plan
 
 HF_HOME = "/home/trainer/.cache/huggingface"  # the image's HF_HOME (dockerfiles/Dockerfile.j2)
 # Tokens a run may need (a gated model, hub_model_id, W&B): never written into a launcher. The k8s job takes them
 # from a Secret (secretKeyRef, optional: a run that needs none starts without it); the sbatch script from the
 # environment it is submitted from (sbatch exports it to the job).
-SECRET_KEYS = ("HF_TOKEN", "WANDB_API_KEY")
 DEFAULT_SECRET = "envtool-secrets"
 RDZV_PORT = 29500
 WORK = "/work"  # where the job's volume is mounted, and the trainer's working directory

@@ -34,6 +34,10 @@ from .files import write_atomic
 from .pipeline import PlanOptions, build, command_line_pins, lock, one_plan
 from .plan import PLAN_FILE, Plan
 
+# the credentials a run reads from its environment (the Hub, wandb): passed by name into a container, taken from a
+# Secret by --emit k8s; their values are never written anywhere
+SECRET_KEYS = ("HF_TOKEN", "WANDB_API_KEY")
+
 # ---------------------------------------------------------------------------- the config, read once
 
 
@@ -722,7 +726,8 @@ def run(launch: Launch, plan: Plan, *, hf_cache: Path | None = None, shm_size: s
         for host, _, read_only in launch.mounts:
             if not read_only:
                 Path(host).mkdir(parents=True, exist_ok=True)  # the user's own, before docker would make it root's
-        options = dict(gpus=gpus, shm_size=shm_size, hf_cache=hf_cache, env_names=[], volumes=[], workdir=WORKDIR,
+        secrets = [name for name in SECRET_KEYS if os.environ.get(name)]  # by name: docker reads the values
+        options = dict(gpus=gpus, shm_size=shm_size, hf_cache=hf_cache, env_names=secrets, volumes=[], workdir=WORKDIR,
                        network_mode="host" if "--rdzv-backend=c10d" in launch.command else None)
         if "torch.distributed.run" not in launch.command:
             return docker_run(launch.path, launch.command, mounts=launch.mounts, **options)
