@@ -50,7 +50,8 @@ GIB = 2 ** 30
 STEPS = [
     ("install", 90, 240, "the bundle installs offline beside the machine's torch, and the project from the tree"),
     ("detect", 30, 120, "envtool resolve --gpu auto and envtool doctor on the real GPU and driver"),
-    ("numerics", 60, 150, "packed rows: varlen_attn and masked SDPA (with and without cuDNN) = each sequence alone"),
+    ("numerics", 60, 150, "packed rows: varlen_attn and masked SDPA (with and without cuDNN) = each sequence alone; "
+                          "the chunked loss = the full logits"),
     ("speed", 110, 300, "trained tokens/s: packing by varlen vs by mask vs padding"),
     ("memory", 100, 240, "peak allocated vs envtool fit's estimate; micro_batch_size auto's pick and back-off"),
     ("train", 75, 240, "envtool train CONFIG to a saved model, in the machine's environment"),
@@ -578,6 +579,7 @@ def step_numerics(ctx, work: Path):
     figures["masked_sdpa_without_cudnn"] = part(_compare_packed, ctx, model, examples, reference, tol, "no_cudnn",
                                                 device)
     figures["no_isolation"] = part(_compare_packed, ctx, model, examples, reference, tol, "none", device)
+    figures["chunked_loss"] = part(_compare_chunked, model, examples, reference, tol, device)
     leak = figures["no_isolation"]
     if leak["status"] == "ok":  # this one must NOT match: else the comparison cannot tell isolation from none
         leak["status"] = "ok" if not leak["within"] else "failed"
@@ -674,6 +676,17 @@ def _compare_packed(ctx, model, examples, reference, tol, how: str, device: str)
     finally:
         attention_varlen._WithoutCudnn.on = False
         model.set_attn_implementation("sdpa")
+    out = {**_against(reference, loss, grads, tol), "tokens": int(batch["input_ids"].numel())}
+    if how == "no_cudnn":
+        out["masked_calls_without_cudnn"] = attention_varlen._WithoutCudnn.masked_calls - calls
+    if how != "none" and not out["within"]:  # a failure, with its figures
+        out["status"], out["reason"] = "failed", (f"outside tolerance: loss rel {out['loss_rel']:.2e}, grad rel norm "
+                                                  f"{out['grad_rel_norm']:.2e}, cosine {out['grad_cosine']:.5f}")
+    return out
+
+
+def _against(reference, loss: float, grads: list, tol: dict) -> dict:
+    """Loss and gradients against the reference's: relative loss error, relative gradient norm error, cosine."""
     ref_loss, ref_grads = reference
     diff2 = ref2 = dot = new2 = 0.0
     for a, b in zip(ref_grads, grads):
@@ -683,12 +696,36 @@ def _compare_packed(ctx, model, examples, reference, tol, how: str, device: str)
         dot += float((a * b).sum())
     out = {"loss": loss, "loss_rel": abs(loss - ref_loss) / abs(ref_loss),
            "grad_rel_norm": (diff2 ** 0.5) / max(ref2 ** 0.5, 1e-30),
-           "grad_cosine": dot / max((ref2 * new2) ** 0.5, 1e-30), "tokens": int(batch["input_ids"].numel())}
+           "grad_cosine": dot / max((ref2 * new2) ** 0.5, 1e-30)}
     out["within"] = out["loss_rel"] <= tol["loss_rel"] and out["grad_rel_norm"] <= tol["grad_rel_norm"] \
         and out["grad_cosine"] >= tol["grad_cosine"]
-    if how == "no_cudnn":
-        out["masked_calls_without_cudnn"] = attention_varlen._WithoutCudnn.masked_calls - calls
-    if how != "none" and not out["within"]:  # a failure, with its figures
+    return out
+
+
+def _compare_chunked(model, examples, reference, tol, device: str) -> dict:
+    """The trainer's loss (trainer/objectives/loss.py: the chunked cross-entropy where the model allows it) on each
+    sequence alone, against the reference's full logits: the same loss and gradients in the machine's dtype."""
+    import torch
+
+    from trainer.batch.collate import Collator
+    from trainer.objectives import chunked_loss
+    from trainer.objectives.loss import token_loss_sum
+
+    model.set_attn_implementation("sdpa")
+    total, grads = 0.0, None
+    for example in examples:
+        batch = Collator(pad_token_id=0, attention="sdpa")([[example]])
+        batch.pop("attention_mask", None)
+        model.zero_grad(set_to_none=True)
+        loss = token_loss_sum(model, {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()})
+        loss.backward()
+        g = [p.grad.detach().float().clone() if p.grad is not None else torch.zeros_like(p, dtype=torch.float32)
+             for p in model.parameters()]
+        total += float(loss.detach())
+        grads = g if grads is None else [a + b for a, b in zip(grads, g)]
+    out = {**_against(reference, total, grads, tol), "chunked": chunked_loss._decided.get(model) is not None,
+           "notes": chunked_loss.notes()}
+    if not out["within"]:
         out["status"], out["reason"] = "failed", (f"outside tolerance: loss rel {out['loss_rel']:.2e}, grad rel norm "
                                                   f"{out['grad_rel_norm']:.2e}, cosine {out['grad_cosine']:.5f}")
     return out
