@@ -12,7 +12,8 @@ Reading a config is four passes, and every problem any of them finds is reported
 When pass 3 fails, the keys it names are set aside and the rest is read again, so the files, the GPU and the model
 can still be checked in the same run (trainer/setup.py).
 
-A YAML null (``fp16:``) means "unset", as in Axolotl, so it takes the default.
+A YAML null (``fp16:``) means "unset", as in Axolotl, so it takes the default; so does an empty string where the key
+takes one of a set of names (``adapter: ""``), which Axolotl reads as false.
 """
 
 from __future__ import annotations
@@ -53,6 +54,18 @@ def _model_in(field) -> tuple[type[BaseModel] | None, bool]:
     return None, False
 
 
+def _is_choice(field) -> bool:
+    """Whether a field takes one of a set of names (a Literal): there an empty string means unset, as Axolotl reads
+    it (`adapter: ""` is a full fine-tune there, `if cfg.adapter:`), rather than a name that is not in the set."""
+    stack = [getattr(field, "annotation", None)]
+    while stack:
+        ann = stack.pop()
+        if typing.get_origin(ann) is typing.Literal:
+            return True
+        stack += [a for a in typing.get_args(ann) if a is not type(None)] if typing.get_origin(ann) is not dict else []
+    return False
+
+
 class Sift:
     """Pass 2: a config's keys sorted by the table, at every level of the sections' models."""
 
@@ -69,7 +82,7 @@ class Sift:
         for key, value in raw.items():
             key = str(key)
             if key in fields:
-                if value is not None:
+                if value is not None and not (value == "" and _is_choice(fields[key])):
                     kept[key] = self.value(value, fields[key], f"{prefix}{key}", f"{where}{key}")
                 continue
             self.other(key, value, set(fields), prefix, where)
