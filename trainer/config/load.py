@@ -85,7 +85,7 @@ class Sift:
                 if value is not None and not (value == "" and _is_choice(fields[key])):
                     kept[key] = self.value(value, fields[key], f"{prefix}{key}", f"{where}{key}")
                 continue
-            self.other(key, value, set(fields), prefix, where)
+            self.other(key, value, set(fields), prefix, where, set(map(str, raw)))
         return kept
 
     def value(self, value: Any, field, name: str, where: str) -> Any:
@@ -99,7 +99,7 @@ class Sift:
             return self.mapping(value, inner, f"{name}.", f"{where}.")
         return value
 
-    def other(self, key: str, value: Any, fields: set[str], prefix: str, where: str) -> None:
+    def other(self, key: str, value: Any, fields: set[str], prefix: str, where: str, given: set[str] = frozenset()) -> None:
         """A key the section does not read: by the table's decision."""
         name = f"{prefix}{key}"
         row = keys.decision(name)
@@ -118,7 +118,12 @@ class Sift:
                                  "of the trainer's config reads it (a bug; please report it)")
         else:
             close = sorted(f for f in fields if keys.one_edit(key, f))
-            if close:
+            if not prefix and keys.SHORT_FORMS.get(key) in fields:
+                close = [keys.SHORT_FORMS[key]]
+            if close and close[0] not in given:  # ignoring it would train with the default instead of this value
+                self.problems.append(f"'{where}{key}' is not a key; did you mean '{where}{close[0]}'? (the config does "
+                                     f"not set {close[0]}: ignoring {key} would train with its default)")
+            elif close:
                 self.warnings.append(f"warning: '{where}{key}' is not a key (ignored); did you mean "
                                      f"'{where}{close[0]}'?")
             else:
@@ -348,11 +353,25 @@ def load_config(path: str | Path) -> tuple[Config, list[str]]:
         if err.config is None:
             raise
         cfg, notes, problems = err.config, [], list(err.problems)
+    problems += [("config", line) for line in missing_required(raw, problems)]
+    # what the config leaves out or misspells of a key that decides what is trained: the line names the file
+    problems = [(kind, f"{path}: {line}" if kind == "config" and ("is not a key; did you mean" in line
+                                                                   or "(Axolotl requires it" in line) else line)
+                for kind, line in problems]
     cfg._config_dir = str(path.resolve().parent)
     problems += [("file", line) for line in missing_local_paths(cfg)]
     if problems:
         raise several(problems, cfg)
     return cfg, notes
+
+
+def missing_required(raw: dict, problems: list) -> list[str]:
+    """The keys Axolotl requires that a config file leaves out (keys.REQUIRED), one line each, except where a near
+    miss of the key already says so. (A config file: the dicts tests build in process take the defaults.)"""
+    named = " ".join(str(p) for _, p in problems)
+    return [f"{key}: missing (Axolotl requires it; this trainer does not guess a value for it)"
+            for key in keys.REQUIRED if raw.get(key) is None and f"did you mean '{key}'" not in named
+            and f"{key}: Field required" not in named]
 
 
 def looks_local(path: str) -> bool:
