@@ -246,3 +246,16 @@ def test_lr_for_learning_rate_is_one_line_naming_the_file_and_exit_2(make_config
     assert result.returncode == 2, result.stdout
     assert result.stderr.strip() == (f"error: {config}: 'lr' is not a key; did you mean 'learning_rate'? (the config "
                                      "does not set learning_rate: ignoring lr would train with its default)")
+
+
+@pytest.mark.parametrize("overrides, line", [
+    ({"learning_rate": None, "lerning_rate": 2e-4},
+     "'lerning_rate' is not a key; did you mean 'learning_rate'? (the config does not set learning_rate: ignoring "
+     "lerning_rate would train with its default)"),
+    ({"learning_rate": None}, "learning_rate: missing (Axolotl requires it; this trainer does not guess a value for it)"),
+])
+def test_validate_refuses_a_near_miss_or_a_missing_required_key_in_one_line(make_config, capsys, overrides, line):
+    """`python -m trainer validate` (its function, in process): exit 2 and one line naming the file and the key."""
+    path = make_config(**overrides)
+    assert main(["validate", str(path), "--gpu", "cpu"]) == 2
+    assert capsys.readouterr().err.strip() == f"error: {path}: {line}"
