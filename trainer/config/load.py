@@ -134,9 +134,11 @@ class Sift:
         for name in self.ignored["inert"]:
             by_reason.setdefault(self.reasons.get(name, IGNORED_HOW["inert"]), []).append(name)
         parts = [f"{_some(names)} ({reason})" for reason, names in by_reason.items()]
-        if self.ignored["unknown"]:
-            parts.append(f"{_some(self.ignored['unknown'])} ({IGNORED_HOW['unknown']})")
-        return self.warnings + ([f"ignored: {'; '.join(parts)}"] if parts else [])
+        # keys that are in no Axolotl release: one warning line, first, so a key the author meant is not lost among
+        # the notes (a near miss of a key the config leaves unset is an error above, not a note)
+        unknown = ([f"warning: ignored: {_some(self.ignored['unknown'])} ({IGNORED_HOW['unknown']})"]
+                   if self.ignored["unknown"] else [])
+        return unknown + self.warnings + ([f"ignored: {'; '.join(parts)}"] if parts else [])
 
 
 def _some(names: list[str], most: int = 30) -> str:

@@ -100,7 +100,8 @@ def test_unknown_key_is_ignored_and_a_near_miss_of_a_key_the_config_sets_is_a_wa
     cfg, notes = parse_config({**BASE, "learning_rate": 3e-4, "lerning_rate": 1e-4, "push_to_hub": True, "data_seed": 7})
     assert cfg.learning_rate == 3e-4  # the key it resembles is set: the near miss is ignored, as Axolotl drops it ...
     assert "warning: 'lerning_rate' is not a key (ignored); did you mean 'learning_rate'?" in notes  # ... but said
-    assert any(n.startswith("ignored: ") and "push_to_hub" in n and "data_seed" in n for n in notes)
+    # keys in no Axolotl release: one warning line, the first note (data_seed has a row of its own: inert)
+    assert notes[0] == "warning: ignored: push_to_hub (not Axolotl keys: Axolotl drops them too)"
 
 
 @pytest.mark.parametrize("typo", ["lerning_rate", "lr"])
