@@ -152,7 +152,7 @@ def test_flash_attention_takes_the_flash_attn_2_wheel_only_for_a_model_that_need
                                 ("llama", LlamaConfig(**small), None)):
         model = _model_dir(tmp_path / name, config)
         path = tmp_path / name / "config.yml"
-        path.write_text(yaml.safe_dump({"base_model": str(model), "flash_attention": True,
+        path.write_text(yaml.safe_dump({"base_model": str(model), "learning_rate": 2e-5, "flash_attention": True,
                                         "datasets": [{"path": "org/data", "type": "alpaca"}]}))
         cfg, notes = read_config(path)
         fitted = plan_for_config(cfg, notes, path, target)
@@ -183,7 +183,7 @@ def test_flash_attention_takes_the_flash_attn_2_wheel_only_for_a_model_that_need
 ])
 def test_what_holds_torch_back_from_flash_attention_is_named(keys, gpu, torch, expected, says, tmp_path):
     path = tmp_path / "config.yml"
-    path.write_text(yaml.safe_dump({"base_model": "org/model", "datasets": [{"path": "org/data", "type": "alpaca"}],
+    path.write_text(yaml.safe_dump({"base_model": "org/model", "learning_rate": 2e-5, "datasets": [{"path": "org/data", "type": "alpaca"}],
                                     **keys}))
     cfg, notes = read_config(path)
     plan = plan_for_config(cfg, notes, path, PlanOptions(gpu=gpu, torch=torch, python="3.11", platform="x86_64")).plan

@@ -157,7 +157,7 @@ def test_the_lock_for_every_config_on_every_gpu_lists_what_the_trainer_will_impo
 
 
 def _write(tmp_path: Path, **keys) -> Path:
-    base = {"base_model": "org/model", "datasets": [{"path": "org/data", "type": "alpaca"}],
+    base = {"base_model": "org/model", "learning_rate": 2e-5, "datasets": [{"path": "org/data", "type": "alpaca"}],
             "output_dir": str(tmp_path / "out")}
     path = tmp_path / "config.yml"
     path.write_text(yaml.safe_dump({**base, **keys}))

@@ -65,7 +65,7 @@ def fit_json(workdir, *args, env) -> dict:
 
 
 def write_config(path: Path, base: str | Path, **keys) -> Path:
-    cfg = yaml.safe_load((REPO / base).read_text()) if str(base).endswith(".yml") else {"base_model": str(base)}
+    cfg = yaml.safe_load((REPO / base).read_text()) if str(base).endswith(".yml") else {"base_model": str(base), "learning_rate": 2e-5}
     cfg.setdefault("datasets", [{"path": "examples/data/tiny-alpaca.jsonl", "type": "alpaca"}])
     for key, value in keys.items():
         if value is None:

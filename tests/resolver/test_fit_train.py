@@ -61,7 +61,7 @@ def big_config(tmp_path) -> Path:
     (model / "config.json").write_text(json.dumps(LLAMA3_8B))
     path = tmp_path / "big.yml"
     path.write_text(yaml.safe_dump({
-        "base_model": str(model), "datasets": [{"path": str(REPO / "examples/data/tiny-alpaca.jsonl"),
+        "base_model": str(model), "learning_rate": 2e-5, "datasets": [{"path": str(REPO / "examples/data/tiny-alpaca.jsonl"),
                                                  "type": "alpaca"}],
         "sequence_len": 2048, "micro_batch_size": 2, "gradient_accumulation_steps": 4, "bf16": "auto",
         "output_dir": str(tmp_path / "big-out")}))

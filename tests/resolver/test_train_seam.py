@@ -44,7 +44,7 @@ def opts(gpu: str, **more) -> PlanOptions:
 
 
 def write(tmp_path: Path, name: str = "config.yml", **keys) -> Path:
-    base = {"base_model": "org/model", "datasets": [{"path": "org/data", "type": "alpaca"}]}
+    base = {"base_model": "org/model", "learning_rate": 2e-5, "datasets": [{"path": "org/data", "type": "alpaca"}]}
     path = tmp_path / name
     path.write_text(yaml.safe_dump({**base, **keys}))
     return path

@@ -82,6 +82,10 @@ class HardwareKeys(BaseModel):
     liger_fused_linear_cross_entropy: bool = False
     liger_rms_norm_gated: bool = False
     cut_cross_entropy: bool = False
+    # Axolotl's chunked loss: the trainer's loss is chunked wherever the model allows it, at its own chunk size (the
+    # same loss and gradients either way; matrices/axolotl_keys.toml), so the values are read and change nothing
+    chunked_cross_entropy: bool | None = None
+    chunked_cross_entropy_num_chunks: int | None = None
     lora_mlp_kernel: bool = False
     lora_qkv_kernel: bool = False
     lora_o_kernel: bool = False

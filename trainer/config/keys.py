@@ -79,6 +79,15 @@ def one_edit(a: str, b: str) -> bool:
 
 
 # Legacy dtype switches: the same as bf16/fp16 (float32: neither).
+# Short forms users write for a key, beyond one edit of it (a near miss of a key the config does not set is an error
+# with "did you mean": ignoring `lr: 2e-4` would train at the default learning rate)
+SHORT_FORMS = {"lr": "learning_rate", "epochs": "num_epochs", "seq_len": "sequence_len", "max_seq_len": "sequence_len",
+               "batch": "micro_batch_size", "grad_accum": "gradient_accumulation_steps"}
+
+# The keys Axolotl's schema requires (AxolotlInputConfig fields with no default, axolotl 0.19.0, read by
+# scripts/axolotl_oracle.py schema): a config without one is refused there, so here too
+REQUIRED = ("base_model", "learning_rate")
+
 LEGACY_DTYPE_KEYS = {"bfloat16": ("bf16", True), "float16": ("fp16", True), "float32": ("bf16", False)}
 TORCH_DTYPES = {"bfloat16": "bf16", "bf16": "bf16", "float16": "fp16", "fp16": "fp16", "half": "fp16",
                 "float32": "fp32", "fp32": "fp32", "float": "fp32"}

@@ -12,7 +12,8 @@ Reading a config is four passes, and every problem any of them finds is reported
 When pass 3 fails, the keys it names are set aside and the rest is read again, so the files, the GPU and the model
 can still be checked in the same run (trainer/setup.py).
 
-A YAML null (``fp16:``) means "unset", as in Axolotl, so it takes the default.
+A YAML null (``fp16:``) means "unset", as in Axolotl, so it takes the default; so does an empty string where the key
+takes one of a set of names (``adapter: ""``), which Axolotl reads as false.
 """
 
 from __future__ import annotations
@@ -53,6 +54,18 @@ def _model_in(field) -> tuple[type[BaseModel] | None, bool]:
     return None, False
 
 
+def _is_choice(field) -> bool:
+    """Whether a field takes one of a set of names (a Literal): there an empty string means unset, as Axolotl reads
+    it (`adapter: ""` is a full fine-tune there, `if cfg.adapter:`), rather than a name that is not in the set."""
+    stack = [getattr(field, "annotation", None)]
+    while stack:
+        ann = stack.pop()
+        if typing.get_origin(ann) is typing.Literal:
+            return True
+        stack += [a for a in typing.get_args(ann) if a is not type(None)] if typing.get_origin(ann) is not dict else []
+    return False
+
+
 class Sift:
     """Pass 2: a config's keys sorted by the table, at every level of the sections' models."""
 
@@ -69,10 +82,10 @@ class Sift:
         for key, value in raw.items():
             key = str(key)
             if key in fields:
-                if value is not None:
+                if value is not None and not (value == "" and _is_choice(fields[key])):
                     kept[key] = self.value(value, fields[key], f"{prefix}{key}", f"{where}{key}")
                 continue
-            self.other(key, value, set(fields), prefix, where)
+            self.other(key, value, set(fields), prefix, where, set(map(str, raw)))
         return kept
 
     def value(self, value: Any, field, name: str, where: str) -> Any:
@@ -86,7 +99,7 @@ class Sift:
             return self.mapping(value, inner, f"{name}.", f"{where}.")
         return value
 
-    def other(self, key: str, value: Any, fields: set[str], prefix: str, where: str) -> None:
+    def other(self, key: str, value: Any, fields: set[str], prefix: str, where: str, given: set[str] = frozenset()) -> None:
         """A key the section does not read: by the table's decision."""
         name = f"{prefix}{key}"
         row = keys.decision(name)
@@ -105,7 +118,12 @@ class Sift:
                                  "of the trainer's config reads it (a bug; please report it)")
         else:
             close = sorted(f for f in fields if keys.one_edit(key, f))
-            if close:
+            if not prefix and keys.SHORT_FORMS.get(key) in fields:
+                close = [keys.SHORT_FORMS[key]]
+            if close and close[0] not in given:  # ignoring it would train with the default instead of this value
+                self.problems.append(f"'{where}{key}' is not a key; did you mean '{where}{close[0]}'? (the config does "
+                                     f"not set {close[0]}: ignoring {key} would train with its default)")
+            elif close:
                 self.warnings.append(f"warning: '{where}{key}' is not a key (ignored); did you mean "
                                      f"'{where}{close[0]}'?")
             else:
@@ -116,9 +134,11 @@ class Sift:
         for name in self.ignored["inert"]:
             by_reason.setdefault(self.reasons.get(name, IGNORED_HOW["inert"]), []).append(name)
         parts = [f"{_some(names)} ({reason})" for reason, names in by_reason.items()]
-        if self.ignored["unknown"]:
-            parts.append(f"{_some(self.ignored['unknown'])} ({IGNORED_HOW['unknown']})")
-        return self.warnings + ([f"ignored: {'; '.join(parts)}"] if parts else [])
+        # keys that are in no Axolotl release: one warning line, first, so a key the author meant is not lost among
+        # the notes (a near miss of a key the config leaves unset is an error above, not a note)
+        unknown = ([f"warning: ignored: {_some(self.ignored['unknown'])} ({IGNORED_HOW['unknown']})"]
+                   if self.ignored["unknown"] else [])
+        return unknown + self.warnings + ([f"ignored: {'; '.join(parts)}"] if parts else [])
 
 
 def _some(names: list[str], most: int = 30) -> str:
@@ -335,11 +355,25 @@ def load_config(path: str | Path) -> tuple[Config, list[str]]:
         if err.config is None:
             raise
         cfg, notes, problems = err.config, [], list(err.problems)
+    problems += [("config", line) for line in missing_required(raw, problems)]
+    # what the config leaves out or misspells of a key that decides what is trained: the line names the file
+    problems = [(kind, f"{path}: {line}" if kind == "config" and ("is not a key; did you mean" in line
+                                                                   or "(Axolotl requires it" in line) else line)
+                for kind, line in problems]
     cfg._config_dir = str(path.resolve().parent)
     problems += [("file", line) for line in missing_local_paths(cfg)]
     if problems:
         raise several(problems, cfg)
     return cfg, notes
+
+
+def missing_required(raw: dict, problems: list) -> list[str]:
+    """The keys Axolotl requires that a config file leaves out (keys.REQUIRED), one line each, except where a near
+    miss of the key already says so. (A config file: the dicts tests build in process take the defaults.)"""
+    named = " ".join(str(p) for _, p in problems)
+    return [f"{key}: missing (Axolotl requires it; this trainer does not guess a value for it)"
+            for key in keys.REQUIRED if raw.get(key) is None and f"did you mean '{key}'" not in named
+            and f"{key}: Field required" not in named]
 
 
 def looks_local(path: str) -> bool:

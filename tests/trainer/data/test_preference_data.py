@@ -81,7 +81,7 @@ def test_missing_field_is_one_clear_error(tokenizer):
 def config(tmp_path, tiny_llama, rows_file, rl="dpo", type_="chat_template.default", **extra):
     import yaml
 
-    cfg = {"base_model": str(tiny_llama), "rl": rl, "datasets": [{"path": str(rows_file), "type": type_}],
+    cfg = {"base_model": str(tiny_llama), "learning_rate": 2e-5, "rl": rl, "datasets": [{"path": str(rows_file), "type": type_}],
            "dataset_prepared_path": str(tmp_path / "prepared"), "output_dir": str(tmp_path / "out"), "sequence_len": 64,
            **extra}
     path = tmp_path / "cfg.yml"
@@ -204,7 +204,7 @@ def test_preference_with_weights_sharded_per_forward_validates(tmp_path, capsys,
     from trainer.cli import main
 
     config = tmp_path / "c.yml"
-    config.write_text(yaml.safe_dump({**BASE, "rl": "dpo", **sharding}))
+    config.write_text(yaml.safe_dump({**BASE, "learning_rate": 2e-5, "rl": "dpo", **sharding}))
     assert main(["validate", str(config), "--gpu", "a100"]) == 0
     out = capsys.readouterr().out
     assert "objective:  dpo (beta 0.1; reference log-probs computed once" in out and "sharding:" in out
