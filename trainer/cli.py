@@ -28,8 +28,8 @@ def _setup(args, gpu: str | None = None):
 
 def cmd_validate(args) -> int:
     from trainer.model import quantization
+    from trainer import features
     from trainer.optim import optimizers
-    from trainer.parallel import distributed
 
     cfg, notes, runtime = _setup(args, args.gpu)
     from trainer.setup import check_inputs, needs
@@ -64,10 +64,8 @@ def cmd_validate(args) -> int:
     if cfg.reinit_weights:
         print("  weights:    fresh, from the model's config and the seed (reinit_weights)")
     print(f"  optimizer:  {cfg.optimizer} ({optimizers.check(cfg.optimizer)['library']})")
-    if cfg.qat is not None:
-        print(f"  qat:        {cfg.qat.describe()} (torchao fake quantization; plain layers again at the end)")
-    if distributed.enabled(cfg) or cfg.deepspeed:
-        print(f"  sharding:   {'deepspeed ' + str(distributed.deepspeed_path(cfg.deepspeed)) if cfg.deepspeed else 'FSDP' + str(distributed.fsdp_settings(cfg)['fsdp_version'])}")
+    for label, text in features.lines(cfg):  # trainer/features.py: each feature's line (qat, sharding ...)
+        print(f"  {label + ':':<12}{text}")
     if cfg.use_ray:
         from trainer import ray_launch
 

@@ -268,23 +268,10 @@ class Training:
                                                   generator=torch.Generator().manual_seed(cfg.seed))
 
     def feature_hooks(self) -> Hooks:
-        """Each feature's part in the loop (its module returns None where the config does not use it)."""
-        from trainer.model import neftune, qat, relora, sparsity
-        from trainer.objectives import diffusion_steps
-        from trainer.optim import lisa
-        from trainer.outputs import early_stopping
+        """Each feature's part in the loop (trainer/features.py: one list; None where the config does not use it)."""
+        from trainer import features
 
-        cfg, model, say = self.cfg, self.unwrapped, self.say
-        return Hooks([
-            qat.hook(cfg, model),  # fake quantization off until fake_quant_after_n_steps
-            lisa.hook(cfg, model, say),  # after the optimizer is built over every layer: LISA freezes all but a few
-            relora.hook(cfg, model, self.optimizer, DTYPES[self.runtime.precision], say),  # merges every N steps
-            sparsity.hook(cfg, model, say),  # the zeros kept after every step
-            diffusion_steps.hook(cfg, model, self.tokenizer, self.data, self.runtime.attention, self.output_dir,
-                                 self.main, self.sharded or self.tp > 1, say),  # samples every N steps
-            early_stopping.hook(cfg, model, self.output_dir, say),  # stops, and ends with the best checkpoint
-            neftune.hook(cfg, model),  # noise on the input embeddings while training (transformers' NEFTune)
-        ])
+        return Hooks(features.hooks(self))
 
     def resume_path(self) -> Path | None:
         """resume_from_checkpoint; else the checkpoint a stop request saved (output_dir/stopped.json: running the
