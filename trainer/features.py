@@ -254,6 +254,12 @@ def _neftune_hook(run):
     return neftune.hook(run.cfg, run.unwrapped)  # noise on the input embeddings while training
 
 
+def _gc():
+    from trainer.runtime import gc_steps
+
+    return gc_steps
+
+
 FEATURES: list[Feature] = [
     Feature("quantized_loading", "bitsandbytes 4-bit (NF4) or 8-bit (LLM.int8) base weights",
             ("load_in_4bit", "load_in_8bit", "adapter: qlora"), ("bitsandbytes",), ("bitsandbytes",),
@@ -305,6 +311,8 @@ FEATURES: list[Feature] = [
             ("early_stopping_patience",), (), (), "any", hook=_early_stopping_hook),
     Feature("neftune", "NEFTune: noise on the input embeddings while training", ("neftune_noise_alpha",), (), (),
             "any", hook=_neftune_hook),
+    Feature("gc_collect_steps", "gc.collect() and the accelerator's cache emptied every N steps",
+            ("gc_collect_steps",), (), (), "any", hook=lambda run: _gc().hook(run.cfg), line=lambda cfg: _gc().line(cfg)),
 ]
 
 
