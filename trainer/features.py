@@ -254,10 +254,10 @@ def _neftune_hook(run):
     return neftune.hook(run.cfg, run.unwrapped)  # noise on the input embeddings while training
 
 
-def _gc():
-    from trainer.runtime import gc_steps
+def _empty_cache():
+    from trainer.runtime import empty_cache
 
-    return gc_steps
+    return empty_cache
 
 
 FEATURES: list[Feature] = [
@@ -311,8 +311,9 @@ FEATURES: list[Feature] = [
             ("early_stopping_patience",), (), (), "any", hook=_early_stopping_hook),
     Feature("neftune", "NEFTune: noise on the input embeddings while training", ("neftune_noise_alpha",), (), (),
             "any", hook=_neftune_hook),
-    Feature("gc_collect_steps", "gc.collect() and the accelerator's cache emptied every N steps",
-            ("gc_collect_steps",), (), (), "any", hook=lambda run: _gc().hook(run.cfg), line=lambda cfg: _gc().line(cfg)),
+    Feature("empty_cache", "the accelerator's cached memory released every N steps (transformers' own key)",
+            ("torch_empty_cache_steps",), (), (), "any", hook=lambda run: _empty_cache().hook(run),
+            line=lambda cfg: _empty_cache().line(cfg)),
 ]
 
 
