@@ -200,6 +200,7 @@ def cmd_evaluate(args) -> int:
     from trainer.errors import ConfigError
     from trainer.model.load import load_trained
     from trainer.objectives import prepare
+    from trainer.hooks import Run
     from trainer.objectives.evaluate import evaluate
 
     cfg, _, runtime = _setup(args)
@@ -216,6 +217,7 @@ def cmd_evaluate(args) -> int:
     prepared = prepare(cfg, tokenizer, log=log)
     device = torch.device(runtime.device)
     collator = Collator(tokenizer.pad_token_id, runtime.attention)
+    run = Run(cfg, device, timeout_s=cfg.ddp_timeout, say=log)  # one process
     if cfg.objective != "sft" or cfg.use_eaft or cfg.diffusion is not None:  # the objective's loss and metrics
         # (preference: against the cached reference log-probs; reward models, use_eaft and diffusion: their own losses)
         from trainer import objectives
@@ -226,18 +228,18 @@ def cmd_evaluate(args) -> int:
         kwargs = {}
         if objective.needs_reference:  # the reference is the base model as training loaded it
             base = load_model(cfg, runtime, tokenizer).to(device)
-            kwargs["reference"] = reference_logps(objective, base, prepared, cfg, runtime, device, log=log)["validation"]
+            kwargs["reference"] = reference_logps(objective, base, prepared, runtime, run)["validation"]
             del base
         model = load_trained(cfg, runtime, tokenizer, model_dir if model_dir.is_dir() else None).to(device)
         result = objective.evaluate(model, prepared.validation, cfg.eval_batch_size or cfg.micro_batch_size,
-                                    objectives.capacity(cfg, cfg.packing_for_eval), device, 0, 1, cfg.ddp_timeout, **kwargs)
+                                    objectives.capacity(cfg, cfg.packing_for_eval), run, **kwargs)
         result["model"] = str(model_dir) if model_dir.is_dir() else cfg.base_model
         print(json.dumps(result) if args.json else f"{objective.describe_eval(result)} ({result['model']})")
         return 0
     model = load_trained(cfg, runtime, tokenizer, model_dir if model_dir.is_dir() else None)
     model.to(device)
     result = evaluate(model, prepared.validation, collator, cfg.eval_batch_size or cfg.micro_batch_size,
-                      cfg.sequence_len if cfg.packing_for_eval else None, device)
+                      cfg.sequence_len if cfg.packing_for_eval else None, run)
     result["model"] = str(model_dir) if model_dir.is_dir() else cfg.base_model
     print(json.dumps(result) if args.json else
           f"eval_loss {result['eval_loss']:.6f} over {result['eval_tokens']} tokens ({result['model']})")

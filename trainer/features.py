@@ -20,9 +20,10 @@ signature:
 - `notes(cfg, runtime, plan) -> list[str]`: what the feature becomes on this GPU (trainer.setup.feature_notes);
   raises HardwareError where the GPU cannot run it;
 - `line(cfg) -> str | None`: validate's line about it (trainer/cli.py `cmd_validate`), "label: text";
-- `hook(run) -> Hook | None`: its part in the training loop (trainer.hooks; trainer.train `feature_hooks`), None
-  where the config does not use it; `run` is the Training (cfg, unwrapped, optimizer, tokenizer, data, runtime,
-  output_dir, main, sharded, tp, say), the hooks made in this list's order.
+- `hook(training) -> Hook | None`: its part in the training loop (trainer.hooks; trainer.train `feature_hooks`),
+  None where the config does not use it; `training` is the Training: its `context` (trainer.hooks.Run: cfg, ranks,
+  device, timeout, output_dir, say) and what it built (unwrapped, optimizer, tokenizer, data, runtime, sharded,
+  tp); the hooks made in this list's order.
 
 Adding a feature: its module, and one entry on this list (its config key is a field of the config's schema,
 trainer/config/, with its row in matrices/axolotl_keys.toml where Axolotl has the key).
@@ -57,7 +58,7 @@ class Feature:
     hardware: str  # where it runs (the floors themselves are [[feature]] / [[package]] rows)
     uses: Callable = _nothing  # (cfg, plan dict | None) -> list[Use]; [] when the config does not use it
     step: str = "train"  # "train", or "export": imported only by `python -m trainer export --format gguf`
-    hook: Callable | None = None  # (run) -> Hook | None: its part in the training loop, where it has one
+    hook: Callable | None = None  # (training) -> Hook | None: its part in the training loop, where it has one
     notes: Callable | None = None  # (cfg, runtime, plan) -> list[str]: on this GPU; raises HardwareError
     line: Callable | None = None  # (cfg) -> "label: text" | None: validate's line about it
 
@@ -210,48 +211,49 @@ def _fsdp_line(cfg) -> str | None:
 # ---------------------------------------------------------------------------- each feature's part in the loop
 
 
-def _qat_hook(run):
+def _qat_hook(training):
     from trainer.model import qat
 
-    return qat.hook(run.cfg, run.unwrapped, run.say)  # fake quantization off until fake_quant_after_n_steps
+    return qat.hook(training.cfg, training.unwrapped, training.say)  # fake quantization off until N steps
 
 
-def _lisa_hook(run):
+def _lisa_hook(training):
     from trainer.optim import lisa
 
-    return lisa.hook(run.cfg, run.unwrapped, run.say)  # after the optimizer is built: freezes all but a few layers
+    return lisa.hook(training.cfg, training.unwrapped, training.say)  # after the optimizer: all but a few frozen
 
 
-def _relora_hook(run):
+def _relora_hook(training):
     from trainer.model import relora
     from trainer.model.load import DTYPES
 
-    return relora.hook(run.cfg, run.unwrapped, run.optimizer, DTYPES[run.runtime.precision], run.say)
+    return relora.hook(training.cfg, training.unwrapped, training.optimizer, DTYPES[training.runtime.precision],
+                       training.say)
 
 
-def _sparsity_hook(run):
+def _sparsity_hook(training):
     from trainer.model import sparsity
 
-    return sparsity.hook(run.cfg, run.unwrapped, run.say)  # the zeros kept after every step
+    return sparsity.hook(training.cfg, training.unwrapped, training.say)  # the zeros kept after every step
 
 
-def _diffusion_hook(run):
+def _diffusion_hook(training):
     from trainer.objectives import diffusion_steps
 
-    return diffusion_steps.hook(run.cfg, run.unwrapped, run.tokenizer, run.data, run.runtime.attention,
-                                run.output_dir, run.main, run.sharded or run.tp > 1, run.say)
+    return diffusion_steps.hook(training.context, training.unwrapped, training.tokenizer, training.data,
+                                training.runtime.attention, training.sharded or training.tp > 1)
 
 
-def _early_stopping_hook(run):
+def _early_stopping_hook(training):
     from trainer.outputs import early_stopping
 
-    return early_stopping.hook(run.cfg, run.unwrapped, run.output_dir, run.say)
+    return early_stopping.hook(training.cfg, training.unwrapped, training.output_dir, training.say)
 
 
-def _neftune_hook(run):
+def _neftune_hook(training):
     from trainer.model import neftune
 
-    return neftune.hook(run.cfg, run.unwrapped)  # noise on the input embeddings while training
+    return neftune.hook(training.cfg, training.unwrapped)  # noise on the input embeddings while training
 
 
 def _empty_cache():
@@ -312,14 +314,15 @@ FEATURES: list[Feature] = [
     Feature("neftune", "NEFTune: noise on the input embeddings while training", ("neftune_noise_alpha",), (), (),
             "any", hook=_neftune_hook),
     Feature("empty_cache", "the accelerator's cached memory released every N steps (transformers' own key)",
-            ("torch_empty_cache_steps",), (), (), "any", hook=lambda run: _empty_cache().hook(run),
+            ("torch_empty_cache_steps",), (), (), "any",
+            hook=lambda training: _empty_cache().hook(training.context),
             line=lambda cfg: _empty_cache().line(cfg)),
 ]
 
 
-def hooks(run) -> list:
+def hooks(training) -> list:
     """Each feature's part in the loop, in FEATURES' order (None where the config does not use it)."""
-    return [f.hook(run) for f in FEATURES if f.hook is not None]
+    return [f.hook(training) for f in FEATURES if f.hook is not None]
 
 
 def notes(cfg, runtime, plan) -> list[str]:

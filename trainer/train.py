@@ -38,7 +38,7 @@ from trainer.config import resume as resume_keys
 from trainer.config.parallel import sync_each_batch
 from trainer.data.prepare import Prepared, load_tokenizer
 from trainer.errors import ConfigError, DataError, Stopped, TrainingError
-from trainer.hooks import Hooks
+from trainer.hooks import Hooks, Run
 from trainer.model.load import DTYPES, load_model
 from trainer.objectives import chunked_loss
 from trainer.objectives.base import to_device
@@ -184,6 +184,8 @@ class Training:
             say(f"parallelism: {mesh.describe()}; {parallelism.placement(unwrapped) or 'parameters not sharded'}")
         # FSDP and ZeRO-3 gather weights in every forward (other ZeRO stages pay one extra collective in evaluation)
         self.sharded = distributed.is_sharded(unwrapped) or bool(cfg.deepspeed)
+        self.context = Run(cfg, self.device, self.rank, self.world, self.data_rank, self.data_world, self.timeout,
+                       self.output_dir, self.sharded, say)  # what hooks, evaluation, reference and checkpoints read
         self.hooks = self.feature_hooks()
 
         # 5b. reference log-probs (DPO, IPO, KTO): once, before any step and before a checkpoint's weights load,
@@ -192,9 +194,8 @@ class Training:
         if objective.needs_reference:
             from trainer.objectives.reference import reference_logps
 
-            self.reference = reference_logps(objective, unwrapped, self.data, cfg, runtime, self.device, self.rank,
-                                             self.world, autocast=accelerator.autocast, log=say,  # lock-step
-                                             sharded=self.sharded)  # forwards under FSDP/ZeRO-3
+            self.reference = reference_logps(objective, unwrapped, self.data, runtime, self.context,  # lock-step
+                                             autocast=accelerator.autocast)  # forwards under FSDP/ZeRO-3
         # EBFT's feature network, GRPO's reference and tokenizer: from the starting weights, before a checkpoint loads
         objective.before_training(unwrapped, tokenizer=tokenizer, dtype=DTYPES[runtime.precision], rank=self.rank,
                                   timeout=self.timeout, output_dir=self.output_dir, say=say)
@@ -557,8 +558,7 @@ class Training:
         cfg = self.cfg
         kwargs = {"reference": self.reference.get("validation")} if self.objective.needs_reference else {}
         result = self.objective.evaluate(self.unwrapped, self.data.validation, cfg.eval_batch_size or cfg.micro_batch_size,
-                                         objectives.capacity(cfg, cfg.packing_for_eval), self.device, self.data_rank,
-                                         self.data_world, self.timeout, sharded=self.sharded, **kwargs)
+                                         objectives.capacity(cfg, cfg.packing_for_eval), self.context, **kwargs)
         if self.tp * self.cp > 1:  # SFT only (rl: is refused with tensor parallelism): each batch was summed on tp ranks
             result["eval_tokens"] //= self.tp * self.cp
         if self.eval_extra is not None:
@@ -572,10 +572,8 @@ class Training:
         state = {"step": self.step, "world_size": self.world, "data_world": self.data_world,
                  "global_batch": self.cfg.micro_batch_size * self.data_world * self.ga,
                  "sampler": self.sampler.state_dict(consumed), **saved.state, "config": self.recorded_config}
-        path = checkpoint.save(self.output_dir, self.step, self.unwrapped, self.optimizer, self.scheduler,
-                               self.accelerator.scaler, state, self.rank, self.timeout, keep=self.cfg.save_total_limit,
-                               engine=self.model, model_only=self.cfg.save_only_model, tensors=saved.tensors or None,
-                               protect=saved.keep)
+        path = checkpoint.save(self.context, self.unwrapped, self.optimizer, self.scheduler, self.accelerator.scaler,
+                               state, engine=self.model, saved=saved)
         self.say(f"saved {path}")
         return path
 

@@ -8,12 +8,13 @@ from types import SimpleNamespace
 from trainer import features
 from trainer.cli import main
 from trainer.config import load_config
+from trainer.hooks import Run
 from trainer.runtime.empty_cache import EmptyCacheEvery
 
 
 def _run(cfg, tmp_path):
     """What the loop passes each feature's hook (trainer.train.Training), before a model is loaded."""
-    return SimpleNamespace(cfg=cfg, unwrapped=None, optimizer=None, tokenizer=None, data=None,
+    return SimpleNamespace(context=Run(cfg, output_dir=tmp_path), cfg=cfg, unwrapped=None, optimizer=None, tokenizer=None, data=None,
                            runtime=SimpleNamespace(precision="fp32", attention="sdpa"), output_dir=tmp_path,
                            main=True, sharded=False, tp=1, say=print)
 
