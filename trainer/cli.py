@@ -74,24 +74,10 @@ def cmd_validate(args) -> int:
         from trainer.data.streaming import describe
 
         print(f"  data:       {describe(cfg)}")
-    if cfg.rl == "ebft":
-        e = cfg.ebft
-        print(f"  objective:  ebft strided ({e.n_samples_per_prompt} rollouts of {e.generate_max_len} tokens every "
-              f"{e.stride} tokens from {e.context_length}; feature network: "
-              f"{'the base, adapter disabled' if cfg.adapter else 'a frozen copy of the initial model'})")
-    elif cfg.rl in ("grpo", "gdpo"):
-        trl = cfg.trl
-        print(f"  objective:  {cfg.rl} ({trl.generations} completions per prompt, up to {trl.completion_length} tokens; "
-              f"beta {trl.kl_beta:g}; rewards {', '.join(trl.reward_funcs)})")
-    elif cfg.rl:
-        reference = ("reference log-probs computed once before training and cached" if cfg.objective in ("dpo", "ipo", "kto")
-                     else "reference-free")
-        print(f"  objective:  {cfg.objective} (beta {cfg.beta:g}; {reference})")
-    if cfg.objective in ("reward", "prm"):
-        from trainer.config.rl import num_labels
+    from trainer import objectives
 
-        print(f"  objective:  {cfg.objective} ({'sequence' if cfg.objective == 'reward' else 'token'} classification, "
-              f"num_labels {num_labels(cfg)})")
+    if described := objectives.describe(cfg):  # trainer/objectives/__init__.py OBJECTIVES: each class's describe
+        print(f"  objective:  {described}")
     if wanted:  # trainer/features.py: what the plan for this config installs beside torch and transformers
         print(f"  packages:   {'; '.join(f'{n.package} ({n.key})' for n in wanted)}")
     if fit is None:

@@ -107,6 +107,11 @@ class Objective:
     def report(self, sums: dict[str, float], totals: dict[str, float]) -> dict:
         raise NotImplementedError
 
+    @classmethod
+    def describe(cls, cfg) -> str | None:
+        """One line for validate about what `cfg` trains with this objective; None: nothing to add."""
+        return None
+
     def evaluate(self, model, dataset, batch_size: int, capacity: int | None, run: Run,
                  reference: np.ndarray | None = None) -> dict:
         """The objective's loss and metrics over a split (eval_* keys; `reference`: the split's reference values).
