@@ -76,13 +76,21 @@ def cadence(every: int | None, per_epoch: int | None, steps_per_epoch: int) -> i
 class Training:
     # --- set-up ---------------------------------------------------------------------------------------------
     def __init__(self, cfg: Config, runtime: Runtime, log=print, claims: list | None = None):
-        from transformers import set_seed
-
-        from trainer.model import kernels, qat
-        from trainer.model.attention import for_model
-
         self.cfg, self.runtime = cfg, runtime
         self.recorded_config = resume_keys.recorded(cfg)  # as given: what checkpoints record, and resumes compare
+        self.stage_processes(log, claims)  # 0-1
+        self.stage_data()  # 2
+        model, context = self.stage_model()  # 3
+        self.stage_objective(context)  # 4
+        self.stage_optimizer(model)  # 5
+        self.stage_reference()  # 5b
+        self.stage_start()  # 6
+
+    def stage_processes(self, log, claims: list | None) -> None:
+        """0-1: the batch split, processes, precision and timeouts; output_dir claimed; the config a resume keeps."""
+        from transformers import set_seed
+
+        cfg, runtime = self.cfg, self.runtime
         # 0. micro_batch_size: auto: the split of the step's batch the GPU holds (before DeepSpeed's config reads it)
         from trainer.runtime import auto_batch
 
@@ -124,6 +132,8 @@ class Training:
                 say(note)
         self.cfg = cfg = self.keep_global_batch(cfg, self.world // group)
 
+    def stage_data(self) -> None:
+        cfg, runtime, say = self.cfg, self.runtime, self.say
         # 2. tokenizer and data
         from trainer.outputs import hub
 
@@ -140,6 +150,13 @@ class Training:
         else:
             self.data = objectives.prepare(cfg, tokenizer, self.rank, log=say)
 
+    def stage_model(self):
+        """3: the model, fitted and patched; returns it (unprepared) and the context-parallel splitter (None)."""
+        from trainer.model import kernels, qat
+        from trainer.model.attention import for_model
+
+        cfg, runtime, say, tokenizer = self.cfg, self.runtime, self.say, self.tokenizer
+        mesh = self.accelerator.mesh
         # 3. model (attention fitted to the model's class first: the collator's packing follows it)
         for note in for_model(cfg, runtime, local_only=False):
             say(f"note: {note}")
@@ -156,7 +173,11 @@ class Training:
             context = ContextParallel(model, self.cp, self.tp, self.rank, self.world)
         kernels.apply(cfg, model, getattr(runtime, "kernels", False), say)  # liger, where the plan says triton runs
         qat.apply(cfg, model, say)  # torchao fake quantization of the linear layers (before sharding, as Axolotl)
+        return model, context
 
+    def stage_objective(self, context) -> None:
+        """4: the objective (how batches are built and the loss computed), sampler and collator."""
+        cfg, runtime, tokenizer = self.cfg, self.runtime, self.tokenizer
         # 4. the objective (how batches are built and the loss computed), sampler and collator
         collator = Collator(tokenizer.pad_token_id, runtime.attention,
                             pad_to=cfg.sequence_len if cfg.pad_to_sequence_len else None,
@@ -167,6 +188,9 @@ class Training:
             objective.eval_loss_sum = context.loss_sum
         self.batches()
 
+    def stage_optimizer(self, model) -> None:
+        cfg, runtime, say = self.cfg, self.runtime, self.say
+        accelerator, mesh = self.accelerator, self.accelerator.mesh
         # 5. optimizer and schedule (Axolotl's choice of schedule: cosine floor, constant tail)
         from trainer.optim.optimizers import make_optimizer
         from trainer.optim.schedule import make_scheduler, warmup_steps
@@ -188,6 +212,9 @@ class Training:
                        self.output_dir, self.sharded, say)  # what hooks, evaluation, reference and checkpoints read
         self.hooks = self.feature_hooks()
 
+    def stage_reference(self) -> None:
+        cfg, runtime, say = self.cfg, self.runtime, self.say
+        objective, unwrapped, tokenizer, accelerator = self.objective, self.unwrapped, self.tokenizer, self.accelerator
         # 5b. reference log-probs (DPO, IPO, KTO): once, before any step and before a checkpoint's weights load,
         # from the cache when a previous run computed them. Never a second copy of the model.
         self.reference = {}
@@ -201,6 +228,12 @@ class Training:
                                   timeout=self.timeout, output_dir=self.output_dir, say=say)
         self.make_loader()
 
+    def stage_start(self) -> None:
+        """6: resume (or start), the hooks' start, the step's loss scale and the metrics log."""
+        from trainer.runtime import auto_batch
+
+        cfg, runtime, say = self.cfg, self.runtime, self.say
+        tokenizer, group = self.tokenizer, self.tp * self.cp
         # 6. resume
         self.output_dir.mkdir(parents=True, exist_ok=True)
         if self.batch_choice is not None and self.main:
