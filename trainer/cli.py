@@ -28,8 +28,8 @@ def _setup(args, gpu: str | None = None):
 
 def cmd_validate(args) -> int:
     from trainer.model import quantization
+    from trainer import features
     from trainer.optim import optimizers
-    from trainer.parallel import distributed
 
     cfg, notes, runtime = _setup(args, args.gpu)
     from trainer.setup import check_inputs, needs
@@ -64,10 +64,8 @@ def cmd_validate(args) -> int:
     if cfg.reinit_weights:
         print("  weights:    fresh, from the model's config and the seed (reinit_weights)")
     print(f"  optimizer:  {cfg.optimizer} ({optimizers.check(cfg.optimizer)['library']})")
-    if cfg.qat is not None:
-        print(f"  qat:        {cfg.qat.describe()} (torchao fake quantization; plain layers again at the end)")
-    if distributed.enabled(cfg) or cfg.deepspeed:
-        print(f"  sharding:   {'deepspeed ' + str(distributed.deepspeed_path(cfg.deepspeed)) if cfg.deepspeed else 'FSDP' + str(distributed.fsdp_settings(cfg)['fsdp_version'])}")
+    for label, text in features.lines(cfg):  # trainer/features.py: each feature's line (qat, sharding ...)
+        print(f"  {label + ':':<12}{text}")
     if cfg.use_ray:
         from trainer import ray_launch
 
@@ -76,24 +74,10 @@ def cmd_validate(args) -> int:
         from trainer.data.streaming import describe
 
         print(f"  data:       {describe(cfg)}")
-    if cfg.rl == "ebft":
-        e = cfg.ebft
-        print(f"  objective:  ebft strided ({e.n_samples_per_prompt} rollouts of {e.generate_max_len} tokens every "
-              f"{e.stride} tokens from {e.context_length}; feature network: "
-              f"{'the base, adapter disabled' if cfg.adapter else 'a frozen copy of the initial model'})")
-    elif cfg.rl in ("grpo", "gdpo"):
-        trl = cfg.trl
-        print(f"  objective:  {cfg.rl} ({trl.generations} completions per prompt, up to {trl.completion_length} tokens; "
-              f"beta {trl.kl_beta:g}; rewards {', '.join(trl.reward_funcs)})")
-    elif cfg.rl:
-        reference = ("reference log-probs computed once before training and cached" if cfg.objective in ("dpo", "ipo", "kto")
-                     else "reference-free")
-        print(f"  objective:  {cfg.objective} (beta {cfg.beta:g}; {reference})")
-    if cfg.objective in ("reward", "prm"):
-        from trainer.config.rl import num_labels
+    from trainer import objectives
 
-        print(f"  objective:  {cfg.objective} ({'sequence' if cfg.objective == 'reward' else 'token'} classification, "
-              f"num_labels {num_labels(cfg)})")
+    if described := objectives.describe(cfg):  # trainer/objectives/__init__.py OBJECTIVES: each class's describe
+        print(f"  objective:  {described}")
     if wanted:  # trainer/features.py: what the plan for this config installs beside torch and transformers
         print(f"  packages:   {'; '.join(f'{n.package} ({n.key})' for n in wanted)}")
     if fit is None:
@@ -204,6 +188,7 @@ def cmd_evaluate(args) -> int:
     from trainer.errors import ConfigError
     from trainer.model.load import load_trained
     from trainer.objectives import prepare
+    from trainer.hooks import Run
     from trainer.objectives.evaluate import evaluate
 
     cfg, _, runtime = _setup(args)
@@ -220,6 +205,7 @@ def cmd_evaluate(args) -> int:
     prepared = prepare(cfg, tokenizer, log=log)
     device = torch.device(runtime.device)
     collator = Collator(tokenizer.pad_token_id, runtime.attention)
+    run = Run(cfg, device, timeout_s=cfg.ddp_timeout, say=log)  # one process
     if cfg.objective != "sft" or cfg.use_eaft or cfg.diffusion is not None:  # the objective's loss and metrics
         # (preference: against the cached reference log-probs; reward models, use_eaft and diffusion: their own losses)
         from trainer import objectives
@@ -230,18 +216,18 @@ def cmd_evaluate(args) -> int:
         kwargs = {}
         if objective.needs_reference:  # the reference is the base model as training loaded it
             base = load_model(cfg, runtime, tokenizer).to(device)
-            kwargs["reference"] = reference_logps(objective, base, prepared, cfg, runtime, device, log=log)["validation"]
+            kwargs["reference"] = reference_logps(objective, base, prepared, runtime, run)["validation"]
             del base
         model = load_trained(cfg, runtime, tokenizer, model_dir if model_dir.is_dir() else None).to(device)
         result = objective.evaluate(model, prepared.validation, cfg.eval_batch_size or cfg.micro_batch_size,
-                                    objectives.capacity(cfg, cfg.packing_for_eval), device, 0, 1, cfg.ddp_timeout, **kwargs)
+                                    objectives.capacity(cfg, cfg.packing_for_eval), run, **kwargs)
         result["model"] = str(model_dir) if model_dir.is_dir() else cfg.base_model
         print(json.dumps(result) if args.json else f"{objective.describe_eval(result)} ({result['model']})")
         return 0
     model = load_trained(cfg, runtime, tokenizer, model_dir if model_dir.is_dir() else None)
     model.to(device)
     result = evaluate(model, prepared.validation, collator, cfg.eval_batch_size or cfg.micro_batch_size,
-                      cfg.sequence_len if cfg.packing_for_eval else None, device)
+                      cfg.sequence_len if cfg.packing_for_eval else None, run)
     result["model"] = str(model_dir) if model_dir.is_dir() else cfg.base_model
     print(json.dumps(result) if args.json else
           f"eval_loss {result['eval_loss']:.6f} over {result['eval_tokens']} tokens ({result['model']})")

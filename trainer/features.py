@@ -14,8 +14,19 @@ The versions and where each package installs are facts, in matrices/packages.tom
 every plan installs beside torch where their floors allow: bitsandbytes, deepspeed) or a [[package]] row (the
 rest: trackers, liger-kernel, torchao, gguf ...). `pin` is the one rule that picks a [[package]] row for a plan.
 
-(The loop's hooks, trainer/hooks.py, will hang on these objects too: `hook` is their place. Adding a feature:
-its module, and one entry on this list.)
+The same list is the trainer's one seam for a feature (issue 30); each field is read by one place, with one
+signature:
+
+- `notes(cfg, runtime, plan) -> list[str]`: what the feature becomes on this GPU (trainer.setup.feature_notes);
+  raises HardwareError where the GPU cannot run it;
+- `line(cfg) -> str | None`: validate's line about it (trainer/cli.py `cmd_validate`), "label: text";
+- `hook(training) -> Hook | None`: its part in the training loop (trainer.hooks; trainer.train `feature_hooks`),
+  None where the config does not use it; `training` is the Training: its `context` (trainer.hooks.Run: cfg, ranks,
+  device, timeout, output_dir, say) and what it built (unwrapped, optimizer, tokenizer, data, runtime, sharded,
+  tp); the hooks made in this list's order.
+
+Adding a feature: its module, and one entry on this list (its config key is a field of the config's schema,
+trainer/config/, with its row in matrices/axolotl_keys.toml where Axolotl has the key).
 """
 
 from __future__ import annotations
@@ -33,6 +44,10 @@ class Use(NamedTuple):
     floor: str | None = None  # its matrices/packages.toml [[feature]] row (a hardware floor), None when none
 
 
+def _nothing(cfg, plan) -> list[Use]:
+    return []
+
+
 @dataclass(frozen=True)
 class Feature:
     name: str
@@ -41,9 +56,11 @@ class Feature:
     packages: tuple[str, ...]  # the distributions it needs installed (packages.toml [[package]] or [[stack]])
     imports: tuple[str, ...]  # the modules the trainer imports for it
     hardware: str  # where it runs (the floors themselves are [[feature]] / [[package]] rows)
-    uses: Callable  # (cfg, plan dict | None) -> list[Use]; [] when the config does not use it
+    uses: Callable = _nothing  # (cfg, plan dict | None) -> list[Use]; [] when the config does not use it
     step: str = "train"  # "train", or "export": imported only by `python -m trainer export --format gguf`
-    hook: Callable | None = None  # its hook into the loop (issue 30), where it has one
+    hook: Callable | None = None  # (training) -> Hook | None: its part in the training loop, where it has one
+    notes: Callable | None = None  # (cfg, runtime, plan) -> list[str]: on this GPU; raises HardwareError
+    line: Callable | None = None  # (cfg) -> "label: text" | None: validate's line about it
 
 
 # ---------------------------------------------------------------------------- how each feature reads a config
@@ -126,27 +143,152 @@ def _gguf(cfg, plan) -> list[Use]:
     return [Use("export --format gguf (after training)")] if model_type in (None, *FAMILIES) else []
 
 
+# ---------------------------------------------------------------------------- what each feature becomes on this GPU
+
+
+def _quantized_notes(cfg, runtime, plan) -> list[str]:
+    from trainer.model import quantization
+
+    return quantization.hardware_notes(cfg, runtime.gpu)
+
+
+def _optimizer_notes(cfg, runtime, plan) -> list[str]:
+    """The optimizer's [[feature]] floor (bitsandbytes' 8-bit and paged optimizers: optimizers.toml)."""
+    from trainer.optim import optimizers
+
+    return optimizers.hardware_notes(cfg.optimizer, runtime.gpu)
+
+
+def _qat_notes(cfg, runtime, plan) -> list[str]:
+    from trainer.model import qat
+
+    return qat.hardware_notes(cfg, runtime.gpu)  # qat dtypes' and fp8's floors
+
+
+def _bitnet_notes(cfg, runtime, plan) -> list[str]:
+    from trainer.model import bitnet
+
+    return bitnet.hardware_notes(cfg, runtime.gpu, plan)  # use_onebitllms: triton kernels, so a GPU
+
+
+def _fsdp_notes(cfg, runtime, plan) -> list[str]:
+    from trainer.parallel import distributed
+
+    cpu_fsdp1 = (distributed.enabled(cfg) and runtime.device == "cpu"
+                 and distributed.fsdp_settings(cfg)["fsdp_version"] == 1)
+    return [distributed.CPU_FSDP1_NOTE] if cpu_fsdp1 else []
+
+
+def _liger_notes(cfg, runtime, plan) -> list[str]:
+    """Sets runtime.kernels: whether liger's kernels run."""
+    from trainer.model import kernels
+
+    runtime.kernels, notes = kernels.plan_notes(cfg, runtime.gpu, plan)
+    return notes
+
+
+# ---------------------------------------------------------------------------- validate's line about each feature
+
+
+def _qat_line(cfg) -> str | None:
+    return (f"qat: {cfg.qat.describe()} (torchao fake quantization; plain layers again at the end)"
+            if cfg.qat is not None else None)
+
+
+def _deepspeed_line(cfg) -> str | None:
+    from trainer.parallel import distributed
+
+    return f"sharding: deepspeed {distributed.deepspeed_path(cfg.deepspeed)}" if cfg.deepspeed else None
+
+
+def _fsdp_line(cfg) -> str | None:
+    from trainer.parallel import distributed
+
+    return (f"sharding: FSDP{distributed.fsdp_settings(cfg)['fsdp_version']}"
+            if distributed.enabled(cfg) and not cfg.deepspeed else None)
+
+
+# ---------------------------------------------------------------------------- each feature's part in the loop
+
+
+def _qat_hook(training):
+    from trainer.model import qat
+
+    return qat.hook(training.cfg, training.unwrapped, training.say)  # fake quantization off until N steps
+
+
+def _lisa_hook(training):
+    from trainer.optim import lisa
+
+    return lisa.hook(training.cfg, training.unwrapped, training.say)  # after the optimizer: all but a few frozen
+
+
+def _relora_hook(training):
+    from trainer.model import relora
+    from trainer.model.load import DTYPES
+
+    return relora.hook(training.cfg, training.unwrapped, training.optimizer, DTYPES[training.runtime.precision],
+                       training.say)
+
+
+def _sparsity_hook(training):
+    from trainer.model import sparsity
+
+    return sparsity.hook(training.cfg, training.unwrapped, training.say)  # the zeros kept after every step
+
+
+def _diffusion_hook(training):
+    from trainer.objectives import diffusion_steps
+
+    return diffusion_steps.hook(training.context, training.unwrapped, training.tokenizer, training.data,
+                                training.runtime.attention, training.sharded or training.tp > 1)
+
+
+def _early_stopping_hook(training):
+    from trainer.outputs import early_stopping
+
+    return early_stopping.hook(training.cfg, training.unwrapped, training.output_dir, training.say)
+
+
+def _neftune_hook(training):
+    from trainer.model import neftune
+
+    return neftune.hook(training.cfg, training.unwrapped)  # noise on the input embeddings while training
+
+
+def _empty_cache():
+    from trainer.runtime import empty_cache
+
+    return empty_cache
+
+
 FEATURES: list[Feature] = [
     Feature("quantized_loading", "bitsandbytes 4-bit (NF4) or 8-bit (LLM.int8) base weights",
             ("load_in_4bit", "load_in_8bit", "adapter: qlora"), ("bitsandbytes",), ("bitsandbytes",),
-            "floors per mode: packages.toml [[feature]] bnb_4bit, bnb_int8_loading; CPU backend too", _quantized),
+            "floors per mode: packages.toml [[feature]] bnb_4bit, bnb_int8_loading; CPU backend too", _quantized,
+            notes=_quantized_notes),
     Feature("bnb_optimizer", "bitsandbytes' 8-bit and paged optimizers", ("optimizer",), ("bitsandbytes",),
-            ("bitsandbytes",), "packages.toml [[feature]] bnb_8bit_optimizer", _optimizer_of("bitsandbytes")),
+            ("bitsandbytes",), "packages.toml [[feature]] bnb_8bit_optimizer", _optimizer_of("bitsandbytes"),
+            notes=_optimizer_notes),
     Feature("torchao_optimizer", "torchao's 8-bit/4-bit AdamW (adamw_torch_8bit, adamw_torch_4bit, ao_adamw_*)",
             ("optimizer",), ("torchao",), ("torchao.optim",), "Python over torch ops (torch.compile); any device",
             _optimizer_of("torchao")),
     Feature("qat", "quantization-aware training (torchao fake quantization)", ("qat",), ("torchao",),
-            ("torchao.quantization.qat",), "floors per dtype: packages.toml [[feature]] torchao_*", _qat),
+            ("torchao.quantization.qat",), "floors per dtype: packages.toml [[feature]] torchao_*", _qat,
+            notes=_qat_notes, line=_qat_line, hook=_qat_hook),
     Feature("bitnet", "BitNet b1.58 training (onebitllms' BitNetLinear)", ("use_onebitllms",), ("onebitllms",),
-            ("onebitllms",), "triton kernels: a CUDA GPU triton compiles for", _bitnet),
+            ("onebitllms",), "triton kernels: a CUDA GPU triton compiles for", _bitnet, notes=_bitnet_notes),
     Feature("deepspeed", "DeepSpeed ZeRO sharding", ("deepspeed",), ("deepspeed",), ("deepspeed",),
-            "CUDA GPUs (ZeRO over gloo on the CPU): packages.toml [[gpu_requirement]]", _deepspeed),
+            "CUDA GPUs (ZeRO over gloo on the CPU): packages.toml [[gpu_requirement]]", _deepspeed,
+            line=_deepspeed_line),
+    Feature("fsdp", "torch's FSDP1/FSDP2 sharding through accelerate", ("fsdp", "fsdp_config", "fsdp_version"), (),
+            (), "any device torch runs on (FSDP1 on the CPU: a note)", notes=_fsdp_notes, line=_fsdp_line),
     Feature("ray", "Ray Train launcher (workers on a local Ray cluster)", ("use_ray",), ("ray",),
             ("ray.train.torch",), "any device torch runs on", _ray),
     Feature("liger", "liger-kernel's triton kernels (RoPE, RMSNorm, SwiGLU, LayerNorm)",
             ("liger_rope", "liger_rms_norm", "liger_layer_norm", "liger_glu_activation", "liger_swiglu"),
             ("liger-kernel",), ("liger_kernel.transformers",),
-            "where the plan says triton kernels run (plan features.liger); off elsewhere", _liger),
+            "where the plan says triton kernels run (plan features.liger); off elsewhere", _liger, notes=_liger_notes),
     Feature("wandb", "Weights & Biases logging (offline without credentials)", ("wandb_project", "use_wandb"),
             ("wandb",), ("wandb",), "any", _tracker("wandb")),
     Feature("tensorboard", "TensorBoard event files in output_dir/runs", ("use_tensorboard",), ("tensorboard",),
@@ -158,7 +300,40 @@ FEATURES: list[Feature] = [
             ("mistral-common",), ("mistral_common", "transformers.tokenization_mistral_common"), "any", _mistral),
     Feature("gguf_export", "`python -m trainer export --format gguf`, printed as a next step after training", (),
             ("gguf",), ("gguf",), "any (pure Python)", _gguf, step="export"),
+    # the loop's features: no package beyond the training stack, a hook each (in the order the loop calls them)
+    Feature("lisa", "LISA: a few randomly drawn layers trained at a time", ("lisa_n_layers",), (), (), "any",
+            hook=_lisa_hook),
+    Feature("relora", "ReLoRA: LoRA merged into the base every jagged_restart_steps", ("relora",), (), (), "any",
+            hook=_relora_hook),
+    Feature("sparsity", "llmcompressor's sparse weights kept sparse while training", ("llmcompressor",), (), (),
+            "any", hook=_sparsity_hook),
+    Feature("diffusion_samples", "diffusion samples written every N steps", ("diffusion",), (), (), "any",
+            hook=_diffusion_hook),
+    Feature("early_stopping", "stop after early_stopping_patience evaluations without a better eval_loss",
+            ("early_stopping_patience",), (), (), "any", hook=_early_stopping_hook),
+    Feature("neftune", "NEFTune: noise on the input embeddings while training", ("neftune_noise_alpha",), (), (),
+            "any", hook=_neftune_hook),
+    Feature("empty_cache", "the accelerator's cached memory released every N steps (transformers' own key)",
+            ("torch_empty_cache_steps",), (), (), "any",
+            hook=lambda training: _empty_cache().hook(training.context),
+            line=lambda cfg: _empty_cache().line(cfg)),
 ]
+
+
+def hooks(training) -> list:
+    """Each feature's part in the loop, in FEATURES' order (None where the config does not use it)."""
+    return [f.hook(training) for f in FEATURES if f.hook is not None]
+
+
+def notes(cfg, runtime, plan) -> list[str]:
+    """What each feature becomes on this GPU, in FEATURES' order (raises HardwareError where it cannot run)."""
+    return [note for f in FEATURES if f.notes is not None for note in f.notes(cfg, runtime, plan)]
+
+
+def lines(cfg) -> list[tuple[str, str]]:
+    """Validate's (label, text) for each feature the config uses."""
+    found = (f.line(cfg) for f in FEATURES if f.line is not None)
+    return [tuple(text.split(": ", 1)) for text in found if text]
 
 
 class Need(NamedTuple):

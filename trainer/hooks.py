@@ -24,6 +24,29 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Callable
+
+
+@dataclass(frozen=True)
+class Run:
+    """Where and how this process trains: what hooks, objectives' evaluation and reference passes and the
+    checkpoint writer read instead of loose rank/world/device/timeout arguments (trainer.train builds it once;
+    `python -m trainer evaluate` and tests build a one-process one with `Run(cfg, device)`)."""
+
+    cfg: Any  # the validated config
+    device: Any = "cpu"  # torch device (or its name)
+    rank: int = 0  # this process among all of them
+    world: int = 1
+    data_rank: int = 0  # this process's share of the data (ranks of one tensor/context-parallel group share one)
+    data_world: int = 1
+    timeout_s: float = 1800.0  # collectives' timeout (ddp_timeout)
+    output_dir: Path | None = None
+    sharded: bool = False  # the weights are sharded (FSDP, ZeRO-3): every forward is a collective
+    say: Callable[[str], None] = print  # the one way to print (rank 0 only, in a distributed run)
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
 
 
 @dataclass

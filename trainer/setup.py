@@ -91,24 +91,14 @@ def processes(cfg) -> int:
 
 
 def feature_notes(cfg, runtime, plan) -> list[str]:
-    """What quantized loading, the optimizer and the kernels become on this GPU (each floor from matrices/).
-    Raises HardwareError where the GPU cannot do what the config asks. Sets runtime.kernels (liger on?)."""
-    from trainer.model import bitnet, kernels, qat, quantization
-    from trainer.optim import optimizers
-    from trainer.parallel import distributed
+    """What each feature (trainer/features.py `notes`: quantized loading, the optimizer, the kernels ...) becomes on
+    this GPU (each floor from matrices/). Raises HardwareError where the GPU cannot do what the config asks. Sets
+    runtime.kernels (liger on?)."""
+    from trainer import features
 
-    if runtime.gpu.other_vendor:
-        notes = vendor_feature_notes(cfg, runtime, plan)
-        refuse_uninstallable(cfg, runtime.gpu, plan)  # (after each feature's own, more specific, refusal)
-        return notes
-    notes = quantization.hardware_notes(cfg, runtime.gpu) + optimizers.hardware_notes(cfg.optimizer, runtime.gpu)
-    notes += qat.hardware_notes(cfg, runtime.gpu)  # qat dtypes' and fp8's floors
-    notes += bitnet.hardware_notes(cfg, runtime.gpu, plan)  # use_onebitllms: triton kernels, so a GPU
-    runtime.kernels, kernel_notes = kernels.plan_notes(cfg, runtime.gpu, plan)
-    if distributed.enabled(cfg) and runtime.device == "cpu" and distributed.fsdp_settings(cfg)["fsdp_version"] == 1:
-        notes.append(distributed.CPU_FSDP1_NOTE)
-    refuse_uninstallable(cfg, runtime.gpu, plan)
-    return notes + kernel_notes
+    notes = vendor_feature_notes(cfg, runtime, plan) if runtime.gpu.other_vendor else features.notes(cfg, runtime, plan)
+    refuse_uninstallable(cfg, runtime.gpu, plan)  # (after each feature's own, more specific, refusal)
+    return notes
 
 
 def refuse_uninstallable(cfg, gpu, plan) -> None:

@@ -38,7 +38,7 @@ from trainer.config import resume as resume_keys
 from trainer.config.parallel import sync_each_batch
 from trainer.data.prepare import Prepared, load_tokenizer
 from trainer.errors import ConfigError, DataError, Stopped, TrainingError
-from trainer.hooks import Hooks
+from trainer.hooks import Hooks, Run
 from trainer.model.load import DTYPES, load_model
 from trainer.objectives import chunked_loss
 from trainer.objectives.base import to_device
@@ -76,13 +76,21 @@ def cadence(every: int | None, per_epoch: int | None, steps_per_epoch: int) -> i
 class Training:
     # --- set-up ---------------------------------------------------------------------------------------------
     def __init__(self, cfg: Config, runtime: Runtime, log=print, claims: list | None = None):
-        from transformers import set_seed
-
-        from trainer.model import kernels, qat
-        from trainer.model.attention import for_model
-
         self.cfg, self.runtime = cfg, runtime
         self.recorded_config = resume_keys.recorded(cfg)  # as given: what checkpoints record, and resumes compare
+        self.stage_processes(log, claims)  # 0-1
+        self.stage_data()  # 2
+        model, context = self.stage_model()  # 3
+        self.stage_objective(context)  # 4
+        self.stage_optimizer(model)  # 5
+        self.stage_reference()  # 5b
+        self.stage_start()  # 6
+
+    def stage_processes(self, log, claims: list | None) -> None:
+        """0-1: the batch split, processes, precision and timeouts; output_dir claimed; the config a resume keeps."""
+        from transformers import set_seed
+
+        cfg, runtime = self.cfg, self.runtime
         # 0. micro_batch_size: auto: the split of the step's batch the GPU holds (before DeepSpeed's config reads it)
         from trainer.runtime import auto_batch
 
@@ -124,6 +132,8 @@ class Training:
                 say(note)
         self.cfg = cfg = self.keep_global_batch(cfg, self.world // group)
 
+    def stage_data(self) -> None:
+        cfg, runtime, say = self.cfg, self.runtime, self.say
         # 2. tokenizer and data
         from trainer.outputs import hub
 
@@ -140,6 +150,13 @@ class Training:
         else:
             self.data = objectives.prepare(cfg, tokenizer, self.rank, log=say)
 
+    def stage_model(self):
+        """3: the model, fitted and patched; returns it (unprepared) and the context-parallel splitter (None)."""
+        from trainer.model import kernels, qat
+        from trainer.model.attention import for_model
+
+        cfg, runtime, say, tokenizer = self.cfg, self.runtime, self.say, self.tokenizer
+        mesh = self.accelerator.mesh
         # 3. model (attention fitted to the model's class first: the collator's packing follows it)
         for note in for_model(cfg, runtime, local_only=False):
             say(f"note: {note}")
@@ -156,7 +173,11 @@ class Training:
             context = ContextParallel(model, self.cp, self.tp, self.rank, self.world)
         kernels.apply(cfg, model, getattr(runtime, "kernels", False), say)  # liger, where the plan says triton runs
         qat.apply(cfg, model, say)  # torchao fake quantization of the linear layers (before sharding, as Axolotl)
+        return model, context
 
+    def stage_objective(self, context) -> None:
+        """4: the objective (how batches are built and the loss computed), sampler and collator."""
+        cfg, runtime, tokenizer = self.cfg, self.runtime, self.tokenizer
         # 4. the objective (how batches are built and the loss computed), sampler and collator
         collator = Collator(tokenizer.pad_token_id, runtime.attention,
                             pad_to=cfg.sequence_len if cfg.pad_to_sequence_len else None,
@@ -167,6 +188,9 @@ class Training:
             objective.eval_loss_sum = context.loss_sum
         self.batches()
 
+    def stage_optimizer(self, model) -> None:
+        cfg, runtime, say = self.cfg, self.runtime, self.say
+        accelerator, mesh = self.accelerator, self.accelerator.mesh
         # 5. optimizer and schedule (Axolotl's choice of schedule: cosine floor, constant tail)
         from trainer.optim.optimizers import make_optimizer
         from trainer.optim.schedule import make_scheduler, warmup_steps
@@ -184,22 +208,32 @@ class Training:
             say(f"parallelism: {mesh.describe()}; {parallelism.placement(unwrapped) or 'parameters not sharded'}")
         # FSDP and ZeRO-3 gather weights in every forward (other ZeRO stages pay one extra collective in evaluation)
         self.sharded = distributed.is_sharded(unwrapped) or bool(cfg.deepspeed)
+        self.context = Run(cfg, self.device, self.rank, self.world, self.data_rank, self.data_world, self.timeout,
+                       self.output_dir, self.sharded, say)  # what hooks, evaluation, reference and checkpoints read
         self.hooks = self.feature_hooks()
 
+    def stage_reference(self) -> None:
+        cfg, runtime, say = self.cfg, self.runtime, self.say
+        objective, unwrapped, tokenizer, accelerator = self.objective, self.unwrapped, self.tokenizer, self.accelerator
         # 5b. reference log-probs (DPO, IPO, KTO): once, before any step and before a checkpoint's weights load,
         # from the cache when a previous run computed them. Never a second copy of the model.
         self.reference = {}
         if objective.needs_reference:
             from trainer.objectives.reference import reference_logps
 
-            self.reference = reference_logps(objective, unwrapped, self.data, cfg, runtime, self.device, self.rank,
-                                             self.world, autocast=accelerator.autocast, log=say,  # lock-step
-                                             sharded=self.sharded)  # forwards under FSDP/ZeRO-3
+            self.reference = reference_logps(objective, unwrapped, self.data, runtime, self.context,  # lock-step
+                                             autocast=accelerator.autocast)  # forwards under FSDP/ZeRO-3
         # EBFT's feature network, GRPO's reference and tokenizer: from the starting weights, before a checkpoint loads
         objective.before_training(unwrapped, tokenizer=tokenizer, dtype=DTYPES[runtime.precision], rank=self.rank,
                                   timeout=self.timeout, output_dir=self.output_dir, say=say)
         self.make_loader()
 
+    def stage_start(self) -> None:
+        """6: resume (or start), the hooks' start, the step's loss scale and the metrics log."""
+        from trainer.runtime import auto_batch
+
+        cfg, runtime, say = self.cfg, self.runtime, self.say
+        tokenizer, group = self.tokenizer, self.tp * self.cp
         # 6. resume
         self.output_dir.mkdir(parents=True, exist_ok=True)
         if self.batch_choice is not None and self.main:
@@ -268,23 +302,10 @@ class Training:
                                                   generator=torch.Generator().manual_seed(cfg.seed))
 
     def feature_hooks(self) -> Hooks:
-        """Each feature's part in the loop (its module returns None where the config does not use it)."""
-        from trainer.model import neftune, qat, relora, sparsity
-        from trainer.objectives import diffusion_steps
-        from trainer.optim import lisa
-        from trainer.outputs import early_stopping
+        """Each feature's part in the loop (trainer/features.py: one list; None where the config does not use it)."""
+        from trainer import features
 
-        cfg, model, say = self.cfg, self.unwrapped, self.say
-        return Hooks([
-            qat.hook(cfg, model),  # fake quantization off until fake_quant_after_n_steps
-            lisa.hook(cfg, model, say),  # after the optimizer is built over every layer: LISA freezes all but a few
-            relora.hook(cfg, model, self.optimizer, DTYPES[self.runtime.precision], say),  # merges every N steps
-            sparsity.hook(cfg, model, say),  # the zeros kept after every step
-            diffusion_steps.hook(cfg, model, self.tokenizer, self.data, self.runtime.attention, self.output_dir,
-                                 self.main, self.sharded or self.tp > 1, say),  # samples every N steps
-            early_stopping.hook(cfg, model, self.output_dir, say),  # stops, and ends with the best checkpoint
-            neftune.hook(cfg, model),  # noise on the input embeddings while training (transformers' NEFTune)
-        ])
+        return Hooks(features.hooks(self))
 
     def resume_path(self) -> Path | None:
         """resume_from_checkpoint; else the checkpoint a stop request saved (output_dir/stopped.json: running the
@@ -570,8 +591,7 @@ class Training:
         cfg = self.cfg
         kwargs = {"reference": self.reference.get("validation")} if self.objective.needs_reference else {}
         result = self.objective.evaluate(self.unwrapped, self.data.validation, cfg.eval_batch_size or cfg.micro_batch_size,
-                                         objectives.capacity(cfg, cfg.packing_for_eval), self.device, self.data_rank,
-                                         self.data_world, self.timeout, sharded=self.sharded, **kwargs)
+                                         objectives.capacity(cfg, cfg.packing_for_eval), self.context, **kwargs)
         if self.tp * self.cp > 1:  # SFT only (rl: is refused with tensor parallelism): each batch was summed on tp ranks
             result["eval_tokens"] //= self.tp * self.cp
         if self.eval_extra is not None:
@@ -585,10 +605,8 @@ class Training:
         state = {"step": self.step, "world_size": self.world, "data_world": self.data_world,
                  "global_batch": self.cfg.micro_batch_size * self.data_world * self.ga,
                  "sampler": self.sampler.state_dict(consumed), **saved.state, "config": self.recorded_config}
-        path = checkpoint.save(self.output_dir, self.step, self.unwrapped, self.optimizer, self.scheduler,
-                               self.accelerator.scaler, state, self.rank, self.timeout, keep=self.cfg.save_total_limit,
-                               engine=self.model, model_only=self.cfg.save_only_model, tensors=saved.tensors or None,
-                               protect=saved.keep)
+        path = checkpoint.save(self.context, self.unwrapped, self.optimizer, self.scheduler, self.accelerator.scaler,
+                               state, engine=self.model, saved=saved)
         self.say(f"saved {path}")
         return path
 

@@ -72,6 +72,8 @@ class TrainingKeys(BaseModel):
     # NEFTune: uniform noise of alpha / sqrt(sequence length x hidden size) on the input embeddings while training,
     # transformers' own neftune_noise_alpha (trainer/model/neftune.py)
     neftune_noise_alpha: float | None = Field(None, gt=0)
+    # the accelerator's cache emptied every N steps, transformers' own key (trainer/runtime/empty_cache.py)
+    torch_empty_cache_steps: int | None = Field(None, ge=1)
     eval_table_size: int | None = Field(None, ge=0)  # Axolotl logs prediction tables only to wandb/mlflow/comet
     relora: bool = False  # ReLoRA: merge LoRA into the base every jagged_restart_steps (trainer.model.relora)
     relora_prune_ratio: float | None = Field(None, ge=0, le=1)  # share of LoRA's optimizer state zeroed at a restart

@@ -14,30 +14,35 @@ from trainer.config.diffusion import enabled as diffusion_enabled
 from trainer.objectives.base import Objective
 
 
+# cfg.objective -> "module:Class" (each imported only when a config asks for it)
+OBJECTIVES: dict[str, str] = {
+    "diffusion": "diffusion:Diffusion",  # sft with Axolotl's DiffusionPlugin (trainer/config/diffusion.py)
+    "sft": "sft:SFT",  # plain or entropy-weighted (use_eaft) token losses
+    "reward": "reward:Reward",  # reward_model / process_reward_model (not rl methods, as in Axolotl)
+    "prm": "prm:PRM",
+    "grpo": "grpo:GRPO",  # online RL on generated completions
+    "gdpo": "grpo:GRPO",
+    "dpo": "dpo:DPO",
+    "ipo": "dpo:DPO",
+    "ebft": "ebft:EBFT",  # strided EBFT (trainer/objectives/ebft_strided.py)
+    "orpo": "orpo:ORPO",
+    "simpo": "simpo:SimPO",
+    "kto": "kto:KTO",
+}
+
+
 def objective_class(cfg: Config) -> type[Objective]:
     """The class that trains this config (cfg.objective, with Axolotl's diffusion plugin as its own SFT)."""
-    kind = cfg.objective
-    if kind == "sft" and diffusion_enabled(cfg):  # Axolotl's DiffusionPlugin (trainer/config/diffusion.py)
-        from trainer.objectives.diffusion import Diffusion as cls
-    elif kind == "sft":  # plain or entropy-weighted (use_eaft) token losses
-        from trainer.objectives.sft import SFT as cls
-    elif kind == "reward":  # reward_model / process_reward_model (not rl methods, as in Axolotl)
-        from trainer.objectives.reward import Reward as cls
-    elif kind == "prm":
-        from trainer.objectives.prm import PRM as cls
-    elif kind in ("grpo", "gdpo"):  # online RL on generated completions
-        from trainer.objectives.grpo import GRPO as cls
-    elif kind in ("dpo", "ipo"):
-        from trainer.objectives.dpo import DPO as cls
-    elif kind == "ebft":  # strided EBFT (trainer/objectives/ebft_strided.py)
-        from trainer.objectives.ebft import EBFT as cls
-    elif kind == "orpo":
-        from trainer.objectives.orpo import ORPO as cls
-    elif kind == "simpo":
-        from trainer.objectives.simpo import SimPO as cls
-    else:
-        from trainer.objectives.kto import KTO as cls
-    return cls
+    import importlib
+
+    kind = "diffusion" if cfg.objective == "sft" and diffusion_enabled(cfg) else cfg.objective
+    module, name = OBJECTIVES[kind].split(":")
+    return getattr(importlib.import_module(f"trainer.objectives.{module}"), name)
+
+
+def describe(cfg: Config) -> str | None:
+    """validate's line about what this config trains (None: plain SFT says nothing)."""
+    return objective_class(cfg).describe(cfg)
 
 
 def build(cfg: Config, collator: Collator, token_loss_sum) -> Objective:

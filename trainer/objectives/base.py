@@ -29,22 +29,26 @@ from trainer.batch.sampler import MultipackBatchSampler
 from trainer.data.prepare import prepare
 from trainer.objectives import chunked_loss
 from trainer.objectives.loss import MODEL_INPUTS
+from trainer.hooks import Run
 from trainer.parallel.collective import reduce_sum
 
 
 @dataclass(frozen=True)
 class Scoring:
     """How a split is scored: batches of batch_size rows (packed up to capacity tokens; None: one example a row),
-    this rank's share of world, collectives timing out after timeout_s. sharded: the weights are sharded (FSDP,
-    ZeRO-3), so every forward is a collective and every rank runs as many as the busiest one."""
+    this rank's share of world (run.data_rank of run.data_world), collectives timing out after run.timeout_s.
+    sharded: the weights are sharded (FSDP, ZeRO-3), so every forward is a collective and every rank runs as many
+    as the busiest one. device, rank, world, timeout_s, sharded: read from `run`."""
 
     batch_size: int
     capacity: int | None
-    device: object
-    rank: int = 0
-    world: int = 1
-    timeout_s: float = 1800.0
-    sharded: bool = False
+    run: Run
+
+    device = property(lambda self: self.run.device)
+    rank = property(lambda self: self.run.data_rank)
+    world = property(lambda self: self.run.data_world)
+    timeout_s = property(lambda self: self.run.timeout_s)
+    sharded = property(lambda self: self.run.sharded)
 
 
 class Objective:
@@ -103,11 +107,16 @@ class Objective:
     def report(self, sums: dict[str, float], totals: dict[str, float]) -> dict:
         raise NotImplementedError
 
-    def evaluate(self, model, dataset, batch_size: int, capacity: int | None, device, rank: int = 0, world: int = 1,
-                 timeout_s: float = 1800.0, sharded: bool = False, reference: np.ndarray | None = None) -> dict:
+    @classmethod
+    def describe(cls, cfg) -> str | None:
+        """One line for validate about what `cfg` trains with this objective; None: nothing to add."""
+        return None
+
+    def evaluate(self, model, dataset, batch_size: int, capacity: int | None, run: Run,
+                 reference: np.ndarray | None = None) -> dict:
         """The objective's loss and metrics over a split (eval_* keys; `reference`: the split's reference values).
         The one signature the loop and `python -m trainer evaluate` call; objectives differ in score()."""
-        return self.score(model, dataset, Scoring(batch_size, capacity, device, rank, world, timeout_s, sharded),
+        return self.score(model, dataset, Scoring(batch_size, capacity, run),
                           reference)
 
     def score(self, model, dataset, where: Scoring, reference: np.ndarray | None = None) -> dict:

@@ -93,15 +93,15 @@ def generate(model, ids: list[int], labels: list[int], d: DiffusionConfig, atten
     return sequence[0].tolist(), masked[0].tolist()
 
 
-def write_samples(model, tokenizer, dataset, d: DiffusionConfig, attention: str, seed: int, step: int,
-                  output_dir, log) -> int:
-    """generate_samples: every generation_interval steps, samples from the validation split (else the training
-    data) are regenerated and appended to output_dir/samples.jsonl ({step, original, masked, generated,
+def write_samples(run: Run, model, tokenizer, dataset, attention: str, step: int) -> int:
+    """generate_samples (run.cfg.diffusion): every generation_interval steps, samples from the validation split
+    (else the training data) are regenerated and appended to output_dir/samples.jsonl ({step, original, masked, generated,
     masked_tokens, total_tokens, original_ids, generated_ids}). A private generator keyed by (seed, step) picks and samples them, so
     training (and its RNG, for exact resume) is untouched. Returns the number written."""
     import json
     from pathlib import Path
 
+    d, seed, output_dir, log = run.cfg.diffusion, run.cfg.seed, run.output_dir, run.say
     key = np.random.SeedSequence([seed, step, 7]).generate_state(1, dtype=np.uint32)
     generator = torch.Generator().manual_seed(int(key[0]))
     was_training = model.training
@@ -128,22 +128,21 @@ def write_samples(model, tokenizer, dataset, d: DiffusionConfig, attention: str,
 class Samples(Hook):
     """generate_samples in the loop: every generation_interval steps, by rank 0 alone."""
 
-    def __init__(self, cfg, model, tokenizer, dataset, attention: str, output_dir, say=print):
-        self.cfg, self.model, self.tokenizer, self.dataset = cfg, model, tokenizer, dataset
-        self.attention, self.output_dir, self.say = attention, output_dir, say
+    def __init__(self, run: Run, model, tokenizer, dataset, attention: str):
+        self.run, self.model, self.tokenizer, self.dataset, self.attention = run, model, tokenizer, dataset, attention
 
     def after_step(self, step: int) -> None:
-        if step % self.cfg.diffusion.generation_interval == 0:
-            write_samples(self.model, self.tokenizer, self.dataset, self.cfg.diffusion, self.attention, self.cfg.seed,
-                          step, self.output_dir, self.say)
+        if step % self.run.cfg.diffusion.generation_interval == 0:
+            write_samples(self.run, self.model, self.tokenizer, self.dataset, self.attention, step)
 
 
-def hook(cfg, model, tokenizer, data, attention: str, output_dir, main: bool, sharded: bool, say=print) -> Hook | None:
+def hook(run: Run, model, tokenizer, data, attention: str, sharded: bool) -> Hook | None:
     """Samples on rank 0 only, so not where every forward is a collective (sharded weights, tensor parallel)."""
+    cfg, say = run.cfg, run.say
     if cfg.diffusion is None or not cfg.diffusion.generate_samples:
         return None
     if sharded:
         say("note: diffusion.generate_samples: no samples with sharded weights (each forward is a collective)")
         return None
     dataset = data.validation if data.validation is not None else data.train
-    return Samples(cfg, model, tokenizer, dataset, attention, output_dir, say) if main else None
+    return Samples(run, model, tokenizer, dataset, attention) if run.main else None

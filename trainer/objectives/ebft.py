@@ -61,6 +61,13 @@ class EBFT(Objective):
     progress_names = ("ebft/mean_reward",)
 
     @classmethod
+    def describe(cls, cfg) -> str:
+        e = cfg.ebft
+        return (f"ebft strided ({e.n_samples_per_prompt} rollouts of {e.generate_max_len} tokens every {e.stride} "
+                f"tokens from {e.context_length}; feature network: "
+                f"{'the base, adapter disabled' if cfg.adapter else 'a frozen copy of the initial model'})")
+
+    @classmethod
     def from_config(cls, cfg, collator, token_loss_sum):
         return cls(cfg, collator.pad_token_id)
 

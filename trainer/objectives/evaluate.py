@@ -12,15 +12,18 @@ import torch
 from trainer.batch.collate import Collator, Rows, count_targets
 from trainer.batch.sampler import MultipackBatchSampler
 from trainer.objectives.loss import token_loss_sum
+from trainer.hooks import Run
 from trainer.parallel.collective import reduce_sum
 
 
 @torch.no_grad()
-def evaluate(model, dataset, collator: Collator, batch_size: int, capacity: int | None, device,
-             rank: int = 0, world_size: int = 1, timeout_s: float = 1800, sharded: bool = False,
+def evaluate(model, dataset, collator: Collator, batch_size: int, capacity: int | None, run: Run,
              loss_sum=token_loss_sum) -> dict:
-    """loss_sum: the summed token loss (EAFT's weighted one with use_eaft). sharded: the weights are sharded (FSDP, DeepSpeed ZeRO-3), so every forward pass is a collective and all
+    """Mean token loss over this rank's share (run.data_rank of run.data_world) of the split.
+    loss_sum: the summed token loss (EAFT's weighted one with use_eaft). run.sharded: the weights are sharded (FSDP,
+    DeepSpeed ZeRO-3), so every forward pass is a collective and all
     ranks must run as many as the busiest rank: the others run extra forward passes whose loss is discarded."""
+    device, rank, world_size, timeout_s, sharded = run.device, run.data_rank, run.data_world, run.timeout_s, run.sharded
     sampler = MultipackBatchSampler(dataset["length"], batch_size, capacity, rank=rank, world_size=world_size,
                                     shuffle=False, drop_last=False)
     rows = Rows(dataset)

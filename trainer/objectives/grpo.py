@@ -135,6 +135,12 @@ class GRPO(Objective):
     progress_names = ("reward", "kl")
 
     @classmethod
+    def describe(cls, cfg) -> str:
+        trl = cfg.trl
+        return (f"{cfg.rl} ({trl.generations} completions per prompt, up to {trl.completion_length} tokens; "
+                f"beta {trl.kl_beta:g}; rewards {', '.join(trl.reward_funcs)})")
+
+    @classmethod
     def from_config(cls, cfg, collator, token_loss_sum):
         from trainer.objectives.grpo_data import reward_functions
 

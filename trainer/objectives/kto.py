@@ -41,6 +41,12 @@ class KTO(Objective):
     progress_names = ("rewards/margins", "kl")
 
     @classmethod
+    def describe(cls, cfg) -> str:
+        reference = ("reference log-probs computed once before training and cached" if cfg.objective in ("dpo", "ipo", "kto")
+                     else "reference-free")
+        return f"{cfg.objective} (beta {cfg.beta:g}; {reference})"
+
+    @classmethod
     def from_config(cls, cfg, collator, token_loss_sum):
         return cls(collator, cfg.sample_packing, cfg.beta, cfg.kto_desirable_weight, cfg.kto_undesirable_weight)
 

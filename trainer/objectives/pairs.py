@@ -24,6 +24,12 @@ class PairObjective(Objective):
     progress_names = ("rewards/margins", "rewards/accuracies")
 
     @classmethod
+    def describe(cls, cfg) -> str:
+        reference = ("reference log-probs computed once before training and cached" if cfg.objective in ("dpo", "ipo", "kto")
+                     else "reference-free")
+        return f"{cfg.objective} (beta {cfg.beta:g}; {reference})"
+
+    @classmethod
     def prepare_data(cls, cfg, tokenizer, rank=0, log=print):
         """Preference pairs (trainer/objectives/preference_data.py); DPO, IPO, ORPO and SimPO share their tokens."""
         from trainer.objectives.preference_data import build_preference

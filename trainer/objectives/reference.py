@@ -30,6 +30,7 @@ import torch
 
 from trainer.batch.sampler import MultipackBatchSampler
 from trainer.errors import TrainerError
+from trainer.hooks import Run
 from trainer.objectives.base import Objective, to_device
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".json", ".model", ".pt")
@@ -90,10 +91,12 @@ def _busiest(count: int, device, rank: int, timeout_s: float) -> int:
     return int(most.item())
 
 
-def _shard(objective, model, dataset, batch_size: int, capacity, device, rank: int, world: int, autocast,
-           sharded: bool = False, timeout_s: float = 1800) -> np.ndarray:
-    """[rows, 1 + k]: example index, then its reference values. sharded: every forward is a collective, so
-    every rank runs as many as the busiest rank (the extra ones on one example, not kept)."""
+def _shard(objective, model, dataset, batch_size: int, capacity, run: Run, autocast) -> np.ndarray:
+    """[rows, 1 + k]: example index, then its reference values (run.rank's share of run.world). run.sharded: every
+    forward is a collective, so every rank runs as many as the busiest rank (the extra ones on one example, not
+    kept); they time out after cfg.dataset_prepare_timeout."""
+    device, rank, world, sharded = run.device, run.rank, run.world, run.sharded
+    timeout_s = run.cfg.dataset_prepare_timeout
     sampler = MultipackBatchSampler(objective.lengths(dataset), batch_size, capacity, rank=rank, world_size=world,
                                     shuffle=False, drop_last=False)
     rows = objective.rows(dataset)
@@ -123,10 +126,11 @@ def _wait_for(paths: dict[int, Path], rank: int, timeout_s: float) -> None:
         time.sleep(0.2)
 
 
-def reference_logps(objective: Objective, model, data, cfg, runtime, device, rank: int = 0, world: int = 1,
-                    autocast=None, log=print, sharded: bool = False) -> dict[str, np.ndarray]:
-    """{"train": [n, k], "validation": [m, k]} reference values per example, from the cache or computed now.
-    sharded: the weights are sharded (FSDP, ZeRO-3): every rank must call this (it runs collectives)."""
+def reference_logps(objective: Objective, model, data, runtime, run: Run, autocast=None) -> dict[str, np.ndarray]:
+    """{"train": [n, k], "validation": [m, k]} reference values per example, from the cache or computed now, this
+    rank's share (run.rank of run.world) computed here. run.sharded: the weights are sharded (FSDP, ZeRO-3): every
+    rank must call this (it runs collectives)."""
+    cfg, rank, world, sharded, log = run.cfg, run.rank, run.world, run.sharded, run.say
     root = Path(data.path) / f"reference-{reference_key(cfg, runtime, objective)}"
     splits = {"train": data.train, "validation": data.validation}
     out, todo = {}, []
@@ -157,8 +161,8 @@ def reference_logps(objective: Objective, model, data, cfg, runtime, device, ran
             # a shard from an interrupted run is complete (atomic) and still right; sharded, every rank
             # computes again (its forwards are collectives the other ranks take part in)
             if sharded or not shard.exists():
-                _save_atomic(shard, _shard(objective, model, dataset, batch_size, bins, device, rank, world,
-                                           autocast or nullcontext, sharded, cfg.dataset_prepare_timeout))
+                _save_atomic(shard, _shard(objective, model, dataset, batch_size, bins, run,
+                                           autocast or nullcontext))
     model.train(was_training)
     for split, dataset in todo:
         shards = {r: root / f"{split}.shard-{r}-{layout}.npy" for r in range(world)}

@@ -40,6 +40,13 @@ class Reward(Objective):
     progress_names = ("accuracy", "margin")
 
     @classmethod
+    def describe(cls, cfg) -> str:
+        from trainer.config.rl import num_labels
+
+        return (f"{cfg.objective} ({'sequence' if cfg.objective == 'reward' else 'token'} classification, "
+                f"num_labels {num_labels(cfg)})")
+
+    @classmethod
     def from_config(cls, cfg, collator, token_loss_sum):
         return cls(collator, cfg.center_rewards_coefficient)
 

@@ -48,8 +48,7 @@ class SFT(Objective):
 
     def score(self, model, dataset, where, reference=None) -> dict:
         """Mean token loss over the split (trainer/objectives/evaluate.py)."""
-        return evaluate(model, dataset, self.collator, where.batch_size, where.capacity, where.device, where.rank,
-                        where.world, where.timeout_s, sharded=where.sharded,
+        return evaluate(model, dataset, self.collator, where.batch_size, where.capacity, where.run,
                         **({"loss_sum": self.eval_loss_sum} if self.eval_loss_sum else {}))
 
     def describe_eval(self, result: dict) -> str:

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from trainer.errors import TrainingError
+from trainer.hooks import Run, Saved
 from trainer.model.load import load_weights
 from trainer.parallel.collective import barrier
 from trainer.runtime import digest
@@ -65,16 +66,20 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save(output_dir: Path, step: int, model, optimizer, scheduler, scaler, state: dict,
-         rank: int, timeout_s: float, keep: int | None = None, engine=None, model_only: bool = False,
-         tensors: dict | None = None, protect: str | None = None) -> Path:
-    """engine: the accelerator-prepared model; under DeepSpeed its engine writes each rank's partition of the
+def save(run: Run, model, optimizer, scheduler, scaler, state: dict, engine=None, saved: Saved | None = None) -> Path:
+    """Checkpoint `state["step"]` into run.output_dir, keeping the newest cfg.save_total_limit.
+    engine: the accelerator-prepared model; under DeepSpeed its engine writes each rank's partition of the
     optimizer (and ZeRO-3 weights) with save_checkpoint; under FSDP2 the full states are gathered first.
     model_only (save_only_model): the weights and trainer state only -- no optimizer, scheduler, scaler or RNG
     state, as the HF Trainer's save_only_model; trainer_state.json says so, and load() restarts the optimizer.
-    tensors: more safetensors files for the checkpoint, {file name: {name: tensor}} (ReLoRA's merged base).
-    protect: a checkpoint name that save_total_limit does not delete (early stopping's best, as the HF Trainer)."""
+    saved: what the hooks add (trainer.hooks.Saved, its state already in `state`): `tensors`, more safetensors files,
+    {file name: {name: tensor}} (ReLoRA's merged base); `keep`, a checkpoint name that save_total_limit does not
+    delete (early stopping's best, as the HF Trainer)."""
     from trainer.parallel import distributed
+
+    output_dir, step, rank, timeout_s = run.output_dir, state["step"], run.rank, run.timeout_s
+    keep, model_only = run.cfg.save_total_limit, run.cfg.save_only_model
+    tensors, protect = (saved.tensors or None, saved.keep) if saved is not None else (None, None)
 
     final = output_dir / f"checkpoint-{step}"
     tmp = output_dir / f".tmp-checkpoint-{step}"

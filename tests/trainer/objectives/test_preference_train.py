@@ -218,6 +218,7 @@ def test_with_lora_the_reference_is_the_base_with_the_adapter_disabled(pref_conf
     from trainer.config import load_config
     from trainer.data.prepare import load_tokenizer
     from trainer.objectives import prepare
+    from trainer.hooks import Run
     from trainer.objectives.reference import reference_logps
     from trainer.runtime.hardware import adapt, detect
 
@@ -226,11 +227,11 @@ def test_with_lora_the_reference_is_the_base_with_the_adapter_disabled(pref_conf
     data = prepare(cfg, load_tokenizer(cfg))
     objective = objectives.build(cfg, Collator(0, "sdpa"), None)
     base = AutoModelForCausalLM.from_pretrained(tiny_llama, attn_implementation="sdpa")
-    expected = reference_logps(objective, base, data, cfg, runtime, "cpu", log=lambda *_: None)["train"]
+    expected = reference_logps(objective, base, data, runtime, Run(cfg, say=lambda *_: None))["train"]
     shutil.rmtree(next(data.path.glob("reference-*")))
     trained = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_llama, attn_implementation="sdpa"),
                              LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))  # a non-zero adapter
-    got = reference_logps(objective, trained, data, cfg, runtime, "cpu", log=lambda *_: None)["train"]
+    got = reference_logps(objective, trained, data, runtime, Run(cfg, say=lambda *_: None))["train"]
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
     batch = objective.collate([[objective.rows(data.train)[[0]][0]]])
     with torch.no_grad():
@@ -247,6 +248,7 @@ def test_a_rank_waiting_for_anothers_reference_share_stops_with_a_clear_error(pr
     from trainer.data.prepare import load_tokenizer
     from trainer.errors import TrainerError
     from trainer.objectives import prepare
+    from trainer.hooks import Run
     from trainer.objectives.reference import reference_logps
     from trainer.runtime.hardware import adapt, detect
 
@@ -255,8 +257,8 @@ def test_a_rank_waiting_for_anothers_reference_share_stops_with_a_clear_error(pr
     objective = objectives.build(cfg, Collator(0, "sdpa"), None)
     model = AutoModelForCausalLM.from_pretrained(tiny_llama, attn_implementation="sdpa")
     with pytest.raises(TrainerError, match=r"rank 0 waited 1s for the reference log-probs of rank\(s\) 1;") as err:
-        reference_logps(objective, model, data, cfg, adapt(cfg, *detect("cpu", None)), "cpu", rank=0, world=2,
-                        log=lambda *_: None)
+        reference_logps(objective, model, data, adapt(cfg, *detect("cpu", None)),
+                        Run(cfg, rank=0, world=2, say=lambda *_: None))
     assert err.value.exit_code == 1
 
 

@@ -24,6 +24,7 @@ from trainer.batch.labels import IGNORE
 from trainer.cli import main
 from trainer.config import DatasetConfig, parse_config
 from trainer.errors import ConfigError
+from trainer.hooks import Run
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 
@@ -235,7 +236,7 @@ def score_validation(cfg_path, model):
     tok = load_tokenizer(cfg)
     objective = objectives.build(cfg, Collator(tok.pad_token_id, "sdpa"), None)
     data = prepare(cfg, tok, log=lambda *_: None)
-    return objective.evaluate(model, data.validation, 2, objectives.capacity(cfg, False), "cpu", 0, 1, 60.0)
+    return objective.evaluate(model, data.validation, 2, objectives.capacity(cfg, False), Run(cfg, timeout_s=60.0))
 
 
 @pytest.mark.slow
