@@ -42,6 +42,7 @@ def test_qlora_and_8bit_examples_validate_for_a_t4(name, tmp_path):
     assert "bf16: auto -> fp16" in result.stdout and "bitsandbytes" in result.stdout
 
 
+@pytest.mark.slow  # runs the bench script in a subprocess (~5 s of CPU: at the fast tier's limit under load)
 def test_the_bench_script_counts_and_groups(tmp_path):
     """bench/axolotl_examples.py over a tiny git repo shaped like Axolotl's (no fetch)."""
     import subprocess
