@@ -277,7 +277,7 @@ def layout(shape, s: Setup):
     """peft's own LoRA layout for the Setup's LoraConfig (memory_model.lora_layout), None without peft."""
     if s.full or not s.lora_kwargs:
         return None
-    from trainer.runtime.memory_model import lora_layout
+    from trainer.fit.memory_model import lora_layout
 
     return lora_layout(shape, s.lora_kwargs)
 
@@ -1013,7 +1013,7 @@ def report(cfg, runtime, gpu: Gpu, local_only: bool = False) -> Report:
     of `gpu`: the model's shape from its config.json (`local_only`: the model directory or a cache, never the
     network). With auto_find_batch_size, at the micro-batch the run would pick. Raises ModelConfigError with
     bad_input for a base_model that does not exist; every other unknown is a verdict of "unknown" with its reason."""
-    from trainer.runtime import memory_model
+    from trainer.fit import memory_model
 
     s = setup_from(cfg, runtime, gpu.count)
     try:

@@ -1,4 +1,4 @@
-"""A model's shape for the memory estimate (trainer/runtime/memory.py), from its config.json alone.
+"""A model's shape for the memory estimate (trainer/fit/memory.py), from its config.json alone.
 
 Where the config.json comes from, in order: a local model directory (offline); the Hub cache; the Hub itself,
 config.json only (never a weight file), cached where huggingface_hub caches it (or, without huggingface_hub,
