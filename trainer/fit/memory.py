@@ -316,11 +316,10 @@ class Static:
     notes: list[str] = field(default_factory=list)
 
 
-def static_terms(shape, s: Setup) -> Static:
-    notes: list[str] = []
+def _base_weights(shape, s: Setup, notes: list[str]) -> float:
+    """The model's own weights in memory (k-bit linears packed, the rest in fp32 after k-bit preparation)."""
     e_w = s.weight_bytes
     kbit = s.quant is not None
-    frozen_base = not s.full
     # ---- weights
     linear_groups = shape.linears
     base = 0.0
@@ -338,6 +337,11 @@ def static_terms(shape, s: Setup) -> Static:
     if kbit and shape.expert_params:
         notes.append("MoE expert tensors are not nn.Linear: bitsandbytes leaves them unquantized (counted in fp32 "
                      "after peft's k-bit preparation)")
+    return base
+
+
+def _trained_params(shape, s: Setup, base: float, notes: list[str]) -> tuple[float, float, float]:
+    """(weights with the adapters and saved copies added, trained parameters, adapter parameters)."""
     # ---- trained parameters
     adapters = 0
     if s.full:
@@ -376,6 +380,16 @@ def static_terms(shape, s: Setup) -> Static:
         base += saved * 4  # the trainable copy (fp32); the original stays
         trained = adapters + saved
         base += adapters * 4  # adapters train in fp32 (trainer/model/load.py)
+    return base, trained, adapters
+
+
+def static_terms(shape, s: Setup) -> Static:
+    notes: list[str] = []
+    e_w = s.weight_bytes
+    kbit = s.quant is not None
+    linear_groups = shape.linears
+    base = _base_weights(shape, s, notes)
+    base, trained, adapters = _trained_params(shape, s, base, notes)
     total = shape.params
     # ---- gradients, optimizer (per trained parameter); trained parameters are fp32 except the bf16 module
     # DeepSpeed makes of a full fine-tune
