@@ -543,6 +543,24 @@ def zero3_live_bytes(shape, s: Setup) -> float:
 # --------------------------------------------------------------------------- activations
 
 
+def _kernel_kept(shape, s: Setup, q: float, kv: float, heads: float, per_token: float,
+                 per_key: float) -> tuple[float, float]:
+    """What the attention kernel keeps, added to one layer's (bytes per token, bytes per token per key position)."""
+    e = s.e
+    kind = s.attention_kind
+    if kind == "varlen":  # q and k after RoPE, v, the output, the fp32 log-sum-exp per head
+        per_token += e * (q + 2 * kv) + e * q + 4 * heads
+    elif kind == "mask":  # k and v repeated to every query head (repeat_kv); the mask converted per layer
+        per_token += e * 3 * q + e * q + 4 * heads
+        per_key += e
+    else:  # eager: q, repeated k and v; fp32 softmax probabilities and their cast
+        per_token += e * 3 * q
+        per_key += heads * (4 + (e if e != 4 else 0)) + (heads if s.attention_dropout > 0 else 0)
+        if getattr(shape, "attn_softcap", False):  # Gemma 2: tanh(scores / cap) * cap keeps tanh's output
+            per_key += heads * e
+    return per_token, per_key
+
+
 def layer_bytes_per_token(layer, shape, s: Setup, targeted: set[str], first: bool = False,
                           experts_train: bool = False) -> tuple[float, float]:
     """(bytes per token, bytes per token per key position) autograd keeps for one decoder layer of this shape.
@@ -599,16 +617,7 @@ def layer_bytes_per_token(layer, shape, s: Setup, targeted: set[str], first: boo
     if layer.qk_norm:
         per_token += 4 * (q + kv) + 4 * 2 * heads + (e * (q + kv) if trains else 0)
     kind = s.attention_kind
-    if kind == "varlen":  # q and k after RoPE, v, the output, the fp32 log-sum-exp per head
-        per_token += e * (q + 2 * kv) + e * q + 4 * heads
-    elif kind == "mask":  # k and v repeated to every query head (repeat_kv); the mask converted per layer
-        per_token += e * 3 * q + e * q + 4 * heads
-        per_key += e
-    else:  # eager: q, repeated k and v; fp32 softmax probabilities and their cast
-        per_token += e * 3 * q
-        per_key += heads * (4 + (e if e != 4 else 0)) + (heads if s.attention_dropout > 0 else 0)
-        if getattr(shape, "attn_softcap", False):  # Gemma 2: tanh(scores / cap) * cap keeps tanh's output
-            per_key += heads * e
+    per_token, per_key = _kernel_kept(shape, s, q, kv, heads, per_token, per_key)
     # o_proj reads the attention's output, which flash/sdpa keep already; eager's is a fresh contiguous copy
     per_token += linear_inputs(q, e, ["o_proj"], shared_elsewhere=kind != "eager")
     # MLP block
