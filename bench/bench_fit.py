@@ -82,7 +82,7 @@ def trainer_config(entry: dict, model: Path, tmp: Path) -> dict:
 
 def estimate(entry: dict, models: dict, tmp: Path):
     from trainer.config import parse_config
-    from trainer.runtime import memory, memory_model
+    from trainer.fit import memory, memory_model
     from trainer.runtime.hardware import Gpu as TrainerGpu
     from trainer.runtime.hardware import Runtime
 
@@ -98,7 +98,7 @@ def estimate(entry: dict, models: dict, tmp: Path):
 
 def in_metric(entry: dict, est) -> tuple[float, float, float]:
     """(point, low, high) in GB in the metric the run was measured in."""
-    from trainer.runtime.memory import ALLOCATOR_SLACK
+    from trainer.fit.memory import ALLOCATOR_SLACK
 
     metric = entry.get("metric", "nvidia-smi")
     if entry["outcome"] == "max_context" or metric == "nvidia-smi":

@@ -3,7 +3,7 @@
 The GPU comes from the resolver (a catalog name, a compute capability, or this machine's with `auto`); the config
 is read by the trainer's own reader (trainer/setup.py: the same checks `python -m trainer validate` makes, and the
 attention and precision the run would use on that GPU); the model's shape from its config.json only
-(trainer/runtime/memory_model.py); the estimate is trainer/runtime/memory.py's. Nothing is downloaded but the
+(trainer/fit/memory_model.py); the estimate is trainer/fit/memory.py's. Nothing is downloaded but the
 model's config.json, and torch is imported only to count the parameters exactly where it is installed.
 """
 
@@ -21,7 +21,7 @@ class FitResult:
     model: str
     notes: list[str] = field(default_factory=list)  # what the estimate assumed or could not count
     config_notes: list[str] = field(default_factory=list)  # the config reader's notes (inert keys, changes)
-    estimate: object = None  # trainer.runtime.memory.Estimate, None when unknown
+    estimate: object = None  # trainer.fit.memory.Estimate, None when unknown
     reason: str | None = None  # why the verdict is unknown
 
 
@@ -61,7 +61,7 @@ def fit(config: Path, gpu: str = "auto", nproc: int | None = None) -> FitResult:
 
     previous = os.environ.get("WORLD_SIZE")
     os.environ["WORLD_SIZE"] = str(count)  # the config's parallelism sizes are checked against the processes
-    from trainer.runtime import memory, memory_model
+    from trainer.fit import memory, memory_model
 
     try:
         with memory_model.quiet_imports():  # the config reader may import transformers' model modules
@@ -88,10 +88,10 @@ def fit(config: Path, gpu: str = "auto", nproc: int | None = None) -> FitResult:
 
 
 def on_plan(cfg, runtime, config: Path, plan, processes: int):
-    """The memory estimate (trainer.runtime.memory.Report, the one `envtool fit` prints) for the trainer's Config
+    """The memory estimate (trainer.fit.memory.Report, the one `envtool fit` prints) for the trainer's Config
     `cfg` as it runs under `plan` (`runtime`: the trainer's adaptation to it) on the plan's GPU over `processes`
     processes. config.json from the model directory or a cache only (no network: `envtool fit` fetches it)."""
-    from trainer.runtime import memory, memory_model
+    from trainer.fit import memory, memory_model
 
     gpu = memory.Gpu(plan.gpu.get("name") or plan.target, plan.gpu.get("memory_gb"), processes)
     try:
@@ -105,7 +105,7 @@ def on_plan(cfg, runtime, config: Path, plan, processes: int):
 
 def lines(found) -> list[str]:
     """`envtool train --dry-run`'s fit lines."""
-    from trainer.runtime.memory import cheapest, one_line
+    from trainer.fit.memory import cheapest, one_line
 
     out = [f"fit: {one_line(found)}"]
     change = cheapest(found) if found.result["verdict"] != "fits" else None
@@ -122,7 +122,7 @@ def check(training) -> None:
     found = training.fit
     if found is None or found.result["verdict"] != "does_not_fit":
         return
-    from trainer.runtime.memory import cheapest, one_line
+    from trainer.fit.memory import cheapest, one_line
 
     from .errors import Unsatisfiable
 

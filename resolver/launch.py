@@ -616,7 +616,7 @@ class Training(NamedTuple):
     notes: list[str]
     trainer: dict
     launch: Launch
-    fit: Any = None  # trainer.runtime.memory.Report on the plan's GPU; None on the CPU
+    fit: Any = None  # trainer.fit.memory.Report on the plan's GPU; None on the CPU
 
     def summary(self) -> dict:
         """The --json object (README, "Training"): plan, config, notes, trainer, environment, command, env, fit."""

@@ -83,7 +83,7 @@ def cmd_validate(args) -> int:
     if fit is None:
         print("  fit:        not estimated: no GPU memory here (--gpu NAME estimates for that GPU)")
     else:
-        from trainer.runtime.memory import cheapest, one_line
+        from trainer.fit.memory import cheapest, one_line
 
         print(f"  fit:        {one_line(fit)}")
         change = cheapest(fit) if fit.result["verdict"] in ("tight", "does_not_fit") else None
@@ -112,9 +112,9 @@ def _for_this_machine(args) -> bool:
 
 
 def fit_block(cfg, runtime):
-    """The memory estimate on the GPU validate judges for (trainer/runtime/memory.py, the one `envtool fit` and
+    """The memory estimate on the GPU validate judges for (trainer/fit/memory.py, the one `envtool fit` and
     `envtool train --dry-run` print): None on the CPU. The model's config.json from its directory or a cache only."""
-    from trainer.runtime import memory, memory_model
+    from trainer.fit import memory, memory_model
 
     gpu = runtime.gpu
     if gpu.memory_gb is None and gpu.compute_capability is None and gpu.vendor is None:

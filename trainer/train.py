@@ -92,7 +92,7 @@ class Training:
 
         cfg, runtime = self.cfg, self.runtime
         # 0. micro_batch_size: auto: the split of the step's batch the GPU holds (before DeepSpeed's config reads it)
-        from trainer.runtime import auto_batch
+        from trainer.fit import auto_batch
 
         resuming = bool(cfg.resume_from_checkpoint) or (cfg.auto_resume_from_checkpoints and
                                                         bool(checkpoint.list_checkpoints(Path(cfg.output_dir))))
@@ -468,9 +468,9 @@ class Training:
 
     def out_of_memory(self, err: BaseException) -> None:
         """An out-of-memory error in a step: before the run's first optimizer step, with micro_batch_size: auto on
-        one process, the micro-batch halves and the accumulation doubles (trainer/runtime/auto_batch.py) and the
+        one process, the micro-batch halves and the accumulation doubles (trainer/fit/auto_batch.py) and the
         loop starts over; otherwise one line that says what to change."""
-        from trainer.runtime import auto_batch
+        from trainer.fit import auto_batch
 
         cfg, choice = self.cfg, self.batch_choice
         first = self.step == 0 and not self.stepped

@@ -890,7 +890,7 @@ def _auto_batch(ctx, work: Path, overrides: dict, on_gpu: bool) -> dict:
     pick cannot fit but half of it can, by envtool fit's estimates: the back-off on a real out-of-memory error."""
     import torch
 
-    from trainer.runtime.auto_batch import FILE
+    from trainer.fit.auto_batch import FILE
 
     config = trainer_config(ctx, work, "mem-auto", **overrides)
     ballast, plan = 0.0, {}

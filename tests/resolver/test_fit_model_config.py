@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.support.hub import CONFIGS, published_config
-from trainer.runtime import memory_model
+from trainer.fit import memory_model
 
 from .conftest import ENVTOOL
 

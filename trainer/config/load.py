@@ -193,7 +193,7 @@ def parse_config(raw: Any) -> tuple[Config, list[str]]:
     if "model_config" in raw:  # Axolotl's model_config: pydantic owns the name
         raw["model_config_overrides"] = raw.pop("model_config")
     if raw.get("micro_batch_size") == "auto":  # the batch per step is micro 1 x gradient_accumulation_steps,
-        raw["micro_batch_size"] = 1  # split by the estimate at start (trainer/runtime/auto_batch.py)
+        raw["micro_batch_size"] = 1  # split by the estimate at start (trainer/fit/auto_batch.py)
         raw["auto_find_batch_size"] = True
     sift = Sift()
     kept = sift.mapping(raw, Config, "", "")

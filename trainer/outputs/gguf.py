@@ -299,7 +299,7 @@ def export_gguf(config: str | Path, outtype: str = "f16", output: str | Path | N
         raise ConfigError(f"export: {model_dir / 'config.json'} is not a readable config.json ({err})") from None
     if not isinstance(model_config, dict):
         raise ConfigError(f"export: {model_dir / 'config.json'} is not a JSON object")
-    from trainer.runtime.memory_model import ModelConfigError, check_sizes
+    from trainer.fit.memory_model import ModelConfigError, check_sizes
 
     try:  # the sizes `envtool fit` checks, with the same words: "vocab_size is 2e9" never reaches the writer
         check_sizes(model_config, str(model_dir / "config.json"))

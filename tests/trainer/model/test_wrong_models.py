@@ -137,7 +137,7 @@ def test_linear_rope_scaling_is_kept_in_merged_and_gguf_and_other_scalings_refus
 @pytest.mark.parametrize("vocab, said", [(2e9, "vocab_size is 2000000000.0: a model's sizes are whole numbers"),
                                          (2 * 10**9, "vocab_size is 2,000,000,000: no model has that")])
 def test_an_impossible_vocab_size_is_refused_by_export_before_anything_is_written(work, capsys, vocab, said):
-    """The sizes `envtool fit` checks (trainer/runtime/memory_model.py check_sizes): 2e9 hung export."""
+    """The sizes `envtool fit` checks (trainer/fit/memory_model.py check_sizes): 2e9 hung export."""
     out, config = _full_model(work, f"vocab-{type(vocab).__name__}", vocab_size=vocab)
     capsys.readouterr()
     assert main(["export", str(config), "--outtype", "f32"]) == 2

@@ -1,4 +1,4 @@
-"""The fit estimate (trainer/runtime/memory.py) against the real thing, on CPU with real tiny models:
+"""The fit estimate (trainer/fit/memory.py) against the real thing, on CPU with real tiny models:
 
 - static terms, exactly: after a real step through the trainer's own loading and optimizer code, the bytes of the
   parameters (with bitsandbytes' quantization state), gradients and optimizer states equal the estimate's, for full
@@ -25,7 +25,7 @@ from trainer.data.prepare import load_tokenizer
 from trainer.model.load import load_model
 from trainer.objectives.loss import token_loss_sum
 from trainer.optim.optimizers import make_optimizer
-from trainer.runtime import memory, memory_model
+from trainer.fit import memory, memory_model
 from trainer.runtime.hardware import Runtime, adapt, gpu_from_name
 
 

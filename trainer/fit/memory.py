@@ -277,7 +277,7 @@ def layout(shape, s: Setup):
     """peft's own LoRA layout for the Setup's LoraConfig (memory_model.lora_layout), None without peft."""
     if s.full or not s.lora_kwargs:
         return None
-    from trainer.runtime.memory_model import lora_layout
+    from trainer.fit.memory_model import lora_layout
 
     return lora_layout(shape, s.lora_kwargs)
 
@@ -316,11 +316,10 @@ class Static:
     notes: list[str] = field(default_factory=list)
 
 
-def static_terms(shape, s: Setup) -> Static:
-    notes: list[str] = []
+def _base_weights(shape, s: Setup, notes: list[str]) -> float:
+    """The model's own weights in memory (k-bit linears packed, the rest in fp32 after k-bit preparation)."""
     e_w = s.weight_bytes
     kbit = s.quant is not None
-    frozen_base = not s.full
     # ---- weights
     linear_groups = shape.linears
     base = 0.0
@@ -338,6 +337,11 @@ def static_terms(shape, s: Setup) -> Static:
     if kbit and shape.expert_params:
         notes.append("MoE expert tensors are not nn.Linear: bitsandbytes leaves them unquantized (counted in fp32 "
                      "after peft's k-bit preparation)")
+    return base
+
+
+def _trained_params(shape, s: Setup, base: float, notes: list[str]) -> tuple[float, float, float]:
+    """(weights with the adapters and saved copies added, trained parameters, adapter parameters)."""
     # ---- trained parameters
     adapters = 0
     if s.full:
@@ -376,6 +380,16 @@ def static_terms(shape, s: Setup) -> Static:
         base += saved * 4  # the trainable copy (fp32); the original stays
         trained = adapters + saved
         base += adapters * 4  # adapters train in fp32 (trainer/model/load.py)
+    return base, trained, adapters
+
+
+def static_terms(shape, s: Setup) -> Static:
+    notes: list[str] = []
+    e_w = s.weight_bytes
+    kbit = s.quant is not None
+    linear_groups = shape.linears
+    base = _base_weights(shape, s, notes)
+    base, trained, adapters = _trained_params(shape, s, base, notes)
     total = shape.params
     # ---- gradients, optimizer (per trained parameter); trained parameters are fp32 except the bf16 module
     # DeepSpeed makes of a full fine-tune
@@ -529,6 +543,24 @@ def zero3_live_bytes(shape, s: Setup) -> float:
 # --------------------------------------------------------------------------- activations
 
 
+def _kernel_kept(shape, s: Setup, q: float, kv: float, heads: float, per_token: float,
+                 per_key: float) -> tuple[float, float]:
+    """What the attention kernel keeps, added to one layer's (bytes per token, bytes per token per key position)."""
+    e = s.e
+    kind = s.attention_kind
+    if kind == "varlen":  # q and k after RoPE, v, the output, the fp32 log-sum-exp per head
+        per_token += e * (q + 2 * kv) + e * q + 4 * heads
+    elif kind == "mask":  # k and v repeated to every query head (repeat_kv); the mask converted per layer
+        per_token += e * 3 * q + e * q + 4 * heads
+        per_key += e
+    else:  # eager: q, repeated k and v; fp32 softmax probabilities and their cast
+        per_token += e * 3 * q
+        per_key += heads * (4 + (e if e != 4 else 0)) + (heads if s.attention_dropout > 0 else 0)
+        if getattr(shape, "attn_softcap", False):  # Gemma 2: tanh(scores / cap) * cap keeps tanh's output
+            per_key += heads * e
+    return per_token, per_key
+
+
 def layer_bytes_per_token(layer, shape, s: Setup, targeted: set[str], first: bool = False,
                           experts_train: bool = False) -> tuple[float, float]:
     """(bytes per token, bytes per token per key position) autograd keeps for one decoder layer of this shape.
@@ -585,16 +617,7 @@ def layer_bytes_per_token(layer, shape, s: Setup, targeted: set[str], first: boo
     if layer.qk_norm:
         per_token += 4 * (q + kv) + 4 * 2 * heads + (e * (q + kv) if trains else 0)
     kind = s.attention_kind
-    if kind == "varlen":  # q and k after RoPE, v, the output, the fp32 log-sum-exp per head
-        per_token += e * (q + 2 * kv) + e * q + 4 * heads
-    elif kind == "mask":  # k and v repeated to every query head (repeat_kv); the mask converted per layer
-        per_token += e * 3 * q + e * q + 4 * heads
-        per_key += e
-    else:  # eager: q, repeated k and v; fp32 softmax probabilities and their cast
-        per_token += e * 3 * q
-        per_key += heads * (4 + (e if e != 4 else 0)) + (heads if s.attention_dropout > 0 else 0)
-        if getattr(shape, "attn_softcap", False):  # Gemma 2: tanh(scores / cap) * cap keeps tanh's output
-            per_key += heads * e
+    per_token, per_key = _kernel_kept(shape, s, q, kv, heads, per_token, per_key)
     # o_proj reads the attention's output, which flash/sdpa keep already; eager's is a fresh contiguous copy
     per_token += linear_inputs(q, e, ["o_proj"], shared_elsewhere=kind != "eager")
     # MLP block
@@ -1013,7 +1036,7 @@ def report(cfg, runtime, gpu: Gpu, local_only: bool = False) -> Report:
     of `gpu`: the model's shape from its config.json (`local_only`: the model directory or a cache, never the
     network). With auto_find_batch_size, at the micro-batch the run would pick. Raises ModelConfigError with
     bad_input for a base_model that does not exist; every other unknown is a verdict of "unknown" with its reason."""
-    from trainer.runtime import memory_model
+    from trainer.fit import memory_model
 
     s = setup_from(cfg, runtime, gpu.count)
     try:

@@ -1,4 +1,4 @@
-"""A model's shape for the memory estimate (trainer/runtime/memory.py), from its config.json alone.
+"""A model's shape for the memory estimate (trainer/fit/memory.py), from its config.json alone.
 
 Where the config.json comes from, in order: a local model directory (offline); the Hub cache; the Hub itself,
 config.json only (never a weight file), cached where huggingface_hub caches it (or, without huggingface_hub,
@@ -491,6 +491,42 @@ def families() -> dict[str, dict]:
     return {row["model_type"]: row for row in facts.rows("model_families", "family")}
 
 
+def _moe_layers(get, layers_n: int, experts: int) -> int:
+    """How many decoder layers route to experts (every `decoder_sparse_step`-th, less the dense ones named)."""
+    moe_layers = layers_n if experts else 0
+    if experts:
+        step = get("decoder_sparse_step", default=1) or 1
+        only_dense = set(get("mlp_only_layers", default=[]) or [])
+        first_dense = get("first_k_dense_replace", default=0) or 0
+        moe_layers = sum(1 for k in range(layers_n)
+                         if (k + 1) % step == 0 and k not in only_dense and k >= first_dense)
+    return moe_layers
+
+
+def _block_linears(family: dict, hidden: int, q: int, kv: int, inter: int, layers_n: int, dense_layers: int,
+                   bias: tuple[bool, bool, bool]) -> list:
+    """The attention's linear layers (every layer) and the dense MLP's (the dense layers); `bias`: (q/k/v, o, mlp)."""
+    qkv_bias, o_bias, mlp_bias = bias
+    gated = family.get("mlp", "gated") == "gated"
+    fused = family.get("fused", False)
+    if fused:
+        linears = [Linear("self_attn.qkv_proj", hidden, q + 2 * kv, layers_n, qkv_bias),
+                   Linear("self_attn.o_proj", q, hidden, layers_n, o_bias)]
+    else:
+        linears = [Linear("self_attn.q_proj", hidden, q, layers_n, qkv_bias),
+                   Linear("self_attn.k_proj", hidden, kv, layers_n, qkv_bias),
+                   Linear("self_attn.v_proj", hidden, kv, layers_n, qkv_bias),
+                   Linear("self_attn.o_proj", q, hidden, layers_n, o_bias)]
+    if dense_layers:
+        if fused:
+            linears.append(Linear("mlp.gate_up_proj", hidden, 2 * inter, dense_layers, mlp_bias))
+        else:
+            linears += [Linear(n, hidden, inter, dense_layers, mlp_bias)
+                        for n in (("mlp.gate_proj", "mlp.up_proj") if gated else ("mlp.up_proj",))]
+        linears.append(Linear("mlp.down_proj", inter, hidden, dense_layers, mlp_bias))
+    return linears
+
+
 def analytic_shape(config: dict, source: str = "config") -> ModelShape:
     """Parameters from the config's sizes, for the decoder families of matrices/model_families.toml."""
     config = text_config(config)
@@ -525,30 +561,9 @@ def analytic_shape(config: dict, source: str = "config") -> ModelShape:
     gated = family.get("mlp", "gated") == "gated"
     norms = family.get("norms_per_layer", 2)
     qk_norm = family.get("qk_norm", False)
-    moe_layers = layers_n if experts else 0
-    if experts:
-        step = get("decoder_sparse_step", default=1) or 1
-        only_dense = set(get("mlp_only_layers", default=[]) or [])
-        first_dense = get("first_k_dense_replace", default=0) or 0
-        moe_layers = sum(1 for k in range(layers_n)
-                         if (k + 1) % step == 0 and k not in only_dense and k >= first_dense)
+    moe_layers = _moe_layers(get, layers_n, experts)
     dense_layers = layers_n - moe_layers
-    fused = family.get("fused", False)
-    if fused:
-        linears = [Linear("self_attn.qkv_proj", hidden, q + 2 * kv, layers_n, qkv_bias),
-                   Linear("self_attn.o_proj", q, hidden, layers_n, o_bias)]
-    else:
-        linears = [Linear("self_attn.q_proj", hidden, q, layers_n, qkv_bias),
-                   Linear("self_attn.k_proj", hidden, kv, layers_n, qkv_bias),
-                   Linear("self_attn.v_proj", hidden, kv, layers_n, qkv_bias),
-                   Linear("self_attn.o_proj", q, hidden, layers_n, o_bias)]
-    if dense_layers:
-        if fused:
-            linears.append(Linear("mlp.gate_up_proj", hidden, 2 * inter, dense_layers, mlp_bias))
-        else:
-            linears += [Linear(n, hidden, inter, dense_layers, mlp_bias)
-                        for n in (("mlp.gate_proj", "mlp.up_proj") if gated else ("mlp.up_proj",))]
-        linears.append(Linear("mlp.down_proj", inter, hidden, dense_layers, mlp_bias))
+    linears = _block_linears(family, hidden, q, kv, inter, layers_n, dense_layers, (qkv_bias, o_bias, mlp_bias))
     expert_params = 0
     other = 0
     vectors = layers_n * norms * hidden + hidden  # layer norms + the final norm

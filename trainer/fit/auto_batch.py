@@ -5,7 +5,7 @@ The step's batch per process is kept: `micro_batch_size x gradient_accumulation_
 step, so any split of it trains the same; only memory and speed change.
 
 1. **Pick** (at the run's start, before the model loads): the largest micro-batch dividing the step's batch whose
-   estimated peak fits the GPU's memory (trainer/runtime/memory.py, the estimate `envtool fit` prints); the whole
+   estimated peak fits the GPU's memory (trainer/fit/memory.py, the estimate `envtool fit` prints); the whole
    step's batch on the CPU (no GPU memory to estimate); 1 where the model's shape is unknown. A resumed run keeps
    the split its checkpoints were written with (the data position counts micro-batches).
 2. **Back off** (trainer/train.py): an out-of-memory error before the run's first optimizer step halves the
@@ -54,7 +54,7 @@ def choose(cfg, runtime, world: int, resuming: bool) -> Choice | None:
     if choice is None and runtime.gpu.memory_gb is None:
         choice = Choice(batch, 1, f"the whole step's batch: no GPU memory to estimate on {runtime.gpu.describe()}")
     if choice is None:
-        from trainer.runtime import memory, memory_model
+        from trainer.fit import memory, memory_model
 
         gpu = memory.Gpu(runtime.gpu.name, runtime.gpu.memory_gb, world)
         try:
