@@ -230,7 +230,7 @@ class Training:
 
     def stage_start(self) -> None:
         """6: resume (or start), the hooks' start, the step's loss scale and the metrics log."""
-        from trainer.runtime import auto_batch
+        from trainer.fit import auto_batch
 
         cfg, runtime, say = self.cfg, self.runtime, self.say
         tokenizer, group = self.tokenizer, self.tp * self.cp
