@@ -26,7 +26,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from trainer.config import datasets, diffusion, ebft, grpo, hardware, migrate, model, parallel, qat, rl, sparsity, training
-from trainer.config import keys
+from trainer.config import keys, resume
 from trainer.config.datasets import DatasetConfig
 from trainer.config.parallel import deepspeed_path
 from trainer.config.schema import Config
@@ -120,7 +120,10 @@ class Sift:
             close = sorted(f for f in fields if keys.one_edit(key, f))
             if not prefix and keys.SHORT_FORMS.get(key) in fields:
                 close = [keys.SHORT_FORMS[key]]
-            if close and close[0] not in given:  # ignoring it would train with the default instead of this value
+            # an error where ignoring it would train with the default instead of this value: the key it resembles
+            # changes what is trained (resume.py's one table; a dataset's or section's keys always do), else a warning
+            trains = bool(prefix) or resume.CLASSES.get(close[0] if close else "", resume.TRAINS) == resume.TRAINS
+            if close and close[0] not in given and trains:
                 self.problems.append(f"'{where}{key}' is not a key; did you mean '{where}{close[0]}'? (the config does "
                                      f"not set {close[0]}: ignoring {key} would train with its default)")
             elif close:

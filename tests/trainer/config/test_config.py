@@ -112,6 +112,27 @@ def test_a_near_miss_of_a_key_the_config_does_not_set_is_an_error(typo):
         parse_config({**BASE, typo: 1e-4})
 
 
+def test_a_near_miss_is_an_error_exactly_where_the_key_it_resembles_changes_what_is_trained():
+    """The resume table (trainer/config/resume.py) says which keys change what is trained: a near miss of one of those
+    is an error (its default would be trained instead), of any other a warning (a real user's `saves_total_limit`
+    keeps checkpoints differently, trains the same; Axolotl drops it silently)."""
+    from trainer.config import keys, resume
+
+    fields = set(resume.CLASSES)
+    for key in sorted(fields - {"resume_from_checkpoint", "auto_resume_from_checkpoints"}):
+        typo = key[:-1] + ("x" if key[-1] != "x" else "y")
+        if any(keys.one_edit(typo, other) for other in fields - {key}) or typo in fields:
+            continue  # the typo is one edit from two keys: not this test's case
+        try:
+            _, notes = parse_config({**BASE, typo: 1})
+        except ConfigError as err:
+            assert resume.CLASSES[key] == resume.TRAINS, (key, str(err))
+            assert f"did you mean '{key}'" in str(err)
+        else:
+            assert resume.CLASSES[key] != resume.TRAINS or key in BASE, key
+            assert any(f"did you mean '{key}'" in n for n in notes), (key, notes)
+
+
 def test_unknown_key_inside_a_dataset_entry():
     with pytest.raises(ConfigError, match="'datasets.0.feild_instruction' is not a key; did you mean "
                                           "'datasets.0.field_instruction'"):
