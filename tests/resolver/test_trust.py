@@ -209,7 +209,8 @@ def test_hostile_yaml_fails_in_one_line_in_the_one_reader(tmp_path, name, text, 
 @pytest.mark.slow
 def test_thousands_of_problems_are_the_first_ones_and_a_count_each_line_readable(tmp_path):
     config = tmp_path / "many.yml"  # 5000 unknown keys are ignored (Axolotl drops them); 5000 bad values are not
-    config.write_text("base_model: x\n" + "".join(f"unknown_key_{i}: 1\n" for i in range(5000)) + "datasets:\n"
+    config.write_text("base_model: x\nlearning_rate: 1.0e-4\n" + "".join(f"unknown_key_{i}: 1\n" for i in range(5000))
+                      + "datasets:\n"
                       + "".join(f"  - {{path: d{i}.jsonl, type: alpaca, split: [{i}]}}\n" for i in range(5000)))
     out = run_envtool("train", str(config), "--gpu", "cpu", "--dry-run")
     assert out.returncode == 2
@@ -252,7 +253,7 @@ def test_an_empty_build_tag_is_an_error_not_the_default_tag():
 @pytest.mark.slow
 def test_a_problem_quoting_a_huge_value_is_cut_and_the_others_stay_whole(tmp_path):
     config = tmp_path / "huge.yml"
-    config.write_text(f"base_model: x\ndatasets: [{{path: {tmp_path / 'd.jsonl'}, type: alpaca}}]\n"
+    config.write_text(f"base_model: x\nlearning_rate: 1.0e-4\ndatasets: [{{path: {tmp_path / 'd.jsonl'}, type: alpaca}}]\n"
                       f"micro_batch_size: 0\nlr_scheduler: {'z' * 100_000}\n")
     (tmp_path / "d.jsonl").write_text("")
     out = run_envtool("train", str(config), "--gpu", "cpu", "--dry-run")
