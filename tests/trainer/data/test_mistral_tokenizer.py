@@ -165,7 +165,7 @@ def test_the_cache_key_follows_the_tokenizer_version(tokenizers):
     ({"datasets": [{"path": "a.jsonl", "type": "alpaca"}]}, "datasets.0.type: alpaca with tokenizer_use_mistral_common"),
 ])
 def test_unsupported_combinations_are_one_line(tmp_path, extra, says):
-    raw = {"base_model": "mistralai/Magistral-Small-2507", "tokenizer_use_mistral_common": True,
+    raw = {"base_model": "mistralai/Magistral-Small-2507", "tokenizer_use_mistral_common": True, "learning_rate": 2e-5,
            "datasets": [{"path": "org/chats", "type": "chat_template"}], **extra}
     config = tmp_path / "c.yml"
     config.write_text(yaml.safe_dump(raw))

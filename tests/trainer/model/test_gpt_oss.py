@@ -205,7 +205,7 @@ def test_validate_shows_the_gpt_oss_fit_on_an_a100(tiny_gpt_oss, tmp_path):
 
     config, data = tmp_path / "gpt-oss.yml", write_jsonl(tmp_path / "thinking.jsonl", _thinking_rows(2))
     config.write_text(json.dumps({
-        "base_model": str(tiny_gpt_oss[0]), "attn_implementation": "kernels-community/vllm-flash-attn3",
+        "base_model": str(tiny_gpt_oss[0]), "learning_rate": 2e-5, "attn_implementation": "kernels-community/vllm-flash-attn3",
         "model_quantization_config": "Mxfp4Config", "model_quantization_config_kwargs": {"dequantize": True},
         "datasets": [{"path": str(data), "type": "chat_template", "field_thinking": "thinking",
                       "template_thinking_key": "thinking"}]}))
