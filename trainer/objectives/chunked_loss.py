@@ -96,13 +96,16 @@ def forward_hidden(model, owner, name, inputs):
     return hidden, head, stand_in.seen
 
 
+def head_logits(head, seen, h: torch.Tensor) -> torch.Tensor:
+    """The head's output for hidden states h, in fp32, run as it would have run inside the model's forward (the
+    autocast state and input dtype _HiddenOut recorded)."""
+    with torch.autocast(seen["device_type"], dtype=seen["autocast_dtype"] or torch.float32,
+                        enabled=bool(seen["autocast"])):
+        return head(h.to(seen["dtype"])).float()
+
+
 def _chunk_loss(head, seen):
-    def run(h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(seen["device_type"], dtype=seen["autocast_dtype"] or torch.float32,
-                            enabled=bool(seen["autocast"])):
-            logits = head(h.to(seen["dtype"]))
-        return F.cross_entropy(logits.float(), y, reduction="sum")
-    return run
+    return lambda h, y: F.cross_entropy(head_logits(head, seen, h), y, reduction="sum")
 
 
 def loss_sum_from_hidden(hidden, head, seen, labels) -> torch.Tensor:
@@ -125,12 +128,7 @@ def loss_sum_from_hidden(hidden, head, seen, labels) -> torch.Tensor:
 
 
 def _chunk_logps(head, seen):
-    def run(h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(seen["device_type"], dtype=seen["autocast_dtype"] or torch.float32,
-                            enabled=bool(seen["autocast"])):
-            logits = head(h.to(seen["dtype"]))
-        return -F.cross_entropy(logits.float(), y, reduction="none")
-    return run
+    return lambda h, y: -F.cross_entropy(head_logits(head, seen, h), y, reduction="none")
 
 
 def token_logps_from_hidden(hidden, head, seen, ids, where) -> torch.Tensor:
@@ -178,9 +176,7 @@ def _probe(model, slot, inputs) -> str:
         with torch.no_grad():
             want = model(**cut, use_cache=False).logits.float()
             hidden, head, seen = forward_hidden(model, *slot, cut)
-            with torch.autocast(seen["device_type"], dtype=seen["autocast_dtype"] or torch.float32,
-                                enabled=bool(seen["autocast"])):
-                got = head(hidden.to(seen["dtype"])).float()
+            got = head_logits(head, seen, hidden)
     except Exception as error:  # noqa: BLE001 - any failure means: use the full logits, and say why
         return f"the probe raised {type(error).__name__}: {str(error).splitlines()[0][:120] if str(error) else ''}"
     finally:
