@@ -29,7 +29,13 @@ class TrainingKeys(BaseModel):
     num_epochs: int = Field(1, ge=1)
     max_steps: int | None = Field(None, ge=1)
     learning_rate: float = Field(2e-5, gt=0)
-    lr_scheduler: Literal["cosine", "linear", "constant", "constant_with_warmup"] = "cosine"
+    # transformers' SchedulerType names (get_scheduler builds them) and Axolotl's own one_cycle and rex
+    # (tests/trainer/optim/test_schedules.py compares the list with transformers'); check_schedule refuses the two
+    # that step on evaluation metrics
+    lr_scheduler: Literal["cosine", "linear", "constant", "constant_with_warmup", "cosine_with_restarts", "polynomial",
+                          "inverse_sqrt", "cosine_with_min_lr", "cosine_warmup_with_min_lr", "warmup_stable_decay",
+                          "reduce_lr_on_plateau", "greedy", "one_cycle", "rex"] = "cosine"
+    lr_scheduler_kwargs: dict[str, Any] | None = None  # passed to the schedule as Axolotl passes them (schedule.py)
     cosine_min_lr_ratio: float | None = Field(None, ge=0, le=1)  # cosine decays to this fraction of learning_rate
     cosine_constant_lr_ratio: float | None = Field(None, ge=0, le=1)  # cosine to cosine_min_lr_ratio by this fraction of the steps, then flat
     warmup_ratio: float | None = Field(None, ge=0, lt=1)
@@ -219,8 +225,43 @@ def ordering_notes(cfg) -> list[str]:
     return out
 
 
+METRIC_SCHEDULES = ("reduce_lr_on_plateau", "greedy")  # stepped by transformers' Trainer on evaluation metrics
+NEED_KWARGS = ("cosine_with_min_lr", "cosine_warmup_with_min_lr", "warmup_stable_decay")  # get_scheduler fails without
+OWN_SCHEDULES = ("one_cycle", "rex")  # Axolotl's own (SchedulerMixin), with lr_scheduler_type cosine behind them
+
+
+def check_schedule(cfg) -> None:
+    """A schedule this loop steps once per optimizer step, with arguments it takes: refused in one line before the
+    model loads otherwise (the arguments are tried on a one-parameter optimizer when torch is importable)."""
+    if cfg.lr_scheduler in METRIC_SCHEDULES:
+        raise ConfigError(f"lr_scheduler: {cfg.lr_scheduler} steps on evaluation metrics (transformers' Trainer "
+                          "feeds it eval_loss); this trainer's loop steps the schedule once per optimizer step and "
+                          "does not implement metric-driven schedules: use cosine, linear, warmup_stable_decay, ...")
+    if cfg.jagged_restart_steps and cfg.lr_scheduler == "one_cycle":
+        raise ConfigError("jagged_restart_steps with lr_scheduler: one_cycle is not supported here (the restarts "
+                          "scale a per-step factor, which OneCycleLR does not have; Axolotl's ReLoRA refuses it too)")
+    if not cfg.lr_scheduler_kwargs and cfg.lr_scheduler not in NEED_KWARGS + ("one_cycle",):
+        return
+    try:
+        import torch
+
+        from trainer.optim.schedule import make_scheduler
+    except ImportError:  # envtool's own environment without torch: the trainer checks it where it runs
+        return
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.learning_rate)
+    try:
+        make_scheduler(cfg, optimizer, warmup=int(cfg.warmup_steps) if cfg.warmup_steps and cfg.warmup_steps >= 1
+                       else 2, total_steps=10)
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"lr_scheduler_kwargs: {str(err).splitlines()[0]} (lr_scheduler: {cfg.lr_scheduler})") from None
+
+
 def schedule_notes(cfg) -> list[str]:
     """Schedule keys that have no effect (as in Axolotl; trainer/optim/schedule.py builds the schedule)."""
+    if cfg.lr_scheduler_kwargs and (cfg.lr_scheduler == "rex" or (cfg.lr_scheduler == "cosine" and (
+            cfg.lr_quadratic_warmup or cfg.cosine_min_lr_ratio))):
+        return [f"lr_scheduler_kwargs: not read by this schedule (lr_scheduler: {cfg.lr_scheduler} with "
+                "lr_quadratic_warmup / cosine_min_lr_ratio / rex is built by Axolotl's own code, which takes none)"]
     if cfg.lr_quadratic_warmup and cfg.lr_scheduler != "cosine":
         return [f"lr_quadratic_warmup: no effect with lr_scheduler: {cfg.lr_scheduler} (Axolotl applies it to cosine only)"]
     if cfg.lr_quadratic_warmup and cfg.cosine_min_lr_ratio is not None:

@@ -15,6 +15,13 @@ lr_quadratic_warmup (with cosine), checked first as Axolotl does: the warmup ris
 the usual half-cosine to zero (get_cosine_schedule_with_quadratic_warmup); cosine_min_lr_ratio is then not
 applied (a note says so).
 
+one_cycle: torch's OneCycleLR peaking at learning_rate over the run, pct_start the warmup's share and a cosine
+anneal unless lr_scheduler_kwargs say otherwise (its other arguments, e.g. div_factor, come from there too).
+rex: the Reflected Exponential schedule (arXiv 2107.04197) as Axolotl's RexLR computes it: linear warmup, then
+the factor m + (1 - m) * z / (0.1 + 0.9 z) with z the share of post-warmup steps left, m = cosine_min_lr_ratio (0
+when unset). lr_scheduler_kwargs go to transformers' get_scheduler (its scheduler_specific_kwargs) and to
+OneCycleLR, as Axolotl passes them; Axolotl's own cosine variants and rex take none (a note says so).
+
 jagged_restart_steps (ReLoRA's restarts; also on its own) wraps whichever schedule was chosen: Axolotl's
 JaggedLRRestartScheduler scales it by a factor that, from the first restart on, rises linearly from
 min_lr_scale (cosine_min_lr_ratio, else 0.001) to 1 over jagged_restart_warmup_steps (default 10) after each
@@ -58,6 +65,20 @@ def jagged_scale(step: int, every: int, warmup: int, anneal: int, min_scale: flo
     return t * (1 - min_scale) + min_scale
 
 
+def rex_factor(step: int, *, warmup: int, total: int, min_ratio: float) -> float:
+    """The multiplier of learning_rate at LambdaLR step `step` (Axolotl's RexLR.get_lr at its last_step = step + 1:
+    RexLR starts counting one step later; src/axolotl/utils/schedulers.py, checked against it in
+    tests/trainer/optim/test_schedules.py)."""
+    step += 1
+    if 1 <= step <= warmup:
+        return step / warmup
+    after, remaining = step - warmup, total - warmup
+    if after >= remaining or after == -1 or remaining <= 0:
+        return min_ratio
+    z = (remaining - after % remaining) / remaining
+    return min_ratio + (1.0 - min_ratio) * (z / (0.1 + 0.9 * z))
+
+
 def warmup_steps(cfg, total_steps: int) -> int:
     """warmup_steps (a float below 1 is a fraction of the steps, as transformers v5's TrainingArguments reads
     the value Axolotl passes it), else warmup_ratio of the steps, rounded up."""
@@ -76,18 +97,34 @@ def _schedule(cfg, optimizer, warmup: int, total_steps: int):
     from torch.optim.lr_scheduler import LambdaLR
     from transformers import get_scheduler
 
+    kwargs = dict(cfg.lr_scheduler_kwargs or {})
+    if cfg.lr_scheduler == "one_cycle":
+        from torch.optim.lr_scheduler import OneCycleLR
+
+        if warmup == 1 and "pct_start" not in kwargs:  # torch's phase of length pct_start * total - 1 = 0
+            from trainer.errors import ConfigError
+
+            raise ConfigError("lr_scheduler: one_cycle with exactly 1 warmup step divides by zero in torch's "
+                              "OneCycleLR (as it would in Axolotl): use 0 or 2+ warmup steps")
+        return OneCycleLR(optimizer, max_lr=cfg.learning_rate, total_steps=total_steps,
+                          **{"pct_start": warmup / total_steps, "anneal_strategy": "cos", **kwargs})
+    if cfg.lr_scheduler == "rex":
+        return LambdaLR(optimizer, partial(rex_factor, warmup=warmup, total=total_steps,
+                                           min_ratio=cfg.cosine_min_lr_ratio or 0.0))
     if cfg.lr_quadratic_warmup and cfg.lr_scheduler == "cosine":
         return LambdaLR(optimizer, partial(quadratic_warmup_cosine, warmup=warmup, total=total_steps))
     if cfg.lr_scheduler == "cosine" and cfg.cosine_min_lr_ratio and cfg.cosine_constant_lr_ratio:
         return LambdaLR(optimizer, partial(decay_constant_factor, warmup=warmup, total=total_steps,
                                            constant_ratio=cfg.cosine_constant_lr_ratio,
                                            min_ratio=cfg.cosine_min_lr_ratio))
+    if cfg.lr_scheduler == "cosine" and cfg.cosine_min_lr_ratio:  # Axolotl's get_cosine_schedule_with_min_lr: no kwargs
+        kwargs = {}
     schedule = "constant_with_warmup" if cfg.lr_scheduler == "constant" else cfg.lr_scheduler
     extra = {}
     if cfg.cosine_min_lr_ratio is not None and schedule == "cosine":  # Axolotl's floor for the cosine decay
         schedule, extra = "cosine_with_min_lr", {"min_lr_rate": cfg.cosine_min_lr_ratio}
     return get_scheduler(schedule, optimizer, num_warmup_steps=warmup, num_training_steps=total_steps,
-                         scheduler_specific_kwargs=extra)
+                         scheduler_specific_kwargs={**extra, **kwargs})
 
 
 def jagged(cfg, scheduler):

@@ -158,8 +158,8 @@ def test_null_means_default():
 
 
 def test_bad_values_are_reported_with_their_key():
-    with pytest.raises(ConfigError, match=r"lr_scheduler: got 'cosine_with_restarts'"):
-        parse_config({**BASE, "lr_scheduler": "cosine_with_restarts"})
+    with pytest.raises(ConfigError, match=r"lr_scheduler: got 'cosine_with_restart'"):
+        parse_config({**BASE, "lr_scheduler": "cosine_with_restart"})
     with pytest.raises(ConfigError, match="micro_batch_size"):
         parse_config({**BASE, "micro_batch_size": 0})
     with pytest.raises(ConfigError, match="warmup_ratio or warmup_steps"):
