@@ -282,8 +282,9 @@ class Training:
             raise DataError(f"{self.data.stats['train_rows']} training rows make {len(self.sampler)} {unit} per "
                             f"process, fewer than {f'gradient_accumulation_steps={ga}' if self.draws == ga else 'one per step'}"
                             ": add data or lower micro_batch_size/gradient_accumulation_steps")
-        self.total_steps = cfg.max_steps or self.steps_per_epoch * cfg.num_epochs
-        from trainer.config.training import steps_from_fractions
+        from trainer.config.training import epoch_steps, steps_from_fractions
+
+        self.total_steps = cfg.max_steps or epoch_steps(cfg, self.steps_per_epoch)
 
         steps_from_fractions(cfg, self.total_steps)  # eval_steps: 0.05 and the like, as step counts now
         self.eval_every = (cadence(cfg.eval_steps, cfg.evals_per_epoch, self.steps_per_epoch)

@@ -248,7 +248,7 @@ def _named_choices(cfg: Config, notes: list[str], lenient: bool = False) -> list
     checks += [lambda: notes.extend(training.ordering_notes(cfg) + training.eval_table_notes(cfg)
                                     + training.schedule_notes(cfg))]
     checks += [lambda: training.check_relora_optimizer(cfg)]
-    checks += [lambda: training.check_schedule(cfg)]
+    checks += [lambda: training.check_schedule(cfg), lambda: training.check_epochs(cfg)]
     for check in checks:
         try:
             check()

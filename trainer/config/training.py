@@ -6,6 +6,7 @@ matrices/optimizers.toml here (trainer/optim/optimizers.py builds it).
 from __future__ import annotations
 
 import difflib
+import math
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator
@@ -26,7 +27,9 @@ class TrainingKeys(BaseModel):
     dataloader_num_workers: int = Field(0, ge=0)
 
     # optimisation
-    num_epochs: int = Field(1, ge=1)
+    # a float as in Axolotl (1.5 epochs: the steps of one and a half); 0 or -1 only beside max_steps, which then
+    # decides the length alone (check_epochs)
+    num_epochs: float = 1.0
     max_steps: int | None = Field(None, ge=1)
     learning_rate: float = Field(2e-5, gt=0)
     # transformers' SchedulerType names (get_scheduler builds them) and Axolotl's own one_cycle and rex
@@ -228,6 +231,21 @@ def ordering_notes(cfg) -> list[str]:
 METRIC_SCHEDULES = ("reduce_lr_on_plateau", "greedy")  # stepped by transformers' Trainer on evaluation metrics
 NEED_KWARGS = ("cosine_with_min_lr", "cosine_warmup_with_min_lr", "warmup_stable_decay")  # get_scheduler fails without
 OWN_SCHEDULES = ("one_cycle", "rex")  # Axolotl's own (SchedulerMixin), with lr_scheduler_type cosine behind them
+
+
+def check_epochs(cfg) -> None:
+    """num_epochs <= 0 trains nothing unless max_steps says how long to train (Axolotl passes both to transformers,
+    where max_steps wins)."""
+    if cfg.num_epochs <= 0 and not cfg.max_steps:
+        raise ConfigError(f"num_epochs: {cfg.num_epochs:g} trains nothing without max_steps (set max_steps for a "
+                          "run measured in steps, or num_epochs above 0)")
+
+
+def epoch_steps(cfg, steps_per_epoch: int) -> int:
+    """The optimizer steps of num_epochs epochs, as Axolotl's calculate_total_num_steps counts a fraction: rounded
+    down with sample packing, up without (src/axolotl/utils/trainer.py); at least one."""
+    steps = steps_per_epoch * cfg.num_epochs
+    return max(1, math.floor(steps) if cfg.sample_packing else math.ceil(steps))
 
 
 def check_schedule(cfg) -> None:
