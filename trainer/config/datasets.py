@@ -25,7 +25,9 @@ ALPACA_TYPES = ("alpaca", "alpaca:instruct", "alpaca:chat", "alpaca:chatml", "al
 # NAMED; tests/trainer/data/test_user_formats.py checks the two lists agree)
 INSTRUCTION_TYPES = ("alpaca_chat", "alpaca_chat.load_qa", "alpaca_chat.load_concise", "alpaca_chat.load_camel_ai",
                      "context_qa", "context_qa.load_v2", "context_qa.load_404",
-                     "oasst", "oasst:chat", "oasst:chatml", "oasst:phi", "oasst:instruct")
+                     "oasst", "oasst:chat", "oasst:chatml", "oasst:phi", "oasst:instruct",
+                     "alpaca_w_system", "alpaca_w_system.load_chat", "alpaca_w_system.load_instruct",
+                     "alpaca_w_system.load_open_orca", "alpaca_w_system.load_open_orca_chatml")
 
 
 class UserDefinedFormat(BaseModel):

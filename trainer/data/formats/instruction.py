@@ -6,6 +6,10 @@ Two families, both rendered by `render` below:
 - Axolotl's older named types (its prompt_strategies/ alpaca_chat.py, context_qa.py and prompt_tokenizers.py's
   OpenAssistant strategy, v0.4.0-v0.5.x): each a row -> fields function and a prompter (a style of
   trainer.data.formats.alpaca_styles, or its own turn formats) with the system texts of its prompter class.
+- alpaca_w_system (its prompt_strategies/alpaca_w_system.py): an alpaca style whose system text is the row's own
+  (`system`, or OpenOrca's `system_prompt`), written only where it is not empty; load/load_chat the chat style,
+  load_instruct the instruct style, load_open_orca(_chatml) OpenOrcaSystemDataPrompter's own turn formats over
+  question/response.
 - a user-defined format (`type:` given as a mapping; Axolotl's prompt_strategies/user_defined.py over
   alpaca_w_system.SystemDataPrompter): the mapping's turn formats; the system text is the row's field_system column,
   else system_prompt, written with system_format, and only where it is not empty.
@@ -58,7 +62,14 @@ _CONTEXT = "Use the following contextual information to concisely answer the que
 _NOT_IN_CONTEXT = ("The context provided does not contain any information about your inquiry. "
                    "Therefore, I'm unable to answer your question based on the given context.")
 
-Fields = Callable[[dict], tuple[object, object, object]]  # row -> (instruction, input, output)
+Fields = Callable[[dict], tuple]  # row -> (instruction, input, output[, the row's system text])
+
+# alpaca_w_system.OpenOrcaSystemDataPrompter.match_prompt_style: (system_format, turn_format, turn_no_input_format)
+_OPEN_ORCA = ("### System:\n{system}\n", "### Human:\n{instruction}\n### Additional Context:\n{input}\n### Assistant:\n",
+              "### Human:\n{instruction}\n### Assistant:\n")
+_OPEN_ORCA_CHATML = ("<|im_start|>system\n{system}<|im_end|>\n",
+                     "<|im_start|>user\n{instruction}\n{input}<|im_end|>\n<|im_start|>assistant\n",
+                     "<|im_start|>user\n{instruction}<|im_end|>\n<|im_start|>assistant\n")
 
 
 def _alpaca(row: dict) -> tuple:
@@ -80,6 +91,13 @@ NAMED: dict[str, tuple[Prompter, Fields]] = {
                                       "Answer: " + r["answer"])),
     **{name: (_style(name.partition(":")[2] or "instruct"), lambda r: (r["INSTRUCTION"], "", r["RESPONSE"]))
        for name in ("oasst", "oasst:instruct", "oasst:chat", "oasst:chatml", "oasst:phi")},
+    # InstructionWSystemPromptTokenizingStrategy: instruction, input (may be absent), output, system (required)
+    **{name: (_style(style), lambda r: (r["instruction"], r.get("input") or "", r["output"], r["system"]))
+       for name, style in (("alpaca_w_system", "chat"), ("alpaca_w_system.load_chat", "chat"),
+                           ("alpaca_w_system.load_instruct", "instruct"))},
+    **{name: (Prompter(*formats), lambda r: (r["question"], "", r["response"], r["system_prompt"]))
+       for name, formats in (("alpaca_w_system.load_open_orca", _OPEN_ORCA),
+                             ("alpaca_w_system.load_open_orca_chatml", _OPEN_ORCA_CHATML))},
 }
 
 
@@ -96,8 +114,8 @@ def render(row: dict, ds: DatasetConfig, tokenizer) -> tuple[str, list[tuple[int
                 str(instruction), str(input_text), str(system or ""))
         else:
             prompter, fields = NAMED[ds.type]
-            instruction, input_text, output = fields(row)
-            prompt = prompter.prompt(str(instruction), str(input_text or ""))
+            instruction, input_text, output, *system = fields(row)
+            prompt = prompter.prompt(str(instruction), str(input_text or ""), str(system[0] or "") if system else None)
     except KeyError as err:
         what = "a format of your own" if fmt is not None else f"type {ds.type}"
         raise DataError(f"dataset {ds.source}: a row has no {err.args[0]!r} field ({what}); columns are "
