@@ -30,6 +30,18 @@ INSTRUCTION_TYPES = ("alpaca_chat", "alpaca_chat.load_qa", "alpaca_chat.load_con
                      "alpaca_w_system.load_open_orca", "alpaca_w_system.load_open_orca_chatml")
 
 
+# Axolotl's preference dataset types (prompt_strategies/dpo, orpo, kto): "<family>.<function>".
+# chat_template.* render with the tokenizer's chat template; chatml.* and llama3.* write the template's
+# text themselves. KTO rows carry one completion and a boolean `label` instead of a chosen/rejected pair.
+PAIR_TYPES = (
+    "chat_template", "chat_template.default", "chat_template.argilla", "chat_template.argilla_chat",
+    *[f"{family}{suffix}" for family in ("chatml", "llama3") for suffix in (
+        "", ".default", ".argilla", ".argilla_chat", ".icr", ".intel", ".prompt_pairs", ".ultra")],
+)
+KTO_TYPES = tuple(f"{family}.{fn}" for family in ("chatml", "llama3")
+                  for fn in ("argilla", "argilla_chat", "intel", "prompt_pairs", "ultra"))
+
+
 class UserDefinedFormat(BaseModel):
     """A dataset `type:` given as a mapping: Axolotl's user-defined prompt format (prompt_strategies/user_defined.py,
     its defaults); rendered by trainer/data/formats/user_defined.py."""
@@ -58,13 +70,45 @@ class UserDefinedFormat(BaseModel):
         return self
 
 
+class UserDefinedPreference(BaseModel):
+    """A preference dataset's `type:` given as a mapping (rl: dpo, ipo, orpo, simpo: prompt, chosen, rejected; rl: kto:
+    prompt, completion, label): Axolotl's user_defined.default of prompt_strategies/dpo and /kto, its defaults;
+    rendered by trainer/data/formats/preference_prompts.py."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    field_system: str = "system"
+    field_prompt: str = "prompt"
+    field_chosen: str = "chosen"
+    field_rejected: str = "rejected"
+    field_completion: str = "completion"  # kto
+    field_label: str = "label"  # kto
+    prompt_format: str | None = None  # "{prompt}" when empty; may hold {system}
+    chosen_format: str | None = None  # "{chosen}"
+    rejected_format: str | None = None  # "{rejected}"
+    completion_format: str | None = None  # "{completion}" (kto)
+
+    @model_validator(mode="after")
+    def _placeholders(self) -> UserDefinedPreference:
+        import string
+
+        for key, allowed in (("prompt_format", {"prompt", "system"}), ("chosen_format", {"chosen"}),
+                             ("rejected_format", {"rejected"}), ("completion_format", {"completion"})):
+            names = {n for _, n, _, _ in string.Formatter().parse(getattr(self, key) or "") if n is not None}
+            if names - allowed:
+                raise ValueError(f"{key}: unknown placeholder(s) {', '.join(sorted(names - allowed))} (this format "
+                                 f"fills {', '.join('{' + a + '}' for a in sorted(allowed))})")
+        return self
+
+
 class DatasetConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     path: str | None = None  # a hub id, a file or a directory; None: files given by data_files (with ds_type)
     # a PromptFormat, an alpaca style, an INSTRUCTION_TYPES name, a user-defined format (a mapping), or with rl: a
     # PAIR_TYPES / KTO_TYPES entry (checked by Config); None: pre-tokenized rows (rl: prompt/chosen/rejected rows)
-    type: str | UserDefinedFormat | None = None
+    # (a mapping is an SFT format of your own, or with rl: a preference format of your own: UserDefinedPreference)
+    type: str | UserDefinedFormat | UserDefinedPreference | None = None
     split: str = "train"
     name: str | None = None  # hub dataset configuration name
     revision: str | None = None  # the hub dataset's branch, tag or commit
@@ -119,6 +163,10 @@ class DatasetConfig(BaseModel):
     @property
     def user_defined(self) -> UserDefinedFormat | None:
         return self.type if isinstance(self.type, UserDefinedFormat) else None
+
+    @property
+    def preference_format(self) -> UserDefinedPreference | None:
+        return self.type if isinstance(self.type, UserDefinedPreference) else None
 
     @property
     def role_key(self) -> str:
@@ -230,12 +278,14 @@ class DataKeys(BaseModel):
 
     def _check_sft_types(self) -> None:
         """Without rl: or reward models, each dataset's type is a prompt format (or none: pre-tokenized rows)."""
-        from trainer.config.rl import KTO_TYPES, PAIR_TYPES
-
         for group, entries in (("datasets", self.datasets), ("test_datasets", self.test_datasets or [])):
             for i, ds in enumerate(entries):
                 if ds.type is None or ds.user_defined or ds.type in SFT_TYPES:
                     continue
+                if ds.preference_format:
+                    raise ValueError(f"{group}.{i}.type: a preference format of your own ("
+                                     f"{', '.join(sorted(ds.preference_format.model_fields_set))}) needs rl: dpo, ipo, "
+                                     "orpo, simpo or kto")
                 hint = " (a preference type: set rl: dpo, ipo, orpo, simpo or kto)" if ds.type in PAIR_TYPES + KTO_TYPES else ""
                 close = difflib.get_close_matches(ds.type, SFT_TYPES, n=1)
                 hint += f"; did you mean '{close[0]}'?" if close and not hint else ""

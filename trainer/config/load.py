@@ -36,13 +36,16 @@ IGNORED_HOW = {"inert": "no effect on this run: matrices/axolotl_keys.toml says 
                "unknown": "not Axolotl keys: Axolotl drops them too"}
 
 
-def _model_in(field) -> tuple[type[BaseModel] | None, bool]:
-    """(the pydantic model a field holds, whether in a list), (None, False) for plain values and mappings."""
-    stack = [getattr(field, "annotation", None)]
+def _model_in(field, value: Any = None) -> tuple[type[BaseModel] | None, bool]:
+    """(the pydantic model a field holds, whether in a list), (None, False) for plain values and mappings. Where the
+    field may hold one of several models (a dataset's `type:` mapping: an SFT or a preference format of your own),
+    the one that reads most of the mapping's keys (the first on a tie)."""
+    stack, found, listed = [getattr(field, "annotation", None)], [], False
     while stack:
-        ann = stack.pop()
+        ann = stack.pop(0)
         if isinstance(ann, type) and issubclass(ann, BaseModel):
-            return ann, False
+            found.append(ann)
+            continue
         if typing.get_origin(ann) is list:
             inner = [a for a in typing.get_args(ann) if isinstance(a, type) and issubclass(a, BaseModel)]
             if inner:
@@ -51,7 +54,10 @@ def _model_in(field) -> tuple[type[BaseModel] | None, bool]:
         if typing.get_origin(ann) is dict:
             continue
         stack += list(typing.get_args(ann))
-    return None, False
+    if not found:
+        return None, listed
+    given = set(map(str, value)) if isinstance(value, dict) else set()
+    return max(found, key=lambda m: len(given & set(m.model_fields))), listed
 
 
 def _is_choice(field) -> bool:
@@ -89,7 +95,7 @@ class Sift:
         return kept
 
     def value(self, value: Any, field, name: str, where: str) -> Any:
-        inner, listed = _model_in(field)
+        inner, listed = _model_in(field, value)
         if inner is None:
             return value
         if listed and isinstance(value, list):

@@ -9,20 +9,11 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
+from trainer.config.datasets import KTO_TYPES, PAIR_TYPES, UserDefinedPreference  # noqa: F401 (read here)
 from trainer.errors import ConfigError
 
 # --- preference training (rl:) -------------------------------------------------------------------------
-# Axolotl's preference dataset types (prompt_strategies/dpo, orpo, kto): "<family>.<function>".
-# chat_template.* render with the tokenizer's chat template; chatml.* and llama3.* write the template's
-# text themselves. KTO rows carry one completion and a boolean `label` instead of a chosen/rejected pair.
 RL_METHODS = ("dpo", "ipo", "orpo", "kto", "simpo")
-PAIR_TYPES = (
-    "chat_template", "chat_template.default", "chat_template.argilla", "chat_template.argilla_chat",
-    *[f"{family}{suffix}" for family in ("chatml", "llama3") for suffix in (
-        "", ".default", ".argilla", ".argilla_chat", ".icr", ".intel", ".prompt_pairs", ".ultra")],
-)
-KTO_TYPES = tuple(f"{family}.{fn}" for family in ("chatml", "llama3")
-                  for fn in ("argilla", "argilla_chat", "intel", "prompt_pairs", "ultra"))
 
 
 class RlKeys(BaseModel):
@@ -77,6 +68,10 @@ class RlKeys(BaseModel):
         allowed = KTO_TYPES if self.rl == "kto" else PAIR_TYPES
         for group, entries in (("datasets", self.datasets), ("test_datasets", self.test_datasets or [])):
             for i, ds in enumerate(entries):
+                if ds.user_defined and ds.user_defined.model_fields_set <= set(UserDefinedPreference.model_fields):
+                    ds.type = UserDefinedPreference(**ds.user_defined.model_dump(include=ds.user_defined.model_fields_set))
+                if ds.preference_format:
+                    continue
                 if ds.user_defined:
                     raise ValueError(f"{group}.{i}.type: a format of your own (a mapping) is for SFT here; with rl: "
                                      f"{self.rl} use one of {', '.join(allowed)}, or no type (rows with prompt, chosen "

@@ -258,18 +258,25 @@ def check_schedule(cfg) -> None:
     if cfg.jagged_restart_steps and cfg.lr_scheduler == "one_cycle":
         raise ConfigError("jagged_restart_steps with lr_scheduler: one_cycle is not supported here (the restarts "
                           "scale a per-step factor, which OneCycleLR does not have; Axolotl's ReLoRA refuses it too)")
-    if not cfg.lr_scheduler_kwargs and cfg.lr_scheduler not in NEED_KWARGS + ("one_cycle",):
+    if cfg.lr_scheduler == "one_cycle" and cfg.warmup_steps == 1 and "pct_start" not in (cfg.lr_scheduler_kwargs or {}):
+        raise ConfigError("lr_scheduler: one_cycle with exactly 1 warmup step divides by zero in torch's OneCycleLR "
+                          "(as it would in Axolotl): use 0 or 2+ warmup steps")
+    if cfg.lr_scheduler == "rex" or (not cfg.lr_scheduler_kwargs and cfg.lr_scheduler not in NEED_KWARGS):
         return
-    try:
+    try:  # the library's own constructor, given what trainer/optim/schedule.py gives it
         import torch
-
-        from trainer.optim.schedule import make_scheduler
-    except ImportError:  # envtool's own environment without torch: the trainer checks it where it runs
+        from transformers import get_scheduler
+    except ImportError:  # envtool's own environment without the trainer's stack: the trainer checks it where it runs
         return
+    kwargs = dict(cfg.lr_scheduler_kwargs or {})
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.learning_rate)
     try:
-        make_scheduler(cfg, optimizer, warmup=int(cfg.warmup_steps) if cfg.warmup_steps and cfg.warmup_steps >= 1
-                       else 2, total_steps=10)
+        if cfg.lr_scheduler == "one_cycle":
+            torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=cfg.learning_rate, total_steps=10,
+                                                **{"pct_start": 0.2, "anneal_strategy": "cos", **kwargs})
+        else:
+            get_scheduler(cfg.lr_scheduler, optimizer, num_warmup_steps=2, num_training_steps=10,
+                          scheduler_specific_kwargs=kwargs)
     except (TypeError, ValueError) as err:
         raise ConfigError(f"lr_scheduler_kwargs: {str(err).splitlines()[0]} (lr_scheduler: {cfg.lr_scheduler})") from None
 

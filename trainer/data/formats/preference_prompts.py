@@ -36,10 +36,27 @@ WRAPPERS = {  # family -> (system turn, user turn + assistant header, end of the
 }
 
 
+def _what(ds: DatasetConfig) -> str:
+    return "a format of your own" if ds.preference_format else f"type {ds.type}"
+
+
 def _get(row: dict, key: str, ds: DatasetConfig):
     if key not in row or row[key] is None:
-        raise DataError(f"dataset {ds.path}: a row has no '{key}' field (type {ds.type}); columns are {sorted(row)}")
+        raise DataError(f"dataset {ds.source}: a row has no '{key}' field ({_what(ds)}); columns are {sorted(row)}")
     return row[key]
+
+
+def _own(row: dict, ds: DatasetConfig, kto: bool) -> tuple[str, list[str]]:
+    """A preference format of your own, as Axolotl's user_defined.default transforms (prompt_strategies/dpo and /kto):
+    prompt_format over the prompt (and the row's system text, empty when the row has none), each completion through
+    its own format; the results are used as they are (as rows without a type)."""
+    fmt = ds.preference_format
+    prompt_format = fmt.prompt_format or "{prompt}"
+    prompt = prompt_format.format(prompt=_get(row, fmt.field_prompt, ds), system=row.get(fmt.field_system) or "")
+    if kto:
+        return prompt, [(fmt.completion_format or "{completion}").format(completion=_get(row, fmt.field_completion, ds))]
+    return prompt, [(fmt.chosen_format or "{chosen}").format(chosen=_get(row, fmt.field_chosen, ds)),
+                    (fmt.rejected_format or "{rejected}").format(rejected=_get(row, fmt.field_rejected, ds))]
 
 
 def _first_key(row: dict, keys: tuple[str, ...], ds: DatasetConfig) -> str:
@@ -151,6 +168,9 @@ def render(row: dict, ds: DatasetConfig, tokenizer, kto: bool) -> tuple[str, lis
     """(prompt, completions, add_special_tokens): chat templates render their own BOS; written templates do not.
     No type: the row's own prompt / chosen / rejected texts (field_prompt, field_chosen, field_rejected), used as
     they are, as Axolotl's DPO loader does with a dataset it has no transform for."""
+    if ds.preference_format:
+        prompt, completions = _own(row, ds, kto)
+        return prompt, completions, True
     if ds.type is None:
         return (str(_get(row, ds.field_prompt, ds)),
                 [str(_get(row, ds.field_chosen, ds)), str(_get(row, ds.field_rejected, ds))], True)
@@ -175,7 +195,7 @@ def tokenize(prompt: str, completion: str, tokenizer, add_special: bool) -> dict
 
 
 def label_of(row: dict, ds: DatasetConfig) -> bool:
-    value = _get(row, "label", ds)
+    value = _get(row, ds.preference_format.field_label if ds.preference_format else "label", ds)
     if not isinstance(value, bool):
         raise DataError(f"dataset {ds.path}: KTO's 'label' must be true (desirable) or false, got {value!r}")
     return value
