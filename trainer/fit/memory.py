@@ -1186,6 +1186,7 @@ def report(cfg, runtime, gpu: Gpu, local_only: bool = False) -> Report:
                      "fits at the estimate)")
     est = estimate(shape, s, gpu)
     notes += list(est.notes)
+    notes += [o["text"] for o in est.options]  # what each memory option saves or costs, on and off
     reason = None
     result = est.to_json()
     if gpu.memory_gb is None:
