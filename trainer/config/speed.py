@@ -21,7 +21,8 @@ COMPILE_OPTIONS = frozenset({
     "max_autotune_gemm", "fx_graph_cache", "assume_aligned_inputs", "comprehensive_padding",
     "decompose_mem_bound_mm", "triton.cudagraphs",
 })
-TOKENS_PER_SHARD = 32768  # tiled_mlp's slice when tiled_mlp_num_shards is unset (Axolotl's monkeypatch/tiled_mlp/patch.py)
+# tiled_mlp's slice when tiled_mlp_num_shards is unset (Axolotl's monkeypatch/tiled_mlp/patch.py)
+TOKENS_PER_SHARD = 32768
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::matmul", "aten::bmm")
 
 
@@ -64,8 +65,6 @@ class SpeedKeys(BaseModel):
                 raise ValueError(f"selective_checkpointing.save: {bad} match matmuls, which cannot be kept with a "
                                  "LoRA adapter (peft adds the adapter's output into the base layer's in place); use "
                                  "save: [attention] or train without an adapter (as Axolotl)")
-        if self.tiled_mlp_num_shards is not None and not self.tiled_mlp:
-            raise ValueError("tiled_mlp_num_shards needs tiled_mlp: true")
         unknown = sorted(set(self.torch_compile_options or {}) - COMPILE_OPTIONS)
         if unknown:
             raise ValueError(f"torch_compile_options: {', '.join(unknown)} not allowed (Axolotl's allowlist: "

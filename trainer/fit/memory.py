@@ -935,7 +935,7 @@ def estimate(shape, s: Setup, gpu: Gpu, suggest: bool = True) -> Estimate:
 
 def _largest(e: Estimate, term: str) -> float:
     """A term at its largest over the moments (GB)."""
-    return round(max(m.terms.get(term, 0.0) for m in e.moments) / GB, 2)
+    return round(max(m.terms.get(term, 0.0) for m in e.moments) / GB, 3)
 
 
 def option_effects(shape, s: Setup, gpu: Gpu, current: Estimate) -> list[dict]:
@@ -1156,7 +1156,7 @@ class Report:
 def unknown(gpu: Gpu, reason: str) -> dict:
     return {"gpu": {"name": gpu.name, "memory_gb": gpu.memory_gb, "count": gpu.count}, "unit": "GB",
             "peak_gb": None, "low_gb": None, "high_gb": None, "fits": None, "verdict": "unknown", "breakdown": {},
-            "suggestions": [], "reason": reason}
+            "suggestions": [], "options": [], "reason": reason}
 
 
 def report(cfg, runtime, gpu: Gpu, local_only: bool = False) -> Report:

@@ -3,10 +3,12 @@
 - selective checkpointing: `torch.utils.checkpoint.checkpoint(..., context_fn=...)` with
   `create_selective_checkpoint_contexts` and a policy that keeps the named ops' outputs (MUST_SAVE) and recomputes
   the rest (PREFER_RECOMPUTE), as Axolotl's monkeypatch/selective_checkpointing.py: "attention" is SDPA's and
-  flash-attention's forward ops, any other entry a substring of the op's name ("aten::mm": every matmul); the
-  attention of sliding/chunked-window layers (config.layer_types) is recomputed unless save_sliding_window.
+  flash-attention's forward ops (torch's varlen_attn included), any other entry a substring of the op's name
+  ("aten::mm": every matmul); the attention of sliding/chunked-window layers (config.layer_types) is recomputed
+  unless save_sliding_window.
   Handed to transformers' gradient checkpointing through its kwargs (trainer/model/load.py).
-- activation offloading: `torch.autograd.graph.save_on_cpu` around each micro-batch's forward and loss: what autograd
+- activation offloading: `torch.autograd.graph.save_on_cpu` around each micro-batch's forward, loss and backward
+  (the Hook's `forward` context): what autograd
   keeps for the backward (with gradient checkpointing, which Axolotl requires for it: each layer's input and what
   lies outside the layers) is held in pinned CPU memory and copied back when the backward needs it. Axolotl's
   values all become this: `legacy` (its synchronous copies, as here), `disk` (Axolotl's own disk path is keyed on
@@ -35,6 +37,9 @@ from trainer.hooks import Hook
 ATTENTION_GROUP = "attention"
 _ATEN_ATTENTION = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
                    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
+# flash-attention's forward ops by name (the flash-attn package's, and torch's own varlen_attn: FA2 built in, the
+# trainer's packing path on sm_80+, torch/nn/attention/varlen.py's torch_attn::_varlen_attn)
+FLASH_OPS = ("flash_attn", "flash_attention", "torch_attn::_varlen_attn")
 DEFAULT_RECOMPUTE_LAYER_TYPES = ("sliding_attention", "chunked_attention")
 
 
@@ -60,7 +65,8 @@ class SavePolicy:
         self.flash = False
         for spec in save:
             if spec == ATTENTION_GROUP:
-                self.exact |= {getattr(torch.ops.aten, n).default for n in _ATEN_ATTENTION if hasattr(torch.ops.aten, n)}
+                self.exact |= {getattr(torch.ops.aten, n).default for n in _ATEN_ATTENTION
+                               if hasattr(torch.ops.aten, n)}
                 self.flash = True
             else:
                 self.substrings.append(spec)
@@ -73,8 +79,7 @@ class SavePolicy:
             return True
         name = _op_name(op)
         lowered = name.lower()
-        if self.flash and ("flash_attn" in lowered or "flash_attention" in lowered) and not (
-                "backward" in lowered or "bwd" in lowered):
+        if self.flash and any(k in lowered for k in FLASH_OPS) and not ("backward" in lowered or "bwd" in lowered):
             return True
         return any(s in name for s in self.substrings)
 
@@ -292,6 +297,7 @@ def line(cfg) -> str | None:
     on = [k for k, v in (("gradient_checkpointing", bool(cfg.gradient_checkpointing)),
                          (f"activation_offloading ({offloading(cfg)})", bool(offloading(cfg))),
                          (f"selective_checkpointing (keeps {', '.join(sac.save) if sac else ''})", sac is not None),
-                         (f"tiled_mlp ({cfg.tiled_mlp_num_shards or 'one per 32768 tokens'} slices)", bool(cfg.tiled_mlp)),
+                         (f"tiled_mlp ({cfg.tiled_mlp_num_shards or 'one per 32768 tokens'} slices)",
+                          bool(cfg.tiled_mlp)),
                          ("torch_compile", compiling(cfg))) if v]
     return f"options: {', '.join(on)}" if on else None

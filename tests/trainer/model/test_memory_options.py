@@ -134,3 +134,44 @@ def test_torch_compile_true_is_refused_where_triton_is_off_naming_the_gpu(tiny_l
                memory_options.notes(auto, gpu_runtime(auto, "v100"), plan))
     assert any(n.startswith("torch_compile: on") for n in
                memory_options.notes(cfg, gpu_runtime(cfg, "a100"), {"features": {"torch_compile": True}}))
+
+
+# ---------------------------------------------------------------------------- through `python -m trainer validate`
+
+OPTIONS = [  # (keys, the note validate prints for the CPU)
+    ({"gradient_checkpointing": True, "activation_offloading": True}, "activation_offloading: nothing to offload"),
+    ({"gradient_checkpointing": "offload"}, "activation_offloading: nothing to offload"),
+    ({"gradient_checkpointing": True, "selective_checkpointing": {"save": ["aten::mm"]}},
+     "selective_checkpointing: the checkpointed layers keep aten::mm"),
+    ({"tiled_mlp": True, "tiled_mlp_num_shards": 2}, "tiled_mlp: each layer's MLP run over 2 slices"),
+    ({"torch_compile": True}, "torch_compile: on (inductor C++ on the CPU"),
+]
+
+
+@pytest.mark.parametrize("keys,note", OPTIONS, ids=lambda v: next(iter(v)) if isinstance(v, dict) else None)
+def test_validate_names_each_option_and_ignores_none(make_config, capsys, keys, note):
+    from trainer.cli import main
+
+    assert main(["validate", str(make_config(**keys)), "--gpu", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert note in out and "  options:" in out
+    ignored = out.split("ignored", 1)[1] if "ignored" in out else ""
+    assert not any(k in ignored for k in keys)  # honoured, not in the ignored note
+
+
+@pytest.mark.parametrize("keys,gpu,line", [
+    ({"torch_compile": True}, "v100", "torch_compile: true cannot run on Tesla V100"),
+    ({"activation_offloading": True}, "a100", "activation_offloading needs gradient_checkpointing: true"),
+    ({"gradient_checkpointing": True, "adapter": "lora", "selective_checkpointing": {"save": ["aten::mm"]}}, "a100",
+     "selective_checkpointing.save: ['aten::mm'] match matmuls"),
+    ({"gradient_checkpointing": True, "selective_checkpointing": {"offload": True}}, "a100",
+     "selective_checkpointing.offload: keeping the selectively saved ops in CPU memory is not implemented"),
+    ({"torch_compile": True, "torch_compile_options": {"max_fusion_size": 8}}, "a100",
+     "torch_compile_options: max_fusion_size not allowed"),
+])
+def test_validate_refuses_in_one_line(make_config, capsys, keys, gpu, line):
+    from trainer.cli import main
+
+    assert main(["validate", str(make_config(**keys)), "--gpu", gpu]) == 2
+    err = capsys.readouterr().err.strip()
+    assert line in err and len(err.splitlines()) == 1, err
