@@ -933,9 +933,13 @@ def estimate(shape, s: Setup, gpu: Gpu, suggest: bool = True) -> Estimate:
 # --------------------------------------------------------------------------- what each memory option saves or costs
 
 
+def _size(gb: float) -> str:
+    return f"{gb:.2f} GB" if gb >= 0.1 or gb == 0 else f"{gb * 1024:.1f} MB"
+
+
 def _largest(e: Estimate, term: str) -> float:
     """A term at its largest over the moments (GB)."""
-    return round(max(m.terms.get(term, 0.0) for m in e.moments) / GB, 3)
+    return round(max(m.terms.get(term, 0.0) for m in e.moments) / GB, 4)
 
 
 def option_effects(shape, s: Setup, gpu: Gpu, current: Estimate) -> list[dict]:
@@ -949,7 +953,7 @@ def option_effects(shape, s: Setup, gpu: Gpu, current: Estimate) -> list[dict]:
         e = estimate(shape, other, gpu, suggest=False)
         gb, other_gb = _largest(current, term), _largest(e, term)
         state = "on" if on else "off"
-        text = (f"{key}: {state}: {term} {gb:.2f} GB ({other_gb:.2f} GB {'without' if on else 'with it'}); peak "
+        text = (f"{key}: {state}: {term} {_size(gb)} ({_size(other_gb)} {'without' if on else 'with it'}); peak "
                 f"{current.peak / GB:.1f} GB ({e.peak / GB:.1f} GB {'without' if on else 'with it'}){how}")
         out.append({"key": key, "on": on, "term": term, "gb": gb, "other_gb": other_gb,
                     "peak_gb": round(current.peak / GB, 2), "other_peak_gb": round(e.peak / GB, 2), "text": text})
@@ -961,7 +965,7 @@ def option_effects(shape, s: Setup, gpu: Gpu, current: Estimate) -> list[dict]:
         other = replace(s, offload=not s.offload, checkpointing=True)
         e = estimate(shape, other if not s.offload else s, gpu, suggest=False)
         add("activation_offloading", s.offload, "activations", other,
-            f"; {e.host / GB:.2f} GB in host memory instead, copied over PCIe/NVLink each micro-batch")
+            f"; {_size(e.host / GB)} in host memory instead, copied over PCIe/NVLink each micro-batch")
     if s.checkpointing or s.selective:
         add("selective_checkpointing", bool(s.selective), "activations",
             replace(s, selective=() if s.selective else ("attention",)),

@@ -221,16 +221,14 @@ def compile_runs(gpu, plan: dict | None) -> tuple[bool, str]:
     why not."""
     if gpu.cc is None and not gpu.other_vendor:
         return True, ""  # inductor's C++ backend
+    below = [r for r in facts.rows("packages", "triton_support")
+             if gpu.cc is not None and gpu.cc < tuple(int(x) for x in r["min_cc"].split("."))]
+    why = (f"triton compiles for sm_{below[0]['min_cc'].replace('.', '')}+ only: {below[0]['reason']}" if below
+           else "")
     if plan is not None and "features" in plan:
         ok = bool(plan["features"].get("torch_compile"))
-        return ok, "" if ok else "the plan has no triton that compiles for it"
-    if gpu.cc is None:
-        return True, ""
-    floor = max((tuple(int(x) for x in r["min_cc"].split(".")) for r in facts.rows("packages", "triton_support")),
-                default=(0, 0))
-    if gpu.cc < floor:
-        return False, f"triton compiles for sm_{floor[0]}{floor[1]}+ only"
-    return True, ""
+        return ok, "" if ok else (why or "the plan has no triton that compiles for it")
+    return not below, why
 
 
 def compile_model(cfg, model, on: bool, say) -> bool:
