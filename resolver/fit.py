@@ -108,6 +108,7 @@ def lines(found) -> list[str]:
     from trainer.fit.memory import cheapest, one_line
 
     out = [f"fit: {one_line(found)}"]
+    out += [f"fit: {o['text']}" for o in found.result.get("options", []) if o["on"]]  # the options this run uses
     change = cheapest(found) if found.result["verdict"] != "fits" else None
     if change:
         out.append(f"fit: cheapest change that fits: {change['text']} -> {change['peak_gb']:.1f} GB")

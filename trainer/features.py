@@ -256,6 +256,20 @@ def _neftune_hook(training):
     return neftune.hook(training.cfg, training.unwrapped)  # noise on the input embeddings while training
 
 
+def _memory_options():
+    from trainer.model import memory_options
+
+    return memory_options
+
+
+def _memory_notes(cfg, runtime, plan) -> list[str]:
+    """Sets runtime.compile: whether torch.compile runs (raises HardwareError for torch_compile: true where the
+    plan has no triton for the GPU)."""
+    options = _memory_options()
+    runtime.compile = bool(cfg.torch_compile) and options.compile_runs(runtime.gpu, plan)[0]
+    return options.notes(cfg, runtime, plan)
+
+
 def _empty_cache():
     from trainer.runtime import empty_cache
 
@@ -313,6 +327,11 @@ FEATURES: list[Feature] = [
             ("early_stopping_patience",), (), (), "any", hook=_early_stopping_hook),
     Feature("neftune", "NEFTune: noise on the input embeddings while training", ("neftune_noise_alpha",), (), (),
             "any", hook=_neftune_hook),
+    Feature("memory_options", "activation offloading, selective checkpointing, ALST's tiled MLP, torch.compile "
+            "(torch's own APIs)", ("activation_offloading", "selective_checkpointing", "tiled_mlp", "torch_compile"),
+            (), (), "any; activation offloading does nothing on the CPU; torch.compile needs the plan's triton on a GPU",
+            hook=lambda training: _memory_options().offload_hook(training.context), notes=_memory_notes,
+            line=lambda cfg: _memory_options().line(cfg)),
     Feature("empty_cache", "the accelerator's cached memory released every N steps (transformers' own key)",
             ("torch_empty_cache_steps",), (), (), "any",
             hook=lambda training: _empty_cache().hook(training.context),

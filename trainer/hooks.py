@@ -5,6 +5,8 @@ use the feature) and calls every hook at these points of every run, in the order
 
     start(state, checkpoint)       the weights are the starting ones (a resumed checkpoint's, if any)
     before_step(step)              `step` steps done; the next one is about to draw its batches
+    forward()                      a context each micro-batch's forward, loss and backward run in (activation
+                                   offloading's save_on_cpu)
     after_step(step)               the optimizer has stepped; `step` steps done
     after_evaluation(step, result) an evaluation's result; True stops training after this step
     on_save(step)                  what the checkpoint written at `step` keeps for the hook (Saved)
@@ -68,6 +70,10 @@ class Hook:
     def after_step(self, step: int) -> None:
         pass
 
+    def forward(self):
+        """A context manager around a micro-batch's forward, loss and backward (None: nothing)."""
+        return None
+
     def after_evaluation(self, step: int, result: dict) -> bool:
         return False
 
@@ -98,6 +104,16 @@ class Hooks:
     def after_step(self, step: int) -> None:
         for h in self.hooks:
             h.after_step(step)
+
+    def forward(self):
+        from contextlib import ExitStack
+
+        stack = ExitStack()
+        for h in self.hooks:
+            context = h.forward()
+            if context is not None:
+                stack.enter_context(context)
+        return stack
 
     def after_evaluation(self, step: int, result: dict) -> bool:
         return any([h.after_evaluation(step, result) for h in self.hooks])  # (a list: every hook sees it)

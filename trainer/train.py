@@ -152,7 +152,7 @@ class Training:
 
     def stage_model(self):
         """3: the model, fitted and patched; returns it (unprepared) and the context-parallel splitter (None)."""
-        from trainer.model import kernels, qat
+        from trainer.model import kernels, memory_options, qat
         from trainer.model.attention import for_model
 
         cfg, runtime, say, tokenizer = self.cfg, self.runtime, self.say, self.tokenizer
@@ -173,6 +173,7 @@ class Training:
             context = ContextParallel(model, self.cp, self.tp, self.rank, self.world)
         kernels.apply(cfg, model, getattr(runtime, "kernels", False), say)  # liger, where the plan says triton runs
         qat.apply(cfg, model, say)  # torchao fake quantization of the linear layers (before sharding, as Axolotl)
+        memory_options.compile_model(cfg, model, getattr(runtime, "compile", False), say)  # last: what runs is compiled
         return model, context
 
     def stage_objective(self, context) -> None:
@@ -557,7 +558,7 @@ class Training:
             sync = nullcontext() if last or self.sync_every else accelerator.no_sync(self.model)
             if self.cfg.deepspeed:  # accelerate steps the DeepSpeed engine in every backward made with
                 accelerator.sync_gradients = last  # sync_gradients set: only in the step's last one
-            with sync, phase(f"step {step + 1} (backward)", self.rank, self.timeout):
+            with sync, phase(f"step {step + 1} (backward)", self.rank, self.timeout), self.hooks.forward():
                 loss, values = objective.loss(self.model, to_device(batch, device), totals)
                 accelerator.backward(loss * self.loss_scale)
             sums += values.to(device)

@@ -22,7 +22,7 @@ from tests.support.hub import fake_hub, published_config
 from .conftest import ENVTOOL
 
 REPO = Path(__file__).resolve().parents[2]
-CONTRACT = {"gpu", "unit", "peak_gb", "low_gb", "high_gb", "fits", "verdict", "breakdown", "suggestions"}
+CONTRACT = {"gpu", "unit", "peak_gb", "low_gb", "high_gb", "fits", "verdict", "breakdown", "suggestions", "options"}
 TERMS = {"weights", "gradients", "optimizer", "activations", "logits", "overhead"}
 HUB_MODELS = ("Qwen/Qwen2.5-7B-Instruct", "Qwen/Qwen2.5-0.5B")
 
@@ -95,6 +95,12 @@ def test_json_is_the_documented_object(workdir, env):
     kinds = [s["kind"] for s in out["suggestions"]]
     assert kinds == ["max_micro_batch_size", "max_sequence_len"]  # it fits: nothing to change, only the limits
     assert all({"kind", "change", "text", "peak_gb"} <= set(s) for s in out["suggestions"])
+    # what each memory option saves or costs (tests/trainer/fit/test_options.py checks the numbers on an 8B model)
+    options = {o["key"]: o for o in out["options"]}
+    assert {"gradient_checkpointing", "activation_offloading", "tiled_mlp", "chunked loss"} <= set(options)
+    assert options["chunked loss"]["on"] and not options["gradient_checkpointing"]["on"]
+    assert all({"key", "on", "term", "gb", "other_gb", "peak_gb", "other_peak_gb", "text"} <= set(o)
+               for o in out["options"])
 
 
 def test_human_output(workdir, env):

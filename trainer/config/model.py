@@ -44,7 +44,8 @@ class ModelKeys(BaseModel):
     # Mistral's own tokenizer (trainer/data/formats/mistral_tokenizer.py); chat_template data encoded by it.
     # Unset: true for Magistral models, as in Axolotl
     tokenizer_use_mistral_common: bool | None = None
-    gradient_checkpointing: bool | Literal["offload"] = False  # offload: accepted, trains as true (see notes)
+    # offload / offload_disk: Axolotl's deprecated spellings of true with activation_offloading (trainer/config/speed.py)
+    gradient_checkpointing: bool | Literal["offload", "offload_disk"] = False
     gradient_checkpointing_kwargs: dict[str, Any] | None = None
 
     # adapter
@@ -102,9 +103,10 @@ class ModelKeys(BaseModel):
 def notes(cfg) -> list[str]:
     """Keys accepted that do less than they say here."""
     out = []
-    if cfg.gradient_checkpointing == "offload":
-        out.append("gradient_checkpointing: offload trains as true (activations are recomputed, not offloaded "
-                   "to CPU memory)")
+    if cfg.gradient_checkpointing in ("offload", "offload_disk"):
+        became = "true" if cfg.gradient_checkpointing == "offload" else "disk"
+        out.append(f"gradient_checkpointing: {cfg.gradient_checkpointing} is Axolotl's deprecated spelling of "
+                   f"gradient_checkpointing: true with activation_offloading: {became} (read so)")
     if cfg.adapter and cfg.unfrozen_parameters:
         out.append("unfrozen_parameters: ignored with an adapter (the adapter's weights are what is trained; "
                    "quantized base weights cannot be)")

@@ -20,12 +20,13 @@ from trainer.config.parallel import ParallelKeys
 from trainer.config.qat import QatKeys
 from trainer.config.rl import RlKeys
 from trainer.config.sparsity import SparsityKeys
+from trainer.config.speed import SpeedKeys
 from trainer.config.training import TrainingKeys
 
 
 # (pydantic lists the fields of the last base first: a dump reads model, data, training, ... as written below)
-class Config(SparsityKeys, QatKeys, EbftKeys, TrlKeys, DiffusionKeys, LoggingKeys, RlKeys, ParallelKeys, HardwareKeys,
-             TrainingKeys, DataKeys, ModelKeys):
+class Config(SpeedKeys, SparsityKeys, QatKeys, EbftKeys, TrlKeys, DiffusionKeys, LoggingKeys, RlKeys, ParallelKeys,
+             HardwareKeys, TrainingKeys, DataKeys, ModelKeys):
     model_config = ConfigDict(extra="forbid")
 
     # set by load_config: user modules (ebft and trl.reward_funcs transforms, `module.function` dataset types)
@@ -44,4 +45,5 @@ class Config(SparsityKeys, QatKeys, EbftKeys, TrlKeys, DiffusionKeys, LoggingKey
         self._check_cadence()  # eval/save steps
         self._check_adapter()  # model (quantized loading, LoRA)
         self._check_attention()  # hardware
+        self._check_speed()  # activation offloading, selective checkpointing, tiled MLP, torch.compile
         return self

@@ -46,6 +46,7 @@ from trainer import facts
 from trainer.errors import ConfigError
 from trainer.runtime import loss_chunks
 
+
 GB = 2 ** 30
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
@@ -108,6 +109,11 @@ class Setup:
     liger_norm: bool = False  # liger's RMSNorm/LayerNorm kernels (trainer/model/kernels.py applies them where triton runs)
     liger_glu: bool = False  # liger's SwiGLU/GeGLU kernel
     lora_kwargs: dict = field(default_factory=dict)  # peft.LoraConfig's arguments, as trainer/model/load.py builds them
+    # the memory options (trainer/config/speed.py, trainer/model/memory_options.py)
+    offload: bool = False  # activation_offloading on a GPU: what autograd keeps goes to host memory
+    selective: tuple = ()  # selective_checkpointing.save: the ops a checkpointed layer keeps ("attention", "aten::mm")
+    tiled_shards: int = 0  # tiled_mlp: the MLP over this many slices of a row (0: off; -1: Axolotl's 1 per 32768)
+    compiled: bool = False  # torch_compile where it runs (no term of its own: its memory is not counted)
 
     @property
     def e(self) -> int:
@@ -169,6 +175,7 @@ class Setup:
 def setup_from(cfg, runtime, world: int) -> Setup:
     """The Setup of a trainer Config on a Runtime (precision, attention) with `world` processes."""
     from trainer.config.parallel import deepspeed_path, fsdp_enabled, fsdp_settings, mesh_for
+    from trainer.config.speed import offloading, selective
 
     quant = None
     double_quant = True
@@ -236,6 +243,10 @@ def setup_from(cfg, runtime, world: int) -> Setup:
         optimizer=cfg.optimizer, micro_batch=cfg.micro_batch_size, sequence_len=cfg.sequence_len,
         packing=cfg.sample_packing, grad_accum=cfg.gradient_accumulation_steps,
         checkpointing=bool(cfg.gradient_checkpointing),
+        offload=bool(offloading(cfg)) and runtime.device != "cpu",
+        selective=tuple(sac.save) if (sac := selective(cfg)) is not None else (),
+        tiled_shards=(cfg.tiled_mlp_num_shards or -1) if cfg.tiled_mlp else 0,
+        compiled=bool(getattr(runtime, "compile", False) or (cfg.torch_compile and not hasattr(runtime, "compile"))),
         # SFT's loss runs in chunks wherever the head is whole in one process and the model does not change its
         # logits after it (trainer/objectives/chunked_loss.py decides the same at the first step, and says so)
         chunked_loss=(cfg.objective == "sft" and not cfg.use_eaft and tp == 1 and cp == 1 and zero != 3
@@ -647,6 +658,7 @@ class Activations:
     layer_full: float  # one layer's full set (rebuilt at a time in the backward under checkpointing)
     grads: float  # the backward's gradient tensors in flight
     tokens: int  # per micro-batch per GPU
+    tile: float = 0.0  # tiled_mlp: one slice's MLP set, rebuilt at a time in the backward
 
 
 def activation_terms(shape, s: Setup, tokens: int | None = None, row_len: int | None = None) -> Activations:
@@ -666,18 +678,28 @@ def activation_terms(shape, s: Setup, tokens: int | None = None, row_len: int | 
     embeddings_train = s.full
     saved = 0.0
     full_layer = 0.0
+    widest_tile = 0.0
     first_done = False
     # peft's ParamWrapper merges each wrapped 3-D expert tensor with its adapter in every forward and keeps the
     # merged copy for the backward: weight-sized, per layer
     merged = s.e * found.expert_params / max(1, found.layers_with_experts) if experts_wrapped else 0.0
     for layer in shape.layers:
         per_tok, per_key = layer_bytes_per_token(layer, shape, s, targeted, experts_train=experts_wrapped)
+        tile = 0.0
+        if s.tiled_shards and layer.mlp_width:  # the MLP keeps its input only; one slice's set rebuilt at a time
+            mlp = per_tok - layer_bytes_per_token(replace(layer, mlp_width=0), shape, s, targeted,
+                                                  experts_train=experts_wrapped)[0]
+            per_tok += s.stream_bytes * shape.hidden_size - mlp
+            tile = tokens * mlp / mlp_shards(s, row_len)
         one = tokens * (per_tok + per_key * key_len) + (merged if layer.experts else 0.0)
-        full_layer = max(full_layer, one)
+        full_layer = max(full_layer, one + tile)
+        widest_tile = max(widest_tile, tile)
         count = layer.count
         if not first_done and not embeddings_train:
             f_tok, f_key = layer_bytes_per_token(layer, shape, s, targeted, first=True,
                                                  experts_train=experts_wrapped)
+            if s.tiled_shards and layer.mlp_width:
+                f_tok += per_tok - layer_bytes_per_token(layer, shape, s, targeted, experts_train=experts_wrapped)[0]
             first = tokens * (f_tok + f_key * key_len) + (merged if layer.experts else 0.0)
             layer_sum = first + one * (count - 1)
         else:
@@ -685,6 +707,7 @@ def activation_terms(shape, s: Setup, tokens: int | None = None, row_len: int | 
         first_done = True
         if s.checkpointing:
             saved += tokens * s.stream_bytes * shape.hidden_size * count  # each layer's input
+            saved += tokens * selective_bytes_per_token(layer, shape, s) * count  # the ops selective checkpointing keeps
         else:
             saved += layer_sum
         if s.cp > 1:  # every layer keeps the gathered keys and values of the whole sequence
@@ -704,7 +727,34 @@ def activation_terms(shape, s: Setup, tokens: int | None = None, row_len: int | 
     widest = max([h] + [ly.mlp_width for ly in shape.layers] + [ly.expert_width * max(1, ly.top_k)
                                                                    for ly in shape.layers])
     grads = tokens * s.e * (2 * h + 2 * widest)
-    return Activations(saved=saved, layer_full=full_layer, grads=grads, tokens=int(tokens))
+    return Activations(saved=saved, layer_full=full_layer, grads=grads, tokens=int(tokens), tile=widest_tile)
+
+
+def mlp_shards(s: Setup, row_len: int) -> int:
+    """tiled_mlp's slices of a row of `row_len` tokens (trainer/model/memory_options.py `shards`)."""
+    from trainer.config.speed import TOKENS_PER_SHARD
+
+    if s.tiled_shards > 0:
+        return min(s.tiled_shards, row_len)
+    return max(1, math.ceil(row_len / TOKENS_PER_SHARD))
+
+
+MATMUL_SPECS = ("aten::mm", "aten::addmm", "aten::matmul", "aten::bmm", "mm")
+
+
+def selective_bytes_per_token(layer, shape, s: Setup) -> float:
+    """What selective checkpointing keeps per token in one checkpointed layer beyond its input: "attention" keeps
+    the attention kernel's output and fp32 log-sum-exp (none under eager attention, which is no such op); an
+    entry matching the matmuls keeps every linear layer's output (q, k, v, o, gate, up, down). Other op names are
+    not counted (a note says so)."""
+    out = 0.0
+    q, kv, heads = layer.q_dim / s.tp, layer.kv_dim / s.tp, layer.heads / s.tp
+    if "attention" in s.selective and s.attention_kind != "eager":
+        out += q * s.e + heads * 4
+    if any(spec in op for spec in s.selective if spec != "attention" for op in MATMUL_SPECS):
+        iw = layer.mlp_width / s.tp
+        out += s.e * (q + 2 * kv + 2 * shape.hidden_size + (2 if layer.gated else 1) * iw)
+    return out
 
 
 def pair_factor(s: Setup) -> int:
@@ -763,6 +813,12 @@ class Estimate:
     allocated_high: float = 0.0
     notes: list[str] = field(default_factory=list)
     suggestions: list[dict] = field(default_factory=list)
+    options: list[dict] = field(default_factory=list)  # what each memory option saves or costs (option_effects)
+
+    @property
+    def host(self) -> float:
+        """Bytes kept in host memory instead (activation offloading)."""
+        return self.acts.saved if self.setup.offload else 0.0
 
     @property
     def chunked_loss(self) -> bool:
@@ -800,7 +856,7 @@ class Estimate:
         return {"gpu": {"name": self.gpu.name, "memory_gb": self.gpu.memory_gb, "count": self.gpu.count},
                 "unit": "GB", "peak_gb": round(self.peak / GB, 2), "low_gb": round(self.low / GB, 2),
                 "high_gb": round(self.high / GB, 2), "fits": self.fits, "verdict": self.verdict,
-                "breakdown": self.breakdown(), "suggestions": self.suggestions}
+                "breakdown": self.breakdown(), "suggestions": self.suggestions, "options": self.options}
 
 
 def estimate(shape, s: Setup, gpu: Gpu, suggest: bool = True) -> Estimate:
@@ -817,17 +873,19 @@ def estimate(shape, s: Setup, gpu: Gpu, suggest: bool = True) -> Estimate:
     if s.quant:
         widest = max((lin.fan_in * lin.fan_out for lin in shape.linears if lin.quantized), default=0)
         transient_kbit = widest * s.e  # one weight dequantized at a time
-    ckpt_saved = acts.saved
+    # activation offloading: what autograd keeps lies in host memory; the GPU holds what is being computed
+    gpu_saved = 0.0 if s.offload else acts.saved
+    ckpt_saved = gpu_saved
+    rebuilt = acts.layer_full if s.checkpointing else acts.tile  # rebuilt one at a time in the backward
     forward_copies = st.weight_copies
     moments = [
-        Moment("forward", {**base, "gradients": persist_grads, "activations": acts.saved + transient_kbit,
+        Moment("forward", {**base, "gradients": persist_grads, "activations": gpu_saved + transient_kbit,
                            "weight_copies": forward_copies,
                            "logits": tokens / s.cp * shape.vocab_size / s.tp * s.e if not chunked(shape, s) else 0.0}),
         Moment("loss", {**base, "gradients": persist_grads, "activations": ckpt_saved,
                         "weight_copies": 0.0 if s.checkpointing else st.weight_copies, "logits": logits}),
         Moment("backward", {**base, "gradients": persist_grads or st.gradients * 0.5,
-                            "activations": (acts.saved + acts.layer_full if s.checkpointing else acts.saved)
-                            + acts.grads + transient_kbit,
+                            "activations": gpu_saved + rebuilt + acts.grads + transient_kbit,
                             "weight_copies": (st.weight_copies / max(1, shape.num_layers) if s.checkpointing
                                               else st.weight_copies)}),
         Moment("optimizer_step", {**base, "gradients": st.gradients, "temporaries": st.temporaries}),
@@ -867,7 +925,66 @@ def estimate(shape, s: Setup, gpu: Gpu, suggest: bool = True) -> Estimate:
                          "pages them out to host memory (slower, not an out-of-memory error)")
     if suggest and gpu.memory_gb is not None:
         est.suggestions = suggestions(shape, s, gpu, est)
+    if suggest:
+        est.options = option_effects(shape, s, gpu, est)
     return est
+
+
+# --------------------------------------------------------------------------- what each memory option saves or costs
+
+
+def _size(gb: float) -> str:
+    return f"{gb:.2f} GB" if gb >= 0.1 or gb == 0 else f"{gb * 1024:.1f} MB"
+
+
+def _largest(e: Estimate, term: str) -> float:
+    """A term at its largest over the moments (GB)."""
+    return round(max(m.terms.get(term, 0.0) for m in e.moments) / GB, 4)
+
+
+def option_effects(shape, s: Setup, gpu: Gpu, current: Estimate) -> list[dict]:
+    """For each memory option, the term it changes with the option as configured and the other way round:
+    {key, on, term, gb, other_gb, peak_gb, other_peak_gb, text}. GB of the term at its largest over the moments;
+    `other_*`: the same estimate with the option switched (an option the rules need another for, such as
+    activation offloading without checkpointing, switched together with it)."""
+    out = []
+
+    def add(key: str, on: bool, term: str, other: Setup, how: str) -> None:
+        e = estimate(shape, other, gpu, suggest=False)
+        gb, other_gb = _largest(current, term), _largest(e, term)
+        state = "on" if on else "off"
+        text = (f"{key}: {state}: {term} {_size(gb)} ({_size(other_gb)} {'without' if on else 'with it'}); peak "
+                f"{current.peak / GB:.1f} GB ({e.peak / GB:.1f} GB {'without' if on else 'with it'}){how}")
+        out.append({"key": key, "on": on, "term": term, "gb": gb, "other_gb": other_gb,
+                    "peak_gb": round(current.peak / GB, 2), "other_peak_gb": round(e.peak / GB, 2), "text": text})
+
+    add("gradient_checkpointing", s.checkpointing, "activations",
+        replace(s, checkpointing=not s.checkpointing, offload=False, selective=()) if s.checkpointing
+        else replace(s, checkpointing=True), "; each layer's forward recomputed in the backward (~30% more compute)")
+    if s.device != "cpu":
+        other = replace(s, offload=not s.offload, checkpointing=True)
+        e = estimate(shape, other if not s.offload else s, gpu, suggest=False)
+        add("activation_offloading", s.offload, "activations", other,
+            f"; {_size(e.host / GB)} in host memory instead, copied over PCIe/NVLink each micro-batch")
+    if s.checkpointing or s.selective:
+        add("selective_checkpointing", bool(s.selective), "activations",
+            replace(s, selective=() if s.selective else ("attention",)),
+            "; the kept ops are not recomputed" + ("" if all(x == "attention" or any(x in op for op in MATMUL_SPECS)
+                                                         for x in s.selective) else
+                                                     " (ops other than attention and matmuls are not counted)"))
+    if any(layer.mlp_width for layer in shape.layers):
+        add("tiled_mlp", bool(s.tiled_shards), "activations", replace(s, tiled_shards=0 if s.tiled_shards else -1),
+            f"; the MLP over {mlp_shards(replace(s, tiled_shards=s.tiled_shards or -1), s.sequence_len)} slices of a "
+            "row, each recomputed in the backward")
+    if s.chunked_loss or chunked(shape, s):
+        add("chunked loss", chunked(shape, s), "logits", replace(s, chunked_loss=not s.chunked_loss),
+            "; the head run a chunk at a time (on by default where it runs)")
+    if s.compiled:
+        out.append({"key": "torch_compile", "on": True, "term": None, "gb": None, "other_gb": None,
+                    "peak_gb": round(current.peak / GB, 2), "other_peak_gb": round(current.peak / GB, 2),
+                    "text": "torch_compile: on: no term of its own counted (fused kernels keep less; the first steps "
+                            "compile)"})
+    return out
 
 
 # --------------------------------------------------------------------------- suggestions
@@ -931,15 +1048,30 @@ def _merge(a: Setup, b: Setup, orig: Setup) -> Setup:
 
 def candidates(shape, s: Setup):
     """(kind, config keys, sentence, changed Setup), cheapest first."""
+    has_mlp = any(layer.mlp_width for layer in shape.layers)
     if not s.checkpointing:
         yield ("gradient_checkpointing", {"gradient_checkpointing": True},
                "gradient_checkpointing: true (same training; ~30% more compute)", replace(s, checkpointing=True))
+    if s.selective:
+        yield ("selective_checkpointing", {"selective_checkpointing": False},
+               "selective_checkpointing: false (same training; the kept ops recomputed instead)",
+               replace(s, selective=()))
     if s.micro_batch > 1:
         for mb in _halvings(s.micro_batch):
             ga = s.grad_accum * s.micro_batch // mb
             yield ("micro_batch", {"micro_batch_size": mb, "gradient_accumulation_steps": ga},
                    f"micro_batch_size: {mb}, gradient_accumulation_steps: {ga} (same global batch; the loss is "
                    "normalised per token, so the same training)", replace(s, micro_batch=mb, grad_accum=ga))
+    if not s.tiled_shards and has_mlp:
+        yield ("tiled_mlp", {"tiled_mlp": True},
+               "tiled_mlp: true (same training; the MLP run over slices of each row, recomputed in the backward)",
+               replace(s, tiled_shards=-1))
+    if not s.offload and s.device != "cpu":
+        keys = {"activation_offloading": True} if s.checkpointing else {"gradient_checkpointing": True,
+                                                                         "activation_offloading": True}
+        yield ("activation_offloading", keys, f"{', '.join(f'{k}: true' for k in keys)} (same training; each "
+               "layer's input kept in host memory, copied over PCIe each micro-batch)",
+               replace(s, offload=True, checkpointing=True))
     row = optimizer_row(s.optimizer)
     if row["state_bits"] not in (8, 4) and row["states"] > 0 and not s.offload_optimizer:
         yield ("optimizer_8bit", {"optimizer": "adamw_bnb_8bit"},
@@ -1028,7 +1160,7 @@ class Report:
 def unknown(gpu: Gpu, reason: str) -> dict:
     return {"gpu": {"name": gpu.name, "memory_gb": gpu.memory_gb, "count": gpu.count}, "unit": "GB",
             "peak_gb": None, "low_gb": None, "high_gb": None, "fits": None, "verdict": "unknown", "breakdown": {},
-            "suggestions": [], "reason": reason}
+            "suggestions": [], "options": [], "reason": reason}
 
 
 def report(cfg, runtime, gpu: Gpu, local_only: bool = False) -> Report:
@@ -1058,6 +1190,7 @@ def report(cfg, runtime, gpu: Gpu, local_only: bool = False) -> Report:
                      "fits at the estimate)")
     est = estimate(shape, s, gpu)
     notes += list(est.notes)
+    notes += [o["text"] for o in est.options]  # what each memory option saves or costs, on and off
     reason = None
     result = est.to_json()
     if gpu.memory_gb is None:

@@ -73,7 +73,11 @@ def load_model(cfg: Config, runtime: Runtime, tokenizer, source: str | None = No
         bitnet.apply(model)
     model.config.use_cache = False  # no KV cache in training; the collator's mask keeps packed rows apart
     packed_masks(model)  # hybrid sliding/full models: per-layer masks from position_ids (trainer/model/attention.py)
-    checkpointing = {"use_reentrant": reentrant(cfg)}
+    from trainer.model import memory_options
+
+    memory_options.tile_mlps(cfg, model)  # ALST's tiled MLP (before LoRA wraps the MLP's linear layers)
+    # selective checkpointing's context_fn (torch's checkpoint's own argument), handed to transformers with the rest
+    checkpointing = {"use_reentrant": reentrant(cfg), **memory_options.checkpoint_kwargs(cfg, model)}
     if quantization is not None:
         from peft import prepare_model_for_kbit_training
 

@@ -262,6 +262,27 @@ def test_activations_measured_within_10_percent(mid_model, regime, attention, ch
         assert copies == expected
 
 
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_tiled_mlp_activations_measured_within_10_percent(mid_model, checkpointing):
+    """tiled_mlp: the MLP keeps its input only (the slices' checkpoints keep views of it); measured as the other
+    regimes are (autograd's saved tensors), and below the untiled term without checkpointing."""
+    cfg = config(mid_model, tiled_mlp=True, tiled_mlp_num_shards=4, gradient_checkpointing=checkpointing)
+    rt = runtime(cfg)
+    tokenizer = load_tokenizer(cfg)
+    model = load_model(cfg, rt, tokenizer)
+    batch = batch_for(tokenizer, rt.attention, packed=True)
+    measured, _ = saved_in_forward(model, batch, autocast=False)
+    shape = memory_model.model_shape(str(mid_model))
+    setup = memory.setup_from(cfg, rt, 1)
+    acts = memory.activation_terms(shape, setup, tokens=batch["input_ids"].numel(), row_len=batch["input_ids"].shape[1])
+    assert abs(acts.saved - measured) <= 0.10 * measured, f"term {acts.saved:.0f} B, measured {measured} B"
+    from dataclasses import replace
+
+    plain = memory.activation_terms(shape, replace(setup, tiled_shards=0), tokens=batch["input_ids"].numel(),
+                                    row_len=batch["input_ids"].shape[1])
+    assert (acts.saved < plain.saved) if not checkpointing else (acts.layer_full < plain.layer_full)
+
+
 def test_eager_attention_grows_with_the_square_of_the_sequence(mid_model):
     """Eager keeps seq x seq probabilities per head (fp32 and a cast): at twice the row length its activations per
     token grow by the per-key term, which flash-style kernels do not have."""
