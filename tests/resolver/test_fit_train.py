@@ -139,7 +139,10 @@ def test_micro_batch_size_auto_backs_off_from_an_out_of_memory_error_keeping_the
     assert [b["micro_batch_size"] for b in record["backoffs"]] == [4, 2]
     assert "CUDA out of memory" in record["backoffs"][0]["error"]
     rows = [int(r) for r in log.read_text().split()]
-    assert rows == [4, 2] + [1] * 8  # two refused forwards, then 2 steps x 4 micro-batches of 1 row
+    # the chunked loss's probe first (trainer/objectives/chunked_loss.py: the model's own logits and the head on the
+    # swapped forward, one row of a few tokens each, once per model), then two refused forwards, then 2 steps x 4
+    # micro-batches of 1 row
+    assert rows == [1, 1] + [4, 2] + [1] * 8
     steps = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps if "loss" in s] == [1, 2]
     assert (tmp_path / "out" / "final").is_dir()
