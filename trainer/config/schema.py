@@ -21,10 +21,11 @@ from trainer.config.qat import QatKeys
 from trainer.config.rl import RlKeys
 from trainer.config.sparsity import SparsityKeys
 from trainer.config.training import TrainingKeys
+from trainer.config.vision import VisionKeys
 
 
 # (pydantic lists the fields of the last base first: a dump reads model, data, training, ... as written below)
-class Config(SparsityKeys, QatKeys, EbftKeys, TrlKeys, DiffusionKeys, LoggingKeys, RlKeys, ParallelKeys, HardwareKeys,
+class Config(VisionKeys, SparsityKeys, QatKeys, EbftKeys, TrlKeys, DiffusionKeys, LoggingKeys, RlKeys, ParallelKeys, HardwareKeys,
              TrainingKeys, DataKeys, ModelKeys):
     model_config = ConfigDict(extra="forbid")
 
