@@ -178,6 +178,7 @@ def load_processor(cfg, tokenizer):
         raise ConfigError(f"processor_type: {source} has no image processor ({type(processor).__name__}); "
                           "vision-language training needs one")
     processor.tokenizer = tokenizer
+    processor.chat_template = tokenizer.chat_template  # the template the rows are rendered with, saved with it
     return processor
 
 
