@@ -32,7 +32,8 @@ class VisionKeys(BaseModel):
     processor_type: str | None = None  # AutoProcessor, or a transformers processor class by name
     processor_kwargs: dict[str, Any] | None = None  # extra from_pretrained arguments of the processor
     freeze_mm_modules: bool = False  # vision/audio towers and projectors frozen (matrices/vision.toml [freeze])
-    image_size: int | tuple[int, int] | None = None  # int: padded square; [w, h]: resized; unset: the processor's
+    # int: padded square; [w, h]: resized; unset: the processor's size {width, height} where it has one
+    image_size: int | tuple[int, int] | None = None
     image_resize_algorithm: Literal["bilinear", "bicubic", "lanczos"] | None = None  # default bilinear
     role_boundaries: list[RoleBoundary] | None = None  # replaces the chat template's row of matrices/vision.toml
 
@@ -44,6 +45,9 @@ def check(cfg) -> list[str]:
     """What a vision-language config may not ask for here; returns notes, raises ConfigError naming every problem."""
     notes = [f"{key}: no effect without processor_type (only vision-language training reads it)"
              for key in VISION_ONLY if getattr(cfg, key) not in (None, [], {}) and not cfg.processor_type]
+    sizes = cfg.image_size if isinstance(cfg.image_size, tuple) else (cfg.image_size,)
+    if any(n is not None and n < 1 for n in sizes):
+        raise ConfigError(f"image_size: {cfg.image_size}: Input should be greater than 0 (pixels)")
     if not cfg.processor_type:
         return notes
     problems = []
