@@ -206,7 +206,8 @@ def cmd_evaluate(args) -> int:
     device = torch.device(runtime.device)
     collator = Collator(tokenizer.pad_token_id, runtime.attention)
     run = Run(cfg, device, timeout_s=cfg.ddp_timeout, say=log)  # one process
-    if cfg.objective != "sft" or cfg.use_eaft or cfg.diffusion is not None:  # the objective's loss and metrics
+    if cfg.objective != "sft" or cfg.use_eaft or cfg.diffusion is not None or cfg.processor_type:  # the objective's loss
+        # and metrics (vision-language: images through its processor)
         # (preference: against the cached reference log-probs; reward models, use_eaft and diffusion: their own losses)
         from trainer import objectives
         from trainer.model.load import load_model

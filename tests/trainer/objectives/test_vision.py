@@ -107,7 +107,7 @@ def test_envtool_trains_merges_and_refuses_gguf_for_a_vision_language_model(tiny
     import sys
 
     config = vision_config(tmp_path, tiny_llava, adapter="lora", lora_r=8, lora_target_modules=LANGUAGE_LORA,
-                           freeze_mm_modules=True, max_steps=5, logging_steps=1)
+                           freeze_mm_modules=True, max_steps=5, logging_steps=1, val_set_size=0.25)
     env = {k: v for k, v in os.environ.items() if k != "ENVTOOL_PLAN"}
     env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     out = subprocess.run([sys.executable, "-m", "resolver", "train", str(config), "--gpu", "cpu"],
@@ -123,6 +123,12 @@ def test_envtool_trains_merges_and_refuses_gguf_for_a_vision_language_model(tiny
     from trainer.cli import main  # merge and export in this process (the same commands, without a second start-up)
 
     monkeypatch.chdir(tmp_path)
+    # `evaluate` scores the saved adapter as the run's last evaluation did (the same rows, images and masking)
+    capsys.readouterr()
+    assert main(["evaluate", str(config), "--json"]) == 0
+    last = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert json.loads(capsys.readouterr().out)["eval_loss"] == pytest.approx(
+        [r["eval_loss"] for r in last if "eval_loss" in r][-1], rel=1e-5)
     assert main(["merge-lora", str(config)]) == 0
     # the merged model is the base with the adapter applied: the same logits as base + adapter, and it loads with
     # its processor as a user would load it
