@@ -395,7 +395,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("make-tiny-model", help="write a tiny local model + tokenizer (no downloads)")
     p.add_argument("dir")
-    p.add_argument("--family", choices=["llama", "qwen2", "mistral", "llava"], default="llama")
+    p.add_argument("--family", choices=["llama", "qwen2", "mistral", "llava", "gemma3_vision"], default="llama")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_make_tiny_model)
     return parser

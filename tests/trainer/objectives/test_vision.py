@@ -70,6 +70,26 @@ def test_rows_are_checked_measured_and_collated_with_their_images(tiny_llava, tm
     assert tower is not None and tower.abs().sum() > 0  # the image reached the loss
 
 
+def test_gemma3_trains_its_model_turns_with_images_attended_both_ways(tiny_gemma3_vision, tmp_path):
+    """Gemma 3's markers (matrices/vision.toml gemma3: <start_of_turn>model ... <end_of_turn>), one BOS though its
+    template writes it, and the processor's token_type_ids passed on (the model attends within an image both ways)."""
+    cfg, _ = load_config(vision_config(tmp_path, tiny_gemma3_vision, chat_template="gemma3"))
+    cls, tokenizer = objective(cfg)
+    prepared = cls.prepare_data(cfg, tokenizer, log=lambda *_: None)
+    obj = cls.from_config(cfg, None, None)
+    batch = obj.collate([obj.rows(prepared.train)[[0]], obj.rows(prepared.train)[[1]]])
+    assert batch["token_type_ids"].sum(dim=1).tolist() == [4, 4]  # the image's soft tokens
+    for ids, labels in zip(batch["input_ids"], batch["labels"]):
+        assert (ids == tokenizer.bos_token_id).sum() == 1
+        assert re.fullmatch(r"It is (red|green|blue)\.<end_of_turn>", tokenizer.decode(ids[labels != -100]))
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(tiny_gemma3_vision).train()
+    loss, _ = obj.loss(model, batch, {"target_tokens": obj.step_stats(model, batch)[0]})
+    loss.backward()
+    assert 0 < loss.item() < 20 and model.model.vision_tower.embeddings.patch_embedding.weight.grad.abs().sum() > 0
+
+
 def test_a_url_or_a_missing_image_stops_preparation_naming_the_row(tiny_llava, tmp_path):
     rows = image_chat_rows(tmp_path / "images", 3)
     rows[2]["messages"][0]["content"][0] = {"type": "image", "url": "http://example.com/a.png"}

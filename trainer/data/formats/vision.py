@@ -340,15 +340,18 @@ def encode(conversations: list[list[dict]], processor, tokenizer, m: Masking, si
     in order), with labels (-100 where not trained)."""
     import torch
 
-    texts, images = [], []
+    texts, images = [], []  # images: one list per conversation, as the processor's apply_chat_template passes them
     for i, turns in enumerate(conversations):
         texts.append(tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=False))
-        for turn in turns:
-            images += [load_image(p, where[i] if where else "row", size, algorithm)
-                       for p in turn["content"] if p["type"] == "image"]
-    batch = dict(processor(text=texts, images=images or None, padding=True, return_tensors="pt"))
-    batch.pop("token_type_ids", None)
-    batch.pop("mm_token_type_ids", None)
+        images.append([load_image(p, where[i] if where else "row", size, algorithm)
+                       for turn in turns for p in turn["content"] if p["type"] == "image"])
+    images = images if any(images) else None
+    # everything the processor returns goes to the model, as Axolotl's collator passes it: pixel values, image grids,
+    # Qwen2-VL's mm_token_type_ids (its multimodal rope), Gemma 3's token_type_ids (images attended both ways)
+    # a template that renders the BOS itself is not given a second one (as the processor's apply_chat_template)
+    bos = tokenizer.bos_token
+    special = {"add_special_tokens": False} if bos is not None and texts[0].startswith(bos) else {}
+    batch = dict(processor(text=texts, images=images, padding=True, return_tensors="pt", **special))
     ids = batch["input_ids"]
     mask = batch.get("attention_mask")
     labels = ids.clone()
