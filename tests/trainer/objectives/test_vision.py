@@ -95,7 +95,7 @@ def test_a_url_or_a_missing_image_stops_preparation_naming_the_row(tiny_llava, t
     rows[2]["messages"][0]["content"][0] = {"type": "image", "url": "http://example.com/a.png"}
     cfg, _ = load_config(vision_config(tmp_path, tiny_llava, rows))
     cls, tokenizer = objective(cfg)
-    with pytest.raises(DataError, match=r"chat.jsonl row 2 turn 0: image url http://example.com/a.png cannot be "
+    with pytest.raises(DataError, match=r"chat.jsonl row 3 turn 0: image url http://example.com/a.png cannot be "
                                         r"fetched \(training reads no network\)"):
         cls.prepare_data(cfg, tokenizer, log=lambda *_: None)
 

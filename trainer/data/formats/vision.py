@@ -375,7 +375,7 @@ def base_dir(ds) -> Path | None:
 
 def prepared_row(row: dict, index: int, ds, cfg, processor, tokenizer, m: Masking, size) -> dict:
     """One raw row -> {messages (JSON), length, targets, too_long}: checked and measured through the processor."""
-    where = f"dataset {ds.source} row {index}"
+    where = f"dataset {ds.source} row {index + 1}"  # counted from 1: a JSON Lines file's line number
     turns = conversation(row, ds.field_messages, where, base_dir(ds))
     batch = encode([turns], processor, tokenizer, m, size, cfg.image_resize_algorithm, [where])
     n = int(batch["input_ids"].shape[1])
