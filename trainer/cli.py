@@ -206,7 +206,8 @@ def cmd_evaluate(args) -> int:
     device = torch.device(runtime.device)
     collator = Collator(tokenizer.pad_token_id, runtime.attention)
     run = Run(cfg, device, timeout_s=cfg.ddp_timeout, say=log)  # one process
-    if cfg.objective != "sft" or cfg.use_eaft or cfg.diffusion is not None:  # the objective's loss and metrics
+    if cfg.objective != "sft" or cfg.use_eaft or cfg.diffusion is not None or cfg.processor_type:  # the objective's loss
+        # and metrics (vision-language: images through its processor)
         # (preference: against the cached reference log-probs; reward models, use_eaft and diffusion: their own losses)
         from trainer import objectives
         from trainer.model.load import load_model
@@ -394,7 +395,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("make-tiny-model", help="write a tiny local model + tokenizer (no downloads)")
     p.add_argument("dir")
-    p.add_argument("--family", choices=["llama", "qwen2", "mistral"], default="llama")
+    p.add_argument("--family", choices=["llama", "qwen2", "mistral", "llava", "gemma3_vision"], default="llama")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_make_tiny_model)
     return parser

@@ -628,6 +628,8 @@ class Training:
             self.unwrapped.save_pretrained(tmp, state_dict=full_state)
         if self.main:
             self.tokenizer.save_pretrained(tmp)
+            if getattr(self.objective, "processor", None) is not None:  # vision-language: the processor beside it
+                self.objective.processor.save_pretrained(tmp)
             self.write_generation_config(tmp)
             self.stop.pause_at("final-save", self.say)
             shutil.rmtree(final, ignore_errors=True)

@@ -30,6 +30,18 @@ def tiny_qwen2(tmp_path_factory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), family="qwen2", seed=0)
 
 
+@pytest.fixture(scope="session")
+def tiny_llava(tmp_path_factory) -> Path:
+    """A vision-language model (LLaVA: CLIP tower, projector, llama) with its processor, built locally."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-llava"), family="llava", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3_vision(tmp_path_factory) -> Path:
+    """A Gemma 3 vision-language model (SigLIP tower, Gemma 3 language tower) with its processor, built locally."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-gemma3-vision"), family="gemma3_vision", seed=0)
+
+
 @pytest.fixture
 def alpaca_file(tmp_path) -> Path:
     return write_jsonl(tmp_path / "alpaca.jsonl", alpaca_rows(48))

@@ -25,6 +25,26 @@ def alpaca_rows(n: int, seed: int = 0, long_every: int = 0) -> list[dict]:
     return rows
 
 
+COLOURS = {"red": (220, 20, 20), "green": (20, 200, 20), "blue": (20, 20, 220)}
+
+
+def image_chat_rows(directory: Path, n: int) -> list[dict]:
+    """n conversations in Axolotl's multimodal chat format, each about one solid-colour PNG written to `directory`
+    (sizes vary, so the processor resizes): the user asks, the assistant names the colour."""
+    from PIL import Image
+
+    directory.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for i in range(n):
+        name = list(COLOURS)[i % len(COLOURS)]
+        Image.new("RGB", (30 + 3 * i, 28 + i), COLOURS[name]).save(directory / f"img{i}.png")
+        rows.append({"messages": [
+            {"role": "user", "content": [{"type": "image", "path": f"img{i}.png"},
+                                         {"type": "text", "text": "What colour is this?"}]},
+            {"role": "assistant", "content": [{"type": "text", "text": f"It is {name}."}]}]})
+    return rows
+
+
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path

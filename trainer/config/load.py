@@ -25,7 +25,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from trainer.config import datasets, diffusion, ebft, grpo, hardware, migrate, model, parallel, qat, rl, sparsity, training
+from trainer.config import datasets, diffusion, ebft, grpo, hardware, migrate, model, parallel, qat, rl, sparsity, training, vision
 from trainer.config import keys, resume
 from trainer.config.datasets import DatasetConfig
 from trainer.config.parallel import deepspeed_path
@@ -250,6 +250,7 @@ def _named_choices(cfg: Config, notes: list[str], lenient: bool = False) -> list
     checks += [lambda: notes.extend(sparsity.check(cfg))]
     checks += [lambda: notes.extend(_objective_notes(cfg))]
     checks += [lambda: notes.extend(ebft.check(cfg))]  # rl: ebft (strided mode only)
+    checks += [lambda: notes.extend(vision.check(cfg))]  # processor_type (vision-language)
     checks += [lambda: notes.extend(parallel.check_sizes(cfg, parallel.fsdp_enabled(cfg)))]
     checks += [lambda: notes.extend(training.ordering_notes(cfg) + training.eval_table_notes(cfg)
                                     + training.schedule_notes(cfg))]

@@ -49,6 +49,7 @@ bf16 fp16 fp32_master_weights plugins
 rl rl_beta dpo_beta dpo_label_smoothing dpo_loss_type orpo_alpha kto_desirable_weight kto_undesirable_weight simpo_gamma
 cpo_alpha remove_unused_columns reward_model process_reward_model center_rewards_coefficient num_labels
 use_eaft eaft_alpha eaft_k diffusion trl ebft qat fp8 llmcompressor
+processor_type processor_kwargs freeze_mm_modules image_size image_resize_algorithm role_boundaries
 """
 
 _MAY_CHANGE = """

@@ -22,11 +22,12 @@ from trainer.config.rl import RlKeys
 from trainer.config.sparsity import SparsityKeys
 from trainer.config.speed import SpeedKeys
 from trainer.config.training import TrainingKeys
+from trainer.config.vision import VisionKeys
 
 
 # (pydantic lists the fields of the last base first: a dump reads model, data, training, ... as written below)
-class Config(SpeedKeys, SparsityKeys, QatKeys, EbftKeys, TrlKeys, DiffusionKeys, LoggingKeys, RlKeys, ParallelKeys,
-             HardwareKeys, TrainingKeys, DataKeys, ModelKeys):
+class Config(VisionKeys, SpeedKeys, SparsityKeys, QatKeys, EbftKeys, TrlKeys, DiffusionKeys, LoggingKeys, RlKeys,
+             ParallelKeys, HardwareKeys, TrainingKeys, DataKeys, ModelKeys):
     model_config = ConfigDict(extra="forbid")
 
     # set by load_config: user modules (ebft and trl.reward_funcs transforms, `module.function` dataset types)

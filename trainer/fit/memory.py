@@ -114,6 +114,7 @@ class Setup:
     selective: tuple = ()  # selective_checkpointing.save: the ops a checkpointed layer keeps ("attention", "aten::mm")
     tiled_shards: int = 0  # tiled_mlp: the MLP over this many slices of a row (0: off; -1: Axolotl's 1 per 32768)
     compiled: bool = False  # torch_compile where it runs (no term of its own: its memory is not counted)
+    freeze_mm: bool = False  # freeze_mm_modules: the vision tower and projector are not trained (shape.vision_params)
 
     @property
     def e(self) -> int:
@@ -250,7 +251,9 @@ def setup_from(cfg, runtime, world: int) -> Setup:
         # SFT's loss runs in chunks wherever the head is whole in one process and the model does not change its
         # logits after it (trainer/objectives/chunked_loss.py decides the same at the first step, and says so)
         chunked_loss=(cfg.objective == "sft" and not cfg.use_eaft and tp == 1 and cp == 1 and zero != 3
-                      and not fsdp and not cfg.ddp_find_unused_parameters),
+                      and not fsdp and not cfg.ddp_find_unused_parameters
+                      and not cfg.processor_type),  # vision-language SFT: full logits (trainer/objectives/vision.py)
+        freeze_mm=cfg.freeze_mm_modules,
         liger_norm=kernels_on and bool(cfg.liger_rms_norm or cfg.liger_layer_norm),
         liger_glu=kernels_on and bool(cfg.liger_glu_activation or cfg.liger_swiglu),
         objective=cfg.objective, world=world, shard=shard, zero=zero, fsdp=fsdp, offload_optimizer=offload_opt,
@@ -367,6 +370,8 @@ def _trained_params(shape, s: Setup, base: float, notes: list[str]) -> tuple[flo
             else:
                 notes.append("unfrozen_parameters: the analytic count has no parameter names; counted as a full "
                              "fine-tune")
+        if s.freeze_mm:  # freeze_mm_modules: the vision tower and projector keep no gradients or optimizer states
+            trained -= min(trained, getattr(shape, "vision_params", 0))
     elif layout(shape, s) is not None:  # counted by peft itself on the meta-device model
         adapters = layout(shape, s).params
         base += adapters * 4  # adapters (and modules_to_save copies) train in fp32 (trainer/model/load.py)

@@ -91,6 +91,7 @@ class ModelShape:
     trust_remote_code: bool = False
     attn_softcap: bool = False  # attention logits soft-capped (Gemma 2): eager keeps tanh's output too
     final_softcap: bool = False  # output logits soft-capped inside the model (Gemma 2)
+    vision_params: int = 0  # vision/audio towers and projectors (matrices/vision.toml [freeze]), in params
 
     @property
     def linear_params(self) -> int:
@@ -334,13 +335,35 @@ def _meta_shape(config: dict, source: str, directory: Path, trust_remote_code: b
             if cfg is None:
                 raise ModelConfigError("config.json has no model_type")
             with torch.device("meta"):
-                model = AutoModelForCausalLM.from_config(cfg, trust_remote_code=trust_remote_code)
+                model = _build_on_meta(cfg, trust_remote_code)
     except ModelConfigError:
         raise
     except (ValueError, KeyError, TypeError, AttributeError, OSError, RuntimeError) as err:
         raise ModelConfigError(f"transformers cannot build {config.get('model_type')} from its config: "
                                f"{str(err).splitlines()[0][:200]}") from None
     return shape_of(model, source)
+
+
+def _build_on_meta(cfg, trust_remote_code: bool):
+    """The causal LM, else (a vision-language config: LLaVA, Qwen2-VL, ...) the image-text-to-text model, whose
+    vision tower and projector are counted with the language tower."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM.from_config(cfg, trust_remote_code=trust_remote_code)
+    except ValueError:
+        from transformers import AutoModelForImageTextToText
+        from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+        if cfg.model_type not in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+            raise
+        return AutoModelForImageTextToText.from_config(cfg, trust_remote_code=trust_remote_code)
+
+
+def vision_params(names: dict[str, int]) -> int:
+    """Parameters of the vision/audio towers and projectors (the components freeze_mm_modules freezes)."""
+    parts = set(facts.table("vision")["freeze"]["components"])
+    return sum(n for name, n in names.items() if parts & set(name.split(".")))
 
 
 def shape_of(model, source: str = "model") -> ModelShape:
@@ -368,6 +391,7 @@ def shape_of(model, source: str = "model") -> ModelShape:
     names: dict[str, int] = {}
     counted: set[int] = set()
     expert = other = vectors = 0
+    towers = set(facts.table("vision")["freeze"]["components"])
     for full, module in model.named_modules():
         for pname, param in module.named_parameters(recurse=False):
             if id(param) in counted:
@@ -376,9 +400,9 @@ def shape_of(model, source: str = "model") -> ModelShape:
             names[f"{full}.{pname}" if full else pname] = param.numel()
             if isinstance(module, torch.nn.Linear) or isinstance(module, torch.nn.Embedding):
                 continue
-            if param.ndim >= 3:
+            if param.ndim >= 3 and not towers & set(full.split(".")):  # (a vision tower's convolutions: not experts)
                 expert += param.numel()
-            elif param.ndim == 2:
+            elif param.ndim >= 2:
                 other += param.numel()
             else:
                 vectors += param.numel()
@@ -405,6 +429,11 @@ def shape_of(model, source: str = "model") -> ModelShape:
                        max_positions=getattr(tc, "max_position_embeddings", None),
                        attn_softcap=bool(getattr(tc, "attn_logit_softcapping", None)),
                        final_softcap=bool(getattr(tc, "final_logit_softcapping", None)))
+    tower = vision_params(names)
+    if tower:
+        shape.vision_params = tower
+        shape.notes.append(f"vision tower and projector: {tower / 1e6:,.1f}M parameters, counted in the weights; the "
+                           "activations of image tokens are not counted (unverified: they depend on image sizes)")
     if expert:
         shape.notes.append(f"{expert / 1e9:.2f}B parameters are 3-D expert tensors (MoE), outside nn.Linear: "
                            "bitsandbytes leaves them in the compute dtype and LoRA reaches them only through "

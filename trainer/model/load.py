@@ -98,6 +98,10 @@ def load_model(cfg: Config, runtime: Runtime, tokenizer, source: str | None = No
         model = add_lora(cfg, model)
     elif cfg.unfrozen_parameters:
         freeze_except(model, cfg.unfrozen_parameters)
+    if cfg.freeze_mm_modules:  # the vision/audio towers and projectors (trainer/model/vision.py), as Axolotl
+        from trainer.model.vision import freeze
+
+        freeze(model)
     disable_dropout(cfg, model)  # reward models: as TRL's disable_dropout (default true)
     return model
 

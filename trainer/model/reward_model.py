@@ -18,7 +18,7 @@ def auto_class(cfg: Config):
     import transformers
 
     name = {"reward": "AutoModelForSequenceClassification", "prm": "AutoModelForTokenClassification"}.get(
-        cfg.objective, "AutoModelForCausalLM")
+        cfg.objective, "AutoModelForImageTextToText" if cfg.processor_type else "AutoModelForCausalLM")
     return getattr(transformers, name)
 
 

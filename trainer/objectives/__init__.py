@@ -18,6 +18,7 @@ from trainer.objectives.base import Objective
 OBJECTIVES: dict[str, str] = {
     "diffusion": "diffusion:Diffusion",  # sft with Axolotl's DiffusionPlugin (trainer/config/diffusion.py)
     "sft": "sft:SFT",  # plain or entropy-weighted (use_eaft) token losses
+    "vision": "vision:VisionSFT",  # sft with processor_type: conversations with images (trainer/config/vision.py)
     "reward": "reward:Reward",  # reward_model / process_reward_model (not rl methods, as in Axolotl)
     "prm": "prm:PRM",
     "grpo": "grpo:GRPO",  # online RL on generated completions
@@ -36,6 +37,8 @@ def objective_class(cfg: Config) -> type[Objective]:
     import importlib
 
     kind = "diffusion" if cfg.objective == "sft" and diffusion_enabled(cfg) else cfg.objective
+    if kind == "sft" and cfg.processor_type:
+        kind = "vision"
     module, name = OBJECTIVES[kind].split(":")
     return getattr(importlib.import_module(f"trainer.objectives.{module}"), name)
 

@@ -179,8 +179,11 @@ def model_dir_for(cfg, model: str | None) -> Path:
 def load(cfg, model_dir: Path):
     """(model, tokenizer) on CPU in fp32: a full model directory, or an adapter on the config's base model."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    import transformers
 
+    # a vision-language model (processor_type) answers a text-only turn through its image-text-to-text class
+    AutoModelForCausalLM = getattr(transformers, "AutoModelForImageTextToText" if cfg.processor_type  # noqa: N806
+                                   else "AutoModelForCausalLM")
     tokenizer = _tokenizer(cfg, model_dir)
     if (model_dir / "adapter_config.json").is_file():
         from peft import PeftModel

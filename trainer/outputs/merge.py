@@ -254,6 +254,37 @@ def base_shards(base: Path) -> tuple[list[str], dict[str, str]]:
     return shards, weight_map
 
 
+def checkpoint_renames(base: Path, weight_map: dict, trust_remote_code: bool) -> list[tuple[str, str]]:
+    """(name in the checkpoint, name in the loaded model) for every tensor that transformers renames while loading
+    (its checkpoint conversion mapping: a model built on the meta device says which); [] where it cannot tell."""
+    import torch
+
+    try:
+        import transformers
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, rename_source_key
+
+        config = transformers.AutoConfig.from_pretrained(base, trust_remote_code=trust_remote_code)
+        with torch.device("meta"):
+            for auto in (transformers.AutoModelForImageTextToText, transformers.AutoModelForCausalLM):
+                try:
+                    model = auto.from_config(config, trust_remote_code=trust_remote_code)
+                    break
+                except ValueError:
+                    model = None
+        if model is None:
+            return []
+        transforms = get_model_conversion_mapping(model)
+        renamings = [t for t in transforms if not isinstance(t, WeightConverter)]
+        converters = [t for t in transforms if isinstance(t, WeightConverter)]
+        meta = model.state_dict()
+        pairs = [(name, *rename_source_key(name, renamings, converters, model.base_model_prefix, meta))
+                 for name in weight_map]
+    except (ImportError, OSError, ValueError, TypeError):  # an older transformers, an unreadable config
+        return []
+    return [(saved, loaded) for saved, loaded, converted in pairs if converted is None and loaded != saved]
+
+
 SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 FLOATS = {"F64", "F32", "F16", "BF16"}
 
@@ -334,6 +365,12 @@ def merge_lora(config: str | Path, output: str | Path | None = None, dtype: str 
                           "unquantized weights")
     shards, weight_map = base_shards(base)
     missing = [name for name in [*adapter.deltas, *adapter.biases, *adapter.whole] if name not in weight_map]
+    if missing:  # a base saved in an older layout than the model's names (LLaVA's language_model.model.*)
+        as_saved = {loaded: saved for saved, loaded in checkpoint_renames(base, weight_map, cfg.trust_remote_code)}
+        for part in (adapter.deltas, adapter.biases, adapter.whole):
+            for name in [n for n in part if n not in weight_map and n in as_saved]:
+                part[as_saved[name]] = part.pop(name)
+        missing = [name for name in [*adapter.deltas, *adapter.biases, *adapter.whole] if name not in weight_map]
     if missing:
         raise ConfigError(f"merge-lora: the adapter changes {missing[0]}"
                           f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}, which the base checkpoint "

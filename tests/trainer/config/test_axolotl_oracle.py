@@ -52,7 +52,7 @@ DIFFERENCES: list[tuple[str, str, str]] = [
      "modes, lora_target_parameters) or any int (fsdp_version) where only some work; envtool lists the ones it takes"),
     (r"only with |needs |conflicts with|set both|not both|go together|must be at most|must be a whole number"
      r"|applies to SFT|is not an rl method|is not an? \w+ dataset type|must be a plain directory name"
-     r"|is not a transformers config class|set it to true or remove it|shrinks the embedding", "inconsistent keys",
+     r"|is not a transformers (config|processor) class|set it to true or remove it|shrinks the embedding", "inconsistent keys",
      "a key whose companion key is missing or contradicts it, or a value that names nothing: Axolotl ignores one "
      "of them without a word, envtool says which (no silent difference in what is trained)"),
 ]
