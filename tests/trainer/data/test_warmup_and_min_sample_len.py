@@ -65,10 +65,10 @@ def test_refusals_name_the_key(keys, message):
     assert message in str(err.value)
 
 
-def test_tiled_mlp_is_a_memory_note_and_sync_each_batch_is_accepted():
+def test_tiled_mlp_is_read_and_sync_each_batch_is_accepted():
     cfg, notes = parse_config({**BASE, "tiled_mlp": True,
                                "accelerator_config": {"gradient_accumulation_kwargs": {"sync_each_batch": True}}})
-    assert any(n.startswith("ignored: tiled_mlp (ALST's tiled MLP") for n in notes)
+    assert cfg.tiled_mlp is True and not any("tiled_mlp" in n and n.startswith("ignored") for n in notes)  # honoured
     from trainer.config.parallel import sync_each_batch
 
     assert sync_each_batch(cfg) is True
