@@ -135,6 +135,11 @@ class DatasetConfig(BaseModel):
     field_chosen: str = "chosen"
     field_rejected: str = "rejected"
     drop_system_message: bool = False
+    # a message's own boolean (this key of it) says whether its turn is trained, over roles_to_train (Axolotl's)
+    message_field_training: str | None = None
+    # assistant turns: the reasoning in <think>...</think> (or <reasoning>, <|begin_of_thought|>) of the content is
+    # moved to template_thinking_key, the rest (or its <|begin_of_solution|> block) stays the content (Axolotl's)
+    split_thinking: bool = False
     train_on_eos: Literal["turn", "last", "all", "none"] | None = None  # None: the whole turn tail, as rendered
     chat_template: str | None = None  # per-dataset override of the top-level chat_template
     chat_template_jinja: str | None = None

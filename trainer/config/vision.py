@@ -66,6 +66,10 @@ def check(cfg) -> list[str]:
                             "cross-entropy)")
     for name, entries in (("datasets", cfg.datasets), ("test_datasets", cfg.test_datasets or [])):
         for i, ds in enumerate(entries):
+            for key in ("message_field_training", "split_thinking"):
+                if getattr(ds, key):
+                    problems.append(f"{name}.{i}.{key} with processor_type is not supported (the vision-language rows "
+                                    "train the turns of roles_to_train)")
             if ds.type != "chat_template":
                 problems.append(f"{name}.{i}.type: {ds.type} with processor_type is not supported; vision-language "
                                 "data is type: chat_template (turns whose content lists text and image parts)")

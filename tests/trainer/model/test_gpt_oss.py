@@ -151,12 +151,15 @@ def test_thinking_is_rendered_from_field_thinking_and_trained_with_the_assistant
 
     text, trained = trained_text(field_thinking="thinking", template_thinking_key="thinking")
     assert "<|channel|>analysis<|message|>the user asks to repeat 0 the fox<|end|>" in text
-    assert trained == ("<|channel|>analysis<|message|>the user asks to repeat 0 the fox<|end|><|start|>assistant"
+    # the turn trains from its first text (the reasoning) to its end, as Axolotl's chat_template strategy locates
+    # a turn (exactly so for Qwen3: tests/trainer/data/test_turn_flags.py); Axolotl's token search here also trains
+    # the two tokens 'analysis<|message|>' before the reasoning and leaves out the final <|return|>
+    assert trained == ("the user asks to repeat 0 the fox<|end|><|start|>assistant"
                        "<|channel|>final<|message|>the quick brown fox <|return|>")  # thinking, answer, end
     assert "Repeat 0" not in trained and "French" not in trained
     # Axolotl's defaults map `reasoning_content`, which this data lacks: no analysis channel at all
     text, trained = trained_text()
-    assert "<|channel|>analysis" not in text and trained == "<|channel|>final<|message|>the quick brown fox <|return|>"
+    assert "<|channel|>analysis" not in text and trained == "the quick brown fox <|return|>"
 
 
 def test_qwen3s_template_renders_reasoning_content_by_axolotls_defaults(tiny_gpt_oss):

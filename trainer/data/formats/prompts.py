@@ -81,8 +81,32 @@ def _messages(row: dict, ds: DatasetConfig) -> list[dict]:
         if not ds.message_property_mappings:
             extra[ds.template_thinking_key] = ds.field_thinking
         message.update({key: m[field] for key, field in extra.items() if m.get(field) is not None})
+        if ds.split_thinking and message["role"] == "assistant" and isinstance(message["content"], str):
+            message.update(split_thinking(message["content"], ds.template_thinking_key))
+        if ds.message_field_training and m.get(ds.message_field_training) is not None:
+            message[TRAIN_FLAG] = m[ds.message_field_training]
         messages.append(message)
     return messages
+
+
+TRAIN_FLAG = "\0train"  # a message's own training flag (message_field_training), taken out before rendering
+THINKING_PAIRS = (("<think>", "</think>"), ("<reasoning>", "</reasoning>"), ("<|begin_of_thought|>", "<|end_of_thought|>"))
+SOLUTION_PAIR = ("<|begin_of_solution|>", "<|end_of_solution|>")
+
+
+def split_thinking(content: str, key: str) -> dict:
+    """split_thinking as Axolotl's ChatTemplateStrategy.transform_message does it: the first pair of thinking tags
+    found gives the reasoning (stripped) under `key`; the content is what follows the closing tag (its leading
+    whitespace dropped), or the solution block inside it (stripped). No pair: the content as it is."""
+    for begin, end in THINKING_PAIRS:
+        if begin in content and end in content:
+            start, stop = content.find(begin), content.find(end)
+            rest = content[stop + len(end):].lstrip()
+            b, e = SOLUTION_PAIR
+            if b in rest and e in rest:
+                rest = rest[rest.find(b) + len(b):rest.find(e)].strip()
+            return {key: content[start + len(begin):stop].strip(), "content": rest}
+    return {}
 
 
 def render_chat(row: dict, ds: DatasetConfig, tokenizer, eot_tokens: list[str] | None = None) -> tuple[str, Spans, bool]:
@@ -97,6 +121,7 @@ def render_chat(row: dict, ds: DatasetConfig, tokenizer, eot_tokens: list[str] |
     messages = _messages(row, ds)
     if ds.drop_system_message:
         messages = [m for m in messages if m["role"] != "system"]
+    flags = [m.pop(TRAIN_FLAG, None) for m in messages]
 
     def render(msgs, header=False):
         if not msgs:
@@ -111,7 +136,7 @@ def render_chat(row: dict, ds: DatasetConfig, tokenizer, eot_tokens: list[str] |
     spans = []
     last = len(messages) - 1
     for i, message in enumerate(messages):
-        trained = message["role"] in ds.roles_to_train
+        trained = message["role"] in ds.roles_to_train if flags[i] is None else bool(flags[i])
         if not trained and policy != "all":
             continue
         prefix = render(messages[:i])
@@ -123,8 +148,10 @@ def render_chat(row: dict, ds: DatasetConfig, tokenizer, eot_tokens: list[str] |
             raise DataError(f"dataset {ds.path}: the chat template does not render conversations turn by turn, "
                             "so trained turns cannot be located")
         begin = len(start) if trained else len(prefix)
-        if trained and (message["role"] != "assistant" or start == prefix):
-            # the generation header is the assistant's; other turns start where their content does
+        if trained:
+            # a turn trains from its first text (its reasoning where the template renders one, else its content), not
+            # from the header or an empty reasoning block before it (Qwen3's '<think>\n\n</think>'): where Axolotl's
+            # chat_template strategy starts it (tests/trainer/data/test_turn_flags.py compares the two)
             content = message["content"].strip() if isinstance(message["content"], str) else ""
             found_at = text.find(content, len(prefix), end) if content else -1
             thinking = message.get(ds.template_thinking_key)  # rendered before the content, trained with it
