@@ -18,7 +18,7 @@ from typing import Callable
 
 from .errors import BadInput
 from .files import write_atomic
-from .launch import SECRET_KEYS, Distribution, Launch, Training, default_nproc, prepare
+from .launch import SECRET_KEYS, Distribution, Launch, Training, check_claim, default_nproc, prepare
 from .plan import Plan
 
 HF_HOME = "/home/trainer/.cache/huggingface"  # the image's HF_HOME (dockerfiles/Dockerfile.j2)
@@ -56,13 +56,6 @@ def render(kind: str, plan: Plan, launch: Launch, config: Path, dist: Distributi
     for line in volume_warnings(config, cfg, claim, dist):
         warn(f"envtool: warning: {line}")
     return pytorchjob(plan, launch, config, dist, work_claim=claim, secret=secret)
-
-
-def check_claim(name: str, option: str = "--pvc", kind: str = "PersistentVolumeClaim") -> str:
-    """A Kubernetes object name (DNS-1123 subdomain)."""
-    if not re.fullmatch(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?", name):
-        raise BadInput(f"{option} {name!r}: a {kind} name is lower-case letters, digits, '-' and '.'")
-    return name
 
 
 def comment(text: str) -> str:

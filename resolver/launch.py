@@ -83,6 +83,7 @@ class Fitted(NamedTuple):
     plan: Plan
     notes: list[str]  # envtool's: the libraries the config needs, the launcher (printed as `config: ...`)
     trainer: dict  # attention, precision, tf32, packing (+ isolation: how, why) as the trainer will run them, and its notes
+    runtime: Any = None  # the trainer's judgement of the config against the plan (trainer.setup.for_plan), made once
 
 
 def plan_for_config(cfg, load_notes: list[str], config: Path, opts: PlanOptions) -> Fitted:
@@ -100,7 +101,7 @@ def plan_for_config(cfg, load_notes: list[str], config: Path, opts: PlanOptions)
                      "local Ray cluster (no torchrun)")
     trainer = {"attention": runtime.attention, "precision": runtime.precision, "tf32": runtime.tf32,
                "packing": runtime.packing, "isolation": runtime.isolation, "notes": [*runtime.changes, *load_notes]}
-    return Fitted(plan, notes, trainer)
+    return Fitted(plan, notes, trainer, runtime)
 
 
 def _fit(cfg, plan: Plan):
@@ -630,10 +631,42 @@ class Training(NamedTuple):
                 "fit": self.fit.result if self.fit is not None else None}
 
 
+def check_claim(name: str, option: str = "--pvc", kind: str = "PersistentVolumeClaim") -> str:
+    """A Kubernetes object name (DNS-1123 subdomain)."""
+    if not re.fullmatch(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?", name):
+        raise BadInput(f"{option} {name!r}: a {kind} name is lower-case letters, digits, '-' and '.'")
+    return name
+
+
+def check_places(*, venv: Path | None, image: bool, emit: str | None, output: Path | None, pvc: str | None,
+                 secret: str | None) -> None:
+    """`envtool train`'s options that name where it trains or what it writes, checked together: one line for a pair
+    that does not go together, before the config is read."""
+    if venv is not None and image:
+        raise BadInput("--venv and --image are two places to train: give one")
+    if emit not in (None, "slurm", "k8s"):
+        raise BadInput(f"--emit {emit!r}: choose slurm or k8s")
+    if output is not None and emit is None:
+        raise BadInput("-o/--output goes with --emit")
+    if pvc is not None and emit != "k8s":
+        raise BadInput("--pvc goes with --emit k8s (a Slurm job uses the filesystem its nodes share)")
+    if secret is not None:
+        if emit != "k8s":
+            raise BadInput("--secret goes with --emit k8s (an sbatch script takes tokens from the environment it is "
+                           "submitted from)")
+        check_claim(secret, "--secret", "Secret")
+    if pvc is not None:
+        check_claim(pvc)
+
+
 def plan_training(config: Path, opts: PlanOptions, dist: Distribution, *, venv: Path | None = None,
-                  image: bool = False, isolated: bool = False, emit: str | None = None) -> Training:
+                  image: bool = False, isolated: bool = False, emit: str | None = None,
+                  fit_check: bool = False) -> Training:
     """Read the config, plan for it, check it against the plan and decide where and how it runs: everything that
-    can refuse, in seconds, before anything is built, pulled or started (also what --dry-run shows)."""
+    can refuse, in seconds, before anything is built, pulled or started (also what --dry-run shows). The config is
+    judged against the plan once (`plan_for_config`, the trainer's `for_plan`): the dry run's report, the memory
+    estimate and the launch all read that one judgement. `fit_check`: stop (exit 2) where the estimate says the
+    run does not fit the plan's GPU (resolver/fit.py `check`)."""
     if emit is None:
         dist.check()
     cfg, load_notes = read_config(config)
@@ -674,9 +707,35 @@ def plan_training(config: Path, opts: PlanOptions, dist: Distribution, *, venv: 
     if fitted.plan.on_gpu:  # the memory estimate on the plan's GPU (resolver/fit.py; `envtool train` stops on it)
         from .fit import on_plan
 
-        fit = _trainer_call(config, on_plan, cfg, _trainer_call(config, _fit, cfg, fitted.plan), config, fitted.plan,
+        fit = _trainer_call(config, on_plan, cfg, fitted.runtime, config, fitted.plan,
                             launcher_nproc(fitted.plan, cfg, config, dist) * dist.nnodes)  # the trainer's refusals
-    return Training(config, cfg, fitted.plan, fitted.notes, fitted.trainer, launch, fit)
+    training = Training(config, cfg, fitted.plan, fitted.notes, fitted.trainer, launch, fit)
+    if fit_check:
+        from .fit import check
+
+        check(training)  # does_not_fit: exit 2 before anything is built or started
+    return training
+
+
+def train_in(training: Training, sources, *, hf_cache: Path | None = None, quiet: bool = False,
+             say: Callable[[str], None] = lambda s: None) -> tuple[int, list[dict]]:
+    """Build what the launch needs and run the trainer: (its exit code, the next commands for a finished run). The
+    next commands are said too, unless `quiet` (--json: the caller prints them in its result)."""
+    import shlex
+
+    launch = training.launch
+    for note in training.notes:
+        say(f"config: {note}")
+    say(f"envtool: training in {launch.kind} environment {launch.path or ''} ({launch.why})")
+    prepare(launch, training.plan, sources, quiet=quiet, say=say)
+    say(f"envtool: {shlex.join(launch.command)}")
+    code = run(launch, training.plan, hf_cache=hf_cache, stdout_to_stderr=quiet)
+    steps = next_commands(training) if code == 0 else []
+    if steps and not quiet:
+        say("envtool: next, for this run (docs/guides/after-training.md):")
+        for step in steps:
+            say(f"  {shlex.join(step['command'])}    # {step['what']}")
+    return code, steps
 
 
 def prepare(launch: Launch, plan: Plan, sources, *, quiet: bool = False,
