@@ -677,13 +677,15 @@ def run(
 
       envtool run --image myorg/trainer:a100 --gpus all -e HF_TOKEN -- python -m trainer train config.yml
     """
+    from .docker import RunOptions
     from .docker import run as do_run
     from .errors import BadInput
 
     if not image:
         raise BadInput("--image is required")
-    code = do_run(image, command or [], gpus=gpus, shm_size=shm_size, hf_cache=hf_cache, env_names=env or [],
-                  volumes=volume or [], workdir=workdir, user=user)
+    code = do_run(image, command or [], RunOptions(gpus=gpus, shm_size=shm_size, hf_cache=hf_cache,
+                                                   env_names=tuple(env or ()), volumes=tuple(volume or ()),
+                                                   workdir=workdir, user=user))
     raise typer.Exit(code)
 
 

@@ -779,22 +779,27 @@ def run(launch: Launch, plan: Plan, *, hf_cache: Path | None = None, shm_size: s
     if launch.kind == "image":
         import tempfile
 
+        from dataclasses import replace
+
+        from .docker import RunOptions
         from .docker import run as docker_run
 
-        gpus = "all" if plan.on_gpu else None  # the image's plan says which devices (NVIDIA, AMD, Intel)
         for host, _, read_only in launch.mounts:
             if not read_only:
                 Path(host).mkdir(parents=True, exist_ok=True)  # the user's own, before docker would make it root's
-        secrets = [name for name in SECRET_KEYS if os.environ.get(name)]  # by name: docker reads the values
-        options = dict(gpus=gpus, shm_size=shm_size, hf_cache=hf_cache, env_names=secrets, volumes=[], workdir=WORKDIR,
-                       network_mode="host" if "--rdzv-backend=c10d" in launch.command else None)
+        options = RunOptions(
+            gpus="all" if plan.on_gpu else None,  # the image's plan says which devices (NVIDIA, AMD, Intel)
+            shm_size=shm_size, hf_cache=hf_cache, workdir=WORKDIR, mounts=launch.mounts,
+            env_names=tuple(name for name in SECRET_KEYS if os.environ.get(name)),  # by name: docker reads the values
+            network_mode="host" if "--rdzv-backend=c10d" in launch.command else None)
         if "torch.distributed.run" not in launch.command:
-            return docker_run(launch.path, launch.command, mounts=launch.mounts, **options)
+            return docker_run(launch.path, launch.command, options)
         # several processes in the container: their error lines come back through a mounted folder (HeldReport)
         with tempfile.TemporaryDirectory(prefix="envtool-run-") as folder:
             report = HeldReport(folder, sys.stdout)
-            code = docker_run(launch.path, launch.command, mounts=(*launch.mounts, (folder, ERRORS_AT, False)),
-                              environment={ERROR_DIR_ENV: ERRORS_AT}, output=report.line, **options)
+            code = docker_run(launch.path, launch.command, replace(
+                options, mounts=(*launch.mounts, (folder, ERRORS_AT, False)), environment={ERROR_DIR_ENV: ERRORS_AT}),
+                output=report.line)
             return report.result(code)
 
     env = {k: v for k, v in {**os.environ, **launch.env}.items() if k != ERROR_DIR_ENV}  # one process prints its own
