@@ -629,6 +629,7 @@ def train(
 
       envtool train config.yml --gpu a100 --nnodes 4 --emit slurm -o train.sbatch
     """
+    from .emit import Request
     from .emit import emit as write_launcher
     from .launch import Distribution, check_places, plan_training, train_in
 
@@ -638,8 +639,8 @@ def train(
                              fit_check=not (dry_run or no_fit_check))  # does_not_fit: exit 2 before anything starts
     log = (lambda s: None) if json_out else say
     if emit:
-        text = write_launcher(training, emit, dist, sources, output=output, dry_run=dry_run, pvc=pvc,
-                              secret=secret, quiet=json_out, say=log)
+        text = write_launcher(training, Request(emit, output, pvc, secret), dist, sources, dry_run=dry_run,
+                              quiet=json_out, say=log)
         sys.stdout.write(text or "")
     elif dry_run and json_out:
         print(json.dumps(training.summary(), indent=2))
