@@ -425,6 +425,7 @@ def doctor(
     from .doctor import diagnose, fix_command, probe, report
     from .errors import BadInput
     from .hardware import targets
+    from .launch import Distribution
     from .matrix import load
 
     if not multi_gpu and (nproc is not None or nnodes != 1 or node_rank != 0 or rdzv_endpoint or config
@@ -435,11 +436,11 @@ def doctor(
     if len(found) != 1:
         raise BadInput("doctor checks against one GPU: give --gpu a single target")
     target = found[0]
+    dist = Distribution(nproc, nnodes, node_rank, rdzv_endpoint)
     if multi_gpu:
         from .preflight import multi_gpu_processes
 
-        multi_gpu_processes(target.gpu, nproc=nproc, timeout=timeout, config=config, nnodes=nnodes,
-                            node_rank=node_rank, rdzv_endpoint=rdzv_endpoint)
+        multi_gpu_processes(target.gpu, dist, timeout=timeout, config=config)
     info = probe(venv)
     findings = diagnose(info, target.gpu, target.driver, m, str(venv or info.get("prefix", ".venv")),
                         fix=fix_command(venv, target.label, driver))
@@ -448,9 +449,7 @@ def doctor(
         from .preflight import multi_gpu as run_preflight
 
         python = sys.executable if venv is None else str(Path(venv) / "bin" / "python")
-        more, preflight = run_preflight(python, target.gpu, target.driver, nproc=nproc, timeout=timeout,
-                                        config=config, nnodes=nnodes, node_rank=node_rank,
-                                        rdzv_endpoint=rdzv_endpoint)
+        more, preflight = run_preflight(python, target.gpu, target.driver, dist, timeout=timeout, config=config)
         findings += more
     result = {**report(findings), "gpu": target.gpu.describe(), "driver": target.driver, "venv": info["prefix"],
               "packages": info.get("packages", {}), "recommended": recommended(target, info["python"], m)}
@@ -539,11 +538,11 @@ def build(
 
       envtool build --gpu a100 --tag myorg/trainer:a100 --push
     """
+    from .pipeline import ImageOptions, image_plans
     from .pipeline import build as do_build
-    from .pipeline import image_plans
 
-    built = do_build(image_plans(opts, base_image), sources, tag=tag, push=push, base_image=base_image, wheelhouse=wheelhouse,
-                     network=network, quiet=json_out, say=(lambda s: None) if json_out else print)
+    built = do_build(image_plans(opts, base_image), sources, ImageOptions(tag, push, base_image, wheelhouse, network),
+                     quiet=json_out, say=(lambda s: None) if json_out else print)
     if json_out:
         print(json.dumps(built, indent=2))
 

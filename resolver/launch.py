@@ -31,7 +31,7 @@ from typing import Any, Callable, NamedTuple
 
 from .errors import BadInput, EnvtoolError, Unsatisfiable
 from .files import write_atomic
-from .pipeline import PlanOptions, build, command_line_pins, lock, one_plan
+from .pipeline import ImageOptions, PlanOptions, build, command_line_pins, lock, one_plan
 from .plan import PLAN_FILE, Plan
 
 # the credentials a run reads from its environment (the Hub, wandb): passed by name into a container, taken from a
@@ -397,22 +397,22 @@ def active_env_runs(plan: Plan, opts: PlanOptions, required: tuple[str, ...] = (
     return True, f"the active environment ({sys.prefix}, torch {torch_version}) runs this plan's choices"
 
 
-def launch_command(python: str, config: str, *, nproc: int, nnodes: int = 1, node_rank: int = 0,
-                   rdzv_endpoint: str | None = None, rdzv_id: str = "envtool",
+def launch_command(python: str, config: str, dist: Distribution, *, rdzv_id: str = "envtool",
                    trainer_args: list[str] | None = None, loopback: bool = False) -> list[str]:
     """One process for one device; torchrun (as `python -m torch.distributed.run`, the environment's own)
-    for several, with a c10d rendezvous across machines. `trainer_args`: another `python -m trainer` command
+    for several (`dist.nproc` per machine, given), with a c10d rendezvous across machines. `trainer_args`: another `python -m trainer` command
     than `train CONFIG` (doctor --multi-gpu's `preflight ...`). `loopback` (one machine, in a container): the
     ranks meet at 127.0.0.1, not at the name torchrun finds for the host (socket.getfqdn()), which a container
     without a network (or DNS) cannot resolve (pytorch/pytorch#150532; --local-addr is pytorch#88922's)."""
     train = ["-m", "trainer", *(trainer_args or ["train", config])]
+    nproc, nnodes = dist.nproc, dist.nnodes
     if nproc == 1 and nnodes == 1:
         return [python, *train]
     cmd = [python, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--nnodes={nnodes}"]
     if nnodes == 1:
         cmd += ["--standalone", *(["--local-addr=127.0.0.1"] if loopback else [])]
     else:
-        cmd += [f"--node-rank={node_rank}", "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}",
+        cmd += [f"--node-rank={dist.node_rank}", "--rdzv-backend=c10d", f"--rdzv-endpoint={dist.rdzv_endpoint}",
                 f"--rdzv-id={rdzv_id}"]
     return [*cmd, *train]
 
@@ -470,17 +470,25 @@ def launcher_nproc(plan: Plan, cfg, config: Path, dist: Distribution) -> int:
     return 1
 
 
-def plan_launch(plan: Plan, cfg, config: Path, opts: PlanOptions, dist: Distribution, *, venv: Path | None,
-                image: bool, isolated: bool, mounted: bool = True) -> Launch:
-    """Decide where the trainer runs and the command that starts it (nothing is built or run here).
-    `mounted`: the image gets the working directory at /work, so the config must be under it."""
+class Where(NamedTuple):
+    """Where `envtool train` was asked to run the trainer: in `venv` (--venv), in the plan's `image` (--image;
+    `mounted`: with the working directory at /work, so the config must be under it; k8s carries it in a ConfigMap),
+    or, `isolated`, never in the active environment."""
+
+    venv: Path | None = None
+    image: bool = False
+    isolated: bool = False
+    mounted: bool = True
+
+
+def plan_launch(plan: Plan, cfg, config: Path, opts: PlanOptions, dist: Distribution, where: Where) -> Launch:
+    """Decide where the trainer runs and the command that starts it (nothing is built or run here)."""
     from .plan import image_tag
 
-    nproc = launcher_nproc(plan, cfg, config, dist)
-    rdzv_id = f"envtool-{_digest(plan.to_dict())[:8]}"
+    venv, image, isolated, mounted = where
+    dist = dist._replace(nproc=launcher_nproc(plan, cfg, config, dist))
     plan_path = write_plan(plan)
-    args = dict(nproc=nproc, nnodes=dist.nnodes, node_rank=dist.node_rank, rdzv_endpoint=dist.rdzv_endpoint,
-                rdzv_id=rdzv_id)
+    args = dict(dist=dist, rdzv_id=f"envtool-{_digest(plan.to_dict())[:8]}")
     env = {**plan.env, "ENVTOOL_PLAN": str(plan_path)}  # plan.env: what the run needs (images carry it as ENV)
     if image:
         tag = image_tag(plan)
@@ -688,8 +696,8 @@ def plan_training(config: Path, opts: PlanOptions, dist: Distribution, *, venv: 
             fitted = plan_for_config(cfg, load_notes, config, opts._replace(python=python))
             fitted = fitted._replace(notes=[f"python {python}: the Python of the {fitted.plan.torch.variant} base "
                                             f"image (--python overrides)", *fitted.notes])
-    launch = plan_launch(fitted.plan, cfg, config, opts, dist, venv=venv, image=image or emit == "k8s",
-                         isolated=isolated, mounted=emit != "k8s")  # k8s carries the config in a ConfigMap
+    launch = plan_launch(fitted.plan, cfg, config, opts, dist, Where(venv, image or emit == "k8s", isolated,
+                                                                     mounted=emit != "k8s"))  # k8s: in a ConfigMap
     if launch.kind in ("venv", "cached") and not launch.ready:  # no interpreter for the plan's Python: one line
         from .install import find_python                       # now (also --dry-run), not after "training in"
 
@@ -744,7 +752,7 @@ def prepare(launch: Launch, plan: Plan, sources, *, quiet: bool = False,
     if launch.ready:
         return
     if launch.kind == "image":
-        build([plan], sources, tag=launch.path, quiet=quiet, say=say)
+        build([plan], sources, ImageOptions(tag=launch.path), quiet=quiet, say=say)
         return
     venv = Path(launch.path)
     if launch.kind == "cached":
