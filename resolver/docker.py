@@ -473,12 +473,13 @@ def _forwarding_signals():
     """While a container runs: the signals envtool gets go to the container (a kill from a thread: the handler only
     starts it), and envtool itself keeps waiting for the container's exit, then removes it. Yields `forward(container)`
     to call once the container exists; a signal that came before is passed on then."""
-    import signal
     import threading
+
+    from .forwarding import forwarding
 
     state: dict = {"container": None, "pending": []}
 
-    def handler(signum, frame):
+    def handler(signum):
         if state["container"] is None:
             state["pending"].append(signum)
         else:
@@ -489,18 +490,8 @@ def _forwarding_signals():
         for signum in state["pending"]:
             _kill(container, signum)
 
-    previous = {}
-    if threading.current_thread() is not threading.main_thread():  # (signals reach the main thread only)
+    with forwarding(FORWARDED, handler):
         yield forward
-        return
-    for name in FORWARDED:
-        number = getattr(signal, name)
-        previous[number] = signal.signal(number, handler)
-    try:
-        yield forward
-    finally:
-        for number, old in previous.items():
-            signal.signal(number, old)
 
 
 def _kill(container, signum: int) -> None:

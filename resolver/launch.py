@@ -816,7 +816,7 @@ def run(launch: Launch, plan: Plan, *, hf_cache: Path | None = None, shm_size: s
         if "torch.distributed.run" in launch.command:
             return run_torchrun(launch.command, env, stdout)
         proc = subprocess.Popen(launch.command, env=env, stdout=stdout, start_new_session=True)
-        with Forwarding(proc, workers=False):
+        with forwarding_to(proc, workers=False):
             return proc.wait()
     except FileNotFoundError:
         raise EnvtoolError(f"cannot start {launch.command[0]}: the environment is gone; run again to rebuild it") from None
@@ -880,47 +880,29 @@ def _is_worker(pid: int) -> bool:
         return False
 
 
-class Forwarding:
+def forwarding_to(proc, workers: bool):
     """While the trainer runs: SIGTERM, SIGUSR1 and SIGINT to envtool go to every trainer process, never orphaning
-    them. The trainer runs in its own session, so a Ctrl-C at the terminal reaches it once, through here (the
-    terminal's SIGINT would otherwise reach it too, and a second SIGINT means "stop at once"); a SIGHUP (the
-    terminal closed) is passed on as SIGTERM, as the session no longer carries it. Under torchrun
-    (`workers`) the signal goes to its workers directly -- each rank stops after the same step, saves and exits
-    138/130, and torchrun ends when they have -- or to torchrun itself before they exist (it forwards it)."""
+    them (resolver/forwarding.py, the one forwarder; docker.py's container runs use it too). The trainer runs in its
+    own session, so a Ctrl-C at the terminal reaches it once, through here (the terminal's SIGINT would otherwise
+    reach it too, and a second SIGINT means "stop at once"); a SIGHUP (the terminal closed) is passed on as SIGTERM,
+    as the session no longer carries it. Under torchrun (`workers`) the signal goes to its workers directly -- each
+    rank stops after the same step, saves and exits 138/130, and torchrun ends when they have -- or to torchrun
+    itself before they exist (it forwards it)."""
+    from .forwarding import forwarding
 
-    def __init__(self, proc, workers: bool):
-        import signal
-
-        self.proc, self.workers, self.previous = proc, workers, {}
-        self.signals = [getattr(signal, name) for name in (*STOP_SIGNALS, "SIGHUP")]
-
-    def __enter__(self):
-        import signal
-        import threading
-
-        if threading.current_thread() is threading.main_thread():
-            for number in self.signals:
-                self.previous[number] = signal.signal(number, self._forward)
-        return self
-
-    def __exit__(self, *exc):
-        import signal
-
-        for number, handler in self.previous.items():
-            signal.signal(number, handler)
-        return False
-
-    def _forward(self, number, _frame) -> None:
+    def send(number: int) -> None:
         import signal
 
         if number == signal.SIGHUP:  # the terminal went away: the trainer (in its own session) stops as on SIGTERM
             number = signal.SIGTERM
-        targets = [pid for pid in _children(self.proc.pid) if _is_worker(pid)] if self.workers else []
-        for pid in targets or [self.proc.pid]:
+        targets = [pid for pid in _children(proc.pid) if _is_worker(pid)] if workers else []
+        for pid in targets or [proc.pid]:
             try:
                 os.kill(pid, number)
             except ProcessLookupError:
                 pass
+
+    return forwarding((*STOP_SIGNALS, "SIGHUP"), send)
 
 
 # torchrun's own log lines (glog format: level, date, time, pid, file:line]).
@@ -974,12 +956,11 @@ def run_torchrun(command: list[str], env: dict, stdout) -> int:
         report = HeldReport(folder)
         proc = subprocess.Popen(command, env={**env, ERROR_DIR_ENV: folder}, stdout=stdout, stderr=subprocess.PIPE,
                                 start_new_session=True)
-        forwarding = Forwarding(proc, workers=True).__enter__()
-        try:
-            # newline="": a progress bar's \r-ended updates pass at once, as lines of their own
-            for line in io.TextIOWrapper(proc.stderr, errors="replace", newline=""):
-                report.line(line)
-        finally:
-            code = proc.wait()
-            forwarding.__exit__(None, None, None)
+        with forwarding_to(proc, workers=True):
+            try:
+                # newline="": a progress bar's \r-ended updates pass at once, as lines of their own
+                for line in io.TextIOWrapper(proc.stderr, errors="replace", newline=""):
+                    report.line(line)
+            finally:
+                code = proc.wait()
         return report.result(code)
