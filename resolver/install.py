@@ -177,7 +177,7 @@ def install_into(env_dir: Path, python: str, *, keep: tuple[str, ...] = (), no_b
         raise BadInput(f"{env_dir}: no uv.lock; run `envtool lock` first")
     prefix = interpreter_prefix(python)
     env = uv_env(ca_bundle, {"UV_PYTHON_DOWNLOADS": "never",
-                             **uv_index_env(lock_indexes(env_dir), source.secrets or given([]))})
+                             **uv_index_env(lock_indexes(env_dir), secrets or given([]))})
     exported = run_uv(["export", "--frozen", "--no-header", "--no-emit-project", "--emit-index-url",
                        "--emit-find-links", "--format", "requirements-txt", "--project", str(env_dir)],
                       what="Exporting the lock", env=env, quiet=True).stdout
