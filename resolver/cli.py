@@ -425,6 +425,7 @@ def doctor(
     from .doctor import diagnose, fix_command, probe, report
     from .errors import BadInput
     from .hardware import targets
+    from .launch import Distribution
     from .matrix import load
 
     if not multi_gpu and (nproc is not None or nnodes != 1 or node_rank != 0 or rdzv_endpoint or config
@@ -435,11 +436,11 @@ def doctor(
     if len(found) != 1:
         raise BadInput("doctor checks against one GPU: give --gpu a single target")
     target = found[0]
+    dist = Distribution(nproc, nnodes, node_rank, rdzv_endpoint)
     if multi_gpu:
         from .preflight import multi_gpu_processes
 
-        multi_gpu_processes(target.gpu, nproc=nproc, timeout=timeout, config=config, nnodes=nnodes,
-                            node_rank=node_rank, rdzv_endpoint=rdzv_endpoint)
+        multi_gpu_processes(target.gpu, dist, timeout=timeout, config=config)
     info = probe(venv)
     findings = diagnose(info, target.gpu, target.driver, m, str(venv or info.get("prefix", ".venv")),
                         fix=fix_command(venv, target.label, driver))
@@ -448,9 +449,7 @@ def doctor(
         from .preflight import multi_gpu as run_preflight
 
         python = sys.executable if venv is None else str(Path(venv) / "bin" / "python")
-        more, preflight = run_preflight(python, target.gpu, target.driver, nproc=nproc, timeout=timeout,
-                                        config=config, nnodes=nnodes, node_rank=node_rank,
-                                        rdzv_endpoint=rdzv_endpoint)
+        more, preflight = run_preflight(python, target.gpu, target.driver, dist, timeout=timeout, config=config)
         findings += more
     result = {**report(findings), "gpu": target.gpu.describe(), "driver": target.driver, "venv": info["prefix"],
               "packages": info.get("packages", {}), "recommended": recommended(target, info["python"], m)}
@@ -539,13 +538,39 @@ def build(
 
       envtool build --gpu a100 --tag myorg/trainer:a100 --push
     """
+    from .pipeline import ImageOptions, image_plans
     from .pipeline import build as do_build
-    from .pipeline import image_plans
 
-    built = do_build(image_plans(opts, base_image), sources, tag=tag, push=push, base_image=base_image, wheelhouse=wheelhouse,
-                     network=network, quiet=json_out, say=(lambda s: None) if json_out else print)
+    built = do_build(image_plans(opts, base_image), sources, ImageOptions(tag, push, base_image, wheelhouse, network),
+                     quiet=json_out, say=(lambda s: None) if json_out else print)
     if json_out:
         print(json.dumps(built, indent=2))
+
+
+# train's own options
+TrainVenvOpt = Annotated[Optional[Path], typer.Option("--venv", help="Train in this venv (built for the plan first "
+                                                      "when it does not run it).")]
+TrainImageOpt = Annotated[bool, typer.Option("--image", help="Train in the plan's image (built first when missing), "
+                                             "with the working directory mounted at /work.")]
+IsolatedOpt = Annotated[bool, typer.Option("--isolated", help="Never the active environment: train in the "
+                                           "environment cached for the plan (built once).")]
+EmitOpt = Annotated[Optional[str], typer.Option("--emit", help="Write a launcher instead of training: slurm "
+                                                "(an sbatch script) or k8s (a Kubeflow PyTorchJob).")]
+EmitOutputOpt = Annotated[Optional[Path], typer.Option("-o", "--output", help="With --emit: write here (default: "
+                                                       "stdout).")]
+TrainHfCacheOpt = Annotated[Optional[Path], typer.Option("--hf-cache", help="With --image: host directory mounted "
+                                                         "as the Hugging Face cache.")]
+PvcOpt = Annotated[Optional[str], typer.Option("--pvc", help="With --emit k8s: the PersistentVolumeClaim every pod "
+                                               "works in, at /work (data, output_dir; default envtool-work).")]
+SecretOpt = Annotated[Optional[str], typer.Option("--secret", help="With --emit k8s: the Secret the pods take "
+                                                  "HF_TOKEN and WANDB_API_KEY from, when it has them (secretKeyRef; "
+                                                  "default envtool-secrets). Tokens are never written into a "
+                                                  "launcher; an sbatch script takes them from the environment.")]
+DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Print the plan, where it runs, the attention "
+                                         "the trainer will run and how it keeps packed rows apart (varlen or a "
+                                         "mask, and why), and the exact command; build and run nothing.")]
+NoFitCheckOpt = Annotated[bool, typer.Option("--no-fit-check", help="Train (or write the launcher) even when the "
+                                             "memory estimate says the run does not fit the plan's GPU.")]
 
 
 @app.command()
@@ -554,33 +579,20 @@ def build(
 @plan_options()
 def train(
     config: Annotated[Path, typer.Argument(help="The trainer config (Axolotl keys), e.g. examples/tiny-cpu.yml.")],
-    venv: Annotated[Optional[Path], typer.Option("--venv", help="Train in this venv (built for the plan first "
-                                                 "when it does not run it).")] = None,
-    image: Annotated[bool, typer.Option("--image", help="Train in the plan's image (built first when missing), "
-                                        "with the working directory mounted at /work.")] = False,
-    isolated: Annotated[bool, typer.Option("--isolated", help="Never the active environment: train in the "
-                                           "environment cached for the plan (built once).")] = False,
+    venv: TrainVenvOpt = None,
+    image: TrainImageOpt = False,
+    isolated: IsolatedOpt = False,
     nproc: NprocOpt = None,
     nnodes: NnodesOpt = 1,
     node_rank: NodeRankOpt = 0,
     rdzv_endpoint: RdzvOpt = None,
-    emit: Annotated[Optional[str], typer.Option("--emit", help="Write a launcher instead of training: slurm "
-                                                "(an sbatch script) or k8s (a Kubeflow PyTorchJob).")] = None,
-    output: Annotated[Optional[Path], typer.Option("-o", "--output", help="With --emit: write here (default: "
-                                                   "stdout).")] = None,
-    hf_cache: Annotated[Optional[Path], typer.Option("--hf-cache", help="With --image: host directory mounted "
-                                                     "as the Hugging Face cache.")] = None,
-    pvc: Annotated[Optional[str], typer.Option("--pvc", help="With --emit k8s: the PersistentVolumeClaim every pod "
-                                               "works in, at /work (data, output_dir; default envtool-work).")] = None,
-    secret: Annotated[Optional[str], typer.Option("--secret", help="With --emit k8s: the Secret the pods take "
-                                                  "HF_TOKEN and WANDB_API_KEY from, when it has them (secretKeyRef; "
-                                                  "default envtool-secrets). Tokens are never written into a "
-                                                  "launcher; an sbatch script takes them from the environment.")] = None,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan, where it runs, the attention "
-                                          "the trainer will run and how it keeps packed rows apart (varlen or a "
-                                          "mask, and why), and the exact command; build and run nothing.")] = False,
-    no_fit_check: Annotated[bool, typer.Option("--no-fit-check", help="Train (or write the launcher) even when the "
-                                               "memory estimate says the run does not fit the plan's GPU.")] = False,
+    emit: EmitOpt = None,
+    output: EmitOutputOpt = None,
+    hf_cache: TrainHfCacheOpt = None,
+    pvc: PvcOpt = None,
+    secret: SecretOpt = None,
+    dry_run: DryRunOpt = False,
+    no_fit_check: NoFitCheckOpt = False,
     json_out: JsonOpt = False,
     *,
     opts,
@@ -616,85 +628,30 @@ def train(
 
       envtool train config.yml --gpu a100 --nnodes 4 --emit slurm -o train.sbatch
     """
-    from .errors import BadInput
+    from .emit import Request
     from .emit import emit as write_launcher
-    from .fit import check as check_fit
-    from .launch import Distribution, next_commands, plan_training, prepare, run
+    from .launch import Distribution, check_places, plan_training, train_in
 
-    if venv is not None and image:
-        raise BadInput("--venv and --image are two places to train: give one")
-    if emit not in (None, "slurm", "k8s"):
-        raise BadInput(f"--emit {emit!r}: choose slurm or k8s")
-    if output is not None and emit is None:
-        raise BadInput("-o/--output goes with --emit")
-    if pvc is not None and emit != "k8s":
-        raise BadInput("--pvc goes with --emit k8s (a Slurm job uses the filesystem its nodes share)")
-    if secret is not None:
-        from .emit import check_claim
-
-        if emit != "k8s":
-            raise BadInput("--secret goes with --emit k8s (an sbatch script takes tokens from the environment it is "
-                           "submitted from)")
-        check_claim(secret, "--secret", "Secret")
-    if pvc is not None:
-        from .emit import check_claim
-
-        check_claim(pvc)
+    check_places(venv=venv, image=image, emit=emit, output=output, pvc=pvc, secret=secret)
     dist = Distribution(nproc, nnodes, node_rank, rdzv_endpoint)
-    training = plan_training(config, opts, dist, venv=venv, image=image, isolated=isolated, emit=emit)
-    if not (dry_run or no_fit_check):
-        check_fit(training)  # does_not_fit: exit 2 before anything is built or started
+    training = plan_training(config, opts, dist, venv=venv, image=image, isolated=isolated, emit=emit,
+                             fit_check=not (dry_run or no_fit_check))  # does_not_fit: exit 2 before anything starts
     log = (lambda s: None) if json_out else say
     if emit:
-        text = write_launcher(training, emit, dist, sources, output=output, dry_run=dry_run, pvc=pvc,
-                              secret=secret, quiet=json_out, say=log)
-        if text is not None:
-            sys.stdout.write(text)
-        return
-    import shlex
+        text = write_launcher(training, Request(emit, output, pvc, secret), dist, sources, dry_run=dry_run,
+                              quiet=json_out, say=log)
+        sys.stdout.write(text or "")
+    elif dry_run and json_out:
+        print(json.dumps(training.summary(), indent=2))
+    elif dry_run:
+        from .render import train_dry_run
 
-    launch, summary = training.launch, training.summary()
-    if dry_run:
+        train_dry_run(training, opts)
+    else:
+        code, steps = train_in(training, sources, hf_cache=hf_cache, quiet=json_out, say=log)
         if json_out:
-            print(json.dumps(summary, indent=2))
-            return
-        from .render import plan_table
-
-        plan_table(training.plan)
-        for note in training.notes:
-            print(f"config: {note}")
-        trainer = training.trainer
-        print(f"trainer: attention {trainer['attention']}, precision {trainer['precision']}"
-              f"{' + tf32' if trainer['tf32'] else ''}")
-        print(f"trainer: packing {trainer['isolation']}")
-        if training.fit is not None:
-            from .fit import lines
-
-            print("\n".join(lines(training.fit)))
-        for note in trainer["notes"]:
-            print(f"note: {note}")
-        print(f"environment: {launch.kind} {launch.path or ''} — {launch.why}")
-        if launch.kind != "image":
-            from .launch import image_line
-
-            print(f"image: {image_line(training.plan, opts)}")
-        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in launch.env.items())
-        print(f"command: {env + ' ' if env else ''}{shlex.join(launch.command)}")
-        return
-    for note in training.notes:
-        log(f"config: {note}")
-    log(f"envtool: training in {launch.kind} environment {launch.path or ''} ({launch.why})")
-    prepare(launch, training.plan, sources, quiet=json_out, say=log)
-    log(f"envtool: {shlex.join(launch.command)}")
-    code = run(launch, training.plan, hf_cache=hf_cache, stdout_to_stderr=json_out)
-    steps = next_commands(training) if code == 0 else []
-    if json_out:
-        print(json.dumps({**summary, "exit_code": code, "next_steps": steps}, indent=2))
-    elif steps:
-        log("envtool: next, for this run (docs/guides/after-training.md):")
-        for step in steps:
-            log(f"  {shlex.join(step['command'])}    # {step['what']}")
-    raise typer.Exit(code)
+            print(json.dumps({**training.summary(), "exit_code": code, "next_steps": steps}, indent=2))
+        raise typer.Exit(code)
 
 
 @app.command(context_settings={"allow_interspersed_args": False})
@@ -720,13 +677,15 @@ def run(
 
       envtool run --image myorg/trainer:a100 --gpus all -e HF_TOKEN -- python -m trainer train config.yml
     """
+    from .docker import RunOptions
     from .docker import run as do_run
     from .errors import BadInput
 
     if not image:
         raise BadInput("--image is required")
-    code = do_run(image, command or [], gpus=gpus, shm_size=shm_size, hf_cache=hf_cache, env_names=env or [],
-                  volumes=volume or [], workdir=workdir, user=user)
+    code = do_run(image, command or [], RunOptions(gpus=gpus, shm_size=shm_size, hf_cache=hf_cache,
+                                                   env_names=tuple(env or ()), volumes=tuple(volume or ()),
+                                                   workdir=workdir, user=user))
     raise typer.Exit(code)
 
 

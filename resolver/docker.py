@@ -14,6 +14,7 @@ import re
 import shutil
 import sys
 from collections import deque
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -355,26 +356,44 @@ RUN_LABEL = "io.envtool.run"  # on containers `envtool run` / `train --image` st
 FORWARDED = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
 
 
-def run(image: str, command: list[str], *, gpus: str | None, shm_size: str, hf_cache: Path | None,
-        env_names: list[str], volumes: list[str], workdir: str | None = None,
-        environment: dict[str, str] | None = None, network_mode: str | None = None,
-        user: str | None = INVOKING_USER, mounts: tuple = (), output: Callable[[str], None] | None = None) -> int:
-    """Run `command` in `image` with what training needs; secrets travel as run-time environment only.
-    `user`: see container_user (default: the invoking uid:gid). `volumes`: `-v` specs; `mounts`: (host, container,
-    read-only) binds. The container runs under an init (signals reach the command as they would outside, it is not
+@dataclass(frozen=True)
+class RunOptions:
+    """What a container gets from `envtool run` and `envtool train --image` (docker.run): devices, memory, the
+    Hugging Face cache, environment variables by name, bind mounts, the working directory, the network, the user."""
+
+    gpus: str | None = None  # 'all' or a count (check_gpus); None: no device
+    shm_size: str = "8g"
+    hf_cache: Path | None = None  # a host directory mounted as the Hugging Face cache
+    env_names: tuple[str, ...] = ()  # passed by name: the values are read from envtool's environment at run time
+    volumes: tuple[str, ...] = ()  # `-v HOST:CONTAINER` specs
+    workdir: str | None = None
+    environment: dict[str, str] = field(default_factory=dict)  # set in the container (no secret: those go by name)
+    network_mode: str | None = None
+    user: str | None = INVOKING_USER  # see container_user (default: the invoking uid:gid)
+    mounts: tuple = ()  # (host, container, read-only) binds
+
+    def check(self) -> None:
+        """One line for an option docker would refuse later, or worse, misread."""
+        check_gpus(self.gpus)
+        if not re.fullmatch(r"[0-9]+(\.[0-9]+)?[bkmgBKMG]?", self.shm_size or ""):
+            raise BadInput(f"--shm-size {self.shm_size!r}: give a size such as 8g or 512m")
+        for name in self.env_names:
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+                raise BadInput(f"-e {name!r}: give the name of an environment variable (its value is read from yours)")
+
+
+def run(image: str, command: list[str], options: RunOptions, output: Callable[[str], None] | None = None) -> int:
+    """Run `command` in `image` with what training needs (`options`); secrets travel as run-time environment only.
+    The container runs under an init (signals reach the command as they would outside, it is not
     PID 1); SIGTERM, SIGINT, SIGHUP and SIGQUIT sent to envtool are passed to it, and the container is removed
     however envtool's wait ends; the exit code is the container's (143 after SIGTERM). `output`: given the
     container's output line by line (a line ends at \n or a progress bar's \r) instead of writing it to stdout."""
     import docker
 
-    check_gpus(gpus)
-    if not re.fullmatch(r"[0-9]+(\.[0-9]+)?[bkmgBKMG]?", shm_size or ""):
-        raise BadInput(f"--shm-size {shm_size!r}: give a size such as 8g or 512m")
-    for name in env_names:
-        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
-            raise BadInput(f"-e {name!r}: give the name of an environment variable (its value is read from yours)")
-    binds = [*mounts, *(parse_volume(v) for v in volumes)]
-    run_as = container_user(user)
+    options.check()
+    gpus, shm_size, hf_cache, env_names = options.gpus, options.shm_size, options.hf_cache, options.env_names
+    binds = [*options.mounts, *(parse_volume(v) for v in options.volumes)]
+    run_as = container_user(options.user)
     c = client()
     try:
         found = c.images.get(image)
@@ -382,7 +401,7 @@ def run(image: str, command: list[str], *, gpus: str | None, shm_size: str, hf_c
         raise BadInput(f"no image {image}; build it with `envtool build`") from None
     plan = image_plan(found)
     gpu_kwargs = gpu_options(plan, gpus)
-    environment = dict(environment or {})
+    environment = dict(options.environment)
     if run_as is not None:
         # The image's /etc/passwd knows uid 1000 only: give any other user a HOME it can write (torch, triton
         # and the Hugging Face hub keep caches there) and a name (getpass.getuser(), which torch's compile cache
@@ -402,8 +421,8 @@ def run(image: str, command: list[str], *, gpus: str | None, shm_size: str, hf_c
                        for host, inside, read_only in binds]
     with _forwarding_signals() as forward:
         container = c.containers.create(image, command or None, environment=environment,
-                                        mounts=binds_as_mounts, shm_size=shm_size, network_mode=network_mode,
-                                        working_dir=workdir, user=run_as or "", init=True,
+                                        mounts=binds_as_mounts, shm_size=shm_size, network_mode=options.network_mode,
+                                        working_dir=options.workdir, user=run_as or "", init=True,
                                         labels={RUN_LABEL: str(os.getpid())}, **gpu_kwargs)
         try:
             try:
@@ -454,12 +473,13 @@ def _forwarding_signals():
     """While a container runs: the signals envtool gets go to the container (a kill from a thread: the handler only
     starts it), and envtool itself keeps waiting for the container's exit, then removes it. Yields `forward(container)`
     to call once the container exists; a signal that came before is passed on then."""
-    import signal
     import threading
+
+    from .forwarding import forwarding
 
     state: dict = {"container": None, "pending": []}
 
-    def handler(signum, frame):
+    def handler(signum):
         if state["container"] is None:
             state["pending"].append(signum)
         else:
@@ -470,18 +490,8 @@ def _forwarding_signals():
         for signum in state["pending"]:
             _kill(container, signum)
 
-    previous = {}
-    if threading.current_thread() is not threading.main_thread():  # (signals reach the main thread only)
+    with forwarding(FORWARDED, handler):
         yield forward
-        return
-    for name in FORWARDED:
-        number = getattr(signal, name)
-        previous[number] = signal.signal(number, handler)
-    try:
-        yield forward
-    finally:
-        for number, old in previous.items():
-            signal.signal(number, old)
 
 
 def _kill(container, signum: int) -> None:

@@ -13,12 +13,13 @@ from __future__ import annotations
 import re
 import shlex
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 from .errors import BadInput
 from .files import write_atomic
-from .launch import SECRET_KEYS, Distribution, Launch, Training, default_nproc, prepare
+from .launch import SECRET_KEYS, Distribution, Launch, Training, check_claim, default_nproc, prepare
 from .plan import Plan
 
 HF_HOME = "/home/trainer/.cache/huggingface"  # the image's HF_HOME (dockerfiles/Dockerfile.j2)
@@ -39,30 +40,34 @@ def _stderr(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def render(kind: str, plan: Plan, launch: Launch, config: Path, dist: Distribution, *, cfg, pvc: str | None = None,
-           secret: str | None = None, warn: Callable[[str], None] = _stderr) -> str:
-    """The launcher text for a config resolver/launch.py has read (once, through the trainer's reader: `cfg`) and
-    checked (use_ray is refused there). `pvc` (k8s): the PersistentVolumeClaim for data and outputs (default
-    envtool-work); `warn` gets one line per path in the config that the pods would not see."""
-    if kind == "slurm":
-        if pvc is not None:
+@dataclass(frozen=True)
+class Request:
+    """What `envtool train --emit` asks for: the launcher (slurm or k8s), the file to write it to (None: stdout), and
+    for k8s the PersistentVolumeClaim for data and outputs and the Secret the tokens come from (None: the defaults)."""
+
+    kind: str
+    output: Path | None = None
+    pvc: str | None = None
+    secret: str | None = None
+
+
+def render(training: Training, request: Request, dist: Distribution, warn: Callable[[str], None] = _stderr) -> str:
+    """The launcher text for a config resolver/launch.py has read (once, through the trainer's reader:
+    `training.cfg`) and checked (use_ray is refused there). `request.pvc` (k8s): the PersistentVolumeClaim for data
+    and outputs (default envtool-work); `warn` gets one line per path in the config that the pods would not see."""
+    plan, launch, config, cfg = training.plan, training.launch, training.config, training.cfg
+    if request.kind == "slurm":
+        if request.pvc is not None:
             raise BadInput("--pvc goes with --emit k8s (a Slurm job uses the filesystem its nodes share)")
-        if secret is not None:
+        if request.secret is not None:
             raise BadInput("--secret goes with --emit k8s (a Slurm job takes tokens from the environment it is "
                            "submitted from)")
         return sbatch(plan, launch, config, dist, output_dir=str(cfg.output_dir))
-    claim = DEFAULT_PVC if pvc is None else check_claim(pvc)
-    secret = DEFAULT_SECRET if secret is None else check_claim(secret, "--secret", "Secret")
+    claim = DEFAULT_PVC if request.pvc is None else check_claim(request.pvc)
+    secret = DEFAULT_SECRET if request.secret is None else check_claim(request.secret, "--secret", "Secret")
     for line in volume_warnings(config, cfg, claim, dist):
         warn(f"envtool: warning: {line}")
     return pytorchjob(plan, launch, config, dist, work_claim=claim, secret=secret)
-
-
-def check_claim(name: str, option: str = "--pvc", kind: str = "PersistentVolumeClaim") -> str:
-    """A Kubernetes object name (DNS-1123 subdomain)."""
-    if not re.fullmatch(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?", name):
-        raise BadInput(f"{option} {name!r}: a {kind} name is lower-case letters, digits, '-' and '.'")
-    return name
 
 
 def comment(text: str) -> str:
@@ -285,15 +290,14 @@ def pytorchjob(plan: Plan, launch: Launch, config: Path, dist: Distribution, *, 
     return header + yaml.safe_dump_all([config_map, job], sort_keys=False)
 
 
-def emit(training: Training, kind: str, dist: Distribution, sources, *, output: Path | None, dry_run: bool,
-         pvc: str | None = None, secret: str | None = None, quiet: bool = False,
+def emit(training: Training, request: Request, dist: Distribution, sources, *, dry_run: bool, quiet: bool = False,
          say: Callable[[str], None] = lambda s: None) -> str | None:
     """Write the launcher for an existing engine (its environment built first unless dry_run). Returns the text
-    when there is no `output` to write it to. `pvc`: the k8s job's PersistentVolumeClaim (resolver/emit.py)."""
+    when there is no `request.output` to write it to."""
     if not dry_run:
         prepare(training.launch, training.plan, sources, quiet=quiet, say=say)
-    text = render(kind, training.plan, training.launch, training.config, dist, cfg=training.cfg, pvc=pvc,
-                  secret=secret, warn=say)
+    text = render(training, request, dist, warn=say)
+    output, kind = request.output, request.kind
     if output is None:
         return text
     write(output, text, executable=kind == "slurm")

@@ -20,6 +20,7 @@ import sys
 import shutil
 import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from . import DISTRIBUTION
@@ -92,15 +93,24 @@ def install(env_dir: Path, venv: Path, *, offline: bool = False, wheelhouse: Pat
         wheelhouse = wheelhouse or env_dir / "wheelhouse"
         requirements = check_wheelhouse(wheelhouse)
 
+    source = _Source(offline, wheelhouse, requirements if offline else None, ca_bundle, secrets)
     with one_writer(venv, "the venv"):  # two installs into one venv: the second waits, then swaps in its own
-        return _build_and_swap(env_dir, venv, plan, offline=offline, wheelhouse=wheelhouse,
-                               requirements=requirements if offline else None, ca_bundle=ca_bundle, quiet=quiet,
-                               check_imports=check_imports, secrets=secrets)
+        return _build_and_swap(env_dir, venv, plan, source, quiet=quiet, check_imports=check_imports)
 
 
-def _build_and_swap(env_dir: Path, venv: Path, plan, *, offline: bool, wheelhouse: Path | None,
-                    requirements: Path | None, ca_bundle: str | None, quiet: bool, check_imports: bool,
-                    secrets: dict | None) -> dict:
+@dataclass(frozen=True)
+class _Source:
+    """Where an install takes its packages: the lock's indexes (with `secrets`, the index credentials) or, `offline`,
+    a hash-checked wheelhouse and its requirements file; `ca_bundle` for a proxy with its own CA."""
+
+    offline: bool
+    wheelhouse: Path | None
+    requirements: Path | None
+    ca_bundle: str | None
+    secrets: dict | None
+
+
+def _build_and_swap(env_dir: Path, venv: Path, plan, source: _Source, *, quiet: bool, check_imports: bool) -> dict:
     store = versions_dir(venv)
     store.mkdir(parents=True, exist_ok=True)
     current = venv.resolve() if venv.is_symlink() else None
@@ -109,17 +119,17 @@ def _build_and_swap(env_dir: Path, venv: Path, plan, *, offline: bool, wheelhous
             shutil.rmtree(leftover, ignore_errors=True)
 
     new = store / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
-    env = uv_env(ca_bundle, {"UV_PYTHON_DOWNLOADS": "never"})
+    env = uv_env(source.ca_bundle, {"UV_PYTHON_DOWNLOADS": "never"})
     try:
         run_uv(["venv", "--quiet", "--python", plan.python, str(new)], what="Creating the venv", env=env,
                quiet=quiet)
-        if offline:
-            run_uv(["pip", "sync", "--offline", "--no-index", "--find-links", str(wheelhouse), "--require-hashes",
-                    "--python", str(new / "bin" / "python"), str(requirements)],
+        if source.offline:
+            run_uv(["pip", "sync", "--offline", "--no-index", "--find-links", str(source.wheelhouse),
+                    "--require-hashes", "--python", str(new / "bin" / "python"), str(source.requirements)],
                    what="Installing from the wheelhouse", env=env, quiet=quiet)
         else:
             run_uv(["sync", "--frozen", "--project", str(env_dir)], what="Installing the locked environment",
-                   env={**env, **uv_index_env(lock_indexes(env_dir), secrets or given([])),
+                   env={**env, **uv_index_env(lock_indexes(env_dir), source.secrets or given([])),
                         "UV_PROJECT_ENVIRONMENT": str(new)}, quiet=quiet)
         versions = import_check(new / "bin" / "python", full=check_imports)
         (new / PLAN_FILE).write_text(plan.to_json() + "\n")

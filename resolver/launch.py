@@ -31,7 +31,7 @@ from typing import Any, Callable, NamedTuple
 
 from .errors import BadInput, EnvtoolError, Unsatisfiable
 from .files import write_atomic
-from .pipeline import PlanOptions, build, command_line_pins, lock, one_plan
+from .pipeline import ImageOptions, PlanOptions, build, command_line_pins, lock, one_plan
 from .plan import PLAN_FILE, Plan
 
 # the credentials a run reads from its environment (the Hub, wandb): passed by name into a container, taken from a
@@ -83,6 +83,7 @@ class Fitted(NamedTuple):
     plan: Plan
     notes: list[str]  # envtool's: the libraries the config needs, the launcher (printed as `config: ...`)
     trainer: dict  # attention, precision, tf32, packing (+ isolation: how, why) as the trainer will run them, and its notes
+    runtime: Any = None  # the trainer's judgement of the config against the plan (trainer.setup.for_plan), made once
 
 
 def plan_for_config(cfg, load_notes: list[str], config: Path, opts: PlanOptions) -> Fitted:
@@ -100,7 +101,7 @@ def plan_for_config(cfg, load_notes: list[str], config: Path, opts: PlanOptions)
                      "local Ray cluster (no torchrun)")
     trainer = {"attention": runtime.attention, "precision": runtime.precision, "tf32": runtime.tf32,
                "packing": runtime.packing, "isolation": runtime.isolation, "notes": [*runtime.changes, *load_notes]}
-    return Fitted(plan, notes, trainer)
+    return Fitted(plan, notes, trainer, runtime)
 
 
 def _fit(cfg, plan: Plan):
@@ -396,22 +397,22 @@ def active_env_runs(plan: Plan, opts: PlanOptions, required: tuple[str, ...] = (
     return True, f"the active environment ({sys.prefix}, torch {torch_version}) runs this plan's choices"
 
 
-def launch_command(python: str, config: str, *, nproc: int, nnodes: int = 1, node_rank: int = 0,
-                   rdzv_endpoint: str | None = None, rdzv_id: str = "envtool",
+def launch_command(python: str, config: str, dist: Distribution, *, rdzv_id: str = "envtool",
                    trainer_args: list[str] | None = None, loopback: bool = False) -> list[str]:
     """One process for one device; torchrun (as `python -m torch.distributed.run`, the environment's own)
-    for several, with a c10d rendezvous across machines. `trainer_args`: another `python -m trainer` command
+    for several (`dist.nproc` per machine, given), with a c10d rendezvous across machines. `trainer_args`: another `python -m trainer` command
     than `train CONFIG` (doctor --multi-gpu's `preflight ...`). `loopback` (one machine, in a container): the
     ranks meet at 127.0.0.1, not at the name torchrun finds for the host (socket.getfqdn()), which a container
     without a network (or DNS) cannot resolve (pytorch/pytorch#150532; --local-addr is pytorch#88922's)."""
     train = ["-m", "trainer", *(trainer_args or ["train", config])]
+    nproc, nnodes = dist.nproc, dist.nnodes
     if nproc == 1 and nnodes == 1:
         return [python, *train]
     cmd = [python, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--nnodes={nnodes}"]
     if nnodes == 1:
         cmd += ["--standalone", *(["--local-addr=127.0.0.1"] if loopback else [])]
     else:
-        cmd += [f"--node-rank={node_rank}", "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}",
+        cmd += [f"--node-rank={dist.node_rank}", "--rdzv-backend=c10d", f"--rdzv-endpoint={dist.rdzv_endpoint}",
                 f"--rdzv-id={rdzv_id}"]
     return [*cmd, *train]
 
@@ -469,17 +470,25 @@ def launcher_nproc(plan: Plan, cfg, config: Path, dist: Distribution) -> int:
     return 1
 
 
-def plan_launch(plan: Plan, cfg, config: Path, opts: PlanOptions, dist: Distribution, *, venv: Path | None,
-                image: bool, isolated: bool, mounted: bool = True) -> Launch:
-    """Decide where the trainer runs and the command that starts it (nothing is built or run here).
-    `mounted`: the image gets the working directory at /work, so the config must be under it."""
+class Where(NamedTuple):
+    """Where `envtool train` was asked to run the trainer: in `venv` (--venv), in the plan's `image` (--image;
+    `mounted`: with the working directory at /work, so the config must be under it; k8s carries it in a ConfigMap),
+    or, `isolated`, never in the active environment."""
+
+    venv: Path | None = None
+    image: bool = False
+    isolated: bool = False
+    mounted: bool = True
+
+
+def plan_launch(plan: Plan, cfg, config: Path, opts: PlanOptions, dist: Distribution, where: Where) -> Launch:
+    """Decide where the trainer runs and the command that starts it (nothing is built or run here)."""
     from .plan import image_tag
 
-    nproc = launcher_nproc(plan, cfg, config, dist)
-    rdzv_id = f"envtool-{_digest(plan.to_dict())[:8]}"
+    venv, image, isolated, mounted = where
+    dist = dist._replace(nproc=launcher_nproc(plan, cfg, config, dist))
     plan_path = write_plan(plan)
-    args = dict(nproc=nproc, nnodes=dist.nnodes, node_rank=dist.node_rank, rdzv_endpoint=dist.rdzv_endpoint,
-                rdzv_id=rdzv_id)
+    args = dict(dist=dist, rdzv_id=f"envtool-{_digest(plan.to_dict())[:8]}")
     env = {**plan.env, "ENVTOOL_PLAN": str(plan_path)}  # plan.env: what the run needs (images carry it as ENV)
     if image:
         tag = image_tag(plan)
@@ -630,10 +639,42 @@ class Training(NamedTuple):
                 "fit": self.fit.result if self.fit is not None else None}
 
 
+def check_claim(name: str, option: str = "--pvc", kind: str = "PersistentVolumeClaim") -> str:
+    """A Kubernetes object name (DNS-1123 subdomain)."""
+    if not re.fullmatch(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?", name):
+        raise BadInput(f"{option} {name!r}: a {kind} name is lower-case letters, digits, '-' and '.'")
+    return name
+
+
+def check_places(*, venv: Path | None, image: bool, emit: str | None, output: Path | None, pvc: str | None,
+                 secret: str | None) -> None:
+    """`envtool train`'s options that name where it trains or what it writes, checked together: one line for a pair
+    that does not go together, before the config is read."""
+    if venv is not None and image:
+        raise BadInput("--venv and --image are two places to train: give one")
+    if emit not in (None, "slurm", "k8s"):
+        raise BadInput(f"--emit {emit!r}: choose slurm or k8s")
+    if output is not None and emit is None:
+        raise BadInput("-o/--output goes with --emit")
+    if pvc is not None and emit != "k8s":
+        raise BadInput("--pvc goes with --emit k8s (a Slurm job uses the filesystem its nodes share)")
+    if secret is not None:
+        if emit != "k8s":
+            raise BadInput("--secret goes with --emit k8s (an sbatch script takes tokens from the environment it is "
+                           "submitted from)")
+        check_claim(secret, "--secret", "Secret")
+    if pvc is not None:
+        check_claim(pvc)
+
+
 def plan_training(config: Path, opts: PlanOptions, dist: Distribution, *, venv: Path | None = None,
-                  image: bool = False, isolated: bool = False, emit: str | None = None) -> Training:
+                  image: bool = False, isolated: bool = False, emit: str | None = None,
+                  fit_check: bool = False) -> Training:
     """Read the config, plan for it, check it against the plan and decide where and how it runs: everything that
-    can refuse, in seconds, before anything is built, pulled or started (also what --dry-run shows)."""
+    can refuse, in seconds, before anything is built, pulled or started (also what --dry-run shows). The config is
+    judged against the plan once (`plan_for_config`, the trainer's `for_plan`): the dry run's report, the memory
+    estimate and the launch all read that one judgement. `fit_check`: stop (exit 2) where the estimate says the
+    run does not fit the plan's GPU (resolver/fit.py `check`)."""
     if emit is None:
         dist.check()
     cfg, load_notes = read_config(config)
@@ -655,8 +696,8 @@ def plan_training(config: Path, opts: PlanOptions, dist: Distribution, *, venv: 
             fitted = plan_for_config(cfg, load_notes, config, opts._replace(python=python))
             fitted = fitted._replace(notes=[f"python {python}: the Python of the {fitted.plan.torch.variant} base "
                                             f"image (--python overrides)", *fitted.notes])
-    launch = plan_launch(fitted.plan, cfg, config, opts, dist, venv=venv, image=image or emit == "k8s",
-                         isolated=isolated, mounted=emit != "k8s")  # k8s carries the config in a ConfigMap
+    launch = plan_launch(fitted.plan, cfg, config, opts, dist, Where(venv, image or emit == "k8s", isolated,
+                                                                     mounted=emit != "k8s"))  # k8s: in a ConfigMap
     if launch.kind in ("venv", "cached") and not launch.ready:  # no interpreter for the plan's Python: one line
         from .install import find_python                       # now (also --dry-run), not after "training in"
 
@@ -674,9 +715,35 @@ def plan_training(config: Path, opts: PlanOptions, dist: Distribution, *, venv: 
     if fitted.plan.on_gpu:  # the memory estimate on the plan's GPU (resolver/fit.py; `envtool train` stops on it)
         from .fit import on_plan
 
-        fit = _trainer_call(config, on_plan, cfg, _trainer_call(config, _fit, cfg, fitted.plan), config, fitted.plan,
+        fit = _trainer_call(config, on_plan, cfg, fitted.runtime, config, fitted.plan,
                             launcher_nproc(fitted.plan, cfg, config, dist) * dist.nnodes)  # the trainer's refusals
-    return Training(config, cfg, fitted.plan, fitted.notes, fitted.trainer, launch, fit)
+    training = Training(config, cfg, fitted.plan, fitted.notes, fitted.trainer, launch, fit)
+    if fit_check:
+        from .fit import check
+
+        check(training)  # does_not_fit: exit 2 before anything is built or started
+    return training
+
+
+def train_in(training: Training, sources, *, hf_cache: Path | None = None, quiet: bool = False,
+             say: Callable[[str], None] = lambda s: None) -> tuple[int, list[dict]]:
+    """Build what the launch needs and run the trainer: (its exit code, the next commands for a finished run). The
+    next commands are said too, unless `quiet` (--json: the caller prints them in its result)."""
+    import shlex
+
+    launch = training.launch
+    for note in training.notes:
+        say(f"config: {note}")
+    say(f"envtool: training in {launch.kind} environment {launch.path or ''} ({launch.why})")
+    prepare(launch, training.plan, sources, quiet=quiet, say=say)
+    say(f"envtool: {shlex.join(launch.command)}")
+    code = run(launch, training.plan, hf_cache=hf_cache, stdout_to_stderr=quiet)
+    steps = next_commands(training) if code == 0 else []
+    if steps and not quiet:
+        say("envtool: next, for this run (docs/guides/after-training.md):")
+        for step in steps:
+            say(f"  {shlex.join(step['command'])}    # {step['what']}")
+    return code, steps
 
 
 def prepare(launch: Launch, plan: Plan, sources, *, quiet: bool = False,
@@ -685,7 +752,7 @@ def prepare(launch: Launch, plan: Plan, sources, *, quiet: bool = False,
     if launch.ready:
         return
     if launch.kind == "image":
-        build([plan], sources, tag=launch.path, quiet=quiet, say=say)
+        build([plan], sources, ImageOptions(tag=launch.path), quiet=quiet, say=say)
         return
     venv = Path(launch.path)
     if launch.kind == "cached":
@@ -720,22 +787,27 @@ def run(launch: Launch, plan: Plan, *, hf_cache: Path | None = None, shm_size: s
     if launch.kind == "image":
         import tempfile
 
+        from dataclasses import replace
+
+        from .docker import RunOptions
         from .docker import run as docker_run
 
-        gpus = "all" if plan.on_gpu else None  # the image's plan says which devices (NVIDIA, AMD, Intel)
         for host, _, read_only in launch.mounts:
             if not read_only:
                 Path(host).mkdir(parents=True, exist_ok=True)  # the user's own, before docker would make it root's
-        secrets = [name for name in SECRET_KEYS if os.environ.get(name)]  # by name: docker reads the values
-        options = dict(gpus=gpus, shm_size=shm_size, hf_cache=hf_cache, env_names=secrets, volumes=[], workdir=WORKDIR,
-                       network_mode="host" if "--rdzv-backend=c10d" in launch.command else None)
+        options = RunOptions(
+            gpus="all" if plan.on_gpu else None,  # the image's plan says which devices (NVIDIA, AMD, Intel)
+            shm_size=shm_size, hf_cache=hf_cache, workdir=WORKDIR, mounts=launch.mounts,
+            env_names=tuple(name for name in SECRET_KEYS if os.environ.get(name)),  # by name: docker reads the values
+            network_mode="host" if "--rdzv-backend=c10d" in launch.command else None)
         if "torch.distributed.run" not in launch.command:
-            return docker_run(launch.path, launch.command, mounts=launch.mounts, **options)
+            return docker_run(launch.path, launch.command, options)
         # several processes in the container: their error lines come back through a mounted folder (HeldReport)
         with tempfile.TemporaryDirectory(prefix="envtool-run-") as folder:
             report = HeldReport(folder, sys.stdout)
-            code = docker_run(launch.path, launch.command, mounts=(*launch.mounts, (folder, ERRORS_AT, False)),
-                              environment={ERROR_DIR_ENV: ERRORS_AT}, output=report.line, **options)
+            code = docker_run(launch.path, launch.command, replace(
+                options, mounts=(*launch.mounts, (folder, ERRORS_AT, False)), environment={ERROR_DIR_ENV: ERRORS_AT}),
+                output=report.line)
             return report.result(code)
 
     env = {k: v for k, v in {**os.environ, **launch.env}.items() if k != ERROR_DIR_ENV}  # one process prints its own
@@ -744,7 +816,7 @@ def run(launch: Launch, plan: Plan, *, hf_cache: Path | None = None, shm_size: s
         if "torch.distributed.run" in launch.command:
             return run_torchrun(launch.command, env, stdout)
         proc = subprocess.Popen(launch.command, env=env, stdout=stdout, start_new_session=True)
-        with Forwarding(proc, workers=False):
+        with forwarding_to(proc, workers=False):
             return proc.wait()
     except FileNotFoundError:
         raise EnvtoolError(f"cannot start {launch.command[0]}: the environment is gone; run again to rebuild it") from None
@@ -808,47 +880,29 @@ def _is_worker(pid: int) -> bool:
         return False
 
 
-class Forwarding:
+def forwarding_to(proc, workers: bool):
     """While the trainer runs: SIGTERM, SIGUSR1 and SIGINT to envtool go to every trainer process, never orphaning
-    them. The trainer runs in its own session, so a Ctrl-C at the terminal reaches it once, through here (the
-    terminal's SIGINT would otherwise reach it too, and a second SIGINT means "stop at once"); a SIGHUP (the
-    terminal closed) is passed on as SIGTERM, as the session no longer carries it. Under torchrun
-    (`workers`) the signal goes to its workers directly -- each rank stops after the same step, saves and exits
-    138/130, and torchrun ends when they have -- or to torchrun itself before they exist (it forwards it)."""
+    them (resolver/forwarding.py, the one forwarder; docker.py's container runs use it too). The trainer runs in its
+    own session, so a Ctrl-C at the terminal reaches it once, through here (the terminal's SIGINT would otherwise
+    reach it too, and a second SIGINT means "stop at once"); a SIGHUP (the terminal closed) is passed on as SIGTERM,
+    as the session no longer carries it. Under torchrun (`workers`) the signal goes to its workers directly -- each
+    rank stops after the same step, saves and exits 138/130, and torchrun ends when they have -- or to torchrun
+    itself before they exist (it forwards it)."""
+    from .forwarding import forwarding
 
-    def __init__(self, proc, workers: bool):
-        import signal
-
-        self.proc, self.workers, self.previous = proc, workers, {}
-        self.signals = [getattr(signal, name) for name in (*STOP_SIGNALS, "SIGHUP")]
-
-    def __enter__(self):
-        import signal
-        import threading
-
-        if threading.current_thread() is threading.main_thread():
-            for number in self.signals:
-                self.previous[number] = signal.signal(number, self._forward)
-        return self
-
-    def __exit__(self, *exc):
-        import signal
-
-        for number, handler in self.previous.items():
-            signal.signal(number, handler)
-        return False
-
-    def _forward(self, number, _frame) -> None:
+    def send(number: int) -> None:
         import signal
 
         if number == signal.SIGHUP:  # the terminal went away: the trainer (in its own session) stops as on SIGTERM
             number = signal.SIGTERM
-        targets = [pid for pid in _children(self.proc.pid) if _is_worker(pid)] if self.workers else []
-        for pid in targets or [self.proc.pid]:
+        targets = [pid for pid in _children(proc.pid) if _is_worker(pid)] if workers else []
+        for pid in targets or [proc.pid]:
             try:
                 os.kill(pid, number)
             except ProcessLookupError:
                 pass
+
+    return forwarding((*STOP_SIGNALS, "SIGHUP"), send)
 
 
 # torchrun's own log lines (glog format: level, date, time, pid, file:line]).
@@ -902,12 +956,11 @@ def run_torchrun(command: list[str], env: dict, stdout) -> int:
         report = HeldReport(folder)
         proc = subprocess.Popen(command, env={**env, ERROR_DIR_ENV: folder}, stdout=stdout, stderr=subprocess.PIPE,
                                 start_new_session=True)
-        forwarding = Forwarding(proc, workers=True).__enter__()
-        try:
-            # newline="": a progress bar's \r-ended updates pass at once, as lines of their own
-            for line in io.TextIOWrapper(proc.stderr, errors="replace", newline=""):
-                report.line(line)
-        finally:
-            code = proc.wait()
-            forwarding.__exit__(None, None, None)
+        with forwarding_to(proc, workers=True):
+            try:
+                # newline="": a progress bar's \r-ended updates pass at once, as lines of their own
+                for line in io.TextIOWrapper(proc.stderr, errors="replace", newline=""):
+                    report.line(line)
+            finally:
+                code = proc.wait()
         return report.result(code)

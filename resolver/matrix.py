@@ -560,188 +560,219 @@ def _typed(hint, value, where: str, path: Path):
     return value
 
 
-def _check_facts(m: Matrix, directory: Path) -> None:
-    """Cross-row checks: what a type alone cannot say."""
+class _Rules:
+    """The checks a row's values pass (a compute capability, a version, a range, a platform), each failing with
+    one MatrixError naming the file, the row and the value."""
 
-    def fail(msg: str):
-        raise MatrixError(f"{directory}/{msg}")
+    def __init__(self, directory: Path):
+        self.directory = directory
 
-    def cc(value: str, where: str):
+    def fail(self, msg: str):
+        raise MatrixError(f"{self.directory}/{msg}")
+
+    def cc(self, value: str, where: str):
         if not CC_RE.match(value):
-            fail(f"{where}: compute capability {value!r} is not of the form '8.0'")
+            self.fail(f"{where}: compute capability {value!r} is not of the form '8.0'")
 
-    def version(value: str, where: str):
+    def version(self, value: str, where: str):
         try:
             Version(value)
         except InvalidVersion:
-            fail(f"{where}: {value!r} is not a version")
+            self.fail(f"{where}: {value!r} is not a version")
 
-    def platforms(values: list[str], where: str):
+    def platforms(self, values: list[str], where: str):
         for p in values:
             if p not in PLATFORMS:
-                fail(f"{where}: platform {p!r} is not one of {', '.join(PLATFORMS)}")
+                self.fail(f"{where}: platform {p!r} is not one of {', '.join(PLATFORMS)}")
 
-    def spec(value: str, where: str):
+    def spec(self, value: str, where: str):
         clauses = [RANGE_RE.match(c.strip()) for c in value.split(",")]
         if not all(clauses):
-            fail(f"{where}: {value!r} is not a version range like '>=3.10,<3.15'")
+            self.fail(f"{where}: {value!r} is not a version range like '>=3.10,<3.15'")
         for clause in clauses:
-            version(clause.group(2), where)
+            self.version(clause.group(2), where)
 
+
+def _check_facts(m: Matrix, directory: Path) -> None:
+    """Cross-row checks: what a type alone cannot say. One section per group of files, in this order."""
+    rule = _Rules(directory)
+    for section in (_check_gpus, _check_torch, _check_attention, _check_varlen, _check_packages):
+        section(m, rule)
+
+
+def _check_gpus(m: Matrix, rule: _Rules) -> None:
+    """archs.toml, gpus.toml, cuda.toml's toolkits."""
     for a in m.archs:
         where = f"archs.toml [[arch]] ({a.compute_capability})"
-        cc(a.compute_capability, where)
+        rule.cc(a.compute_capability, where)
         if a.min_driver:
-            version(a.min_driver, where)
+            rule.version(a.min_driver, where)
         if (a.min_driver or a.max_driver_branch) and not a.driver_note:
-            fail(f"{where}: a driver limit needs a driver_note saying why")
+            rule.fail(f"{where}: a driver limit needs a driver_note saying why")
     aliases: dict[str, str] = {}
     for g in m.gpus:
         where = f"gpus.toml [[gpu]] ({g.name})"
-        cc(g.compute_capability, where)
+        rule.cc(g.compute_capability, where)
         if m.arch_for(g.compute_capability) is None:
-            fail(f"{where}: no archs.toml row covers compute capability {g.compute_capability}")
+            rule.fail(f"{where}: no archs.toml row covers compute capability {g.compute_capability}")
         for alias in g.aliases:
             key = normalize_name(alias)
             if key in aliases:
-                fail(f"{where}: alias {alias!r} also names {aliases[key]}")
+                rule.fail(f"{where}: alias {alias!r} also names {aliases[key]}")
             aliases[key] = g.name
-        platforms(g.platforms, where)
+        rule.platforms(g.platforms, where)
         if g.p2p not in (None, "none"):
-            fail(f"{where}: p2p {g.p2p!r}: give \"none\" or leave it out")
+            rule.fail(f"{where}: p2p {g.p2p!r}: give \"none\" or leave it out")
         if (g.p2p or g.p2p_hang_below_driver) and not g.p2p_source:
-            fail(f"{where}: a p2p fact needs a p2p_source")
+            rule.fail(f"{where}: a p2p fact needs a p2p_source")
         if g.p2p_hang_below_driver:
-            version(g.p2p_hang_below_driver, where)
-    version(m.assumed_driver, "cuda.toml assumed_driver")
-    toolkits = {t.version for t in m.toolkits}
+            rule.version(g.p2p_hang_below_driver, where)
+    rule.version(m.assumed_driver, "cuda.toml assumed_driver")
     for t in m.toolkits:
-        version(t.version, f"cuda.toml [[toolkit]] ({t.version})")
+        rule.version(t.version, f"cuda.toml [[toolkit]] ({t.version})")
         if m.cuda_major(int(t.version.split(".")[0])) is None:
-            fail(f"cuda.toml [[toolkit]] ({t.version}): no [[major]] row for its major")
+            rule.fail(f"cuda.toml [[toolkit]] ({t.version}): no [[major]] row for its major")
+
+
+def _check_torch(m: Matrix, rule: _Rules) -> None:
+    """torch.toml's releases and their builds."""
+    toolkits = {t.version for t in m.toolkits}
     for r in m.torch:
         where = f"torch.toml [[release]] (version={r.version})"
-        version(r.version, where)
-        spec(r.python, where)
-        platforms(r.triton_platforms, where)
+        rule.version(r.version, where)
+        rule.spec(r.python, where)
+        rule.platforms(r.triton_platforms, where)
         if r.triton_python is not None:
-            spec(r.triton_python, where)
+            rule.spec(r.triton_python, where)
         if r.triton is not None:
-            version(r.triton, where)
+            rule.version(r.triton, where)
             if m.triton_releases:
-                _check_triton_wheels(r, m, where, fail)
+                _check_triton_wheels(r, m, where, rule.fail)
         for b in r.build:
             bwhere = f"{where} build {b.variant}"
             if b.cuda not in toolkits:
-                fail(f"{bwhere}: CUDA {b.cuda} has no cuda.toml [[toolkit]] row")
+                rule.fail(f"{bwhere}: CUDA {b.cuda} has no cuda.toml [[toolkit]] row")
             if b.status not in ("stable", "experimental"):
-                fail(f"{bwhere}: status must be 'stable' or 'experimental', not {b.status!r}")
+                rule.fail(f"{bwhere}: status must be 'stable' or 'experimental', not {b.status!r}")
             if not b.sass:
-                fail(f"{bwhere}: empty sass list")
+                rule.fail(f"{bwhere}: empty sass list")
             for s in b.sass + (b.sass_aarch64 or []):
-                cc(s, bwhere)
+                rule.cc(s, bwhere)
             if b.sass_aarch64 == []:
-                fail(f"{bwhere}: empty sass_aarch64 list (leave it out where there is no aarch64 build)")
+                rule.fail(f"{bwhere}: empty sass_aarch64 list (leave it out where there is no aarch64 build)")
+
+
+def _check_attention(m: Matrix, rule: _Rules) -> None:
+    """cuda.toml's majors, attention.toml, flash_attn.toml."""
     impls = {i.name for i in m.flash_attn_impls}
     for c in m.cuda_majors:
         if c.min_cc:
-            cc(c.min_cc, f"cuda.toml [[major]] ({c.major})")
+            rule.cc(c.min_cc, f"cuda.toml [[major]] ({c.major})")
     backends = {b.name for b in m.attention}
     for b in m.attention:
         for value in (b.min_cc, b.max_cc):
             if value:
-                cc(value, f"attention.toml [[backend]] ({b.name})")
+                rule.cc(value, f"attention.toml [[backend]] ({b.name})")
         if b.packing not in ("position_ids", "row_position_ids", "bool_mask", "float_mask"):
-            fail(f"attention.toml [[backend]] ({b.name}): packing {b.packing!r} is not position_ids, "
+            rule.fail(f"attention.toml [[backend]] ({b.name}): packing {b.packing!r} is not position_ids, "
                  "row_position_ids, bool_mask or float_mask")
     for i in m.flash_attn_impls:
         if i.attention not in backends:
-            fail(f"flash_attn.toml [[impl]] ({i.name}): attention {i.attention!r} has no attention.toml row")
+            rule.fail(f"flash_attn.toml [[impl]] ({i.name}): attention {i.attention!r} has no attention.toml row")
     for fa in m.flash_attn_releases:
         where = f"flash_attn.toml [[release]] (version={fa.version})"
-        version(fa.version, where)
+        rule.version(fa.version, where)
         if fa.impl not in impls:
-            fail(f"{where}: impl {fa.impl!r} has no [[impl]] row")
-        platforms(fa.platforms, where)
+            rule.fail(f"{where}: impl {fa.impl!r} has no [[impl]] row")
+        rule.platforms(fa.platforms, where)
         if bool(fa.torch) == bool(fa.min_torch):
-            fail(f"{where}: give either `torch` (the releases with a wheel) or `min_torch` (every one from it on)")
+            rule.fail(f"{where}: give either `torch` (the releases with a wheel) or `min_torch` (every one from it on)")
         if bool(fa.python) == bool(fa.min_python):
-            fail(f"{where}: give either `python` or `min_python`")
+            rule.fail(f"{where}: give either `python` or `min_python`")
         for value in filter(None, (fa.min_torch, fa.min_python)):
-            version(value, where)
+            rule.version(value, where)
         if fa.index is None:
             if not fa.cuda or fa.variants:
-                fail(f"{where}: a wheel at a URL needs `cuda` (CUDA major -> filename tag) and no `variants`")
+                rule.fail(f"{where}: a wheel at a URL needs `cuda` (CUDA major -> filename tag) and no `variants`")
         else:
             if fa.index != "torch":
-                fail(f"{where}: index {fa.index!r}: the only index a release row can name is \"torch\"")
+                rule.fail(f"{where}: index {fa.index!r}: the only index a release row can name is \"torch\"")
             if not fa.variants or fa.cuda:
-                fail(f"{where}: a wheel on the PyTorch index needs `variants` (the index folders) and no `cuda`")
+                rule.fail(f"{where}: a wheel on the PyTorch index needs `variants` (the index folders) and no `cuda`")
         if "{platform_tag}" in fa.filename:
             missing = [p for p in fa.platforms if p not in fa.platform_tags]
             if missing:
-                fail(f"{where}: platform_tags has no tag for {missing[0]}")
+                rule.fail(f"{where}: platform_tags has no tag for {missing[0]}")
+
+
+def _check_varlen(m: Matrix, rule: _Rules) -> None:
+    """torch.toml's varlen kernels and cuDNN SDPA rows."""
+    backends = {b.name for b in m.attention}
     for v in m.varlen:
         where = f"torch.toml [[varlen]] ({v.name})"
-        spec(v.torch, where)
-        cc(v.min_cc, where)
+        rule.spec(v.torch, where)
+        rule.cc(v.min_cc, where)
         for name in (v.attention, v.counts_as):
             if name not in backends:
-                fail(f"{where}: {name!r} has no attention.toml row")
+                rule.fail(f"{where}: {name!r} has no attention.toml row")
     for c in m.cudnn_sdpa:
         where = f"torch.toml [[cudnn_sdpa]] (torch{c.torch})"
-        spec(c.torch, where)
-        spec(c.cuda, where)
-        cc(c.min_cc, where)
-        cc(c.max_cc, where)
+        rule.spec(c.torch, where)
+        rule.spec(c.cuda, where)
+        rule.cc(c.min_cc, where)
+        rule.cc(c.max_cc, where)
+
+
+def _check_packages(m: Matrix, rule: _Rules) -> None:
+    """packages.toml and xformers.toml."""
     for k in m.kernels_requirements:
         where = f"packages.toml [[kernels_requirement]] (transformers={k.transformers})"
-        version(k.transformers, where)
-        spec(k.kernels, where)
+        rule.version(k.transformers, where)
+        rule.spec(k.kernels, where)
     for k in m.kernels_releases:
-        version(k.version, f"packages.toml [[kernels_release]] (version={k.version})")
+        rule.version(k.version, f"packages.toml [[kernels_release]] (version={k.version})")
     for s in m.stacks:
         if s.hub_kernels and not s.hub_kernels_source:
-            fail(f"packages.toml [[stack]] (python{s.python}): hub_kernels without hub_kernels_source")
+            rule.fail(f"packages.toml [[stack]] (python{s.python}): hub_kernels without hub_kernels_source")
         for name, v in s.hub_kernels.items():
             if name not in s.packages:
-                fail(f"packages.toml [[stack]] (python{s.python}): hub_kernels.{name} is not one of its packages")
-            version(v, f"packages.toml [[stack]] (python{s.python}) hub_kernels.{name}")
+                rule.fail(f"packages.toml [[stack]] (python{s.python}): hub_kernels.{name} is not one of its packages")
+            rule.version(v, f"packages.toml [[stack]] (python{s.python}) hub_kernels.{name}")
     for p in m.packages:
         where = f"packages.toml [[package]] (name={p.name}, version={p.version})"
-        version(p.version, where)
+        rule.version(p.version, where)
         for r in (p.python, p.torch):
             if r is not None:
-                spec(r, where)
+                rule.spec(r, where)
         unknown = sorted({*p.backends, *p.not_on} - {"cpu", "cuda", "rocm", "xpu", "mps"})
         if unknown:
             raise MatrixError(f"{where}: unknown backend {unknown[0]!r} (cpu, cuda, rocm, xpu, mps)")
     for x in m.xformers:
         where = f"xformers.toml [[release]] (version={x.version})"
-        version(x.version, where)
-        spec(x.torch, where)
-        cc(x.min_cc, where)
+        rule.version(x.version, where)
+        rule.spec(x.torch, where)
+        rule.cc(x.min_cc, where)
         if x.python is not None:
-            spec(x.python, where)
-        platforms(x.platforms, where)
+            rule.spec(x.python, where)
+        rule.platforms(x.platforms, where)
     for t in m.triton_releases:
         where = f"packages.toml [[triton_release]] (version={t.version})"
-        version(t.version, where)
-        spec(t.python, where)
-        platforms(t.platforms, where)
+        rule.version(t.version, where)
+        rule.spec(t.python, where)
+        rule.platforms(t.platforms, where)
     for s in m.stacks:
         where = f"packages.toml [[stack]] (torch={s.torch})"
-        spec(s.torch, where)
-        spec(s.python, where)
+        rule.spec(s.torch, where)
+        rule.spec(s.python, where)
         for name, v in s.packages.items():
-            version(v, f"{where} package {name}")
+            rule.version(v, f"{where} package {name}")
     for req in m.gpu_requirements:
-        cc(req.min_cc, f"packages.toml [[gpu_requirement]] ({req.package})")
+        rule.cc(req.min_cc, f"packages.toml [[gpu_requirement]] ({req.package})")
     for f in m.features:
-        cc(f.min_cc, f"packages.toml [[feature]] ({f.name})")
+        rule.cc(f.min_cc, f"packages.toml [[feature]] ({f.name})")
     for t in m.triton_support:
-        spec(t.triton, f"packages.toml [[triton_support]] ({t.triton})")
-        cc(t.min_cc, f"packages.toml [[triton_support]] ({t.triton})")
+        rule.spec(t.triton, f"packages.toml [[triton_support]] ({t.triton})")
+        rule.cc(t.min_cc, f"packages.toml [[triton_support]] ({t.triton})")
 
 
 def _check_triton_wheels(r: TorchRelease, m: Matrix, where: str, fail) -> None:

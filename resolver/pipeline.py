@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, NamedTuple
 
@@ -220,8 +221,19 @@ def install_system(python: str, env_dir: Path | None, opts: PlanOptions, sources
 # ---------------------------------------------------------------------------- build
 
 
-def build(plans: list[Plan], sources, *, tag: str | None = None, push: bool = False, base_image: str | None = None,
-          wheelhouse: Path | None = None, network: str | None = None, quiet: bool = False,
+@dataclass(frozen=True)
+class ImageOptions:
+    """What `envtool build` makes of each plan's image: its `tag` (one target only; default: the plan's tag),
+    whether to `push` it, another `base_image`, a `wheelhouse` to fill and reuse, the build's `network`."""
+
+    tag: str | None = None
+    push: bool = False
+    base_image: str | None = None
+    wheelhouse: Path | None = None
+    network: str | None = None
+
+
+def build(plans: list[Plan], sources, options: ImageOptions = ImageOptions(), *, quiet: bool = False,
           say: Callable[[str], None] = lambda s: None) -> list[dict]:
     import tempfile
 
@@ -231,6 +243,8 @@ def build(plans: list[Plan], sources, *, tag: str | None = None, push: bool = Fa
     from .wheelhouse import fill
 
     m = load()
+    tag, push, base_image, wheelhouse, network = (options.tag, options.push, options.base_image, options.wheelhouse,
+                                                  options.network)
     if tag is not None:  # `--tag ''` or a tag with a space: one line now, not a default tag or a failed build later
         images.check_image_reference(tag, "--tag")
     if tag and len(plans) > 1:

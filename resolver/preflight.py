@@ -15,15 +15,14 @@ from pathlib import Path
 from .doctor import Finding
 from .errors import BadInput
 from .hardware import GpuSpec
+from .launch import Distribution
 
 
-def multi_gpu_processes(gpu: GpuSpec, *, nproc: int | None, timeout: float, config: Path | None = None,
-                        nnodes: int = 1, node_rank: int = 0, rdzv_endpoint: str | None = None) -> int:
+def multi_gpu_processes(gpu: GpuSpec, dist: Distribution, *, timeout: float, config: Path | None = None) -> int:
     """The processes per machine the preflight starts (--nproc, else every GPU of the target, 2 on the CPU);
     BadInput for what cannot work, before anything starts."""
-    from .launch import Distribution
-
-    Distribution(nproc, nnodes, node_rank, rdzv_endpoint).check()
+    dist.check()
+    nproc, nnodes = dist.nproc, dist.nnodes
     if timeout <= 0:
         raise BadInput(f"--timeout {timeout:g}: give a number of seconds above 0")
     if config is not None:
@@ -38,9 +37,8 @@ def multi_gpu_processes(gpu: GpuSpec, *, nproc: int | None, timeout: float, conf
     return count
 
 
-def multi_gpu(python: str, gpu: GpuSpec, driver: str | None, *, nproc: int | None, timeout: float,
-              config: Path | None = None, nnodes: int = 1, node_rank: int = 0,
-              rdzv_endpoint: str | None = None) -> tuple[list[Finding], dict]:
+def multi_gpu(python: str, gpu: GpuSpec, driver: str | None, dist: Distribution, *, timeout: float,
+              config: Path | None = None) -> tuple[list[Finding], dict]:
     """Start `python -m trainer preflight` under the environment's torchrun with the job's launch settings, read
     what every rank reported, and turn it into findings (plus the catalog's P2P advice for a GPU named with
     --gpu that this machine does not have). Bounded: torchrun is stopped past 4 x timeout + 2 minutes."""
@@ -50,8 +48,7 @@ def multi_gpu(python: str, gpu: GpuSpec, driver: str | None, *, nproc: int | Non
 
     from .launch import launch_command
 
-    count = multi_gpu_processes(gpu, nproc=nproc, timeout=timeout, config=config, nnodes=nnodes,
-                                node_rank=node_rank, rdzv_endpoint=rdzv_endpoint)
+    count = multi_gpu_processes(gpu, dist, timeout=timeout, config=config)
     device = "cpu" if gpu.is_cpu else "auto"
     from trainer.errors import ERROR_DIR_ENV
 
@@ -60,8 +57,8 @@ def multi_gpu(python: str, gpu: GpuSpec, driver: str | None, *, nproc: int | Non
         args = ["preflight", "--timeout", f"{timeout:g}", "--device", device, "--report", folder]
         if config is not None:
             args += ["--config", str(config)]
-        command = launch_command(python, "", nproc=count, nnodes=nnodes, node_rank=node_rank,
-                                 rdzv_endpoint=rdzv_endpoint, rdzv_id="envtool-preflight", trainer_args=args)
+        command = launch_command(python, "", dist._replace(nproc=count), rdzv_id="envtool-preflight",
+                                 trainer_args=args)
         # torchrun's 3-line OMP banner, quietly; a rank's own error line (a trainer error) kept for the finding
         env = {"OMP_NUM_THREADS": "1", **os.environ, ERROR_DIR_ENV: errors}
         try:
@@ -87,7 +84,7 @@ def multi_gpu(python: str, gpu: GpuSpec, driver: str | None, *, nproc: int | Non
                 recorded.append(json.loads(path.read_text()))
             except (OSError, ValueError):
                 continue
-    summary = {"nproc": count, "nnodes": nnodes, "timeout_s": timeout, "exit_code": proc.returncode,
+    summary = {"nproc": count, "nnodes": dist.nnodes, "timeout_s": timeout, "exit_code": proc.returncode,
                "backend": None, "joined": [], "missing": [], "all_reduce": None, "ranks": {}, "ok": False}
     if not reports:
         if recorded:  # the trainer's own error line, as `envtool train` prints it

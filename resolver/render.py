@@ -155,3 +155,29 @@ def fit_report(found, console: Console | None = None) -> None:
         console.print(f"note: {note}")
     for suggestion in r["suggestions"]:
         console.print(f"  • {suggestion['text']} -> {suggestion['peak_gb']:.1f} GB")
+
+
+def train_dry_run(training, opts) -> None:
+    """`envtool train --dry-run`: the plan, the config's notes, what the trainer will run under the plan (attention,
+    precision, packing, the memory estimate), where it runs and the exact command."""
+    import shlex
+
+    from .fit import lines
+    from .launch import image_line
+
+    plan_table(training.plan)
+    for note in training.notes:
+        print(f"config: {note}")
+    trainer, launch = training.trainer, training.launch
+    print(f"trainer: attention {trainer['attention']}, precision {trainer['precision']}"
+          f"{' + tf32' if trainer['tf32'] else ''}")
+    print(f"trainer: packing {trainer['isolation']}")
+    if training.fit is not None:
+        print("\n".join(lines(training.fit)))
+    for note in trainer["notes"]:
+        print(f"note: {note}")
+    print(f"environment: {launch.kind} {launch.path or ''} — {launch.why}")
+    if launch.kind != "image":
+        print(f"image: {image_line(training.plan, opts)}")
+    env = " ".join(f"{k}={shlex.quote(v)}" for k, v in launch.env.items())
+    print(f"command: {env + ' ' if env else ''}{shlex.join(launch.command)}")

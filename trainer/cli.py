@@ -295,6 +295,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
     sub = parser.add_subparsers(dest="command", required=True)
 
+    for add in (_add_run_commands, _add_after_commands, _add_tool_commands):
+        add(sub)
+    return parser
+
+
+def _add_run_commands(sub) -> None:
+    """validate, preprocess, train, evaluate: a run's commands."""
     p = sub.add_parser("validate", help="show the effective config for this (or another) GPU, each change explained: the attention that will "
                        "run and how packed rows are kept apart (varlen: cu_seqlens, no mask; or a mask), and why")
     p.add_argument("config")
@@ -325,6 +332,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_evaluate)
 
+
+def _add_after_commands(sub) -> None:
+    """merge-lora, export, chat-check: the commands after a run."""
     p = sub.add_parser("merge-lora", help="merge output_dir/final's adapter into the base: a full model in "
                        "output_dir/merged, streamed shard by shard",
                        description="Merge the LoRA/QLoRA adapter in output_dir/final (SFT, DPO, ORPO, KTO, ...) into "
@@ -374,6 +384,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_chat_check)
 
+
+def _add_tool_commands(sub) -> None:
+    """preflight (under torchrun) and make-tiny-model."""
     p = sub.add_parser("preflight", help="under torchrun: every rank joins, a timed all-reduce, /dev/shm, ulimit -l, "
                        "shared storage across machines; names a rank that does not answer",
                        description="Run under torchrun with the job's launch settings (envtool doctor --multi-gpu "
@@ -398,7 +411,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--family", choices=["llama", "qwen2", "mistral", "llava", "gemma3_vision"], default="llama")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_make_tiny_model)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

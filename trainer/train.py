@@ -32,7 +32,7 @@ import torch
 
 from trainer import objectives
 from trainer.batch.collate import Collator
-from trainer.batch.sampler import MultipackBatchSampler
+from trainer.batch.sampler import MultipackBatchSampler, Order
 from trainer.config import Config
 from trainer.config import resume as resume_keys
 from trainer.config.parallel import sync_each_batch
@@ -274,9 +274,10 @@ class Training:
         else:
             self.sampler = MultipackBatchSampler(
                 objective.lengths(self.data.train), rows_per_batch, objectives.capacity(cfg, cfg.sample_packing),
-                seed=cfg.seed, rank=self.data_rank, world_size=self.data_world, drop_last=True,
-                shuffle=not cfg.curriculum_sampling, group_by_length=cfg.group_by_length,
-                group_size=cfg.micro_batch_size * ga, sequential_packing=cfg.sample_packing_sequentially)
+                Order(seed=cfg.seed, drop_last=True, shuffle=not cfg.curriculum_sampling,
+                      group_by_length=cfg.group_by_length, group_size=cfg.micro_batch_size * ga,
+                      sequential_packing=cfg.sample_packing_sequentially),
+                rank=self.data_rank, world_size=self.data_world)
         self.steps_per_epoch = len(self.sampler) // self.draws
         if self.steps_per_epoch == 0:
             unit = "micro-batches" if self.draws == ga else f"batches of {rows_per_batch} prompts"

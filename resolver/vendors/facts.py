@@ -223,64 +223,82 @@ def load(directory: Path | None = None) -> Vendors:
     return v
 
 
-def _check(v: Vendors, directory: Path) -> None:
-    from packaging.version import InvalidVersion, Version
+class _Rules:
+    """The checks a vendor row's values pass, each failing with one MatrixError naming the file, row and value."""
 
-    def fail(msg: str):
-        raise MatrixError(f"{directory}/{msg}")
+    def __init__(self, directory: Path):
+        self.directory = directory
 
-    def gfx(value: str, where: str):
+    def fail(self, msg: str):
+        raise MatrixError(f"{self.directory}/{msg}")
+
+    def gfx(self, value: str, where: str):
         if catalog.gfx_from_text(value) != value:
-            fail(f"{where}: {value!r} is not a gfx target like 'gfx942'")
+            self.fail(f"{where}: {value!r} is not a gfx target like 'gfx942'")
 
-    def version(value: str, where: str):
+    def version(self, value: str, where: str):
+        from packaging.version import InvalidVersion, Version
+
         try:
             Version(value)
         except InvalidVersion:
-            fail(f"{where}: {value!r} is not a version")
+            self.fail(f"{where}: {value!r} is not a version")
 
+
+def _check(v: Vendors, directory: Path) -> None:
+    """Cross-row checks of the vendors' files, in this order: AMD's catalog, ROCm's builds, the limits and the
+    Intel and Apple rows, one alias per GPU across every vendor."""
+    rule = _Rules(directory)
+    for section in (_check_amd, _check_rocm, _check_limits, _check_aliases):
+        section(v, rule)
+
+
+def _check_amd(v: Vendors, rule: _Rules) -> None:
     for t in v.amd_targets:
-        gfx(t.gfx, f"amd.toml [[target]] ({t.gfx})")
+        rule.gfx(t.gfx, f"amd.toml [[target]] ({t.gfx})")
         if t.fp8 not in ("", "fnuz", "ocp"):
-            fail(f"amd.toml [[target]] ({t.gfx}): fp8 {t.fp8!r} is not '', 'fnuz' or 'ocp'")
+            rule.fail(f"amd.toml [[target]] ({t.gfx}): fp8 {t.fp8!r} is not '', 'fnuz' or 'ocp'")
         if t.wavefront not in (32, 64):
-            fail(f"amd.toml [[target]] ({t.gfx}): wavefront must be 32 or 64")
+            rule.fail(f"amd.toml [[target]] ({t.gfx}): wavefront must be 32 or 64")
     if len({t.gfx for t in v.amd_targets}) != len(v.amd_targets):
-        fail("amd.toml: a gfx target has two [[target]] rows")
+        rule.fail("amd.toml: a gfx target has two [[target]] rows")
     for g in v.amd_gpus:
         where = f"amd.toml [[gpu]] ({g.name})"
         if v.amd_target(g.gfx) is None:
-            fail(f"{where}: no [[target]] row for {g.gfx}")
+            rule.fail(f"{where}: no [[target]] row for {g.gfx}")
         if g.memory_gb is None and not v.amd_target(g.gfx).shared_memory:
-            fail(f"{where}: memory_gb is left out, but {g.gfx} is not an APU (shared_memory)")
+            rule.fail(f"{where}: memory_gb is left out, but {g.gfx} is not an APU (shared_memory)")
         for pci in g.pci_ids:
             if not pci.startswith("0x") or int(pci, 16) > 0xFFFF:
-                fail(f"{where}: pci id {pci!r} is not of the form '0x74a1'")
+                rule.fail(f"{where}: pci id {pci!r} is not of the form '0x74a1'")
     for k in v.kmd:
         for r in (k.rocm, *k.user_space):
-            version(r, f"amd.toml [[kmd]] ({k.rocm})")
-    torch_releases = {r.version for r in load_matrix(directory).torch}
+            rule.version(r, f"amd.toml [[kmd]] ({k.rocm})")
+
+
+def _check_rocm(v: Vendors, rule: _Rules) -> None:
+    torch_releases = {r.version for r in load_matrix(rule.directory).torch}
     for b in v.rocm_builds:
         where = f"rocm.toml [[build]] ({b.torch} {b.variant})"
         if b.torch not in torch_releases:
-            fail(f"{where}: torch {b.torch} has no torch.toml [[release]] row")
-        version(b.rocm, where)
+            rule.fail(f"{where}: torch {b.torch} has no torch.toml [[release]] row")
+        rule.version(b.rocm, where)
         if b.variant != f"rocm{b.rocm}":
-            fail(f"{where}: variant must be 'rocm' + its rocm version")
+            rule.fail(f"{where}: variant must be 'rocm' + its rocm version")
         if b.status not in ("stable", "also"):
-            fail(f"{where}: status must be 'stable' or 'also', not {b.status!r}")
+            rule.fail(f"{where}: status must be 'stable' or 'also', not {b.status!r}")
         for t in b.gfx:
-            gfx(t, where)
+            rule.gfx(t, where)
     for a in v.aotriton:
-        gfx(a.gfx, f"rocm.toml [[aotriton]] ({a.gfx})")
+        rule.gfx(a.gfx, f"rocm.toml [[aotriton]] ({a.gfx})")
         if a.status not in ("supported", "experimental"):
-            fail(f"rocm.toml [[aotriton]] ({a.gfx}): status must be 'supported' or 'experimental'")
+            rule.fail(f"rocm.toml [[aotriton]] ({a.gfx}): status must be 'supported' or 'experimental'")
     for b in v.bnb_rocm:
         where = f"rocm.toml [[bitsandbytes]] ({b.version} rocm{b.rocm})"
-        version(b.version, where)
-        version(b.rocm, where)
+        rule.version(b.version, where)
+        rule.version(b.rocm, where)
         for t in b.gfx:
-            gfx(t, where)
+            rule.gfx(t, where)
     from packaging.specifiers import InvalidSpecifier, SpecifierSet
 
     for file, rows in (("rocm.toml", v.rocm_triton), ("intel.toml", v.xpu_triton)):
@@ -288,33 +306,40 @@ def _check(v: Vendors, directory: Path) -> None:
             try:
                 SpecifierSet(r.torch)
             except InvalidSpecifier:
-                fail(f"{file} [[triton]] ({r.package}): torch {r.torch!r} is not a version range")
-    stack_packages = {name for s in load_matrix(directory).stacks for name in s.packages} | {"triton"}
-    feature_names = {f.name for f in load_matrix(directory).features}
+                rule.fail(f"{file} [[triton]] ({r.package}): torch {r.torch!r} is not a version range")
+
+
+def _check_limits(v: Vendors, rule: _Rules) -> None:
+    torch_releases = {r.version for r in load_matrix(rule.directory).torch}
+    stack_packages = {name for s in load_matrix(rule.directory).stacks for name in s.packages} | {"triton"}
+    feature_names = {f.name for f in load_matrix(rule.directory).features}
     for file, rows in (("rocm.toml", v.rocm_limits), ("intel.toml", v.xpu_limits), ("apple.toml", v.mps_limits)):
         for r in rows:
             where = f"{file} [[limit]] ({r.feature})"
             if r.package is not None and r.package not in stack_packages:
-                fail(f"{where}: package {r.package!r} is not a training-stack package (packages.toml [[stack]])")
+                rule.fail(f"{where}: package {r.package!r} is not a training-stack package (packages.toml [[stack]])")
             if r.min_version is not None:
-                version(r.min_version, where)
+                rule.version(r.min_version, where)
             for name in r.features:
                 if name not in feature_names:
-                    fail(f"{where}: feature {name!r} has no packages.toml [[feature]] row")
+                    rule.fail(f"{where}: feature {name!r} has no packages.toml [[feature]] row")
     aots = {t.aot for t in v.intel_targets}
     for g in v.intel_gpus:
         if g.aot not in aots:
-            fail(f"intel.toml [[gpu]] ({g.name}): no [[target]] row for {g.aot}")
+            rule.fail(f"intel.toml [[gpu]] ({g.name}): no [[target]] row for {g.aot}")
     for value in (v.mps_min_macos, v.bf16_min_macos):
-        version(value, "apple.toml")
+        rule.version(value, "apple.toml")
     for b in v.mac_builds:
         where = f"apple.toml [[build]] ({b.torch})"
         if b.torch not in torch_releases:
-            fail(f"{where}: torch {b.torch} has no torch.toml [[release]] row")
-        version(b.macos, where)
+            rule.fail(f"{where}: torch {b.torch} has no torch.toml [[release]] row")
+        rule.version(b.macos, where)
+
+
+def _check_aliases(v: Vendors, rule: _Rules) -> None:
     # one alias, one GPU, across every vendor's catalog
     seen: dict[str, str] = {}
-    for g in load_matrix(directory).gpus:
+    for g in load_matrix(rule.directory).gpus:
         for label in (g.name, *g.aliases):
             seen[normalize_name(label)] = g.name
     for file, rows in (("amd.toml", v.amd_gpus), ("intel.toml", v.intel_gpus)):
@@ -322,5 +347,5 @@ def _check(v: Vendors, directory: Path) -> None:
             for label in (g.name, *g.aliases):
                 key = normalize_name(label)
                 if seen.get(key, g.name) != g.name:
-                    fail(f"{file} [[gpu]] ({g.name}): alias {label!r} also names {seen[key]}")
+                    rule.fail(f"{file} [[gpu]] ({g.name}): alias {label!r} also names {seen[key]}")
                 seen[key] = g.name

@@ -15,8 +15,8 @@ from resolver import emit, launch
 def test_train_in_an_image_passes_the_credentials_that_are_set(monkeypatch, present):
     seen = {}
 
-    def docker_run(image, command, **options):
-        seen.update(options, image=image)
+    def docker_run(image, command, options, **more):
+        seen.update(vars(options), image=image)
         return 0
 
     import resolver.docker
@@ -29,6 +29,6 @@ def test_train_in_an_image_passes_the_credentials_that_are_set(monkeypatch, pres
     image = launch.Launch(kind="image", path="envtool/train:t4", ready=True, python="python",
                           command=["python", "-m", "trainer", "train", "c.yml"], env={}, why="", mounts=())
     assert launch.run(image, types.SimpleNamespace(on_gpu=False)) == 0
-    assert seen["env_names"] == list(present)
+    assert seen["env_names"] == present
     assert "a-value-envtool-must-not-copy" not in repr(seen)
     assert emit.SECRET_KEYS == launch.SECRET_KEYS  # one list of credentials for images, sbatch and k8s

@@ -8,11 +8,29 @@ inside its sampler's __len__: a collective that only some ranks reached.)
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from trainer.batch.packing import pack
 
 Batch = list[list[int]]  # a micro-batch: rows, each row a list of example indices packed together
+
+
+@dataclass(frozen=True)
+class Order:
+    """How MultipackBatchSampler orders and cuts an epoch (its docstring says what each does): the seed, a shuffle
+    or the data's order, length grouping (over `group_size` rows), next-fit packing, and dropping the remainder."""
+
+    seed: int = 0
+    shuffle: bool = True
+    drop_last: bool = True
+    group_by_length: bool = False
+    group_size: int | None = None
+    sequential_packing: bool = False
+
+
+EVALUATION = Order(shuffle=False, drop_last=False)  # every example once, in the data's order
 
 
 class MultipackBatchSampler:
@@ -30,20 +48,19 @@ class MultipackBatchSampler:
     may differ by one batch — evaluation has no per-batch collectives, so that is safe.
     """
 
-    def __init__(self, lengths, batch_size: int, capacity: int | None, seed: int = 0,
-                 rank: int = 0, world_size: int = 1, shuffle: bool = True, drop_last: bool = True,
-                 group_by_length: bool = False, group_size: int | None = None, sequential_packing: bool = False):
+    def __init__(self, lengths, batch_size: int, capacity: int | None, order: Order = Order(), rank: int = 0,
+                 world_size: int = 1):
         self.lengths = np.asarray(lengths, dtype=np.int64)
         self.batch_size = batch_size
         self.capacity = capacity
-        self.seed = seed
+        self.seed = order.seed
         self.rank = rank
         self.world_size = world_size
-        self.shuffle = shuffle
-        self.drop_last = drop_last
-        self.group_by_length = group_by_length and shuffle and capacity is None  # packing decides batches
-        self.group_size = group_size or batch_size
-        self.sequential_packing = sequential_packing
+        self.shuffle = order.shuffle
+        self.drop_last = order.drop_last
+        self.group_by_length = order.group_by_length and order.shuffle and capacity is None  # packing decides batches
+        self.group_size = order.group_size or batch_size
+        self.sequential_packing = order.sequential_packing
         self.epoch = 0
         self.skip = 0  # batches of this epoch already consumed (set when resuming)
         self._cache: tuple[int, list[Batch]] | None = None

@@ -327,7 +327,7 @@ def _save(path: Path, train, validation, stats: dict) -> None:
         if validation is not None:
             validation.save_to_disk(str(tmp / "validation"))
         (tmp / "stats.json").write_text(json.dumps(stats, indent=2))
-        (tmp / MANIFEST).write_text(json.dumps(_describe(tmp), indent=1))  # last: a cache with one is whole
+        digest.write(tmp, MANIFEST, DERIVED)  # last: a cache with one is whole (trainer/runtime/digest.py)
         os.replace(tmp, path)  # the cache is complete or absent
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -352,15 +352,11 @@ def _no_space(e: BaseException) -> bool:
 DERIVED = ("reference-",)
 
 
-def _describe(root: Path) -> dict:
-    return digest.describe(root, MANIFEST, DERIVED)  # every file (trainer/runtime/digest.py: the one manifest rule)
-
-
 def damage(path: Path) -> str | None:
     """Why the cache at `path` cannot be trusted, or None: checked against its manifest (sizes, and hashes up to
     HASH_LIMIT bytes in all)."""
     try:
-        manifest = json.loads((path / MANIFEST).read_text())
+        manifest = digest.load(path, MANIFEST)
     except FileNotFoundError:
         return f"it has no {MANIFEST} (an interrupted or older cache)"
     except (OSError, ValueError) as e:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import inspect
 from functools import lru_cache
+from typing import NamedTuple
 
 import torch
 
@@ -53,11 +54,21 @@ def _keywords(fn) -> frozenset[str]:
     return frozenset(inspect.signature(fn).parameters)
 
 
-def call_kernel(query, key, value, cu_seq_q, cu_seq_k, max_q: int, max_k: int, *, causal: bool,
-                window: int | None = None, scale: float | None = None):
+class Seqlens(NamedTuple):
+    """Where the packed sequences start and end (cumulative lengths, int32) and the longest, for queries and keys."""
+
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    max_q: int
+    max_k: int
+
+
+def call_kernel(query, key, value, seqlens: Seqlens, *, causal: bool, window: int | None = None,
+                scale: float | None = None):
     """varlen_attn on [tokens, heads, dim] tensors, in whatever form this torch release takes: `window` is
     transformers' sliding_window (tokens a query sees, itself included), `scale` the softmax scale (None:
     1/sqrt(dim))."""
+    cu_seq_q, cu_seq_k, max_q, max_k = seqlens
     fn = kernel()
     takes = _keywords(fn)
     kwargs = {}
@@ -101,13 +112,14 @@ class _Lengths:
         return cls.lengths
 
 
-def attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
-                      sliding_window=None, softcap=None, is_causal=None, s_aux=None, **kwargs):
+def attention_forward(module, query, key, value, attention_mask, **kwargs):
     """transformers' attention interface: query [b, heads, q, d], key/value [b, kv_heads, k, d] -> ([b, q, heads,
-    d], None), as transformers' flash_attention_forward."""
+    d], None), as transformers' flash_attention_forward. transformers passes these five positionally and the rest
+    (dropout, scaling, sliding_window, softcap, is_causal, s_aux, the packed lengths) by keyword."""
     from transformers.integrations.flash_attention import get_target_dtype
     from transformers.modeling_flash_attention_utils import _is_packed_sequence, _pad_input, _unpad_input, _upad_input
 
+    dropout, softcap, s_aux = kwargs.get("dropout", 0.0), kwargs.get("softcap"), kwargs.get("s_aux")
     if softcap is not None or s_aux is not None or dropout:
         what = "soft-capped logits" if softcap is not None else "attention sinks" if s_aux is not None else "dropout"
         raise ValueError(f"{NAME} takes no {what} (trainer/model/attention.py keeps such models on sdpa's mask)")
@@ -116,11 +128,12 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
     target = get_target_dtype(q, module)  # fp32 after RoPE under autocast: back to the autocast dtype
     if target is not None:
         q, k, v = q.to(target), k.to(target), v.to(target)
+    is_causal = kwargs.get("is_causal")
     causal = module.is_causal if is_causal is None else is_causal
-    options = dict(causal=causal, window=sliding_window, scale=scaling)
+    options = dict(causal=causal, window=kwargs.get("sliding_window"), scale=kwargs.get("scaling"))
     if attention_mask is not None:  # padding (a 2-D mask): only the real tokens go in
         q, k, v, indices, (cu_q, cu_k), (max_q, max_k) = _upad_input(q, k, v, attention_mask, q_len, _unpad_input)
-        out = call_kernel(q, k, v, cu_q, cu_k, int(max_q), int(max_k), **options)
+        out = call_kernel(q, k, v, Seqlens(cu_q, cu_k, int(max_q), int(max_k)), **options)
         return _pad_input(out, indices, batch, q_len), None
     heads, k_len = q.shape[2], k.shape[1]
     given = [kwargs.get(n) for n in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")]
@@ -132,7 +145,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
         rows = torch.arange(batch + 1, dtype=torch.int32, device=q.device)
         cu_q, cu_k, max_q, max_k = rows * q_len, rows * k_len, q_len, k_len
     out = call_kernel(q.reshape(-1, heads, q.shape[-1]), k.reshape(-1, *k.shape[2:]), v.reshape(-1, *v.shape[2:]),
-                      cu_q, cu_k, max_q, max_k, **options)
+                      Seqlens(cu_q, cu_k, max_q, max_k), **options)
     return out.view(batch, q_len, heads, -1), None
 
 

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from trainer.batch.labels import IGNORE
-from trainer.batch.sampler import MultipackBatchSampler
+from trainer.batch.sampler import EVALUATION, MultipackBatchSampler
 from trainer.data.prepare import prepare
 from trainer.objectives import chunked_loss
 from trainer.objectives.loss import MODEL_INPUTS
@@ -169,8 +169,8 @@ def evaluate_as_step(objective: Objective, model, dataset, reference, where: Sco
     Sharded weights (FSDP, ZeRO-3) make every forward a collective: ranks first agree on the busiest rank's batch
     count and the others run filler forwards whose numbers are discarded."""
     device, rank, world, timeout_s = where.device, where.rank, where.world, where.timeout_s
-    sampler = MultipackBatchSampler(objective.lengths(dataset), where.batch_size, where.capacity, rank=rank,
-                                    world_size=world, shuffle=False, drop_last=False)
+    sampler = MultipackBatchSampler(objective.lengths(dataset), where.batch_size, where.capacity, EVALUATION,
+                                    rank=rank, world_size=world)
     rows = objective.rows(dataset, reference)
     was_training = model.training
     model.eval()

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from trainer.batch.attention import FLASH_BACKENDS
 from trainer.batch.collate import Collator
 from trainer.batch.labels import IGNORE
-from trainer.batch.sampler import MultipackBatchSampler
+from trainer.batch.sampler import EVALUATION, MultipackBatchSampler
 from trainer.errors import ConfigError
 from trainer.objectives.base import Objective
 from trainer.objectives.diffusion_steps import bidirectional_mask, sequence_noise
@@ -121,8 +121,8 @@ class Diffusion(Objective):
         """The diffusion loss of the validation split with fixed masks (step -1): the same at every evaluation.
         Sharded weights: every rank runs as many forwards as the busiest one (the extra ones are not counted)."""
         device, rank, world, timeout_s = where.device, where.rank, where.world, where.timeout_s
-        sampler = MultipackBatchSampler(dataset["length"], where.batch_size, where.capacity, rank=rank,
-                                        world_size=world, shuffle=False, drop_last=False)
+        sampler = MultipackBatchSampler(dataset["length"], where.batch_size, where.capacity, EVALUATION, rank=rank,
+                                        world_size=world)
         rows, batches = IndexedRows(dataset), list(sampler)
         steps = len(batches)
         if where.sharded and world > 1:

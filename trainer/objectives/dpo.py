@@ -16,11 +16,13 @@ from trainer.objectives.pairs import PAIR_METRICS, PairObjective
 
 
 def dpo_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, beta: float,
-             label_smoothing: float = 0.0, ipo: bool = False, chosen_tokens=None, rejected_tokens=None):
-    """Per-pair losses, chosen rewards, rejected rewards."""
+             label_smoothing: float = 0.0, ipo: bool = False, tokens=None):
+    """Per-pair losses, chosen rewards, rejected rewards. `tokens` (IPO): the (chosen, rejected) token counts its
+    log-ratios are averaged over."""
     chosen_logratios = chosen_logps - ref_chosen_logps
     rejected_logratios = rejected_logps - ref_rejected_logps
     if ipo:
+        chosen_tokens, rejected_tokens = tokens
         delta = chosen_logratios / chosen_tokens.clamp(min=1) - rejected_logratios / rejected_tokens.clamp(min=1)
         losses = (delta - 1 / (2 * beta)) ** 2
     else:
@@ -48,6 +50,6 @@ class DPO(PairObjective):
         chosen, rejected, n_chosen, n_rejected, _, _ = self.pair_logps(model, batch)
         ref = batch["ref"].to(chosen.dtype)
         losses, chosen_rewards, rejected_rewards = dpo_loss(
-            chosen, rejected, ref[:, 0], ref[:, 1], self.beta, self.label_smoothing, self.ipo, n_chosen, n_rejected)
+            chosen, rejected, ref[:, 0], ref[:, 1], self.beta, self.label_smoothing, self.ipo, (n_chosen, n_rejected))
         loss = losses.sum() / max(totals["pairs"], 1)
         return loss, self.pair_metrics(loss, chosen_rewards, rejected_rewards, chosen, rejected, batch)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from trainer.batch.collate import Collator, Rows, count_targets
-from trainer.batch.sampler import MultipackBatchSampler
+from trainer.batch.sampler import EVALUATION, MultipackBatchSampler
 from trainer.objectives.loss import token_loss_sum
 from trainer.hooks import Run
 from trainer.parallel.collective import reduce_sum
@@ -24,8 +24,8 @@ def evaluate(model, dataset, collator: Collator, batch_size: int, capacity: int 
     DeepSpeed ZeRO-3), so every forward pass is a collective and all
     ranks must run as many as the busiest rank: the others run extra forward passes whose loss is discarded."""
     device, rank, world_size, timeout_s, sharded = run.device, run.data_rank, run.data_world, run.timeout_s, run.sharded
-    sampler = MultipackBatchSampler(dataset["length"], batch_size, capacity, rank=rank, world_size=world_size,
-                                    shuffle=False, drop_last=False)
+    sampler = MultipackBatchSampler(dataset["length"], batch_size, capacity, EVALUATION, rank=rank,
+                                    world_size=world_size)
     rows = Rows(dataset)
     was_training = model.training
     model.eval()

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import types
+from dataclasses import dataclass
 
 import torch
 
@@ -45,9 +46,22 @@ EPS = 1e-4  # TRL's
 EVAL_STEP = -1  # the step the evaluation's sampling RNG is keyed by (the same prompts draw alike at every evaluation)
 
 
-def grpo_per_token_loss(logps, old_logps, ref_logps, advantages, mask, beta: float, eps_low: float, eps_high: float,
-                        level: str = "token", bias_correction_kl: bool = True):
+@dataclass(frozen=True)
+class LossSettings:
+    """TRL's GRPO loss settings: the KL coefficient `beta`, the clip range (1 - eps_low, 1 + eps_high), the importance
+    sampling `level` (token or sequence) and use_bias_correction_kl."""
+
+    beta: float
+    eps_low: float
+    eps_high: float
+    level: str = "token"
+    bias_correction_kl: bool = True
+
+
+def grpo_per_token_loss(logps, old_logps, ref_logps, advantages, mask, settings: LossSettings):
     """(per-token loss [B, T] (or [B, 1] at sequence level without KL), per-token KL or None, clipped [B, T])."""
+    beta, eps_low, eps_high = settings.beta, settings.eps_low, settings.eps_high
+    level, bias_correction_kl = settings.level, settings.bias_correction_kl
     adv = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
     log_ratio = logps - old_logps
     if level == "sequence":
@@ -334,8 +348,9 @@ class GRPO(Objective):
         trl, mask = self.trl, batch["completion_mask"]
         logps = self.token_logps(model, batch)
         per_token, kl, clipped = grpo_per_token_loss(
-            logps, logps.detach(), batch.get("ref_logps"), batch["advantages"], mask, self.beta, trl.eps_low,
-            trl.eps_high, trl.importance_sampling_level or "token", trl.use_bias_correction_kl is not False)
+            logps, logps.detach(), batch.get("ref_logps"), batch["advantages"], mask,
+            LossSettings(self.beta, trl.eps_low, trl.eps_high, trl.importance_sampling_level or "token",
+                         trl.use_bias_correction_kl is not False))
         loss = aggregate(per_token, mask, self.loss_type, totals, trl.completion_length)
         rewards = batch["rewards"]
         weighted = (rewards * self.weights.double().unsqueeze(0)).nansum(dim=1)

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from trainer.batch.sampler import MultipackBatchSampler
+from trainer.batch.sampler import EVALUATION, MultipackBatchSampler
 from trainer.errors import TrainerError
 from trainer.hooks import Run
 from trainer.objectives.base import Objective, to_device
@@ -97,8 +97,8 @@ def _shard(objective, model, dataset, batch_size: int, capacity, run: Run, autoc
     kept); they time out after cfg.dataset_prepare_timeout."""
     device, rank, world, sharded = run.device, run.rank, run.world, run.sharded
     timeout_s = run.cfg.dataset_prepare_timeout
-    sampler = MultipackBatchSampler(objective.lengths(dataset), batch_size, capacity, rank=rank, world_size=world,
-                                    shuffle=False, drop_last=False)
+    sampler = MultipackBatchSampler(objective.lengths(dataset), batch_size, capacity, EVALUATION, rank=rank,
+                                    world_size=world)
     rows = objective.rows(dataset)
     out = [np.zeros((0, 1 + len(objective.reference_names)))]
     batches = list(sampler)

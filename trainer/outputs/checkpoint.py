@@ -139,10 +139,7 @@ def save(run: Run, model, optimizer, scheduler, scaler, state: dict, engine=None
 
 
 def write_manifest(folder: Path) -> None:
-    files = digest.describe(folder, MANIFEST)  # every file (trainer/runtime/digest.py: the one manifest rule)
-    tmp = folder / f".{MANIFEST}.tmp"
-    tmp.write_text(json.dumps({"files": files}, indent=1))
-    os.replace(tmp, folder / MANIFEST)
+    digest.write(folder, MANIFEST, key="files")  # every file (trainer/runtime/digest.py: the one manifest module)
 
 
 def damage(path: Path, hashes: bool = True) -> str | None:
@@ -159,8 +156,8 @@ def damage(path: Path, hashes: bool = True) -> str | None:
             return f"{STATE_FILE} does not read"
         return None
     try:
-        files = json.loads(manifest.read_text()).get("files")
-    except (OSError, ValueError, AttributeError):
+        files = digest.load(path, MANIFEST, key="files")
+    except (OSError, ValueError):
         return f"{MANIFEST} does not read"
     return digest.damage(path, files, MANIFEST, hash_limit=None if hashes else -1)
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from trainer.errors import ConfigError
@@ -315,16 +316,28 @@ def export_gguf(config: str | Path, outtype: str = "f16", output: str | Path | N
 
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     target.parent.mkdir(parents=True, exist_ok=True)
+    model = Model(model_dir, model_config, arch_name, permute_qk, vocab_size, eot_id)
     with stop_cleanly("export"):  # SIGTERM, SIGUSR1, SIGHUP end in write_gguf's except, which removes tmp
-        tokens = write_gguf(gguf.GGUFWriter(tmp, arch_name), cfg, model_config, model_dir, plan, outtype, arch_name,
-                            permute_qk, vocab_size, eot_id, tmp, target, log)
+        tokens = write_gguf(gguf.GGUFWriter(tmp, arch_name), cfg, model, plan, outtype, tmp, target, log)
     return {"path": str(target), "source": str(model_dir), "architecture": arch_name,
             "model_type": model_config["model_type"], "outtype": outtype, "tensors": len(plan),
             "bytes": target.stat().st_size, **tokens}
 
 
-def write_gguf(writer, cfg, model_config, model_dir, plan, outtype, arch_name, permute_qk, vocab_size, eot_id, tmp,
-               target, log=print) -> dict:
+@dataclass(frozen=True)
+class Model:
+    """The model export_gguf writes, as it read and checked it: its directory and config.json, the GGUF
+    architecture (and whether q/k are permuted as llama.cpp does), the vocabulary size and the end-of-turn id."""
+
+    directory: Path
+    config: dict
+    arch_name: str
+    permute_qk: bool
+    vocab_size: int | None
+    eot_id: int | None
+
+
+def write_gguf(writer, cfg, model: Model, plan, outtype, tmp, target, log=print) -> dict:
     """The header, tokenizer and tensors into `tmp` (already open in `writer`), renamed to `target` at the end;
     `tmp` is removed on any error or stop signal. Returns the tokenizer's part of the report."""
     import itertools
@@ -336,34 +349,10 @@ def write_gguf(writer, cfg, model_config, model_dir, plan, outtype, arch_name, p
 
     from trainer.runtime.signals import pause_at
 
+    model_config, model_dir = model.config, model.directory
     try:
-        writer.add_name(Path(cfg.output_dir).resolve().name)
-        hidden, heads = model_config["hidden_size"], model_config["num_attention_heads"]
-        head_dim = model_config.get("head_dim") or hidden // heads
-        writer.add_context_length(model_config.get("max_position_embeddings", cfg.sequence_len))
-        writer.add_embedding_length(hidden)
-        writer.add_block_count(model_config["num_hidden_layers"])
-        writer.add_feed_forward_length(model_config["intermediate_size"])
-        writer.add_head_count(heads)
-        writer.add_head_count_kv(model_config.get("num_key_value_heads", heads))
-        writer.add_rope_freq_base(rope_theta(model_config))
-        rope = rope_scaling(model_config)
-        if (rope.get("rope_type") or rope.get("type")) == "linear":  # as llama.cpp's convert_hf_to_gguf.py writes it
-            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-            writer.add_rope_scaling_factor(float(rope["factor"]))
-        writer.add_layer_norm_rms_eps(model_config.get("rms_norm_eps", 1e-6))
-        if arch_name == "llama":
-            writer.add_vocab_size(vocab_size)
-            writer.add_rope_dimension_count(head_dim)
-        if model_config.get("head_dim"):  # as llama.cpp's TextModel writes a head size the config states
-            writer.add_key_length(head_dim)
-            writer.add_value_length(head_dim)
-        file_type = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
-                     "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[outtype]
-        writer.add_file_type(file_type)
-        if outtype == "q8_0":
-            writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-        tokens = add_tokenizer(writer, model_dir, vocab_size, eot_id)
+        _add_header(writer, cfg, model, outtype)
+        tokens = add_tokenizer(writer, model_dir, model.vocab_size, model.eot_id)
         for entry in plan:  # the header first (names, shapes, types, offsets), from the plan alone
             byte_shape = gguf.quant_shape_to_byte_shape(entry["shape"], entry["type"])
             if entry["type"] == gguf.GGMLQuantizationType.F32:
@@ -378,7 +367,8 @@ def write_gguf(writer, cfg, model_config, model_dir, plan, outtype, arch_name, p
         for shard, entries in itertools.groupby(plan, key=lambda e: e["shard"]):  # then the data, a tensor at a time
             with safe_open(model_dir / shard, framework="pt") as f:
                 for entry in entries:
-                    writer.write_tensor_data(tensor_data(f.get_tensor(entry["key"]), entry, model_config, permute_qk))
+                    writer.write_tensor_data(tensor_data(f.get_tensor(entry["key"]), entry, model_config,
+                                                         model.permute_qk))
         writer.close()
         os.replace(tmp, target)
     except BaseException:
@@ -386,3 +376,36 @@ def write_gguf(writer, cfg, model_config, model_dir, plan, outtype, arch_name, p
         tmp.unlink(missing_ok=True)
         raise
     return tokens
+
+
+def _add_header(writer, cfg, model: Model, outtype) -> None:
+    """The GGUF metadata llama.cpp reads: the model's shapes, rope, norm epsilon and the file's tensor type."""
+    import gguf
+
+    model_config = model.config
+    writer.add_name(Path(cfg.output_dir).resolve().name)
+    hidden, heads = model_config["hidden_size"], model_config["num_attention_heads"]
+    head_dim = model_config.get("head_dim") or hidden // heads
+    writer.add_context_length(model_config.get("max_position_embeddings", cfg.sequence_len))
+    writer.add_embedding_length(hidden)
+    writer.add_block_count(model_config["num_hidden_layers"])
+    writer.add_feed_forward_length(model_config["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(model_config.get("num_key_value_heads", heads))
+    writer.add_rope_freq_base(rope_theta(model_config))
+    rope = rope_scaling(model_config)
+    if (rope.get("rope_type") or rope.get("type")) == "linear":  # as llama.cpp's convert_hf_to_gguf.py writes it
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(float(rope["factor"]))
+    writer.add_layer_norm_rms_eps(model_config.get("rms_norm_eps", 1e-6))
+    if model.arch_name == "llama":
+        writer.add_vocab_size(model.vocab_size)
+        writer.add_rope_dimension_count(head_dim)
+    if model_config.get("head_dim"):  # as llama.cpp's TextModel writes a head size the config states
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    file_type = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
+                 "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[outtype]
+    writer.add_file_type(file_type)
+    if outtype == "q8_0":
+        writer.add_quantization_version(gguf.GGML_QUANT_VERSION)

@@ -31,6 +31,7 @@ import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from trainer.errors import ConfigError, TrainingError
 
@@ -387,50 +388,31 @@ def merge_lora(config: str | Path, output: str | Path | None = None, dtype: str 
     shutil.rmtree(tmp, ignore_errors=True)
     with stop_cleanly("merge-lora"):  # SIGTERM, SIGUSR1, SIGHUP end in the except below, which removes tmp
         tmp.mkdir()
-        return _write_merged(cfg, final, base, base_config, adapter, shards, dtype, target, tmp, out, log)
+        return _write_merged(cfg, Merge(final, base, base_config, adapter, shards, dtype, target), tmp, out, log)
 
 
-def _write_merged(cfg, final, base, base_config, adapter, shards, dtype, target, tmp, out, log) -> dict:
+@dataclass(frozen=True)
+class Merge:
+    """What merge_lora found and checked before writing: the run's `final` adapter directory, the `base` model
+    directory, its config.json and safetensors `shards`, the adapter's parts, and the dtype to write (its name,
+    `dtype`, and torch's, `target`)."""
+
+    final: Path
+    base: Path
+    base_config: dict
+    adapter: Any
+    shards: list
+    dtype: str
+    target: Any
+
+
+def _write_merged(cfg, merge: Merge, tmp: Path, out: Path, log) -> dict:
     """The merged shards, config, tokenizer and generation config into `tmp`, renamed to `out` at the end (tmp is
     removed on any error or stop signal)."""
-    from safetensors import safe_open
-
-    from trainer.runtime.signals import pause_at
-
+    final, base, base_config, adapter, shards = merge.final, merge.base, merge.base_config, merge.adapter, merge.shards
+    dtype = merge.dtype
     try:
-        new_map, total, changed, vocab_rows = {}, 0, 0, None
-        for number, shard in enumerate(shards, 1):
-            with safe_open(base / shard, framework="pt") as f:
-                header = {}  # name -> (dtype, shape) of what will be written, from the headers alone
-                for name in f.keys():
-                    stored = f.get_slice(name)
-                    shape = list(stored.get_shape())
-                    if name in adapter.whole:
-                        shape = list(adapter.whole[name].shape)
-                        if shape != list(stored.get_shape()) and stored.get_shape()[0] == base_config.get("vocab_size"):
-                            vocab_rows = shape[0]  # embeddings resized for tokens added in training
-                    kind = stored.get_dtype()
-                    header[name] = (st_dtype(target) if kind in FLOATS else kind, shape)
-                    new_map[name] = shard
-
-                def tensors():
-                    nonlocal changed
-                    for name in header:
-                        tensor = adapter.whole.get(name)
-                        if tensor is None:
-                            tensor = f.get_tensor(name)
-                        if name in adapter.deltas:
-                            tensor = adapter.deltas[name].merge(tensor)
-                            changed += 1
-                        elif name in adapter.biases:
-                            part = adapter.biases[name]
-                            tensor = tensor.float() + part.bias.float() * part.scaling
-                        yield name, tensor.to(target) if tensor.is_floating_point() else tensor
-
-                total += write_safetensors(tmp / shard, header, tensors())
-            log(f"merge-lora: shard {number}/{len(shards)} {shard} written")
-            if number == 1:
-                pause_at("merge-shard", log)
+        new_map, total, changed, vocab_rows = _merge_shards(merge, tmp, log)
         if len(shards) > 1:
             (tmp / "model.safetensors.index.json").write_text(
                 json.dumps({"metadata": {"total_size": total}, "weight_map": new_map}, indent=2))
@@ -460,3 +442,47 @@ def _write_merged(cfg, final, base, base_config, adapter, shards, dtype, target,
     return {"merged": True, "model": str(out), "base": str(base), "adapter": str(final), "dtype": dtype,
             "shards": len(shards), "lora_weights": changed, "whole_tensors": len(adapter.whole),
             "bytes": total, "eos_token_id": eos}
+
+
+def _merge_shards(merge: Merge, tmp: Path, log) -> tuple[dict, int, int, int | None]:
+    """Each base shard with the adapter merged in, written to `tmp` one shard at a time: (the weight map, the bytes
+    written, the LoRA weights merged, the vocabulary rows of embeddings resized in training or None)."""
+    from safetensors import safe_open
+
+    from trainer.runtime.signals import pause_at
+
+    base, base_config, adapter, shards, target = merge.base, merge.base_config, merge.adapter, merge.shards, merge.target
+    new_map, total, changed, vocab_rows = {}, 0, 0, None
+    for number, shard in enumerate(shards, 1):
+        with safe_open(base / shard, framework="pt") as f:
+            header = {}  # name -> (dtype, shape) of what will be written, from the headers alone
+            for name in f.keys():
+                stored = f.get_slice(name)
+                shape = list(stored.get_shape())
+                if name in adapter.whole:
+                    shape = list(adapter.whole[name].shape)
+                    if shape != list(stored.get_shape()) and stored.get_shape()[0] == base_config.get("vocab_size"):
+                        vocab_rows = shape[0]  # embeddings resized for tokens added in training
+                kind = stored.get_dtype()
+                header[name] = (st_dtype(target) if kind in FLOATS else kind, shape)
+                new_map[name] = shard
+
+            def tensors():
+                nonlocal changed
+                for name in header:
+                    tensor = adapter.whole.get(name)
+                    if tensor is None:
+                        tensor = f.get_tensor(name)
+                    if name in adapter.deltas:
+                        tensor = adapter.deltas[name].merge(tensor)
+                        changed += 1
+                    elif name in adapter.biases:
+                        part = adapter.biases[name]
+                        tensor = tensor.float() + part.bias.float() * part.scaling
+                    yield name, tensor.to(target) if tensor.is_floating_point() else tensor
+
+            total += write_safetensors(tmp / shard, header, tensors())
+        log(f"merge-lora: shard {number}/{len(shards)} {shard} written")
+        if number == 1:
+            pause_at("merge-shard", log)
+    return new_map, total, changed, vocab_rows

@@ -27,6 +27,7 @@ sequence from token to token, so their sequence cannot be split this way: such m
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -84,11 +85,24 @@ def plan_blocks(starts_local, first_global: int, limit: int = MASK_ELEMENTS) -> 
     return blocks
 
 
-def attend_block(module, query, key, value, query_index, starts, lo: int, hi: int, dropout, scaling, window,
-                 kwargs):
-    """SDPA (transformers' own) of a block of queries against keys lo..hi-1: causal, same document, window."""
+class Span(NamedTuple):
+    """A block of local queries and the keys it may attend to: each query's global index, each token's document
+    start ([rows, whole sequence]), and the global keys lo..hi-1."""
+
+    query_index: torch.Tensor
+    starts: torch.Tensor
+    lo: int
+    hi: int
+
+
+def attend_block(module, query, key, value, span: Span, options: dict):
+    """SDPA (transformers' own) of a block of queries against keys lo..hi-1: causal, same document, window.
+    `options`: dropout, scaling, window, and whatever else transformers passes to its SDPA."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    query_index, starts, lo, hi = span
+    kwargs = dict(options)
+    dropout, scaling, window = kwargs.pop("dropout"), kwargs.pop("scaling"), kwargs.pop("window")
     keys = torch.arange(lo, hi, device=query.device)
     allowed = keys[None, :] <= query_index[:, None]
     if window:  # transformers' sliding_window_overlay: key index > query index - window
@@ -100,19 +114,20 @@ def attend_block(module, query, key, value, query_index, starts, lo: int, hi: in
     return out
 
 
-def attend(module, query, key, value, query_index, starts, blocks, dropout=0.0, scaling=None, window=None,
-           **kwargs):
+def attend(module, query, key, value, query_index, starts, blocks, **options):
     """Local queries [rows, heads, local, dim] against the whole sequence's keys/values; returns transformers'
-    attention output layout [rows, local, heads, dim]."""
+    attention output layout [rows, local, heads, dim]. `options`: dropout (0.0), scaling (None), window (None),
+    and whatever else transformers passes on to its SDPA."""
+    options = {"dropout": 0.0, "scaling": None, "window": None, **options}
     if len(blocks) == 1:
         a, b, lo, hi = blocks[0]
-        return attend_block(module, query, key, value, query_index, starts, lo, hi, dropout, scaling, window, kwargs)
+        return attend_block(module, query, key, value, Span(query_index, starts, lo, hi), options)
     from torch.utils.checkpoint import checkpoint
 
     outs = []
     for a, b, lo, hi in blocks:
-        outs.append(checkpoint(attend_block, module, query[:, :, a:b], key, value, query_index[a:b], starts, lo, hi,
-                               dropout, scaling, window, kwargs, use_reentrant=False))
+        outs.append(checkpoint(attend_block, module, query[:, :, a:b], key, value,
+                               Span(query_index[a:b], starts, lo, hi), options, use_reentrant=False))
     return torch.cat(outs, dim=1)
 
 

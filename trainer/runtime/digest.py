@@ -9,10 +9,14 @@ it lists, so one that proves less than the folder holds is damage too:
 2. every file in the folder is listed (a manifest listing no files, or not the weights, or not the data: damage);
 3. every listed file is there, with its size, and (up to `hash_limit` bytes in all; None: always) its hash.
 Callers turn the reason into their own fallback: the previous checkpoint, or the cache prepared again.
+`write` and `load` are the manifest file itself: written last and atomically, read back; a checkpoint's nests the
+map under "files", a dataset cache's is the map (each the format its folders on disk already have).
 """
 from __future__ import annotations
 
 import hashlib
+import json
+import os
 import re
 from pathlib import Path, PurePosixPath
 
@@ -40,6 +44,27 @@ def describe(root: Path, manifest: str, derived: tuple[str, ...] = ()) -> dict[s
     root = Path(root)
     return {p.relative_to(root).as_posix(): {"size": p.stat().st_size, "sha256": sha256_file(p)}
             for p in files_under(root, manifest, derived)}
+
+
+def write(root: Path, manifest: str, derived: tuple[str, ...] = (), key: str | None = None) -> None:
+    """The manifest of every file under `root` (but `derived`), written last, atomically (a temp file renamed);
+    `key`: the map nested under it ({"files": ...})."""
+    root = Path(root)
+    files = describe(root, manifest, derived)
+    tmp = root / f".{manifest}.tmp"
+    tmp.write_text(json.dumps({key: files} if key else files, indent=1))
+    os.replace(tmp, root / manifest)
+
+
+def load(root: Path, manifest: str, key: str | None = None):
+    """The map a manifest `write` wrote (under `key` where given), unchecked (`damage` checks it). Raises OSError
+    (FileNotFoundError: there is none) or ValueError (it does not parse, or is not an object)."""
+    data = json.loads((Path(root) / manifest).read_text())
+    if key is None:
+        return data
+    if not isinstance(data, dict):
+        raise ValueError(f"{manifest} is not a JSON object")
+    return data.get(key)
 
 
 def _entry_problem(name, want) -> str | None:

@@ -9,7 +9,7 @@ import pytest
 import trainer.train as train_mod
 from tests.trainer.helpers import alpaca_rows, train_then_resume, write_jsonl
 from trainer.batch.ordering import pack_sequentially
-from trainer.batch.sampler import MultipackBatchSampler
+from trainer.batch.sampler import MultipackBatchSampler, Order
 from trainer.cli import main
 from trainer.config import parse_config
 
@@ -21,8 +21,8 @@ def padding_share(lengths, batches) -> float:
 
 def test_group_by_length_batches_similar_lengths():
     lengths = np.random.default_rng(0).integers(1, 500, size=400)
-    grouped = MultipackBatchSampler(lengths, 4, None, seed=3, group_by_length=True, group_size=8)
-    shuffled = MultipackBatchSampler(lengths, 4, None, seed=3)
+    grouped = MultipackBatchSampler(lengths, 4, None, Order(seed=3, group_by_length=True, group_size=8))
+    shuffled = MultipackBatchSampler(lengths, 4, None, Order(seed=3))
     epochs = []
     for epoch in (0, 1):
         grouped.set_epoch(epoch)
@@ -37,8 +37,8 @@ def test_group_by_length_batches_similar_lengths():
 
 def test_group_by_length_is_off_with_packing():
     lengths = np.arange(1, 101)
-    packed = MultipackBatchSampler(lengths, 2, 256, seed=1, group_by_length=True)
-    assert list(packed) == list(MultipackBatchSampler(lengths, 2, 256, seed=1))
+    packed = MultipackBatchSampler(lengths, 2, 256, Order(seed=1, group_by_length=True))
+    assert list(packed) == list(MultipackBatchSampler(lengths, 2, 256, Order(seed=1)))
     cfg, notes = parse_config({"base_model": "x", "datasets": [{"path": "x", "type": "alpaca"}],
                                "group_by_length": True, "sample_packing": True})
     assert any("group_by_length: no effect with sample_packing" in n for n in notes)
@@ -46,7 +46,7 @@ def test_group_by_length_is_off_with_packing():
 
 def test_sequential_packing_keeps_order_and_is_next_fit():
     lengths = np.random.default_rng(1).integers(1, 90, size=200)
-    sampler = MultipackBatchSampler(lengths, 2, 128, shuffle=False, sequential_packing=True, drop_last=False)
+    sampler = MultipackBatchSampler(lengths, 2, 128, Order(shuffle=False, sequential_packing=True, drop_last=False))
     rows = [row for batch in sampler for row in batch]
     assert [i for row in rows for i in row] == list(range(200))  # the data's order, first to last
     for row, following in zip(rows, rows[1:]):
@@ -114,7 +114,8 @@ def test_sample_packing_sequentially_example_validates():
 
 def test_group_by_length_across_ranks():
     lengths = np.random.default_rng(4).integers(1, 300, size=200)
-    ranks = [MultipackBatchSampler(lengths, 2, None, seed=1, rank=r, world_size=2, group_by_length=True, group_size=4)
+    ranks = [MultipackBatchSampler(lengths, 2, None, Order(seed=1, group_by_length=True, group_size=4), rank=r,
+                                   world_size=2)
              for r in range(2)]
     batches = [list(s) for s in ranks]
     assert len(batches[0]) == len(batches[1])  # the same number of steps everywhere

@@ -7,7 +7,7 @@ import pytest
 import torch.distributed as dist
 
 from trainer.batch.packing import efficiency, pack
-from trainer.batch.sampler import MultipackBatchSampler
+from trainer.batch.sampler import MultipackBatchSampler, Order
 
 
 def long_tailed(n: int, cap: int, seed: int = 0) -> np.ndarray:
@@ -63,7 +63,7 @@ def no_collectives(monkeypatch):
 @pytest.mark.parametrize("packing", [True, False])
 def test_every_rank_gets_the_same_number_of_batches(world, packing, no_collectives):
     lengths = np.concatenate([np.full(37, 3), np.full(11, 250), long_tailed(101, 256, seed=world)])
-    samplers = [MultipackBatchSampler(lengths, 2, 256 if packing else None, seed=5, rank=r, world_size=world)
+    samplers = [MultipackBatchSampler(lengths, 2, 256 if packing else None, Order(seed=5), rank=r, world_size=world)
                 for r in range(world)]
     for epoch in range(2):
         seen = []
@@ -78,27 +78,27 @@ def test_every_rank_gets_the_same_number_of_batches(world, packing, no_collectiv
 
 def test_epochs_reshuffle_and_the_seed_reproduces():
     lengths = long_tailed(300, 128)
-    s = MultipackBatchSampler(lengths, 2, 128, seed=3)
+    s = MultipackBatchSampler(lengths, 2, 128, Order(seed=3))
     first = list(s)
     s.set_epoch(1)
     second = list(s)
     assert first != second and len(first) == len(second)
-    assert list(MultipackBatchSampler(lengths, 2, 128, seed=3)) == first
+    assert list(MultipackBatchSampler(lengths, 2, 128, Order(seed=3))) == first
 
 
 def test_eval_sampler_uses_every_example_once(no_collectives):
     lengths = long_tailed(101, 128)
     seen = []
     for r in range(3):
-        s = MultipackBatchSampler(lengths, 2, 128, rank=r, world_size=3, shuffle=False, drop_last=False)
+        s = MultipackBatchSampler(lengths, 2, 128, Order(shuffle=False, drop_last=False), rank=r, world_size=3)
         seen += [i for batch in s for row in batch for i in row]
     assert sorted(seen) == list(range(101))
 
 
 def test_resume_continues_where_it_stopped():
     lengths = long_tailed(200, 128)
-    full = list(MultipackBatchSampler(lengths, 2, 128, seed=9, rank=1, world_size=2))
-    resumed = MultipackBatchSampler(lengths, 2, 128, seed=9, rank=1, world_size=2)
+    full = list(MultipackBatchSampler(lengths, 2, 128, Order(seed=9), rank=1, world_size=2))
+    resumed = MultipackBatchSampler(lengths, 2, 128, Order(seed=9), rank=1, world_size=2)
     resumed.load_state_dict({"epoch": 0, "consumed": 3})
     assert list(resumed) == full[3:]
     assert list(resumed) == full  # the skip applies to one pass only

@@ -133,7 +133,8 @@ def test_the_trainers_calls_fit_the_real_ops_schema(window):
     q = torch.empty(33, 4, 16, device="meta", dtype=torch.bfloat16, requires_grad=True)
     kv = torch.empty(33, 2, 16, device="meta", dtype=torch.bfloat16, requires_grad=True)
     cu = torch.empty(5, device="meta", dtype=torch.int32)
-    out = attention_varlen.call_kernel(q, kv, kv, cu, cu, 12, 12, causal=True, window=window, scale=0.3)
+    out = attention_varlen.call_kernel(q, kv, kv, attention_varlen.Seqlens(cu, cu, 12, 12), causal=True, window=window,
+                                       scale=0.3)
     assert out.shape == (33, 4, 16) and out.dtype == torch.bfloat16
     out.sum().backward()
     assert q.grad.shape == q.shape and kv.grad.shape == kv.shape

@@ -210,7 +210,7 @@ def test_advantages_and_loss_match_trls_grpo_trainer(trl_trainer, tiny_llama, rl
                                                      level):
     from trainer.batch.collate import Collator
     from trainer.config import parse_config
-    from trainer.objectives.grpo import GRPO, aggregate, compute_advantages, grpo_per_token_loss
+    from trainer.objectives.grpo import GRPO, LossSettings, aggregate, compute_advantages, grpo_per_token_loss
 
     trainer, batch, rwd = trl_trainer
     trainer.multi_objective_aggregation = aggregation
@@ -266,8 +266,8 @@ def test_advantages_and_loss_match_trls_grpo_trainer(trl_trainer, tiny_llama, rl
     width = out["completion_ids"].shape[1]
     out["old_per_token_logps"] = torch.nn.functional.pad(old, (0, width - old.shape[1]))
     trl_clipped = float(trainer._compute_loss(trainer.model, out).detach())
-    per_token, _, clipped = grpo_per_token_loss(logps, old, ours["ref_logps"], ours["advantages"], mask, 0.1,
-                                                0.2, 0.2, level)
+    per_token, _, clipped = grpo_per_token_loss(logps, old, ours["ref_logps"], ours["advantages"], mask,
+                                                LossSettings(0.1, 0.2, 0.2, level))
     assert bool((clipped * mask.bool()).any())  # the clip is exercised
     assert float(aggregate(per_token, mask, trainer.loss_type, totals, 6)) == pytest.approx(trl_clipped, rel=1e-4)
 

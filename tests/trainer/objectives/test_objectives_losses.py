@@ -50,8 +50,7 @@ def test_dpo_and_ipo_match_trl_on_random_log_probs(loss_type):
     expected = trl._compute_loss(model, inputs, return_outputs=False)
 
     losses, chosen_rewards, rejected_rewards = dpo_loss(sums[:6], sums[6:], ref[:, 0], ref[:, 1], beta,
-                                                        ipo=loss_type == "ipo", chosen_tokens=counts[:6],
-                                                        rejected_tokens=counts[6:])
+                                                        ipo=loss_type == "ipo", tokens=(counts[:6], counts[6:]))
     torch.testing.assert_close(losses.mean(), expected, **TOL)
     logged = trl._metrics["train"]
     assert chosen_rewards.mean().item() == pytest.approx(logged["rewards/chosen"][0], abs=1e-5)
