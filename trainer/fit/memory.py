@@ -40,6 +40,7 @@ count in memory_model.py).
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 from dataclasses import dataclass, field, replace
 
 from trainer import facts
@@ -175,7 +176,6 @@ class Setup:
 
 def setup_from(cfg, runtime, world: int) -> Setup:
     """The Setup of a trainer Config on a Runtime (precision, attention) with `world` processes."""
-    from trainer.config.parallel import deepspeed_path, fsdp_enabled, fsdp_settings, mesh_for
     from trainer.config.speed import offloading, selective
 
     quant = None
@@ -186,6 +186,55 @@ def setup_from(cfg, runtime, world: int) -> Setup:
         double_quant = bool(extra.get("bnb_4bit_use_double_quant", True))
     elif cfg.load_in_8bit:
         quant = "int8"
+    tp, cp, zero, ds, offload_opt, offload_params, fsdp, shard = _sharding(cfg, world)
+    targets, lora_kwargs = _lora(cfg)
+    kernels_on = bool(getattr(runtime, "kernels", False))  # trainer/model/kernels.py's verdict: triton runs here
+    from trainer.runtime.hardware import full_weights
+
+    return Setup(
+        full_weight_bytes=DTYPE_BYTES[full_weights(cfg, runtime.precision)],
+        precision=runtime.precision, attention=runtime.attention, adapter=cfg.adapter, quant=quant,
+        double_quant=double_quant, lora_r=cfg.lora_r, lora_targets=targets, lora_dropout=cfg.lora_dropout,
+        lora_dora=cfg.peft_use_dora, lora_modules_to_save=list(cfg.lora_modules_to_save or []),
+        lora_target_parameters=list(cfg.lora_target_parameters or []), unfrozen=cfg.unfrozen_parameters,
+        optimizer=cfg.optimizer, micro_batch=cfg.micro_batch_size, sequence_len=cfg.sequence_len,
+        packing=cfg.sample_packing, grad_accum=cfg.gradient_accumulation_steps,
+        checkpointing=bool(cfg.gradient_checkpointing),
+        offload=bool(offloading(cfg)) and runtime.device != "cpu",
+        selective=tuple(sac.save) if (sac := selective(cfg)) is not None else (),
+        tiled_shards=(cfg.tiled_mlp_num_shards or -1) if cfg.tiled_mlp else 0,
+        compiled=bool(getattr(runtime, "compile", False) or (cfg.torch_compile and not hasattr(runtime, "compile"))),
+        # SFT's loss runs in chunks wherever the head is whole in one process and the model does not change its
+        # logits after it (trainer/objectives/chunked_loss.py decides the same at the first step, and says so)
+        chunked_loss=(cfg.objective == "sft" and not cfg.use_eaft and tp == 1 and cp == 1 and zero != 3
+                      and not fsdp and not cfg.ddp_find_unused_parameters
+                      and not cfg.processor_type),  # vision-language SFT: full logits (trainer/objectives/vision.py)
+        freeze_mm=cfg.freeze_mm_modules,
+        liger_norm=kernels_on and bool(cfg.liger_rms_norm or cfg.liger_layer_norm),
+        liger_glu=kernels_on and bool(cfg.liger_glu_activation or cfg.liger_swiglu),
+        objective=cfg.objective, world=world, shard=shard, zero=zero, fsdp=fsdp, offload_optimizer=offload_opt,
+        offload_params=offload_params, ds=ds, tp=tp, cp=cp, device=runtime.device, lora_kwargs=lora_kwargs)
+
+
+# --------------------------------------------------------------------------- static terms
+
+
+class _Sharding(NamedTuple):
+    tp: int
+    cp: int
+    zero: int
+    ds: dict
+    offload_optimizer: bool
+    offload_params: bool
+    fsdp: str | None
+    shard: int
+
+
+def _sharding(cfg, world: int) -> _Sharding:
+    """How the weights and states are split over `world` processes: the mesh's tp/cp, DeepSpeed's stage and
+    offloads (from its JSON), FSDP's strategy, and the number of processes a shard is split over."""
+    from trainer.config.parallel import deepspeed_path, fsdp_enabled, fsdp_settings, mesh_for
+
     fsdp_on = fsdp_enabled(cfg)
     try:
         mesh = mesh_for(cfg, world, fsdp_on)
@@ -220,47 +269,24 @@ def setup_from(cfg, runtime, world: int) -> Setup:
     shard = data_world if (zero or fsdp) else 1
     if mesh and fsdp:
         shard = mesh.dp_shard * (cp if cp > 1 else 1)
+    return _Sharding(tp, cp, zero, ds, offload_opt, offload_params, fsdp, shard)
+
+
+def _lora(cfg) -> tuple:
+    """(the LoRA targets as the estimate reads them, peft.LoraConfig's arguments as trainer/model/load.py builds them)."""
+    from trainer.config.model import lora_exclusions, lora_task_type
+
     targets = cfg.lora_target_modules
     if cfg.lora_target_linear or targets is None:
         targets = "all-linear"
     if cfg.lora_target_parameters and cfg.lora_target_modules is None and not cfg.lora_target_linear:
         targets = []
-    kernels_on = bool(getattr(runtime, "kernels", False))  # trainer/model/kernels.py's verdict: triton runs here
-    from trainer.config.model import lora_exclusions, lora_task_type
-
     lora_kwargs = {"r": cfg.lora_r, "lora_alpha": cfg.lora_alpha, "lora_dropout": cfg.lora_dropout,
                    "target_modules": targets, "target_parameters": cfg.lora_target_parameters,
                    "use_rslora": cfg.peft_use_rslora, "use_dora": cfg.peft_use_dora,
                    "modules_to_save": cfg.lora_modules_to_save, "task_type": lora_task_type(cfg),
                    "exclude_modules": lora_exclusions(cfg)} if cfg.adapter else {}
-    from trainer.runtime.hardware import full_weights
-
-    return Setup(
-        full_weight_bytes=DTYPE_BYTES[full_weights(cfg, runtime.precision)],
-        precision=runtime.precision, attention=runtime.attention, adapter=cfg.adapter, quant=quant,
-        double_quant=double_quant, lora_r=cfg.lora_r, lora_targets=targets, lora_dropout=cfg.lora_dropout,
-        lora_dora=cfg.peft_use_dora, lora_modules_to_save=list(cfg.lora_modules_to_save or []),
-        lora_target_parameters=list(cfg.lora_target_parameters or []), unfrozen=cfg.unfrozen_parameters,
-        optimizer=cfg.optimizer, micro_batch=cfg.micro_batch_size, sequence_len=cfg.sequence_len,
-        packing=cfg.sample_packing, grad_accum=cfg.gradient_accumulation_steps,
-        checkpointing=bool(cfg.gradient_checkpointing),
-        offload=bool(offloading(cfg)) and runtime.device != "cpu",
-        selective=tuple(sac.save) if (sac := selective(cfg)) is not None else (),
-        tiled_shards=(cfg.tiled_mlp_num_shards or -1) if cfg.tiled_mlp else 0,
-        compiled=bool(getattr(runtime, "compile", False) or (cfg.torch_compile and not hasattr(runtime, "compile"))),
-        # SFT's loss runs in chunks wherever the head is whole in one process and the model does not change its
-        # logits after it (trainer/objectives/chunked_loss.py decides the same at the first step, and says so)
-        chunked_loss=(cfg.objective == "sft" and not cfg.use_eaft and tp == 1 and cp == 1 and zero != 3
-                      and not fsdp and not cfg.ddp_find_unused_parameters
-                      and not cfg.processor_type),  # vision-language SFT: full logits (trainer/objectives/vision.py)
-        freeze_mm=cfg.freeze_mm_modules,
-        liger_norm=kernels_on and bool(cfg.liger_rms_norm or cfg.liger_layer_norm),
-        liger_glu=kernels_on and bool(cfg.liger_glu_activation or cfg.liger_swiglu),
-        objective=cfg.objective, world=world, shard=shard, zero=zero, fsdp=fsdp, offload_optimizer=offload_opt,
-        offload_params=offload_params, ds=ds, tp=tp, cp=cp, device=runtime.device, lora_kwargs=lora_kwargs)
-
-
-# --------------------------------------------------------------------------- static terms
+    return targets, lora_kwargs
 
 
 def optimizer_row(name: str) -> dict:

@@ -73,12 +73,29 @@ def load_model(cfg: Config, runtime: Runtime, tokenizer, source: str | None = No
         bitnet.apply(model)
     model.config.use_cache = False  # no KV cache in training; the collator's mask keeps packed rows apart
     packed_masks(model)  # hybrid sliding/full models: per-layer masks from position_ids (trainer/model/attention.py)
+    model = checkpointed(cfg, model, quantized=quantization is not None)
+    if cfg.adapter:
+        model = add_lora(cfg, model)
+    elif cfg.unfrozen_parameters:
+        freeze_except(model, cfg.unfrozen_parameters)
+    if cfg.freeze_mm_modules:  # the vision/audio towers and projectors (trainer/model/vision.py), as Axolotl
+        from trainer.model.vision import freeze
+
+        freeze(model)
+    disable_dropout(cfg, model)  # reward models: as TRL's disable_dropout (default true)
+    return model
+
+
+def checkpointed(cfg: Config, model, quantized: bool):
+    """The memory options before LoRA wraps the layers: ALST's tiled MLP, then gradient checkpointing (with selective
+    checkpointing's context_fn, torch's checkpoint's own argument), or peft's k-bit preparation of a quantized model
+    (which turns checkpointing on itself)."""
     from trainer.model import memory_options
 
     memory_options.tile_mlps(cfg, model)  # ALST's tiled MLP (before LoRA wraps the MLP's linear layers)
     # selective checkpointing's context_fn (torch's checkpoint's own argument), handed to transformers with the rest
     checkpointing = {"use_reentrant": reentrant(cfg), **memory_options.checkpoint_kwargs(cfg, model)}
-    if quantization is not None:
+    if quantized:
         from peft import prepare_model_for_kbit_training
 
         from trainer.model.quantization import keep_trainable_layout
@@ -94,15 +111,6 @@ def load_model(cfg: Config, runtime: Runtime, tokenizer, source: str | None = No
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing)
         if checkpointing["use_reentrant"] and cfg.adapter:
             model.enable_input_require_grads()  # reentrant checkpointing needs an input that requires grad
-    if cfg.adapter:
-        model = add_lora(cfg, model)
-    elif cfg.unfrozen_parameters:
-        freeze_except(model, cfg.unfrozen_parameters)
-    if cfg.freeze_mm_modules:  # the vision/audio towers and projectors (trainer/model/vision.py), as Axolotl
-        from trainer.model.vision import freeze
-
-        freeze(model)
-    disable_dropout(cfg, model)  # reward models: as TRL's disable_dropout (default true)
     return model
 
 
