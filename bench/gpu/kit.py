@@ -53,7 +53,8 @@ STEPS = [
     ("numerics", 60, 150, "packed rows: varlen_attn and masked SDPA (with and without cuDNN) = each sequence alone; "
                           "the chunked loss = the full logits"),
     ("speed", 110, 300, "trained tokens/s: packing by varlen vs by mask vs padding"),
-    ("memory", 100, 240, "peak allocated vs envtool fit's estimate; micro_batch_size auto's pick and back-off"),
+    ("memory", 100, 240, "peak allocated vs envtool fit's estimate; micro_batch_size auto's pick and back-off; "
+                         "the loss's peak, chunked vs full logits"),
     ("train", 75, 240, "envtool train CONFIG to a saved model, in the machine's environment"),
 ]
 GPU_BUDGET, CPU_BUDGET = 470, 1100  # (the CPU's bounds are for a busy 2-core machine)
@@ -837,6 +838,8 @@ def step_memory(ctx, work: Path):
     checkpoint(figures)
     figures["auto_batch"] = part(_auto_batch, ctx, work, dict(common, micro_batch_size="auto",
                                                                gradient_accumulation_steps=16), on_gpu)
+    checkpoint(figures)
+    figures["loss_peak"] = part(_loss_peak, on_gpu)
     summary = []
     for key in ("full_bf16", "lora"):
         r = figures[key]
@@ -849,10 +852,56 @@ def step_memory(ctx, work: Path):
                            f"{r['estimate_low_gib']:.2f}-{r['estimate_high_gib']:.2f}); measured: {r['measured']}")
         else:
             summary.append(f"{key}: {r['status']}: {r.get('reason')}")
+    lp = figures["loss_peak"]
+    summary.append(f"loss peak, chunked vs full logits: {lp['status']}: " + (
+        f"{lp['chunked_gib']:.2f} vs {lp['full_gib']:.2f} GiB ({lp['ratio']:.2f}x) at vocab {lp['vocab']} x "
+        f"{lp['tokens']} tokens, loss rel. diff {lp['loss_rel_diff']:.1e}" if lp["status"] == "ok" else str(lp.get("reason"))))
     a = figures["auto_batch"]
     summary.append(f"micro_batch_size auto: {a['status']}: " + (json.dumps(a.get("record")) if a.get("record")
                                                                  else str(a.get("reason"))))
     return figures, summary
+
+
+def _loss_peak(on_gpu: bool) -> dict:
+    """bench/bench_loss_memory.py on the GPU: the loss's peak allocated memory (torch.cuda.max_memory_allocated above
+    what the head and hidden states hold) with the chunked cross-entropy and with the full logits, bf16, at Qwen2.5's
+    vocabulary x 4096 tokens; the two losses side by side. On the CPU: the two losses only (a tiny shape)."""
+    import torch
+
+    from trainer.objectives import chunked_loss
+
+    vocab, tokens, hidden = (151936, 4096, 896) if on_gpu else (512, 64, 32)
+    device, dtype = ("cuda", torch.bfloat16) if on_gpu else ("cpu", torch.float32)
+    out = {"vocab": vocab, "tokens": tokens, "hidden": hidden, "dtype": str(dtype)}
+    losses = {}
+    for path in ("full", "chunked"):
+        torch.manual_seed(0)
+        head = torch.nn.Linear(hidden, vocab, bias=False, device=device, dtype=dtype)
+        h = (torch.randn(1, tokens + 1, hidden, device=device, dtype=dtype) * 0.5).requires_grad_(True)
+        labels = torch.randint(0, vocab, (1, tokens + 1), device=device)
+        seen = {"dtype": dtype, "device_type": device, "autocast": False, "autocast_dtype": None}
+        if on_gpu:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+        if path == "chunked":
+            loss = chunked_loss.loss_sum_from_hidden(h, head, seen, labels)
+        else:
+            loss = torch.nn.functional.cross_entropy(head(h)[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
+                                                     reduction="sum")
+        loss.backward()
+        losses[path] = float(loss)
+        if on_gpu:
+            torch.cuda.synchronize()
+            out[f"{path}_gib"] = (torch.cuda.max_memory_allocated() - base) / GIB
+        del head, h, labels, loss
+    out["loss_rel_diff"] = abs(losses["chunked"] - losses["full"]) / abs(losses["full"])
+    out.update(losses=losses)
+    if not on_gpu:
+        raise Skip(f"peak CUDA memory needs a GPU "
+                   f"(on the CPU the two losses differ by {out['loss_rel_diff']:.1e}, relative)")
+    out["ratio"] = out["chunked_gib"] / out["full_gib"]
+    return out
 
 
 def fit_estimate(ctx, config: Path) -> dict:
