@@ -1004,9 +1004,9 @@ def option_effects(shape, s: Setup, gpu: Gpu, current: Estimate) -> list[dict]:
                                                          for x in s.selective) else
                                                      " (ops other than attention and matmuls are not counted)"))
     if any(layer.mlp_width for layer in shape.layers):
+        n = mlp_shards(replace(s, tiled_shards=s.tiled_shards or -1), s.sequence_len)
         add("tiled_mlp", bool(s.tiled_shards), "activations", replace(s, tiled_shards=0 if s.tiled_shards else -1),
-            f"; the MLP over {mlp_shards(replace(s, tiled_shards=s.tiled_shards or -1), s.sequence_len)} slices of a "
-            "row, each recomputed in the backward")
+            f"; the MLP over {n} slice{'s' if n != 1 else ''} of a row, each recomputed in the backward")
     if s.chunked_loss or chunked(shape, s):
         add("chunked loss", chunked(shape, s), "logits", replace(s, chunked_loss=not s.chunked_loss),
             "; the head run a chunk at a time (on by default where it runs)")
