@@ -248,6 +248,17 @@ def epoch_steps(cfg, steps_per_epoch: int) -> int:
     return max(1, math.floor(steps) if cfg.sample_packing else math.ceil(steps))
 
 
+def one_cycle_args(cfg, warmup: int, total_steps: int) -> dict:
+    """torch's OneCycleLR's arguments for lr_scheduler: one_cycle, as Axolotl's SchedulerMixin gives them: peaking
+    at learning_rate, pct_start the warmup's share and a cosine anneal unless lr_scheduler_kwargs say otherwise."""
+    kwargs = dict(cfg.lr_scheduler_kwargs or {})
+    if warmup == 1 and "pct_start" not in kwargs:  # torch's rising phase lasts pct_start * total - 1 = 0 steps
+        raise ConfigError("lr_scheduler: one_cycle with exactly 1 warmup step divides by zero in torch's OneCycleLR "
+                          "(as it would in Axolotl): use 0 or 2+ warmup steps")
+    return {"max_lr": cfg.learning_rate, "total_steps": total_steps, "pct_start": warmup / total_steps,
+            "anneal_strategy": "cos", **kwargs}
+
+
 def check_schedule(cfg) -> None:
     """A schedule this loop steps once per optimizer step, with arguments it takes: refused in one line before the
     model loads otherwise (the arguments are tried on a one-parameter optimizer when torch is importable)."""
@@ -258,9 +269,9 @@ def check_schedule(cfg) -> None:
     if cfg.jagged_restart_steps and cfg.lr_scheduler == "one_cycle":
         raise ConfigError("jagged_restart_steps with lr_scheduler: one_cycle is not supported here (the restarts "
                           "scale a per-step factor, which OneCycleLR does not have; Axolotl's ReLoRA refuses it too)")
-    if cfg.lr_scheduler == "one_cycle" and cfg.warmup_steps == 1 and "pct_start" not in (cfg.lr_scheduler_kwargs or {}):
-        raise ConfigError("lr_scheduler: one_cycle with exactly 1 warmup step divides by zero in torch's OneCycleLR "
-                          "(as it would in Axolotl): use 0 or 2+ warmup steps")
+    cycle = None
+    if cfg.lr_scheduler == "one_cycle":  # the warmup as given (a fraction: 2 of 10 steps, as a stand-in)
+        cycle = one_cycle_args(cfg, int(cfg.warmup_steps) if cfg.warmup_steps and cfg.warmup_steps >= 1 else 2, 10)
     if cfg.lr_scheduler == "rex" or (not cfg.lr_scheduler_kwargs and cfg.lr_scheduler not in NEED_KWARGS):
         return
     try:  # the library's own constructor, given what trainer/optim/schedule.py gives it
@@ -268,15 +279,13 @@ def check_schedule(cfg) -> None:
         from transformers import get_scheduler
     except ImportError:  # envtool's own environment without the trainer's stack: the trainer checks it where it runs
         return
-    kwargs = dict(cfg.lr_scheduler_kwargs or {})
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.learning_rate)
     try:
-        if cfg.lr_scheduler == "one_cycle":
-            torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=cfg.learning_rate, total_steps=10,
-                                                **{"pct_start": 0.2, "anneal_strategy": "cos", **kwargs})
+        if cycle is not None:
+            torch.optim.lr_scheduler.OneCycleLR(optimizer, **cycle)
         else:
             get_scheduler(cfg.lr_scheduler, optimizer, num_warmup_steps=2, num_training_steps=10,
-                          scheduler_specific_kwargs=kwargs)
+                          scheduler_specific_kwargs=dict(cfg.lr_scheduler_kwargs or {}))
     except (TypeError, ValueError) as err:
         raise ConfigError(f"lr_scheduler_kwargs: {str(err).splitlines()[0]} (lr_scheduler: {cfg.lr_scheduler})") from None
 

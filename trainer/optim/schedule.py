@@ -101,13 +101,9 @@ def _schedule(cfg, optimizer, warmup: int, total_steps: int):
     if cfg.lr_scheduler == "one_cycle":
         from torch.optim.lr_scheduler import OneCycleLR
 
-        if warmup == 1 and "pct_start" not in kwargs:  # torch's phase of length pct_start * total - 1 = 0
-            from trainer.errors import ConfigError
+        from trainer.config.training import one_cycle_args
 
-            raise ConfigError("lr_scheduler: one_cycle with exactly 1 warmup step divides by zero in torch's "
-                              "OneCycleLR (as it would in Axolotl): use 0 or 2+ warmup steps")
-        return OneCycleLR(optimizer, max_lr=cfg.learning_rate, total_steps=total_steps,
-                          **{"pct_start": warmup / total_steps, "anneal_strategy": "cos", **kwargs})
+        return OneCycleLR(optimizer, **one_cycle_args(cfg, warmup, total_steps))
     if cfg.lr_scheduler == "rex":
         return LambdaLR(optimizer, partial(rex_factor, warmup=warmup, total=total_steps,
                                            min_ratio=cfg.cosine_min_lr_ratio or 0.0))
