@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -50,12 +51,26 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
     return path
 
 
+def run_group(cmd: list[str], env: dict, cwd: Path, timeout: int) -> subprocess.CompletedProcess:
+    """subprocess.run(capture_output, text) in a process group of its own, all of which is killed at the timeout:
+    torchrun's workers, DeepSpeed's op builds and DataLoader workers die with it instead of living on as orphans that
+    hold CPU and build locks for the tests after (subprocess.run kills only the process it started)."""
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd,
+                          start_new_session=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired as expired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+            raise subprocess.TimeoutExpired(cmd, timeout, output=out, stderr=err) from expired
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
 def run_cli(*args: str, env: dict | None = None, cwd: Path | None = None, timeout: int = 180) -> subprocess.CompletedProcess:
     """Run `python -m trainer ...` in a subprocess, as a user would."""
     base = {k: v for k, v in os.environ.items() if k != "ENVTOOL_PLAN"}
     full_env = {**base, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **(env or {})}
-    return subprocess.run([sys.executable, "-m", "trainer", *args], capture_output=True, text=True,
-                          env=full_env, cwd=cwd or REPO, timeout=timeout)
+    return run_group([sys.executable, "-m", "trainer", *args], full_env, cwd or REPO, timeout)
 
 
 def torchrun(*args: str, nproc: int = 2, timeout: int = 240) -> subprocess.CompletedProcess:
@@ -64,7 +79,7 @@ def torchrun(*args: str, nproc: int = 2, timeout: int = 240) -> subprocess.Compl
     env = {**{k: v for k, v in os.environ.items() if k != "ENVTOOL_PLAN"},
            "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *args]
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=timeout)
+    return run_group(cmd, env, REPO, timeout)
 
 
 def torchrun_train(config: Path, nproc: int = 2, timeout: int = 240) -> subprocess.CompletedProcess:

@@ -48,7 +48,8 @@ def make_accelerator(cfg: Config, runtime: Runtime):
         if int(os.environ.get("LOCAL_RANK", "0") or 0) == 0:  # once per machine, before any rank builds an op
             from trainer.parallel import ds_ops
 
-            ds_ops.prepare(deepspeed.deepspeed_config, say=lambda line: print(line, file=sys.stderr, flush=True))
+            ds_ops.prepare(deepspeed.deepspeed_config, say=lambda line: print(line, file=sys.stderr, flush=True),
+                           device=runtime.device)
     # gradient_accumulation_steps stays 1: the loop accumulates itself, normalising by the step's token count
     mesh = mesh_for(cfg, parallelism.world_size(), distributed.enabled(cfg))  # sizes vs processes
     mesh_config = parallelism.parallelism_config(mesh)

@@ -2,8 +2,10 @@
 
 DeepSpeed compiles an op it was not installed with (DS_BUILD_CPU_ADAM=1 and the like, which envtool's images set at
 image-build time) the first time a run needs it, through torch's JIT extension loader (torch.utils.cpp_extension
-.load): cpu_adam for `offload_optimizer: {device: cpu|nvme}` (DeepSpeedCPUAdam), async_io for NVMe offload. That
-build takes minutes (3½ for cpu_adam on a 2-core machine) and prints nothing. torch serialises builds with a lock
+.load): cpu_adam for `offload_optimizer: {device: cpu|nvme}` (DeepSpeedCPUAdam), async_io for NVMe offload, and on the
+CPU accelerator deepspeed_shm_comm, which DeepSpeed's TorchBackend loads in `init_distributed` for every run (its
+shared-memory all-reduce). That build takes minutes (3½ for cpu_adam, 1 to 3 for deepspeed_shm_comm on a 2-core
+machine) and prints nothing. torch serialises builds with a lock
 file, `<extensions dir>/<op>/lock` (torch.utils.file_baton.FileBaton: created with O_EXCL, its descriptor held open
 by the building process, removed when the build ends). A build killed before it ends leaves the file, and every later
 load waits for it to disappear, forever and silently.
@@ -25,8 +27,8 @@ import sys
 from pathlib import Path
 
 
-def needed_ops(ds_config: dict) -> list[str]:
-    """The JIT ops a DeepSpeed config makes DeepSpeed load (see the module doc)."""
+def needed_ops(ds_config: dict, device: str = "cuda") -> list[str]:
+    """The JIT ops a DeepSpeed config makes DeepSpeed load on this device (see the module doc)."""
     zero = ds_config.get("zero_optimization") or {}
     optimizer = (zero.get("offload_optimizer") or {}).get("device") if isinstance(zero, dict) else None
     params = (zero.get("offload_param") or {}).get("device") if isinstance(zero, dict) else None
@@ -35,7 +37,12 @@ def needed_ops(ds_config: dict) -> list[str]:
         ops.append("cpu_adam")
     if "nvme" in (optimizer, params):
         ops.append("async_io")
+    if device == "cpu":  # DeepSpeed's CPU accelerator: TorchBackend.__init__ builds its shared-memory all-reduce
+        ops.append(SHM_COMM)
     return ops
+
+
+SHM_COMM = "deepspeed_shm_comm"  # deepspeed/ops/op_builder/cpu/comm.py ShareMemCommBuilder.NAME
 
 
 def extensions_root() -> Path:
@@ -65,6 +72,17 @@ def installed(op: str) -> bool:
     return bool(installed_ops.get(op))
 
 
+def loaded_by_deepspeed(op: str) -> bool:
+    """False for deepspeed_shm_comm where DeepSpeed finds it incompatible here (build_shm_op then skips it)."""
+    if op != SHM_COMM:
+        return True
+    try:
+        from deepspeed.ops import __compatible_ops__
+    except ImportError:
+        return False
+    return bool(__compatible_ops__.get(op, False))
+
+
 def holders(lock: Path) -> list[int]:
     """The processes on this machine that hold `lock` open (a build under way holds its lock's descriptor)."""
     target = str(lock.resolve())
@@ -91,11 +109,21 @@ def command_of(pid: int) -> str:
     return " ".join(w.decode("utf-8", "replace") for w in words if w)[:120] or "?"
 
 
-def prepare(ds_config: dict, say=print) -> list[str]:
-    """Check each JIT op the config needs (see the module doc); return the notes said."""
+def build(op: str) -> Path:
+    """Build `op` now, as DeepSpeed itself would at its first use (its accelerator's op builder, torch's JIT loader);
+    the folder it is in. For a set-up step (.ci/setup), so that no run spends its first minutes compiling."""
+    from deepspeed.accelerator import get_accelerator
+
+    builder = {SHM_COMM: "ShareMemCommBuilder", "cpu_adam": "CPUAdamBuilder", "async_io": "AsyncIOBuilder"}[op]
+    get_accelerator().create_op_builder(builder).load()
+    return extensions_root() / op
+
+
+def prepare(ds_config: dict, say=print, device: str = "cuda") -> list[str]:
+    """Check each JIT op the config needs on this device (see the module doc); return the notes said."""
     notes = []
-    for op in needed_ops(ds_config):
-        if installed(op):
+    for op in needed_ops(ds_config, device):
+        if installed(op) or not loaded_by_deepspeed(op):
             continue
         folder = extensions_root() / op
         lock = folder / "lock"

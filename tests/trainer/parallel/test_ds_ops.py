@@ -107,3 +107,21 @@ def test_the_default_extensions_folder_is_torchs(monkeypatch, tmp_path):
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
     assert ds_ops.extensions_root() / "cpu_adam" == Path(_get_build_directory("cpu_adam", False))
+
+
+def test_the_cpu_accelerator_builds_the_shared_memory_all_reduce(extensions, monkeypatch):
+    """On the CPU every DeepSpeed run loads deepspeed_shm_comm in init_distributed (DeepSpeed's TorchBackend): its
+    build is said, and a killed build's lock is removed, where before every later DeepSpeed run on this machine waited
+    on it until the test's timeout killed it (CI, 2026-11-28: ZeRO-1 and ZeRO-3 runs, 240 s each)."""
+    monkeypatch.setattr(ds_ops, "loaded_by_deepspeed", lambda op: True)
+    assert ds_ops.needed_ops(ZERO1, "cpu") == ["deepspeed_shm_comm"]
+    assert ds_ops.needed_ops(ZERO1, "cuda") == []
+    lock = extensions / "deepspeed_shm_comm" / "lock"
+    holder = _hold(lock)
+    holder.send_signal(signal.SIGKILL)
+    holder.wait()
+    said = []
+    ds_ops.prepare(ZERO1, said.append, device="cpu")
+    assert said[0].startswith(f"note: removed {lock}, the lock of a DeepSpeed deepspeed_shm_comm build")
+    assert said[1].startswith("building DeepSpeed's deepspeed_shm_comm once")
+    assert not lock.exists()
