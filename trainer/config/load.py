@@ -275,7 +275,7 @@ def _objective_notes(cfg: Config) -> list[str]:
     except ValueError as err:
         raise ConfigError(str(err)) from None
     model.check_config_class(cfg)
-    return notes + diffusion.check(cfg)
+    return notes + diffusion.check(cfg) + rl.preference_notes(cfg)
 
 
 MAX_CONFIG_BYTES = 1 << 20  # a config is keys and values; data and templates of any size live in files it names

@@ -23,6 +23,7 @@ class RlKeys(BaseModel):
     dpo_beta: float | None = Field(None, gt=0)  # deprecated spelling of rl_beta
     dpo_label_smoothing: float = Field(0.0, ge=0, lt=0.5)  # conservative DPO (cDPO); SimPO's too
     dpo_loss_type: list[Literal["sigmoid", "ipo"]] | None = None  # rl: dpo with ["ipo"] is IPO
+    dpo_use_weighting: bool | None = None  # WPO's weights on each pair's loss (TRL's DPOConfig.use_weighting)
     orpo_alpha: float | None = Field(None, gt=0)  # ORPO's weight of the odds-ratio term (TRL's beta)
     kto_desirable_weight: float = Field(1.0, gt=0)
     kto_undesirable_weight: float = Field(1.0, gt=0)
@@ -88,6 +89,15 @@ class RlKeys(BaseModel):
                              "computed once before training (no reference model is kept in memory)")
         if self.dpo_label_smoothing and self.objective == "ipo":
             raise ValueError("dpo_label_smoothing does not apply to IPO")
+
+
+def preference_notes(cfg) -> list[str]:
+    """Keys of a preference method the config's objective does not read (as in Axolotl, which passes them to
+    DPO's trainer only)."""
+    if cfg.dpo_use_weighting and cfg.objective not in ("dpo", "ipo"):
+        return [f"dpo_use_weighting: no effect with {cfg.objective} (it weights DPO's and IPO's pair losses, as in "
+                "Axolotl)"]
+    return []
 
 
 def check_eaft(cfg) -> None:

@@ -219,8 +219,10 @@ def sequence_counts(batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     return count(completion), count(inside)
 
 
-def sequence_logps(model, batch: dict, with_all: bool = False):
-    """Sum of the log-probs of each sequence's completion tokens (and, with_all, of all its tokens after the first).
+def sequence_logps(model, batch: dict, with_all: bool = False, with_wpo: bool = False):
+    """Sum of the log-probs of each sequence's completion tokens (and, with_all, of all its tokens after the first;
+    with_wpo, WPO's per-sequence mean of log p(token) - log sum_v p_v^2 over its completion tokens, without gradient,
+    as TRL's DPOTrainer computes its `use_weighting` weights).
 
     One forward over however the sequences are laid out (one per row, or packed several to a row with a
     block-diagonal mask): the sums are gathered by sequence id, so the layout does not change them.
@@ -231,16 +233,27 @@ def sequence_logps(model, batch: dict, with_all: bool = False):
     inside = (nxt >= 0) & (nxt == seq[:, :-1])
     completion = inside & (batch["labels"][:, 1:] != IGNORE)
     slot = chunked_loss.decide(model, inputs)
+    sum_sq = None
     if slot is not None:  # the head over the counted positions only, a chunk at a time (the logits never whole)
         hidden, head, seen = chunked_loss.forward_hidden(model, *slot, inputs)
         token_logps = chunked_loss.token_logps_from_hidden(hidden, head, seen, batch["input_ids"],
                                                            inside if with_all else completion)
+        if with_wpo:
+            sum_sq = chunked_loss.token_log_sum_sq_from_hidden(hidden, head, seen, completion)
     else:
         logits = model(**inputs, use_cache=False).logits
         token_logps = -F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids.flatten(),
                                        reduction="none").view_as(ids)
+        if with_wpo:
+            with torch.no_grad():
+                sum_sq = chunked_loss.log_sum_sq_probs(logits[:, :-1])
 
-    def total(mask):
-        return torch.zeros(n, dtype=token_logps.dtype, device=ids.device).index_add(0, nxt[mask], token_logps[mask])
+    def total(mask, values=token_logps):
+        return torch.zeros(n, dtype=values.dtype, device=ids.device).index_add(0, nxt[mask], values[mask])
 
-    return (total(completion), total(inside)) if with_all else total(completion)
+    logps = (total(completion), total(inside)) if with_all else total(completion)
+    if not with_wpo:
+        return logps
+    aligned = total(completion, token_logps.detach() - sum_sq)
+    counts = total(completion, torch.ones_like(token_logps)).clamp(min=1)
+    return logps, aligned / counts

@@ -148,6 +148,26 @@ def token_logps_from_hidden(hidden, head, seen, ids, where) -> torch.Tensor:
     return out.masked_scatter(where, torch.cat(parts))
 
 
+def token_log_sum_sq_from_hidden(hidden, head, seen, where) -> torch.Tensor:
+    """log sum_v p_v^2 of each position's next-token distribution ([B, T-1], float32) at the positions `where` marks,
+    0 elsewhere, without gradient: WPO's alignment term (TRL's `log_sum_sq_probs`), a chunk of positions at a time."""
+    out = torch.zeros(where.shape, dtype=torch.float32, device=hidden.device)
+    h = hidden[:, :-1][where]
+    if h.shape[0] == 0:
+        return out
+    vocab = head.out_features if hasattr(head, "out_features") else head.weight.shape[0]
+    size = loss_chunks.chunk_tokens(h.shape[0], vocab, CHUNK_LOGITS_BYTES)
+    with torch.no_grad():
+        parts = [log_sum_sq_probs(head_logits(head, seen, h[i:i + size])) for i in range(0, h.shape[0], size)]
+    return out.masked_scatter(where, torch.cat(parts))
+
+
+def log_sum_sq_probs(logits: torch.Tensor) -> torch.Tensor:
+    """log sum_v softmax(logits)_v^2 over the last dimension (in fp32)."""
+    log_probs = torch.log_softmax(logits.float(), dim=-1)
+    return torch.logsumexp(2 * log_probs, dim=-1)
+
+
 def full_loss_sum(model, inputs, labels) -> torch.Tensor:
     logits = model(**inputs, use_cache=False).logits
     return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),

@@ -6,12 +6,19 @@ As TRL's DPOTrainer defines them (trl/trainer/dpo_trainer.py, loss_type "sigmoid
     ipo:     (delta_w / |y_w| - delta_l / |y_l| - 1 / (2 beta))^2                   (length-averaged log-ratios)
 Rewards are beta times the log-ratios. The loss of a step is the mean over its pairs (all micro-batches,
 all ranks).
+
+`dpo_use_weighting: true` (TRL's `use_weighting`, WPO, https://huggingface.co/papers/2406.11827 eq. 2) multiplies
+each pair's loss by w(y_w) w(y_l), w(y) = exp(mean over y's completion tokens of log pi(t) - log sum_v pi(v)^2),
+computed without gradient from the policy's own forward.
 """
 
 from __future__ import annotations
 
 import torch.nn.functional as F
 
+import torch
+
+from trainer.objectives.base import sequence_counts, sequence_logps
 from trainer.objectives.pairs import PAIR_METRICS, PairObjective
 
 
@@ -38,18 +45,37 @@ class DPO(PairObjective):
     metric_names = ("loss", *PAIR_METRICS, "tokens")
 
     @classmethod
-    def from_config(cls, cfg, collator, token_loss_sum):
-        return cls(collator, cfg.sample_packing, cfg.beta, cfg.dpo_label_smoothing, ipo=cfg.objective == "ipo")
+    def describe(cls, cfg) -> str:
+        line = super().describe(cfg)
+        return line[:-1] + "; each pair's loss weighted by WPO's weights, dpo_use_weighting)" if cfg.dpo_use_weighting else line
 
-    def __init__(self, collator, packed: bool, beta: float, label_smoothing: float = 0.0, ipo: bool = False):
+    @classmethod
+    def from_config(cls, cfg, collator, token_loss_sum):
+        return cls(collator, cfg.sample_packing, cfg.beta, cfg.dpo_label_smoothing, ipo=cfg.objective == "ipo",
+                   weighting=bool(cfg.dpo_use_weighting))
+
+    def __init__(self, collator, packed: bool, beta: float, label_smoothing: float = 0.0, ipo: bool = False,
+                 weighting: bool = False):
         super().__init__(collator, packed)
         self.name = "ipo" if ipo else "dpo"
-        self.beta, self.label_smoothing, self.ipo = beta, label_smoothing, ipo
+        self.beta, self.label_smoothing, self.ipo, self.weighting = beta, label_smoothing, ipo, weighting
 
     def loss(self, model, batch, totals):
-        chosen, rejected, n_chosen, n_rejected, _, _ = self.pair_logps(model, batch)
+        if self.weighting:
+            chosen, rejected, n_chosen, n_rejected, weights = self.weighted_pair_logps(model, batch)
+        else:
+            chosen, rejected, n_chosen, n_rejected, _, _ = self.pair_logps(model, batch)
+            weights = 1.0
         ref = batch["ref"].to(chosen.dtype)
         losses, chosen_rewards, rejected_rewards = dpo_loss(
             chosen, rejected, ref[:, 0], ref[:, 1], self.beta, self.label_smoothing, self.ipo, (n_chosen, n_rejected))
-        loss = losses.sum() / max(totals["pairs"], 1)
+        loss = (losses * weights).sum() / max(totals["pairs"], 1)
         return loss, self.pair_metrics(loss, chosen_rewards, rejected_rewards, chosen, rejected, batch)
+
+    @staticmethod
+    def weighted_pair_logps(model, batch):
+        """Policy log-prob sums of (chosen, rejected), their token counts, and each pair's WPO weight."""
+        logps, aligned = sequence_logps(model, batch, with_wpo=True)
+        completion, _ = sequence_counts(batch)
+        c, r = batch["chosen_index"], batch["rejected_index"]
+        return logps[c], logps[r], completion[c], completion[r], torch.exp(aligned[c]) * torch.exp(aligned[r])

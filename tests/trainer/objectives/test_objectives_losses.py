@@ -146,23 +146,28 @@ def layouts(pairs):
     return {"unpacked": (False, [[p] for p in pairs]), "packed": (True, [pairs[:3], pairs[3:]])}
 
 
-@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
+@pytest.mark.parametrize("loss_type,weighting", [("sigmoid", False), ("ipo", False), ("sigmoid", True), ("ipo", True)])
 @pytest.mark.parametrize("layout", ["unpacked", "packed"])
-def test_dpo_objective_matches_trl_on_a_real_model(model, loss_type, layout):
+def test_dpo_objective_matches_trl_on_a_real_model(model, loss_type, weighting, layout):
+    """DPO and IPO, and with dpo_use_weighting (TRL's use_weighting, WPO's weights from log sum_v p_v^2)."""
     from trl import DPOTrainer
     from trl.trainer.utils import add_fused_lm_head
 
     pairs = random_pairs(5, seed=11, with_ref=True)
     packed, rows = layouts(pairs)[layout]
-    objective = DPO(Collator(0, "sdpa"), packed, beta=0.1, ipo=loss_type == "ipo")
+    objective = DPO(Collator(0, "sdpa"), packed, beta=0.1, ipo=loss_type == "ipo", weighting=weighting)
     loss, report = ours(objective, model, rows)
+    if weighting:  # the weights are not all 1: the oracle below could tell the two apart
+        unweighted, _ = ours(DPO(Collator(0, "sdpa"), packed, beta=0.1, ipo=loss_type == "ipo"), model, rows)
+        assert abs(loss.item() - unweighted.item()) > 1e-3 * abs(unweighted.item())
 
     import copy
 
     fused = copy.deepcopy(model)
-    add_fused_lm_head(fused, outputs=("log_probs", "entropy", "mean_logits", "is_top1"))
+    add_fused_lm_head(fused, outputs=("log_probs", "entropy", "mean_logits", "is_top1")
+                      + (("log_sum_sq_probs",) if weighting else ()))
     trl = trl_object(DPOTrainer, fused, loss_types=[loss_type], loss_weights=[1.0], beta=0.1, label_smoothing=0.0,
-                     ld_alpha=None, f_divergence_type="reverse_kl", use_weighting=False)
+                     ld_alpha=None, f_divergence_type="reverse_kl", use_weighting=weighting)
     sequences = [(p["chosen_input_ids"], p["chosen_labels"]) for p in pairs] + \
                 [(p["rejected_input_ids"], p["rejected_labels"]) for p in pairs]
     ref = torch.tensor([p["ref"] for p in pairs])

@@ -286,3 +286,21 @@ def test_gradient_checkpointing_trains_the_same(rl, pref_config, tmp_path):
     assert train(pref_config("b.yml", rl=rl, output_dir=str(ckpt), max_steps=3, gradient_checkpointing=True)) == 0
     a, b = train_losses(plain), train_losses(ckpt)
     assert a.keys() == b.keys() and all(b[s] == pytest.approx(a[s], rel=1e-5) for s in a)
+
+
+@pytest.mark.parametrize("rl", ["dpo", "kto"])
+def test_dpo_use_weighting_through_the_command(rl, pref_config, tmp_path, capsys):
+    """`dpo_use_weighting: true` (Axolotl passes it to TRL's DPOConfig.use_weighting): validate says so, and the first
+    step's loss is no longer log 2 (the policy is the reference, so every pair's loss is log 2 times its WPO weight;
+    the weights themselves are checked against TRL in test_objectives_losses.py). With KTO it has no effect, as in
+    Axolotl, and a note says so."""
+    config = pref_config(rl=rl, output_dir=str(tmp_path / "out"), max_steps=2, dpo_use_weighting=True)
+    assert main(["validate", str(config)]) == 0
+    said = capsys.readouterr()
+    if rl == "kto":
+        assert "dpo_use_weighting: no effect with kto" in said.out + said.err
+        return
+    assert "weighted by WPO's weights, dpo_use_weighting" in said.out + said.err
+    assert train(config) == 0
+    first = train_losses(tmp_path / "out")[1]
+    assert math.isfinite(first) and first != pytest.approx(math.log(2), rel=1e-4)
