@@ -17,6 +17,10 @@ Values (retired forms of a key that is still read):
   (alpaca, completion, an unknown chatml.<function>, ...): Axolotl 0.4's DPO loader found no transform for it and used the rows unchanged, as
   prompt / chosen / rejected; so does this trainer (no type), with a note.
 - `base_model_config` equal to base_model (Axolotl's own default): nothing to read.
+- `pretraining_dataset` with more than one entry: Axolotl streams the first entry only (utils/data/sft.py
+  _extract_pretraining_config reads `cfg.pretraining_dataset[0]`) and reads nothing of the others, whatever their
+  type (users' configs carry a second entry with `type: eval`); so does this trainer, with a note naming each entry
+  left out and where more data goes (the first entry's data_files, or datasets: with streaming: true).
 
 A rewrite never overrides a key the config also sets to another value: that is a problem (set one of them).
 """
@@ -279,6 +283,19 @@ def _base_model_config(raw: dict, rw: Rewrite) -> None:
                         "tokenizer_config default)")
 
 
+def _pretraining_first(raw: dict, rw: Rewrite) -> None:
+    """Only the first pretraining_dataset entry is streamed, as in Axolotl (see the module doc)."""
+    entries = raw.get("pretraining_dataset")
+    if not isinstance(entries, list) or len(entries) < 2:
+        return
+    raw["pretraining_dataset"] = entries[:1]
+    for i, entry in enumerate(entries[1:], start=1):
+        what = ", ".join(f"{k}: {entry[k]}" for k in ("path", "type") if isinstance(entry, dict) and k in entry)
+        rw.notes.append(f"pretraining_dataset.{i}{f' ({what})' if what else ''}: not read; as in Axolotl, only the "
+                        "first pretraining_dataset entry is streamed (more files: the first entry's data_files; "
+                        "several datasets: datasets: with streaming: true)")
+
+
 def _load_best_model(raw: dict, rw: Rewrite) -> None:
     """load_best_model_at_end: true with early_stopping_patience is what early stopping does here."""
     if raw.get("load_best_model_at_end") is True and raw.get("early_stopping_patience"):
@@ -310,4 +327,5 @@ def migrate(raw: dict, config_fields: set[str], entry_fields: set[str]) -> tuple
     _preference_types(out, rw)
     _base_model_config(out, rw)
     _load_best_model(out, rw)
+    _pretraining_first(out, rw)
     return out, rw

@@ -86,6 +86,23 @@ def test_stream_keys_are_checked(tiny_llama):
     assert cfg.stream_buffer_size == 7 and cfg.pretraining_dataset[0].text_column == "text"
 
 
+def test_only_the_first_pretraining_dataset_entry_is_streamed_as_in_axolotl(tiny_llama, pretrain_config, text_file,
+                                                                            capsys):
+    """Axolotl streams pretraining_dataset[0] only (utils/data/sft.py _extract_pretraining_config); a second entry,
+    such as users' `type: eval`, is not read there, nor here, and a note says so where before it was refused."""
+    from trainer.cli import main
+
+    entries = [{"path": "allenai/c4", "name": "en"}, {"path": "my/held-out", "type": "eval"}]
+    cfg, notes = parse_config({"base_model": str(tiny_llama), "max_steps": 3, "pretraining_dataset": entries})
+    assert [e.path for e in cfg.pretraining_dataset] == ["allenai/c4"]
+    assert "pretraining_dataset.1 (path: my/held-out, type: eval): not read; as in Axolotl, only the first " \
+           "pretraining_dataset entry is streamed" in "\n".join(notes)
+    config = pretrain_config(pretraining_dataset=[{"path": str(text_file)}, {"path": "elsewhere.jsonl", "type": "eval"}])
+    assert main(["validate", str(config)]) == 0
+    said = capsys.readouterr()
+    assert "pretraining_dataset.1 (path: elsewhere.jsonl, type: eval): not read" in said.out + said.err
+
+
 # --- what the stream holds -----------------------------------------------------------------------------
 
 def test_pretrain_windows_cover_the_text_as_axolotls_pretrain_type(tiny_llama):
