@@ -137,6 +137,9 @@ class DatasetConfig(BaseModel):
     drop_system_message: bool = False
     # a message's own boolean (this key of it) says whether its turn is trained, over roles_to_train (Axolotl's)
     message_field_training: str | None = None
+    # a message's own list of {begin_offset, end_offset, train} (this key of it): which characters of its content
+    # train, offsets inclusive, moved to token boundaries as Axolotl's get_offsets_for_train_detail moves them
+    message_field_training_detail: str | None = None
     # assistant turns: the reasoning in <think>...</think> (or <reasoning>, <|begin_of_thought|>) of the content is
     # moved to template_thinking_key, the rest (or its <|begin_of_solution|> block) stays the content (Axolotl's)
     split_thinking: bool = False

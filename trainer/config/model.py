@@ -213,7 +213,7 @@ def check_mistral_tokenizer(cfg) -> list[str]:
         for key in ("chat_template", "chat_template_jinja"):
             if getattr(ds, key):
                 problems.append(f"datasets.{i}.{key} cannot be set with tokenizer_use_mistral_common ({fixed_format})")
-        for key in ("message_field_training", "split_thinking"):
+        for key in ("message_field_training", "message_field_training_detail", "split_thinking"):
             if getattr(ds, key):
                 problems.append(f"datasets.{i}.{key} with tokenizer_use_mistral_common is not supported (its "
                                 "conversations train the turns of roles_to_train)")

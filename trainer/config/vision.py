@@ -66,7 +66,7 @@ def check(cfg) -> list[str]:
                             "cross-entropy)")
     for name, entries in (("datasets", cfg.datasets), ("test_datasets", cfg.test_datasets or [])):
         for i, ds in enumerate(entries):
-            for key in ("message_field_training", "split_thinking"):
+            for key in ("message_field_training", "message_field_training_detail", "split_thinking"):
                 if getattr(ds, key):
                     problems.append(f"{name}.{i}.{key} with processor_type is not supported (the vision-language rows "
                                     "train the turns of roles_to_train)")

@@ -80,6 +80,59 @@ def test_trained_tokens_are_axolotls_for_generated_conversations(template, most_
     assert not differ, f"{len(differ)} of {len(rows)} differ; first: {differ[0]}"
 
 
+DETAIL_DS = {"type": "chat_template", "field_messages": "messages", "message_field_training": "train",
+             "message_field_training_detail": "detail", "roles_to_train": ["assistant"], "train_on_eos": "turn"}
+
+
+def detailed_conversations(n: int) -> list[dict]:
+    """Conversations whose messages carry training details at drawn character offsets (cutting words, running past
+    the content's end, empty, overlapping), some with a turn flag too."""
+    from hypothesis import HealthCheck, given, settings, strategies as st
+
+    words = st.sampled_from(["alpha", "beta", "gamma", "delta", "yes", "no", "12", "x-ray", "don't"])
+    text = st.lists(words, min_size=1, max_size=6).map(" ".join)
+    span = st.tuples(st.integers(0, 40), st.integers(0, 40), st.booleans())
+    detail = st.one_of(st.none(), st.just([]), st.lists(span, min_size=1, max_size=3))
+    flag = st.sampled_from([None, None, True, False])
+    drawn = []
+
+    @settings(max_examples=n, derandomize=True, suppress_health_check=list(HealthCheck))
+    @given(turns=st.lists(st.tuples(text, text, detail, detail, flag), min_size=1, max_size=3))
+    def draw(turns):
+        messages = []
+        for user, answer, user_detail, answer_detail, answer_flag in turns:
+            for role, content, spans, own in (("user", user, user_detail, None), ("assistant", answer, answer_detail,
+                                                                                 answer_flag)):
+                message = {"role": role, "content": content}
+                if spans is not None:
+                    message["detail"] = [{"begin_offset": min(a, b), "end_offset": max(a, b), "train": t}
+                                         for a, b, t in spans]
+                if own is not None:
+                    message["train"] = own
+                messages.append(message)
+        drawn.append({"messages": messages})
+
+    draw()
+    return drawn
+
+
+@pytest.mark.slow  # Axolotl's strategy in a subprocess
+def test_training_details_train_axolotls_tokens_for_generated_conversations(tiny_llama):
+    """message_field_training_detail: the trained tokens of 60 generated conversations are Axolotl's own."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    tokenizer.chat_template = template_text("chatml")
+    rows = detailed_conversations(60)
+    ds = DatasetConfig(path="d.jsonl", **DETAIL_DS)
+    ours = [tokenize_row(r, ds, tokenizer, False, eot_tokens=["<|im_end|>"])["labels"] for r in rows]
+    out = subprocess.run([sys.executable, "-c", AXOLOTL], input=json.dumps([str(tiny_llama), "chatml", DETAIL_DS, rows]),
+                         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ORACLE)}, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    theirs = json.loads(out.stdout)
+    assert sum(label != -100 for labels in ours for label in labels) > 0
+    differ = [(r, a, b) for r, a, b in zip(rows, ours, theirs) if a != b]
+    assert not differ, f"{len(differ)} of {len(rows)} differ; first: {differ[0]}"
+
+
 def test_split_thinking_takes_the_first_pair_and_a_solution_block():
     assert split_thinking("<think> a b </think>\n  answer", "reasoning_content") == {
         "reasoning_content": "a b", "content": "answer"}
@@ -89,11 +142,25 @@ def test_split_thinking_takes_the_first_pair_and_a_solution_block():
 
 
 def test_a_flagged_turn_trains_and_an_unflagged_one_does_not_through_the_trainer(make_config, tmp_path):
+    """message_field_training, split_thinking and message_field_training_detail through `train`."""
     rows = [{"messages": [{"role": "user", "content": f"say {i}", "train": i % 2 == 0},
-                          {"role": "assistant", "content": f"<think>count</think> {i}", "train": i % 3 != 0}]}
+                          {"role": "assistant", "content": f"<think>count</think> {i} and {i + 1}", "train": i % 3 != 0,
+                           **({"detail": [{"begin_offset": 0, "end_offset": 1, "train": True}]} if i % 4 else {})}]}
             for i in range(12)]
     data = write_jsonl(tmp_path / "chat.jsonl", rows)
-    config = make_config(datasets=[{"path": str(data), **{k: v for k, v in DS.items() if k != "train_on_eos"}}],
+    config = make_config(datasets=[{"path": str(data), "message_field_training_detail": "detail",
+                                    **{k: v for k, v in DS.items() if k != "train_on_eos"}}],
                          chat_template="qwen3", max_steps=2)
     assert main(["train", str(config)]) == 0
     assert [r["step"] for r in read_metrics(tmp_path / "out") if "loss" in r] == [1, 2]
+
+
+def test_a_malformed_training_detail_is_one_line_naming_the_key(tiny_llama):
+    from trainer.errors import DataError
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    tokenizer.chat_template = template_text("chatml")
+    ds = DatasetConfig(path="d.jsonl", **DETAIL_DS)
+    row = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yes", "detail": "0-2"}]}
+    with pytest.raises(DataError, match=r"dataset d.jsonl: a message's 'detail' must be a list of \{begin_offset"):
+        tokenize_row(row, ds, tokenizer, False)

@@ -85,11 +85,47 @@ def _messages(row: dict, ds: DatasetConfig) -> list[dict]:
             message.update(split_thinking(message["content"], ds.template_thinking_key))
         if ds.message_field_training and m.get(ds.message_field_training) is not None:
             message[TRAIN_FLAG] = m[ds.message_field_training]
+        if ds.message_field_training_detail and m.get(ds.message_field_training_detail) is not None:
+            message[TRAIN_DETAIL] = _detail(m[ds.message_field_training_detail], ds)
         messages.append(message)
     return messages
 
 
 TRAIN_FLAG = "\0train"  # a message's own training flag (message_field_training), taken out before rendering
+TRAIN_DETAIL = "\0detail"  # its character spans (message_field_training_detail), taken out before rendering
+
+
+def _detail(detail, ds: DatasetConfig) -> list[tuple[int, int, bool]]:
+    """A message's training detail as (begin, end inclusive, train) triples; one line naming what is wrong."""
+    key = ds.message_field_training_detail
+    if not isinstance(detail, list) or not all(
+            isinstance(d, dict) and isinstance(d.get("begin_offset"), int) and isinstance(d.get("end_offset"), int)
+            and isinstance(d.get("train", False), bool) for d in detail):
+        raise DataError(f"dataset {ds.path}: a message's '{key}' must be a list of {{begin_offset, end_offset, train}} "
+                        f"(integer offsets into its content, inclusive); got {str(detail)[:120]}")
+    return [(d["begin_offset"], d["end_offset"], d.get("train", False)) for d in detail]
+
+
+def detail_token_starts(content: str, detail: list[tuple[int, int, bool]], tokenizer) -> list[int]:
+    """The character offsets (in `content`) of the tokens a training detail trains, as Axolotl's
+    ChatTemplatePrompter.get_offsets_for_train_detail picks them: the content tokenized alone, each token's span
+    running to the next token's start; each detail widened to the tokens it cuts (adjust_train_details); a token
+    trains where a detail with train: true holds it whole."""
+    starts = [a for a, _ in tokenizer(content, return_offsets_mapping=True, add_special_tokens=False)["offset_mapping"]]
+    if not starts:
+        return []
+    spans = [(a, b - 1) for a, b in zip(starts, starts[1:])] + [(starts[-1], len(content) - 1)]
+    adjusted = []
+    for begin, end, train in detail:
+        first = next((i for i, (a, _) in enumerate(spans) if a >= begin), len(spans))
+        if first > 0 and spans[first - 1][1] > begin:
+            first -= 1
+        last = next((i for i in range(len(spans) - 1, -1, -1) if spans[i][1] <= end), -1)
+        if last < len(spans) - 1 and spans[last + 1][0] < end:
+            last += 1
+        if first <= last:
+            adjusted.append((spans[first][0], spans[last][1], train))
+    return [a for a, b in spans if any(train and a >= lo and b <= hi for lo, hi, train in adjusted)]
 THINKING_PAIRS = (("<think>", "</think>"), ("<reasoning>", "</reasoning>"), ("<|begin_of_thought|>", "<|end_of_thought|>"))
 SOLUTION_PAIR = ("<|begin_of_solution|>", "<|end_of_solution|>")
 
@@ -122,6 +158,7 @@ def render_chat(row: dict, ds: DatasetConfig, tokenizer, eot_tokens: list[str] |
     if ds.drop_system_message:
         messages = [m for m in messages if m["role"] != "system"]
     flags = [m.pop(TRAIN_FLAG, None) for m in messages]
+    details = [m.pop(TRAIN_DETAIL, None) for m in messages]
 
     def render(msgs, header=False):
         if not msgs:
@@ -136,7 +173,9 @@ def render_chat(row: dict, ds: DatasetConfig, tokenizer, eot_tokens: list[str] |
     spans = []
     last = len(messages) - 1
     for i, message in enumerate(messages):
-        trained = message["role"] in ds.roles_to_train if flags[i] is None else bool(flags[i])
+        # a message's own flag, else its training detail (trained where it has one), else its role (Axolotl's order)
+        trained = (bool(flags[i]) if flags[i] is not None else bool(details[i]) if details[i] is not None
+                   else message["role"] in ds.roles_to_train)
         if not trained and policy != "all":
             continue
         prefix = render(messages[:i])
@@ -159,8 +198,16 @@ def render_chat(row: dict, ds: DatasetConfig, tokenizer, eot_tokens: list[str] |
             think_at = text.find(thinking, len(prefix), end) if thinking else -1
             found_at = think_at if think_at >= 0 and (found_at < 0 or think_at < found_at) else found_at
             begin = found_at if found_at >= 0 else begin
+        if trained and details[i]:  # only the tokens its detail trains, where its content is rendered
+            content_at = _content_at(text, message, len(prefix), end, ds)
+            spans.extend((content_at + a, content_at + a + 1) for a in
+                         detail_token_starts(message["content"], details[i], tokenizer))
+            trained_span = None
+        else:
+            trained_span = (begin, end)
         if policy is None:
-            spans.append((begin, end))
+            if trained_span:
+                spans.append(trained_span)
             continue
         # the turn's end-of-turn token follows its content: a reasoning block before the content (gpt-oss's
         # analysis channel) may end in the same token, and is trained as part of the turn
@@ -170,11 +217,21 @@ def render_chat(row: dict, ds: DatasetConfig, tokenizer, eot_tokens: list[str] |
         found = [(text.find(t, after, end), t) for t in eots]
         found = [(pos, t) for pos, t in found if pos >= 0]
         eot_at, eot = min(found) if found else (end, "")
-        if trained:
+        if trained and trained_span:
             spans.append((begin, eot_at))
         if eot and (policy in ("turn", "all") and (trained or policy == "all") or (policy == "last" and i == last)):
             spans.append((eot_at, eot_at + len(eot)))
     return text, spans, False
+
+
+def _content_at(text: str, message: dict, start: int, end: int, ds: DatasetConfig) -> int:
+    """Where a message's content (a string: its training detail's offsets count its characters) is rendered."""
+    content = message["content"]
+    at = text.rfind(content, start, end) if isinstance(content, str) and content else -1  # after any reasoning
+    if at < 0:
+        raise DataError(f"dataset {ds.path}: {ds.message_field_training_detail}: a message's training detail needs its "
+                        "content as a string that the chat template renders as it is")
+    return at
 
 
 RENDERERS = {
