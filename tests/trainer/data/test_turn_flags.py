@@ -86,7 +86,7 @@ DETAIL_DS = {"type": "chat_template", "field_messages": "messages", "message_fie
 
 def detailed_conversations(n: int) -> list[dict]:
     """Conversations whose messages carry training details at drawn character offsets (cutting words, running past
-    the content's end, empty, overlapping), some with a turn flag too."""
+    the content's end, empty, overlapping), some with a turn flag too, some assistants' content as text parts."""
     from hypothesis import HealthCheck, given, settings, strategies as st
 
     words = st.sampled_from(["alpha", "beta", "gamma", "delta", "yes", "no", "12", "x-ray", "don't"])
@@ -96,13 +96,19 @@ def detailed_conversations(n: int) -> list[dict]:
     flag = st.sampled_from([None, None, True, False])
     drawn = []
 
+    # content as a list of text parts, each with its own train / weight flag or none (Axolotl's content parts)
+    part = st.tuples(text, st.sampled_from(["", " "]), st.sampled_from([{}, {"train": True}, {"train": False},
+                                                                          {"weight": 0}, {"weight": 1}]))
+    parts = st.one_of(st.none(), st.lists(part, min_size=1, max_size=3).map(
+        lambda ps: [{"type": "text", "text": lead + t, **f} for t, lead, f in ps]))
+
     @settings(max_examples=n, derandomize=True, suppress_health_check=list(HealthCheck))
-    @given(turns=st.lists(st.tuples(text, text, detail, detail, flag), min_size=1, max_size=3))
+    @given(turns=st.lists(st.tuples(text, text, detail, detail, flag, parts), min_size=1, max_size=3))
     def draw(turns):
         messages = []
-        for user, answer, user_detail, answer_detail, answer_flag in turns:
-            for role, content, spans, own in (("user", user, user_detail, None), ("assistant", answer, answer_detail,
-                                                                                 answer_flag)):
+        for user, answer, user_detail, answer_detail, answer_flag, answer_parts in turns:
+            for role, content, spans, own in (("user", user, user_detail, None),
+                                              ("assistant", answer_parts or answer, answer_detail, answer_flag)):
                 message = {"role": role, "content": content}
                 if spans is not None:
                     message["detail"] = [{"begin_offset": min(a, b), "end_offset": max(a, b), "train": t}
@@ -118,10 +124,11 @@ def detailed_conversations(n: int) -> list[dict]:
 
 @pytest.mark.slow  # Axolotl's strategy in a subprocess
 def test_training_details_train_axolotls_tokens_for_generated_conversations(tiny_llama):
-    """message_field_training_detail: the trained tokens of 60 generated conversations are Axolotl's own."""
+    """message_field_training_detail, and content given as parts with their own train/weight flags: the trained
+    tokens of 80 generated conversations are Axolotl's own."""
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
     tokenizer.chat_template = template_text("chatml")
-    rows = detailed_conversations(60)
+    rows = detailed_conversations(80)
     ds = DatasetConfig(path="d.jsonl", **DETAIL_DS)
     ours = [tokenize_row(r, ds, tokenizer, False, eot_tokens=["<|im_end|>"])["labels"] for r in rows]
     out = subprocess.run([sys.executable, "-c", AXOLOTL], input=json.dumps([str(tiny_llama), "chatml", DETAIL_DS, rows]),

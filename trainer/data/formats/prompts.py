@@ -106,6 +106,45 @@ def _detail(detail, ds: DatasetConfig) -> list[tuple[int, int, bool]]:
     return [(d["begin_offset"], d["end_offset"], d.get("train", False)) for d in detail]
 
 
+def content_parts(content) -> tuple[str, list[tuple[int, int, bool]] | None] | None:
+    """A message's content given as a list of parts, as Axolotl's ChatTemplateStrategy._convert_content_parts reads
+    it: the parts' texts (`text`, else `content`, else `value`) joined, and, where any part says `train` (or
+    `weight`: 0 is no), a training detail with each part's characters (a part without either trains). None: not a
+    list."""
+    if not isinstance(content, list):
+        return None
+    texts, detail, explicit = [], [], False
+    for part in content:
+        if not isinstance(part, dict):
+            continue
+        text = part.get("text") or part.get("content") or part.get("value") or ""
+        train, weight = part.get("train"), part.get("weight")
+        explicit = explicit or train is not None or weight is not None
+        trains = bool(train) if train is not None else weight not in (0, 0.0) if weight is not None else True
+        if text:
+            offset = sum(map(len, texts))
+            detail.append((offset, offset + len(text) - 1, trains))
+        texts.append(text)
+    return "".join(texts), detail if explicit else None
+
+
+def _join_parts(message: dict, ds: DatasetConfig) -> None:
+    """Content (and reasoning) given as a list of text parts, joined as Axolotl joins them; the parts' own training
+    flags become the message's training detail."""
+    joined = content_parts(message["content"])
+    if joined is not None:
+        message["content"] = joined[0]
+        if joined[1] is not None:
+            message[TRAIN_DETAIL] = joined[1]
+    joined = content_parts(message.get(ds.template_thinking_key))
+    if joined is not None:
+        if joined[1] is not None:
+            raise DataError(f"dataset {ds.path}: training flags on the parts of a message's "
+                            f"{ds.template_thinking_key} are not supported (its reasoning trains with its turn); flag "
+                            "the content's parts, or the whole message")
+        message[ds.template_thinking_key] = joined[0]
+
+
 def detail_token_starts(content: str, detail: list[tuple[int, int, bool]], tokenizer) -> list[int]:
     """The character offsets (in `content`) of the tokens a training detail trains, as Axolotl's
     ChatTemplatePrompter.get_offsets_for_train_detail picks them: the content tokenized alone, each token's span
@@ -157,6 +196,8 @@ def render_chat(row: dict, ds: DatasetConfig, tokenizer, eot_tokens: list[str] |
     messages = _messages(row, ds)
     if ds.drop_system_message:
         messages = [m for m in messages if m["role"] != "system"]
+    for message in messages:
+        _join_parts(message, ds)
     flags = [m.pop(TRAIN_FLAG, None) for m in messages]
     details = [m.pop(TRAIN_DETAIL, None) for m in messages]
 
@@ -191,11 +232,8 @@ def render_chat(row: dict, ds: DatasetConfig, tokenizer, eot_tokens: list[str] |
             # a turn trains from its first text (its reasoning where the template renders one, else its content), not
             # from the header or an empty reasoning block before it (Qwen3's '<think>\n\n</think>'): where Axolotl's
             # chat_template strategy starts it (tests/trainer/data/test_turn_flags.py compares the two)
-            content = message["content"].strip() if isinstance(message["content"], str) else ""
-            found_at = text.find(content, len(prefix), end) if content else -1
-            thinking = message.get(ds.template_thinking_key)  # rendered before the content, trained with it
-            thinking = thinking.strip() if isinstance(thinking, str) else ""
-            think_at = text.find(thinking, len(prefix), end) if thinking else -1
+            found_at = _text_at(text, message["content"], begin, end)
+            think_at = _text_at(text, message.get(ds.template_thinking_key), begin, end)  # rendered before the content
             found_at = think_at if think_at >= 0 and (found_at < 0 or think_at < found_at) else found_at
             begin = found_at if found_at >= 0 else begin
         if trained and details[i]:  # only the tokens its detail trains, where its content is rendered
@@ -222,6 +260,15 @@ def render_chat(row: dict, ds: DatasetConfig, tokenizer, eot_tokens: list[str] |
         if eot and (policy in ("turn", "all") and (trained or policy == "all") or (policy == "last" and i == last)):
             spans.append((eot_at, eot_at + len(eot)))
     return text, spans, False
+
+
+def _text_at(text: str, value, start: int, end: int) -> int:
+    """Where a message's text is rendered after `start` (its header): as written (a leading space trains, as in
+    Axolotl), else stripped (a template that trims it); -1 where it is not a non-blank string or not found."""
+    if not isinstance(value, str) or not value.strip():
+        return -1
+    at = text.find(value, start, end)
+    return at if at >= 0 else text.find(value.strip(), start, end)
 
 
 def _content_at(text: str, message: dict, start: int, end: int, ds: DatasetConfig) -> int:
