@@ -20,6 +20,8 @@ unless train_on_inputs.
 
 from __future__ import annotations
 
+import os
+
 from trainer.batch.labels import IGNORE
 from trainer.config import DatasetConfig
 from trainer.data.formats import alpaca_styles, instruction
@@ -219,15 +221,11 @@ def render_chat(row: dict, ds: DatasetConfig, tokenizer, eot_tokens: list[str] |
                    else message["role"] in ds.roles_to_train)
         if not trained and policy != "all":
             continue
-        prefix = render(messages[:i])
-        end = len(render(messages[: i + 1]))
-        start = render(messages[:i], header=True) if i else ""
-        if not text.startswith(start):  # template's generation header differs from its turn header
-            start = prefix
-        if not text.startswith(render(messages[: i + 1])) or not text.startswith(start):
-            raise DataError(f"dataset {ds.path}: the chat template does not render conversations turn by turn, "
-                            "so trained turns cannot be located")
-        begin = len(start) if trained else len(prefix)
+        region = _turn_region(messages, i, text, render, eots)
+        if region is None:  # the template renders nothing of this turn
+            continue
+        turn_start, begin, end = region
+        begin = begin if trained else turn_start
         if trained:
             # a turn trains from its first text (its reasoning where the template renders one, else its content), not
             # from the header or an empty reasoning block before it (Qwen3's '<think>\n\n</think>'): where Axolotl's
@@ -237,7 +235,7 @@ def render_chat(row: dict, ds: DatasetConfig, tokenizer, eot_tokens: list[str] |
             found_at = think_at if think_at >= 0 and (found_at < 0 or think_at < found_at) else found_at
             begin = found_at if found_at >= 0 else begin
         if trained and details[i]:  # only the tokens its detail trains, where its content is rendered
-            content_at = _content_at(text, message, len(prefix), end, ds)
+            content_at = _content_at(text, message, turn_start, end, ds)
             spans.extend((content_at + a, content_at + a + 1) for a in
                          detail_token_starts(message["content"], details[i], tokenizer))
             trained_span = None
@@ -260,6 +258,39 @@ def render_chat(row: dict, ds: DatasetConfig, tokenizer, eot_tokens: list[str] |
         if eot and (policy in ("turn", "all") and (trained or policy == "all") or (policy == "last" and i == last)):
             spans.append((eot_at, eot_at + len(eot)))
     return text, spans, False
+
+
+SENTINELS = ("[[dummy_message]]", "zzdummymessagezz")  # Axolotl's two, with disjoint first and last characters
+
+
+def _turn_region(messages: list[dict], i: int, text: str, render, eots: list[str]) -> tuple[int, int, int] | None:
+    """Where turn i is in the conversation's render `text`: (its start, where its own text may start (after its
+    header), its end); None where the template renders nothing of it.
+
+    Rendered turn by turn (the conversation up to turn i renders as the start of the whole), the renders of the turns
+    before it and of its header bound it. A template that renders a turn differently once later turns follow (Qwen3
+    drops the reasoning of assistant turns before the last user turn) is located as Axolotl's ChatTemplateStrategy
+    ._find_turn_from_text locates it: the whole conversation rendered again with the turn's content replaced by a
+    placeholder, the characters that differ (the widest over two placeholders) being the turn's own text; it ends at
+    the end-of-turn token after that text."""
+    prefix, whole = render(messages[:i]), render(messages[: i + 1])
+    start = render(messages[:i], header=True) if i else ""
+    if not text.startswith(start):  # template's generation header differs from its turn header
+        start = prefix
+    if text.startswith(whole) and text.startswith(start):
+        return len(prefix), len(start), len(whole)
+    lo, hi = len(text), 0
+    for sentinel in SENTINELS:
+        other = render(messages[:i] + [{"role": messages[i]["role"], "content": sentinel}] + messages[i + 1:])
+        same_start = len(os.path.commonprefix([text, other]))
+        most = min(len(text), len(other)) - same_start
+        same_end = len(os.path.commonprefix([text[::-1], other[::-1]]))
+        lo, hi = min(lo, same_start), max(hi, len(text) - min(same_end, most))
+    if hi <= lo:
+        return None
+    found = [text.find(t, hi) for t in eots]
+    end = min((at + len(t) for at, t in zip(found, eots) if at >= 0), default=hi)
+    return lo, lo, end
 
 
 def _text_at(text: str, value, start: int, end: int) -> int:
