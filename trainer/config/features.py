@@ -133,6 +133,10 @@ FEATURES: list[Feature] = [
     Feature("empty_cache", "the accelerator's cached memory released every N steps (transformers' own key)",
             ("torch_empty_cache_steps",), (), (), "any",
             hook=_at("_empty_cache_hook"), line=_at("_empty_cache_line")),
+    Feature("gc_collect", "Python's garbage collector (and the accelerator's cache) every N steps, before evaluations "
+            "and saves (Axolotl's GCCallback)", ("gc_collect_steps",), (), (), "any",
+            hook=Ref("trainer.runtime.gc_collect:hook"), line=Ref("trainer.runtime.gc_collect:line"),
+            config={"gc_collect_steps": Key(int | None, Field(None, ge=-1), "may change")}),  # -1: evals/saves only
 ]
 
 
