@@ -72,7 +72,8 @@ class Feature:
     hook: Callable | None = None  # (training) -> Hook | None: its part in the training loop, where it has one
     notes: Callable | None = None  # (cfg, runtime, plan) -> list[str]: on this GPU; raises HardwareError
     line: Callable | None = None  # (cfg) -> "label: text" | None: validate's line about it
-    config: dict[str, Key] = field(default_factory=dict)  # the config keys it declares (most live in sections)
+    # the config keys it declares (most features' keys live in the config's sections); not hashed: a dict
+    config: dict[str, Key] = field(default_factory=dict, hash=False)
 
 
 FEATURES: list[Feature] = [
