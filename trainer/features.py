@@ -14,8 +14,10 @@ The versions and where each package installs are facts, in matrices/packages.tom
 every plan installs beside torch where their floors allow: bitsandbytes, deepspeed) or a [[package]] row (the
 rest: trackers, liger-kernel, torchao, gguf ...). `pin` is the one rule that picks a [[package]] row for a plan.
 
-The same list is the trainer's one seam for a feature (issue 30); each field is read by one place, with one
-signature:
+The list itself is trainer/config/features.py (the config's schema and resume table read the keys its features
+declare; the config's wing cannot import this module); its entries name the functions below (and functions of the
+features' own modules) by `Ref`, imported when called. The same list is the trainer's one seam for a feature
+(issue 30); each field is read by one place, with one signature:
 
 - `notes(cfg, runtime, plan) -> list[str]`: what the feature becomes on this GPU (trainer.setup.feature_notes);
   raises HardwareError where the GPU cannot run it;
@@ -23,18 +25,19 @@ signature:
 - `hook(training) -> Hook | None`: its part in the training loop (trainer.hooks; trainer.train `feature_hooks`),
   None where the config does not use it; `training` is the Training: its `context` (trainer.hooks.Run: cfg, ranks,
   device, timeout, output_dir, say) and what it built (unwrapped, optimizer, tokenizer, data, runtime, sharded,
-  tp); the hooks made in this list's order.
+  tp); the hooks made in this list's order;
+- `config`: the config keys the feature declares (name -> Key): fields of Config and rows of the resume table.
 
-Adding a feature: its module, and one entry on this list (its config key is a field of the config's schema,
-trainer/config/, with its row in matrices/axolotl_keys.toml where Axolotl has the key).
+Adding a feature: its module, and one entry on the list in trainer/config/features.py (its config keys declared
+there), with its row in matrices/axolotl_keys.toml where Axolotl has the key.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 from trainer import facts
+from trainer.config.features import FEATURES, Feature  # (the one list, and the type of its entries)
 
 
 class Use(NamedTuple):
@@ -42,25 +45,6 @@ class Use(NamedTuple):
 
     key: str  # the config key as a user reads it ("optimizer: paged_adamw_8bit", "wandb_project: demo")
     floor: str | None = None  # its matrices/packages.toml [[feature]] row (a hardware floor), None when none
-
-
-def _nothing(cfg, plan) -> list[Use]:
-    return []
-
-
-@dataclass(frozen=True)
-class Feature:
-    name: str
-    summary: str  # one line, for validate and the dry-run
-    keys: tuple[str, ...]  # the config keys that can turn it on
-    packages: tuple[str, ...]  # the distributions it needs installed (packages.toml [[package]] or [[stack]])
-    imports: tuple[str, ...]  # the modules the trainer imports for it
-    hardware: str  # where it runs (the floors themselves are [[feature]] / [[package]] rows)
-    uses: Callable = _nothing  # (cfg, plan dict | None) -> list[Use]; [] when the config does not use it
-    step: str = "train"  # "train", or "export": imported only by `python -m trainer export --format gguf`
-    hook: Callable | None = None  # (training) -> Hook | None: its part in the training loop, where it has one
-    notes: Callable | None = None  # (cfg, runtime, plan) -> list[str]: on this GPU; raises HardwareError
-    line: Callable | None = None  # (cfg) -> "label: text" | None: validate's line about it
 
 
 # ---------------------------------------------------------------------------- how each feature reads a config
@@ -84,6 +68,9 @@ def _optimizer_of(library: str):
         row = check_optimizer(cfg.optimizer)
         return [Use(f"optimizer: {cfg.optimizer}", row.get("feature"))] if row["library"] == library else []
     return uses
+
+
+_bnb_optimizer, _torchao_optimizer = _optimizer_of("bitsandbytes"), _optimizer_of("torchao")
 
 
 def _qat(cfg, plan) -> list[Use]:
@@ -120,6 +107,9 @@ def _tracker(name: str):
 
         return [Use(loggers.asked_by(cfg, name))] if name in loggers.wanted(cfg) else []
     return uses
+
+
+_wandb, _tensorboard, _mlflow = _tracker("wandb"), _tracker("tensorboard"), _tracker("mlflow")
 
 
 def _mistral(cfg, plan) -> list[Use]:
@@ -270,73 +260,26 @@ def _memory_notes(cfg, runtime, plan) -> list[str]:
     return options.notes(cfg, runtime, plan)
 
 
+def _memory_hook(training):
+    return _memory_options().offload_hook(training.context)
+
+
+def _memory_line(cfg) -> str | None:
+    return _memory_options().line(cfg)
+
+
 def _empty_cache():
     from trainer.runtime import empty_cache
 
     return empty_cache
 
 
-FEATURES: list[Feature] = [
-    Feature("quantized_loading", "bitsandbytes 4-bit (NF4) or 8-bit (LLM.int8) base weights",
-            ("load_in_4bit", "load_in_8bit", "adapter: qlora"), ("bitsandbytes",), ("bitsandbytes",),
-            "floors per mode: packages.toml [[feature]] bnb_4bit, bnb_int8_loading; CPU backend too", _quantized,
-            notes=_quantized_notes),
-    Feature("bnb_optimizer", "bitsandbytes' 8-bit and paged optimizers", ("optimizer",), ("bitsandbytes",),
-            ("bitsandbytes",), "packages.toml [[feature]] bnb_8bit_optimizer", _optimizer_of("bitsandbytes"),
-            notes=_optimizer_notes),
-    Feature("torchao_optimizer", "torchao's 8-bit/4-bit AdamW (adamw_torch_8bit, adamw_torch_4bit, ao_adamw_*)",
-            ("optimizer",), ("torchao",), ("torchao.optim",), "Python over torch ops (torch.compile); any device",
-            _optimizer_of("torchao")),
-    Feature("qat", "quantization-aware training (torchao fake quantization)", ("qat",), ("torchao",),
-            ("torchao.quantization.qat",), "floors per dtype: packages.toml [[feature]] torchao_*", _qat,
-            notes=_qat_notes, line=_qat_line, hook=_qat_hook),
-    Feature("bitnet", "BitNet b1.58 training (onebitllms' BitNetLinear)", ("use_onebitllms",), ("onebitllms",),
-            ("onebitllms",), "triton kernels: a CUDA GPU triton compiles for", _bitnet, notes=_bitnet_notes),
-    Feature("deepspeed", "DeepSpeed ZeRO sharding", ("deepspeed",), ("deepspeed",), ("deepspeed",),
-            "CUDA GPUs (ZeRO over gloo on the CPU): packages.toml [[gpu_requirement]]", _deepspeed,
-            line=_deepspeed_line),
-    Feature("fsdp", "torch's FSDP1/FSDP2 sharding through accelerate", ("fsdp", "fsdp_config", "fsdp_version"), (),
-            (), "any device torch runs on (FSDP1 on the CPU: a note)", notes=_fsdp_notes, line=_fsdp_line),
-    Feature("ray", "Ray Train launcher (workers on a local Ray cluster)", ("use_ray",), ("ray",),
-            ("ray.train.torch",), "any device torch runs on", _ray),
-    Feature("liger", "liger-kernel's triton kernels (RoPE, RMSNorm, SwiGLU, LayerNorm)",
-            ("liger_rope", "liger_rms_norm", "liger_layer_norm", "liger_glu_activation", "liger_swiglu"),
-            ("liger-kernel",), ("liger_kernel.transformers",),
-            "where the plan says triton kernels run (plan features.liger); off elsewhere", _liger, notes=_liger_notes),
-    Feature("wandb", "Weights & Biases logging (offline without credentials)", ("wandb_project", "use_wandb"),
-            ("wandb",), ("wandb",), "any", _tracker("wandb")),
-    Feature("tensorboard", "TensorBoard event files in output_dir/runs", ("use_tensorboard",), ("tensorboard",),
-            ("tensorboard", "torch.utils.tensorboard"), "any", _tracker("tensorboard")),
-    Feature("mlflow", "MLflow logging (a local file store unless mlflow_tracking_uri)",
-            ("use_mlflow", "mlflow_tracking_uri", "mlflow_experiment_name"), ("mlflow-skinny",), ("mlflow",),
-            "any", _tracker("mlflow")),
-    Feature("mistral_common", "Mistral's own tokenizer (mistral-common)", ("tokenizer_use_mistral_common",),
-            ("mistral-common",), ("mistral_common", "transformers.tokenization_mistral_common"), "any", _mistral),
-    Feature("gguf_export", "`python -m trainer export --format gguf`, printed as a next step after training", (),
-            ("gguf",), ("gguf",), "any (pure Python)", _gguf, step="export"),
-    # the loop's features: no package beyond the training stack, a hook each (in the order the loop calls them)
-    Feature("lisa", "LISA: a few randomly drawn layers trained at a time", ("lisa_n_layers",), (), (), "any",
-            hook=_lisa_hook),
-    Feature("relora", "ReLoRA: LoRA merged into the base every jagged_restart_steps", ("relora",), (), (), "any",
-            hook=_relora_hook),
-    Feature("sparsity", "llmcompressor's sparse weights kept sparse while training", ("llmcompressor",), (), (),
-            "any", hook=_sparsity_hook),
-    Feature("diffusion_samples", "diffusion samples written every N steps", ("diffusion",), (), (), "any",
-            hook=_diffusion_hook),
-    Feature("early_stopping", "stop after early_stopping_patience evaluations without a better eval_loss",
-            ("early_stopping_patience",), (), (), "any", hook=_early_stopping_hook),
-    Feature("neftune", "NEFTune: noise on the input embeddings while training", ("neftune_noise_alpha",), (), (),
-            "any", hook=_neftune_hook),
-    Feature("memory_options", "activation offloading, selective checkpointing, ALST's tiled MLP, torch.compile "
-            "(torch's own APIs)", ("activation_offloading", "selective_checkpointing", "tiled_mlp", "torch_compile"),
-            (), (), "any; activation offloading does nothing on the CPU; torch.compile needs the plan's triton on a GPU",
-            hook=lambda training: _memory_options().offload_hook(training.context), notes=_memory_notes,
-            line=lambda cfg: _memory_options().line(cfg)),
-    Feature("empty_cache", "the accelerator's cached memory released every N steps (transformers' own key)",
-            ("torch_empty_cache_steps",), (), (), "any",
-            hook=lambda training: _empty_cache().hook(training.context),
-            line=lambda cfg: _empty_cache().line(cfg)),
-]
+def _empty_cache_hook(training):
+    return _empty_cache().hook(training.context)
+
+
+def _empty_cache_line(cfg) -> str | None:
+    return _empty_cache().line(cfg)
 
 
 def hooks(training) -> list:

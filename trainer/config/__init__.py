@@ -5,6 +5,8 @@
     schema.py      Config: every section's keys, and the order the sections' rules run in
     keys.py        the key policy: matrices/axolotl_keys.toml's decision for every key of Axolotl's history
     migrate.py     retired and renamed Axolotl forms rewritten before the config is read, each with a note
+    features.py    the one feature list: each feature's config keys (composed into Config and the resume table)
+                   and its behaviour above the config, by name (trainer/features.py calls it)
     model.py       model, tokenizer, adapter (LoRA, QLoRA, LoftQ), quantized loading
     datasets.py    datasets, pretraining_dataset and streaming, chat templates by name
     training.py    batching, optimizer, schedule, cadence, checkpoints, evaluation, LISA, ReLoRA, early stopping

@@ -17,7 +17,8 @@ state carry the old rate, and loading them overrode a new value without a word. 
 mean rewriting each scheduler's base rates mid-schedule (the HF Trainer does not either); a user who wants a new
 rate starts a new run (a new output_dir, or lora_model_dir from the checkpoint for an adapter).
 
-Every key of Config is in exactly one class (tests/trainer/config/test_resume_changes.py fails on an unclassified key);
+A key a feature declares on the feature list (trainer/config/features.py `config`) carries its class there: the
+table below takes it from the list. Every key of Config is in exactly one class (tests/trainer/config/test_resume_changes.py fails on an unclassified key);
 a key missing from the table at run time is treated as `trains`. A checkpoint without a recorded config (written
 by an older envtool) is not compared: one note says so.
 """
@@ -26,6 +27,8 @@ from __future__ import annotations
 
 from functools import lru_cache
 from typing import Any
+
+from trainer.config.features import keys as feature_keys
 
 TRAINS, MAY_CHANGE, RESUME = "trains", "may change", "resume"
 
@@ -75,9 +78,10 @@ hub_model_id hub_strategy
 
 _RESUME = "resume_from_checkpoint auto_resume_from_checkpoints"
 
-# the one table: key -> its class
+# the one table: key -> its class (the features' own keys: as their entries on the feature list declare)
 CLASSES: dict[str, str] = {**{k: TRAINS for k in _TRAINS.split()}, **{k: MAY_CHANGE for k in _MAY_CHANGE.split()},
-                           **{k: RESUME for k in _RESUME.split()}}
+                           **{k: RESUME for k in _RESUME.split()},
+                           **{name: key.resume for name, key in feature_keys().items()}}
 
 
 @lru_cache(maxsize=1)

@@ -3,15 +3,19 @@
 Each section (a file of trainer/config/) owns its keys and their rules; a rule may read keys of other sections,
 so the sections are only ever validated together, as this Config. A section's rules raise ValueError, which
 pydantic reports with the failing keys; the first broken rule, in the order below, is the one reported.
+
+The keys a feature declares on its entry of the feature list (trainer/config/features.py `config`) are one more
+section, FeatureKeys, composed from that list: a feature adds its keys without an edit here.
 """
 
 from __future__ import annotations
 
-from pydantic import ConfigDict, PrivateAttr, model_validator
+from pydantic import ConfigDict, PrivateAttr, create_model, model_validator
 
 from trainer.config.datasets import DataKeys
 from trainer.config.diffusion import DiffusionKeys
 from trainer.config.ebft import EbftKeys
+from trainer.config.features import keys as feature_keys
 from trainer.config.grpo import TrlKeys
 from trainer.config.hardware import HardwareKeys
 from trainer.config.logging import LoggingKeys
@@ -24,10 +28,15 @@ from trainer.config.speed import SpeedKeys
 from trainer.config.training import TrainingKeys
 from trainer.config.vision import VisionKeys
 
+# the features' own keys (trainer/config/features.py), in the list's order
+FeatureKeys = create_model("FeatureKeys", **{name: (key.annotation, key.field)
+                                             for name, key in feature_keys().items()})
 
-# (pydantic lists the fields of the last base first: a dump reads model, data, training, ... as written below)
-class Config(VisionKeys, SpeedKeys, SparsityKeys, QatKeys, EbftKeys, TrlKeys, DiffusionKeys, LoggingKeys, RlKeys,
-             ParallelKeys, HardwareKeys, TrainingKeys, DataKeys, ModelKeys):
+
+# (pydantic lists the fields of the last base first: a dump reads model, data, training, ... as written below, and
+# the features' own keys last)
+class Config(FeatureKeys, VisionKeys, SpeedKeys, SparsityKeys, QatKeys, EbftKeys, TrlKeys, DiffusionKeys, LoggingKeys,
+             RlKeys, ParallelKeys, HardwareKeys, TrainingKeys, DataKeys, ModelKeys):
     model_config = ConfigDict(extra="forbid")
 
     # set by load_config: user modules (ebft and trl.reward_funcs transforms, `module.function` dataset types)
