@@ -148,6 +148,24 @@ def _extra_role(role: str) -> Migration:
     return extra_role
 
 
+def _gc_steps(raw: dict, key: str, value: Any, where: str, rw: Rewrite) -> None:
+    """Axolotl's retired gc_steps: torch_empty_cache_steps (where > 0) and gc_collect_steps, when neither is set
+    (its schema's migrate_gc_steps); else gc_collect_steps only, where unset (its trainer builder reads
+    `gc_collect_steps or gc_steps`)."""
+    if raw.get("torch_empty_cache_steps") is None and raw.get("gc_collect_steps") is None:
+        if isinstance(value, int) and value > 0:
+            raw["torch_empty_cache_steps"] = value
+        raw["gc_collect_steps"] = value
+        rw.notes.append(f"{where}{key}: {value} (retired) is read as torch_empty_cache_steps and gc_collect_steps, as "
+                        "in Axolotl")
+    elif raw.get("gc_collect_steps") is None:
+        raw["gc_collect_steps"] = value
+        rw.notes.append(f"{where}{key}: {value} (retired) is read as gc_collect_steps, as in Axolotl (the "
+                        "torch_empty_cache_steps given stays)")
+    else:
+        rw.notes.append(f"{where}{key}: ignored, as in Axolotl: gc_collect_steps is given")
+
+
 # the rewrites that are not a plain rename, by the table's name of the key
 MIGRATIONS: dict[str, Migration] = {
     "bfloat16": _precision("bf16", True), "float16": _precision("fp16", True), "float32": _precision("bf16", False),
@@ -155,6 +173,7 @@ MIGRATIONS: dict[str, Migration] = {
     "batch_size": _batch_size,
     "max_packed_sequence_len": _max_packed,
     "relora_steps": _relora_steps,
+    "gc_steps": _gc_steps,
     "rope_scaling": _rope_scaling,
     "overrides_of_model_config": _model_config,
     "datasets[].conversation": _conversation,

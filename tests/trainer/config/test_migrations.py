@@ -49,3 +49,15 @@ def test_renamed_keys_and_old_paths():
 def test_a_rewrite_never_overrides_a_key_the_config_sets():
     with pytest.raises(ConfigError, match="sequence_parallel_degree conflicts with context_parallel_size"):
         parse_config({**BASE, "sequence_parallel_degree": 2, "context_parallel_size": 4})
+
+
+@pytest.mark.parametrize("given,expected", [
+    ({"gc_steps": 5}, (5, 5)),  # Axolotl's migrate_gc_steps: both
+    ({"gc_steps": -1}, (None, -1)),  # > 0 only for the cache
+    ({"gc_steps": 5, "torch_empty_cache_steps": 3}, (3, 5)),  # its trainer builder: gc_collect_steps or gc_steps
+    ({"gc_steps": 5, "gc_collect_steps": 2}, (None, 2)),  # given: gc_steps ignored
+])
+def test_retired_gc_steps_is_read_as_axolotl_reads_it(given, expected):
+    cfg, notes = parse_config({**BASE, **given})
+    assert (cfg.torch_empty_cache_steps, cfg.gc_collect_steps) == expected
+    assert any(n.startswith("gc_steps: ") for n in notes)
