@@ -751,8 +751,10 @@ def fit(
     from .fit import fit as do_fit
 
     found = do_fit(config, gpu, nproc)
+    from trainer.config.load import MEMORY_NOTE
+
     for note in found.config_notes:  # a misspelt key is ignored, as Axolotl does: say so, as validate and train do
-        if note.startswith("warning"):
+        if note.startswith(("warning", MEMORY_NOTE)):  # and a memory option Axolotl has that this estimate lacks
             say(f"note: {note}")
     if found.reason:
         say(f"envtool: {found.reason}")

@@ -80,6 +80,9 @@ def fit(config: Path, gpu: str = "auto", nproc: int | None = None) -> FitResult:
         raise BadInput(str(err)) from None
     except TrainerError as err:  # the parallel layout against the processes (trainer/config/parallel.py)
         raise BadInput(str(err)) from None
+    from trainer.config.load import memory_options_ignored
+
+    found.result["ignored_memory_options"] = memory_options_ignored(config_notes)  # not counted: not implemented
     return FitResult(found.result, found.model, found.notes, config_notes + list(runtime.changes), found.estimate,
                      found.reason)
 

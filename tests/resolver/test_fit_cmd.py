@@ -22,7 +22,8 @@ from tests.support.hub import fake_hub, published_config
 from .conftest import ENVTOOL
 
 REPO = Path(__file__).resolve().parents[2]
-CONTRACT = {"gpu", "unit", "peak_gb", "low_gb", "high_gb", "fits", "verdict", "breakdown", "suggestions", "options"}
+CONTRACT = {"gpu", "unit", "peak_gb", "low_gb", "high_gb", "fits", "verdict", "breakdown", "suggestions", "options",
+            "ignored_memory_options"}
 TERMS = {"weights", "gradients", "optimizer", "activations", "logits", "overhead"}
 HUB_MODELS = ("Qwen/Qwen2.5-7B-Instruct", "Qwen/Qwen2.5-0.5B")
 
@@ -101,13 +102,19 @@ def test_json_is_the_documented_object(workdir, env):
     assert options["chunked loss"]["on"] and not options["gradient_checkpointing"]["on"]
     assert all({"key", "on", "term", "gb", "other_gb", "peak_gb", "other_peak_gb", "text"} <= set(o)
                for o in out["options"])
+    assert out["ignored_memory_options"] == []  # the memory options Axolotl has that this estimate lacks
 
 
 def test_human_output(workdir, env):
-    result = fit(workdir, "examples/tiny-cpu.yml", "--gpu", "a100", env=env)
+    """The estimate, and a memory option Axolotl has that this trainer does not named in one line (the estimate is
+    the run without it)."""
+    config = write_config(workdir / "offload.yml", "examples/tiny-cpu.yml", layer_offloading=True, lora_on_cpu=True)
+    result = fit(workdir, config, "--gpu", "a100", env=env)
     assert result.returncode == 0, result.stderr
     assert "NVIDIA A100 (40 GB) x 1" in result.stdout and "fits" in result.stdout
     assert "activations" in result.stdout and "largest micro_batch_size" in result.stdout
+    assert "note: ignored memory options: layer_offloading, lora_on_cpu (not implemented here: the run may need more " \
+           "memory than in Axolotl; `envtool fit` estimates it without them)" in result.stderr
 
 
 def test_hub_model_reads_config_json_only_then_works_offline(workdir, env, hub):

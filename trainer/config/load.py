@@ -34,6 +34,15 @@ from trainer.errors import ConfigError, several
 
 IGNORED_HOW = {"inert": "no effect on this run: matrices/axolotl_keys.toml says why",
                "unknown": "not Axolotl keys: Axolotl drops them too"}
+# the inert keys that save memory in Axolotl: a line of their own, which `envtool fit` and the dry run show too
+MEMORY_REASON = "a memory option this trainer does not implement"
+MEMORY_NOTE = "ignored memory options: "
+
+
+def memory_options_ignored(notes: list[str]) -> list[str]:
+    """The keys named by the config reader's MEMORY_NOTE line (none: [])."""
+    line = next((n for n in notes if n.startswith(MEMORY_NOTE)), "")
+    return line.removeprefix(MEMORY_NOTE).split(" (", 1)[0].split(", ") if line else []
 
 
 def _model_in(field, value: Any = None) -> tuple[type[BaseModel] | None, bool]:
@@ -140,14 +149,21 @@ class Sift:
 
     def notes(self) -> list[str]:
         by_reason: dict[str, list[str]] = {}  # inert keys grouped by the table's reason, so the user sees why
+        memory = []
         for name in self.ignored["inert"]:
+            if self.reasons.get(name, "").startswith(MEMORY_REASON):
+                memory.append(name)
+                continue
             by_reason.setdefault(self.reasons.get(name, IGNORED_HOW["inert"]), []).append(name)
         parts = [f"{_some(names)} ({reason})" for reason, names in by_reason.items()]
         # keys that are in no Axolotl release: one warning line, first, so a key the author meant is not lost among
         # the notes (a near miss of a key the config leaves unset is an error above, not a note)
         unknown = ([f"warning: ignored: {_some(self.ignored['unknown'])} ({IGNORED_HOW['unknown']})"]
                    if self.ignored["unknown"] else [])
-        return unknown + self.warnings + ([f"ignored: {'; '.join(parts)}"] if parts else [])
+        # a memory option Axolotl has and this trainer does not: the run needs more GPU memory than there, said apart
+        memory_line = ([f"{MEMORY_NOTE}{_some(memory)} (not implemented here: the run may need more memory than in "
+                        "Axolotl; `envtool fit` estimates it without them)"] if memory else [])
+        return unknown + self.warnings + memory_line + ([f"ignored: {'; '.join(parts)}"] if parts else [])
 
 
 def _some(names: list[str], most: int = 30) -> str:
