@@ -152,6 +152,10 @@ def _gc_steps(raw: dict, key: str, value: Any, where: str, rw: Rewrite) -> None:
     """Axolotl's retired gc_steps: torch_empty_cache_steps (where > 0) and gc_collect_steps, when neither is set
     (its schema's migrate_gc_steps); else gc_collect_steps only, where unset (its trainer builder reads
     `gc_collect_steps or gc_steps`)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < -1:  # named as written, not as read
+        rw.problems.append(f"{where}{key}: {value!r}: a whole number of steps, at least -1 (it is read as "
+                           "gc_collect_steps and torch_empty_cache_steps)")
+        return
     if raw.get("torch_empty_cache_steps") is None and raw.get("gc_collect_steps") is None:
         if isinstance(value, int) and value > 0:
             raw["torch_empty_cache_steps"] = value

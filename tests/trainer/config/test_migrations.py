@@ -61,3 +61,9 @@ def test_retired_gc_steps_is_read_as_axolotl_reads_it(given, expected):
     cfg, notes = parse_config({**BASE, **given})
     assert (cfg.torch_empty_cache_steps, cfg.gc_collect_steps) == expected
     assert any(n.startswith("gc_steps: ") for n in notes)
+
+
+@pytest.mark.parametrize("value", ["abc", -5, 1.5, True])
+def test_a_bad_gc_steps_is_named_as_written(value):
+    with pytest.raises(ConfigError, match=r"gc_steps: .*: a whole number of steps, at least -1"):
+        parse_config({**BASE, "gc_steps": value})
