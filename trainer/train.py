@@ -36,7 +36,7 @@ from trainer.batch.sampler import MultipackBatchSampler, Order
 from trainer.config import Config
 from trainer.config import resume as resume_keys
 from trainer.config.parallel import sync_each_batch
-from trainer.data.prepare import Prepared, load_tokenizer
+from trainer.data.prepare import Prepared, build_held_out, load_tokenizer, prepare
 from trainer.errors import ConfigError, DataError, Stopped, TrainingError
 from trainer.hooks import Hooks, Run
 from trainer.model.load import DTYPES, load_model
@@ -146,7 +146,10 @@ class Training:
             from trainer.data.streaming import check_stream
 
             check_stream(cfg, tokenizer, self.world)
-            self.data = Prepared(None, None, {"train_rows": "streamed"}, None)
+            validation = None
+            if cfg.test_datasets:  # the validation rows are prepared up front, as Axolotl prepares them
+                validation = prepare(cfg, tokenizer, self.rank, say, build_held_out, {"kind": "validation"}).validation
+            self.data = Prepared(None, validation, {"train_rows": "streamed"}, None)
         else:
             self.data = objectives.prepare(cfg, tokenizer, self.rank, log=say)
 

@@ -262,10 +262,10 @@ class DataKeys(BaseModel):
             raise ValueError("set datasets or pretraining_dataset, not both")
         if self.test_datasets and self.val_set_size:
             raise ValueError("set test_datasets or val_set_size, not both (each makes the validation rows)")
-        if self.test_datasets and (self.rl in ("grpo", "gdpo", "ebft") or self.pretraining_dataset or self.streaming):
+        if self.test_datasets and self.rl in ("grpo", "gdpo", "ebft"):
             raise ValueError("test_datasets: validation rows from their own datasets are read for SFT, preference and "
-                             "reward training; not with rl: grpo, gdpo or ebft, nor with streamed data (use "
-                             "val_set_size where it applies)")
+                             "reward training (streamed too); not with rl: grpo, gdpo or ebft (use val_set_size where "
+                             "it applies)")
         if self.streaming_multipack_buffer_size and self.pretrain_multipack_buffer_size:
             raise ValueError("pretrain_multipack_buffer_size is the deprecated spelling of "
                              "streaming_multipack_buffer_size; set only one")

@@ -247,6 +247,15 @@ def build(cfg: Config, tokenizer) -> tuple[object, object | None, dict]:
     return data, validation, stats
 
 
+def build_held_out(cfg: Config, tokenizer) -> tuple[None, object, dict]:
+    """The validation rows alone, from test_datasets, for a run whose training rows are streamed
+    (pretraining_dataset, streaming: true): prepared and cached as SFT's, with no training rows (Axolotl prepares a
+    streamed run's test_datasets the same way, up front)."""
+    validation = held_out(cfg, [_tokenize(load_raw(ds), ds, cfg, tokenizer) for ds in cfg.test_datasets])
+    stats = {"rows": 0, "too_long": 0, "train_rows": "streamed", "validation_rows": len(validation)}
+    return None, validation, stats
+
+
 def tokenize_and_split(cfg: Config, tokenizer, tokenize):
     """Each dataset tokenized by tokenize(raw, ds, cfg, tokenizer, workers), concatenated, then filter_and_split
     (the shared tail of the preference and reward data paths)."""
@@ -323,7 +332,8 @@ def _save(path: Path, train, validation, stats: dict) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        train.save_to_disk(str(tmp / "train"))
+        if train is not None:  # (None: a streamed run's validation rows alone, build_held_out)
+            train.save_to_disk(str(tmp / "train"))
         if validation is not None:
             validation.save_to_disk(str(tmp / "validation"))
         (tmp / "stats.json").write_text(json.dumps(stats, indent=2))
@@ -385,7 +395,8 @@ def _load(path: Path) -> Prepared:
 
     validation = datasets.load_from_disk(str(path / "validation")) if (path / "validation").exists() else None
     stats = json.loads((path / "stats.json").read_text())
-    return Prepared(datasets.load_from_disk(str(path / "train")), validation, stats, path)
+    train = datasets.load_from_disk(str(path / "train")) if (path / "train").exists() else None
+    return Prepared(train, validation, stats, path)
 
 
 def _hub_fingerprints(cfg: Config) -> list[str]:

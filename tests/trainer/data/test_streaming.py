@@ -187,6 +187,19 @@ def test_pretraining_trains_and_resumes_with_the_next_unseen_rows(pretrain_confi
     assert json.loads((full / "checkpoint-2" / "trainer_state.json").read_text())["sampler"]["consumed"] == 4
 
 
+@pytest.mark.slow  # trains 4 steps and evaluates twice in process: 4-6 s
+def test_a_streamed_run_evaluates_on_its_test_datasets(pretrain_config, text_file, tmp_path):
+    """Axolotl's advice for evaluating a pretraining run ("use test_datasets", its validation of val_set_size with
+    pretraining_dataset): the test rows are prepared up front and evaluated every eval_steps while the training rows
+    stream, where before such a config was refused."""
+    out = tmp_path / "out"
+    config = pretrain_config(output_dir=str(out), max_steps=4, eval_steps=2, save_steps=None,
+                             test_datasets=[{"path": str(text_file), "type": "completion", "split": "train"}])
+    assert main(["train", str(config)]) == 0
+    evals = [r for r in read_metrics(out) if "eval_loss" in r]
+    assert [r["step"] for r in evals] == [2, 4] and all(r["eval_loss"] > 0 for r in evals)
+
+
 def test_pretrain_multipack_attn_false_lets_packed_documents_attend(pretrain_config, tmp_path):
     losses = {}
     for attn in (True, False):
