@@ -114,6 +114,9 @@ class DatasetConfig(BaseModel):
     revision: str | None = None  # the hub dataset's branch, tag or commit
     data_files: str | list[str] | None = None
     ds_type: Literal["json", "parquet", "csv"] | None = None  # file format when the extension does not say
+    # one shard of the rows: Axolotl's load_dataset_with_config, `rows.shuffle(seed=cfg.seed).shard(shards, shards_idx)`
+    shards: int | None = Field(None, ge=1)
+    shards_idx: int | None = Field(None, ge=0)  # which shard (Axolotl's default: the first, 0)
     # alpaca
     field_instruction: str = "instruction"
     field_input: str = "input"
@@ -160,6 +163,9 @@ class DatasetConfig(BaseModel):
     def _source(self) -> DatasetConfig:
         if not self.path and not self.data_files:
             raise ValueError("path: Field required (or data_files with ds_type)")
+        if self.shards_idx and self.shards_idx >= (self.shards or 1):
+            raise ValueError(f"shards_idx: {self.shards_idx} names no shard of {self.shards or 'no'} shards "
+                             "(shards_idx counts from 0, and needs shards)")
         return self
 
     @property
