@@ -12,9 +12,9 @@ import difflib
 import tomllib
 from functools import lru_cache
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
 from trainer.errors import ConfigError
 
@@ -101,6 +101,20 @@ class UserDefinedPreference(BaseModel):
         return self
 
 
+def _type_kind(value: Any) -> str:
+    """Which of a dataset type's forms a value is, so that a wrong one is reported once, as that form: a name, a
+    preference format of one's own (a mapping naming a preference field), else a prompt format of one's own."""
+    if not isinstance(value, (dict, BaseModel)):
+        return "name"
+    names = set(value) if isinstance(value, dict) else set(type(value).model_fields)
+    return "preference format" if names & (set(UserDefinedPreference.model_fields) - set(UserDefinedFormat.model_fields)) \
+        else "format"
+
+
+DatasetType = Annotated[Union[Annotated[str, Tag("name")], Annotated[UserDefinedFormat, Tag("format")],
+                              Annotated[UserDefinedPreference, Tag("preference format")]], Discriminator(_type_kind)]
+
+
 class DatasetConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -108,7 +122,7 @@ class DatasetConfig(BaseModel):
     # a PromptFormat, an alpaca style, an INSTRUCTION_TYPES name, a user-defined format (a mapping), or with rl: a
     # PAIR_TYPES / KTO_TYPES entry (checked by Config); None: pre-tokenized rows (rl: prompt/chosen/rejected rows)
     # (a mapping is an SFT format of your own, or with rl: a preference format of your own: UserDefinedPreference)
-    type: str | UserDefinedFormat | UserDefinedPreference | None = None
+    type: DatasetType | None = None
     split: str = "train"
     name: str | None = None  # hub dataset configuration name
     revision: str | None = None  # the hub dataset's branch, tag or commit
