@@ -292,6 +292,10 @@ class DataKeys(BaseModel):
         if not self.streamed:
             return
         what = "pretraining_dataset" if self.pretraining_dataset else "streaming: true"
+        sharded = [i for i, d in enumerate(self.datasets or []) if d.shards]
+        if sharded:
+            raise ValueError(f"datasets.{sharded[0]}.shards: one shard of a streamed dataset (streaming: true) is not "
+                             "implemented here: ignoring it would train on all of it; remove it, or streaming")
         if self.max_steps is None:
             raise ValueError(f"{what} needs max_steps (a stream has no length to count epochs by)")
         if self.val_set_size and not self.pretraining_dataset:  # (pretraining_dataset: ignored, see stream_notes)

@@ -37,3 +37,10 @@ def test_shards_are_read_from_a_config_and_a_wrong_one_is_refused_early():
         parse_config({**BASE, "datasets": [{"path": "org/data", "type": "alpaca", "shards": 10, "shards_idx": 10}]})
     with pytest.raises(ConfigError, match="one shard of a streamed pretraining dataset is not implemented"):
         parse_config({**BASE, "pretraining_dataset": [{"path": "org/text", "type": "pretrain", "shards": 4}]})
+
+
+def test_a_shard_of_a_streamed_dataset_is_refused():
+    with pytest.raises(ConfigError, match=r"datasets.0.shards: one shard of a streamed dataset \(streaming: true\) is "
+                                          "not implemented"):
+        parse_config({**BASE, "streaming": True, "max_steps": 5,
+                      "datasets": [{"path": "org/data", "type": "alpaca", "shards": 4}]})
