@@ -12,9 +12,9 @@ import difflib
 import tomllib
 from functools import lru_cache
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
 from trainer.errors import ConfigError
 
@@ -101,6 +101,20 @@ class UserDefinedPreference(BaseModel):
         return self
 
 
+def _type_kind(value: Any) -> str:
+    """Which of a dataset type's forms a value is, so that a wrong one is reported once, as that form: a name, a
+    preference format of one's own (a mapping naming a preference field), else a prompt format of one's own."""
+    if not isinstance(value, (dict, BaseModel)):
+        return "name"
+    names = set(value) if isinstance(value, dict) else set(type(value).model_fields)
+    return "preference format" if names & (set(UserDefinedPreference.model_fields) - set(UserDefinedFormat.model_fields)) \
+        else "format"
+
+
+DatasetType = Annotated[Union[Annotated[str, Tag("name")], Annotated[UserDefinedFormat, Tag("format")],
+                              Annotated[UserDefinedPreference, Tag("preference format")]], Discriminator(_type_kind)]
+
+
 class DatasetConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -108,12 +122,15 @@ class DatasetConfig(BaseModel):
     # a PromptFormat, an alpaca style, an INSTRUCTION_TYPES name, a user-defined format (a mapping), or with rl: a
     # PAIR_TYPES / KTO_TYPES entry (checked by Config); None: pre-tokenized rows (rl: prompt/chosen/rejected rows)
     # (a mapping is an SFT format of your own, or with rl: a preference format of your own: UserDefinedPreference)
-    type: str | UserDefinedFormat | UserDefinedPreference | None = None
+    type: DatasetType | None = None
     split: str = "train"
     name: str | None = None  # hub dataset configuration name
     revision: str | None = None  # the hub dataset's branch, tag or commit
     data_files: str | list[str] | None = None
     ds_type: Literal["json", "parquet", "csv"] | None = None  # file format when the extension does not say
+    # one shard of the rows: Axolotl's load_dataset_with_config, `rows.shuffle(seed=cfg.seed).shard(shards, shards_idx)`
+    shards: int | None = Field(None, ge=1)
+    shards_idx: int | None = Field(None, ge=0)  # which shard (Axolotl's default: the first, 0)
     # alpaca
     field_instruction: str = "instruction"
     field_input: str = "input"
@@ -160,6 +177,9 @@ class DatasetConfig(BaseModel):
     def _source(self) -> DatasetConfig:
         if not self.path and not self.data_files:
             raise ValueError("path: Field required (or data_files with ds_type)")
+        if self.shards_idx and self.shards_idx >= (self.shards or 1):
+            raise ValueError(f"shards_idx: {self.shards_idx} names no shard of {self.shards or 'no'} shards "
+                             "(shards_idx counts from 0, and needs shards)")
         return self
 
     @property
@@ -272,6 +292,10 @@ class DataKeys(BaseModel):
         if not self.streamed:
             return
         what = "pretraining_dataset" if self.pretraining_dataset else "streaming: true"
+        sharded = [i for i, d in enumerate(self.datasets or []) if d.shards]
+        if sharded:
+            raise ValueError(f"datasets.{sharded[0]}.shards: one shard of a streamed dataset (streaming: true) is not "
+                             "implemented here: ignoring it would train on all of it; remove it, or streaming")
         if self.max_steps is None:
             raise ValueError(f"{what} needs max_steps (a stream has no length to count epochs by)")
         if self.val_set_size and not self.pretraining_dataset:  # (pretraining_dataset: ignored, see stream_notes)

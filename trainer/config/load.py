@@ -223,6 +223,11 @@ def parse_config(raw: Any) -> tuple[Config, list[str]]:
     sift = Sift()
     kept = sift.mapping(raw, Config, "", "")
     problems += sift.problems
+    not_lists = [key for key in ("datasets", "test_datasets") if isinstance(kept.get(key), dict)]
+    for key in not_lists:  # the `- ` of the first entry left out or commented out: Axolotl fails on it unexplained
+        problems.append(f"{key}: must be a list of dataset entries, each starting with `- ` (`- path: ...`), but is "
+                        f"one mapping ({', '.join(map(str, kept.pop(key)))}): is the `- ` of its first line missing or "
+                        "commented out?")
     for i, entry in enumerate(kept.get("datasets") or []):
         if not isinstance(entry, dict):
             problems.append(f"datasets.{i}: each dataset must be a mapping with at least path and type")
@@ -236,7 +241,8 @@ def parse_config(raw: Any) -> tuple[Config, list[str]]:
     try:
         cfg = Config.model_validate(kept)
     except ValidationError as err:  # key and value problems together, so one run shows them all
-        problems += _validation_problems(err)
+        problems += [p for p in _validation_problems(err) if not any(p.startswith(f"{key}: Field required")
+                                                                      for key in not_lists)]
         cfg = _lenient(kept, err)
         set_aside = {str(e["loc"][0]) for e in err.errors() if e["loc"]}
     if cfg is not None:

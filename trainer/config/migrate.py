@@ -21,6 +21,8 @@ Values (retired forms of a key that is still read):
   _extract_pretraining_config reads `cfg.pretraining_dataset[0]`) and reads nothing of the others, whatever their
   type (users' configs carry a second entry with `type: eval`); so does this trainer, with a note naming each entry
   left out and where more data goes (the first entry's data_files, or datasets: with streaming: true).
+- a falsy value (0, an empty string) of a key Axolotl's normalize_config reads as `cfg.KEY or DEFAULT`
+  (FALSY_AS_DEFAULT below): the default, as Axolotl reads it, with a note (`eval_max_new_tokens: 0` is 128 there).
 
 A rewrite never overrides a key the config also sets to another value: that is a problem (set one of them).
 """
@@ -47,6 +49,9 @@ CONVERSATIONS = {"llama-3": "llama3"}
 # Axolotl's role names when a conversation dataset sets none (trainer/data/formats/roles.py's DEFAULT_ROLES)
 DEFAULT_ROLES = {"user": ["human", "user"], "assistant": ["gpt", "assistant"], "system": ["system"], "tool": ["tool"]}
 PREFERENCE_METHODS = ("dpo", "ipo", "orpo", "simpo")
+# Every key Axolotl's normalize_config rewrites as `cfg.KEY = cfg.KEY or DEFAULT` (axolotl 0.19.0,
+# src/axolotl/utils/config/__init__.py): a 0 or "" there is the default, never the value as written
+FALSY_AS_DEFAULT = {"eval_max_new_tokens": 128, "eval_table_size": 0, "device_map": "auto"}
 
 
 class Rewrite:
@@ -327,6 +332,16 @@ def _load_best_model(raw: dict, rw: Rewrite) -> None:
                         "checkpoint by eval_loss becomes the final model)")
 
 
+def _falsy_as_default(raw: dict, rw: Rewrite) -> None:
+    """A falsy value of a FALSY_AS_DEFAULT key is read as its default, as Axolotl's normalize_config reads it."""
+    for key, default in FALSY_AS_DEFAULT.items():
+        value = raw.get(key)
+        if value is not None and not isinstance(value, bool) and value in (0, "") and value != default:
+            raw[key] = default
+            rw.notes.append(f"{key}: {value!r} read as {default!r}, as Axolotl reads it (its normalize_config: "
+                            f"`{key} or {default!r}`)")
+
+
 def migrate(raw: dict, config_fields: set[str], entry_fields: set[str]) -> tuple[dict, Rewrite]:
     """The config with every retired form rewritten (a new mapping), and the notes and problems of doing so."""
     rw = Rewrite()
@@ -351,4 +366,5 @@ def migrate(raw: dict, config_fields: set[str], entry_fields: set[str]) -> tuple
     _base_model_config(out, rw)
     _load_best_model(out, rw)
     _pretraining_first(out, rw)
+    _falsy_as_default(out, rw)
     return out, rw

@@ -150,9 +150,17 @@ def cache_key(cfg: Config, tokenizer, hub_fingerprints: list[str], kind: dict | 
     return hashlib.sha256(json.dumps(relevant, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def load_raw(ds: DatasetConfig):
+def load_raw(ds: DatasetConfig, seed: int | None = None):
     """A local file or directory, local files given by data_files (no path, or path: json|csv|parquet|...), or a
-    hub dataset (needs the network; at `revision` where given)."""
+    hub dataset (needs the network; at `revision` where given); with `shards`, the one shard Axolotl trains on (its
+    rows shuffled by `seed`, then shard `shards_idx` of `shards`)."""
+    rows = _load_rows(ds)
+    if ds.shards and seed is not None:
+        rows = rows.shuffle(seed=seed).shard(num_shards=ds.shards, index=ds.shards_idx or 0)
+    return rows
+
+
+def _load_rows(ds: DatasetConfig):
     import datasets
 
     if not ds.path:
@@ -238,10 +246,10 @@ def build(cfg: Config, tokenizer) -> tuple[object, object | None, dict]:
     """SFT's rows: every dataset tokenized by its prompt format (trainer/data/formats/), filtered and split."""
     import datasets
 
-    parts = [_tokenize(load_raw(ds), ds, cfg, tokenizer) for ds in cfg.datasets]
+    parts = [_tokenize(load_raw(ds, cfg.seed), ds, cfg, tokenizer) for ds in cfg.datasets]
     data, validation, stats = filter_and_split(cfg, datasets.concatenate_datasets(parts))
     if cfg.test_datasets:
-        validation = held_out(cfg, [_tokenize(load_raw(ds), ds, cfg, tokenizer) for ds in cfg.test_datasets])
+        validation = held_out(cfg, [_tokenize(load_raw(ds, cfg.seed), ds, cfg, tokenizer) for ds in cfg.test_datasets])
     stats.update(train_rows=len(data), train_tokens=int(sum(data["length"])),
                  validation_rows=len(validation) if validation is not None else 0)
     return data, validation, stats
@@ -264,7 +272,7 @@ def tokenize_and_split(cfg: Config, tokenizer, tokenize):
     def each(entries):
         parts = []
         for ds in entries:
-            raw = load_raw(ds)
+            raw = load_raw(ds, cfg.seed)
             parts.append(tokenize(raw, ds, cfg, tokenizer, workers_for(cfg, len(raw))))
         return parts
 

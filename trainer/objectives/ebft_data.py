@@ -68,7 +68,7 @@ def build_ebft(cfg, tokenizer):
     parts = []
     for i, ds in enumerate(cfg.datasets):
         factory, _ = resolve(cfg, ds.type, f"datasets.{i}.type")
-        mapped = user_code.transform(factory(cfg), load_raw(ds), tokenizer, f"datasets.{i}.type",
+        mapped = user_code.transform(factory(cfg), load_raw(ds, cfg.seed), tokenizer, f"datasets.{i}.type",
                                      desc=f"ebft transform {ds.type}")
         if "input_ids" not in mapped.column_names:
             raise DataError(f"datasets.{i}: the transform {ds.type} gave no input_ids (columns: "

@@ -56,7 +56,7 @@ def prepare(cfg, tokenizer, log=print):
 
     parts = []
     for i, ds in enumerate(cfg.datasets):
-        raw = load_raw(ds)
+        raw = load_raw(ds, cfg.seed)
         data = _transformed(cfg, i, ds, raw, tokenizer) if ds.type else raw
         if "prompt" not in data.column_names:
             raise DataError(f"datasets.{i}: rows have no 'prompt' column after {ds.type or 'loading'} "

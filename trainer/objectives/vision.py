@@ -51,7 +51,7 @@ class VisionSFT(SFT):
             def each(entries):
                 parts = []
                 for ds in entries:
-                    raw = load_raw(ds)
+                    raw = load_raw(ds, cfg.seed)
                     parts.append(datasets.Dataset.from_list(
                         [vision.prepared_row(row, i, ds, cfg, processor, tokenizer, m, size)
                          for i, row in enumerate(raw)]))

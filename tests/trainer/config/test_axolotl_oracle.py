@@ -55,6 +55,9 @@ DIFFERENCES: list[tuple[str, str, str]] = [
      r"|is not a transformers (config|processor) class|set it to true or remove it|shrinks the embedding", "inconsistent keys",
      "a key whose companion key is missing or contradicts it, or a value that names nothing: Axolotl ignores one "
      "of them without a word, envtool says which (no silent difference in what is trained)"),
+    (r"unknown placeholder\(s\)", "fails later in Axolotl",
+     "a prompt format of one's own naming a placeholder the format is not filled with ({output} in format): "
+     "Axolotl's schema takes any string, its prompter's str.format then fails with KeyError while preprocessing"),
 ]
 
 

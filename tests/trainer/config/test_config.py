@@ -281,3 +281,16 @@ def test_validate_refuses_a_near_miss_or_a_missing_required_key_in_one_line(make
     path = make_config(**overrides)
     assert main(["validate", str(path), "--gpu", "cpu"]) == 2
     assert capsys.readouterr().err.strip() == f"error: {path}: {line}"
+
+
+@pytest.mark.parametrize("key", ["datasets", "test_datasets"])
+def test_a_dataset_list_written_as_one_mapping_is_one_line_saying_so(key):
+    """A user's config whose first `- path:` line is commented out leaves `datasets:` one mapping (Axolotl fails on it
+    with "dictionary update sequence element #0 has length 1"): one line naming the key and the likely cause."""
+    raw = {"base_model": "org/model", "learning_rate": 2e-4, "datasets": [{"path": "org/data", "type": "alpaca"}],
+           key: {"type": "chat_template", "data_files": "rows.json"}}
+    with pytest.raises(ConfigError) as err:
+        parse_config(raw)
+    assert [p for p in err.value.problems] == [
+        ("config", f"{key}: must be a list of dataset entries, each starting with `- ` (`- path: ...`), but is one "
+                   "mapping (type, data_files): is the `- ` of its first line missing or commented out?")]

@@ -67,3 +67,44 @@ def test_retired_gc_steps_is_read_as_axolotl_reads_it(given, expected):
 def test_a_bad_gc_steps_is_named_as_written(value):
     with pytest.raises(ConfigError, match=r"gc_steps: .*: a whole number of steps, at least -1"):
         parse_config({**BASE, "gc_steps": value})
+
+
+def test_a_falsy_value_axolotl_reads_as_its_default_is_read_so_here():
+    """`eval_max_new_tokens: 0` (users' configs next to eval_table_size: 0) is 128 in Axolotl (normalize_config:
+    `cfg.eval_max_new_tokens or 128`), not a refusal; every key of FALSY_AS_DEFAULT is read the same way, a value
+    that is not falsy stays as written."""
+    from trainer.config.migrate import FALSY_AS_DEFAULT
+
+    cfg, notes = parse_config({**BASE, "eval_max_new_tokens": 0, "eval_table_size": 0})
+    assert cfg.eval_max_new_tokens == 128
+    assert any(n.startswith("eval_max_new_tokens: 0 read as 128, as Axolotl reads it") for n in notes)
+    assert not any(n.startswith("eval_table_size:") for n in notes)  # 0 is its default: nothing to say
+    assert parse_config({**BASE, "eval_max_new_tokens": 7})[0].eval_max_new_tokens == 7
+    for key, default in FALSY_AS_DEFAULT.items():
+        for falsy in (0, ""):
+            _, notes = parse_config({**BASE, key: falsy})
+            assert (falsy == default) or any(n.startswith(f"{key}: {falsy!r} read as {default!r}") for n in notes)
+
+
+def test_falsy_as_default_is_every_such_rewrite_of_axolotls_normalize_config():
+    """The table is Axolotl's own list: every `cfg.KEY = cfg.KEY or VALUE` line of its normalize_config (read from the
+    axolotl wheel .ci/setup installs for the oracle test)."""
+    import ast
+    import re
+    from pathlib import Path
+
+    from trainer.config.migrate import FALSY_AS_DEFAULT
+
+    source = Path(__file__).resolve().parents[3] / ".ci-cache/axolotl-oracle/axolotl/utils/config/__init__.py"
+    if not source.is_file():
+        pytest.skip(f"the Axolotl oracle is not installed at {source.parent} (.ci/setup installs it)")
+    found, derived = {}, set()
+    for m in re.finditer(r"^\s*cfg\.(\w+) = cfg\.\1 or (.+?)\s*$", source.read_text(), re.M):
+        try:
+            found[m.group(1)] = ast.literal_eval(m.group(2))
+        except SyntaxError:  # a default spread over lines: derived, read by the key's own code here
+            derived.add(m.group(1))
+    assert found == FALSY_AS_DEFAULT
+    # gradient_accumulation_steps from batch_size (migrate's batch_size rewrite); eval_causal_lm_metrics' list
+    # (Config's own `or` of the same four metrics)
+    assert derived == {"gradient_accumulation_steps", "eval_causal_lm_metrics"}
