@@ -123,8 +123,10 @@ FEATURES: list[Feature] = [
             "any", hook=_at("_sparsity_hook")),
     Feature("diffusion_samples", "diffusion samples written every N steps", ("diffusion",), (), (), "any",
             hook=_at("_diffusion_hook")),
-    Feature("early_stopping", "stop after early_stopping_patience evaluations without a better eval_loss",
-            ("early_stopping_patience",), (), (), "any", hook=_at("_early_stopping_hook")),
+    Feature("early_stopping", "stop after early_stopping_patience evaluations without a better eval_loss; end with "
+            "the best checkpoint (with it, or load_best_model_at_end alone)",
+            ("early_stopping_patience", "load_best_model_at_end"), (), (), "any", hook=_at("_early_stopping_hook"),
+            config={"load_best_model_at_end": Key(bool, False, "may change")}),
     Feature("neftune", "NEFTune: noise on the input embeddings while training", ("neftune_noise_alpha",), (), (),
             "any", hook=_at("_neftune_hook")),
     Feature("memory_options", "activation offloading, selective checkpointing, ALST's tiled MLP, torch.compile "

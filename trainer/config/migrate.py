@@ -324,14 +324,6 @@ def _pretraining_first(raw: dict, rw: Rewrite) -> None:
                         "several datasets: datasets: with streaming: true)")
 
 
-def _load_best_model(raw: dict, rw: Rewrite) -> None:
-    """load_best_model_at_end: true with early_stopping_patience is what early stopping does here."""
-    if raw.get("load_best_model_at_end") is True and raw.get("early_stopping_patience"):
-        raw.pop("load_best_model_at_end")
-        rw.notes.append("load_best_model_at_end: true is what early_stopping_patience does here (the best "
-                        "checkpoint by eval_loss becomes the final model)")
-
-
 def _falsy_as_default(raw: dict, rw: Rewrite) -> None:
     """A falsy value of a FALSY_AS_DEFAULT key is read as its default, as Axolotl's normalize_config reads it."""
     for key, default in FALSY_AS_DEFAULT.items():
@@ -364,7 +356,6 @@ def migrate(raw: dict, config_fields: set[str], entry_fields: set[str]) -> tuple
     _old_deepspeed(out, rw)
     _preference_types(out, rw)
     _base_model_config(out, rw)
-    _load_best_model(out, rw)
     _pretraining_first(out, rw)
     _falsy_as_default(out, rw)
     return out, rw

@@ -116,16 +116,19 @@ class TrainingKeys(BaseModel):
             if self.deepspeed or self.fsdp or self.fsdp_config or self.fsdp_version:
                 raise ValueError("lisa_n_layers: not with DeepSpeed or FSDP (their sharded optimizers fix the trained "
                                  "parameters up front; LISA changes them every lisa_step_interval steps)")
-        if self.early_stopping_patience:
+        # load_best_model_at_end is declared by the early_stopping entry of trainer/config/features.py
+        best = "early_stopping_patience" if self.early_stopping_patience else (
+            "load_best_model_at_end" if getattr(self, "load_best_model_at_end", False) else None)
+        if best:
             if not (self.save_steps and self.eval_steps) or (
                     isinstance(self.save_steps, int) and isinstance(self.eval_steps, int) and self.save_steps % self.eval_steps):
-                raise ValueError("early_stopping_patience needs save_steps and eval_steps, with eval_steps dividing "
-                                 "save_steps (as Axolotl requires: the best checkpoint becomes the final model)")
-            if not self.val_set_size:
-                raise ValueError("early_stopping_patience needs a validation split (val_set_size)")
+                raise ValueError(f"{best} needs save_steps and eval_steps, with eval_steps dividing save_steps (as "
+                                 "Axolotl and transformers require: the best checkpoint becomes the final model)")
+            if not (self.val_set_size or self.test_datasets):
+                raise ValueError(f"{best} needs a validation split (val_set_size or test_datasets)")
             if self.deepspeed or self.fsdp or self.fsdp_config or self.fsdp_version:
-                raise ValueError("early_stopping_patience: not with DeepSpeed or FSDP here (ending with the best "
-                                 "checkpoint's weights is not implemented for sharded weights)")
+                raise ValueError(f"{best}: not with DeepSpeed or FSDP here (ending with the best checkpoint's weights "
+                                 "is not implemented for sharded weights)")
         if self.relora:
             if not self.jagged_restart_steps:
                 raise ValueError("relora needs jagged_restart_steps (how often LoRA is merged and restarted)")

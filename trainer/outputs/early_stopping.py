@@ -1,5 +1,5 @@
 """early_stopping_patience, as Axolotl sets it up (transformers' EarlyStoppingCallback with
-load_best_model_at_end): after each evaluation, an eval_loss lower than the best so far resets the count;
+load_best_model_at_end), and load_best_model_at_end alone (the same, never stopping): after each evaluation, an eval_loss lower than the best so far resets the count;
 any other adds one; when the count reaches the patience, training stops after that step. At the end the
 final model is the checkpoint with the lowest eval_loss among the evaluations made where a checkpoint was
 saved (Axolotl requires eval_steps to divide save_steps for this), unless the last weights are that one.
@@ -17,7 +17,7 @@ from trainer.hooks import Hook, Saved
 
 
 class EarlyStopping(Hook):
-    def __init__(self, patience: int, log=print, model=None, output_dir: Path | None = None):
+    def __init__(self, patience: int | None, log=print, model=None, output_dir: Path | None = None):
         self.patience, self.log = patience, log
         self.model, self.output_dir = model, output_dir  # the run's model ends with the best checkpoint's weights
         self.best: float | None = None
@@ -32,7 +32,7 @@ class EarlyStopping(Hook):
             self.best, self.bad = eval_loss, 0
         else:
             self.bad += 1
-        if self.bad >= self.patience:
+        if self.patience is not None and self.bad >= self.patience:  # None: load_best_model_at_end alone
             self.log(f"early stopping at step {step}: eval_loss has not improved on {self.best:.4f} for "
                      f"{self.bad} evaluation(s) (early_stopping_patience {self.patience})")
             return True
@@ -91,4 +91,6 @@ class EarlyStopping(Hook):
 
 
 def hook(cfg, model, output_dir: Path, say=print) -> Hook | None:
-    return EarlyStopping(cfg.early_stopping_patience, say, model, output_dir) if cfg.early_stopping_patience else None
+    if not (cfg.early_stopping_patience or cfg.load_best_model_at_end):
+        return None
+    return EarlyStopping(cfg.early_stopping_patience, say, model, output_dir)

@@ -74,6 +74,24 @@ def test_save_total_limit_keeps_the_best_checkpoint(make_config, tmp_path):
     assert all(torch.equal(final[k], chosen[k]) for k in final)
 
 
+@pytest.mark.slow  # 10 steps with 10 evaluations: 5-10 s
+def test_load_best_model_at_end_alone_trains_every_step_and_ends_with_the_best_checkpoint(make_config, tmp_path,
+                                                                                          capsys):
+    """Axolotl passes load_best_model_at_end to transformers' Trainer, which ends with the checkpoint of the lowest
+    eval_loss, without stopping early; before, this was refused unless early_stopping_patience was set."""
+    out = tmp_path / "out"
+    config = make_config(output_dir=str(out), load_best_model_at_end=True, **RUN)
+    assert main(["validate", str(config)]) == 0
+    assert "load_best_model_at_end" not in capsys.readouterr().err  # read, not ignored nor refused
+    assert main(["train", str(config)]) == 0
+    assert max(train_losses(out)) == 10  # no early stop
+    evals = {r["step"]: r["eval_loss"] for r in read_metrics(out) if "eval_loss" in r}
+    best = min((s for s in evals if s % 2 == 0), key=lambda s: (evals[s], s))
+    assert evals[10] > evals[best]  # (this run's last evaluation is not its best: the choice is seen)
+    final, chosen = weights(out / "final"), weights(out / f"checkpoint-{best}")
+    assert all(torch.equal(final[k], chosen[k]) for k in final)
+
+
 def test_early_stopping_resumes_to_the_same_stop(make_config, tmp_path):
     full, resumed = train_then_resume(main, make_config, tmp_path, checkpoint=4, early_stopping_patience=2, **RUN)
     assert max(train_losses(full)) < 10  # it did stop early, in both
@@ -85,8 +103,8 @@ def test_early_stopping_resumes_to_the_same_stop(make_config, tmp_path):
     ({"eval_steps": 2, "save_steps": 3}, "eval_steps dividing save_steps"),
     ({"val_set_size": None}, "validation split"),
 ])
-def test_early_stopping_refusals(extra, message):
-    raw = {"base_model": "x", "datasets": [{"path": "x", "type": "alpaca"}], "early_stopping_patience": 3,
-           **RUN, **extra}
-    with pytest.raises(ConfigError, match=message):
+@pytest.mark.parametrize("key", [{"early_stopping_patience": 3}, {"load_best_model_at_end": True}])
+def test_early_stopping_refusals(extra, message, key):
+    raw = {"base_model": "x", "datasets": [{"path": "x", "type": "alpaca"}], **key, **RUN, **extra}
+    with pytest.raises(ConfigError, match=f"{next(iter(key))} needs .*{message}"):
         parse_config({k: v for k, v in raw.items() if v is not None})
