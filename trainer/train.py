@@ -88,7 +88,9 @@ class Training:
 
     def stage_processes(self, log, claims: list | None) -> None:
         """0-1: the batch split, processes, precision and timeouts; output_dir claimed; the config a resume keeps."""
-        from transformers import set_seed
+        # accelerate's set_seed (random, numpy, torch on every device), as transformers' does; transformers' own
+        # imports peft and bitsandbytes (about 1.5 s of start-up) through transformers.trainer_utils
+        from accelerate.utils import set_seed
 
         cfg, runtime = self.cfg, self.runtime
         # 0. micro_batch_size: auto: the split of the step's batch the GPU holds (before DeepSpeed's config reads it)

@@ -1,7 +1,8 @@
 """Optimizers by name: matrices/optimizers.toml says which names exist and which library implements each;
 transformers' Trainer.get_optimizer_cls_and_kwargs builds them (the mapping the HF Trainer and Axolotl use),
 so adamw_bnb_8bit is bitsandbytes' AdamW with 8-bit state, paged_adamw_32bit its paged 32-bit one,
-adamw_torch_8bit torchao's AdamW8bit, and so on.
+adamw_torch_8bit torchao's AdamW8bit, and so on. torch's AdamW (adamw_torch, adamw_torch_fused) is built to that
+mapping here, without importing the Trainer (`torch_adamw`).
 
 Weight decay skips biases and norm weights (parameters with fewer than 2 dimensions). 8-bit bitsandbytes
 optimizers keep embeddings' state in 32 bits, as the HF Trainer does (8-bit embedding state is unstable).
@@ -39,8 +40,7 @@ def hardware_notes(name: str, gpu) -> list[str]:
 
 def make_optimizer(cfg, model):
     """Build the config's optimizer over the trainable parameters (two groups: with and without decay)."""
-    import torch
-    from transformers import Trainer
+    import torch  # heavy: torch loads only when training
 
     row = check(cfg.optimizer)
     # torch's Muon + AdamW split as Axolotl's muon does it (optimizers.toml's name for trainer/optim/muon.py)
@@ -64,7 +64,7 @@ def make_optimizer(cfg, model):
                            adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, adam_epsilon=cfg.adam_epsilon,
                            optim_args=optim_args or None, weight_decay=cfg.weight_decay)
     try:
-        cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
+        cls, kwargs = torch_adamw(args) or _transformers_optimizer(args, model)
     except (ImportError, ValueError) as err:
         raise ConfigError(f"optimizer: {cfg.optimizer}: {str(err).splitlines()[0]}") from None
     optimizer = cls(groups, **kwargs)
@@ -76,3 +76,26 @@ def make_optimizer(cfg, model):
             if isinstance(module, torch.nn.Embedding):
                 manager.register_module_override(module, "weight", {"optim_bits": 32})
     return optimizer
+
+
+ADAMW_TORCH = ("adamw_torch", "adamw_torch_fused")  # transformers' names for torch's AdamW (_get_adamw_torch)
+
+
+def torch_adamw(args) -> tuple | None:
+    """(torch.optim.AdamW, kwargs) as transformers' Trainer.get_optimizer_cls_and_kwargs gives them for adamw_torch
+    and adamw_torch_fused with no optim_args (the test checks the two agree); None for any other optimizer. Built
+    here because importing transformers' Trainer imports peft and bitsandbytes: about 1.5 s of every run's start."""
+    if args.optim not in ADAMW_TORCH or args.optim_args:
+        return None
+    from torch.optim import AdamW  # heavy: torch loads only when training
+
+    kwargs = {"lr": args.learning_rate, "betas": (args.adam_beta1, args.adam_beta2), "eps": args.adam_epsilon}
+    if args.optim == "adamw_torch_fused":
+        kwargs["fused"] = True
+    return AdamW, kwargs
+
+
+def _transformers_optimizer(args, model) -> tuple:
+    from transformers import Trainer  # heavy: imports peft and bitsandbytes (the optimizers torch_adamw does not build)
+
+    return Trainer.get_optimizer_cls_and_kwargs(args, model)

@@ -6,7 +6,9 @@
   cosine_min_lr_ratio x learning_rate, reached at cosine_constant_lr_ratio x the total steps, flat after.
 - cosine with cosine_min_lr_ratio non-zero: cosine decaying to that floor (transformers' cosine_with_min_lr,
   the same formula as Axolotl's get_cosine_schedule_with_min_lr).
-- otherwise transformers' get_scheduler for the named schedule (constant: constant_with_warmup).
+- otherwise transformers' get_scheduler for the named schedule (constant: constant_with_warmup); linear, cosine,
+  cosine_with_min_lr and constant_with_warmup are its own formulas built here (`warmup_schedule`), as importing
+  get_scheduler imports peft and bitsandbytes.
 
 Axolotl tests the ratios for truth, so 0 means "not set" (its 3b-qat examples set cosine_constant_lr_ratio: 0
 with cosine_min_lr_ratio: 1.0: warmup, then a constant learning rate), and it uses them only with cosine.
@@ -94,8 +96,7 @@ def make_scheduler(cfg, optimizer, warmup: int, total_steps: int):
 
 
 def _schedule(cfg, optimizer, warmup: int, total_steps: int):
-    from torch.optim.lr_scheduler import LambdaLR
-    from transformers import get_scheduler
+    from torch.optim.lr_scheduler import LambdaLR  # heavy: torch loads only when training
 
     kwargs = dict(cfg.lr_scheduler_kwargs or {})
     if cfg.lr_scheduler == "one_cycle":
@@ -119,8 +120,66 @@ def _schedule(cfg, optimizer, warmup: int, total_steps: int):
     extra = {}
     if cfg.cosine_min_lr_ratio is not None and schedule == "cosine":  # Axolotl's floor for the cosine decay
         schedule, extra = "cosine_with_min_lr", {"min_lr_rate": cfg.cosine_min_lr_ratio}
+    own = warmup_schedule(schedule, optimizer, warmup, total_steps, {**extra, **kwargs})
+    if own is not None:
+        return own
+    from transformers import get_scheduler  # heavy: imports peft and bitsandbytes (transformers.trainer_utils)
+
     return get_scheduler(schedule, optimizer, num_warmup_steps=warmup, num_training_steps=total_steps,
                          scheduler_specific_kwargs={**extra, **kwargs})
+
+
+def _linear(step: int, *, num_warmup_steps: int, num_training_steps: int) -> float:
+    if step < num_warmup_steps:
+        return float(step) / float(max(1, num_warmup_steps))
+    return max(0.0, float(num_training_steps - step) / float(max(1, num_training_steps - num_warmup_steps)))
+
+
+def _cosine(step: int, *, num_warmup_steps: int, num_training_steps: int, num_cycles: float = 0.5) -> float:
+    if step < num_warmup_steps:
+        return float(step) / float(max(1, num_warmup_steps))
+    progress = float(step - num_warmup_steps) / float(max(1, num_training_steps - num_warmup_steps))
+    return max(0.0, 0.5 * (1.0 + math.cos(math.pi * float(num_cycles) * 2.0 * progress)))
+
+
+def _cosine_with_min_lr(step: int, *, num_warmup_steps: int, num_training_steps: int, num_cycles: float = 0.5,
+                        min_lr_rate: float = 0.0) -> float:
+    if step < num_warmup_steps:
+        return float(step) / float(max(1, num_warmup_steps))
+    progress = float(step - num_warmup_steps) / float(max(1, num_training_steps - num_warmup_steps))
+    factor = 0.5 * (1.0 + math.cos(math.pi * float(num_cycles) * 2.0 * progress))
+    return max(0, factor * (1 - min_lr_rate) + min_lr_rate)
+
+
+def _constant_with_warmup(step: int, *, num_warmup_steps: int) -> float:
+    if step < num_warmup_steps:
+        return float(step) / float(max(1.0, num_warmup_steps))
+    return 1.0
+
+
+# transformers' get_scheduler names built here (its lambdas, in transformers/optimization.py, as LambdaLR over a
+# partial), with the scheduler_specific_kwargs each reads; tests/trainer/optim/test_schedule_choices.py checks them
+# against get_scheduler step for step. Anything else goes to get_scheduler itself.
+WARMUP_SCHEDULES = {"linear": (_linear, ()), "cosine": (_cosine, ("num_cycles",)),
+                    "cosine_with_min_lr": (_cosine_with_min_lr, ("num_cycles", "min_lr_rate"))}
+
+
+def warmup_schedule(name: str, optimizer, warmup: int, total_steps: int, kwargs: dict):
+    """transformers' get_scheduler(name, ...) for linear, cosine, cosine_with_min_lr (from min_lr_rate) and
+    constant_with_warmup, built without importing transformers.optimization, which imports peft and bitsandbytes
+    (about 1.5 s of every run's start); None for any other schedule, or kwargs these do not take."""
+    from torch.optim.lr_scheduler import LambdaLR  # heavy: torch loads only when training
+
+    if type(optimizer).__module__.startswith("transformers"):  # its layer-wise optimizers: get_scheduler's own path
+        return None
+    if name == "constant_with_warmup":  # (get_scheduler passes it no scheduler_specific_kwargs)
+        return LambdaLR(optimizer, partial(_constant_with_warmup, num_warmup_steps=warmup))
+    factor, takes = WARMUP_SCHEDULES.get(name, (None, ()))
+    if factor is None or not set(kwargs) <= set(takes):
+        return None
+    if name == "cosine_with_min_lr" and "min_lr_rate" not in kwargs:  # (get_scheduler's ValueError names it)
+        return None
+    return LambdaLR(optimizer, partial(factor, num_warmup_steps=warmup, num_training_steps=total_steps, **kwargs))
 
 
 def jagged(cfg, scheduler):

@@ -30,6 +30,7 @@ def make_accelerator(cfg: Config, runtime: Runtime):
     from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
 
     check_device(runtime)
+    distributed.import_deepspeed_only_when_used()  # (unwrapping a model imports deepspeed otherwise: start-up time)
     # under torchrun, before any process group: every rank joins, an all-reduce, /dev/shm, ulimit -l, shared storage
     # (a rank that never comes is named in seconds, not found by the first collective after ddp_timeout)
     from trainer.parallel.preflight import check_before_training

@@ -11,6 +11,7 @@ source in its SOURCES.toml) is used, with a note.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from trainer.config.parallel import deepspeed_path, fsdp_settings  # noqa: F401 (how the config reads them)
@@ -93,6 +94,24 @@ def load_full_optimizer_state(model, optimizer, state: dict) -> None:
 
 def is_deepspeed(engine) -> bool:
     return type(engine).__name__ == "DeepSpeedEngine"
+
+
+def import_deepspeed_only_when_used() -> None:
+    """accelerate's extract_model_from_parallel (accelerator.unwrap_model, and transformers' save_pretrained through
+    it) imports deepspeed wherever the package is installed, to test whether the model is DeepSpeed's engine: about
+    1.5 s of a run's start without `deepspeed:`. A model is that engine only where deepspeed is already imported, so
+    accelerate's `is_deepspeed_available` there asks that first: the same answer for every model, without the import."""
+    from accelerate.utils import other  # heavy: accelerate loads with the run's accelerator
+
+    available = getattr(other, "is_deepspeed_available", None)
+    if available is None or getattr(available, "imported_first", False):
+        return
+
+    def is_deepspeed_available() -> bool:
+        return "deepspeed" in sys.modules and available()
+
+    is_deepspeed_available.imported_first = True
+    other.is_deepspeed_available = is_deepspeed_available
 
 
 def register_lora_weights(engine) -> int:

@@ -33,6 +33,31 @@ def test_the_table_names_the_library_transformers_builds():
     assert checked >= 20
 
 
+def test_torchs_adamw_is_built_as_transformers_builds_it():
+    """adamw_torch and adamw_torch_fused (and their aliases) are built without importing transformers' Trainer
+    (start-up time): the class and keyword arguments are its get_optimizer_cls_and_kwargs's; optim_args, and every
+    other optimizer, still go through it."""
+    from hypothesis import given, settings, strategies as st
+    from transformers import Trainer
+
+    @settings(max_examples=40, deadline=None, derandomize=True)
+    @given(name=st.sampled_from(sorted(optimizers.table())), lr=st.floats(1e-6, 1.0), b1=st.floats(0, 0.99),
+           b2=st.floats(0.9, 0.9999), eps=st.floats(1e-10, 1e-6), optim_args=st.sampled_from([None, "", "foo=1"]))
+    def check(name, lr, b1, b2, eps, optim_args):
+        row = optimizers.table()[name]
+        args = SimpleNamespace(optim=row.get("transformers_name", name), learning_rate=lr, adam_beta1=b1,
+                               adam_beta2=b2, adam_epsilon=eps, optim_args=optim_args, weight_decay=0.0)
+        ours = optimizers.torch_adamw(args)
+        if ours is None:
+            assert args.optim not in optimizers.ADAMW_TORCH or optim_args
+            return
+        assert ours == Trainer.get_optimizer_cls_and_kwargs(args, None)
+
+    check()
+    assert optimizers.torch_adamw(SimpleNamespace(optim="adamw_torch", learning_rate=1e-3, adam_beta1=0.9,
+                                                  adam_beta2=0.999, adam_epsilon=1e-8, optim_args=None)) is not None
+
+
 def test_axolotl_optimizer_names_are_accepted_and_unknown_ones_refused():
     for name in ("adamw_bnb_8bit", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit", "adamw_torch_8bit",
                  "adamw_torch_4bit", "adamw_torch", "adamw_torch_fused", "adafactor", "lion_8bit", "sgd"):

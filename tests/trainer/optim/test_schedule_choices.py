@@ -127,3 +127,34 @@ def test_refusals_are_one_line_naming_the_key(make_config, capsys):
 def test_kwargs_a_schedule_does_not_read_are_named():
     _, notes = parse_config({**BASE, "lr_scheduler": "rex", "lr_scheduler_kwargs": {"num_cycles": 2}})
     assert any(n.startswith("lr_scheduler_kwargs: not read") for n in notes)
+
+
+def test_the_schedules_built_without_transformers_are_get_schedulers_step_for_step():
+    """linear, cosine (with cosine_min_lr_ratio: cosine_with_min_lr), constant and constant_with_warmup are built
+    from transformers' formulas without importing it (start-up time): the rates and the state a checkpoint keeps
+    are get_scheduler's, exactly."""
+    from hypothesis import given, settings, strategies as st
+    from transformers import get_scheduler
+
+    from trainer.optim.schedule import make_scheduler, warmup_schedule
+
+    @settings(max_examples=80, deadline=None, derandomize=True)
+    @given(name=st.sampled_from(["linear", "cosine", "constant", "constant_with_warmup"]), total=st.integers(1, 40),
+           warmup_share=st.floats(0, 1.2), ratio=st.sampled_from(RATIOS), cycles=st.sampled_from([None, 0.5, 1.5]))
+    def check(name, total, warmup_share, ratio, cycles):
+        warmup = int(total * warmup_share)
+        kwargs = {"num_cycles": cycles} if cycles is not None and name == "cosine" and not ratio else {}
+        cfg, _ = parse_config({**BASE, "lr_scheduler": name, "cosine_min_lr_ratio": ratio,
+                               "lr_scheduler_kwargs": kwargs or None})
+        ours, theirs = one_param_optimizer(1e-3), one_param_optimizer(1e-3)
+        schedule = "constant_with_warmup" if name == "constant" else name
+        extra = {"min_lr_rate": ratio} if name == "cosine" and ratio is not None else {}
+        built = make_scheduler(cfg, ours, warmup, total)
+        assert warmup_schedule("cosine_with_min_lr" if extra else schedule, one_param_optimizer(1e-3), warmup, total,
+                               {**extra, **kwargs}) is not None  # (built here, not by get_scheduler)
+        expected = get_scheduler("cosine_with_min_lr" if extra else schedule, theirs, num_warmup_steps=warmup,
+                                 num_training_steps=total, scheduler_specific_kwargs={**extra, **kwargs})
+        assert lrs_of(built, ours, total + 3) == lrs_of(expected, theirs, total + 3)
+        assert built.state_dict() == expected.state_dict()
+
+    check()
