@@ -8,14 +8,18 @@ requests, transformers and rich are imported only where they are used.
 from __future__ import annotations
 
 import functools
+import inspect
 import json
+import shutil
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
+from urllib.parse import urlsplit
 
 import typer
 
 from . import __version__
+from .errors import BadInput
 from .errors import EnvtoolError
 
 APP_SETTINGS = dict(
@@ -57,6 +61,7 @@ def reported(command):
         except EnvtoolError as e:
             if _debug:
                 raise
+            # start-up: trainer.errors, resolver.credentials imported only when this runs
             from trainer.errors import readable  # one line, cut to a readable size
 
             from .credentials import redact  # no index credential in an error line
@@ -137,8 +142,6 @@ SOURCE_OPTIONS = (
 def _with_options(options, into: str, build, overrides: dict | None = None):
     """Add `options` (name, Annotated type, default) to a command's signature; the command receives them
     built into one object as keyword `into`. `overrides` replaces an option's type or default per command."""
-    import inspect
-
     def decorate(command):
         sig = inspect.signature(command, eval_str=True)
         own = [p for p in sig.parameters.values() if p.name != into]
@@ -162,14 +165,13 @@ def _with_options(options, into: str, build, overrides: dict | None = None):
 
 
 def _plan_options(values: dict):
+    # start-up: resolver.hardware, resolver.pipeline imported only when this runs
     from .hardware import check_target_text
     from .pipeline import PlanOptions
 
     check_target_text(values.get("gpu"))  # `--gpu ''` or `--gpu None` is an error, not a CPU plan
     for name, value in values.items():  # `--python ''` (a script's empty variable) is an error, not the default
         if name != "gpu" and isinstance(value, str) and not value.strip():
-            from .errors import BadInput
-
             raise BadInput(f"--{name.replace('_', '-')} is empty: give a value, or leave the option out for the default")
     return PlanOptions(**values)
 
@@ -179,7 +181,7 @@ def plan_options(**overrides):
 
 
 def _sources(values: dict):
-    from .errors import BadInput
+    # start-up: resolver.lock imported only when this runs
     from .lock import Sources
 
     for name, value in values.items():  # `--index-url ''` is an error, not PyPI; a URL envtool can name, no secret
@@ -196,10 +198,8 @@ def _sources(values: dict):
 
 def check_index_url(option: str, url: str) -> None:
     """An index is an http(s) URL with a host, or a file:// URL; said in one line (its credentials redacted)."""
-    from urllib.parse import urlsplit
-
+    # start-up: resolver.credentials imported only when this runs
     from .credentials import redact
-    from .errors import BadInput
 
     parts = urlsplit(url)
     if parts.scheme == "file" or (parts.scheme in ("http", "https") and parts.hostname):
@@ -237,7 +237,7 @@ def resolve(
 
       envtool resolve --gpu t4,v100,a100 --format github
     """
-    from .errors import BadInput
+    # start-up: resolver.pipeline, resolver.ci imported only when this runs
     from .pipeline import make_plans
 
     fmt = "json" if json_out else fmt
@@ -282,6 +282,7 @@ def lock(
 
       envtool lock --gpu t4 --out envs/t4 --wheelhouse wheels/t4   # then: envtool install --offline
     """
+    # start-up: resolver.pipeline, resolver.lock imported only when this runs
     from .pipeline import lock as do_lock
     from .pipeline import one_plan
 
@@ -337,7 +338,7 @@ def install(
 
       envtool install --system                       # into this interpreter (a notebook)
     """
-    from .errors import BadInput
+    # start-up: resolver.pipeline, tempfile imported only when this runs
     from .pipeline import install as do_install
     from .pipeline import install_system, is_interpreter_path
 
@@ -345,7 +346,6 @@ def install(
     if target is not None:
         if offline:
             raise BadInput("--offline installs into a venv; --system / --python PATH use an index")
-        import shutil
         import tempfile
 
         python = shutil.which(target) or target
@@ -374,7 +374,7 @@ def install(
 
 def recommended(target, python: str, m) -> dict | None:
     """What `envtool resolve` would choose for this machine and the environment's Python."""
-    from .errors import EnvtoolError
+    # start-up: resolver.pipeline, resolver.solve imported only when this runs
     from .pipeline import host_platform
     from .solve import Request, solve
 
@@ -422,8 +422,8 @@ def doctor(
 
       envtool doctor --multi-gpu --nnodes 2 --node-rank 0 --rdzv-endpoint head:29400 --config train.yml
     """
+    # start-up: resolver.doctor, resolver.hardware imported only when this runs
     from .doctor import diagnose, fix_command, probe, report
-    from .errors import BadInput
     from .hardware import targets
     from .launch import Distribution
     from .matrix import load
@@ -473,6 +473,7 @@ def export(
     output: Annotated[Optional[Path], typer.Option("-o", "--output", help="Write here (default: stdout).")] = None,
 ) -> None:
     """Export a locked environment for other installers: requirements.txt with hashes, or pylock.toml."""
+    # start-up: resolver.lock, resolver.files imported only when this runs
     from .lock import export as do_export
 
     text = do_export(env_dir, fmt)
@@ -500,14 +501,13 @@ def dockerfile(
 
       envtool dockerfile --gpu t4 > Dockerfile.t4
     """
+    # start-up: resolver.docker, resolver.matrix imported only when this runs
     from .docker import render
     from .matrix import load
     from .pipeline import image_plans
 
     plans = image_plans(opts, base_image)
     if len(plans) != 1:
-        from .errors import BadInput
-
         raise BadInput("this command makes one environment: give --gpu a single target")
     sys.stdout.write(render(plans[0], load(), base_image))
 
@@ -538,6 +538,7 @@ def build(
 
       envtool build --gpu a100 --tag myorg/trainer:a100 --push
     """
+    # start-up: resolver.pipeline imported only when this runs
     from .pipeline import ImageOptions, image_plans
     from .pipeline import build as do_build
 
@@ -628,6 +629,7 @@ def train(
 
       envtool train config.yml --gpu a100 --nnodes 4 --emit slurm -o train.sbatch
     """
+    # start-up: resolver.emit, resolver.launch imported only when this runs
     from .emit import Request
     from .emit import emit as write_launcher
     from .launch import Distribution, check_places, plan_training, train_in
@@ -677,9 +679,9 @@ def run(
 
       envtool run --image myorg/trainer:a100 --gpus all -e HF_TOKEN -- python -m trainer train config.yml
     """
+    # start-up: resolver.docker imported only when this runs
     from .docker import RunOptions
     from .docker import run as do_run
-    from .errors import BadInput
 
     if not image:
         raise BadInput("--image is required")
@@ -695,6 +697,7 @@ def gpus(json_out: bool = typer.Option(False, "--json", help="Print the catalog 
     """List the GPUs the matrix knows: names, aliases, compute capability (NVIDIA) or target (AMD's gfx, Intel's
     AOT family), architecture, bf16/fp8; for AMD, the newest torch build with code for the target. Any Mac with
     Apple silicon: --gpu mps."""
+    # start-up: resolver.matrix, resolver.vendors imported only when this runs
     from .matrix import load
 
     m = load()
@@ -748,6 +751,7 @@ def fit(
 
       envtool fit config.yml --gpu a100-80gb --nproc 4 --json
     """
+    # start-up: resolver.fit, resolver.render imported only when this runs
     from .fit import fit as do_fit
 
     found = do_fit(config, gpu, nproc)
@@ -791,6 +795,7 @@ def matrix_update(
     """Regenerate what PyPI metadata states (torch releases, Python ranges, triton pins; xformers' torch pins;
     the training stack's newest versions; new kernels releases) and where the PyTorch index holds flash-attn-3
     (its variant folders and platforms), print the diff, and write it after the schema check."""
+    # start-up: resolver.update (and requests) imported only when this runs
     from .update import command
 
     raise typer.Exit(command(check=check, json_out=json_out, pypi_url=pypi_url, matrix_dir=matrix_dir,
@@ -811,6 +816,7 @@ def matrix_verify(
 ) -> None:
     """Check that every wheel a plan can name exists: torch index pages, flash-attn release assets (HEAD),
     pinned PyPI versions. Exit 1 with the list of what is missing."""
+    # start-up: resolver.verify (and requests) imported only when this runs
     from .verify import command
 
     raise typer.Exit(command(json_out=json_out, pypi_url=pypi_url, torch_index_url=torch_index_url,

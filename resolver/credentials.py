@@ -45,6 +45,7 @@ def _schemeless_secret(url: str) -> bool:
 
 def _source(url: str) -> str:
     """Where a URL came from, for an error line: the environment variable that holds it, else the URL option."""
+    # start-up: resolver.matrix imported only when this runs
     from .matrix import FLASH_ATTN_URL_ENV, TORCH_INDEX_ENV
 
     for name in (TORCH_INDEX_ENV, FLASH_ATTN_URL_ENV):
@@ -56,6 +57,7 @@ def _source(url: str) -> str:
 def refuse_schemeless(url: str) -> None:
     """One line (BadInput, exit 2) for credentials in a URL without `scheme://` (see the module doc, 4)."""
     if _schemeless_secret(url):
+        # start-up: resolver.errors imported only when this runs
         from .errors import BadInput
 
         shown = "***@" + url.split("?", 1)[0].split("#", 1)[0].rpartition("@")[2]
@@ -93,6 +95,7 @@ def _realm(url: str) -> tuple[str, str, int | None]:
 def given(urls: Iterable[str | None]) -> dict[str, tuple[str, str]]:
     """The credentials carried by `urls` and by $ENVTOOL_TORCH_INDEX_URL / $ENVTOOL_FLASH_ATTN_URL, by stripped URL
     ({variant}/{version} templates stay templates)."""
+    # start-up: resolver.matrix imported only when this runs
     from .matrix import FLASH_ATTN_URL_ENV, TORCH_INDEX_ENV
 
     found = {}
@@ -124,6 +127,7 @@ def uv_index_env(indexes: dict[str, str], secrets: dict[str, tuple[str, str]]) -
 
 def lock_indexes(env_dir) -> dict[str, str]:
     """The named indexes of a lock directory's pyproject.toml: name -> URL."""
+    # start-up: tomllib imported only when this runs
     import tomllib
 
     try:

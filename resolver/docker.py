@@ -13,6 +13,7 @@ import os
 import re
 import shutil
 import sys
+import threading
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -111,6 +112,7 @@ def _dockerfile_quote(value) -> str:
 
 
 def render(plan: Plan, m: Matrix, base_override: str | None = None) -> str:
+    # start-up: jinja2, dockerfiles imported only when this runs
     import jinja2
 
     import dockerfiles
@@ -173,6 +175,7 @@ def engines() -> tuple[list[tuple[str, str]], bool]:
     if os.environ.get("DOCKER_HOST"):
         return [(os.environ["DOCKER_HOST"], "DOCKER_HOST")], True
     try:
+        # optional: docker is imported only where it is used
         from docker.context import ContextAPI
 
         context = ContextAPI.get_context(os.environ.get("DOCKER_CONTEXT"))
@@ -204,6 +207,7 @@ def _why(error: Exception) -> str:
 
 def client():
     """A client of the first engine that answers (see `engines`); one line naming what was tried if none does."""
+    # optional: docker is imported only where it is used
     import docker
 
     candidates, explicit = engines()
@@ -223,6 +227,7 @@ def client():
 
 def build(context: Path, tag: str, network: str | None = None, quiet: bool = False) -> str:
     """Build the context into `tag`, streaming progress; return the image id."""
+    # start-up: rich imported only when this runs
     from rich.console import Console
 
     console = Console(stderr=True, quiet=quiet)
@@ -273,7 +278,6 @@ def container_user(user: str | None) -> str | None:
         return f"{os.getuid()}:{os.getgid()}"
     if user == IMAGE_USER:
         return None
-    import re
 
     if not re.fullmatch(r"[\w.-]+(:[\w.-]+)?", user):
         raise BadInput(f"--user {user!r}: give UID[:GID], a user name, '{INVOKING_USER}' or '{IMAGE_USER}'")
@@ -290,6 +294,7 @@ def gpu_options(plan: dict | None, gpus: str | None, dev: Path = Path("/dev")) -
         return {}
     vendor = (plan or {}).get("gpu", {}).get("vendor") or "nvidia"
     if vendor in ("nvidia", "cpu"):
+        # optional: docker is imported only where it is used
         import docker
 
         count = -1 if gpus == "all" else int(gpus)
@@ -388,6 +393,7 @@ def run(image: str, command: list[str], options: RunOptions, output: Callable[[s
     PID 1); SIGTERM, SIGINT, SIGHUP and SIGQUIT sent to envtool are passed to it, and the container is removed
     however envtool's wait ends; the exit code is the container's (143 after SIGTERM). `output`: given the
     container's output line by line (a line ends at \n or a progress bar's \r) instead of writing it to stdout."""
+    # optional: docker is imported only where it is used
     import docker
 
     options.check()
@@ -473,8 +479,7 @@ def _forwarding_signals():
     """While a container runs: the signals envtool gets go to the container (a kill from a thread: the handler only
     starts it), and envtool itself keeps waiting for the container's exit, then removes it. Yields `forward(container)`
     to call once the container exists; a signal that came before is passed on then."""
-    import threading
-
+    # start-up: resolver.forwarding imported only when this runs
     from .forwarding import forwarding
 
     state: dict = {"container": None, "pending": []}
@@ -495,6 +500,7 @@ def _forwarding_signals():
 
 
 def _kill(container, signum: int) -> None:
+    # optional: docker is imported only where it is used
     import docker
 
     try:

@@ -20,6 +20,7 @@ from .hardware import GpuSpec
 from matrices.catalog import backend_range, backend_runs_on
 
 from .matrix import Matrix, cc_tuple
+from .plan import target_label
 from .solve import runs_on
 
 PROBE = r"""
@@ -113,6 +114,7 @@ def fix_command(venv: Path | None, target: str, driver: str | None) -> str:
     user named it) and the driver they gave: into the interpreter running envtool (--system), into a venv
     `envtool install` made or a new one (--venv), or into any other existing environment (--python PATH, which
     install accepts where it refuses to replace a venv it did not make)."""
+    # start-up: shlex imported only when this runs
     import shlex
 
     gpu = f"--gpu {shlex.quote(target)}" + (f" --driver {shlex.quote(driver)}" if driver else "")
@@ -200,8 +202,6 @@ def diagnose(info: dict, gpu: GpuSpec, driver: str | None, m: Matrix, venv: str,
         add(Finding("error", "precision", f"the environment's plan trains in bf16, but {gpu.describe()} has no "
                     f"native bf16 (sm_80+); it would run emulated and slow, or fail", fix))
     if plan:
-        from .plan import target_label
-
         planned = target_label(plan.get("gpu") or {})
         if planned != gpu.sm:
             add(Finding("warning", "plan", f"the environment was planned for {'CPU' if planned == 'cpu' else planned}, "
@@ -272,8 +272,6 @@ def vendor_findings(info: dict, backend: str, gpu: GpuSpec, fix: str) -> list[Fi
         add(Finding("error", "precision", f"the environment's plan trains in bf16, but {gpu.describe()} has no bf16 "
                     f"on its matrix cores", fix))
     if plan:
-        from .plan import target_label
-
         planned = target_label(plan.get("gpu") or {})
         if planned != gpu.sm:
             add(Finding("warning", "plan", f"the environment was planned for {planned}, "

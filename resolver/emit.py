@@ -20,6 +20,7 @@ from typing import Callable
 from .errors import BadInput
 from .files import write_atomic
 from .launch import SECRET_KEYS, Distribution, Launch, Training, check_claim, default_nproc, prepare
+from .launch import TORCHRUN_ENV
 from .plan import Plan
 
 HF_HOME = "/home/trainer/.cache/huggingface"  # the image's HF_HOME (dockerfiles/Dockerfile.j2)
@@ -132,6 +133,7 @@ def k8s_resource(plan: Plan) -> str:
     intel.toml [container] k8s_resource: amd.com/gpu, gpu.intel.com/i915)."""
     vendor = plan.gpu.get("vendor")
     if vendor in ("amd", "intel"):
+        # start-up: resolver.vendors imported only when this runs
         from .vendors import load
 
         v = load()
@@ -174,7 +176,6 @@ def sbatch(plan: Plan, launch: Launch, config: Path, dist: Distribution, output_
     ]
     for key, value in launch.env.items():
         lines.append(f"export {key}={shlex.quote(value)}")
-    from .launch import TORCHRUN_ENV
 
     lines += ["# torchrun forwards SIGUSR1 too, and gives the ranks time to save before it kills them.",
               *(f"export {key}={shlex.quote(value if key != 'PET_SHUTDOWN_TIMEOUT' else str(SIGNAL_LEAD_S - 30))}"
@@ -224,9 +225,8 @@ def pytorchjob(plan: Plan, launch: Launch, config: Path, dist: Distribution, *, 
     Workers, each a pod running torchrun with --nproc-per-node GPUs, joined by c10d at the master's service.
     The training operator sets MASTER_ADDR / MASTER_PORT / RANK in every replica. Every pod works in the claim
     `work_claim` at /work: the config's relative paths (output_dir, dataset_prepared_path, local data) are there."""
+    # start-up: yaml, textwrap imported only when this runs
     import yaml
-
-    from .launch import TORCHRUN_ENV
 
     gpus = _gpus(plan, dist)
     nproc = default_nproc(plan, dist)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from pathlib import Path
 
 
@@ -20,8 +21,8 @@ def one_writer(target: Path, what: str, say=None, suffix: str = "writer"):
     """Hold the lock of `target` (a venv, a lock directory) while writing it: `.<name>.writer` beside it, an
     flock the kernel releases when the holder exits however it exits (a dead holder's lock is simply taken
     over). A second writer waits, saying once on stderr which pid it waits for."""
+    # start-up: fcntl imported only when this runs
     import fcntl
-    import sys
 
     target.parent.mkdir(parents=True, exist_ok=True)
     path = target.parent / f".{target.name}.{suffix}"

@@ -9,10 +9,12 @@ model's config.json, and torch is imported only to count the parameters exactly 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import BadInput
+from .errors import Unsatisfiable
 
 
 @dataclass
@@ -27,6 +29,7 @@ class FitResult:
 
 def resolve_gpu(text: str, nproc: int | None):
     """(name, memory_gb, count, trainer's --gpu value) for `--gpu`."""
+    # start-up: resolver.hardware, resolver.matrix imported only when this runs
     from .hardware import targets
     from .matrix import load
 
@@ -51,13 +54,13 @@ def resolve_gpu(text: str, nproc: int | None):
 def fit(config: Path, gpu: str = "auto", nproc: int | None = None) -> FitResult:
     name, memory_gb, count, trainer_gpu = resolve_gpu(gpu, nproc)
     try:
+        # start-up: trainer.config, trainer.errors imported only when this runs
         import trainer.config  # noqa: F401 (pydantic, pyyaml: the trainer's config reader)
         from trainer.errors import TrainerError
         from trainer.setup import start
     except ImportError as err:  # the trainer's config reader needs pydantic and pyyaml
         raise BadInput(f"fit reads the config with the trainer's reader, which needs {err.name} "
                        "(pip install 'envtool-llm[train]')") from None
-    import os
 
     previous = os.environ.get("WORLD_SIZE")
     os.environ["WORLD_SIZE"] = str(count)  # the config's parallelism sizes are checked against the processes
@@ -94,6 +97,7 @@ def on_plan(cfg, runtime, config: Path, plan, processes: int):
     """The memory estimate (trainer.fit.memory.Report, the one `envtool fit` prints) for the trainer's Config
     `cfg` as it runs under `plan` (`runtime`: the trainer's adaptation to it) on the plan's GPU over `processes`
     processes. config.json from the model directory or a cache only (no network: `envtool fit` fetches it)."""
+    # start-up: trainer.fit.memory_model imported only when this runs
     from trainer.fit import memory, memory_model
 
     gpu = memory.Gpu(plan.gpu.get("name") or plan.target, plan.gpu.get("memory_gb"), processes)
@@ -108,6 +112,7 @@ def on_plan(cfg, runtime, config: Path, plan, processes: int):
 
 def lines(found) -> list[str]:
     """`envtool train --dry-run`'s fit lines."""
+    # start-up: trainer.fit.memory imported only when this runs
     from trainer.fit.memory import cheapest, one_line
 
     out = [f"fit: {one_line(found)}"]
@@ -126,9 +131,8 @@ def check(training) -> None:
     found = training.fit
     if found is None or found.result["verdict"] != "does_not_fit":
         return
+    # start-up: trainer.fit.memory imported only when this runs
     from trainer.fit.memory import cheapest, one_line
-
-    from .errors import Unsatisfiable
 
     change = cheapest(found)
     fix = (f"cheapest change that fits: {change['text']} (-> {change['peak_gb']:.1f} GB)" if change

@@ -167,6 +167,7 @@ def lookup(text: str, m: Matrix, source: str = "catalog", *, counts: bool = True
     g = catalog.find_gpu(text, m.gpus)
     if g is not None:
         return from_cc(g.compute_capability, m, name=g.name, memory_gb=g.memory_gb, source=source)
+    # start-up: resolver.vendors, difflib imported only when this runs
     from . import vendors
 
     other = vendors.lookup(text)
@@ -190,6 +191,7 @@ def _catalog_names(m: Matrix) -> set[str]:
 
 def _counted(text: str, m: Matrix, source: str) -> tuple[GpuSpec, int] | None:
     """(the GPU, the count) for a name with a count (see COUNTED); None for a plain name."""
+    # start-up: resolver.vendors imported only when this runs
     from . import vendors
 
     key = normalize_name(text)
@@ -286,6 +288,7 @@ def detect_other_vendors(notes: list[str]) -> Detection | None:
     kinds of GPU are found (an AMD dGPU beside an APU's iGPU, an Intel iGPU beside an AMD card), the plan is for
     the first vendor in that order, and within it for the target some torch build covers, then the most
     devices, then the most memory; the others are named in the reasons."""
+    # start-up: resolver.vendors, resolver.vendors.apple imported only when this runs
     from . import vendors
 
     found = vendors.detect()
@@ -321,6 +324,7 @@ def detect_other_vendors(notes: list[str]) -> Detection | None:
 
 def probe_nvml(m: Matrix) -> tuple[list[Seen], str | None, str]:
     try:
+        # optional: pynvml is imported only where it is used
         import pynvml
     except ImportError:
         return [], None, "NVML: nvidia-ml-py is not installed"
@@ -352,6 +356,7 @@ NVIDIA_SMI_OLD_QUERY = ["--query-gpu=name,memory.total,driver_version", "--forma
 
 
 def probe_nvidia_smi(m: Matrix) -> tuple[list[Seen], str | None, str]:
+    # start-up: shutil, subprocess imported only when this runs
     import shutil
     import subprocess
 

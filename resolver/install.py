@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import shutil
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +30,7 @@ from .files import one_writer, write_atomic
 from .lock import load_plan
 from .plan import PLAN_FILE
 from .uvrun import run_uv, uv_env
+from .uvrun import uv_binary
 from .wheelhouse import check as check_wheelhouse
 
 IMPORT_CHECK = (  # --check-imports: runs them (torch's native libraries load); seconds, mostly compiling bytecode
@@ -49,8 +50,6 @@ PRESENCE_CHECK = (  # the default: the interpreter starts and finds them, at the
 def find_python(version: str) -> str:
     """The interpreter uv would make a Python `version` venv from (never downloading one), or a one-line refusal
     before anything is locked or built."""
-    from .uvrun import uv_binary
-
     env = uv_env(None, {"UV_PYTHON_DOWNLOADS": "never"})
     out = subprocess.run([uv_binary(), "python", "find", "--no-project", version], capture_output=True, text=True,
                          env=env)
@@ -67,6 +66,7 @@ def versions_dir(venv: Path) -> Path:
 def check_host(plan, env_dir: Path) -> None:
     """A lock installs where its wheels run: a macOS arm64 (MPS) lock only on a Mac with Apple silicon, a Linux
     lock only on Linux. One line before anything is made."""
+    # start-up: platform imported only when this runs
     import platform
 
     mac = plan.torch.backend == "mps"

@@ -22,17 +22,22 @@ Nothing here prints except through the `say` callback the CLI passes (stderr), s
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import re
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
 from .errors import BadInput, EnvtoolError, Unsatisfiable
+from .files import one_writer
 from .files import write_atomic
 from .pipeline import ImageOptions, PlanOptions, build, command_line_pins, lock, one_plan
+from .pipeline import base_python
 from .plan import PLAN_FILE, Plan
+from .plan import image_tag
 
 # the credentials a run reads from its environment (the Hub, wandb): passed by name into a container, taken from a
 # Secret by --emit k8s; their values are never written anywhere
@@ -43,12 +48,14 @@ SECRET_KEYS = ("HF_TOKEN", "WANDB_API_KEY")
 
 def read_config(config: Path):
     """(cfg, notes) from the trainer's own reader; its refusal becomes envtool's one line, same exit code."""
+    # start-up: trainer.config imported only when this runs
     from trainer.config import load_config
 
     return _trainer_call(config, load_config, config)
 
 
 def _trainer_call(config: Path, function, *args):
+    # start-up: trainer.errors imported only when this runs
     from trainer.errors import TrainerError, capped
 
     try:
@@ -105,6 +112,7 @@ def plan_for_config(cfg, load_notes: list[str], config: Path, opts: PlanOptions)
 
 
 def _fit(cfg, plan: Plan):
+    # start-up: trainer.setup imported only when this runs
     from trainer.setup import for_plan
 
     return for_plan(cfg, plan.to_dict(), "envtool train's plan")
@@ -114,6 +122,7 @@ def _attention_plan(cfg, config: Path, opts: PlanOptions) -> Plan:
     """Solve with the config's attention request merged into the command line's: the command line wins; the
     config's backend is asked for where the plan can install it and adapted to the solver's best where the GPU
     cannot run it; `flash_attention: false` is --no-flash-attn. The plan's reasons say which key decided."""
+    # start-up: matrices.catalog, resolver.matrix imported only when this runs
     from matrices.catalog import backend_range, backend_runs_on
 
     from .matrix import load
@@ -188,6 +197,7 @@ def _flash_kernels_plan(cfg, config: Path, opts: PlanOptions, m, key: str) -> Pl
     attention dropout, a sliding window on torch 2.10), and the plan says so. None where the plain plan runs no
     FlashAttention kernel (a T4; a --torch pin with neither a wheel nor varlen_attn): the caller asks for
     flash_attention_2 then, and says why it does not run."""
+    # start-up: trainer.setup imported only when this runs
     from trainer.setup import varlen_limit
 
     plan = one_plan(opts)
@@ -239,6 +249,7 @@ def _needs(cfg, config: Path, plan: Plan) -> tuple[Plan, list[str]]:
     (trackers, liger-kernel, torchao, gguf for the export step ...) added at the version its row gives for this
     target, or refused in one line naming the key where no row installs here; a stack package the plan left out
     for this target added back where the trainer found the config runs (DeepSpeed's ZeRO over gloo on the CPU)."""
+    # start-up: trainer.setup, resolver.matrix imported only when this runs
     from trainer.setup import needs, pin
 
     from .matrix import load
@@ -319,6 +330,7 @@ def env_key(plan: Plan) -> str:
     Python and platform, and envtool's own code (the trainer inside it). Two plans with the same key share
     one environment; the GPU name, the reasons, the detection details and the index (a mirror) do not change
     what is installed."""
+    # start-up: resolver.selfwheel imported only when this runs
     from .selfwheel import PACKAGES, _package_files
 
     code = hashlib.sha256()
@@ -359,6 +371,7 @@ class Launch(NamedTuple):
 
 
 def _installed(package: str) -> bool:
+    # start-up: importlib imported only when this runs
     import importlib.metadata as md
 
     try:
@@ -371,6 +384,7 @@ def active_env_runs(plan: Plan, opts: PlanOptions, required: tuple[str, ...] = (
     """Does the interpreter running envtool run the plan's choices? doctor finds nothing wrong for the plan's
     GPU, the training stack imports, the plan's flash-attn is there, explicit pins match, and the packages the
     config needs that the plan installs (`required`: bitsandbytes, deepspeed) are there."""
+    # start-up: resolver.doctor, resolver.hardware imported only when this runs
     from .doctor import diagnose, probe
     from .hardware import targets
     from .matrix import load
@@ -450,6 +464,7 @@ def more_processes_than_gpus(plan: Plan, dist: Distribution) -> str | None:
     gpus = max(int(plan.gpu.get("count") or 1), 1)
     if not plan.on_gpu or not dist.nproc or dist.nproc <= gpus:
         return None
+    # start-up: resolver.hardware imported only when this runs
     from .hardware import NAMED_SOURCES
 
     named = plan.gpu.get("source") in NAMED_SOURCES
@@ -483,8 +498,6 @@ class Where(NamedTuple):
 
 def plan_launch(plan: Plan, cfg, config: Path, opts: PlanOptions, dist: Distribution, where: Where) -> Launch:
     """Decide where the trainer runs and the command that starts it (nothing is built or run here)."""
-    from .plan import image_tag
-
     venv, image, isolated, mounted = where
     dist = dist._replace(nproc=launcher_nproc(plan, cfg, config, dist))
     plan_path = write_plan(plan)
@@ -509,6 +522,7 @@ def plan_launch(plan: Plan, cfg, config: Path, opts: PlanOptions, dist: Distribu
         return Launch("venv", str(venv), ready, python, launch_command(python, str(config), **args), env,
                       f"--venv {venv}" + ("" if ready else " (built for the plan first)"))
     if not isolated:
+        # start-up: trainer.setup imported only when this runs
         from trainer.setup import needs
 
         required = tuple(dict.fromkeys(n.package for n in needs(cfg, plan.to_dict())  # (training's; a step after
@@ -527,6 +541,7 @@ def plan_launch(plan: Plan, cfg, config: Path, opts: PlanOptions, dist: Distribu
 
 
 def venv_runs(venv: Path, plan: Plan, opts: PlanOptions) -> bool:
+    # start-up: resolver.doctor, resolver.hardware imported only when this runs
     from .doctor import diagnose, probe
     from .hardware import targets
     from .matrix import load
@@ -571,6 +586,7 @@ def image_mounts(cfg, cwd: Path) -> tuple:
 def _after_only(cfg, plan: Plan) -> set[str]:
     """Packages the plan carries only for a step after training (gguf for `export`): an image without them still
     trains the config."""
+    # start-up: trainer.setup imported only when this runs
     from trainer.setup import needs
 
     found = needs(cfg, plan.to_dict())
@@ -582,6 +598,7 @@ def _image_exists(tag: str, plan: Plan | None = None, after_only: set[str] = fro
     io.envtool.plan label): an image built for another config under the same tag (without the wandb this one
     needs) is built again; one without a package only a later step uses (`after_only`: gguf) is used as it is."""
     try:
+        # start-up: resolver.docker imported only when this runs
         from .docker import client, image_plan
 
         image = client().images.get(tag)
@@ -595,10 +612,9 @@ def _image_exists(tag: str, plan: Plan | None = None, after_only: set[str] = fro
 
 def image_line(plan: Plan, opts: PlanOptions) -> str:
     """For `train --dry-run`: the image `--image` would train in (its tag and base), or why there is none."""
+    # start-up: resolver.docker, resolver.matrix imported only when this runs
     from .docker import NO_IMAGE, base_image
     from .matrix import load
-    from .pipeline import base_python
-    from .plan import image_tag
 
     if plan.torch.backend in NO_IMAGE:
         return f"none: {NO_IMAGE[plan.torch.backend]}"
@@ -683,13 +699,13 @@ def plan_training(config: Path, opts: PlanOptions, dist: Distribution, *, venv: 
                        "these launchers run torchrun: set use_ray: false for them")
     fitted = plan_for_config(cfg, load_notes, config, opts)
     if emit is None:  # what the run reads first, found here; the model only for this machine's plan (no GPU named)
+        # start-up: matrices.catalog, trainer.setup imported only when this runs
         from matrices.catalog import NAMED_GPU_SOURCES
         from trainer.setup import check_inputs
 
         here = (opts.gpu or "auto") == "auto" and fitted.plan.gpu.get("source") not in NAMED_GPU_SOURCES
         _trainer_call(config, check_inputs, cfg, here)
     if (image or emit == "k8s") and not opts.python:  # in the plan's image: the Python of its base, where it has one
-        from .pipeline import base_python
 
         python = base_python(fitted.plan)
         if python and python != fitted.plan.python:
@@ -729,6 +745,7 @@ def train_in(training: Training, sources, *, hf_cache: Path | None = None, quiet
              say: Callable[[str], None] = lambda s: None) -> tuple[int, list[dict]]:
     """Build what the launch needs and run the trainer: (its exit code, the next commands for a finished run). The
     next commands are said too, unless `quiet` (--json: the caller prints them in its result)."""
+    # start-up: shlex imported only when this runs
     import shlex
 
     launch = training.launch
@@ -756,8 +773,6 @@ def prepare(launch: Launch, plan: Plan, sources, *, quiet: bool = False,
         return
     venv = Path(launch.path)
     if launch.kind == "cached":
-        from .files import one_writer
-
         # one build per key, however many launchers start at once; the others wait, naming the builder's pid
         with one_writer(venv, "the environment cached for this plan", suffix="building"):  # (on stderr, even --json)
             if (venv / "bin" / "python").exists():
@@ -770,6 +785,7 @@ def prepare(launch: Launch, plan: Plan, sources, *, quiet: bool = False,
 
 
 def _lock_and_install(plan: Plan, venv: Path, sources, quiet: bool) -> None:
+    # start-up: resolver.install imported only when this runs
     from .install import install as do_install
 
     env_dir = Path(lock(plan, venv.parent / f"{venv.name}.lock", sources, quiet=quiet)["out"])
@@ -780,14 +796,13 @@ def run(launch: Launch, plan: Plan, *, hf_cache: Path | None = None, shm_size: s
         stdout_to_stderr: bool = False) -> int:
     """Start the trainer; its exit code is the result (its errors are already one line on stderr).
     `stdout_to_stderr` keeps envtool's stdout for its own --json result."""
+    # start-up: subprocess, trainer.errors imported only when this runs
     import subprocess
 
     from trainer.errors import ERROR_DIR_ENV
 
     if launch.kind == "image":
         import tempfile
-
-        from dataclasses import replace
 
         from .docker import RunOptions
         from .docker import run as docker_run
@@ -826,6 +841,7 @@ def next_commands(training: Training) -> list[dict]:
     """What to run after a finished run (README, "After training"), as commands for where it trained: the
     environment's own python, or `envtool run` in the plan's image with the working directory at /work. Each
     {"what", "command"}; [] when this machine holds no output_dir/final (a failed run, another node's disk)."""
+    # start-up: trainer.setup imported only when this runs
     from trainer.setup import needs, next_steps
 
     launch = training.launch
@@ -888,9 +904,11 @@ def forwarding_to(proc, workers: bool):
     as the session no longer carries it. Under torchrun (`workers`) the signal goes to its workers directly -- each
     rank stops after the same step, saves and exits 138/130, and torchrun ends when they have -- or to torchrun
     itself before they exist (it forwards it)."""
+    # start-up: resolver.forwarding imported only when this runs
     from .forwarding import forwarding
 
     def send(number: int) -> None:
+        # start-up: signal imported only when this runs
         import signal
 
         if number == signal.SIGHUP:  # the terminal went away: the trainer (in its own session) stops as on SIGTERM
@@ -944,7 +962,7 @@ class HeldReport:
 
 def run_torchrun(command: list[str], env: dict, stdout) -> int:
     """Run torchrun here with its output through HeldReport: the first failing rank's line and exit code."""
-    import io
+    # start-up: subprocess, tempfile imported only when this runs
     import subprocess
     import tempfile
 

@@ -10,14 +10,19 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import NamedTuple
+from urllib.parse import unquote, urlsplit
+
+from packaging.version import InvalidVersion, Version
 
 from . import DISTRIBUTION, selfwheel
 from .credentials import auth_for, given, lock_indexes, strip, uv_index_env
 from .errors import BadInput
 from .matrix import Matrix
+from .matrix import load as load_matrix
 from .plan import PLAN_FILE, Plan
 from .uvrun import MissingWheel, run_uv, tls_verify, uv_env
 
@@ -49,6 +54,7 @@ def torch_triton(plan: Plan) -> str | None:
     ...; rocm.toml / intel.toml [[triton]]), where the plan names one."""
     if plan.torch.backend not in ("rocm", "xpu"):
         return None
+    # start-up: resolver.vendors imported only when this runs
     from .vendors import load
 
     row = load().triton_package(plan.gpu.get("vendor"), plan.torch.version)
@@ -63,9 +69,7 @@ def requirements(plan: Plan, m: Matrix | None = None) -> list[str]:
     without a version (torch pins it) so that it can be taken from the torch index: uv routes direct
     dependencies only."""
     if m is None:
-        from .matrix import load
-
-        m = load()
+        m = load_matrix()
     extras = {p.name: p.extras for p in m.packages if p.extras}
     routed = torch_triton(plan)
     pins = [name if name == routed else f"{name}{_extras(extras.get(name))}=={version}"
@@ -155,8 +159,6 @@ def pyproject_text(plan: Plan, sources: Sources, envtool_wheel: str, no_build: l
 def wheel_source(url: str) -> str:
     """A wheel URL as a [tool.uv.sources] entry: a `file://` URL (a mirror on disk) is a path, which uv takes
     where it refuses the file scheme in a `url` source."""
-    from urllib.parse import unquote, urlsplit
-
     if urlsplit(url).scheme == "file":
         return f"{{ path = {json.dumps(unquote(urlsplit(url).path))} }}"
     return f"{{ url = {json.dumps(url)} }}"
@@ -164,6 +166,7 @@ def wheel_source(url: str) -> str:
 
 def lock(plan: Plan, out: Path, sources: Sources, m: Matrix, quiet: bool = False) -> Path:
     """Write and lock the project directory `out`; replace a previous one only once the new lock exists."""
+    # start-up: resolver.files imported only when this runs
     from .files import one_writer
 
     out = out.resolve()
@@ -214,10 +217,9 @@ def nearest_wheels(plan: Plan, sources: Sources, name: str, version: str | None)
     versions nearest to it."""
     if version is None:
         return []
-    import re
 
+    # optional: requests is imported only where it is used
     import requests
-    from packaging.version import InvalidVersion, Version
 
     if name == "torch" or (plan.flash_attn and plan.flash_attn.index_url and name == plan.flash_attn.package):
         index = plan.torch.index_url if name == "torch" else plan.flash_attn.index_url
@@ -244,7 +246,7 @@ def install_hint(env_dir: Path, cwd: Path | None = None) -> str:
     """The `envtool install` command that installs this lock, with a --venv that install will accept: .venv, or
     when a venv envtool did not make is there already (install refuses to replace it), .venv-<lock name>,
     numbered if that is taken too."""
-    import re
+    # start-up: shlex, resolver.doctor imported only when this runs
     import shlex
 
     from .doctor import is_managed_venv

@@ -7,6 +7,7 @@ build's CUDA toolkit is known, ...). Code elsewhere only queries the result; fac
 
 from __future__ import annotations
 
+import json
 import operator
 import os
 import re
@@ -22,6 +23,7 @@ from packaging.version import InvalidVersion, Version
 from matrices import catalog
 from matrices.catalog import MATRIX_DIR_ENV, cc_tuple, matrix_dir, normalize_name  # noqa: F401 (re-exported)
 
+from . import __version__
 from .errors import MatrixError
 
 if sys.version_info >= (3, 11):
@@ -384,9 +386,8 @@ def load(directory: Path | None = None) -> Matrix:
 
 
 def _cache_path(directory: Path) -> Path | None:
+    # start-up: hashlib imported only when this runs
     import hashlib
-
-    from . import __version__
 
     try:
         stats = [(name, (directory / f"{name}.toml").stat()) for name in FILES]
@@ -410,8 +411,6 @@ def _plain(value):
 def _read_cache(cache: Path) -> Matrix | None:
     """The cached matrix, or None when the file is not a matrix in this envtool's shape (another version,
     truncated, or written by something else): then it is rebuilt from the TOML."""
-    import json
-
     try:
         data = json.loads(cache.read_text())
         if not isinstance(data, dict) or set(data) - set(Matrix._fields):
@@ -422,8 +421,6 @@ def _read_cache(cache: Path) -> Matrix | None:
 
 
 def _write_cache(cache: Path, m: Matrix) -> None:
-    import json
-
     try:
         cache.parent.mkdir(parents=True, exist_ok=True)
         tmp = cache.with_name(f".{cache.name}.tmp-{os.getpid()}")

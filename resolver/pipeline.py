@@ -18,6 +18,7 @@ from typing import Callable, NamedTuple
 
 from .errors import BadInput, Unsatisfiable
 from .plan import Plan
+from .plan import image_tag
 
 
 class PlanOptions(NamedTuple):
@@ -47,6 +48,7 @@ def host_platform() -> str:
 
 
 def make_plans(opts: PlanOptions) -> list[Plan]:
+    # start-up: resolver.hardware, resolver.matrix imported only when this runs
     from .hardware import targets
     from .matrix import load
     from .solve import Request, solve
@@ -108,6 +110,7 @@ def one_plan(opts: PlanOptions) -> Plan:
 
 def base_python(plan: Plan) -> str | None:
     """The Python the plan's base image brings, where it brings its own (images.toml `python`: ROCm's)."""
+    # start-up: resolver.matrix imported only when this runs
     from .matrix import load
 
     row = next((b for b in load().base_images if plan.torch.variant.startswith(b.variant_prefix)), None)
@@ -136,6 +139,7 @@ def image_plans(opts: PlanOptions, base_override: str | None = None) -> list[Pla
 
 def secrets_of(sources) -> dict:
     """The index credentials given with `sources` or in the environment (never written: see credentials.py)."""
+    # start-up: resolver.credentials, resolver.lock imported only when this runs
     from .credentials import given
     from .lock import source_urls
 
@@ -143,6 +147,7 @@ def secrets_of(sources) -> dict:
 
 
 def lock(plan: Plan, out: Path, sources, *, wheelhouse: Path | None = None, quiet: bool = False) -> dict:
+    # start-up: resolver.lock, resolver.matrix imported only when this runs
     from .lock import lock as do_lock
     from .matrix import load
 
@@ -160,6 +165,7 @@ def lock(plan: Plan, out: Path, sources, *, wheelhouse: Path | None = None, quie
 def install(env_dir: Path | None, venv: Path, opts: PlanOptions, sources, *, offline: bool = False,
             wheelhouse: Path | None = None, quiet: bool = False, check_imports: bool = False) -> dict:
     """Install a lock directory into a venv; without one, resolve and lock first into <venv>.lock/."""
+    # start-up: resolver.install imported only when this runs
     from .install import install as do_install
 
     if env_dir is None:
@@ -180,6 +186,7 @@ def install_system(python: str, env_dir: Path | None, opts: PlanOptions, sources
                    say: Callable[[str], None] = lambda s: None) -> dict:
     """Install a plan into an existing interpreter (a notebook's, a system Python), keeping its torch when
     doctor finds that torch right for the GPU: the plan is then made for that torch."""
+    # start-up: resolver.doctor, resolver.hardware imported only when this runs
     from .doctor import diagnose, probe_python
     from .hardware import targets
     from .install import install_into
@@ -235,11 +242,11 @@ class ImageOptions:
 
 def build(plans: list[Plan], sources, options: ImageOptions = ImageOptions(), *, quiet: bool = False,
           say: Callable[[str], None] = lambda s: None) -> list[dict]:
+    # start-up: tempfile, resolver.docker imported only when this runs
     import tempfile
 
     from . import docker as images
     from .matrix import load
-    from .plan import image_tag
     from .wheelhouse import fill
 
     m = load()

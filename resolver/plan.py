@@ -93,6 +93,7 @@ class Plan(NamedTuple):
     @classmethod
     def from_dict(cls, data: dict, where: str = "the plan") -> "Plan":
         """The inverse of to_dict; a plan without `plan_version` is a 1.0 plan (written before the field)."""
+        # start-up: resolver.errors imported only when this runs
         from .errors import BadInput
 
         if not isinstance(data, dict):
@@ -126,6 +127,7 @@ class Plan(NamedTuple):
 
     @classmethod
     def from_json(cls, text: str, where: str = "the plan") -> "Plan":
+        # start-up: resolver.errors imported only when this runs
         from .errors import BadInput
 
         try:
@@ -136,6 +138,7 @@ class Plan(NamedTuple):
 
     @classmethod
     def read(cls, path: Path) -> "Plan":
+        # start-up: resolver.errors imported only when this runs
         from .errors import BadInput
 
         try:
@@ -151,6 +154,7 @@ def _known(kind, data: dict) -> dict:
 
 def check_version(version, where: str = "the plan") -> None:
     """Refuse a plan whose major version this envtool does not know (a minor difference is fine)."""
+    # start-up: resolver.errors imported only when this runs
     from .errors import BadInput
 
     major = str(version).split(".")[0]

@@ -9,6 +9,8 @@ the transport itself ends as a finding, never as a doctor that does not return.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 from pathlib import Path
 
@@ -16,6 +18,10 @@ from .doctor import Finding
 from .errors import BadInput
 from .hardware import GpuSpec
 from .launch import Distribution
+from .launch import launch_command
+from .launch import read_config
+from .matrix import load
+from matrices.catalog import find_gpu, p2p_advice
 
 
 def multi_gpu_processes(gpu: GpuSpec, dist: Distribution, *, timeout: float, config: Path | None = None) -> int:
@@ -28,7 +34,6 @@ def multi_gpu_processes(gpu: GpuSpec, dist: Distribution, *, timeout: float, con
     if config is not None:
         if not config.is_file():
             raise BadInput(f"--config {config}: no such file")
-        from .launch import read_config
 
         read_config(config)  # the trainer's own reader: a bad config is its one line, exit 2, before torchrun
     count = nproc or (2 if gpu.is_cpu else max(gpu.count, 1))
@@ -42,11 +47,8 @@ def multi_gpu(python: str, gpu: GpuSpec, driver: str | None, dist: Distribution,
     """Start `python -m trainer preflight` under the environment's torchrun with the job's launch settings, read
     what every rank reported, and turn it into findings (plus the catalog's P2P advice for a GPU named with
     --gpu that this machine does not have). Bounded: torchrun is stopped past 4 x timeout + 2 minutes."""
-    import os
-    import signal
+    # start-up: tempfile, trainer.errors imported only when this runs
     import tempfile
-
-    from .launch import launch_command
 
     count = multi_gpu_processes(gpu, dist, timeout=timeout, config=config)
     device = "cpu" if gpu.is_cpu else "auto"
@@ -98,9 +100,6 @@ def multi_gpu(python: str, gpu: GpuSpec, driver: str | None, dist: Distribution,
     summary.update({k: report.get(k) for k in ("backend", "joined", "missing", "all_reduce", "ranks", "ok")})
     findings = [Finding(f["level"], f["check"], f["message"], f["fix"]) for f in report["findings"]]
     if report.get("backend") == "gloo" and not gpu.is_cpu:  # planning for a GPU this machine lacks: the catalog
-        from matrices.catalog import find_gpu, p2p_advice
-
-        from .matrix import load
 
         advice = p2p_advice(find_gpu(gpu.name, load().gpus), driver)
         if advice is not None:

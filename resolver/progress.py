@@ -12,6 +12,7 @@ def progress(description: str, total: int | None):
     if not sys.stderr.isatty():
         yield lambda n=1: None
         return
+    # start-up: rich imported only when this runs
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 

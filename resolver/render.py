@@ -87,6 +87,7 @@ def gpus_table(m: Matrix, console: Console | None = None) -> None:
         table.add_row(g.name, ", ".join(g.aliases), g.compute_capability, arch.name, f"{g.memory_gb:g} GB",
                       "yes" if arch.bf16 else "no", "yes" if arch.fp8 else "no")
     console.print(table)
+    # start-up: resolver.vendors imported only when this runs
     from .vendors import load as load_vendors
 
     v = load_vendors()
@@ -160,6 +161,7 @@ def fit_report(found, console: Console | None = None) -> None:
 def train_dry_run(training, opts) -> None:
     """`envtool train --dry-run`: the plan, the config's notes, what the trainer will run under the plan (attention,
     precision, packing, the memory estimate), where it runs and the exact command."""
+    # start-up: shlex, resolver.fit imported only when this runs
     import shlex
 
     from .fit import lines

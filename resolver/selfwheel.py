@@ -44,6 +44,7 @@ def build(dest: Path) -> Path:
     try:
         dist = distribution(DISTRIBUTION)
     except PackageNotFoundError:
+        # start-up: resolver.errors imported only when this runs
         from .errors import EnvtoolError
 
         raise EnvtoolError(f"the distribution {DISTRIBUTION} is not installed in {sys.prefix} (a checkout installed "

@@ -616,6 +616,7 @@ def runs_on(m: Matrix, cuda: str, driver: str) -> bool:
 
 def solve(req: Request, m: Matrix) -> Plan:
     if req.gpu.vendor in ("amd", "intel", "apple"):
+        # start-up: resolver.vendors.solve imported only when this runs
         from .vendors.solve import solve as solve_vendor
 
         return solve_vendor(req, m)

@@ -21,23 +21,31 @@ matrix loader in a temporary directory before any file is replaced (each by temp
 
 from __future__ import annotations
 
+import ast
+import contextlib
 import datetime
 import difflib
+import io
+import json
 import os
 import re
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 from typing import Callable, NamedTuple
+from urllib.parse import unquote, urlsplit
 
 import tomlkit
 from packaging.specifiers import SpecifierSet
+from packaging.utils import InvalidWheelFilename, canonicalize_name, parse_wheel_filename
 from packaging.version import Version
 
 from . import matrix as matrix_module
 from .errors import MatrixError
 from .upstream import (MACHINES, Client, Release, admits_python, any_wheel, linux_machines, linux_wheel,
                        python_range, requirement, requirements)
+from .upstream import pypi_url as resolve_pypi_url
 
 UPDATED_RE = re.compile(r"; (?:[\w, ]+ )?updated by envtool matrix update from (?:PyPI metadata|the PyTorch index) "
                         r"on \d{4}-\d{2}-\d{2}"
@@ -341,10 +349,6 @@ def _flash_attn_index(data: dict, client: Client, torch_index: str, report: Repo
     folders (download.pytorch.org/whl/flash-attn-3/ links /whl/<variant>/<file>), says which folders and
     platforms hold each recorded version (written), and which newer versions exist (for review: their build,
     hopper/setup.py at the tag, decides the torch and Python floors)."""
-    from urllib.parse import unquote, urlsplit
-
-    from packaging.utils import InvalidWheelFilename, canonicalize_name, parse_wheel_filename
-
     rows = [(i, r) for i, r in enumerate(data.get("release", [])) if r.get("index") == "torch"]
     packages = {i["name"]: i["package"] for i in data.get("impl", [])}
     root = torch_index.split("{variant}")[0].rstrip("/")
@@ -434,11 +438,8 @@ def _needs(client: Client, name: str, release: Release, python: str, names: set[
     """What `release` of `name` requires of the other stack packages: its Requires-Dist (no extras, Linux, the
     row's Python) and its runtime version table where RUNTIME_TABLES names one. An sdist-only release
     (deepspeed) states none that can be read without building it."""
-    import ast
-
+    # start-up: packaging imported only when this runs
     from packaging.requirements import Requirement
-    from packaging.utils import canonicalize_name
-
     wheel = any_wheel(release)
     if wheel is None:
         return []
@@ -469,8 +470,6 @@ def co_installable(client: Client, pins: dict[str, str], python: str, step=lambd
     are settled in the row's order, newest first, backtracking where a later one has no fitting release.
     Returns (the set, or None where even the pins conflict; one line per newer release held back, naming what
     held it)."""
-    from packaging.utils import canonicalize_name
-
     names = {canonicalize_name(n): n for n in pins}
     keys = list(names)
     candidates: dict[str, list[Release]] = {}
@@ -675,11 +674,9 @@ def as_json(report: Report, *, texts: dict[str, tuple[str, str]], written: bool,
 def command(*, check: bool, json_out: bool, pypi_url: str | None, matrix_dir,
             torch_index_url: str | None = None) -> int:
     """`envtool matrix update [--check]`; returns the exit code."""
-    import json
-
+    # start-up: resolver.progress, resolver.solve imported only when this runs
     from .progress import progress
     from .solve import TORCH_INDEX_ENV
-    from .upstream import pypi_url as resolve_pypi_url
 
     directory = Path(matrix_dir) if matrix_dir else matrix_module.matrix_dir()
     data = read(directory)
@@ -700,8 +697,6 @@ def command(*, check: bool, json_out: bool, pypi_url: str | None, matrix_dir,
         print(redact(json.dumps(as_json(report, texts=texts, written=written, pypi_url=base, directory=directory),
                                 indent=2)))
         return 1 if check and report.stale else 0
-    import contextlib
-    import io
 
     shown = io.StringIO()
     with contextlib.redirect_stdout(shown):
@@ -711,8 +706,6 @@ def command(*, check: bool, json_out: bool, pypi_url: str | None, matrix_dir,
 
 
 def _print_report(report: Report, texts, *, written: bool, check: bool, base: str, directory: Path) -> None:
-    import sys
-
     for c in report.changes:
         print(f"{c.file}: {c.row}: {c.field} {c.old} -> {c.new} ({c.why})")
     for a in report.additions:
@@ -724,6 +717,7 @@ def _print_report(report: Report, texts, *, written: bool, check: bool, base: st
     diff = unified_diff(texts)
     if diff:
         if sys.stdout.isatty():
+            # start-up: rich imported only when this runs
             from rich.console import Console
             from rich.syntax import Syntax
 

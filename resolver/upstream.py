@@ -16,8 +16,8 @@ import io
 import os
 import re
 import zipfile
-from email.parser import HeaderParser
 from email.message import Message
+from email.parser import HeaderParser
 from typing import Callable, NamedTuple
 from urllib.parse import urljoin
 
@@ -359,6 +359,7 @@ class Pin(NamedTuple):
 
 def requirement(metadata: Message, name: str) -> Pin | None:
     """The Requires-Dist entry for `name` that applies without extras, if any."""
+    # start-up: packaging imported only when this runs
     from packaging.requirements import InvalidRequirement, Requirement
 
     for line in metadata.get_all("Requires-Dist") or []:
@@ -385,6 +386,7 @@ def any_wheel(release: Release) -> WheelFile | None:
 def requirements(metadata: Message, python: str, machine: str = "x86_64") -> list:
     """The Requires-Dist entries (packaging Requirements) that apply without extras on Linux `machine` with
     `python` ("3.11")."""
+    # start-up: packaging imported only when this runs
     from packaging.requirements import InvalidRequirement, Requirement
 
     env = {"python_version": python, "python_full_version": f"{python}.0", "platform_machine": machine,

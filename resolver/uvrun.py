@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from .errors import BadInput
 from .errors import EnvtoolError, Unsatisfiable
 
 
@@ -21,6 +22,7 @@ def uv_binary() -> str:
     if override:
         return override
     try:
+        # optional: uv is imported only where it is used
         from uv import find_uv_bin
 
         return find_uv_bin()
@@ -38,8 +40,6 @@ def uv_env(ca_bundle: str | None = None, extra: dict[str, str] | None = None) ->
     env = dict(os.environ)
     if ca_bundle:
         if not Path(ca_bundle).is_file():
-            from .errors import BadInput
-
             raise BadInput(f"--ca-bundle {ca_bundle}: no such file")
         env["SSL_CERT_FILE"] = ca_bundle
     env.setdefault("UV_NO_PROGRESS", "1")
@@ -60,6 +60,7 @@ def run_uv(args: list[str], *, what: str, env: dict[str, str], cwd: Path | None 
     if quiet or not sys.stderr.isatty():
         result = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True)
     else:
+        # start-up: rich imported only when this runs
         from rich.console import Console
 
         with Console(stderr=True).status(what):

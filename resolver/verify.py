@@ -16,8 +16,10 @@ URLs come from the matrix, $ENVTOOL_TORCH_INDEX_URL, $ENVTOOL_FLASH_ATTN_URL and
 from __future__ import annotations
 
 import html
+import json
 import os
 import re
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, NamedTuple
 from urllib.parse import unquote
@@ -25,8 +27,11 @@ from urllib.parse import unquote
 from packaging.utils import InvalidWheelFilename, canonicalize_name, parse_wheel_filename
 from packaging.version import Version
 
+from . import matrix as matrix_module
+from .errors import EnvtoolError
 from .matrix import Matrix, in_range, pythons
 from .upstream import Client, UpstreamError
+from .upstream import pypi_url as resolve_pypi_url
 
 PLATFORMS = ("x86_64", "aarch64")
 
@@ -122,7 +127,7 @@ def flash_attn_wheels(m: Matrix) -> dict[tuple[str, tuple], str]:
     for a GPU each implementation runs on, every Python a torch release covers, each platform, and each release
     pinned with --flash-attn. A wheel taken by its URL: (its URL, ()); a wheel on an index: (the project page,
     (name, version, None, python, machine)), the wheel uv would take from it."""
-    from .errors import EnvtoolError
+    # start-up: resolver.hardware, resolver.solve imported only when this runs
     from .hardware import from_cc
     from .solve import Request, evaluate
 
@@ -283,6 +288,7 @@ def summary(all_checks: list[Check], missing: list[Missing]) -> dict:
 
 
 def torch_index_template(option: str | None, m: Matrix) -> str:
+    # start-up: resolver.solve imported only when this runs
     from .solve import TORCH_INDEX_ENV
 
     return option or os.environ.get(TORCH_INDEX_ENV) or m.torch_index_url
@@ -291,13 +297,9 @@ def torch_index_template(option: str | None, m: Matrix) -> str:
 def command(*, json_out: bool, pypi_url: str | None, torch_index_url: str | None, flash_attn_url: str | None,
             jobs: int, matrix_dir) -> int:
     """`envtool matrix verify`; returns the exit code (1: something a plan names is missing)."""
-    import json
-    import sys
-
-    from . import matrix as matrix_module
+    # start-up: resolver.progress, resolver.solve imported only when this runs
     from .progress import progress
     from .solve import FLASH_ATTN_URL_ENV, TORCH_INDEX_ENV
-    from .upstream import pypi_url as resolve_pypi_url
 
     if flash_attn_url:  # the solver reads the templates from the environment
         os.environ[FLASH_ATTN_URL_ENV] = flash_attn_url

@@ -11,6 +11,7 @@ import shutil
 import sys
 from pathlib import Path
 from typing import NamedTuple
+from urllib.parse import unquote, urlsplit
 
 from .errors import BadInput, EnvtoolError
 from .uvrun import tls_verify
@@ -34,6 +35,7 @@ class Wheel(NamedTuple):
 
 def supported_tags(python: str, platform: str) -> list:
     """The wheel tags a CPython `python` on Linux `platform` accepts, most specific first."""
+    # start-up: packaging imported only when this runs
     from packaging.tags import compatible_tags, cpython_tags
 
     version = tuple(int(x) for x in python.split("."))
@@ -52,8 +54,6 @@ def wheel_location(env_dir: Path, package: dict, wheel: dict) -> tuple[str, str 
     of a local (`file://`) index or a --find-links directory are recorded as a `path` (absolute, or relative to
     the lock directory); a `file://` URL is a path too. Only a wheel with neither (envtool's own, from a `path`
     source) lives beside the lock."""
-    from urllib.parse import unquote, urlsplit
-
     url = wheel.get("url")
     if url and urlsplit(url).scheme == "file":
         url, local = None, unquote(urlsplit(url).path)
@@ -72,6 +72,7 @@ def wheel_location(env_dir: Path, package: dict, wheel: dict) -> tuple[str, str 
 
 def locked_wheels(env_dir: Path, python: str, platform: str) -> list[Wheel]:
     """For each package in uv.lock, the wheel that installs on the target (best tag first)."""
+    # start-up: packaging imported only when this runs
     from packaging.utils import InvalidWheelFilename, parse_wheel_filename
 
     lock = tomllib.loads((env_dir / "uv.lock").read_text())
@@ -111,6 +112,7 @@ def fill(env_dir: Path, wheelhouse: Path, python: str, platform: str, ca_bundle:
     wheelhouse.mkdir(parents=True, exist_ok=True)
     todo = [w for w in wheels if not _has(wheelhouse / w.filename, w.sha256)]
     if todo:
+        # optional: requests is imported only where it is used
         import requests
         from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
 
@@ -141,6 +143,7 @@ def _sha256(path: Path) -> str:
 
 def _fetch(w: Wheel, wheelhouse: Path, progress, task, requests, ca_bundle: str | None,
            secrets: dict | None = None) -> None:
+    # start-up: resolver.credentials imported only when this runs
     from .credentials import auth_for, given, redact
 
     tmp = wheelhouse / f".{w.filename}.part"

@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 from trainer import __version__
 from trainer.errors import ConfigError, Stopped, TrainerError
@@ -21,12 +22,14 @@ def log(message: str) -> None:
 
 
 def _setup(args, gpu: str | None = None):
+    # start-up: trainer.setup imported only when this runs
     from trainer.setup import start
 
     return start(args.config, gpu, getattr(args, "plan", None))
 
 
 def cmd_validate(args) -> int:
+    # heavy: torch loads only when this runs
     from trainer.model import quantization
     from trainer import features
     from trainer.optim import optimizers
@@ -102,6 +105,7 @@ def cmd_validate(args) -> int:
 def _for_this_machine(args) -> bool:
     """Whether validate judges for this machine (its GPU probed, or a plan made for what was detected here): then
     the model must be found here. A GPU named with --gpu, or a plan made for a named one, is another machine's."""
+    # start-up: matrices.catalog, trainer.runtime.planfile imported only when this runs
     from matrices.catalog import NAMED_GPU_SOURCES
     from trainer.runtime.planfile import find_plan, read_plan
 
@@ -114,6 +118,7 @@ def _for_this_machine(args) -> bool:
 def fit_block(cfg, runtime):
     """The memory estimate on the GPU validate judges for (trainer/fit/memory.py, the one `envtool fit` and
     `envtool train --dry-run` print): None on the CPU. The model's config.json from its directory or a cache only."""
+    # start-up: trainer.fit.memory_model imported only when this runs
     from trainer.fit import memory, memory_model
 
     gpu = runtime.gpu
@@ -130,6 +135,7 @@ def fit_block(cfg, runtime):
 
 
 def cmd_preprocess(args) -> int:
+    # heavy: torch loads only when this runs
     from trainer.config import load_config
     from trainer.data.prepare import load_tokenizer
     from trainer.objectives import prepare
@@ -157,6 +163,7 @@ def cmd_preprocess(args) -> int:
 
 
 def cmd_train(args) -> int:
+    # heavy: torch loads only when this runs
     from trainer.train import train
 
     cfg, notes, runtime = _setup(args)
@@ -179,8 +186,7 @@ def cmd_train(args) -> int:
 
 
 def cmd_evaluate(args) -> int:
-    from pathlib import Path
-
+    # heavy: torch loads only when this runs
     import torch
 
     from trainer.batch.collate import Collator
@@ -236,6 +242,7 @@ def cmd_evaluate(args) -> int:
 
 
 def cmd_make_tiny_model(args) -> int:
+    # start-up: trainer.model.tiny imported only when this runs
     from trainer.model.tiny import make_tiny_model
 
     path = make_tiny_model(args.dir, family=args.family, seed=args.seed)
@@ -244,6 +251,7 @@ def cmd_make_tiny_model(args) -> int:
 
 
 def cmd_merge_lora(args) -> int:
+    # start-up: trainer.outputs.merge imported only when this runs
     from trainer.outputs.merge import merge_lora
 
     result = merge_lora(args.config, args.output, args.dtype, log=log,
@@ -260,6 +268,7 @@ def cmd_merge_lora(args) -> int:
 
 
 def cmd_export(args) -> int:
+    # start-up: trainer.outputs.gguf imported only when this runs
     from trainer.outputs.gguf import export_gguf
 
     result = export_gguf(args.config, args.outtype, args.output, log=log)
@@ -271,6 +280,7 @@ def cmd_export(args) -> int:
 
 
 def cmd_chat_check(args) -> int:
+    # start-up: trainer.config, trainer.outputs.chat_check imported only when this runs
     from trainer.config import load_config
     from trainer.outputs.chat_check import chat_check, print_report
 
@@ -284,6 +294,7 @@ def cmd_chat_check(args) -> int:
 
 
 def cmd_preflight(args) -> int:
+    # start-up: trainer.parallel.preflight imported only when this runs
     from trainer.parallel.preflight import main
 
     return main(args.timeout, args.device, args.config, args.report, args.json, log=log)
@@ -415,6 +426,7 @@ def _add_tool_commands(sub) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # start-up: logging imported only when this runs
     import logging  # torchao (qat extra), when installed, is imported by transformers/peft and logs one warning per
 
     for name in ("torchao", "torch.utils._pytree"):  # CUDA-only extension it cannot load, and per enum it registers

@@ -4,6 +4,10 @@
 The CLI turns these into one stderr line; ``--debug`` shows the traceback.
 """
 
+import json
+import os
+import time
+
 
 class TrainerError(Exception):
     exit_code = 1
@@ -84,10 +88,6 @@ def record(line: str, exit_code: int) -> bool:
     exit code to ``rank-<RANK>.json`` there (atomically) instead of printing it: the launcher prints the first
     failure's line once and exits with its code, where torchrun alone would print every rank's line, its own
     48-line report and exit 1. False (print it yourself) without a launcher or when the file cannot be written."""
-    import json
-    import os
-    import time
-
     folder = os.environ.get(ERROR_DIR_ENV)
     if not folder:
         return False

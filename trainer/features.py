@@ -34,6 +34,8 @@ there), with its row in matrices/axolotl_keys.toml where Axolotl has the key.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import NamedTuple
 
 from trainer import facts
@@ -53,6 +55,7 @@ class Use(NamedTuple):
 
 
 def _quantized(cfg, plan) -> list[Use]:
+    # start-up: trainer.model.quantization imported only when this runs
     from trainer.model import quantization
 
     mode = quantization.mode(cfg)
@@ -63,6 +66,7 @@ def _quantized(cfg, plan) -> list[Use]:
 
 def _optimizer_of(library: str):
     def uses(cfg, plan) -> list[Use]:
+        # start-up: trainer.config.training imported only when this runs
         from trainer.config.training import check_optimizer
 
         row = check_optimizer(cfg.optimizer)
@@ -78,6 +82,7 @@ def _qat(cfg, plan) -> list[Use]:
 
 
 def _bitnet(cfg, plan) -> list[Use]:
+    # start-up: trainer.model.bitnet imported only when this runs
     from trainer.model import bitnet
 
     return [Use("use_onebitllms", bitnet.FEATURE)] if cfg.use_onebitllms else []
@@ -94,6 +99,7 @@ def _ray(cfg, plan) -> list[Use]:
 def _liger(cfg, plan) -> list[Use]:
     """The liger_* keys the trainer runs through liger-kernel (trainer/model/kernels.py `plan_notes`): none where
     the plan switches triton kernels off (the CPU, AMD/Intel/Apple GPUs, GPUs below triton's floor)."""
+    # start-up: trainer.model.kernels imported only when this runs
     from trainer.model import kernels
 
     if plan is not None and not (plan.get("features") or {}).get("liger"):
@@ -103,6 +109,7 @@ def _liger(cfg, plan) -> list[Use]:
 
 def _tracker(name: str):
     def uses(cfg, plan) -> list[Use]:
+        # start-up: trainer.outputs.loggers imported only when this runs
         from trainer.outputs import loggers
 
         return [Use(loggers.asked_by(cfg, name))] if name in loggers.wanted(cfg) else []
@@ -119,9 +126,7 @@ def _mistral(cfg, plan) -> list[Use]:
 def _gguf(cfg, plan) -> list[Use]:
     """The export step `next_steps` offers after a run (trainer/setup.py): every model that generates, unless its
     local config.json names a family the exporter does not write (a hub model: offered, the exporter decides)."""
-    import json
-    from pathlib import Path
-
+    # start-up: trainer.outputs.gguf imported only when this runs
     from trainer.outputs.gguf import FAMILIES
 
     if cfg.objective in ("reward", "prm"):
@@ -137,6 +142,7 @@ def _gguf(cfg, plan) -> list[Use]:
 
 
 def _quantized_notes(cfg, runtime, plan) -> list[str]:
+    # start-up: trainer.model.quantization imported only when this runs
     from trainer.model import quantization
 
     return quantization.hardware_notes(cfg, runtime.gpu)
@@ -144,24 +150,28 @@ def _quantized_notes(cfg, runtime, plan) -> list[str]:
 
 def _optimizer_notes(cfg, runtime, plan) -> list[str]:
     """The optimizer's [[feature]] floor (bitsandbytes' 8-bit and paged optimizers: optimizers.toml)."""
+    # start-up: trainer.optim.optimizers imported only when this runs
     from trainer.optim import optimizers
 
     return optimizers.hardware_notes(cfg.optimizer, runtime.gpu)
 
 
 def _qat_notes(cfg, runtime, plan) -> list[str]:
+    # start-up: trainer.model.qat imported only when this runs
     from trainer.model import qat
 
     return qat.hardware_notes(cfg, runtime.gpu)  # qat dtypes' and fp8's floors
 
 
 def _bitnet_notes(cfg, runtime, plan) -> list[str]:
+    # start-up: trainer.model.bitnet imported only when this runs
     from trainer.model import bitnet
 
     return bitnet.hardware_notes(cfg, runtime.gpu, plan)  # use_onebitllms: triton kernels, so a GPU
 
 
 def _fsdp_notes(cfg, runtime, plan) -> list[str]:
+    # start-up: trainer.parallel.distributed imported only when this runs
     from trainer.parallel import distributed
 
     cpu_fsdp1 = (distributed.enabled(cfg) and runtime.device == "cpu"
@@ -171,6 +181,7 @@ def _fsdp_notes(cfg, runtime, plan) -> list[str]:
 
 def _liger_notes(cfg, runtime, plan) -> list[str]:
     """Sets runtime.kernels: whether liger's kernels run."""
+    # start-up: trainer.model.kernels imported only when this runs
     from trainer.model import kernels
 
     runtime.kernels, notes = kernels.plan_notes(cfg, runtime.gpu, plan)
@@ -186,12 +197,14 @@ def _qat_line(cfg) -> str | None:
 
 
 def _deepspeed_line(cfg) -> str | None:
+    # start-up: trainer.parallel.distributed imported only when this runs
     from trainer.parallel import distributed
 
     return f"sharding: deepspeed {distributed.deepspeed_path(cfg.deepspeed)}" if cfg.deepspeed else None
 
 
 def _fsdp_line(cfg) -> str | None:
+    # start-up: trainer.parallel.distributed imported only when this runs
     from trainer.parallel import distributed
 
     return (f"sharding: FSDP{distributed.fsdp_settings(cfg)['fsdp_version']}"
@@ -202,18 +215,21 @@ def _fsdp_line(cfg) -> str | None:
 
 
 def _qat_hook(training):
+    # start-up: trainer.model.qat imported only when this runs
     from trainer.model import qat
 
     return qat.hook(training.cfg, training.unwrapped, training.say)  # fake quantization off until N steps
 
 
 def _lisa_hook(training):
+    # heavy: numpy loads only when this runs
     from trainer.optim import lisa
 
     return lisa.hook(training.cfg, training.unwrapped, training.say)  # after the optimizer: all but a few frozen
 
 
 def _relora_hook(training):
+    # heavy: torch loads only when this runs
     from trainer.model import relora
     from trainer.model.load import DTYPES
 
@@ -222,12 +238,14 @@ def _relora_hook(training):
 
 
 def _sparsity_hook(training):
+    # start-up: trainer.model.sparsity imported only when this runs
     from trainer.model import sparsity
 
     return sparsity.hook(training.cfg, training.unwrapped, training.say)  # the zeros kept after every step
 
 
 def _diffusion_hook(training):
+    # heavy: torch loads only when this runs
     from trainer.objectives import diffusion_steps
 
     return diffusion_steps.hook(training.context, training.unwrapped, training.tokenizer, training.data,
@@ -235,18 +253,21 @@ def _diffusion_hook(training):
 
 
 def _early_stopping_hook(training):
+    # start-up: trainer.outputs.early_stopping imported only when this runs
     from trainer.outputs import early_stopping
 
     return early_stopping.hook(training.cfg, training.unwrapped, training.output_dir, training.say)
 
 
 def _neftune_hook(training):
+    # start-up: trainer.model.neftune imported only when this runs
     from trainer.model import neftune
 
     return neftune.hook(training.cfg, training.unwrapped)  # noise on the input embeddings while training
 
 
 def _memory_options():
+    # start-up: trainer.model.memory_options imported only when this runs
     from trainer.model import memory_options
 
     return memory_options
@@ -269,6 +290,7 @@ def _memory_line(cfg) -> str | None:
 
 
 def _empty_cache():
+    # start-up: trainer.runtime.empty_cache imported only when this runs
     from trainer.runtime import empty_cache
 
     return empty_cache
@@ -332,6 +354,7 @@ class Pin(NamedTuple):
 def _admits(version: str, spec: str | None) -> bool:
     if not spec:
         return True
+    # start-up: packaging imported only when this runs
     from packaging.specifiers import SpecifierSet
 
     return SpecifierSet(spec).contains(version, prereleases=True)

@@ -24,6 +24,7 @@ implement it.
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -106,8 +107,6 @@ class Hooks:
             h.after_step(step)
 
     def forward(self):
-        from contextlib import ExitStack
-
         stack = ExitStack()
         for h in self.hooks:
             context = h.forward()

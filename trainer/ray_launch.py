@@ -86,6 +86,7 @@ def require_ray(launched_by_torchrun: bool = False) -> None:
         os.environ[key] = value
     os.environ.pop("RAY_ADDRESS", None)  # a local cluster, whatever the shell points at
     try:
+        # optional: ray is imported only where it is used
         import ray  # noqa: F401
         from ray.train.torch import TorchTrainer  # noqa: F401
     except ImportError:
@@ -98,6 +99,7 @@ def launch(config_path: str, plan_path: str | None, cfg, runtime, log, debug: bo
     rank's TrainerError (same exit code as under torchrun), TrainingError for anything else. Ray Train's own
     report of a failed worker (with its traceback) is shown with --debug only, as the trainer's tracebacks are."""
     require_ray()
+    # heavy: torch loads only when this runs
     import torch
 
     use_gpu, resources, notes = scaling(cfg, runtime, torch.cuda.device_count() if runtime.device == "cuda" else None)
@@ -151,6 +153,7 @@ def launch(config_path: str, plan_path: str | None, cfg, runtime, log, debug: bo
 
 
 def _quiet_ray() -> None:
+    # start-up: logging imported only when this runs
     import logging
 
     logging.getLogger("ray.train.v2._internal.execution.controller.placement_group_cleaner").setLevel(logging.ERROR)
@@ -179,6 +182,7 @@ def _worker(spec: dict) -> None:
     starts workers in its own session directory; the config's relative paths are the driver's)."""
     os.chdir(spec["cwd"])
     os.environ[WORKER_ENV] = "1"
+    # heavy: torch loads only when this runs
     import torch.distributed as dist
 
     from trainer.setup import start

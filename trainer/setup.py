@@ -9,7 +9,9 @@ torch (no ``gpu`` and no plan), so the resolver can judge a config in an environ
 
 from __future__ import annotations
 
+import json
 import os
+import re
 from pathlib import Path
 from typing import NamedTuple
 
@@ -18,6 +20,7 @@ def start(config: str | Path, gpu: str | None = None, plan: str | None = None):
     """(cfg, notes, runtime) for `config` on `gpu` (a catalog name, sm_XY or cpu), else the plan at `plan`, else the
     plan found by trainer/runtime/planfile.py's rule, else torch's probe. Raises the trainer's typed errors (ConfigError,
     HardwareError, ...) for what the config or GPU cannot do."""
+    # start-up: trainer.config, trainer.config.training imported only when this runs
     from trainer.config import load_config
     from trainer.config.training import one_process_only
     from trainer.errors import ConfigError, HardwareError, TrainerError, several
@@ -54,6 +57,7 @@ def fit(cfg, gpu, plan: dict | None, model_class: bool = True):
     HardwareError where the GPU cannot do what the config pins. `model_class=False` leaves out the model class's
     attention (it imports transformers when the model's config is on this machine, and never refuses anything):
     the trainer fits it at start."""
+    # start-up: trainer.model.attention, trainer.runtime.hardware imported only when this runs
     from trainer.model.attention import choose_packing
     from trainer.runtime.hardware import adapt
 
@@ -70,6 +74,7 @@ def fit(cfg, gpu, plan: dict | None, model_class: bool = True):
 def for_plan(cfg, plan: dict, source: str = "the plan"):
     """`fit` on the GPU a plan names, without the model class (what ``envtool train`` checks before it builds or
     starts anything, in an environment that may have no torch or transformers)."""
+    # start-up: trainer.runtime.hardware imported only when this runs
     from trainer.runtime.hardware import gpu_from_plan
 
     return fit(cfg, gpu_from_plan(plan, source), plan, model_class=False)
@@ -79,6 +84,7 @@ def varlen_limit(cfg, torch_version: str) -> tuple[str, str] | None:
     """What torch's own varlen kernel cannot do that the config's model needs, under a plan's torch, as (what, why)
     (trainer.model.attention.varlen_limit; the model's config read from this machine's files only, None where it is
     not here): envtool's plan takes the flash-attn 2 wheel for `flash_attention: true` where that wheel does it."""
+    # start-up: trainer.model.attention imported only when this runs
     from trainer.model.attention import model_varlen_limit
 
     return model_varlen_limit(cfg, torch_version)
@@ -94,6 +100,7 @@ def feature_notes(cfg, runtime, plan) -> list[str]:
     """What each feature (trainer/features.py `notes`: quantized loading, the optimizer, the kernels ...) becomes on
     this GPU (each floor from matrices/). Raises HardwareError where the GPU cannot do what the config asks. Sets
     runtime.kernels (liger on?)."""
+    # start-up: trainer.features imported only when this runs
     from trainer import features
 
     notes = vendor_feature_notes(cfg, runtime, plan) if runtime.gpu.other_vendor else features.notes(cfg, runtime, plan)
@@ -105,6 +112,7 @@ def refuse_uninstallable(cfg, gpu, plan) -> None:
     """HardwareError naming the key where a package a feature of the config imports installs for no plan on this
     GPU's backend (matrices/packages.toml [[package]] `backends`): what `envtool train --dry-run` refuses, refused
     by validate too. Liger's kernels are left out: off where triton does not run, not refused."""
+    # start-up: trainer.errors, trainer.features imported only when this runs
     from trainer.errors import HardwareError
     from trainer.features import backend_refusal, pin
 
@@ -122,6 +130,7 @@ def vendor_feature_notes(cfg, runtime, plan) -> list[str]:
     compute-capability floors: a [[limit]] row that refuses the feature (bitsandbytes' 8-bit optimizers on MPS), a
     package the plan left out or the vendor cannot run (DeepSpeed on XPU), bitsandbytes without a ROCm library for
     the target; fp8, use_onebitllms (triton kernels, unverified there) refused; liger kernels off."""
+    # start-up: trainer.errors, trainer.model.kernels imported only when this runs
     from trainer.errors import HardwareError
     from trainer.model import kernels
     from trainer.runtime import vendors
@@ -172,6 +181,7 @@ def needs(cfg, plan: dict | None = None):
     that asks, the package, its [[feature]] floor and the step that imports it). `plan`: judged under that plan
     (liger only where it runs triton kernels). The resolver asks this rather than reading the config's keys
     itself, so the plan carries what the trainer will import."""
+    # start-up: trainer.features imported only when this runs
     from trainer.features import needs as feature_needs
 
     return feature_needs(cfg, plan)
@@ -180,6 +190,7 @@ def needs(cfg, plan: dict | None = None):
 def pin(package: str, plan: dict):
     """The version a plan installs `package` at, from matrices/packages.toml [[package]] (trainer/features.py
     `pin`); None for a [[stack]] package."""
+    # start-up: trainer.features imported only when this runs
     from trainer.features import pin as feature_pin
 
     return feature_pin(package, plan)
@@ -192,8 +203,6 @@ STOPPED = "stopped.json"  # trainer/train.py's STOPPED: left by a run a stop req
 def earlier_checkpoints(output_dir) -> list[Path]:
     """output_dir's complete checkpoint-N directories, oldest first (the rule of trainer/outputs/checkpoint.py's
     list_checkpoints, without its torch import: the resolver asks this too)."""
-    import re
-
     found = [p for p in Path(output_dir).glob("checkpoint-*")
              if re.fullmatch(r"checkpoint-\d+", p.name) and (p / CHECKPOINT_STATE).is_file()]
     return sorted(found, key=lambda p: int(p.name.split("-")[1]))
@@ -206,6 +215,7 @@ def check_earlier_run(cfg) -> str | None:
     A torchrun elastic restart (TORCHELASTIC_RESTART_COUNT above 0) and a run a signal stopped (output_dir/
     stopped.json: the same command resumes it) are the same run: not refused. Returns a note
     when output_dir holds an earlier final/ (and no checkpoint) that this run replaces."""
+    # start-up: trainer.errors imported only when this runs
     from trainer.errors import ConfigError
 
     if cfg.resume_from_checkpoint or cfg.auto_resume_from_checkpoints:
@@ -231,6 +241,7 @@ def check_inputs(cfg, model: bool = True) -> None:
     first rows against its `type`, and (`model`) the hub model found here or on the Hub. Raises one error with a
     line per problem (DataError / ConfigError, exit 2). `validate` and `envtool train` (also --dry-run) call it
     before anything is built."""
+    # start-up: trainer.data.inputs, trainer.errors imported only when this runs
     from trainer.data.inputs import model_problems, row_problems
     from trainer.errors import several
 
@@ -252,8 +263,7 @@ def next_steps(cfg, config: str | Path) -> list[Step]:
     adapter, export to GGUF for the families the exporter writes, chat-check where the tokenizer has a chat
     template; [] when there is no final/ here (a failed run, or another node's disk) or the model does not
     generate (a reward model)."""
-    import json
-
+    # start-up: trainer.outputs.gguf imported only when this runs
     from trainer.outputs.gguf import FAMILIES
 
     final = Path(cfg.output_dir) / "final"

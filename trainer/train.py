@@ -20,6 +20,7 @@ fake-quant schedule, LISA, ReLoRA, sparsity's masks, diffusion's samples, early 
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import os
@@ -36,9 +37,11 @@ from trainer.batch.sampler import MultipackBatchSampler, Order
 from trainer.config import Config
 from trainer.config import resume as resume_keys
 from trainer.config.parallel import sync_each_batch
+from trainer.config.training import epoch_steps, steps_from_fractions
 from trainer.data.prepare import Prepared, build_held_out, load_tokenizer, prepare
 from trainer.errors import ConfigError, DataError, Stopped, TrainingError
 from trainer.hooks import Hooks, Run
+from trainer.model.attention import for_model
 from trainer.model.load import DTYPES, load_model
 from trainer.objectives import chunked_loss
 from trainer.objectives.base import to_device
@@ -50,6 +53,7 @@ from trainer.parallel.accelerator import make_accelerator
 from trainer.parallel.collective import barrier, phase, reduce_sum
 from trainer.runtime import hub_access
 from trainer.runtime.hardware import Runtime
+from trainer.runtime.stop import REQUEUE_EXIT
 from trainer.runtime.stop import StopRequest
 
 STOPPED = "stopped.json"  # output_dir: written when a stop request ended a run; the next run resumes from it
@@ -137,6 +141,7 @@ class Training:
     def stage_data(self) -> None:
         cfg, runtime, say = self.cfg, self.runtime, self.say
         # 2. tokenizer and data
+        # heavy: torch loads only when this runs
         from trainer.outputs import hub
 
         loggers.check(cfg)  # trackers installed, hub reachable: fail now, not after training
@@ -157,8 +162,8 @@ class Training:
 
     def stage_model(self):
         """3: the model, fitted and patched; returns it (unprepared) and the context-parallel splitter (None)."""
+        # heavy: torch loads only when this runs
         from trainer.model import kernels, memory_options, qat
-        from trainer.model.attention import for_model
 
         cfg, runtime, say, tokenizer = self.cfg, self.runtime, self.say, self.tokenizer
         mesh = self.accelerator.mesh
@@ -198,6 +203,7 @@ class Training:
         cfg, runtime, say = self.cfg, self.runtime, self.say
         accelerator, mesh = self.accelerator, self.accelerator.mesh
         # 5. optimizer and schedule (Axolotl's choice of schedule: cosine floor, constant tail)
+        # start-up: trainer.optim.optimizers, trainer.optim.schedule imported only when this runs
         from trainer.optim.optimizers import make_optimizer
         from trainer.optim.schedule import make_scheduler, warmup_steps
 
@@ -225,6 +231,7 @@ class Training:
         # from the cache when a previous run computed them. Never a second copy of the model.
         self.reference = {}
         if objective.needs_reference:
+            # heavy: torch loads only when this runs
             from trainer.objectives.reference import reference_logps
 
             self.reference = reference_logps(objective, unwrapped, self.data, runtime, self.context,  # lock-step
@@ -236,6 +243,7 @@ class Training:
 
     def stage_start(self) -> None:
         """6: resume (or start), the hooks' start, the step's loss scale and the metrics log."""
+        # heavy: torch loads only when this runs
         from trainer.fit import auto_batch
 
         cfg, runtime, say = self.cfg, self.runtime, self.say
@@ -273,6 +281,7 @@ class Training:
         # rows per loader batch, loader batches per step (GRPO: one batch of prompts, generated into ga micro-batches)
         rows_per_batch, self.draws = objective.loader_batch(cfg.micro_batch_size, ga)
         if cfg.streamed:  # max_steps x accumulation micro-batches from the stream, every rank its own rows
+            # heavy: torch loads only when this runs
             from trainer.data.streaming import StreamSampler
 
             self.sampler = StreamSampler(cfg, tokenizer, self.data_rank, self.data_world)
@@ -289,7 +298,6 @@ class Training:
             raise DataError(f"{self.data.stats['train_rows']} training rows make {len(self.sampler)} {unit} per "
                             f"process, fewer than {f'gradient_accumulation_steps={ga}' if self.draws == ga else 'one per step'}"
                             ": add data or lower micro_batch_size/gradient_accumulation_steps")
-        from trainer.config.training import epoch_steps, steps_from_fractions
 
         self.total_steps = cfg.max_steps or epoch_steps(cfg, self.steps_per_epoch)
 
@@ -301,6 +309,7 @@ class Training:
     def make_loader(self) -> None:
         # The loader gets its own generator: starting an iterator must not draw from the global RNG, or a
         # resumed run (which starts one after restoring the RNG) would see different dropout masks.
+        # heavy: torch loads only when this runs
         from trainer.data.streaming import StreamRows
 
         cfg, objective = self.cfg, self.objective
@@ -311,6 +320,7 @@ class Training:
 
     def feature_hooks(self) -> Hooks:
         """Each feature's part in the loop (trainer/features.py: one list; None where the config does not use it)."""
+        # start-up: trainer.features imported only when this runs
         from trainer import features
 
         return Hooks(features.hooks(self))
@@ -350,6 +360,7 @@ class Training:
         trains on the same rows as before; refused in one line with the nearest settings where it cannot."""
         if self.resume_from is None:
             return cfg
+        # start-up: trainer.config.global_batch imported only when this runs
         from trainer.config.global_batch import accumulation_for, global_batch
 
         state = checkpoint.read_state(self.resume_from)
@@ -398,6 +409,7 @@ class Training:
 
     # --- the loop -------------------------------------------------------------------------------------------
     def run(self) -> Path:
+        # optional: tqdm is imported only where it is used
         from tqdm.auto import tqdm
 
         progress = tqdm(total=self.total_steps, initial=self.step, disable=not self.main, desc="training", unit="step")
@@ -478,6 +490,7 @@ class Training:
         """An out-of-memory error in a step: before the run's first optimizer step, with micro_batch_size: auto on
         one process, the micro-batch halves and the accumulation doubles (trainer/fit/auto_batch.py) and the
         loop starts over; otherwise one line that says what to change."""
+        # start-up: trainer.fit.auto_batch, trainer.optim.schedule imported only when this runs
         from trainer.fit import auto_batch
 
         cfg, choice = self.cfg, self.batch_choice
@@ -499,7 +512,6 @@ class Training:
                                 f"x gradient_accumulation_steps {cfg.gradient_accumulation_steps}: {why} "
                                 f"(torch: {said})") from None
         self.optimizer.zero_grad(set_to_none=True)
-        import gc
 
         gc.collect()
         if torch.cuda.is_available():
@@ -529,7 +541,6 @@ class Training:
             tmp.replace(self.output_dir / STOPPED)
         code = self.stop.exit_code
         if self.stop.signal is None:  # another rank was signalled: SIGINT reaches all of them, so: requeue
-            from trainer.runtime.stop import REQUEUE_EXIT
 
             code = REQUEUE_EXIT
         self.metrics.close()
@@ -645,6 +656,7 @@ class Training:
             if self.stop.requested:
                 self.say(f"note: {self.stop.name or 'a stop request'} arrived during the final evaluation or save: "
                          "finished them first; the run is complete")
+            # start-up: trainer.outputs.hub imported only when this runs
             from trainer.outputs import hub
 
             hub.push(self.cfg, self.unwrapped, self.tokenizer, self.say)
@@ -661,6 +673,7 @@ class Training:
         base = self.unwrapped.get_base_model() if hasattr(self.unwrapped, "get_base_model") else self.unwrapped
         if not (getattr(base, "can_generate", lambda: False)() and getattr(base, "generation_config", None)):
             return
+        # start-up: trainer.outputs.chat_check imported only when this runs
         from trainer.outputs.chat_check import write_generation_config
 
         eos = write_generation_config(directory, self.tokenizer, eot_tokens=self.cfg.eot_tokens,

@@ -12,6 +12,7 @@ catalog (matrices/amd.toml).
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -236,8 +237,8 @@ def parse_rocm_smi(text: str) -> list[Seen]:
         cards = [c for k, c in data.items() if k.startswith("card") and isinstance(c, dict)] \
             if isinstance(data, dict) else []
     else:
+        # start-up: csv imported only when this runs
         import csv
-        import io
 
         # newline="" lets csv see a lone \r in a field (damaged output) as text, not as csv.Error
         try:
@@ -316,6 +317,7 @@ def _module_version(path: str = AMDGPU_VERSION) -> str | None:
 
 def _run(tool: str, args: list[str]) -> str:
     """The tool's stdout, or one line starting '<tool>:' saying why there is none."""
+    # start-up: shutil, subprocess imported only when this runs
     import shutil
     import subprocess
 

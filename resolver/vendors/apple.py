@@ -8,8 +8,11 @@ from __future__ import annotations
 import re
 from typing import NamedTuple
 
+from packaging.version import Version
+
 from matrices.catalog import normalize_name
 
+from .amd import _run
 from .facts import Vendors
 
 NAMES = ("mps", "apple", "applesilicon", "metal")
@@ -49,6 +52,7 @@ def parse_sysctl(brand: str, memsize: str) -> tuple[str | None, float | None]:
 
 
 def probe_platform(v: Vendors, system: str | None = None, machine: str | None = None) -> Probe:
+    # start-up: platform imported only when this runs
     import platform
 
     system = system or platform.system()
@@ -57,7 +61,6 @@ def probe_platform(v: Vendors, system: str | None = None, machine: str | None = 
         return Probe(None, f"platform: {system}, not macOS")
     if machine != "arm64":
         return Probe(None, f"platform: macOS on {machine}: no MPS, and no torch wheels for Intel Macs after 2.2.2")
-    from .amd import _run
 
     brand, memsize = _run("sysctl", ["-n", "machdep.cpu.brand_string"]), _run("sysctl", ["-n", "hw.memsize"])
     chip, memory = parse_sysctl("" if brand.startswith("sysctl:") else brand,
@@ -70,6 +73,5 @@ def macos_at_least(macos: str | None, floor: str) -> bool | None:
     """None when the macOS version is unknown (a plan made elsewhere)."""
     if not macos:
         return None
-    from packaging.version import Version
 
     return Version(macos) >= Version(floor)

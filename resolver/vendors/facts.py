@@ -12,11 +12,14 @@ from functools import lru_cache
 from pathlib import Path
 from typing import NamedTuple
 
+from packaging.version import InvalidVersion, Version
+
 from matrices import catalog
 from matrices.catalog import matrix_dir, normalize_name
 
 from ..errors import MatrixError
 from ..matrix import _build, _read, _rows, _scalar, load as load_matrix
+from ..matrix import in_range
 
 FILES = ("amd", "rocm", "intel", "apple")
 
@@ -184,8 +187,6 @@ class Vendors(NamedTuple):
 
     def triton_package(self, vendor: str, torch: str) -> VendorTriton | None:
         """The triton distribution torch `torch`'s ROCm / XPU wheel requires, else None."""
-        from ..matrix import in_range
-
         rows = {"amd": self.rocm_triton, "intel": self.xpu_triton}.get(vendor, [])
         return next((r for r in rows if in_range(torch, r.torch)), None)
 
@@ -237,8 +238,6 @@ class _Rules:
             self.fail(f"{where}: {value!r} is not a gfx target like 'gfx942'")
 
     def version(self, value: str, where: str):
-        from packaging.version import InvalidVersion, Version
-
         try:
             Version(value)
         except InvalidVersion:
@@ -299,6 +298,7 @@ def _check_rocm(v: Vendors, rule: _Rules) -> None:
         rule.version(b.rocm, where)
         for t in b.gfx:
             rule.gfx(t, where)
+    # start-up: packaging imported only when this runs
     from packaging.specifiers import InvalidSpecifier, SpecifierSet
 
     for file, rows in (("rocm.toml", v.rocm_triton), ("intel.toml", v.xpu_triton)):

@@ -10,6 +10,7 @@ in a note: integrated graphics train no model worth an XPU plan unless asked for
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 from typing import NamedTuple
@@ -17,6 +18,7 @@ from typing import NamedTuple
 from matrices import catalog
 
 from . import amd
+from .amd import _run
 from .facts import IntelGpu, Vendors
 
 PCI_DEVICES = "/sys/bus/pci/devices"
@@ -115,8 +117,6 @@ def _pci(value) -> str | None:
 
 
 def probe_xpu_smi(v: Vendors) -> Probe:
-    from .amd import _run
-
     out = _run("xpu-smi", ["discovery", "-j"])
     if out.startswith("xpu-smi:"):
         return Probe([], out)
@@ -128,8 +128,6 @@ def probe_xpu_smi(v: Vendors) -> Probe:
 
 
 def probe_pci(v: Vendors, root: str | None = None) -> Probe:
-    import os
-
     devices = Path(root or os.environ.get("ENVTOOL_PCI_DEVICES") or PCI_DEVICES)
     if not devices.is_dir():
         return Probe([], f"{devices}: not present")

@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 from typing import NamedTuple
 
+from packaging.version import InvalidVersion
 from packaging.version import Version
 
 from ..errors import BadInput, Unsatisfiable
@@ -69,6 +70,7 @@ class Candidate(NamedTuple):
 
 def index_url(template: str, variant: str) -> str:
     """The index of a variant: the matrix's, or the mirror $ENVTOOL_TORCH_INDEX_URL names ({variant})."""
+    # start-up: resolver.credentials imported only when this runs
     from ..credentials import strip
 
     return (strip(os.environ.get(TORCH_INDEX_ENV)) or template).format(variant=variant)
@@ -103,8 +105,6 @@ def check_request(req, m: Matrix, v: Vendors) -> None:
                        f"pin --torch instead")
     for flag, value in (("--torch", req.torch), ("--flash-attn", req.flash_attn)):
         if value:
-            from packaging.version import InvalidVersion
-
             try:
                 Version(value)
             except InvalidVersion:

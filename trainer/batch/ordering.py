@@ -17,6 +17,7 @@ if TYPE_CHECKING:  # numpy is imported where it is used: validate and `envtool t
 
 def length_grouped(lengths: np.ndarray, group_size: int, seed: int) -> np.ndarray:
     """Indices such that each run of `group_size` consecutive ones has similar lengths (the longest first)."""
+    # heavy: numpy and torch load only when this runs
     import numpy as np
     import torch
     from transformers.trainer_pt_utils import get_length_grouped_indices

@@ -72,6 +72,7 @@ class MultipackBatchSampler:
         rng = np.random.default_rng([self.seed, epoch])
         order = rng.permutation(self.lengths.size) if self.shuffle else np.arange(self.lengths.size)
         if self.group_by_length:
+            # start-up: trainer.batch.ordering imported only when this runs
             from trainer.batch.ordering import length_grouped
 
             order = length_grouped(self.lengths, self.group_size, int(rng.integers(2**62)))

@@ -9,6 +9,7 @@ nothing (pre-tokenized rows). Streaming (pretraining_dataset, streaming: true) r
 from __future__ import annotations
 
 import difflib
+import string
 import tomllib
 from functools import lru_cache
 from pathlib import Path
@@ -59,8 +60,6 @@ class UserDefinedFormat(BaseModel):
 
     @model_validator(mode="after")
     def _placeholders(self) -> UserDefinedFormat:
-        import string
-
         for key, allowed in (("format", {"instruction", "input"}), ("no_input_format", {"instruction"}),
                              ("system_format", {"system"})):
             names = {n for _, n, _, _ in string.Formatter().parse(getattr(self, key)) if n is not None}
@@ -90,8 +89,6 @@ class UserDefinedPreference(BaseModel):
 
     @model_validator(mode="after")
     def _placeholders(self) -> UserDefinedPreference:
-        import string
-
         for key, allowed in (("prompt_format", {"prompt", "system"}), ("chosen_format", {"chosen"}),
                              ("rejected_format", {"rejected"}), ("completion_format", {"completion"})):
             names = {n for _, n, _, _ in string.Formatter().parse(getattr(self, key) or "") if n is not None}

@@ -6,9 +6,13 @@ functions and dataset transforms come from is trainer/objectives/grpo_data.py.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from trainer.config.parallel import deepspeed_path
 
 GENERATING_METHODS = ("grpo", "gdpo")
 
@@ -151,10 +155,6 @@ def check(cfg) -> list[str]:
 def _zero3(cfg) -> bool:
     if not cfg.deepspeed:
         return False
-    import json
-    from pathlib import Path
-
-    from trainer.config.parallel import deepspeed_path
 
     try:  # (deepspeed_path gives the path as written when it exists)
         return json.loads(Path(deepspeed_path(cfg.deepspeed)).read_text()).get("zero_optimization", {}).get("stage") == 3

@@ -309,6 +309,7 @@ def read_yaml(path: Path) -> Any:
     """The YAML document at `path`, read with limits that fail in one line before memory or time run out: its
     size, its nesting depth and its size once aliases are expanded (an alias is a reference; what reads the
     config later -- validation, hashing, printing -- expands it). Safe loading: YAML tags construct no objects."""
+    # start-up: yaml imported only when this runs
     import yaml
 
     size = path.stat().st_size
@@ -347,6 +348,7 @@ def read_yaml(path: Path) -> Any:
 
 def _check_expanded_size(root, path: Path) -> None:
     """Refuse a document whose aliases expand it past MAX_NODES values, or that refers to itself."""
+    # start-up: yaml imported only when this runs
     import yaml
 
     sizes: dict[int, int] = {}

@@ -33,6 +33,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from trainer.config import keys
+from trainer.config.datasets import template_names
+from trainer.config.parallel import BUNDLED_DS
+from trainer.config.rl import KTO_TYPES, PAIR_TYPES, PRM_TYPES, REWARD_TYPES
 
 # the key a table row names, by the list the entry sits in
 LISTS = ("datasets", "test_datasets", "pretraining_dataset")
@@ -226,8 +229,6 @@ def _table_name(name: str) -> str:
 
 def sharegpt(entry: dict, where: str, rw: Rewrite) -> dict:
     """type: sharegpt[...] -> type: chat_template, read the way Axolotl 0.4's sharegpt loader read the rows."""
-    from trainer.config.datasets import template_names
-
     kind = entry.get("type")
     base = kind.split(":")[0]
     if base not in SHAREGPT:
@@ -266,8 +267,6 @@ def sharegpt(entry: dict, where: str, rw: Rewrite) -> dict:
 
 
 def _old_deepspeed(raw: dict, rw: Rewrite) -> None:
-    from trainer.config.parallel import BUNDLED_DS
-
     value = raw.get("deepspeed")
     if not isinstance(value, str) or Path(value).expanduser().exists():
         return
@@ -279,8 +278,6 @@ def _old_deepspeed(raw: dict, rw: Rewrite) -> None:
 
 
 def _preference_types(raw: dict, rw: Rewrite) -> None:
-    from trainer.config.rl import KTO_TYPES, PAIR_TYPES, PRM_TYPES, REWARD_TYPES
-
     if raw.get("rl") not in PREFERENCE_METHODS:
         return
     for group in ("datasets", "test_datasets"):

@@ -7,6 +7,7 @@ bitnet.py) and the tokenizer's trainer/data/prepare.py and trainer/data/formats/
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import re
 from typing import Any, Literal
 
@@ -151,8 +152,8 @@ def check_quantization_config(name: str | None, kwargs: dict[str, Any] | None) -
                          "true; transformers cannot train MXFP4 weights (Mxfp4HfQuantizer.is_trainable is False)")
     if importlib.util.find_spec("transformers") is None:  # judged where the resolver runs, without transformers:
         return  # the arguments are checked again when the trainer builds the config to load the model
-    import inspect
 
+    # heavy: transformers loads only when this runs
     from transformers import Mxfp4Config
 
     accepted = set(inspect.signature(Mxfp4Config.__init__).parameters) - {"self", "kwargs"}
@@ -165,6 +166,7 @@ def check_quantization_config(name: str | None, kwargs: dict[str, Any] | None) -
 # --- cls_model_config ------------------------------------------------------------------------------------------
 def config_class(name: str):
     """Axolotl's cls_model_config: the transformers config class of that name, or a ConfigError."""
+    # heavy: transformers loads only when this runs
     import transformers
 
     try:

@@ -3,8 +3,10 @@ Ray Train's launcher (the mesh, FSDP, DeepSpeed and context parallelism themselv
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field
@@ -363,10 +365,6 @@ def check_context_parallel(cfg) -> list[str]:
 
 def _local_config(base_model):
     """A local model directory's config.json as attributes (None for hub ids: validate reads no network)."""
-    import json
-    from pathlib import Path
-    from types import SimpleNamespace
-
     path = Path(str(base_model or "")).expanduser() / "config.json"
     try:
         raw = json.loads(path.read_text()) if path.is_file() else None

@@ -29,6 +29,8 @@ from functools import lru_cache
 from typing import Any
 
 from trainer.config.features import keys as feature_keys
+from trainer.config.schema import Config
+from trainer.errors import ConfigError
 
 TRAINS, MAY_CHANGE, RESUME = "trains", "may change", "resume"
 
@@ -86,8 +88,6 @@ CLASSES: dict[str, str] = {**{k: TRAINS for k in _TRAINS.split()}, **{k: MAY_CHA
 
 @lru_cache(maxsize=1)
 def _defaults() -> dict[str, Any]:
-    from trainer.config.schema import Config
-
     return recorded(Config.model_construct())
 
 
@@ -117,8 +117,6 @@ def compare(checkpoint: str, before: dict[str, Any] | None, now: dict[str, Any])
     with both values. `before`: the checkpoint's recorded config (None: an older checkpoint, one note); `now`:
     this run's, recorded(cfg) as loaded (before auto_find_batch_size or another number of processes sets the
     batch split)."""
-    from trainer.errors import ConfigError
-
     if not isinstance(before, dict):
         return [f"note: {checkpoint} does not record the config it was trained with (written by an older envtool): "
                 "this config is not compared with it"]

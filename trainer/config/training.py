@@ -12,6 +12,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, field_validator
 
 from trainer import facts
+from trainer.config.parallel import fsdp_enabled, fsdp_settings
 from trainer.errors import ConfigError
 
 
@@ -193,7 +194,6 @@ def check_muon(cfg) -> None:
     """Muon needs each 2-D matrix whole, or as FSDP2's DTensor shard (torch's Muon runs on those)."""
     if cfg.optimizer != "muon":
         return
-    from trainer.config.parallel import fsdp_enabled, fsdp_settings
 
     if cfg.deepspeed:
         raise ConfigError("optimizer: muon with deepspeed: ZeRO flattens parameters into 1-D partitions and Muon "
@@ -278,6 +278,7 @@ def check_schedule(cfg) -> None:
     if cfg.lr_scheduler == "rex" or (not cfg.lr_scheduler_kwargs and cfg.lr_scheduler not in NEED_KWARGS):
         return
     try:  # the library's own constructor, given what trainer/optim/schedule.py gives it
+        # heavy: torch and transformers load only when this runs
         import torch
         from transformers import get_scheduler
     except ImportError:  # envtool's own environment without the trainer's stack: the trainer checks it where it runs
@@ -325,8 +326,6 @@ def eval_table_notes(cfg) -> list[str]:
 def steps_from_fractions(cfg, total_steps: int) -> None:
     """logging_steps, eval_steps and save_steps given as a fraction (< 1) of the total steps, as step counts:
     ceil(total x fraction), as transformers' TrainingArguments does. Called once the total is known."""
-    import math
-
     for key in ("logging_steps", "eval_steps", "save_steps"):
         value = getattr(cfg, key)
         if isinstance(value, float) and value < 1:

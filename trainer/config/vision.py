@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from trainer.config.diffusion import enabled as diffusion_enabled
 from trainer.errors import ConfigError
 
 
@@ -58,7 +59,6 @@ def check(cfg) -> list[str]:
     if cfg.objective != "sft":
         problems.append(f"processor_type: vision-language training with {cfg.objective} is not supported here "
                         "(only supervised fine-tuning on chat_template conversations)")
-    from trainer.config.diffusion import enabled as diffusion_enabled
 
     for key, on in (("use_eaft", cfg.use_eaft), ("plugins: diffusion", diffusion_enabled(cfg))):
         if on:
@@ -88,6 +88,7 @@ def check_processor_class(name: str) -> None:
     transformers is installed (the resolver may read a config without it; the trainer's start checks again)."""
     if importlib.util.find_spec("transformers") is None:
         return
+    # heavy: transformers loads only when this runs
     import transformers
 
     try:

@@ -118,6 +118,7 @@ def quiet_datasets():
 def load_file(path: Path, builder: str, label: str):
     """One local file as a datasets.Dataset (split "train"); DataError naming it (and the line) when it is
     malformed. `label` is how the config names the dataset."""
+    # heavy: datasets loads only when this runs
     import datasets
 
     try:

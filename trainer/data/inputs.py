@@ -83,6 +83,7 @@ def snapshot(kind: str, repo: str, revision: str | None) -> Path | None:
 def _hub_answer(repo: str, marker: str, revision: str | None) -> str | None:
     """What the Hub says of `repo`'s `marker` file, as a problem to name, or None (there, or no clear answer).
     Raises OSError (with why) when the Hub does not answer."""
+    # start-up: urllib, trainer.runtime.hub_access imported only when this runs
     import urllib.error
     import urllib.request
 
@@ -124,6 +125,7 @@ def _hub_answer(repo: str, marker: str, revision: str | None) -> str | None:
 
 def model_problems(cfg: Config) -> list[str]:
     """One line per model the config reads from the Hub that the run would not find (see the module's docstring)."""
+    # start-up: trainer.runtime.hub_access imported only when this runs
     from trainer.runtime import hub_access
 
     problems = []
@@ -198,6 +200,7 @@ def first_rows(path: Path, builder: str, label: str, n: int = FIRST_ROWS) -> lis
                 return [dict(row) for row in islice(csv.DictReader(f), n)]
         if builder == "parquet":
             try:
+                # heavy: pyarrow loads only when this runs
                 import pyarrow.parquet as pq
             except ImportError:
                 return None
@@ -220,6 +223,7 @@ def _row_check(cfg: Config):
     tokenizer = FieldsOnly()
     objective = cfg.objective
     if objective == "sft" and not cfg.tokenizer_use_mistral_common:
+        # start-up: trainer.data.prepare, trainer.data.formats.preference_prompts imported only when this runs
         from trainer.data.prepare import tokenize_example
 
         return lambda row, ds: tokenize_example(row, ds, cfg, tokenizer)

@@ -44,6 +44,7 @@ def default_workers(cfg: Config) -> int:
 
 
 def load_tokenizer(cfg: Config):
+    # heavy: transformers loads only when this runs
     from transformers import AutoTokenizer
 
     if cfg.tokenizer_use_mistral_common:
@@ -122,6 +123,7 @@ def _data_identity(ds: DatasetConfig) -> str:
 
 
 def tokenizer_identity(tokenizer) -> str:
+    # start-up: trainer.data.formats.mistral_tokenizer imported only when this runs
     from trainer.data.formats import mistral_tokenizer
 
     if mistral_tokenizer.is_mistral(tokenizer):
@@ -161,6 +163,7 @@ def load_raw(ds: DatasetConfig, seed: int | None = None):
 
 
 def _load_rows(ds: DatasetConfig):
+    # heavy: datasets loads only when this runs
     import datasets
 
     if not ds.path:
@@ -244,6 +247,7 @@ def _tokenize(raw, ds: DatasetConfig, cfg: Config, tokenizer):
 
 def build(cfg: Config, tokenizer) -> tuple[object, object | None, dict]:
     """SFT's rows: every dataset tokenized by its prompt format (trainer/data/formats/), filtered and split."""
+    # heavy: datasets loads only when this runs
     import datasets
 
     parts = [_tokenize(load_raw(ds, cfg.seed), ds, cfg, tokenizer) for ds in cfg.datasets]
@@ -267,6 +271,7 @@ def build_held_out(cfg: Config, tokenizer) -> tuple[None, object, dict]:
 def tokenize_and_split(cfg: Config, tokenizer, tokenize):
     """Each dataset tokenized by tokenize(raw, ds, cfg, tokenizer, workers), concatenated, then filter_and_split
     (the shared tail of the preference and reward data paths)."""
+    # heavy: datasets loads only when this runs
     import datasets
 
     def each(entries):
@@ -285,6 +290,7 @@ def tokenize_and_split(cfg: Config, tokenizer, tokenize):
 def held_out(cfg: Config, parts: list):
     """test_datasets' rows (tokenized like the training rows) as the validation set, with the rows filter_and_split
     drops from training dropped here too (too long under drop, nothing to train on)."""
+    # heavy: datasets loads only when this runs
     import datasets
 
     data = datasets.concatenate_datasets(parts)
@@ -399,6 +405,7 @@ def _clean_leftovers(path: Path) -> None:
 
 
 def _load(path: Path) -> Prepared:
+    # heavy: datasets loads only when this runs
     import datasets
 
     validation = datasets.load_from_disk(str(path / "validation")) if (path / "validation").exists() else None
@@ -418,6 +425,7 @@ def prepare(cfg: Config, tokenizer, rank: int = 0, log=print, builder=None, kind
 
     builder(cfg, tokenizer) -> (train, validation, stats) makes the rows: SFT's (`build`) unless an objective
     passes its own (trainer/objectives/: Objective.prepare_data), with `kind` naming them in the cache key."""
+    # optional: filelock is imported only where it is used
     from filelock import FileLock, Timeout
 
     if cfg.skip_prepare_dataset:  # tokenized in memory by every process; no cache written or read (as Axolotl)

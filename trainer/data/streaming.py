@@ -47,6 +47,7 @@ def pretrain_windows(text: str, tokenizer, sequence_len: int) -> list[dict]:
 
 def _open(entry) -> object:
     """One dataset as a datasets.IterableDataset (local file, local directory or hub id)."""
+    # heavy: datasets loads only when this runs
     import datasets
 
     from trainer.data.prepare import FILE_BUILDERS
@@ -102,6 +103,7 @@ class Stream:
             yield {**example, "index": (pass_index << 48) | (i << 16) | j}
 
     def _examples(self, pass_index: int) -> Iterator[tuple[int, int, dict]]:
+        # start-up: trainer.data.prepare imported only when this runs
         from trainer.data.prepare import tokenize_example
 
         cfg = self.cfg
@@ -134,6 +136,7 @@ class Stream:
         cfg = self.cfg
         if not cfg.sample_packing:
             return [[e] for e in examples]
+        # heavy: numpy loads only when this runs
         from trainer.batch.packing import pack
 
         lengths = np.array([len(e["input_ids"]) for e in examples])

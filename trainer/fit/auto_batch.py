@@ -54,6 +54,7 @@ def choose(cfg, runtime, world: int, resuming: bool) -> Choice | None:
     if choice is None and runtime.gpu.memory_gb is None:
         choice = Choice(batch, 1, f"the whole step's batch: no GPU memory to estimate on {runtime.gpu.describe()}")
     if choice is None:
+        # start-up: trainer.fit.memory_model imported only when this runs
         from trainer.fit import memory, memory_model
 
         gpu = memory.Gpu(runtime.gpu.name, runtime.gpu.memory_gb, world)

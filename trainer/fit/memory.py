@@ -39,9 +39,11 @@ count in memory_model.py).
 
 from __future__ import annotations
 
+import json
 import math
-from typing import NamedTuple
+import re
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 from trainer import facts
 from trainer.errors import ConfigError
@@ -166,6 +168,7 @@ class Setup:
     def attention_kind(self) -> str:
         """varlen (flash: q/k/v as computed, no mask) | mask (sdpa with a 4-D mask: k/v repeated, mask
         converted) | eager (seq x seq probabilities kept)."""
+        # start-up: trainer.runtime.hardware imported only when this runs
         from trainer.runtime.hardware import packing
 
         how = packing(self.attention)
@@ -176,6 +179,7 @@ class Setup:
 
 def setup_from(cfg, runtime, world: int) -> Setup:
     """The Setup of a trainer Config on a Runtime (precision, attention) with `world` processes."""
+    # start-up: trainer.config.speed, trainer.runtime.hardware imported only when this runs
     from trainer.config.speed import offloading, selective
 
     quant = None
@@ -233,6 +237,7 @@ class _Sharding(NamedTuple):
 def _sharding(cfg, world: int) -> _Sharding:
     """How the weights and states are split over `world` processes: the mesh's tp/cp, DeepSpeed's stage and
     offloads (from its JSON), FSDP's strategy, and the number of processes a shard is split over."""
+    # start-up: trainer.config.parallel imported only when this runs
     from trainer.config.parallel import deepspeed_path, fsdp_enabled, fsdp_settings, mesh_for
 
     fsdp_on = fsdp_enabled(cfg)
@@ -246,8 +251,6 @@ def _sharding(cfg, world: int) -> _Sharding:
     cp = mesh.cp if mesh else 1
     zero, ds, offload_opt, offload_params = 0, {}, False, False
     if cfg.deepspeed:
-        import json
-
         try:
             ds_file = deepspeed_path(cfg.deepspeed)
             ds = json.loads(open(ds_file).read()).get("zero_optimization", {}) or {}
@@ -274,6 +277,7 @@ def _sharding(cfg, world: int) -> _Sharding:
 
 def _lora(cfg) -> tuple:
     """(the LoRA targets as the estimate reads them, peft.LoraConfig's arguments as trainer/model/load.py builds them)."""
+    # start-up: trainer.config.model imported only when this runs
     from trainer.config.model import lora_exclusions, lora_task_type
 
     targets = cfg.lora_target_modules
@@ -317,6 +321,7 @@ def layout(shape, s: Setup):
     """peft's own LoRA layout for the Setup's LoraConfig (memory_model.lora_layout), None without peft."""
     if s.full or not s.lora_kwargs:
         return None
+    # start-up: trainer.fit.memory_model imported only when this runs
     from trainer.fit.memory_model import lora_layout
 
     return lora_layout(shape, s.lora_kwargs)
@@ -326,8 +331,6 @@ def lora_targeted(shape, targets) -> list:
     """The nn.Linear groups peft wraps for `targets` ("all-linear": every linear layer but the output head, as
     peft's _maybe_include_all_linear_layers; names: a module whose name is the target or ends with '.target';
     a string: re.fullmatch on the name)."""
-    import re
-
     chosen = []
     for lin in shape.linears:
         if targets == "all-linear":
@@ -387,8 +390,6 @@ def _trained_params(shape, s: Setup, base: float, notes: list[str]) -> tuple[flo
     if s.full:
         trained = shape.params
         if s.unfrozen:
-            import re
-
             pats = [re.compile(p) for p in s.unfrozen]
             hit = sum(n for name, n in shape.names.items() if any(p.search(name) for p in pats))
             if shape.names:
@@ -763,6 +764,7 @@ def activation_terms(shape, s: Setup, tokens: int | None = None, row_len: int | 
 
 def mlp_shards(s: Setup, row_len: int) -> int:
     """tiled_mlp's slices of a row of `row_len` tokens (trainer/model/memory_options.py `shards`)."""
+    # start-up: trainer.config.speed imported only when this runs
     from trainer.config.speed import TOKENS_PER_SHARD
 
     if s.tiled_shards > 0:
@@ -1199,6 +1201,7 @@ def report(cfg, runtime, gpu: Gpu, local_only: bool = False) -> Report:
     of `gpu`: the model's shape from its config.json (`local_only`: the model directory or a cache, never the
     network). With auto_find_batch_size, at the micro-batch the run would pick. Raises ModelConfigError with
     bad_input for a base_model that does not exist; every other unknown is a verdict of "unknown" with its reason."""
+    # start-up: trainer.fit.memory_model imported only when this runs
     from trainer.fit import memory_model
 
     s = setup_from(cfg, runtime, gpu.count)

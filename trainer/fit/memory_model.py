@@ -16,8 +16,11 @@ How parameters are counted:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -143,6 +146,7 @@ def _hub_config(repo: str, revision: str | None, local_only: bool = False) -> Pa
     """config.json of a Hub repository: from the cache, else downloaded (that file only)."""
     plain = config_cache_dir() / repo / (revision or "main") / "config.json"
     try:
+        # heavy: huggingface_hub loads only when this runs
         import huggingface_hub  # noqa: F401
     except ImportError:
         if local_only and not plain.is_file():
@@ -182,6 +186,7 @@ def _hub_config(repo: str, revision: str | None, local_only: bool = False) -> Pa
 
 def _hub_config_plain(repo: str, revision: str | None) -> Path:
     """Without huggingface_hub: GET {HF_ENDPOINT}/{repo}/resolve/{revision}/config.json, cached by repo+revision."""
+    # start-up: urllib imported only when this runs
     import urllib.error
     import urllib.request
 
@@ -300,9 +305,8 @@ def text_config(config: dict) -> dict:
 def quiet_imports():
     """Import torch and transformers' model and quantizer modules without their import-time warnings (torchao's
     missing CUDA extensions on a CPU machine, torch's pytree deprecations): the estimate only reads shapes."""
-    import contextlib
+    # start-up: logging imported only when this runs
     import logging
-    import warnings
 
     @contextlib.contextmanager
     def quiet():
@@ -320,11 +324,10 @@ def quiet_imports():
 
 def _meta_shape(config: dict, source: str, directory: Path, trust_remote_code: bool) -> ModelShape:
     with quiet_imports():
+        # heavy: torch and transformers load only when this runs
         import torch
         from transformers import AutoConfig, AutoModelForCausalLM
         import transformers.quantizers.base  # noqa: F401 (imports every quantizer: torchao's warnings)
-
-    import warnings
 
     if config.get("auto_map") and not trust_remote_code:
         raise ModelConfigError("the model's code is on the Hub (auto_map) and trust_remote_code is off")
@@ -347,6 +350,7 @@ def _meta_shape(config: dict, source: str, directory: Path, trust_remote_code: b
 def _build_on_meta(cfg, trust_remote_code: bool):
     """The causal LM, else (a vision-language config: LLaVA, Qwen2-VL, ...) the image-text-to-text model, whose
     vision tower and projector are counted with the language tower."""
+    # heavy: transformers loads only when this runs
     from transformers import AutoModelForCausalLM
 
     try:
@@ -368,6 +372,7 @@ def vision_params(names: dict[str, int]) -> int:
 
 def shape_of(model, source: str = "model") -> ModelShape:
     """Read a built model (meta or real) into a ModelShape: the exact count."""
+    # heavy: torch and transformers load only when this runs
     import torch
 
     from transformers.quantizers.base import get_keys_to_not_convert
@@ -442,6 +447,7 @@ def shape_of(model, source: str = "model") -> ModelShape:
 
 
 def _decoder_layers(model, num_layers: int):
+    # heavy: torch loads only when this runs
     import torch
 
     best = None
@@ -453,6 +459,7 @@ def _decoder_layers(model, num_layers: int):
 
 
 def _layer_shapes(model, layers_list, tc) -> list[Layer]:
+    # heavy: torch loads only when this runs
     import torch
 
     hidden = tc.hidden_size
@@ -662,6 +669,7 @@ def lora_layout(shape: ModelShape, lora_kwargs: dict) -> LoraLayout | None:
         return None
     try:
         with quiet_imports():
+            # heavy: torch and peft load only when this runs
             import torch
             from peft import LoraConfig, get_peft_model
             from transformers import AutoConfig, AutoModelForCausalLM
@@ -685,7 +693,6 @@ def lora_layout(shape: ModelShape, lora_kwargs: dict) -> LoraLayout | None:
     for p in trained.values():
         tensors[p.numel()] = tensors.get(p.numel(), 0) + 1
     wrapped, expert, layers = set(), 0, set()
-    import re
 
     for name, module in model.named_modules():
         if not isinstance(module, BaseTunerLayer):

@@ -6,9 +6,17 @@ SDPA kept off masked calls on builds that put it first. No torch import here: va
 
 from __future__ import annotations
 
+
+from importlib import metadata
+from pathlib import Path
+import importlib.util
+import inspect
+import sys
 from matrices import catalog
 from trainer import facts
 from trainer.runtime.hardware import attention_backends, packing, varlen_kernels
+from trainer.config.diffusion import enabled as diffusion
+from trainer.runtime.hardware import attention_backend
 
 
 def for_model(cfg, runtime, local_only: bool) -> list[str]:
@@ -91,8 +99,6 @@ def _isolation(attention: str, why_not_varlen: str | None = None) -> str:
 
 def _varlen_refused(cfg, runtime, plan: dict | None) -> str | None:
     """Why torch's varlen kernel does not run this sdpa run (None: it does)."""
-    from trainer.config.diffusion import enabled as diffusion
-
     row = varlen_kernels()[0]
     name = row["name"]
     if diffusion(cfg):
@@ -122,8 +128,6 @@ def _varlen_refused(cfg, runtime, plan: dict | None) -> str | None:
 
 
 def _plan_runs_sdpa(plan: dict) -> bool:
-    from trainer.runtime.hardware import attention_backend
-
     backend = attention_backend(plan.get("attention") or "")
     return backend is not None and backend["transformers"] == "sdpa"
 
@@ -134,6 +138,7 @@ def _model_class(cfg, local_only: bool):
     if local_only and not _config_at_hand(cfg.base_model):
         return None  # (cheap check first: validate stays fast, no transformers import for a model not here)
     try:
+        # heavy: transformers loads only when this runs
         from transformers import AutoConfig
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
@@ -207,6 +212,7 @@ def _slides(config) -> bool:
 
 def _kernel_takes_window() -> bool:
     try:
+        # heavy: torch loads only when this runs
         import inspect
 
         from torch.nn.attention.varlen import varlen_attn
@@ -243,12 +249,9 @@ def _installed_torch() -> tuple[str | None, str | None]:
     """(version, CUDA) of the torch installed here, without importing it: the CUDA version from the local tag
     (+cu128 -> 12.8; +cpu, +rocm, +xpu -> None), "?" for PyPI's untagged Linux builds (CUDA 12.8 or newer since
     2.9: torch.toml), exact from torch itself when it is already imported."""
-    import sys
-
     torch = sys.modules.get("torch")  # (None where a caller blocked the import: read the metadata then)
     if torch is not None:
         return torch.__version__.split("+")[0], getattr(torch.version, "cuda", None)
-    from importlib import metadata
 
     try:
         version = metadata.version("torch")
@@ -263,6 +266,7 @@ def _installed_torch() -> tuple[str | None, str | None]:
 
 
 def _in_range(version: str, spec: str) -> bool:
+    # start-up: packaging imported only when this runs
     from packaging.specifiers import SpecifierSet
     from packaging.version import Version
 
@@ -272,21 +276,18 @@ def _in_range(version: str, spec: str) -> bool:
 def _installed(backend: dict, gpu) -> bool:
     """A backend's module is importable here; for `--gpu NAME` (another machine) it is assumed, as
     trainer/runtime/hardware.py does."""
-    import importlib.util
-
     module = backend.get("module")
     return module is None or gpu.source == "--gpu" or importlib.util.find_spec(module) is not None
 
 
 def _config_at_hand(model: str) -> bool:
     """Whether the model's config.json is on this machine: a local directory, or the Hub cache."""
-    from pathlib import Path
-
     if Path(model, "config.json").is_file():
         return True
     if Path(model).exists() or model.count("/") != 1:
         return False
     try:
+        # heavy: huggingface_hub loads only when this runs
         from huggingface_hub import try_to_load_from_cache
 
         return isinstance(try_to_load_from_cache(model, "config.json"), str)
@@ -307,8 +308,8 @@ def packed_masks(model) -> bool:
     layer_types = set(getattr(model.config, "layer_types", None) or [])
     if layer_types - {"full_attention"} != {"sliding_attention"}:
         return False
-    import inspect
 
+    # heavy: torch and transformers load only when this runs
     import torch
     from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 

@@ -36,6 +36,7 @@ from functools import lru_cache
 from typing import NamedTuple
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from trainer.runtime.hardware import varlen_kernels
 
@@ -44,6 +45,7 @@ NAME = varlen_kernels()[0]["name"]  # "varlen_attn": what transformers gets as a
 
 def kernel():
     """torch.nn.attention.varlen.varlen_attn, looked up at every call (a test puts its stand-in there)."""
+    # heavy: torch loads only when this runs
     from torch.nn.attention import varlen
 
     return varlen.varlen_attn
@@ -105,6 +107,7 @@ class _Lengths:
     @classmethod
     def of(cls, position_ids):
         if cls.position_ids is not position_ids:
+            # heavy: transformers loads only when this runs
             from transformers.modeling_flash_attention_utils import prepare_fa_kwargs_from_position_ids
 
             (cu_q, cu_k), (max_q, max_k) = prepare_fa_kwargs_from_position_ids(position_ids)
@@ -116,6 +119,7 @@ def attention_forward(module, query, key, value, attention_mask, **kwargs):
     """transformers' attention interface: query [b, heads, q, d], key/value [b, kv_heads, k, d] -> ([b, q, heads,
     d], None), as transformers' flash_attention_forward. transformers passes these five positionally and the rest
     (dropout, scaling, sliding_window, softcap, is_causal, s_aux, the packed lengths) by keyword."""
+    # heavy: transformers loads only when this runs
     from transformers.integrations.flash_attention import get_target_dtype
     from transformers.modeling_flash_attention_utils import _is_packed_sequence, _pad_input, _unpad_input, _upad_input
 
@@ -156,11 +160,11 @@ class _WithoutCudnn:
 
 def sdpa_forward(module, query, key, value, attention_mask, *args, **kwargs):
     """transformers' sdpa backend; a call with a mask runs without cuDNN attention where the run asks for it."""
+    # heavy: transformers loads only when this runs
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     if attention_mask is None or not _WithoutCudnn.on:
         return sdpa_attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
-    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     enabled = [b for b, on in ((SDPBackend.FLASH_ATTENTION, torch.backends.cuda.flash_sdp_enabled()),
                                (SDPBackend.EFFICIENT_ATTENTION, torch.backends.cuda.mem_efficient_sdp_enabled()),
@@ -173,6 +177,7 @@ def sdpa_forward(module, query, key, value, attention_mask, *args, **kwargs):
 def install(runtime) -> None:
     """Before a model loads: register the varlen backend (transformers accepts NAME from then on) and set whether
     masked SDPA calls keep cuDNN off (runtime.mask_without_cudnn)."""
+    # heavy: transformers loads only when this runs
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flash_attention_mask
 

@@ -28,6 +28,7 @@ def hardware_notes(cfg, gpu, plan: dict | None) -> list[str]:
     if cfg.adapter:
         raise ConfigError(f"use_onebitllms: not with adapter: {cfg.adapter} (BitNet training is a full fine-tune of "
                           "the linear layers; Axolotl refuses LoRA/QLoRA with it too), remove adapter")
+    # start-up: trainer.model.kernels imported only when this runs
     from trainer.model import kernels
 
     feat = facts.feature(FEATURE)
@@ -49,6 +50,7 @@ def apply(model) -> int:
     if importlib.util.find_spec("onebitllms") is None:
         raise ConfigError("use_onebitllms: needs the onebitllms package, which is not installed (install envtool's "
                           "`bitnet` extra: pip install 'envtool-llm[bitnet]')")
+    # heavy: torch loads only when this runs
     import torch
 
     try:

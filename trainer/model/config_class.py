@@ -17,6 +17,7 @@ def load(cfg, source: str, overrides: dict, revision: str | None = None):
         if cfg.cls_model_config:
             reader = config_class(cfg.cls_model_config)
         else:  # base_model_config alone: the class its config.json names
+            # heavy: transformers loads only when this runs
             from transformers import AutoConfig as reader
         config = reader.from_pretrained(source, trust_remote_code=cfg.trust_remote_code, **kwargs)
     except OSError as err:

@@ -90,6 +90,7 @@ def apply(cfg, model, enabled: bool, log) -> None:
         log("note: liger kernels: off (the liger-kernel package is not installed; the plan installs it on GPUs "
             "where triton runs)")
         return
+    # optional: liger_kernel is imported only where it is used
     from liger_kernel.transformers import _apply_liger_kernel_to_instance
 
     wanted = {LIGER_KEYS[k]: True for k in requested(cfg) if LIGER_KEYS.get(k) in ("rope", "rms_norm", "swiglu",

@@ -9,28 +9,31 @@ prepare_model_for_kbit_training (norms in fp32, input gradients for checkpointin
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import torch
 
 from trainer.config import Config
+from trainer.config.model import lora_exclusions, lora_task_type
 from trainer.errors import ConfigError, TrainingError
 from trainer.model import attention_varlen
 from trainer.model.attention import packed_masks
 from trainer.runtime.hardware import Runtime
+from trainer.runtime.hardware import full_weights
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def load_model(cfg: Config, runtime: Runtime, tokenizer, source: str | None = None,
                parallel_kwargs: dict | None = None):
+    # start-up: trainer.model.quantization, trainer.model.reward_model imported only when this runs
     from trainer.model.quantization import bnb_config
     from trainer.model.reward_model import auto_class, disable_dropout, head_init
     from trainer.model.reward_model import load_kwargs as head_kwargs
 
     source = source or cfg.base_model
     attention_varlen.install(runtime)  # torch's varlen_attn as a transformers backend; cuDNN off masked SDPA calls
-    from trainer.runtime.hardware import full_weights
 
     dtype = DTYPES[runtime.precision] if cfg.adapter else DTYPES[full_weights(cfg, runtime.precision)]
     quantization = bnb_config(cfg, DTYPES[runtime.precision], sharded=bool(cfg.deepspeed or cfg.fsdp or cfg.fsdp_config))
@@ -90,6 +93,7 @@ def checkpointed(cfg: Config, model, quantized: bool):
     """The memory options before LoRA wraps the layers: ALST's tiled MLP, then gradient checkpointing (with selective
     checkpointing's context_fn, torch's checkpoint's own argument), or peft's k-bit preparation of a quantized model
     (which turns checkpointing on itself)."""
+    # heavy: peft loads only when this runs
     from trainer.model import memory_options
 
     memory_options.tile_mlps(cfg, model)  # ALST's tiled MLP (before LoRA wraps the MLP's linear layers)
@@ -117,6 +121,7 @@ def checkpointed(cfg: Config, model, quantized: bool):
 def fresh_model(cfg: Config, source: str, dtype, attention: str, extra: dict):
     """reinit_weights: the model built from its config (with model_config overrides) and initialised from
     the seed, as Axolotl's AutoModelForCausalLM.from_config; the pretrained weights are never read."""
+    # heavy: transformers loads only when this runs
     from transformers import AutoConfig, AutoModelForCausalLM
 
     revision = {"revision": extra.pop("revision")} if "revision" in extra else {}
@@ -128,8 +133,6 @@ def fresh_model(cfg: Config, source: str, dtype, attention: str, extra: dict):
 
 def freeze_except(model, patterns: list[str]) -> None:
     """Axolotl's unfrozen_parameters: train only the parameters whose names match one of the regexes."""
-    import re
-
     compiled = [re.compile(p) for p in patterns]
     trained = 0
     for name, param in model.named_parameters():
@@ -159,9 +162,8 @@ def resize_embeddings(cfg: Config, model, tokenizer) -> None:
 
 
 def add_lora(cfg: Config, model):
+    # heavy: peft loads only when this runs
     from peft import LoraConfig, PeftModel, get_peft_model
-
-    from trainer.config.model import lora_exclusions, lora_task_type
 
     if cfg.lora_model_dir:  # continue from a trained adapter (its own r, alpha and targets)
         try:
@@ -203,6 +205,7 @@ def load_trained(cfg: Config, runtime: Runtime, tokenizer, model_dir=None):
     """For `evaluate`: the trained model or adapter in model_dir, else the base model."""
     if model_dir is None:
         return load_model(cfg, runtime, tokenizer)
+    # heavy: peft loads only when this runs
     from trainer.model import loftq
 
     if (Path(model_dir) / "adapter_config.json").exists() and loftq.loftq_bits(cfg):
@@ -238,6 +241,7 @@ def load_trained(cfg: Config, runtime: Runtime, tokenizer, model_dir=None):
 def load_weights(model, path: Path) -> None:
     """The model's (or adapter's) weights from a checkpoint directory, nothing else (trainer/outputs/checkpoint.py
     writes them; a LoftQ base rebuilt here takes its trained adapter this way)."""
+    # heavy: safetensors and peft load only when this runs
     from safetensors.torch import load_file
 
     path = Path(path)

@@ -18,6 +18,7 @@ def lora_kwargs(cfg, cuda_available: bool) -> dict:
     """Extra LoraConfig arguments: peft's own LoftQ where it runs (a CUDA device is there)."""
     if not loftq_bits(cfg) or not cuda_available:
         return {}
+    # heavy: peft loads only when this runs
     from peft import LoftQConfig
 
     return {"init_lora_weights": "loftq", "loftq_config": LoftQConfig(loftq_bits=loftq_bits(cfg))}
@@ -29,6 +30,7 @@ def loftq_bits(cfg) -> int | None:
 
 def decompose(weight, rank: int):
     """(quantized-dequantized weight, lora_A, lora_B) for one weight matrix, as peft's loftq_init."""
+    # heavy: bitsandbytes and torch load only when this runs
     import bitsandbytes as bnb
     import torch
 
@@ -42,6 +44,7 @@ def decompose(weight, rank: int):
 
 def apply_on_cpu(cfg, model) -> int:
     """LoftQ-initialise every LoRA linear layer of a peft model (where peft's CUDA-only path cannot run)."""
+    # heavy: torch and peft load only when this runs
     import torch
     from peft.tuners.lora import Linear
 

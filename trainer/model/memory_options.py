@@ -28,9 +28,11 @@
 from __future__ import annotations
 
 import math
+from functools import partial
 
 from trainer import facts
 from trainer.config.speed import TOKENS_PER_SHARD, compiling, offloading, selective
+from trainer.errors import ConfigError
 from trainer.errors import HardwareError
 from trainer.hooks import Hook
 
@@ -58,6 +60,7 @@ class SavePolicy:
     step's note, and the tests' proof that the policy matched something)."""
 
     def __init__(self, save: list[str], skip_layer_types: set[str]):
+        # heavy: torch loads only when this runs
         import torch
 
         self.exact = set()
@@ -84,6 +87,7 @@ class SavePolicy:
         return any(s in name for s in self.substrings)
 
     def __call__(self, ctx, op, *args, **kwargs):
+        # heavy: torch loads only when this runs
         from torch.utils.checkpoint import CheckpointPolicy
 
         if self.matches(op) and self.layer_type not in self.skip:
@@ -114,6 +118,7 @@ def selective_policy(cfg, model) -> SavePolicy | None:
         DEFAULT_RECOMPUTE_LAYER_TYPES if sac.recompute_layer_types is None else sac.recompute_layer_types)
     policy = SavePolicy(sac.save, skip)
     if skip:
+        # heavy: transformers loads only when this runs
         from transformers import GradientCheckpointingLayer
 
         for module in model.modules():
@@ -138,8 +143,8 @@ def checkpoint_kwargs(cfg, model) -> dict:
     policy = selective_policy(cfg, model)
     if policy is None:
         return {}
-    from functools import partial
 
+    # heavy: torch loads only when this runs
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
     model._selective_policy = policy  # (read by tests and the first step's note)
@@ -157,6 +162,7 @@ def shards(cfg, seqlen: int) -> int:
 def tiled(forward, count):
     """`forward` (an MLP's, over [..., seq, hidden]) run over `count(seq)` slices of the sequence, each under
     non-reentrant checkpointing (only its input kept; its intermediate rebuilt in the backward)."""
+    # heavy: torch loads only when this runs
     import torch
     from torch.utils.checkpoint import checkpoint
 
@@ -178,9 +184,8 @@ def tile_mlps(cfg, model) -> int:
     kernels) is refused in one line."""
     if not cfg.tiled_mlp:
         return 0
+    # heavy: transformers loads only when this runs
     from transformers import GradientCheckpointingLayer
-
-    from trainer.errors import ConfigError
 
     done = 0
     for layer in model.modules():
@@ -202,6 +207,7 @@ class OffloadActivations(Hook):
     """Each micro-batch's forward and loss under torch.autograd.graph.save_on_cpu (pinned host memory)."""
 
     def forward(self):
+        # heavy: torch loads only when this runs
         import torch
 
         return torch.autograd.graph.save_on_cpu(pin_memory=True)
@@ -235,6 +241,7 @@ def compile_model(cfg, model, on: bool, say) -> bool:
     """model.compile(backend, mode) in place where `on` (notes' verdict); the allow-listed inductor flags first."""
     if not (on and compiling(cfg)):
         return False
+    # heavy: torch and transformers load only when this runs
     import torch
 
     if cfg.torch_compile_options:

@@ -16,11 +16,13 @@ class NEFTune(Hook):
         self.model, self.alpha, self.handle = model, alpha, None
 
     def start(self, state, checkpoint) -> None:
+        # heavy: transformers loads only when this runs
         from transformers.integrations.neftune import activate_neftune
 
         self.handle = activate_neftune(self.model, self.alpha)
 
     def end(self, step: int) -> None:
+        # heavy: transformers loads only when this runs
         from transformers.integrations.neftune import deactivate_neftune
 
         if self.handle is not None:

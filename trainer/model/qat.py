@@ -37,6 +37,7 @@ Float8 scales have a floor of 1e-12, so padded (all-zero) rows do not turn into 
 
 from __future__ import annotations
 
+import importlib.util
 from functools import partial
 
 from trainer import facts
@@ -91,7 +92,7 @@ def hardware_notes(cfg, gpu) -> list[str]:
 
 
 def _torchao():
-    import importlib.util
+    # heavy: torchao loads only when this runs
     import logging
 
     if importlib.util.find_spec("torchao") is None:
@@ -106,6 +107,7 @@ def _torchao():
 
 def fake_quantize_configs(qat: QatConfig, for_embedding: bool = False):
     """(activation_config, weight_config): torchao fake-quantize configs for Axolotl's dtype pair."""
+    # heavy: torch and torchao load only when this runs
     import torch
 
     _torchao()
@@ -144,6 +146,7 @@ def fake_quantize_configs(qat: QatConfig, for_embedding: bool = False):
 def prepare(model, qat: QatConfig) -> int:
     """Swap the model's linear layers (and embeddings with quantize_embedding) for torchao's fake-quantized ones.
     Returns the number of layers swapped."""
+    # heavy: torch and torchao load only when this runs
     import torch
 
     _torchao()
@@ -187,6 +190,7 @@ def _master_precision_forward(module, forward, x):
     fails. Run them outside autocast on the input cast to the weight's dtype: the fake-quantized values are the
     same (FP4 elements times power-of-two or e4m3 scales are exact in bf16 and fp32), the sums accumulate in fp32,
     and the output is cast back to the autocast dtype the next layer expects."""
+    # heavy: torch loads only when this runs
     import torch
 
     device = x.device.type
@@ -198,6 +202,7 @@ def _master_precision_forward(module, forward, x):
 
 
 def is_fake_quantized(module) -> bool:
+    # heavy: torchao loads only when this runs
     from torchao.prototype.qat import MXFakeQuantizedLinear, NVFP4FakeQuantizedLinear
     from torchao.quantization.qat import FakeQuantizedEmbedding, FakeQuantizedLinear
 
@@ -207,6 +212,7 @@ def is_fake_quantized(module) -> bool:
 
 def set_fake_quant(model, enabled: bool) -> None:
     """Turn fake quantization on or off (Axolotl's toggle_fake_quant: the quantizers' `enabled` flags)."""
+    # heavy: torchao loads only when this runs
     from torchao.quantization.qat import FakeQuantizedEmbedding, FakeQuantizedLinear
 
     for module in model.modules():
@@ -225,6 +231,7 @@ def fake_quant_on(qat: QatConfig, step: int) -> bool:
 def convert(model) -> None:
     """Swap fake-quantized layers back to nn.Linear / nn.Embedding with the trained weights (Axolotl's
     convert_qat_model: QATConfig(step="convert") with no base config quantizes nothing)."""
+    # heavy: torchao loads only when this runs
     from torchao.quantization import quantize_
     from torchao.quantization.qat import QATConfig
 

@@ -50,6 +50,7 @@ def hardware_notes(cfg, gpu) -> list[str]:
 
 def bnb_config(cfg, compute_dtype, sharded: bool = False):
     """The BitsAndBytesConfig for the config's load_in_4bit / load_in_8bit (None when neither)."""
+    # heavy: torch and transformers load only when this runs
     import torch
     from transformers import BitsAndBytesConfig
 
@@ -84,6 +85,7 @@ def keep_trainable_layout(model) -> int:
     so no gradient reaches the layers below (torch warns "an autograd kernel was not registered ... silently
     incorrect"). An evaluation in the middle of training would break QLoRA from then on; switch the repacking
     off on the model being trained. Returns the number of layers changed."""
+    # heavy: bitsandbytes loads only when this runs
     import bitsandbytes as bnb
 
     changed = 0

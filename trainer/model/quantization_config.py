@@ -20,6 +20,7 @@ def build(name: str | None, kwargs: dict[str, Any] | None):
     if name is None:
         return None
     check(name, kwargs)
+    # heavy: transformers loads only when this runs
     from transformers import Mxfp4Config
 
     return Mxfp4Config(**(kwargs or {}))

@@ -29,6 +29,7 @@ STATE_KEYS = {"exp_avg": None, "exp_avg_sq": None, "state1": ("absmax1", "qmap1"
 
 
 def _prune(tensor, method: str, ratio: float, generator) -> None:
+    # heavy: torch loads only when this runs
     import torch
 
     if method == "magnitude":
@@ -43,6 +44,7 @@ def _prune(tensor, method: str, ratio: float, generator) -> None:
 def prune_optimizer_state(optimizer, params, method: str, ratio: float, seed: int) -> float:
     """Prune the Adam moments of `params` in place (8-bit ones through dequantize/quantize); return the share
     of their values now zero."""
+    # heavy: torch and bitsandbytes load only when this runs
     import torch
 
     generator = torch.Generator().manual_seed(seed)
@@ -71,6 +73,7 @@ def prune_optimizer_state(optimizer, params, method: str, ratio: float, seed: in
 def _base_files(cfg) -> list[Path]:
     path = Path(cfg.base_model).expanduser()
     if not path.is_dir():
+        # heavy: huggingface_hub loads only when this runs
         from huggingface_hub import snapshot_download
 
         path = Path(snapshot_download(cfg.base_model, revision=cfg.revision_of_model,
@@ -82,6 +85,7 @@ def _base_files(cfg) -> list[Path]:
 
 
 def read_base_weights(cfg, keys: set[str], dtype) -> dict:
+    # heavy: safetensors loads only when this runs
     from safetensors import safe_open
 
     out = {}
@@ -97,6 +101,7 @@ def read_base_weights(cfg, keys: set[str], dtype) -> dict:
 
 class ReLoRA(Hook):
     def __init__(self, cfg, model, dtype, log=print, optimizer=None):
+        # heavy: peft loads only when this runs
         import peft
 
         self.cfg, self.log, self.dtype, self.optimizer = cfg, log, dtype, optimizer
@@ -115,6 +120,7 @@ class ReLoRA(Hook):
 
     # -- the base weights ------------------------------------------------------------------------------------
     def _delta(self, layer):
+        # heavy: peft loads only when this runs
         import peft
 
         adapter = layer.active_adapter[0] if isinstance(layer.active_adapter, list) else layer.active_adapter
@@ -127,6 +133,7 @@ class ReLoRA(Hook):
         base = layer.get_base_layer()
         old = base.weight
         if self.quantized:
+            # heavy: bitsandbytes loads only when this runs
             import bitsandbytes as bnb
 
             base.weight = bnb.nn.Params4bit(weight.to(self.dtype).cpu(), requires_grad=False,
@@ -143,6 +150,7 @@ class ReLoRA(Hook):
         return {k: layer.get_base_layer().weight.detach().cpu().contiguous() for k, layer in self.layers.items()}
 
     def load(self, path: Path, restarts: int) -> None:
+        # heavy: safetensors and torch load only when this runs
         from safetensors.torch import load_file
 
         weights = load_file(str(path))
@@ -176,6 +184,7 @@ class ReLoRA(Hook):
     # -- the restart -----------------------------------------------------------------------------------------
 
     def restart(self, optimizer, step: int) -> None:
+        # heavy: torch loads only when this runs
         import torch
 
         with torch.no_grad():
@@ -197,6 +206,7 @@ class ReLoRA(Hook):
     # -- the final model -------------------------------------------------------------------------------------
     def write_final(self, model, out_dir: Path, tokenizer) -> None:
         """A full model: the merged base with the current LoRA folded in."""
+        # heavy: torch and transformers load only when this runs
         import torch
 
         if not self.quantized:

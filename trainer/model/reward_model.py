@@ -11,10 +11,14 @@ With LoRA the peft task type is SEQ_CLS / TOKEN_CLS: peft then trains the new he
 
 from __future__ import annotations
 
+
+import contextlib
 from trainer.config import Config
+from trainer.config.rl import num_labels
 
 
 def auto_class(cfg: Config):
+    # heavy: transformers loads only when this runs
     import transformers
 
     name = {"reward": "AutoModelForSequenceClassification", "prm": "AutoModelForTokenClassification"}.get(
@@ -26,7 +30,6 @@ def load_kwargs(cfg: Config, tokenizer) -> dict:
     """Extra from_pretrained arguments for the head: its size and the pad token it pools by."""
     if cfg.objective not in ("reward", "prm"):
         return {}
-    from trainer.config.rl import num_labels
 
     return {"num_labels": num_labels(cfg), "pad_token_id": tokenizer.pad_token_id}
 
@@ -34,8 +37,7 @@ def load_kwargs(cfg: Config, tokenizer) -> dict:
 def head_init(cfg: Config):
     """The new head's random init, seeded by `seed` alone: whether this process tokenised the data (rank 0, or
     a run without a cache) must not change it, or two processes would not train what one process trains."""
-    import contextlib
-
+    # heavy: torch loads only when this runs
     import torch
 
     if cfg.objective not in ("reward", "prm"):
@@ -50,6 +52,7 @@ def disable_dropout(cfg: Config, model) -> None:
     """TRL's RewardConfig and PRMConfig default disable_dropout=True (Axolotl keeps it): every dropout of the
     model is switched off after the adapter is added, lora_dropout and the token-classification head's
     included. (It also makes a step independent of how its micro-batches are spread over processes.)"""
+    # heavy: torch loads only when this runs
     import torch
 
     if cfg.objective in ("reward", "prm"):

@@ -55,6 +55,7 @@ class Pruning:
     """ConstantPruningModifier: the targeted weights' zero pattern, taken now, re-applied after every step."""
 
     def __init__(self, cfg, model: torch.nn.Module, say=print):
+        # heavy: torch loads only when this runs
         import torch  # here, not at the top: config validation imports this module and needs no torch
 
         targets = [t for m in modifiers(cfg.llmcompressor.recipe) for t in m["targets"]]

@@ -12,6 +12,7 @@ Qwen2-VL's image markers, and transformers' CLIP image processor), for `processo
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from trainer.data.formats.prompts import CHATML_TEMPLATE
@@ -30,6 +31,7 @@ SPECIAL_TOKENS = ["<s>", "</s>", "<pad>", "<|im_start|>", "<|im_end|>"]
 
 
 def build_tokenizer(texts: list[str] | None = None, vocab_size: int = 384):
+    # heavy: tokenizers and transformers load only when this runs
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -55,8 +57,7 @@ def build_mistral_tokenizer(out_dir: str | Path, version: str = "v13", vocab: in
     in the last user turn; v7+: [SYSTEM_PROMPT]; v13: thinking chunks). Tekken cuts a vocabulary to its first
     ranks itself (config.default_vocab_size), so this is the same tokenizer with fewer merges. Needs the
     mistral-common package. Returns the path of tekken.json."""
-    import json
-
+    # optional: mistral_common is imported only where it is used
     import mistral_common
     from mistral_common.tokens.tokenizers.base import SpecialTokens
     from mistral_common.tokens.tokenizers.tekken import Tekkenizer
@@ -76,6 +77,7 @@ def build_mistral_tokenizer(out_dir: str | Path, version: str = "v13", vocab: in
 
 
 def build_model(tokenizer, family: str = "llama", seed: int = 0, hidden_size: int = 64, layers: int = 2):
+    # heavy: torch and transformers load only when this runs
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
@@ -99,6 +101,7 @@ IMAGE_SIDE = 28  # the vision tower's image size: 2x2 patches of 14 pixels, 4 im
 
 def build_vision_model(tokenizer, seed: int = 0, hidden_size: int = 64, layers: int = 2):
     """A LLaVA model (transformers' LlavaConfig: CLIP vision config + llama text config) sized for a CPU test."""
+    # heavy: torch and transformers load only when this runs
     import torch
     from transformers import LlavaConfig, LlavaForConditionalGeneration
 
@@ -118,6 +121,7 @@ def build_vision_model(tokenizer, seed: int = 0, hidden_size: int = 64, layers: 
 
 def build_processor(tokenizer):
     """LlavaProcessor: the tokenizer and transformers' CLIP image processor (its PIL backend: no torchvision)."""
+    # heavy: transformers loads only when this runs
     from transformers import LlavaProcessor
 
     try:
@@ -135,6 +139,7 @@ GEMMA3_TOKENS = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
 def build_gemma3_vision(texts: list[str] | None = None, seed: int = 0, hidden_size: int = 64, layers: int = 2):
     """(model, processor): transformers' Gemma 3 (a SigLIP vision tower, its projector, a Gemma 3 language tower)
     with Gemma's turn and image markers on the tokenizer above; 4 image tokens per image, as LLaVA's above."""
+    # heavy: torch and transformers load only when this runs
     import torch
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3Processor, PreTrainedTokenizerFast
 
@@ -183,6 +188,7 @@ def make_tiny_model(out_dir: str | Path, family: str = "llama", texts: list[str]
         build_processor(tokenizer).save_pretrained(out_dir)
         return out_dir
     if family == "mistral":  # the tokenizer is mistral-common's (texts do not apply: tekken is pre-trained)
+        # heavy: transformers loads only when this runs
         from transformers.tokenization_mistral_common import MistralCommonBackend
 
         tokenizer = MistralCommonBackend(build_mistral_tokenizer(out_dir))

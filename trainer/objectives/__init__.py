@@ -8,6 +8,8 @@ evaluation and its packing capacity. The loop and the CLI reach a method only th
 
 from __future__ import annotations
 
+
+import importlib
 from trainer.batch.collate import Collator
 from trainer.config import Config
 from trainer.config.diffusion import enabled as diffusion_enabled
@@ -34,8 +36,6 @@ OBJECTIVES: dict[str, str] = {
 
 def objective_class(cfg: Config) -> type[Objective]:
     """The class that trains this config (cfg.objective, with Axolotl's diffusion plugin as its own SFT)."""
-    import importlib
-
     kind = "diffusion" if cfg.objective == "sft" and diffusion_enabled(cfg) else cfg.objective
     if kind == "sft" and cfg.processor_type:
         kind = "vision"

@@ -18,18 +18,21 @@ No collective ever depends on a rank's data: shapes are fixed by the objective's
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from trainer.batch.labels import IGNORE
 from trainer.batch.sampler import EVALUATION, MultipackBatchSampler
 from trainer.data.prepare import prepare
+from trainer.hooks import Run
 from trainer.objectives import chunked_loss
 from trainer.objectives.loss import MODEL_INPUTS
-from trainer.hooks import Run
+from trainer.parallel.collective import phase
 from trainer.parallel.collective import reduce_sum
 
 
@@ -154,8 +157,6 @@ class ExampleRows(torch.utils.data.Dataset):
 def frozen_copy(model, dtype=None):
     """The starting model, frozen, for objectives that compare against it: None for a peft model, whose starting
     model is the base with the adapter disabled (no copy); else a deep copy in eval mode (cast to dtype if given)."""
-    import copy
-
     if hasattr(model, "disable_adapter"):
         return None
     frozen = copy.deepcopy(model).eval().requires_grad_(False)
@@ -177,10 +178,6 @@ def evaluate_as_step(objective: Objective, model, dataset, reference, where: Sco
     batches = [to_device(objective.collate([rows[r] for r in b]), device) for b in sampler]
     fillers = []
     if where.sharded and world > 1:
-        import torch.distributed as dist
-
-        from trainer.parallel.collective import phase
-
         most = torch.tensor([len(batches)], device=device)
         with phase("evaluation (counting batches)", rank, timeout_s):
             dist.all_reduce(most, op=dist.ReduceOp.MAX)

@@ -15,6 +15,8 @@ they are refused by the config (trainer.config), not skipped.
 
 from __future__ import annotations
 
+
+import torch
 from trainer.batch.labels import IGNORE
 
 STRIDE = 512
@@ -29,8 +31,6 @@ def references(validation, tokenizer) -> list[str]:
 def perplexity(model, tokenizer, texts: list[str], max_seq_len: int, device, chunk: int = 16) -> float:
     """Axolotl's Perplexity.compute over `texts`; rows are fed `chunk` at a time (the loss is a token mean over
     the same fixed window of columns, so chunking rows gives the one-batch value)."""
-    import torch
-
     with torch.no_grad():
         return _perplexity(torch, model, tokenizer, texts, max_seq_len, device, chunk)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from trainer.batch.attention import FLASH_BACKENDS
@@ -19,6 +20,7 @@ from trainer.batch.sampler import EVALUATION, MultipackBatchSampler
 from trainer.errors import ConfigError
 from trainer.objectives.base import Objective
 from trainer.objectives.diffusion_steps import bidirectional_mask, sequence_noise
+from trainer.parallel.collective import phase
 from trainer.parallel.collective import reduce_sum
 
 EVAL_STEP = -1  # the step evaluation draws its noise by: the same masks at every evaluation
@@ -126,10 +128,6 @@ class Diffusion(Objective):
         rows, batches = IndexedRows(dataset), list(sampler)
         steps = len(batches)
         if where.sharded and world > 1:
-            import torch.distributed as dist
-
-            from trainer.parallel.collective import phase
-
             most = torch.tensor([steps], device=device)
             with phase("evaluation (counting batches)", rank, timeout_s):
                 dist.all_reduce(most, op=dist.ReduceOp.MAX)

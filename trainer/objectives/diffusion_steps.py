@@ -3,6 +3,9 @@ validation imports without torch): each sequence's noise, the bidirectional mask
 
 from __future__ import annotations
 
+
+from pathlib import Path
+import json
 import numpy as np
 import torch
 
@@ -98,9 +101,6 @@ def write_samples(run: Run, model, tokenizer, dataset, attention: str, step: int
     (else the training data) are regenerated and appended to output_dir/samples.jsonl ({step, original, masked, generated,
     masked_tokens, total_tokens, original_ids, generated_ids}). A private generator keyed by (seed, step) picks and samples them, so
     training (and its RNG, for exact resume) is untouched. Returns the number written."""
-    import json
-    from pathlib import Path
-
     d, seed, output_dir, log = run.cfg.diffusion, run.cfg.seed, run.output_dir, run.say
     key = np.random.SeedSequence([seed, step, 7]).generate_state(1, dtype=np.uint32)
     generator = torch.Generator().manual_seed(int(key[0]))

@@ -75,6 +75,7 @@ class EBFT(Objective):
     def prepare_data(cls, cfg, tokenizer, rank=0, log=print):
         """Documents through the config's transforms (trainer/objectives/ebft_data.py); the transforms' source
         files are part of the cache key, so editing one re-tokenizes."""
+        # heavy: torch loads only when this runs
         from trainer.data.prepare import prepare
         from trainer.objectives.ebft_data import build_ebft, identity
 

@@ -63,6 +63,7 @@ def identity(cfg) -> list[str]:
 
 
 def build_ebft(cfg, tokenizer):
+    # heavy: datasets loads only when this runs
     import datasets
 
     parts = []

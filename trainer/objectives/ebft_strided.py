@@ -17,14 +17,15 @@ trainer/objectives/ebft_data.py holds the dataset transforms.
 
 from __future__ import annotations
 
+
+import torch
+import torch.nn.functional as F
 from trainer.config.ebft import EbftConfig, num_blocks  # noqa: F401 (the layout's block count, checked by config)
 
 # --- the strided layout ---------------------------------------------------------------------------------------
 
 def strided_positions(seq_len: int, anchor: int, stride: int, blocks: int, steps: int):
     """Position ids [seq_len + steps * blocks]: the document 0..S-1, then token s of block b at a_b + s."""
-    import torch
-
     starts = torch.arange(blocks) * stride + anchor
     gen = (starts[None, :] + torch.arange(steps)[:, None]).flatten()
     return torch.cat([torch.arange(seq_len), gen])
@@ -34,8 +35,6 @@ def strided_mask(seq_len: int, anchor: int, stride: int, blocks: int, steps: int
     """[L, L] bool (True = attend), L = seq_len + steps * blocks: the document is causal; generated token s of
     block b sees the document before min(a_b, seq_len - gen_len) (Axolotl's clamp, which never binds for
     num_blocks' anchors), itself and its block's earlier tokens (Axolotl's _strided_mask_mod)."""
-    import torch
-
     L = seq_len + steps * blocks
     q, k = torch.arange(L)[:, None], torch.arange(L)[None, :]
     doc_q, doc_k = q < seq_len, k < seq_len
@@ -54,8 +53,6 @@ def predicting_positions(seq_len: int, anchor: int, stride: int, blocks: int, st
     which in the step-major layout is another block's token whenever num_blocks > 1, and spreads each block's
     advantage over gen_len consecutive layout positions (block-major); here each token is scored by the logits
     that sampled it, with its own block's advantage -- the paper's REINFORCE estimator."""
-    import torch
-
     b = torch.arange(blocks)
     first = anchor + b * stride - 1
     rest = [seq_len + (s - 1) * blocks + b for s in range(1, steps)]
@@ -65,8 +62,6 @@ def predicting_positions(seq_len: int, anchor: int, stride: int, blocks: int, st
 def sample(logits, temperature: float, top_p: float):
     """One token per row of logits [..., V]: greedy at temperature 0, else softmax(logits / T) restricted to the
     smallest set of most likely tokens whose mass reaches top_p (the token crossing top_p is kept)."""
-    import torch
-
     if temperature == 0:
         return logits.argmax(-1)
     probs = torch.softmax(logits.float() / temperature, dim=-1)
@@ -86,8 +81,6 @@ def whiten(gen, gt, tol: float = 1e-5):
     """SVD whitening per group (Axolotl's rewards.py whiten_embeddings_batched, batched over groups):
     gen, gt [groups, n, D]; W = U diag(1/s) U^T from the SVD of each group's gen^T (singular values below
     tol x the largest dropped); returns (gen W, gt W). Axolotl's retry with noise when the SVD fails is not here."""
-    import torch
-
     u, s, _ = torch.linalg.svd(gen.float().transpose(1, 2), full_matrices=False)  # u [g, D, k], s [g, k]
     inv = torch.where(s > tol * s.amax(-1, keepdim=True), 1.0 / (s + 1e-12), torch.zeros_like(s))
     w = (u * inv[:, None, :]) @ u.transpose(1, 2)
@@ -100,9 +93,6 @@ def block_rewards(gen, gt, e: EbftConfig) -> dict:
     alignment = 2 cos(gen, gt), diversity = 2 mean_{j' != j} gen_j . gen_j' (paper eq 7); reward =
     alignment_coef * alignment - diversity_coef * diversity; cfm = ||mean_j gen_j - gt||^2 (paper eq 2),
     before the factor 2. Returns reward, alignment, diversity [B, N, K] and cfm [B, K]."""
-    import torch
-    import torch.nn.functional as F
-
     B, N, K, D = gen.shape
     gt = gt[:, None].expand(B, N, K, D)
     if e.use_whitening:

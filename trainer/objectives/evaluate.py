@@ -8,11 +8,13 @@ packing, batch size or the number of processes.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from trainer.batch.collate import Collator, Rows, count_targets
 from trainer.batch.sampler import EVALUATION, MultipackBatchSampler
-from trainer.objectives.loss import token_loss_sum
 from trainer.hooks import Run
+from trainer.objectives.loss import token_loss_sum
+from trainer.parallel.collective import phase
 from trainer.parallel.collective import reduce_sum
 
 
@@ -33,9 +35,6 @@ def evaluate(model, dataset, collator: Collator, batch_size: int, capacity: int 
     batches = list(sampler)
     steps = len(batches)
     if sharded and world_size > 1:  # agree on the count first: every forward below is a collective
-        import torch.distributed as dist
-
-        from trainer.parallel.collective import phase
 
         most = torch.tensor([steps], device=device)
         with phase("evaluation (counting batches)", rank, timeout_s):

@@ -36,8 +36,10 @@ import json
 import types
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from trainer.errors import ConfigError
 from trainer.errors import TrainingError
 from trainer.objectives.base import ExampleRows, Objective, frozen_copy
 from trainer.parallel.collective import reduce_sum
@@ -156,6 +158,7 @@ class GRPO(Objective):
 
     @classmethod
     def from_config(cls, cfg, collator, token_loss_sum):
+        # heavy: torch loads only when this runs
         from trainer.objectives.grpo_data import reward_functions
 
         funcs = reward_functions(cfg)
@@ -165,6 +168,7 @@ class GRPO(Objective):
     def prepare_data(cls, cfg, tokenizer, rank=0, log=print):
         """Prompts through the user's transforms, prepared in memory by every process, never cached
         (trainer/objectives/grpo_data.py says why)."""
+        # heavy: torch loads only when this runs
         from trainer.objectives.grpo_data import prepare as prepare_prompts
 
         return prepare_prompts(cfg, tokenizer, log)
@@ -210,12 +214,11 @@ class GRPO(Objective):
         return {"examples": [example for row in rows for example in row]}
 
     def lengths(self, dataset):
-        import numpy as np
-
         return np.asarray(dataset["length"])
 
     # --- generation and rewards (once per step, no grad) --------------------------------------------------
     def generation_config(self):
+        # heavy: transformers loads only when this runs
         from transformers import GenerationConfig
 
         trl = self.trl
@@ -405,6 +408,7 @@ class GRPO(Objective):
         shown = samples[: self.trl.num_completions_to_print if self.trl.num_completions_to_print is not None else len(samples)]
         if not shown:
             return
+        # start-up: rich imported only when this runs
         from rich.console import Console
         from rich.table import Table
 
@@ -423,8 +427,6 @@ class GRPO(Objective):
         by (seed, EVAL, prompt index); rewards, advantages, the loss and its metrics as for a training step, over
         the whole split on all processes (three fixed-size all-reduces)."""
         if self.tokenizer is None:
-            from trainer.errors import ConfigError
-
             raise ConfigError(f"evaluate: rl: {self.name} evaluates while training (eval_ rows in metrics.jsonl, "
                               "with val_set_size); this command does not generate")
         device, rank, world, timeout_s, batch_size = where.device, where.rank, where.world, where.timeout_s, where.batch_size

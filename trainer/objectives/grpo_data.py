@@ -52,6 +52,7 @@ def prompt_ids(prompt, tokenizer) -> list[int]:
 
 def prepare(cfg, tokenizer, log=print):
     """Prepared(train rows {prompt_ids, length, row, index}, validation rows (val_set_size) or None, stats)."""
+    # heavy: datasets loads only when this runs
     import datasets
 
     parts = []

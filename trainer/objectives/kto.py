@@ -53,6 +53,7 @@ class KTO(Objective):
     @classmethod
     def prepare_data(cls, cfg, tokenizer, rank=0, log=print):
         """Desirable/undesirable examples with their mismatched KL pairs (trainer/objectives/preference_data.py)."""
+        # heavy: torch loads only when this runs
         from trainer.objectives.preference_data import build_preference
 
         return prepare(cfg, tokenizer, rank, log, builder=build_preference, kind={"kind": "kto"})

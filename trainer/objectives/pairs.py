@@ -32,6 +32,7 @@ class PairObjective(Objective):
     @classmethod
     def prepare_data(cls, cfg, tokenizer, rank=0, log=print):
         """Preference pairs (trainer/objectives/preference_data.py); DPO, IPO, ORPO and SimPO share their tokens."""
+        # heavy: torch loads only when this runs
         from trainer.objectives.preference_data import build_preference
 
         return prepare(cfg, tokenizer, rank, log, builder=build_preference, kind={"kind": "pairs"})

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from trainer.batch.collate import Collator, Rows
 from trainer.batch.labels import IGNORE
+from trainer.config.rl import num_labels
 from trainer.data.prepare import prepare
 from trainer.objectives.base import Objective
 from trainer.objectives.loss import MODEL_INPUTS
@@ -30,8 +31,6 @@ class PRM(Objective):
 
     @classmethod
     def describe(cls, cfg) -> str:
-        from trainer.config.rl import num_labels
-
         return (f"{cfg.objective} ({'sequence' if cfg.objective == 'reward' else 'token'} classification, "
                 f"num_labels {num_labels(cfg)})")
 

@@ -27,11 +27,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from trainer.batch.sampler import EVALUATION, MultipackBatchSampler
 from trainer.errors import TrainerError
 from trainer.hooks import Run
+from trainer.objectives import capacity
 from trainer.objectives.base import Objective, to_device
+from trainer.parallel.collective import phase
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".json", ".model", ".pt")
 
@@ -41,6 +44,7 @@ def model_identity(source: str) -> str:
     path = Path(source).expanduser()
     if not path.is_dir():
         try:
+            # heavy: transformers loads only when this runs
             from transformers.utils import cached_file
 
             path = Path(cached_file(source, "config.json")).parent  # .../snapshots/<commit>/
@@ -66,6 +70,7 @@ def reference_key(cfg, runtime, objective: Objective) -> str:
 
 def _is_peft(model) -> bool:
     try:
+        # heavy: peft loads only when this runs
         from peft import PeftModel
     except ImportError:
         return False
@@ -81,10 +86,6 @@ def _save_atomic(path: Path, array: np.ndarray) -> None:
 
 def _busiest(count: int, device, rank: int, timeout_s: float) -> int:
     """The most batches any rank has (one all-reduce: every rank calls it)."""
-    import torch.distributed as dist
-
-    from trainer.parallel.collective import phase
-
     most = torch.tensor([count], device=device)
     with phase("reference log-probs (counting batches)", rank, timeout_s):
         dist.all_reduce(most, op=dist.ReduceOp.MAX)
@@ -151,7 +152,6 @@ def reference_logps(objective: Objective, model, data, runtime, run: Run, autoca
     model.eval()
     adapter_off = model.disable_adapter() if _is_peft(model) else nullcontext()  # LoRA: the base is the reference
     batch_size = cfg.eval_batch_size or cfg.micro_batch_size
-    from trainer.objectives import capacity
 
     bins = capacity(cfg, cfg.packing_for_eval)
     layout = f"of-{world}-b{batch_size}-c{bins or 0}"  # which examples each rank's shard holds

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from trainer.batch.collate import Collator
+from trainer.config.rl import num_labels
 from trainer.data.prepare import prepare
 from trainer.objectives.base import ExampleRows, Objective
 from trainer.objectives.pairs import vector
@@ -41,8 +42,6 @@ class Reward(Objective):
 
     @classmethod
     def describe(cls, cfg) -> str:
-        from trainer.config.rl import num_labels
-
         return (f"{cfg.objective} ({'sequence' if cfg.objective == 'reward' else 'token'} classification, "
                 f"num_labels {num_labels(cfg)})")
 

@@ -39,6 +39,7 @@ def bradley_terry(row: dict, ds: DatasetConfig, tokenizer) -> tuple[list[int], l
     """(chosen ids, rejected ids): each answer as the last turn of [system], user, assistant."""
     template = tokenizer.chat_template
     if ds.chat_template:
+        # start-up: trainer.data.formats.chat_templates imported only when this runs
         from trainer.data.formats.chat_templates import resolve
 
         template = resolve(ds.chat_template, ds.chat_template_jinja, tokenizer)
@@ -108,6 +109,7 @@ def _tokenize(raw, ds: DatasetConfig, cfg: Config, tokenizer, workers: int):
         return {"input_ids": ids, "labels": labels, "too_long": too_long, "length": len(ids),
                 "targets": sum(1 for t in labels if t != IGNORE)}
 
+    # heavy: datasets loads only when this runs
     from datasets import Features, Sequence, Value
 
     ids = Sequence(Value("int64"))

@@ -17,6 +17,7 @@ class SFT(Objective):
     @classmethod
     def from_config(cls, cfg, collator, token_loss_sum):
         if cfg.use_eaft:  # entropy-weighted token losses (trainer/objectives/eaft.py), in evaluation too
+            # heavy: torch loads only when this runs
             from trainer.objectives.eaft import EaftLossSum
 
             eaft = EaftLossSum(cfg.eaft_alpha, cfg.eaft_k)

@@ -17,7 +17,7 @@ import torch
 
 from trainer.batch.collate import count_targets
 from trainer.data.formats import vision
-from trainer.data.prepare import filter_and_split, held_out, load_raw, prepare
+from trainer.data.prepare import filter_and_split, held_out, load_raw, load_tokenizer, prepare
 from trainer.objectives import chunked_loss
 from trainer.objectives.base import Objective
 from trainer.objectives.sft import SFT
@@ -30,8 +30,6 @@ class VisionSFT(SFT):
 
     @classmethod
     def from_config(cls, cfg, collator, token_loss_sum):
-        from trainer.data.prepare import load_tokenizer
-
         tokenizer = load_tokenizer(cfg)  # the run's tokenizer, as the data was prepared with
         return cls(collator, token_loss_sum, setup=_setup(cfg, tokenizer))
 
@@ -46,6 +44,7 @@ class VisionSFT(SFT):
             log(note(cfg, m))
 
         def build(cfg, tokenizer):
+            # heavy: datasets loads only when this runs
             import datasets
 
             def each(entries):

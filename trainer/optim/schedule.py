@@ -186,6 +186,7 @@ def jagged(cfg, scheduler):
     """Wrap a LambdaLR schedule with jagged restarts (jagged_restart_steps), else return it."""
     if not cfg.jagged_restart_steps:
         return scheduler
+    # heavy: torch loads only when this runs
     from torch.optim.lr_scheduler import LambdaLR
 
     scale = dict(every=cfg.jagged_restart_steps, warmup=cfg.jagged_restart_warmup_steps or 10,

@@ -41,6 +41,7 @@ def render(tokenizer, messages, **kwargs):
     export and chat-check, printing nothing. Past TEMPLATE_SECONDS: ConfigError naming the tokenizer's directory.
     The budget is a SIGALRM timer, so it holds in the main thread (where every command renders); elsewhere the
     template renders unbounded."""
+    # start-up: signal, threading imported only when this runs
     import signal
     import threading
 
@@ -114,6 +115,7 @@ def generation_config(model_dir: str | Path, tokenizer, base: str | Path | None 
     """The generation config for a trained model: `start` (a GenerationConfig, e.g. the trained model's own), else
     model_dir's or the base's generation_config.json, else the model config's token ids; with eos_token_id extended
     by stop_ids, pad_token_id set where it was not."""
+    # heavy: transformers loads only when this runs
     import copy
 
     from transformers import GenerationConfig
@@ -164,6 +166,7 @@ def model_dir_for(cfg, model: str | None) -> Path:
             raise ConfigError(f"--model {model}: no such directory")
         return path
     out = Path(cfg.output_dir)
+    # start-up: trainer.outputs.made_from imported only when this runs
     from trainer.outputs.made_from import stale_merge
 
     stale = stale_merge(out)
@@ -178,6 +181,7 @@ def model_dir_for(cfg, model: str | None) -> Path:
 
 def load(cfg, model_dir: Path):
     """(model, tokenizer) on CPU in fp32: a full model directory, or an adapter on the config's base model."""
+    # heavy: torch and transformers load only when this runs
     import torch
     import transformers
 
@@ -204,6 +208,7 @@ def load(cfg, model_dir: Path):
 
 
 def _tokenizer(cfg, model_dir: Path):
+    # heavy: transformers loads only when this runs
     from transformers import AutoTokenizer
 
     if cfg.tokenizer_use_mistral_common:
@@ -220,6 +225,7 @@ def chat_check(cfg, model: str | None = None, max_new_tokens: int = MAX_NEW_TOKE
     """Render CONVERSATION with the saved template, generate greedily with the saved generation config, and say
     whether the reply ends with an end-of-turn token. Returns the report (the CLI prints it; `stopped` decides the
     exit code)."""
+    # heavy: torch and transformers load only when this runs
     import torch
 
     model_dir = model_dir_for(cfg, model)

@@ -30,6 +30,7 @@ import pickle
 import random
 import re
 import shutil
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -75,6 +76,7 @@ def save(run: Run, model, optimizer, scheduler, scaler, state: dict, engine=None
     saved: what the hooks add (trainer.hooks.Saved, its state already in `state`): `tensors`, more safetensors files,
     {file name: {name: tensor}} (ReLoRA's merged base); `keep`, a checkpoint name that save_total_limit does not
     delete (early stopping's best, as the HF Trainer)."""
+    # heavy: safetensors loads only when this runs
     from trainer.parallel import distributed
 
     output_dir, step, rank, timeout_s = run.output_dir, state["step"], run.rank, run.timeout_s
@@ -203,6 +205,7 @@ def list_checkpoints(output_dir: Path) -> list[Path]:
 
 def _load_sharded_weights(model, path: Path) -> None:
     """The checkpoint's full weights into an FSDP-sharded model (or adapter)."""
+    # heavy: safetensors loads only when this runs
     from safetensors.torch import load_file
 
     from trainer.parallel import distributed
@@ -223,6 +226,7 @@ def _load_sharded_weights(model, path: Path) -> None:
 
 def load(path: Path, model, optimizer, scheduler, scaler, rank: int, world_size: int, engine=None) -> dict:
     """Restore everything save() wrote; return the trainer state."""
+    # start-up: trainer.parallel.distributed imported only when this runs
     from trainer.parallel import distributed
 
     path = Path(path)
@@ -264,8 +268,7 @@ def _load_model_only(path: Path, state: dict, model, scheduler, engine) -> dict:
     moments are not in the checkpoint), the RNG stays as seeded, and the learning-rate schedule is moved to the
     checkpoint's step (it is a function of the step). The HF Trainer resumes such checkpoints the same way,
     except that its schedule restarts from step 0."""
-    import warnings
-
+    # start-up: trainer.parallel.distributed imported only when this runs
     from trainer.parallel import distributed
 
     if engine is not None and distributed.is_deepspeed(engine):

@@ -75,6 +75,7 @@ class EarlyStopping(Hook):
         """Early stopping ends with the best checkpoint's weights, as load_best_model_at_end."""
         best = self.best_checkpoint(self.output_dir, step)
         if best is not None:
+            # heavy: torch loads only when this runs
             from trainer.model.load import load_weights
 
             load_weights(self.model, best)

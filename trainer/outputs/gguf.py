@@ -21,6 +21,7 @@ written in turn, so memory holds about one tensor. The file is written under a t
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -43,6 +44,7 @@ def readable_by_transformers() -> list[str]:
     """The model types transformers can load from a GGUF (its legacy config mapping and its new loader)."""
     names: set[str] = set()
     try:
+        # heavy: transformers loads only when this runs
         from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
         names |= set(GGUF_SUPPORTED_ARCHITECTURES) - {"general", "tokenizer"}
@@ -61,6 +63,7 @@ def source_dir(cfg) -> Path:
     """output_dir/merged, else output_dir/final when it holds a full model."""
     out = Path(cfg.output_dir)
     if (out / "merged" / "config.json").is_file():
+        # start-up: trainer.outputs.made_from imported only when this runs
         from trainer.outputs.made_from import stale_merge
 
         stale = stale_merge(out)
@@ -151,6 +154,7 @@ def pre_tokenizer_name(tokenizer_json: dict) -> str:
     splits = [s for s in steps if s.get("type") == "Split"]
     if len(splits) == 1 and "ByteLevel" in kinds:
         regex = (splits[0].get("pattern") or {}).get("Regex")
+        # heavy: transformers loads only when this runs
         from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKENIZER_SPLITS
 
         preferred = ("llama-bpe", "qwen2", "tekken", "gpt-4o")
@@ -164,6 +168,7 @@ def pre_tokenizer_name(tokenizer_json: dict) -> str:
 
 def add_tokenizer(writer, model_dir: Path, vocab_size: int, eot_id: int | None) -> dict:
     """Vocabulary, merges, special ids, chat template and end-of-turn id into the writer's metadata."""
+    # heavy: transformers loads only when this runs
     import gguf
     from transformers import AutoTokenizer
 
@@ -228,6 +233,7 @@ def add_tokenizer(writer, model_dir: Path, vocab_size: int, eot_id: int | None) 
 def plan_tensors(model_dir: Path, arch_name: str, blocks: int, outtype: str) -> list[dict]:
     """One entry per tensor to write (GGUF name, source shard and key, shape, GGML type), in checkpoint order,
     from the shards' headers only. ConfigError for a tensor with no GGUF name."""
+    # heavy: safetensors loads only when this runs
     import gguf
     from safetensors import safe_open
 
@@ -260,6 +266,7 @@ def plan_tensors(model_dir: Path, arch_name: str, blocks: int, outtype: str) -> 
 
 def tensor_data(tensor, entry: dict, config: dict, permute_qk: bool):
     """The tensor as the bytes GGUF stores: permuted where llama.cpp permutes, converted to the entry's type."""
+    # heavy: numpy loads only when this runs
     import gguf
     import numpy as np
 
@@ -279,6 +286,7 @@ def export_gguf(config: str | Path, outtype: str = "f16", output: str | Path | N
     if outtype not in OUTTYPES:
         raise ConfigError(f"export: --outtype {outtype}: use one of {', '.join(OUTTYPES)}")
     try:
+        # optional: gguf is imported only where it is used
         import gguf
     except ImportError:
         raise ConfigError("export: the gguf package is not installed (pip install 'envtool-llm[export]', or gguf)") from None
@@ -340,9 +348,7 @@ class Model:
 def write_gguf(writer, cfg, model: Model, plan, outtype, tmp, target, log=print) -> dict:
     """The header, tokenizer and tensors into `tmp` (already open in `writer`), renamed to `target` at the end;
     `tmp` is removed on any error or stop signal. Returns the tokenizer's part of the report."""
-    import itertools
-    import math
-
+    # heavy: numpy and safetensors load only when this runs
     import gguf
     import numpy as np
     from safetensors import safe_open
@@ -380,6 +386,7 @@ def write_gguf(writer, cfg, model: Model, plan, outtype, tmp, target, log=print)
 
 def _add_header(writer, cfg, model: Model, outtype) -> None:
     """The GGUF metadata llama.cpp reads: the model's shapes, rope, norm epsilon and the file's tensor type."""
+    # optional: gguf is imported only where it is used
     import gguf
 
     model_config = model.config

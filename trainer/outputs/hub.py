@@ -14,6 +14,7 @@ from trainer.errors import ConfigError
 def check(cfg) -> None:
     if not cfg.hub_model_id:
         return
+    # heavy: huggingface_hub loads only when this runs
     from huggingface_hub import HfApi
     from huggingface_hub.utils import get_token
 

@@ -104,6 +104,7 @@ class Trackers:
 
     @staticmethod
     def _open_wandb(cfg, output_dir, config, resumed, log):
+        # optional: wandb is imported only where it is used
         import wandb
 
         mode = cfg.wandb_mode or os.environ.get("WANDB_MODE")
@@ -121,6 +122,7 @@ class Trackers:
 
     @staticmethod
     def _open_tensorboard(cfg, output_dir, config, resumed, log):
+        # heavy: torch loads only when this runs
         from torch.utils.tensorboard import SummaryWriter
 
         return ("tensorboard", SummaryWriter(log_dir=str(output_dir / "runs")))
@@ -130,6 +132,7 @@ class Trackers:
         uri = cfg.mlflow_tracking_uri or (output_dir / "mlruns").resolve().as_uri()
         if uri.startswith("file:") or "://" not in uri:
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # the local store mlflow 3 keeps for files
+        # optional: mlflow is imported only where it is used
         import mlflow
 
         mlflow.set_tracking_uri(uri)
@@ -150,6 +153,7 @@ class Trackers:
                     handle.add_scalar(key, value, step)
                 handle.flush()
             elif name == "mlflow":
+                # optional: mlflow is imported only where it is used
                 import mlflow
 
                 mlflow.log_metrics({k.replace("/", "_"): v for k, v in values.items()}, step=step)
@@ -163,6 +167,7 @@ class Trackers:
             elif name == "tensorboard":
                 handle.close()
             elif name == "mlflow":
+                # optional: mlflow is imported only where it is used
                 import mlflow
 
                 mlflow.end_run()

@@ -12,6 +12,7 @@ ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_mo
 
 
 def adapter_fingerprint(final: Path) -> dict:
+    # start-up: trainer.runtime.digest imported only when this runs
     from trainer.runtime.digest import sha256_file
 
     return {name: sha256_file(final / name) for name in ADAPTER_FILES if (final / name).is_file()}

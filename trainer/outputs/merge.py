@@ -73,6 +73,7 @@ class Delta:
         return product.T if self.fan_in_fan_out else product
 
     def merge(self, weight):
+        # heavy: torch loads only when this runs
         import torch
 
         w = weight.float()
@@ -104,6 +105,7 @@ class Adapter:
 def read_adapter(final: Path) -> Adapter:
     """The adapter in final/ as deltas keyed by the base tensor they change. Raises ConfigError for adapters this
     merge cannot reproduce (named), before anything is written."""
+    # heavy: torch and safetensors load only when this runs
     import torch
 
     config = json.loads((final / "adapter_config.json").read_text())
@@ -180,6 +182,7 @@ def pattern_key(final: Path, field: str, patterns: dict, module: str) -> str:
     the `regex` module's time limit: a key like `(.|.)*X` backtracks for ever on a 60-character module name with
     Python's `re`. `regex` is transformers' own dependency, so always here when a merge runs. A key that is not a
     regular expression, or takes longer than PATTERN_SECONDS, is ConfigError naming adapter_config.json and the key."""
+    # optional: regex is imported only where it is used
     import regex
 
     where = final / "adapter_config.json"
@@ -222,6 +225,7 @@ def base_dir(cfg) -> Path:
     if cfg.base_model.startswith(("/", "./", "../", "~")) or cfg.base_model.count("/") > 1:
         raise ConfigError(f"merge-lora: base_model {cfg.base_model}: no such directory (the adapter merges into the "
                           "base it was trained on)")
+    # heavy: huggingface_hub loads only when this runs
     from huggingface_hub import snapshot_download
 
     try:
@@ -240,6 +244,7 @@ def base_shards(base: Path) -> tuple[list[str], dict[str, str]]:
         weight_map = json.loads(index.read_text())["weight_map"]
         shards = sorted(set(weight_map.values()))
     elif (base / "model.safetensors").is_file():
+        # heavy: safetensors loads only when this runs
         from safetensors import safe_open
 
         with safe_open(base / "model.safetensors", framework="pt") as f:
@@ -258,6 +263,7 @@ def base_shards(base: Path) -> tuple[list[str], dict[str, str]]:
 def checkpoint_renames(base: Path, weight_map: dict, trust_remote_code: bool) -> list[tuple[str, str]]:
     """(name in the checkpoint, name in the loaded model) for every tensor that transformers renames while loading
     (its checkpoint conversion mapping: a model built on the meta device says which); [] where it cannot tell."""
+    # heavy: torch and transformers load only when this runs
     import torch
 
     try:
@@ -292,6 +298,7 @@ FLOATS = {"F64", "F32", "F16", "BF16"}
 
 def st_dtype(dtype) -> str:
     """safetensors' name for a torch dtype."""
+    # heavy: torch loads only when this runs
     import torch
 
     names = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -306,6 +313,7 @@ def write_safetensors(path: Path, header: dict, tensors) -> int:
     dict of every tensor). The layout is safetensors' own (8-byte little-endian header length, JSON header padded
     with spaces to 8 bytes, data in header order); the tests read the files back with safe_open and
     from_pretrained. Returns the bytes of tensor data written."""
+    # heavy: torch loads only when this runs
     import struct
 
     import torch
@@ -336,6 +344,7 @@ def merge_lora(config: str | Path, output: str | Path | None = None, dtype: str 
     """Merge output_dir/final into the base, streaming shard by shard; return what was written (see module doc).
     dtype: bf16 | fp16 | fp32, else `precision()` (the CLI passes the run's training precision on this machine,
     from trainer.setup, which this layer does not import), else the base checkpoint's own dtype."""
+    # heavy: torch loads only when this runs
     import torch
 
     from trainer.config import load_config
@@ -428,6 +437,7 @@ def _write_merged(cfg, merge: Merge, tmp: Path, out: Path, log) -> dict:
         if cfg.trust_remote_code:
             for path in base.glob("*.py"):
                 shutil.copy2(path, tmp / path.name)
+        # start-up: trainer.outputs.chat_check, trainer.outputs.made_from imported only when this runs
         from trainer.outputs.chat_check import _tokenizer, write_generation_config
 
         eos = write_generation_config(tmp, _tokenizer(cfg, final), base=base, eot_tokens=cfg.eot_tokens)
@@ -447,6 +457,7 @@ def _write_merged(cfg, merge: Merge, tmp: Path, out: Path, log) -> dict:
 def _merge_shards(merge: Merge, tmp: Path, log) -> tuple[dict, int, int, int | None]:
     """Each base shard with the adapter merged in, written to `tmp` one shard at a time: (the weight map, the bytes
     written, the LoRA weights merged, the vocabulary rows of embeddings resized in training or None)."""
+    # heavy: safetensors loads only when this runs
     from safetensors import safe_open
 
     from trainer.runtime.signals import pause_at

@@ -35,6 +35,7 @@ class Claim:
 
 
 def claim(output_dir: Path) -> Claim:
+    # start-up: fcntl imported only when this runs
     import fcntl
 
     output_dir = Path(output_dir)

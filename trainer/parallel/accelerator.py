@@ -26,6 +26,7 @@ MIXED_PRECISION = {"bf16": "bf16", "fp16": "fp16", "fp32": "no"}
 def make_accelerator(cfg: Config, runtime: Runtime):
     """The run's processes: accelerate's Accelerator with the precision, the sharding backend (FSDP, DeepSpeed),
     the device mesh and the collective timeout the config asks for; `.mesh` is the N-D mesh (None without sizes)."""
+    # heavy: accelerate loads only when this runs
     from accelerate import Accelerator
     from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
 
@@ -112,6 +113,7 @@ def check_device(runtime: Runtime) -> None:
 
 def ddp_kwargs(cfg: Config) -> list:
     """ddp_find_unused_parameters, as in Axolotl/HF (only where set: DDP's default is False)."""
+    # heavy: accelerate loads only when this runs
     from accelerate.utils import DistributedDataParallelKwargs
 
     if cfg.ddp_find_unused_parameters is None:

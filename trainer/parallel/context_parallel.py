@@ -30,6 +30,9 @@ import os
 from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from trainer.batch.labels import IGNORE
 from trainer.config.parallel import context_refusal, recurrent_reason
@@ -98,6 +101,7 @@ class Span(NamedTuple):
 def attend_block(module, query, key, value, span: Span, options: dict):
     """SDPA (transformers' own) of a block of queries against keys lo..hi-1: causal, same document, window.
     `options`: dropout, scaling, window, and whatever else transformers passes to its SDPA."""
+    # heavy: transformers loads only when this runs
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     query_index, starts, lo, hi = span
@@ -122,7 +126,6 @@ def attend(module, query, key, value, query_index, starts, blocks, **options):
     if len(blocks) == 1:
         a, b, lo, hi = blocks[0]
         return attend_block(module, query, key, value, Span(query_index, starts, lo, hi), options)
-    from torch.utils.checkpoint import checkpoint
 
     outs = []
     for a, b, lo, hi in blocks:
@@ -137,8 +140,6 @@ class _GatherSeq(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, tensor, group, world, rank):
-        import torch.distributed as dist
-
         ctx.group, ctx.world, ctx.rank = group, world, rank
         tensor = tensor.contiguous()
         parts = [torch.empty_like(tensor) for _ in range(world)]
@@ -147,8 +148,6 @@ class _GatherSeq(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        import torch.distributed as dist
-
         grad = grad.contiguous()
         if dist.get_backend(ctx.group) == "nccl":
             chunks = [c.contiguous() for c in grad.chunk(ctx.world, dim=2)]
@@ -176,6 +175,7 @@ def _no_mask(*args, **kwargs):
 
 
 def register() -> None:
+    # heavy: transformers loads only when this runs
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
@@ -187,8 +187,6 @@ class ContextParallel:
     """One rank's CP group, and the loss function that splits each batch over it."""
 
     def __init__(self, model, cp: int, tp: int, rank: int, world: int):
-        import torch.distributed as dist
-
         check_model(model, cp)
         self.cp, self.tp = cp, tp
         self.cp_rank = (rank // tp) % cp
@@ -206,9 +204,6 @@ class ContextParallel:
 
     def loss_sum(self, model, batch: dict) -> torch.Tensor:
         """The summed cross-entropy of this rank's slice (its gradient), valued at the whole CP group's sum."""
-        import torch.distributed as dist
-        import torch.nn.functional as F
-
         ids, labels, positions = batch["input_ids"], batch["labels"], batch["position_ids"]
         rows, length = ids.shape
         pad = (-length) % self.cp

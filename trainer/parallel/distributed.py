@@ -11,6 +11,7 @@ source in its SOURCES.toml) is used, with a note.
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -24,6 +25,7 @@ CPU_FSDP1_NOTE = ("fsdp_version: 1 runs as FSDP2 on CPU (accelerate's FSDP1 need
 
 def fsdp_plugin(cfg, runtime):
     """accelerate's FullyShardedDataParallelPlugin for the config."""
+    # heavy: accelerate loads only when this runs
     from accelerate.utils import FullyShardedDataParallelPlugin
 
     settings = fsdp_settings(cfg, cpu=runtime.device == "cpu")
@@ -41,6 +43,7 @@ def fsdp_plugin(cfg, runtime):
 def use_fsdp_on_cpu(accelerator, plugin) -> None:
     """accelerate switches to FSDP only for GPU-like backends; torch's FSDP2 itself runs on CPU over gloo, so on
     CPU the accelerator's state is pointed at the plugin here (everything else is accelerate's own FSDP2 path)."""
+    # heavy: accelerate loads only when this runs
     from accelerate.state import AcceleratorState
     from accelerate.utils import DistributedType
 
@@ -52,12 +55,14 @@ def use_fsdp_on_cpu(accelerator, plugin) -> None:
 
 def is_sharded(model) -> bool:
     """FSDP2 shards parameters as DTensors."""
+    # heavy: torch loads only when this runs
     from torch.distributed.tensor import DTensor
 
     return any(isinstance(p, DTensor) for p in model.parameters())
 
 
 def _options(**kwargs):
+    # heavy: torch loads only when this runs
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     return StateDictOptions(full_state_dict=True, **kwargs)
@@ -67,6 +72,7 @@ def full_model_state(model) -> dict | None:
     """The whole model's state dict on CPU (a collective: every rank calls it); None when not sharded."""
     if not is_sharded(model):
         return None
+    # heavy: torch loads only when this runs
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     return get_model_state_dict(model, options=_options(cpu_offload=True))
@@ -75,18 +81,21 @@ def full_model_state(model) -> dict | None:
 def full_optimizer_state(model, optimizer) -> dict | None:
     if not is_sharded(model):
         return None
+    # heavy: torch loads only when this runs
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     return get_optimizer_state_dict(model, getattr(optimizer, "optimizer", optimizer), options=_options(cpu_offload=True))
 
 
 def load_full_model_state(model, state: dict) -> None:
+    # heavy: torch loads only when this runs
     from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
     set_model_state_dict(model, state, options=_options(strict=False))
 
 
 def load_full_optimizer_state(model, optimizer, state: dict) -> None:
+    # heavy: torch loads only when this runs
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
     set_optimizer_state_dict(model, getattr(optimizer, "optimizer", optimizer), state, options=_options())
@@ -124,6 +133,7 @@ def register_lora_weights(engine) -> int:
     with gradient accumulation). Declared up front, every micro-batch fetches the same parameters."""
     if not is_deepspeed(engine) or engine.zero_optimization_stage() != 3:
         return 0
+    # heavy: torch and deepspeed load only when this runs
     import torch
     from deepspeed.runtime.zero import register_external_parameter
 
@@ -157,7 +167,6 @@ def deepspeed_stage(cfg) -> int | None:
     """The ZeRO stage of the config's DeepSpeed JSON (None: no deepspeed, or a file that says none)."""
     if not cfg.deepspeed:
         return None
-    import json
 
     path = Path(deepspeed_path(cfg.deepspeed))
     try:

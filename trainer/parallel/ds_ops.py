@@ -50,6 +50,7 @@ def extensions_root() -> Path:
     root = os.environ.get("TORCH_EXTENSIONS_DIR")
     if root:
         return Path(root)
+    # heavy: torch loads only when this runs
     import torch
     from torch.utils.cpp_extension import get_default_build_root
 
@@ -66,6 +67,7 @@ def extensions_root() -> Path:
 def installed(op: str) -> bool:
     """Whether DeepSpeed was installed with this op built (then nothing is compiled at run time)."""
     try:
+        # heavy: deepspeed loads only when this runs
         from deepspeed.git_version_info import installed_ops
     except ImportError:
         return False
@@ -77,6 +79,7 @@ def loaded_by_deepspeed(op: str) -> bool:
     if op != SHM_COMM:
         return True
     try:
+        # heavy: deepspeed loads only when this runs
         from deepspeed.ops import __compatible_ops__
     except ImportError:
         return False
@@ -112,6 +115,7 @@ def command_of(pid: int) -> str:
 def build(op: str) -> Path:
     """Build `op` now, as DeepSpeed itself would at its first use (its accelerator's op builder, torch's JIT loader);
     the folder it is in. For a set-up step (.ci/setup), so that no run spends its first minutes compiling."""
+    # heavy: deepspeed loads only when this runs
     from deepspeed.accelerator import get_accelerator
 
     builder = {SHM_COMM: "ShareMemCommBuilder", "cpu_adam": "CPUAdamBuilder", "async_io": "AsyncIOBuilder"}[op]
@@ -140,6 +144,7 @@ def prepare(ds_config: dict, say=print, device: str = "cuda") -> list[str]:
                 except FileNotFoundError:  # its build ended meanwhile
                     pass
                 except OSError as err:  # waiting on it would hang forever
+                    # start-up: trainer.errors imported only when this runs
                     from trainer.errors import TrainingError
 
                     raise TrainingError(f"{lock} is the lock of a DeepSpeed {op} build that was killed before it "

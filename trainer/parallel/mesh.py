@@ -20,6 +20,8 @@ The sizes' rules are checked with the config (trainer/config/parallel.py).
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
 
 from trainer.config.parallel import Mesh  # the sizes laid over the world (mesh_for), read with the config
@@ -36,6 +38,7 @@ def parallelism_config(mesh: Mesh | None):
     if mesh is None or not mesh.hybrid or mesh.tp > 1:
         return None  # (context parallel ranks shard with the data ranks: FSDP over all ranks is the same)
     try:
+        # heavy: accelerate loads only when this runs
         from accelerate import ParallelismConfig
     except ImportError:
         import accelerate
@@ -60,6 +63,7 @@ def attach(accelerator, config) -> None:
 def placement(model) -> str | None:
     """How the prepared model's parameters are really laid out: the device mesh and placements of its first
     sharded (DTensor) parameter, e.g. 'mesh dp_replicate=2 x dp_shard_cp=2, placements Replicate(), Shard(dim=0)'."""
+    # heavy: torch loads only when this runs
     from torch.distributed.tensor import DTensor
 
     param = next((p for p in model.parameters() if isinstance(p, DTensor)), None)
@@ -76,8 +80,8 @@ def load_kwargs(mesh: Mesh | None) -> dict:
     sharded on its (dp_replicate, fsdp, tp) mesh -- tp by the model's tp_plan, FSDP2 over the data ranks."""
     if mesh is None or mesh.tp == 1:
         return {}
-    import dataclasses
 
+    # heavy: transformers loads only when this runs
     import transformers
 
     try:
@@ -104,7 +108,6 @@ def autocast(model, accelerator):
     parallel model is not passed through prepare). fp32 (CPU) runs unchanged."""
     if accelerator.mixed_precision == "no":
         return model
-    import functools
 
     forward = model.forward
 

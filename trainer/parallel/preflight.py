@@ -39,6 +39,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 from trainer.errors import ConfigError
+from trainer.errors import TrainingError
+from trainer.errors import readable, record
 
 STORE_PREFIX = "envtool-preflight"
 STALL_ENV = "ENVTOOL_PREFLIGHT_STALL_RANKS"
@@ -98,6 +100,7 @@ def layout(environ=os.environ) -> Layout:
 def host_facts(shm_path: str = SHM_PATH, rdma_sysfs: str = RDMA_SYSFS) -> dict:
     """This machine as the collectives meet it: /dev/shm's size, the locked-memory limit (None: unlimited), the
     RDMA devices (InfiniBand/RoCE), the host name."""
+    # start-up: resource imported only when this runs
     import resource
 
     captured = os.environ.get(SHM_DF_ENV)
@@ -258,6 +261,7 @@ def shared_findings(dirs: list[dict], answers: dict[int, dict | None], lay: Layo
 
 def catalog_p2p(device_name: str | None, driver: str | None) -> dict | None:
     """gpus.toml's p2p columns for this GPU and driver, as a finding (matrices/catalog.py p2p_advice)."""
+    # start-up: matrices.catalog, trainer.facts imported only when this runs
     from matrices import catalog
     from trainer import facts
 
@@ -298,6 +302,7 @@ class Store:
 
     def __init__(self, lay: Layout, timeout: float, client: bool = False):
         """`client`: a second connection (the watchdog's), never the one that hosts the store."""
+        # heavy: torch loads only when this runs
         from datetime import timedelta
 
         import torch.distributed as dist
@@ -388,6 +393,7 @@ class Preflight:
         return self.finish(found + self.machine_findings())
 
     def pick_backend(self) -> None:
+        # heavy: torch loads only when this runs
         import torch
 
         cuda = torch.cuda.is_available() if self.device in ("auto", "cuda") else False
@@ -468,6 +474,7 @@ class Preflight:
         return shared_findings(dirs, answers, lay)
 
     def all_reduce(self) -> list[dict]:
+        # heavy: torch loads only when this runs
         import torch
         import torch.distributed as dist
         from datetime import timedelta
@@ -534,8 +541,6 @@ class Preflight:
         self.report["all_reduce"] = {"ok": False, "seconds": None, "entered": entered, "finished": finished}
         code = self.finish(self.before_reduce + found + self.machine_findings())
         if self.trainer and code:
-            from trainer.errors import readable, record
-
             rank = self.lay.rank
             line = readable(("error: " if rank == 0 else f"error (rank {rank}): ") + failure_line(self.report))
             if not record(line, code):
@@ -586,6 +591,7 @@ class Preflight:
 def driver_version() -> str | None:
     """The NVIDIA driver's version through NVML (nvidia-ml-py); None on ROCm or where NVML does not answer."""
     try:
+        # optional: pynvml is imported only where it is used
         import pynvml
 
         pynvml.nvmlInit()
@@ -610,8 +616,6 @@ def check_before_training(cfg, device: str, log=print) -> None:
     output_dir and dataset_prepared_path. Raises TrainingError naming the rank or the fact; quiet when all is well.
     Skipped with preflight_timeout: 0, with one process, and under other launchers (Ray Train's workers: rank 0
     would host a store on the port the process group is about to take)."""
-    from trainer.errors import TrainingError
-
     lay = layout()
     if not cfg.preflight_timeout or lay.world < 2 or not lay.agent_store:
         return
@@ -626,6 +630,7 @@ def config_dirs(config: str | None) -> list[tuple[str, str]]:
     """The directories every machine must see: the config's output_dir and dataset_prepared_path."""
     if not config:
         return []
+    # start-up: trainer.config imported only when this runs
     from trainer.config import load_config
 
     cfg, _ = load_config(config)

@@ -18,6 +18,7 @@ class EmptyCacheEvery(Hook):
     def after_step(self, step: int) -> None:
         if step % self.steps:
             return
+        # heavy: accelerate loads only when this runs
         from accelerate.utils.memory import clear_device_cache  # (here: validate reads this module without torch)
 
         clear_device_cache(garbage_collection=True)

@@ -7,6 +7,7 @@ are matrices/' rows, read through trainer/facts.py; each change carries its reas
 
 from __future__ import annotations
 
+import difflib
 import importlib.util
 from dataclasses import asdict, dataclass, field
 
@@ -157,7 +158,6 @@ def gpu_from_name(name: str) -> Gpu:
         vendor, found, target = other
         return Gpu(name=found, compute_capability=None, source="--gpu", vendor=vendor, target=target,
                    bf16_native=vendors.bf16(vendor, target))
-    import difflib
 
     aliases = sorted({catalog.normalize_name(a) for g in facts.rows("gpus", "gpu") for a in g["aliases"]})
     close = difflib.get_close_matches(catalog.normalize_name(name), aliases, n=3, cutoff=0.5)
@@ -181,6 +181,7 @@ def gpu_from_plan(plan: dict, source: str) -> Gpu:
 def probe_gpu() -> Gpu:
     """Ask torch. Compute capability decides bf16 — never torch.cuda.is_bf16_supported(), which says
     True on T4/V100 because it counts emulation. A HIP build (AMD), torch.xpu or MPS: vendors.probe()."""
+    # heavy: torch loads only when this runs
     import torch
 
     other = vendors.probe()

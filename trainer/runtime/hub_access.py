@@ -52,6 +52,7 @@ def hub_datasets(cfg) -> list[str]:
 
 def reachable(url: str, timeout: float = PROBE_TIMEOUT_S) -> str | None:
     """None when `url` answers at all (any HTTP status), else why not, in a few words. One request, no retries."""
+    # optional: httpx is imported only where it is used
     import httpx
 
     try:
@@ -74,6 +75,7 @@ def why_not(text: str) -> str:
 
 
 def cached(repo: str, filename: str, revision: str | None) -> bool:
+    # heavy: huggingface_hub loads only when this runs
     from huggingface_hub import try_to_load_from_cache
 
     try:
@@ -85,6 +87,7 @@ def cached(repo: str, filename: str, revision: str | None) -> bool:
 def go_offline() -> None:
     """HF_HUB_OFFLINE for this process and its children (data loader workers, datasets' processes)."""
     os.environ["HF_HUB_OFFLINE"] = "1"
+    # heavy: huggingface_hub loads only when this runs
     import huggingface_hub.constants as constants
 
     constants.HF_HUB_OFFLINE = True  # read at import time: is_offline_mode() returns this
@@ -113,6 +116,7 @@ def ensure(cfg, log=print) -> None:
 
 
 def cache_dir() -> str:
+    # heavy: huggingface_hub loads only when this runs
     from huggingface_hub import constants
 
     return str(constants.HF_HUB_CACHE)

@@ -74,6 +74,7 @@ class StopRequest:
     def pause_at(self, point: str, say=print) -> None:
         """ENVTOOL_PAUSE_AT=point: say so and wait for a stop signal (the real path goes on afterwards)."""
         if self.previous:  # only while the handler is installed (else the signal would end the process)
+            # start-up: trainer.runtime.signals imported only when this runs
             from trainer.runtime.signals import pause_at
 
             pause_at(point, say, until=lambda: self.requested)

@@ -63,6 +63,7 @@ def bf16(vendor: str, target: str | None) -> bool | None:
 def probe() -> tuple[str, str, str | None, int] | None:
     """(vendor, name, target, count) of the devices this torch build sees beyond CUDA's, else None. A HIP build
     answers to torch.cuda: its target is the device's gcnArchName ('gfx942:sramecc+:xnack-')."""
+    # heavy: torch loads only when this runs
     import torch
 
     if getattr(torch.version, "hip", None) and torch.cuda.is_available():
@@ -102,6 +103,7 @@ def bitsandbytes_covers(target: str | None, rocm: str | None, version: str | Non
     """Whether the ROCm library bitsandbytes `version` loads beside torch's ROCm `rocm` carries `target`'s code
     (rocm.toml [[bitsandbytes]], bitsandbytes' own pick: the highest packaged ROCm <= torch's of the same major,
     else the lowest higher one); (ok, why not)."""
+    # start-up: packaging imported only when this runs
     from packaging.version import Version
 
     rows = [r for r in facts.rows("rocm", "bitsandbytes") if version is None or r["version"] == version]

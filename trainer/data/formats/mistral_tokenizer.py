@@ -40,6 +40,7 @@ def load(cfg):
     if importlib.util.find_spec("mistral_common") is None:
         raise ConfigError("tokenizer_use_mistral_common: the mistral-common package is not installed in this "
                           "environment (pip install 'envtool-llm[mistral]', or mistral-common)")
+    # heavy: transformers loads only when this runs
     from transformers.tokenization_mistral_common import MistralCommonBackend
 
     source = cfg.tokenizer_config or cfg.base_model
@@ -87,6 +88,7 @@ def _messages(row: dict, ds) -> list[dict]:
 
 def encode(tokenizer, messages: list[dict], ds) -> list[int]:
     """mistral-common's ids for a conversation (finetuning mode: it must end with an assistant turn)."""
+    # optional: mistral_common is imported only where it is used
     from mistral_common.protocol.instruct.request import ChatCompletionRequest
 
     try:

@@ -189,6 +189,7 @@ def split_thinking(content: str, key: str) -> dict:
 def render_chat(row: dict, ds: DatasetConfig, tokenizer, eot_tokens: list[str] | None = None) -> tuple[str, Spans, bool]:
     template = tokenizer.chat_template
     if ds.chat_template:  # this dataset's own template
+        # start-up: trainer.data.formats.chat_templates imported only when this runs
         from trainer.data.formats.chat_templates import resolve
 
         template = resolve(ds.chat_template, ds.chat_template_jinja, tokenizer)
@@ -322,6 +323,7 @@ RENDERERS = {
 
 def tokenize_row(row: dict, ds: DatasetConfig, tokenizer, train_on_inputs: bool,
                  eot_tokens: list[str] | None = None) -> dict:
+    # start-up: trainer.data.formats.mistral_tokenizer imported only when this runs
     from trainer.data.formats import mistral_tokenizer
 
     if ds.type == "chat_template" and mistral_tokenizer.is_mistral(tokenizer):  # ids, not text: see that module

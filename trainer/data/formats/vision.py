@@ -162,6 +162,7 @@ def _local(path: str, where: str, base_dir: Path | None) -> Path:
 def load_processor(cfg, tokenizer):
     """Axolotl's load_processor: transformers' `processor_type` class from base_model_config or base_model (revision,
     processor_kwargs, trust_remote_code), its tokenizer replaced by the run's (special tokens, chat template)."""
+    # heavy: transformers loads only when this runs
     import transformers
 
     cls = getattr(transformers, cfg.processor_type)
@@ -189,6 +190,7 @@ RESAMPLING = {"bilinear": "BILINEAR", "bicubic": "BICUBIC", "lanczos": "LANCZOS"
 def load_image(part: dict, where: str, size=None, algorithm: str | None = None):
     """The part's image as RGB, resized as Axolotl does: an int size pads to a square keeping the aspect ratio
     (black bars), a (w, h) pair resizes; bilinear unless image_resize_algorithm says."""
+    # optional: PIL is imported only where it is used
     from PIL import Image, ImageOps, UnidentifiedImageError
 
     try:
@@ -338,6 +340,7 @@ def encode(conversations: list[list[dict]], processor, tokenizer, m: Masking, si
            where: list[str] | None = None) -> dict:
     """The processor's model inputs for these conversations (rendered by the tokenizer's chat template, images
     in order), with labels (-100 where not trained)."""
+    # heavy: torch loads only when this runs
     import torch
 
     texts, images = [], []  # images: one list per conversation, as the processor's apply_chat_template passes them
