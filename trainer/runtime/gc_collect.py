@@ -30,7 +30,8 @@ class CollectEvery(Hook):
         self.collected: list[int] = []  # the steps after which it collected (start: 0)
 
     def collect(self, step: int) -> None:
-        from accelerate.utils.memory import clear_device_cache  # (here: validate reads this module without torch)
+        # heavy: accelerate (and torch) load only when a collection runs; validate reads this module without them
+        from accelerate.utils.memory import clear_device_cache
 
         clear_device_cache(garbage_collection=True)
         self.collected.append(step)
