@@ -60,11 +60,14 @@ def too_big(source: str, where: str) -> list[str]:
     return found
 
 
+def each_module(rule) -> list[str]:
+    """What `rule(source, where)` finds in every module of trainer/ and resolver/."""
+    return [hit for package in ("trainer", "resolver") for path in sorted((REPO / package).rglob("*.py"))
+            for hit in rule(path.read_text(), str(path.relative_to(REPO)))]
+
+
 def test_no_function_in_trainer_or_resolver_is_over_80_lines_or_8_parameters():
-    found = []
-    for package in ("trainer", "resolver"):
-        for path in sorted((REPO / package).rglob("*.py")):
-            found += too_big(path.read_text(), str(path.relative_to(REPO)))
+    found = each_module(too_big)
     assert found == [], ("split these, or group parameters that travel together in one object (a frozen "
                          "dataclass or NamedTuple):\n" + "\n".join(found))
 
@@ -121,10 +124,7 @@ def unexplained_imports(source: str, where: str) -> list[str]:
 
 
 def test_every_import_inside_a_function_says_why():
-    found = []
-    for package in ("trainer", "resolver"):
-        for path in sorted((REPO / package).rglob("*.py")):
-            found += unexplained_imports(path.read_text(), str(path.relative_to(REPO)))
+    found = each_module(unexplained_imports)
     assert found == [], ("move these imports to the top of the module, or say why they wait (a comment on the "
                          "import or the line above: heavy / start-up / optional / cycle):\n" + "\n".join(found))
 
