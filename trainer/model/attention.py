@@ -9,9 +9,14 @@ from __future__ import annotations
 
 from importlib import metadata
 from pathlib import Path
+from types import SimpleNamespace
+import hashlib
 import importlib.util
 import inspect
+import json
+import os
 import sys
+import tempfile
 from matrices import catalog
 from trainer import facts
 from trainer.runtime.hardware import attention_backends, packing, varlen_kernels
@@ -134,9 +139,18 @@ def _plan_runs_sdpa(plan: dict) -> bool:
 
 def _model_class(cfg, local_only: bool):
     """(config, causal-LM class) of the config's model, or None where it cannot be read here (a hub id with no cache
-    when `local_only`, remote code): transformers decides at load then."""
-    if local_only and not _config_at_hand(cfg.base_model):
+    when `local_only`, remote code): transformers decides at load then.
+
+    What the rules read of the two (MODEL_FACTS) is kept on disk, keyed by the config.json's bytes and transformers'
+    version, so a validate, dry run or fit of a model read before does not import transformers' model code (8 s of
+    CPU, most of those commands' time); a model that transformers must import to answer (remote code) is not kept."""
+    file = _config_file(cfg.base_model)
+    if local_only and file is None:
         return None  # (cheap check first: validate stays fast, no transformers import for a model not here)
+    key = None if file is None or cfg.trust_remote_code else _facts_key(file)
+    kept = _kept_facts(key)
+    if kept is not None:
+        return kept
     try:
         # heavy: transformers loads only when this runs
         from transformers import AutoConfig
@@ -144,9 +158,63 @@ def _model_class(cfg, local_only: bool):
 
         config = AutoConfig.from_pretrained(cfg.base_model, trust_remote_code=cfg.trust_remote_code,
                                             local_files_only=local_only)
-        return config, MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+        found = config, MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
     except Exception:
         return None
+    _keep_facts(key, *found)
+    return found
+
+
+# What the rules above read of a model's config and of its class: nothing else may be read of what _model_class
+# returns, as a kept answer holds only these (tests/trainer/model/test_model_facts.py checks both ways agree).
+MODEL_FACTS = {"config": ("attn_logit_softcapping", "attention_dropout", "layer_types", "sliding_window",
+                          "use_sliding_window"),
+               "class": ("__name__", "_supports_sdpa", "_supports_flex_attn", "_supports_attention_backend",
+                         "_compatible_flash_implementations")}
+FACTS_FORMAT = 1  # raised when MODEL_FACTS changes: older kept answers are then never read
+
+
+def facts_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "envtool" / "model-facts"
+
+
+def _facts_key(config_file: Path) -> str | None:
+    try:
+        data = config_file.read_bytes()
+        version = metadata.version("transformers")
+    except (OSError, metadata.PackageNotFoundError):
+        return None
+    return hashlib.sha256(b"%d\0%s\0%s" % (FACTS_FORMAT, version.encode(), data)).hexdigest()
+
+
+def _kept_facts(key: str | None):
+    """The (config, class) kept for `key`, as namespaces holding MODEL_FACTS; None where none is (or it is damaged)."""
+    if key is None:
+        return None
+    try:
+        kept = json.loads((facts_dir() / f"{key}.json").read_text())
+        config, cls = SimpleNamespace(**kept["config"]), SimpleNamespace(**kept["class"])
+        if {*vars(cls)} != {*MODEL_FACTS["class"]}:
+            return None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return config, cls
+
+
+def _keep_facts(key: str | None, config, cls) -> None:
+    if key is None:
+        return
+    missing = object()
+    facts = {"config": {a: v for a in MODEL_FACTS["config"] if (v := getattr(config, a, missing)) is not missing},
+             "class": {a: getattr(cls, a, None) for a in MODEL_FACTS["class"]}}
+    try:
+        text = json.dumps(facts)
+        facts_dir().mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=facts_dir(), suffix=".tmp", delete=False) as out:
+            out.write(text)
+        os.replace(out.name, facts_dir() / f"{key}.json")  # whole or not at all: readers never see half a file
+    except (OSError, TypeError, ValueError):  # a read-only home, a value JSON cannot hold: asked again next time
+        return
 
 
 WINDOW_SIZE_FROM = "2.11"  # varlen_attn takes window_size from torch 2.11 (torch.toml [[varlen]] source)
@@ -211,12 +279,17 @@ def _slides(config) -> bool:
 
 
 def _kernel_takes_window() -> bool:
+    """Whether this torch's varlen_attn takes window_size: from its signature where torch is already imported (the
+    run), else from the installed version against WINDOW_SIZE_FROM (validate, the dry run and fit stay without
+    torch, whose varlen module imports torch._dynamo: 3-5 s). No torch here: the plan's torch decides, and plans
+    with varlen name torch >= 2.10."""
+    if "torch" not in sys.modules:
+        version = _installed_torch()[0]
+        return version is None or _in_range(version, f">={WINDOW_SIZE_FROM}")
     try:
-        # heavy: torch loads only when this runs
-        import inspect
-
+        # heavy: torch's varlen module loads only when this runs (torch itself is already imported here)
         from torch.nn.attention.varlen import varlen_attn
-    except ImportError:  # no torch here: the plan's torch decides, and plans with varlen name torch >= 2.10
+    except ImportError:
         return True
     return "window_size" in inspect.signature(varlen_attn).parameters
 
@@ -280,19 +353,20 @@ def _installed(backend: dict, gpu) -> bool:
     return module is None or gpu.source == "--gpu" or importlib.util.find_spec(module) is not None
 
 
-def _config_at_hand(model: str) -> bool:
-    """Whether the model's config.json is on this machine: a local directory, or the Hub cache."""
+def _config_file(model: str) -> Path | None:
+    """The model's config.json on this machine: in a local directory, or in the Hub cache; None where it is not."""
     if Path(model, "config.json").is_file():
-        return True
+        return Path(model, "config.json")
     if Path(model).exists() or model.count("/") != 1:
-        return False
+        return None
     try:
         # heavy: huggingface_hub loads only when this runs
         from huggingface_hub import try_to_load_from_cache
 
-        return isinstance(try_to_load_from_cache(model, "config.json"), str)
+        found = try_to_load_from_cache(model, "config.json")
     except Exception:
-        return False
+        return None
+    return Path(found) if isinstance(found, str) else None
 
 
 def packed_masks(model) -> bool:

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 
 import importlib
-from trainer.batch.collate import Collator
+from typing import TYPE_CHECKING
 from trainer.config import Config
 from trainer.config.diffusion import enabled as diffusion_enabled
 from trainer.objectives.base import Objective
+
+if TYPE_CHECKING:  # (collate imports torch: validate, the dry run and fit describe objectives without it)
+    from trainer.batch.collate import Collator
 
 
 # cfg.objective -> "module:Class" (each imported only when a config asks for it)
