@@ -17,6 +17,7 @@ How parameters are counted:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from trainer import facts
+from trainer.runtime import kept
 
 
 class ModelConfigError(Exception):
@@ -231,8 +233,12 @@ def model_shape(model: str, revision: str | None = None, trust_remote_code: bool
     config = {**config, **(overrides or {})}
     check_sizes(config, source, overrides or {})
     if exact is not False:
+        key = _shape_key(config, trust_remote_code)
         try:
-            shape = _meta_shape(config, source, directory, trust_remote_code)
+            shape = _kept_shape(key, source)
+            if shape is None:
+                shape = _meta_shape(config, source, directory, trust_remote_code)
+                _keep_shape(key, shape)
             shape.config, shape.trust_remote_code = config, trust_remote_code
             return shape
         except ImportError:
@@ -320,6 +326,52 @@ def quiet_imports():
             logging.disable(previous)
 
     return quiet()
+
+
+# The meta-device count of a config, kept between processes (trainer/runtime/kept.py): building the model needs
+# transformers' model code (5-8 s of CPU per fit or dry run), and the count never changes for the same config and
+# transformers. Not for remote code (the Hub's code may change), nor where transformers does not import here (then
+# the count is analytic, and says so).
+SHAPES, SHAPE_FORMAT = "model-shapes", 1  # raised when ModelShape's fields change
+
+
+def _shape_key(config: dict, trust_remote_code: bool) -> str | None:
+    if trust_remote_code or not _importable("torch", "transformers"):
+        return None
+    try:
+        return kept.key(SHAPE_FORMAT, json.dumps(config, sort_keys=True).encode())
+    except (TypeError, ValueError):
+        return None
+
+
+def _importable(*names: str) -> bool:
+    # start-up: importlib.util imported only when this runs
+    import importlib.util
+
+    try:
+        return all(importlib.util.find_spec(name) is not None for name in names)
+    except (ImportError, ValueError):
+        return False
+
+
+def _kept_shape(key: str | None, source: str) -> ModelShape | None:
+    answer = kept.read(SHAPES, key)
+    if answer is None:
+        return None
+    try:
+        shape = ModelShape(**{**answer, "source": source, "linears": [Linear(**x) for x in answer["linears"]],
+                              "layers": [Layer(**x) for x in answer["layers"]]})
+    except (KeyError, TypeError):
+        return None
+    return shape
+
+
+def _keep_shape(key: str | None, shape: ModelShape) -> None:
+    if key is not None:
+        answer = dataclasses.asdict(shape)
+        for local in ("config", "trust_remote_code", "source"):
+            answer.pop(local)
+        kept.keep(SHAPES, key, answer)
 
 
 def _meta_shape(config: dict, source: str, directory: Path, trust_remote_code: bool) -> ModelShape:

@@ -10,15 +10,12 @@ from __future__ import annotations
 from importlib import metadata
 from pathlib import Path
 from types import SimpleNamespace
-import hashlib
 import importlib.util
 import inspect
-import json
-import os
 import sys
-import tempfile
 from matrices import catalog
 from trainer import facts
+from trainer.runtime import kept
 from trainer.runtime.hardware import attention_backends, packing, varlen_kernels
 from trainer.config.diffusion import enabled as diffusion
 from trainer.runtime.hardware import attention_backend
@@ -174,47 +171,31 @@ MODEL_FACTS = {"config": ("attn_logit_softcapping", "attention_dropout", "layer_
 FACTS_FORMAT = 1  # raised when MODEL_FACTS changes: older kept answers are then never read
 
 
-def facts_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "envtool" / "model-facts"
+KIND = "model-facts"  # trainer/runtime/kept.py
 
 
 def _facts_key(config_file: Path) -> str | None:
     try:
-        data = config_file.read_bytes()
-        version = metadata.version("transformers")
-    except (OSError, metadata.PackageNotFoundError):
+        return kept.key(FACTS_FORMAT, config_file.read_bytes())
+    except OSError:
         return None
-    return hashlib.sha256(b"%d\0%s\0%s" % (FACTS_FORMAT, version.encode(), data)).hexdigest()
 
 
 def _kept_facts(key: str | None):
     """The (config, class) kept for `key`, as namespaces holding MODEL_FACTS; None where none is (or it is damaged)."""
-    if key is None:
-        return None
+    answer = kept.read(KIND, key)
     try:
-        kept = json.loads((facts_dir() / f"{key}.json").read_text())
-        config, cls = SimpleNamespace(**kept["config"]), SimpleNamespace(**kept["class"])
-        if {*vars(cls)} != {*MODEL_FACTS["class"]}:
-            return None
-    except (OSError, ValueError, KeyError, TypeError):
+        config, cls = SimpleNamespace(**answer["config"]), SimpleNamespace(**answer["class"])
+    except (KeyError, TypeError):
         return None
-    return config, cls
+    return (config, cls) if {*vars(cls)} == {*MODEL_FACTS["class"]} else None
 
 
 def _keep_facts(key: str | None, config, cls) -> None:
-    if key is None:
-        return
     missing = object()
-    facts = {"config": {a: v for a in MODEL_FACTS["config"] if (v := getattr(config, a, missing)) is not missing},
-             "class": {a: getattr(cls, a, None) for a in MODEL_FACTS["class"]}}
-    try:
-        text = json.dumps(facts)
-        facts_dir().mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=facts_dir(), suffix=".tmp", delete=False) as out:
-            out.write(text)
-        os.replace(out.name, facts_dir() / f"{key}.json")  # whole or not at all: readers never see half a file
-    except (OSError, TypeError, ValueError):  # a read-only home, a value JSON cannot hold: asked again next time
-        return
+    kept.keep(KIND, key, {
+        "config": {a: v for a in MODEL_FACTS["config"] if (v := getattr(config, a, missing)) is not missing},
+        "class": {a: getattr(cls, a, None) for a in MODEL_FACTS["class"]}})
 
 
 WINDOW_SIZE_FROM = "2.11"  # varlen_attn takes window_size from torch 2.11 (torch.toml [[varlen]] source)

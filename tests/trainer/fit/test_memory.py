@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+import json
+
 import contextlib
 import tomllib
 
@@ -329,6 +331,30 @@ def test_analytic_count_equals_the_meta_build(tmp_path, model_type, cfg):
     assert [(ly.q_dim, ly.kv_dim, ly.mlp_width, ly.experts, ly.top_k, ly.expert_width, ly.norms, ly.qk_norm)
             for ly in analytic.layers] == [(ly.q_dim, ly.kv_dim, ly.mlp_width, ly.experts, ly.top_k,
                                             ly.expert_width, ly.norms, ly.qk_norm) for ly in exact.layers]
+
+
+def test_a_kept_shape_is_the_meta_build(tmp_path, monkeypatch):
+    """The meta count is kept between processes (trainer/runtime/kept.py): read back, it equals the build (a dense
+    model, an MoE, a tied and biased one), is read without building again, and a damaged one is built again."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    built = []
+    real = memory_model._meta_shape
+    monkeypatch.setattr(memory_model, "_meta_shape", lambda *args: built.append(args[0]) or real(*args))
+    kinds = ("gemma3_text", "qwen2_moe", "llama-tied-biased")  # dense with 4 norms, MoE with a shared expert, tied
+    for model_type, cfg in (c for c in family_configs() if c[0] in kinds):
+        model = tmp_path / model_type
+        model.mkdir()
+        (model / "config.json").write_text(json.dumps(cfg))
+        first = memory_model.model_shape(str(model))
+        again = memory_model.model_shape(str(model))
+        assert again == first and again.counted == "meta", model_type
+    assert len(built) == len(kinds)  # each built once, then read
+    kept = list((tmp_path / "cache" / "envtool" / memory_model.SHAPES).glob("*.json"))
+    assert len(kept) == len(built)
+    for file in kept:
+        file.write_text('{"model_type": "llama"}')  # damaged: fields missing
+    assert memory_model.model_shape(str(model)) == first  # (the last family's) built again, equal
+    assert len(built) == len(kept) + 1
 
 
 def test_meta_count_equals_the_loaded_model(tiny_llama):

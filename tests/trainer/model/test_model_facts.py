@@ -14,7 +14,8 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from trainer.config import parse_config
 from trainer.model import attention
-from trainer.model.attention import MODEL_FACTS, facts_dir, for_model
+from trainer.model.attention import KIND, MODEL_FACTS, for_model
+from trainer.runtime import kept as answers
 from trainer.runtime.hardware import gpu_from_name, gpu_from_plan
 from trainer.setup import fit
 from tests.trainer.runtime.test_hardware import plan_for
@@ -33,6 +34,10 @@ for _kind, _ in MODELS.values():  # the model classes imported once, at collecti
 RUNS = [("cpu", "sdpa", None), ("t4", "sdpa", None), ("a100", "flash_attention_2", None),
         ("h100", "flash_attention_2", None), ("a100", "flex_attention", None),
         ("a100", "sdpa", plan_for("A100", "8.0", "sdpa", "bf16") | {"packing": "varlen"})]
+
+
+def facts_dir():
+    return answers.directory(KIND)
 
 
 @pytest.fixture(scope="module")
