@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, field_validator
 
 from trainer import facts
 from trainer.errors import ConfigError
@@ -56,6 +56,17 @@ REFUSED_PLUGINS = {
     "axolotl.integrations.spectrum.SpectrumPlugin": "spectrum layer selection is not supported",
     "axolotl.integrations.lm_eval.LMEvalPlugin": "lm-eval runs are not part of training here",
 }
+AXOLOTL_INTEGRATIONS = "axolotl.integrations."
+
+
+def axolotl_plugin_name(path: str) -> str:
+    """The plugin a `plugins:` entry loads, by Axolotl's load_plugin (axolotl/integrations/base.py): the module as
+    written, and where no such module exists, the same name under axolotl.integrations. (`liger.LigerPlugin` is
+    Axolotl's axolotl.integrations.liger.LigerPlugin)."""
+    under = AXOLOTL_INTEGRATIONS + path
+    if not path.startswith("axolotl.") and (under in ACCEPTED_PLUGINS or under in REFUSED_PLUGINS):
+        return under
+    return path
 
 
 class HardwareKeys(BaseModel):
@@ -90,6 +101,11 @@ class HardwareKeys(BaseModel):
     lora_qkv_kernel: bool = False
     lora_o_kernel: bool = False
 
+    @field_validator("plugins")
+    @classmethod
+    def _axolotl_names(cls, plugins: list[str] | None) -> list[str] | None:
+        return [axolotl_plugin_name(p) for p in plugins] if plugins is not None else None
+
     @property
     def requested_attention(self) -> str | None:
         """attn_implementation, or the legacy flag that says the same."""
@@ -119,8 +135,13 @@ def check_plugins(cfg) -> list[str]:
     for path in cfg.plugins or []:
         if path in REFUSED_PLUGINS:
             problems.append(f"plugins: {path} is not supported ({REFUSED_PLUGINS[path]})")
+        elif path not in ACCEPTED_PLUGINS and path.startswith(AXOLOTL_INTEGRATIONS):
+            problems.append(f"plugins: {path} is not supported (an Axolotl integration this trainer does not "
+                            f"implement; supported: {', '.join(sorted({p.split('.')[2] for p in ACCEPTED_PLUGINS}))})")
         elif path not in ACCEPTED_PLUGINS:
-            problems.append(f"plugins: unknown plugin {path} (known: {', '.join(sorted(ACCEPTED_PLUGINS))})")
+            # Axolotl imports the module and runs its hooks, which may change anything in the run
+            problems.append(f"plugins: {path} is a plugin module of your own, not an Axolotl integration; running "
+                            "plugin code is not supported here (its hooks could change what is trained), remove it")
         elif ACCEPTED_PLUGINS[path]:
             notes.append(f"plugins: {path} is off ({ACCEPTED_PLUGINS[path]})")
     if problems:

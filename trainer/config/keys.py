@@ -84,6 +84,18 @@ def one_edit(a: str, b: str) -> bool:
 SHORT_FORMS = {"lr": "learning_rate", "epochs": "num_epochs", "seq_len": "sequence_len", "max_seq_len": "sequence_len",
                "batch": "micro_batch_size", "grad_accum": "gradient_accumulation_steps"}
 
+# transformers' TrainingArguments (and TRL's config) names that Axolotl fills, one to one, from a key of its own under
+# another name (axolotl/core/builders/base.py and causal.py: training_args_kwargs["lr_scheduler_type"] =
+# cfg.lr_scheduler, ["optim"] = cfg.optimizer, ...; tests/trainer/config/test_training_arguments_names.py checks each
+# against Axolotl's source). Axolotl's schema drops the transformers name, so a config that writes it trains with the
+# default of Axolotl's key; here it is a near miss of that key, with "did you mean".
+TRAINING_ARGUMENTS_NAMES = {
+    "lr_scheduler_type": "lr_scheduler", "optim": "optimizer", "per_device_train_batch_size": "micro_batch_size",
+    "per_device_eval_batch_size": "eval_batch_size", "num_train_epochs": "num_epochs", "max_seq_length": "sequence_len",
+    "max_length": "sequence_len", "desirable_weight": "kto_desirable_weight",
+    "undesirable_weight": "kto_undesirable_weight",
+}
+
 # The keys Axolotl's schema requires (AxolotlInputConfig fields with no default, axolotl 0.19.0, read by
 # scripts/axolotl_oracle.py schema): a config without one is refused there, so here too
 REQUIRED = ("base_model", "learning_rate")

@@ -135,6 +135,8 @@ class Sift:
             close = sorted(f for f in fields if keys.one_edit(key, f))
             if not prefix and keys.SHORT_FORMS.get(key) in fields:
                 close = [keys.SHORT_FORMS[key]]
+            if not prefix and keys.TRAINING_ARGUMENTS_NAMES.get(key) in fields:
+                close = [keys.TRAINING_ARGUMENTS_NAMES[key]]
             # an error where ignoring it would train with the default instead of this value: the key it resembles
             # changes what is trained (resume.py's one table; a dataset's or section's keys always do), else a warning
             trains = bool(prefix) or resume.CLASSES.get(close[0] if close else "", resume.TRAINS) == resume.TRAINS

@@ -15,6 +15,9 @@ from trainer import facts
 from trainer.config.parallel import fsdp_enabled, fsdp_settings
 from trainer.errors import ConfigError
 
+# Axolotl's SUPPORTED_METRICS (axolotl/utils/schemas/validation.py)
+CAUSAL_LM_METRICS = ("sacrebleu", "comet", "ter", "chrf", "perplexity")
+
 
 class TrainingKeys(BaseModel):
     # batching
@@ -145,6 +148,10 @@ class TrainingKeys(BaseModel):
             if self.early_stopping_patience or self.hub_model_id:
                 raise ValueError("relora: not with early_stopping_patience or hub_model_id here (a checkpoint's adapter "
                                  "alone is not the model after merges; push or pick output_dir/final, the full model)")
+        named = set(self.eval_causal_lm_metrics or []) - set(CAUSAL_LM_METRICS)
+        if named:  # Axolotl refuses them whether do_causal_lm_eval is on or not (check_causal_lm_evals)
+            raise ValueError(f"eval_causal_lm_metrics: {', '.join(sorted(named))} is not one of Axolotl's metrics "
+                             f"({', '.join(CAUSAL_LM_METRICS)})")
         if self.do_causal_lm_eval:
             metrics = self.eval_causal_lm_metrics or ["sacrebleu", "comet", "ter", "chrf"]
             other = [m for m in metrics if m != "perplexity"]

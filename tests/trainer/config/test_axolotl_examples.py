@@ -178,7 +178,7 @@ def test_unsupported_keys_are_one_line_naming_key_and_reason(make_config, tmp_pa
     assert result.stderr.startswith("error: loraplus_lr_ratio: LoRA+ (a higher learning rate for LoRA's B matrices) "
                                     "is not implemented")
     result = run_cli("validate", str(make_config("p.yml", plugins=["my.custom.Plugin"])), "--gpu", "a100")
-    assert result.returncode == 2 and "plugins: unknown plugin my.custom.Plugin" in result.stderr
+    assert result.returncode == 2 and "plugins: my.custom.Plugin is a plugin module of your own" in result.stderr
 
 
 @pytest.mark.slow

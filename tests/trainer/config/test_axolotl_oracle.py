@@ -55,6 +55,14 @@ DIFFERENCES: list[tuple[str, str, str]] = [
      r"|is not a transformers (config|processor) class|set it to true or remove it|shrinks the embedding", "inconsistent keys",
      "a key whose companion key is missing or contradicts it, or a value that names nothing: Axolotl ignores one "
      "of them without a word, envtool says which (no silent difference in what is trained)"),
+    (r"is not a key; did you mean '\w+'\? \(the config does not set", "silent difference",
+     "a key Axolotl's schema drops (a near miss or transformers' name of one of its keys: lr_scheduler_type for "
+     "lr_scheduler) while the config leaves the key it means unset: Axolotl trains with that key's default; envtool "
+     "names the key instead (no silent difference in what is trained)"),
+    (r"with rl: \w+ use a transform 'module\.function'", "fails later in Axolotl",
+     "a dataset type without a function under rl: grpo (chat_template, chatml, ...): Axolotl's schema takes it, its RL "
+     "loader then applies the DPO transform of that name (utils/data/rl.py _load_split -> load_dpo), which reads "
+     "chosen/rejected columns a GRPO prompt dataset does not have (KeyError while preprocessing)"),
     (r"unknown placeholder\(s\)", "fails later in Axolotl",
      "a prompt format of one's own naming a placeholder the format is not filled with ({output} in format): "
      "Axolotl's schema takes any string, its prompter's str.format then fails with KeyError while preprocessing"),
