@@ -41,6 +41,7 @@ def make_accelerator(cfg: Config, runtime: Runtime):
     if cfg.deepspeed:  # passed through to accelerate; DeepSpeed then owns accumulation, clipping and stepping
         if importlib.util.find_spec("deepspeed") is None:
             raise ConfigError("deepspeed: the deepspeed package is not installed in this environment")
+        distributed.as_one_process_launch()
         deepspeed = DeepSpeedPlugin(hf_ds_config=str(distributed.deepspeed_path(cfg.deepspeed)),
                                     gradient_accumulation_steps=cfg.gradient_accumulation_steps,
                                     gradient_clipping=cfg.max_grad_norm or 0.0)

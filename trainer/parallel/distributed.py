@@ -12,6 +12,8 @@ source in its SOURCES.toml) is used, with a note.
 from __future__ import annotations
 
 import json
+import os
+import socket
 import sys
 from pathlib import Path
 
@@ -161,6 +163,20 @@ def gathered_model_state(engine, model) -> dict | None:
         state = engine._zero3_consolidated_16bit_state_dict()
         return {k: v.float() for k, v in state.items()} if state is not None else None
     return None
+
+
+def as_one_process_launch() -> None:
+    """DeepSpeed trains only inside a process group, which accelerate makes only under a launcher (LOCAL_RANK set):
+    one process started without one (`python -m trainer train`, `envtool train` on one device) gets what torchrun
+    gives a single process -- rank 0 of 1, meeting itself at 127.0.0.1 on a free port. Before, such a run stopped
+    with "Default process group has not been initialized"."""
+    if "LOCAL_RANK" in os.environ:
+        return
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
 
 
 def deepspeed_stage(cfg) -> int | None:

@@ -131,3 +131,29 @@ def test_lora_under_zero3_resumes_exactly(tmp_path, tiny_llama):
     full, after = train_losses(out), train_losses(again)
     assert sorted(after) == [3, 4]
     assert all(after[s] == pytest.approx(full[s], rel=1e-6) for s in after), (full, after)
+
+
+def test_one_process_without_a_launcher_trains_under_deepspeed_as_without_it(tmp_path, tiny_llama):
+    """`python -m trainer train` (as `envtool train` starts one device's run) with `deepspeed:` and no torchrun:
+    the run makes the one-process group a launcher would (it stopped with "Default process group has not been
+    initialized" before) and reaches the losses of the same run without DeepSpeed."""
+    import yaml
+
+    from tests.trainer.helpers import run_cli
+
+    from trainer.cli import main
+
+    paths = {}
+    for name, extra in (("plain", {}), ("zero2", BACKENDS["zero2"])):
+        cfg = {**common(tmp_path, tiny_llama), "output_dir": str(tmp_path / name), "val_set_size": 0, "max_steps": 3,
+               **extra}
+        cfg.pop("eval_steps")
+        paths[name] = tmp_path / f"{name}.yml"
+        paths[name].write_text(yaml.safe_dump(cfg))
+    assert main(["train", str(paths["plain"])]) == 0  # the reference, in this process
+    result = run_cli("train", str(paths["zero2"]), timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "sharding: DEEPSPEED" in result.stderr
+    plain, zero2 = train_losses(tmp_path / "plain"), train_losses(tmp_path / "zero2")
+    assert plain.keys() == zero2.keys() == {1, 2, 3}
+    assert all(zero2[s] == pytest.approx(plain[s], rel=1e-5) for s in plain), (plain, zero2)
