@@ -37,29 +37,47 @@ info = {"python": "%d.%d" % sys.version_info[:2], "prefix": sys.prefix,
         "packages": {n: version(n) for n in ("torch", "triton", "flash-attn", "flash-attn-3", "xformers",
                                               "transformers", "bitsandbytes", "deepspeed")}}
 info["packages"]["envtool"] = version(__DISTRIBUTION__)  # the key names the tool; the distribution is envtool-llm
-try:
-    import torch
-    hip = getattr(torch.version, "hip", None)
-    xpu = getattr(torch.version, "xpu", None)
-    info["torch"] = {"version": torch.__version__, "cuda": torch.version.cuda, "hip": hip, "xpu": xpu,
-                     "arch_list": torch._C._cuda_getArchFlags().split() if (torch.version.cuda or hip) else []}
-    if xpu:
-        try:
-            info["torch"]["arch_list"] = list(torch.xpu.get_arch_list())
-        except Exception:
-            pass
+def cpu_build():
+    # "quick" (a launch deciding where to train, not doctor): a CPU-only Linux build is read from torch/version.py
+    # without importing torch (2-3 s); every other build is imported, as its import is what doctor checks
+    import importlib.util
+    spec = importlib.util.find_spec("torch") if info["packages"]["torch"] and sys.platform != "darwin" else None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    facts = {}
     try:
-        info["torch"]["mps"] = bool(torch.backends.mps.is_built())
+        exec((Path(list(spec.submodule_search_locations)[0]) / "version.py").read_text(), facts)
     except Exception:
-        info["torch"]["mps"] = False
-except Exception as e:  # a broken torch is a finding, not a crash
-    info["torch"] = {"error": f"{type(e).__name__}: {e}"}
+        return None
+    if facts.get("cuda") or facts.get("hip") or facts.get("xpu"):
+        return None
+    return {"version": facts["__version__"], "cuda": None, "hip": None, "xpu": None, "arch_list": [], "mps": False}
+def imported_build():
+    try:
+        import torch
+        hip = getattr(torch.version, "hip", None)
+        xpu = getattr(torch.version, "xpu", None)
+        found = {"version": torch.__version__, "cuda": torch.version.cuda, "hip": hip, "xpu": xpu,
+                 "arch_list": torch._C._cuda_getArchFlags().split() if (torch.version.cuda or hip) else []}
+        if xpu:
+            try:
+                found["arch_list"] = list(torch.xpu.get_arch_list())
+            except Exception:
+                pass
+        try:
+            found["mps"] = bool(torch.backends.mps.is_built())
+        except Exception:
+            found["mps"] = False
+        return found
+    except Exception as e:  # a broken torch is a finding, not a crash
+        return {"error": f"{type(e).__name__}: {e}"}
+info["torch"] = (sys.argv[1:] == ["quick"] and cpu_build()) or imported_build()
 plan = Path(sys.prefix) / "plan.json"
 info["plan"] = json.loads(plan.read_text()) if plan.is_file() else None
 # compiled attention kernels load their CUDA code at import: try them only where torch sees a GPU
 info["imports"] = {}
 try:
-    on_gpu = bool(info["torch"].get("cuda")) and not info["torch"].get("hip") and torch.cuda.is_available()
+    on_gpu = bool(info["torch"].get("cuda")) and not info["torch"].get("hip") and sys.modules["torch"].cuda.is_available()
 except Exception:
     on_gpu = False
 for module, package in (("flash_attn_interface", "flash-attn-3"),):
@@ -85,17 +103,20 @@ class Finding(NamedTuple):
     fix: str | None = None
 
 
-def probe(venv: Path | None) -> dict:
+def probe(venv: Path | None, quick: bool = False) -> dict:
     python = sys.executable if venv is None else str(Path(venv) / "bin" / "python")
     if venv is not None and not Path(python).exists():
         raise BadInput(f"{venv}: no bin/python; is it a virtual environment?")
-    return probe_python(python, str(venv or "this interpreter"))
+    return probe_python(python, str(venv or "this interpreter"), quick)
 
 
-def probe_python(python: str, name: str | None = None) -> dict:
-    """What is installed in the environment of interpreter `python` (see PROBE)."""
+def probe_python(python: str, name: str | None = None, quick: bool = False) -> dict:
+    """What is installed in the environment of interpreter `python` (see PROBE). `quick`: for a launch deciding
+    which environment trains (not doctor): a CPU-only torch on Linux is read from its version file, not imported
+    (whether it imports is then found by the run itself)."""
     try:
-        out = subprocess.run([python, "-c", PROBE], capture_output=True, text=True, timeout=300)
+        out = subprocess.run([python, "-c", PROBE, *(["quick"] if quick else [])], capture_output=True, text=True,
+                             timeout=300)
     except OSError as e:
         raise BadInput(f"could not run {python}: {e.strerror}") from None
     if out.returncode != 0:

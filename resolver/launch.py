@@ -391,7 +391,7 @@ def active_env_runs(plan: Plan, opts: PlanOptions, required: tuple[str, ...] = (
 
     m = load()
     target = targets(opts.gpu or "auto", m, opts.driver)[0]
-    info = probe(None)
+    info = probe(None, quick=True)
     packages = info.get("packages") or {}
     missing = [n for n in ("torch", "transformers", "envtool") if not packages.get(n)]
     missing += [n for n in required if not packages.get(n) and not _installed(n)]  # (the probe lists a few; the
@@ -549,7 +549,7 @@ def venv_runs(venv: Path, plan: Plan, opts: PlanOptions) -> bool:
     m = load()
     target = targets(opts.gpu or "auto", m, opts.driver)[0]
     try:
-        info = probe(venv)
+        info = probe(venv, quick=True)
     except EnvtoolError:
         return False
     if not (info.get("packages") or {}).get("transformers") or info.get("python") != plan.python:

@@ -101,3 +101,38 @@ def test_the_fix_installs_where_install_accepts(tmp_path):
     (tmp_path / ".venv").symlink_to(tmp_path / ".venv.versions" / "v1")
     assert fix_command(tmp_path / ".venv", "auto", None) == f"envtool install --gpu auto --venv {tmp_path / '.venv'}"
     assert fix_command(None, "t4", None) == "envtool install --system --gpu t4"
+
+
+def test_the_quick_probe_reads_what_the_import_reads_here():
+    """A launch deciding where to train probes quickly (a CPU-only torch read from torch/version.py, 0.2 s instead
+    of 3 s of import); here, a CPU build, it must find what the full probe (doctor's) finds."""
+    from resolver.doctor import probe
+
+    assert probe(None, quick=True) == probe(None)
+
+
+def fake_torch(root, cuda, imports: bool):
+    """A torch installed at `root` as pip lays it out: its metadata, its version file, and a package that may not
+    import (a broken build)."""
+    (root / "torch").mkdir(parents=True)
+    (root / "torch-2.13.0.dist-info").mkdir()
+    (root / "torch-2.13.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: torch\nVersion: 2.13.0\n")
+    (root / "torch" / "version.py").write_text(f"__version__ = '2.13.0+{'cu128' if cuda else 'cpu'}'\n"
+                                               f"cuda = {cuda!r}\nhip = None\n")
+    (root / "torch" / "__init__.py").write_text("" if imports else "raise ImportError('libtorch_cpu.so: cannot open')\n")
+
+
+@pytest.mark.parametrize("cuda", [None, "12.8"])
+def test_the_quick_probe_imports_every_build_but_a_cpu_one(tmp_path, monkeypatch, cuda):
+    """A CUDA build is always imported (whether it imports is what doctor checks for a GPU); only a CPU-only build
+    is read without importing, so a broken one is found by the run, not by the quick probe. doctor (full) finds it."""
+    from resolver.doctor import probe
+
+    fake_torch(tmp_path, cuda, imports=False)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    assert probe(None)["torch"] == {"error": "ImportError: libtorch_cpu.so: cannot open"}
+    quick = probe(None, quick=True)["torch"]
+    if cuda:
+        assert quick == {"error": "ImportError: libtorch_cpu.so: cannot open"}
+    else:
+        assert quick == {"version": "2.13.0+cpu", "cuda": None, "hip": None, "xpu": None, "arch_list": [], "mps": False}
