@@ -148,6 +148,7 @@ class Training:
         if self.main:
             hub.check(cfg)
         hub_access.ensure(cfg, say)  # a hub model with no hub: one line now (or offline from the cache), no retries
+        objectives.check_services(cfg)  # GRPO's vLLM server answers (bounded wait), or one line now
         self.tokenizer = tokenizer = load_tokenizer(cfg)
         if cfg.streamed:  # read while training (trainer/data/streaming.py); checked now, before the model loads
             from trainer.data.streaming import check_stream

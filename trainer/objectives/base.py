@@ -75,6 +75,11 @@ class Objective:
         return prepare(cfg, tokenizer, rank, log)
 
     @classmethod
+    def check_services(cls, cfg) -> None:
+        """Called by `train` before the data and the model load: a service the objective needs (GRPO's vLLM server)
+        answers, or one error line now. Nothing by default."""
+
+    @classmethod
     def capacity(cls, cfg, packing: bool) -> int | None:
         """Tokens per packed row for the sampler (None: one example per row)."""
         return cfg.sequence_len if packing else None
