@@ -156,8 +156,8 @@ def check(cfg) -> list[str]:
     notes = []
     if trl.use_vllm and trl.vllm_lora_sync:
         if cfg.adapter not in ("lora", "qlora"):
-            raise ValueError("trl.vllm_lora_sync: sends the LoRA adapter to the vLLM server, but the config trains no "
-                             "adapter (adapter: lora or qlora); without LoRA set vllm_lora_sync: false")
+            raise ValueError("trl.vllm_lora_sync: needs adapter: lora or qlora (it sends the LoRA adapter to the vLLM "
+                             "server; this config trains no adapter); without LoRA set vllm_lora_sync: false")
         if trl.vllm_enable_sleep_mode:
             notes.append("trl.vllm_enable_sleep_mode: unused (a colocated vLLM's option; the server owns its memory)")
     elif trl.use_vllm:

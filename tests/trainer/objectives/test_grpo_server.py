@@ -130,7 +130,7 @@ def test_no_server_is_one_line_and_exit_1_before_the_model_loads(grpo_config, tm
 
 
 @pytest.mark.parametrize("trl, extra, message", [
-    (SERVER, {}, "trl.vllm_lora_sync: sends the LoRA adapter to the vLLM server, but the config trains no adapter"),
+    (SERVER, {}, "trl.vllm_lora_sync: needs adapter: lora or qlora (it sends the LoRA adapter to the vLLM server"),
     ({"use_data_producer": True}, LORA, "here it needs use_vllm: true with vllm_lora_sync: true"),
     ({"async_prefetch": True}, LORA, "here it needs use_vllm: true with vllm_lora_sync: true"),
     ({**SERVER, "async_prefetch": True}, LORA, "async_prefetch: generating the next batch in the background"),
