@@ -63,7 +63,8 @@ class TrlConfig(BaseModel):
     vllm_lora_sync: bool | None = None  # the LoRA adapter to the server through the filesystem
     sync_ref_model: bool | None = None
     use_data_producer: bool = False  # Axolotl's data-producer trainer; synchronous here (async_prefetch false)
-    async_prefetch: bool = False  # refused: background generation is not implemented
+    async_prefetch: bool = False  # the next step's completions generated while this one trains (one step stale)
+    prefetch_depth: int | None = None  # only 1 (Axolotl's default: one step ahead)
 
     @field_validator("reward_funcs")
     @classmethod
@@ -82,10 +83,9 @@ class TrlConfig(BaseModel):
         if (self.use_data_producer or self.async_prefetch) and not lora_sync:
             raise ValueError("use_data_producer/async_prefetch: Axolotl's asynchronous GRPO generates on a vLLM server; "
                              "here it needs use_vllm: true with vllm_lora_sync: true (and adapter: lora)")
-        if self.async_prefetch:
-            raise ValueError("async_prefetch: generating the next batch in the background (one step stale) is not "
-                             "implemented here; use_data_producer with async_prefetch: false generates each step's "
-                             "completions on the server before the step")
+        if self.prefetch_depth not in (None, 1):
+            raise ValueError(f"prefetch_depth: {self.prefetch_depth}; only 1 (the next step generated while this one "
+                             "trains, Axolotl's default) is implemented")
         if lora_sync and self.vllm_mode == "colocate":
             raise ValueError("vllm_mode: colocate runs vLLM inside the training process (CUDA and the vllm package); "
                              "not supported: use vllm_mode: server with a running vLLM server")

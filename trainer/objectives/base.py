@@ -62,6 +62,9 @@ class Objective:
     needs_reference = False  # reference log-probs are precomputed once (trainer.objectives.reference)
     stats_need_model = False  # step_stats runs forwards (KTO's KL), so its batch must be on the device
     reference_names: tuple[str, ...] = ()  # one column per reference value of an example
+    # set by the loop before each step: a callable giving the next step's loader batches (None: no next step in this
+    # epoch), for an objective that prepares a step ahead (GRPO's async_prefetch); peeking takes nothing
+    upcoming = None
 
     @classmethod
     def from_config(cls, cfg, collator, token_loss_sum) -> Objective:

@@ -251,6 +251,9 @@ class GRPO(Objective):
 
             self.server = ServerGeneration(self.cfg, rank, say)
             say(f"{self.name}: {self.server.describe()}")
+            if self.trl.async_prefetch:
+                say(f"{self.name}: async_prefetch: each next step's completions are generated on the server while "
+                    "this step trains (one step stale; the importance-sampling correction weighs them)")
         if self.beta != 0.0 and not hasattr(model, "disable_adapter"):
             self.ref_model = frozen_copy(model)
             say(f"{self.name}: beta {self.beta:g} with a full fine-tune keeps a frozen copy of the starting model "
@@ -301,6 +304,22 @@ class GRPO(Objective):
                 sample["sampling_logps"] = [float("nan") if lp[0] is None else lp[0] for lp in logprobs[k][:len(kept)]]
             out.append(sample)
         return out
+
+    def server_samples(self, model, examples: list[dict], step: int) -> list[dict]:
+        """This step's completions from the server: prefetched while the previous step trained (async_prefetch), else
+        generated now; between the two the adapter is synced when due; then (async_prefetch) the next step's
+        completions are requested in the background (trainer/objectives/grpo_server.py)."""
+        server = self.server
+        samples = server.take((step, tuple(e["index"] for e in examples)))
+        server.maybe_sync(model, step, lambda: barrier("vLLM adapter sync", self.rank, self.timeout))
+        if samples is None:
+            samples = self.generate_on_server(examples, step)
+        following = self.upcoming() if self.trl.async_prefetch and self.upcoming is not None else None
+        if following:
+            ahead = [e for b in following for e in b["examples"]]
+            server.prefetch((step + 1, tuple(e["index"] for e in ahead)),
+                            lambda: self.generate_on_server(ahead, step + 1))
+        return samples
 
     @torch.no_grad()
     def generate(self, model, examples: list[dict], step: int) -> list[dict]:
@@ -356,9 +375,8 @@ class GRPO(Objective):
         """The step's micro-batches: generate, score, compute advantages and (beta > 0) reference log-probs."""
         step = self.step
         examples = [e for b in loader_batches for e in b["examples"]]
-        if self.server is not None:  # the server generates from the adapter as it is after `step` steps
-            self.server.maybe_sync(model, step, lambda: barrier("vLLM adapter sync", self.rank, self.timeout))
-        samples = self.generate(model, examples, step)
+        samples = self.server_samples(model, examples, step) if self.server is not None else (
+            self.generate(model, examples, step))
         rewards = self.rewards(samples, step)
         advantages, zero_std = compute_advantages(
             rewards, self.weights, self.G, self.aggregation, self.trl.scaling,
@@ -522,6 +540,8 @@ class GRPO(Objective):
                               "with val_set_size); this command does not generate")
         device, rank, world, timeout_s, batch_size = where.device, where.rank, where.world, where.timeout_s, where.batch_size
         mine = [dataset[i] for i in range(rank, len(dataset), world)]
+        if self.server is not None:
+            self.server.settle()  # the next step's prefetch finishes first (one request at a time)
         samples = self.generate(model, mine, EVAL_STEP)
         rewards = self.rewards(samples, EVAL_STEP) if samples else torch.zeros(0, len(self.funcs))
         advantages, zero_std = compute_advantages(

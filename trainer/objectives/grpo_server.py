@@ -16,6 +16,14 @@ What differs from the library, and why:
   `trl.vllm_server_timeout` seconds (TRL's default 240); then one error line (exit 1), before the data and the
   model load (GRPO.check_services).
 
+async_prefetch (Axolotl's AsyncGRPOTrainer, prefetch_depth 1): once step s's completions are in hand and the adapter
+synced, the completions of step s + 1's prompts (the loop's `Objective.upcoming`) are requested in a background thread
+while step s trains: they come from the adapter after s steps and train step s + 1, one step stale, as Axolotl's; the
+importance-sampling correction weighs them. Step s + 1 first waits for them, then syncs, then prefetches s + 2, so a
+sync never overlaps a generation. A prefetch whose prompts are not the step's (an out-of-memory back-off re-batched
+the epoch) is dropped and the step generates in the foreground; the first step, and a resumed run's, generate in the
+foreground too (a resumed async run is therefore not bit-identical to the uninterrupted one).
+
 Sync rule (Axolotl's `_maybe_sync_vllm_weights`): before generating for step s (s optimizer steps done), the adapter is
 saved to `<tmp>/v<N>` and loaded by the server when s % vllm_sync_interval == 0, except at s = 0 (nothing trained
 yet: the fresh adapter is the base). A run resumed from a checkpoint, or started from `lora_model_dir`, syncs before
@@ -26,6 +34,7 @@ the other ranks wait at a barrier, then every rank generates its own prompts ove
 from __future__ import annotations
 
 import atexit
+import concurrent.futures
 import shutil
 import tempfile
 import time
@@ -103,6 +112,7 @@ class ServerGeneration:
         self.timeout = server_timeout(trl)
         self.fresh_adapter = not cfg.lora_model_dir
         self.version, self.last_synced, self.folder = 0, None, None
+        self.pending, self.executor = None, None  # (key, future) of the prefetched generation (async_prefetch)
         wait_for_server(self.url, self.timeout)
         self.client = make_client(self.url)
         self.base_model = self.client.model
@@ -110,6 +120,25 @@ class ServerGeneration:
     def describe(self) -> str:
         return (f"completions from the vLLM server at {self.url} (model {self.base_model}); the LoRA adapter is "
                 f"loaded by the server every {self.interval} step(s) (trl.vllm_lora_sync)")
+
+    def prefetch(self, key, generate) -> None:
+        """Start generate() in the background thread; `take(key)` collects it."""
+        if self.executor is None:
+            self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-prefetch")
+        self.pending = (key, self.executor.submit(generate))
+
+    def take(self, key):
+        """The prefetched result for `key` (waits for it; re-raises its error), else None (none, or another key's)."""
+        if self.pending is None:
+            return None
+        (wanted, future), self.pending = self.pending, None
+        result = future.result()
+        return result if wanted == key else None
+
+    def settle(self) -> None:
+        """Wait for a prefetch in flight, keeping it (nothing else talks to the server meanwhile)."""
+        if self.pending is not None:
+            concurrent.futures.wait([self.pending[1]])
 
     def due(self, step: int) -> bool:
         if step == self.last_synced:

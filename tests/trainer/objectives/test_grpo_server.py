@@ -102,6 +102,51 @@ def test_a_resumed_run_or_a_loaded_adapter_syncs_before_its_first_generation():
     assert syncs(0, False, 3) == [0, 3, 6]  # lora_model_dir: the adapter is not the base
 
 
+def test_async_prefetch_trains_each_step_on_completions_generated_one_step_behind(grpo_config, tiny_llama):  # noqa: F811
+    """GRPO's server path with async_prefetch, driven as the loop drives it (expand's server_samples per step, the
+    loop's Lookahead as `upcoming`): one generation request per step, step s + 1's made right after the sync of step
+    s (so from the adapter after s steps, while step s trains), never overlapping a sync; a prefetch for other prompts
+    (an out-of-memory back-off) is dropped and the step generates in the foreground."""
+    from trainer.config import load_config
+    from trainer.objectives.grpo import GRPO
+    from trainer.objectives.grpo_server import ServerGeneration
+    from trainer.train import Lookahead
+
+    model = policy(tiny_llama)
+    batches = [{"examples": [{"index": i, "prompt_ids": [1, 5 + i], "row": "{}"}]} for i in range(5)]
+    with StandInVLLM(tiny_llama) as server:
+        cfg, _ = load_config(grpo_config("async.yml", rl="grpo", **LORA, micro_batch_size=2, gradient_accumulation_steps=1,
+                                         trl={**SERVER, "vllm_server_port": server.port, "async_prefetch": True,
+                                              "multi_objective_aggregation": None, "max_completion_length": 3}))
+        grpo = GRPO(cfg, types.SimpleNamespace(pad_token_id=0), [], [])
+        grpo.eos_ids, grpo.server = [2], ServerGeneration(cfg, 0, lambda line: None)
+        loader = Lookahead(iter(batches))
+        trained = []
+        for step in range(4):
+            (batch,) = loader.take(1)
+            grpo.upcoming = (lambda: loader.peek(1)) if step < 3 else None
+            samples = grpo.server_samples(model, batch["examples"], step)
+            trained.append((samples[0]["example"]["index"], len(samples)))
+            with torch.no_grad():  # the step trains
+                for name, p in model.named_parameters():
+                    if "lora_B" in name:
+                        p.add_(0.05)
+        assert trained == [(i, 2) for i in range(4)]  # each step's own prompts, num_generations each
+        # requests: step 0 in the foreground, then step s + 1's right after step s's sync (loads 0, 0, 1, 2)
+        assert [g["adapter_loads_before"] for g in server.generations] == [0, 0, 1, 2]
+        assert len(server.loads) == 3  # after steps 1, 2, 3
+        grpo.server.prefetch(("other",), lambda: ["stale"])  # a prefetch for other prompts is dropped
+        assert grpo.server.take((4, (4,))) is None and grpo.server.pending is None
+
+
+def test_lookahead_peeks_without_taking_and_ends_with_the_epoch():
+    from trainer.train import Lookahead
+
+    batches = Lookahead(iter(range(5)))
+    assert batches.take(2) == [0, 1] and batches.peek(2) == [2, 3] and batches.take(1) == [2]
+    assert batches.peek(3) is None and batches.take(2) == [3, 4]
+
+
 def test_importance_ratio_is_axolotls_truncated_or_masked_ratio():
     from trainer.objectives.grpo import importance_ratio
 
@@ -133,7 +178,7 @@ def test_no_server_is_one_line_and_exit_1_before_the_model_loads(grpo_config, tm
     (SERVER, {}, "trl.vllm_lora_sync: needs adapter: lora or qlora (it sends the LoRA adapter to the vLLM server"),
     ({"use_data_producer": True}, LORA, "here it needs use_vllm: true with vllm_lora_sync: true"),
     ({"async_prefetch": True}, LORA, "here it needs use_vllm: true with vllm_lora_sync: true"),
-    ({**SERVER, "async_prefetch": True}, LORA, "async_prefetch: generating the next batch in the background"),
+    ({**SERVER, "async_prefetch": True, "prefetch_depth": 2}, LORA, "prefetch_depth: 2; only 1"),
     ({**SERVER, "vllm_mode": "colocate"}, LORA, "vllm_mode: colocate runs vLLM inside the training process"),
     ({**SERVER, "vllm_importance_sampling_mode": "tis"}, LORA, "vllm_importance_sampling_mode"),
 ])
