@@ -85,7 +85,7 @@ class TrlConfig(BaseModel):
                              "here it needs use_vllm: true with vllm_lora_sync: true (and adapter: lora)")
         if self.prefetch_depth not in (None, 1):
             raise ValueError(f"prefetch_depth: {self.prefetch_depth}; only 1 (the next step generated while this one "
-                             "trains, Axolotl's default) is implemented")
+                             "trains, Axolotl's default): prefetching deeper is not implemented")
         if lora_sync and self.vllm_mode == "colocate":
             raise ValueError("vllm_mode: colocate runs vLLM inside the training process (CUDA and the vllm package); "
                              "not supported: use vllm_mode: server with a running vLLM server")

@@ -180,8 +180,15 @@ class GRPO(Objective):
     @classmethod
     def describe(cls, cfg) -> str:
         trl = cfg.trl
+        where = ""
+        if server_mode(trl):
+            # start-up: grpo_server imports only the standard library at its top
+            from trainer.objectives.grpo_server import base_url
+
+            where = (f"; completions from the vLLM server at {base_url(trl)}, the adapter synced every "
+                     f"{trl.vllm_sync_interval or 1} step(s){', the next step prefetched' if trl.async_prefetch else ''}")
         return (f"{cfg.rl} ({trl.generations} completions per prompt, up to {trl.completion_length} tokens; "
-                f"beta {trl.kl_beta:g}; rewards {', '.join(trl.reward_funcs)})")
+                f"beta {trl.kl_beta:g}; rewards {', '.join(trl.reward_funcs)}{where})")
 
     @classmethod
     def from_config(cls, cfg, collator, token_loss_sum):

@@ -189,6 +189,15 @@ def test_what_is_not_done_here_is_refused_in_one_line(grpo_config, tmp_path, cap
     assert len([line for line in err if line.startswith("error")]) == 1 and message in err[-1], err
 
 
+def test_validate_says_where_completions_come_from_without_asking_the_server(grpo_config, capsys):  # noqa: F811
+    config = grpo_config(rl="grpo", **LORA, trl={**SERVER, "vllm_server_port": free_port(), "async_prefetch": True,
+                                                  "multi_objective_aggregation": None, "vllm_sync_interval": 2})
+    assert main(["validate", str(config)]) == 0
+    out = capsys.readouterr().out
+    assert "completions from the vLLM server at http://127.0.0.1:" in out
+    assert "the adapter synced every 2 step(s), the next step prefetched" in out
+
+
 def test_full_weight_vllm_generates_locally_and_says_why(grpo_config, capsys):  # noqa: F811
     assert main(["validate", str(grpo_config(trl={"use_vllm": True}))]) == 0
     out = capsys.readouterr()
