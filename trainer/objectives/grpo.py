@@ -26,8 +26,8 @@ Per optimizer step each process takes micro_batch_size x gradient_accumulation_s
    bnpo divides each micro-batch's sum by its tokens, then averages micro-batches; dr_grpo divides the sum by
    completions x max_completion_length. Log-probs are of logits / temperature, as TRL's.
 
-With trl.use_vllm + vllm_lora_sync (trainer/objectives/grpo_server.py) step 1's completions come from a vLLM server
-over HTTP instead, the adapter synced to it first (Axolotl's rule), and the loss's clipped term is weighed by
+With trl.use_vllm + vllm_lora_sync (trainer/objectives/grpo_server.py) the completions of 1. come from a vLLM server
+over HTTP instead, the adapter synced to it first (Axolotl's rule; async_prefetch: requested a step ahead), and the loss's clipped term is weighed by
 Axolotl's importance-sampling correction (the trainer's over the server's probability of each sampled token:
 `importance_ratio`; on by default, token_truncate, cap 3).
 
@@ -69,8 +69,9 @@ def importance_ratio(logps, sampling_logps, mask, mode: str, cap: float):
     """Axolotl's vLLM importance-sampling correction (AsyncGRPOTrainer, core/trainers/grpo/async_trainer.py): the ratio
     of the trainer's probability of each sampled token to the server's, exp(logp - logp_vllm) per token (token_*) or
     per completion (sequence_*: summed over its tokens); *_truncate clamps it to [1/cap, cap], *_mask zeroes it above
-    cap and raises it to at least 1/cap. [B, T] or [B, 1]; no gradient."""
-    diff = ((logps - sampling_logps) * mask).detach()
+    cap and raises it to at least 1/cap. A token the server gave no log-prob for (NaN) counts as ratio 1, as TRL's.
+    [B, T] or [B, 1]; no gradient."""
+    diff = torch.nan_to_num(((logps - sampling_logps) * mask).detach(), nan=0.0)
     if mode.startswith("sequence"):
         diff = diff.sum(-1, keepdim=True)
     ratio = torch.exp(diff)
@@ -457,9 +458,8 @@ class GRPO(Objective):
         trl, mask = self.trl, batch["completion_mask"]
         logps = self.token_logps(model, batch)
         is_ratio = None
-        if self.correction is not None and "sampling_logps" in batch:  # NaN log-probs: no correction (ratio 1)
-            is_ratio = importance_ratio(logps, torch.nan_to_num(batch["sampling_logps"], nan=0.0), mask,
-                                        *self.correction)
+        if self.correction is not None and "sampling_logps" in batch:
+            is_ratio = importance_ratio(logps, batch["sampling_logps"], mask, *self.correction)
         per_token, kl, clipped = grpo_per_token_loss(
             logps, logps.detach(), batch.get("ref_logps"), batch["advantages"], mask,
             LossSettings(self.beta, trl.eps_low, trl.eps_high, trl.importance_sampling_level or "token",

@@ -158,6 +158,8 @@ def test_importance_ratio_is_axolotls_truncated_or_masked_ratio():
     assert torch.allclose(importance_ratio(logps, sampling, mask, "token_mask", 3.0),
                           torch.tensor([[1.0, 1 / 3, 1 / 3]]))  # above cap: 0, then the floor
     assert torch.allclose(importance_ratio(logps, sampling, mask, "sequence_truncate", 3.0), torch.tensor([[1.0]]))
+    unknown = torch.tensor([[float("nan"), -0.5, -4.5]])  # no log-prob from the server: ratio 1 there
+    assert importance_ratio(logps, unknown, mask, "token_truncate", 3.0)[0, 0] == 1.0
     half = torch.tensor([[1.0, 0.0, 0.0]])  # masked tokens do not count
     assert torch.allclose(importance_ratio(logps, sampling, half, "sequence_mask", 10.0), torch.tensor([[1.0]]))
 
