@@ -68,6 +68,26 @@ def train(cfg: Config, runtime: Runtime, log=print) -> Path:
             held.release()
 
 
+class Lookahead:
+    """The loader's iterator, with the next step's batches visible before they are taken (`peek`): an objective that
+    prepares a step ahead (GRPO's async_prefetch) reads them through `Objective.upcoming`. Taking is unchanged."""
+
+    def __init__(self, batches):
+        self.batches, self.buffer = batches, []
+
+    def take(self, n: int) -> list:
+        return [self.buffer.pop(0) if self.buffer else next(self.batches) for _ in range(n)]
+
+    def peek(self, n: int) -> list | None:
+        """The next n batches without taking them; None when fewer are left (the epoch's end)."""
+        try:
+            while len(self.buffer) < n:
+                self.buffer.append(next(self.batches))
+        except StopIteration:
+            return None
+        return self.buffer[:n]
+
+
 def cadence(every: int | None, per_epoch: int | None, steps_per_epoch: int) -> int | None:
     """eval_steps / save_steps, or the step interval that gives evals/saves_per_epoch."""
     if every:
@@ -148,6 +168,7 @@ class Training:
         if self.main:
             hub.check(cfg)
         hub_access.ensure(cfg, say)  # a hub model with no hub: one line now (or offline from the cache), no retries
+        objectives.check_services(cfg)  # GRPO's vLLM server answers (bounded wait), or one line now
         self.tokenizer = tokenizer = load_tokenizer(cfg)
         if cfg.streamed:  # read while training (trainer/data/streaming.py); checked now, before the model loads
             from trainer.data.streaming import check_stream
@@ -421,11 +442,14 @@ class Training:
             while self.step < self.total_steps and not stopped:
                 self.sampler.set_epoch(self.epoch)
                 consumed = self.sampler.skip  # micro-batches of this epoch done before a resume
-                batches = iter(self.loader)
-                for _ in range(self.steps_per_epoch - consumed // self.draws):
+                batches = Lookahead(iter(self.loader))
+                left = self.steps_per_epoch - consumed // self.draws
+                for i in range(left):
                     started = time.perf_counter()
                     self.hooks.before_step(self.step)
-                    micro_batches = [next(batches) for _ in range(self.draws)]  # to the device one at a time
+                    micro_batches = batches.take(self.draws)  # to the device one at a time
+                    ahead = i + 1 < left and self.step + 1 < self.total_steps  # the next step is of this epoch
+                    self.objective.upcoming = (lambda b=batches: b.peek(self.draws)) if ahead else None
                     consumed += self.draws
                     oom = None
                     try:

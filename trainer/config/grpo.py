@@ -16,7 +16,7 @@ from trainer.config.parallel import deepspeed_path
 
 GENERATING_METHODS = ("grpo", "gdpo")
 
-# trl.* keys that change nothing here because the feature they configure is off or absent (vLLM is refused).
+# trl.* keys of the vLLM path: honoured with use_vllm + vllm_lora_sync (trainer/objectives/grpo_server.py), else unused.
 VLLM_KEYS = ("vllm_mode", "vllm_server_host", "vllm_server_port", "vllm_server_timeout", "vllm_guided_decoding_regex",
              "vllm_enable_sleep_mode", "vllm_importance_sampling_correction", "vllm_importance_sampling_mode",
              "vllm_importance_sampling_cap", "vllm_sync_interval", "vllm_lora_sync")
@@ -27,7 +27,7 @@ class TrlConfig(BaseModel):
 
     beta: float | None = Field(None, ge=0)  # KL coefficient; TRL's default 0.0 (no reference model at all)
     max_completion_length: int | None = Field(None, ge=1)  # TRL's default 512
-    use_vllm: bool = False  # true: off here (a note); completions come from model.generate
+    use_vllm: bool = False  # with vllm_lora_sync: completions from a vLLM server; without: model.generate (a note)
     reward_funcs: list[str] | None = None  # "module.function", imported from the config's directory or the cwd
     reward_weights: list[float] | None = None  # default 1.0 each
     num_generations: int | None = Field(None, ge=2)  # completions per prompt (a group); TRL's default 8
@@ -48,21 +48,23 @@ class TrlConfig(BaseModel):
     use_bias_correction_kl: bool | None = None  # TRL's default true: the KL term times the importance ratio
     mask_truncated_completions: bool = False  # completions cut at max_completion_length get no loss
     multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] | None = None
-    # Axolotl's keys for vLLM and the async trainer: only their off values are accepted (checked below)
-    vllm_mode: str | None = None
-    vllm_server_host: str | None = None
-    vllm_server_port: int | None = None
-    vllm_server_timeout: int | None = None
-    vllm_guided_decoding_regex: str | None = None
-    vllm_enable_sleep_mode: bool | None = None
-    vllm_importance_sampling_correction: bool | None = None
-    vllm_importance_sampling_mode: str | None = None
-    vllm_importance_sampling_cap: float | None = None
-    vllm_sync_interval: int | None = None
-    vllm_lora_sync: bool | None = None
+    # Axolotl's keys for vLLM and its async GRPO trainer (utils/schemas/trl.py; checked below)
+    vllm_mode: Literal["server", "colocate"] | None = None  # only server (TRL's default)
+    vllm_server_host: str | None = None  # Axolotl's default 0.0.0.0
+    vllm_server_port: int | None = Field(None, ge=1, le=65535)  # 8000
+    vllm_server_timeout: int | None = Field(None, ge=0)  # seconds to wait for /health; TRL's default 240
+    vllm_guided_decoding_regex: str | None = None  # passed to the server (structured_outputs regex)
+    vllm_enable_sleep_mode: bool | None = None  # colocate only
+    vllm_importance_sampling_correction: bool | None = None  # Axolotl's async default true
+    vllm_importance_sampling_mode: Literal["token_truncate", "token_mask", "sequence_truncate",
+                                           "sequence_mask"] | None = None  # token_truncate
+    vllm_importance_sampling_cap: float | None = Field(None, gt=0)  # 3.0
+    vllm_sync_interval: int | None = Field(None, ge=1)  # adapter synced every N steps; 1
+    vllm_lora_sync: bool | None = None  # the LoRA adapter to the server through the filesystem
     sync_ref_model: bool | None = None
-    use_data_producer: bool = False
-    async_prefetch: bool = False
+    use_data_producer: bool = False  # Axolotl's data-producer trainer; synchronous here (async_prefetch false)
+    async_prefetch: bool = False  # the next step's completions generated while this one trains (one step stale)
+    prefetch_depth: int | None = None  # only 1 (Axolotl's default: one step ahead)
 
     @field_validator("reward_funcs")
     @classmethod
@@ -77,8 +79,16 @@ class TrlConfig(BaseModel):
     def _supported(self) -> TrlConfig:
         if self.sync_ref_model:
             raise ValueError("sync_ref_model: not supported (the reference is the starting model)")
-        if self.use_data_producer or self.async_prefetch:
-            raise ValueError("use_data_producer/async_prefetch: Axolotl's asynchronous GRPO needs vLLM; not supported")
+        lora_sync = self.use_vllm and self.vllm_lora_sync
+        if (self.use_data_producer or self.async_prefetch) and not lora_sync:
+            raise ValueError("use_data_producer/async_prefetch: Axolotl's asynchronous GRPO generates on a vLLM server; "
+                             "here it needs use_vllm: true with vllm_lora_sync: true (and adapter: lora)")
+        if self.prefetch_depth not in (None, 1):
+            raise ValueError(f"prefetch_depth: {self.prefetch_depth}; only 1 (the next step generated while this one "
+                             "trains, Axolotl's default): prefetching deeper is not implemented")
+        if lora_sync and self.vllm_mode == "colocate":
+            raise ValueError("vllm_mode: colocate runs vLLM inside the training process (CUDA and the vllm package); "
+                             "not supported: use vllm_mode: server with a running vLLM server")
         if self.num_iterations not in (None, 1):
             raise ValueError("num_iterations: only 1 (one policy update per generation batch) is supported")
         if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
@@ -144,9 +154,16 @@ def check(cfg) -> list[str]:
             raise ValueError(f"datasets.{i}.type: {ds.type!r}; with rl: {cfg.rl} use a transform 'module.function' "
                              "(as Axolotl's rwd.gsm8k_transform) or no type (rows with a prompt column)")
     notes = []
-    if trl.use_vllm:
-        notes.append("trl.use_vllm: off (vLLM is not part of this trainer: the completions are sampled from the policy "
-                     "with its own model.generate, with the same sampling settings; slower, and no vLLM server is used)")
+    if trl.use_vllm and trl.vllm_lora_sync:
+        if cfg.adapter not in ("lora", "qlora"):
+            raise ValueError("trl.vllm_lora_sync: needs adapter: lora or qlora (it sends the LoRA adapter to the vLLM "
+                             "server; this config trains no adapter); without LoRA set vllm_lora_sync: false")
+        if trl.vllm_enable_sleep_mode:
+            notes.append("trl.vllm_enable_sleep_mode: unused (a colocated vLLM's option; the server owns its memory)")
+    elif trl.use_vllm:
+        notes.append("trl.use_vllm: off without vllm_lora_sync (TRL's full-weight sync to a vLLM server needs CUDA and "
+                     "vLLM's NCCL weight-transfer engine in the trainer: completions are sampled with model.generate, "
+                     "with the same sampling settings; with adapter: lora, vllm_lora_sync: true uses the server)")
     elif any(getattr(trl, k) is not None for k in VLLM_KEYS):
         notes.append("trl.vllm_*: ignored, use_vllm is false (completions come from model.generate)")
     return notes

@@ -60,6 +60,11 @@ def prepare(cfg: Config, tokenizer, rank: int = 0, log=print):
     return objective_class(cfg).prepare_data(cfg, tokenizer, rank, log)
 
 
+def check_services(cfg: Config) -> None:
+    """Before a training run loads anything slow: the services the objective needs answer (Objective.check_services)."""
+    objective_class(cfg).check_services(cfg)
+
+
 def capacity(cfg: Config, packing: bool) -> int | None:
     """Bin capacity for the packing sampler (None: no packing): the objective's own (pairs pack both sequences)."""
     return objective_class(cfg).capacity(cfg, packing)

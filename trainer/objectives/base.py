@@ -62,6 +62,9 @@ class Objective:
     needs_reference = False  # reference log-probs are precomputed once (trainer.objectives.reference)
     stats_need_model = False  # step_stats runs forwards (KTO's KL), so its batch must be on the device
     reference_names: tuple[str, ...] = ()  # one column per reference value of an example
+    # set by the loop before each step: a callable giving the next step's loader batches (None: no next step in this
+    # epoch), for an objective that prepares a step ahead (GRPO's async_prefetch); peeking takes nothing
+    upcoming = None
 
     @classmethod
     def from_config(cls, cfg, collator, token_loss_sum) -> Objective:
@@ -73,6 +76,11 @@ class Objective:
         """The data hook: the rows this objective trains on, prepared once (trainer/data/prepare.py caches them,
         rank 0 prepares, the others wait). SFT's prompt formats unless the objective builds its own rows."""
         return prepare(cfg, tokenizer, rank, log)
+
+    @classmethod
+    def check_services(cls, cfg) -> None:
+        """Called by `train` before the data and the model load: a service the objective needs (GRPO's vLLM server)
+        answers, or one error line now. Nothing by default."""
 
     @classmethod
     def capacity(cls, cfg, packing: bool) -> int | None:

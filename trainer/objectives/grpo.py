@@ -26,6 +26,11 @@ Per optimizer step each process takes micro_batch_size x gradient_accumulation_s
    bnpo divides each micro-batch's sum by its tokens, then averages micro-batches; dr_grpo divides the sum by
    completions x max_completion_length. Log-probs are of logits / temperature, as TRL's.
 
+With trl.use_vllm + vllm_lora_sync (trainer/objectives/grpo_server.py) the completions of 1. come from a vLLM server
+over HTTP instead, the adapter synced to it first (Axolotl's rule; async_prefetch: requested a step ahead), and the loss's clipped term is weighed by
+Axolotl's importance-sampling correction (the trainer's over the server's probability of each sampled token:
+`importance_ratio`; on by default, token_truncate, cap 3).
+
 The reference (beta > 0 only) is the starting model: with LoRA the base with the adapter disabled (no copy),
 for a full fine-tune a frozen copy taken before any step (and before a checkpoint's weights load).
 """
@@ -42,7 +47,7 @@ import torch
 from trainer.errors import ConfigError
 from trainer.errors import TrainingError
 from trainer.objectives.base import ExampleRows, Objective, frozen_copy
-from trainer.parallel.collective import reduce_sum
+from trainer.parallel.collective import barrier, reduce_sum
 
 EPS = 1e-4  # TRL's
 EVAL_STEP = -1  # the step the evaluation's sampling RNG is keyed by (the same prompts draw alike at every evaluation)
@@ -60,8 +65,24 @@ class LossSettings:
     bias_correction_kl: bool = True
 
 
-def grpo_per_token_loss(logps, old_logps, ref_logps, advantages, mask, settings: LossSettings):
-    """(per-token loss [B, T] (or [B, 1] at sequence level without KL), per-token KL or None, clipped [B, T])."""
+def importance_ratio(logps, sampling_logps, mask, mode: str, cap: float):
+    """Axolotl's vLLM importance-sampling correction (AsyncGRPOTrainer, core/trainers/grpo/async_trainer.py): the ratio
+    of the trainer's probability of each sampled token to the server's, exp(logp - logp_vllm) per token (token_*) or
+    per completion (sequence_*: summed over its tokens); *_truncate clamps it to [1/cap, cap], *_mask zeroes it above
+    cap and raises it to at least 1/cap. A token the server gave no log-prob for (NaN) counts as ratio 1, as TRL's.
+    [B, T] or [B, 1]; no gradient."""
+    diff = torch.nan_to_num(((logps - sampling_logps) * mask).detach(), nan=0.0)
+    if mode.startswith("sequence"):
+        diff = diff.sum(-1, keepdim=True)
+    ratio = torch.exp(diff)
+    if mode.endswith("truncate"):
+        return ratio.clamp(min=1.0 / cap, max=cap)
+    return ratio.masked_fill(ratio > cap, 0.0).clamp(min=1.0 / cap)
+
+
+def grpo_per_token_loss(logps, old_logps, ref_logps, advantages, mask, settings: LossSettings, is_ratio=None):
+    """(per-token loss [B, T] (or [B, 1] at sequence level without KL), per-token KL or None, clipped [B, T]).
+    is_ratio (vLLM's importance-sampling correction) weighs the clipped term, before the KL is added (TRL's order)."""
     beta, eps_low, eps_high = settings.beta, settings.eps_low, settings.eps_high
     level, bias_correction_kl = settings.level, settings.bias_correction_kl
     adv = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
@@ -71,6 +92,8 @@ def grpo_per_token_loss(logps, old_logps, ref_logps, advantages, mask, settings:
     coef_1 = torch.exp(log_ratio)
     coef_2 = torch.clamp(coef_1, 1 - eps_low, 1 + eps_high)
     per_token = -torch.min(coef_1 * adv, coef_2 * adv)
+    if is_ratio is not None:
+        per_token = per_token * is_ratio
     kl = None
     if beta != 0.0:
         kl = torch.exp(ref_logps - logps) - (ref_logps - logps) - 1
@@ -146,6 +169,11 @@ def compute_advantages(rewards_per_func: torch.Tensor, weights: torch.Tensor, nu
     return torch.nan_to_num(advantages, nan=0.0), zero_std
 
 
+def server_mode(trl) -> bool:
+    """Completions from a vLLM server with the adapter synced through the filesystem (else model.generate)."""
+    return bool(trl.use_vllm and trl.vllm_lora_sync)
+
+
 class GRPO(Objective):
     stat_names = ("completions", "completion_tokens", "micro_batches")
     progress_names = ("reward", "kl")
@@ -153,8 +181,15 @@ class GRPO(Objective):
     @classmethod
     def describe(cls, cfg) -> str:
         trl = cfg.trl
+        where = ""
+        if server_mode(trl):
+            # start-up: grpo_server imports only the standard library at its top
+            from trainer.objectives.grpo_server import base_url
+
+            where = (f"; completions from the vLLM server at {base_url(trl)}, the adapter synced every "
+                     f"{trl.vllm_sync_interval or 1} step(s){', the next step prefetched' if trl.async_prefetch else ''}")
         return (f"{cfg.rl} ({trl.generations} completions per prompt, up to {trl.completion_length} tokens; "
-                f"beta {trl.kl_beta:g}; rewards {', '.join(trl.reward_funcs)})")
+                f"beta {trl.kl_beta:g}; rewards {', '.join(trl.reward_funcs)}{where})")
 
     @classmethod
     def from_config(cls, cfg, collator, token_loss_sum):
@@ -173,6 +208,15 @@ class GRPO(Objective):
 
         return prepare_prompts(cfg, tokenizer, log)
 
+    @classmethod
+    def check_services(cls, cfg) -> None:
+        """The vLLM server answers before the model loads, or the run stops in one line (use_vllm + vllm_lora_sync)."""
+        if server_mode(cfg.trl):
+            # heavy: requests loads only when this runs
+            from trainer.objectives.grpo_server import base_url, server_timeout, wait_for_server
+
+            wait_for_server(base_url(cfg.trl), server_timeout(cfg.trl))
+
     def __init__(self, cfg, collator, reward_funcs: list, reward_names: list[str]):
         trl = cfg.trl
         self.name = cfg.rl
@@ -188,6 +232,13 @@ class GRPO(Objective):
         self.metric_names = ("loss", "tokens", "completions", "completion_tokens", "kl_sum", "clipped",
                              "truncated", "zero_std", "reward_sum", "reward_sq", "reward_n",
                              *[f"{n}/{k}" for n in reward_names for k in ("sum", "sq", "n")])
+        self.server = None  # trainer.objectives.grpo_server.ServerGeneration (use_vllm + vllm_lora_sync)
+        self.correction = None  # (mode, cap) of the importance-sampling correction of server completions
+        if server_mode(trl):
+            if trl.vllm_importance_sampling_correction is not False:  # Axolotl's defaults: on, token_truncate, 3.0
+                self.correction = (trl.vllm_importance_sampling_mode or "token_truncate",
+                                   trl.vllm_importance_sampling_cap or 3.0)
+                self.metric_names += ("is_ratio_sum", "is_ratio_n")
         self.tokenizer = self.ref_model = None
         self.rank, self.timeout, self.output_dir, self.say = 0, 1800.0, None, print
 
@@ -202,6 +253,15 @@ class GRPO(Objective):
         eos = model.generation_config.eos_token_id if model.generation_config is not None else None
         eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
         self.eos_ids = ([tokenizer.eos_token_id] if tokenizer.eos_token_id not in eos else []) + eos
+        if server_mode(self.trl):  # before the first step: a server that does not answer is one line, now
+            # heavy: requests and trl load only when this runs
+            from trainer.objectives.grpo_server import ServerGeneration
+
+            self.server = ServerGeneration(self.cfg, rank, say)
+            say(f"{self.name}: {self.server.describe()}")
+            if self.trl.async_prefetch:
+                say(f"{self.name}: async_prefetch: each next step's completions are generated on the server while "
+                    "this step trains (one step stale; the importance-sampling correction weighs them)")
         if self.beta != 0.0 and not hasattr(model, "disable_adapter"):
             self.ref_model = frozen_copy(model)
             say(f"{self.name}: beta {self.beta:g} with a full fine-tune keeps a frozen copy of the starting model "
@@ -228,9 +288,52 @@ class GRPO(Objective):
                                 min_p=trl.min_p, repetition_penalty=trl.repetition_penalty or 1.0,
                                 num_return_sequences=self.G)
 
+    def trim(self, ids: list[int]) -> tuple[list[int], bool]:
+        """(ids up to and with the first end-of-sequence token, truncated: no such token)."""
+        end = next((i for i, t in enumerate(ids) if t in self.eos_ids), None)
+        return (ids, True) if end is None else (ids[:end + 1], False)
+
+    def generate_on_server(self, examples: list[dict], step: int) -> list[dict]:
+        """The same completions' shape from the vLLM server (prompt-major, num_generations each), with the server's
+        log-probs of the sampled tokens (for the importance-sampling correction)."""
+        if not examples:
+            return []
+        seed = ((self.seed * 1_000_003 + step) * 1_000_033 + examples[0]["index"]) % 2**31
+        got = self.server.generate([e["prompt_ids"] for e in examples], self.G, self.trl.completion_length, seed)
+        ids, logprobs = got["completion_ids"], got.get("logprobs")
+        if len(ids) != len(examples) * self.G:
+            raise TrainingError(f"trl.use_vllm: the vLLM server returned {len(ids)} completions for {len(examples)} "
+                                f"prompts x {self.G} generations")
+        out = []
+        for k, completion in enumerate(ids):
+            kept, truncated = self.trim(list(completion))
+            sample = {"example": examples[k // self.G], "completion_ids": kept, "truncated": truncated}
+            if logprobs is not None:
+                sample["sampling_logps"] = [float("nan") if lp[0] is None else lp[0] for lp in logprobs[k][:len(kept)]]
+            out.append(sample)
+        return out
+
+    def server_samples(self, model, examples: list[dict], step: int) -> list[dict]:
+        """This step's completions from the server: prefetched while the previous step trained (async_prefetch), else
+        generated now; between the two the adapter is synced when due; then (async_prefetch) the next step's
+        completions are requested in the background (trainer/objectives/grpo_server.py)."""
+        server = self.server
+        samples = server.take((step, tuple(e["index"] for e in examples)))
+        server.maybe_sync(model, step, lambda: barrier("vLLM adapter sync", self.rank, self.timeout))
+        if samples is None:
+            samples = self.generate_on_server(examples, step)
+        following = self.upcoming() if self.trl.async_prefetch and self.upcoming is not None else None
+        if following:
+            ahead = [e for b in following for e in b["examples"]]
+            server.prefetch((step + 1, tuple(e["index"] for e in ahead)),
+                            lambda: self.generate_on_server(ahead, step + 1))
+        return samples
+
     @torch.no_grad()
     def generate(self, model, examples: list[dict], step: int) -> list[dict]:
         """num_generations completions per prompt, trimmed after the first end-of-sequence token."""
+        if self.server is not None:
+            return self.generate_on_server(examples, step)
         device = next(model.parameters()).device
         config = self.generation_config()
         out = []
@@ -245,9 +348,8 @@ class GRPO(Objective):
                     generated = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt),
                                                generation_config=config)[:, prompt.shape[1]:].tolist()
                     for ids in generated:
-                        end = next((i for i, t in enumerate(ids) if t in self.eos_ids), None)
-                        out.append({"example": example, "completion_ids": ids if end is None else ids[:end + 1],
-                                    "truncated": end is None})
+                        kept, truncated = self.trim(ids)
+                        out.append({"example": example, "completion_ids": kept, "truncated": truncated})
         finally:
             model.train(was_training)
         return out
@@ -281,7 +383,8 @@ class GRPO(Objective):
         """The step's micro-batches: generate, score, compute advantages and (beta > 0) reference log-probs."""
         step = self.step
         examples = [e for b in loader_batches for e in b["examples"]]
-        samples = self.generate(model, examples, step)
+        samples = self.server_samples(model, examples, step) if self.server is not None else (
+            self.generate(model, examples, step))
         rewards = self.rewards(samples, step)
         advantages, zero_std = compute_advantages(
             rewards, self.weights, self.G, self.aggregation, self.trl.scaling,
@@ -307,15 +410,19 @@ class GRPO(Objective):
         attention = torch.zeros((len(seqs), width), dtype=torch.long)
         positions = torch.zeros((len(seqs), longest), dtype=torch.long)
         mask = torch.zeros((len(seqs), longest), dtype=torch.float32)
+        sampling = torch.zeros((len(seqs), longest), dtype=torch.float32) if "sampling_logps" in samples[0] else None
         for b, (seq, s) in enumerate(zip(seqs, samples)):
+            if sampling is not None:
+                sampling[b, :len(s["sampling_logps"])] = torch.tensor(s["sampling_logps"], dtype=torch.float32)
             ids[b, :len(seq)] = torch.tensor(seq)
             attention[b, :len(seq)] = 1
             p, c = len(s["example"]["prompt_ids"]), len(s["completion_ids"])
             positions[b] = torch.arange(p - 1, p - 1 + longest).clamp(max=width - 2)
             if not (self.trl.mask_truncated_completions and s["truncated"]):
                 mask[b, :c] = 1.0
-        return {"input_ids": ids.to(device), "attention_mask": attention.to(device), "positions": positions.to(device),
-                "completion_mask": mask.to(device),
+        extra = {} if sampling is None else {"sampling_logps": sampling.to(device)}
+        return {**extra, "input_ids": ids.to(device), "attention_mask": attention.to(device),
+                "positions": positions.to(device), "completion_mask": mask.to(device),
                 "advantages": torch.tensor([s["advantage"] for s in samples], device=device),
                 "rewards": torch.tensor([s["rewards"] for s in samples], dtype=torch.float64),
                 "truncated": float(sum(s["truncated"] for s in samples)),
@@ -350,10 +457,13 @@ class GRPO(Objective):
     def loss(self, model, batch, totals):
         trl, mask = self.trl, batch["completion_mask"]
         logps = self.token_logps(model, batch)
+        is_ratio = None
+        if self.correction is not None and "sampling_logps" in batch:
+            is_ratio = importance_ratio(logps, batch["sampling_logps"], mask, *self.correction)
         per_token, kl, clipped = grpo_per_token_loss(
             logps, logps.detach(), batch.get("ref_logps"), batch["advantages"], mask,
             LossSettings(self.beta, trl.eps_low, trl.eps_high, trl.importance_sampling_level or "token",
-                         trl.use_bias_correction_kl is not False))
+                         trl.use_bias_correction_kl is not False), is_ratio)
         loss = aggregate(per_token, mask, self.loss_type, totals, trl.completion_length)
         rewards = batch["rewards"]
         weighted = (rewards * self.weights.double().unsqueeze(0)).nansum(dim=1)
@@ -367,6 +477,10 @@ class GRPO(Objective):
             col = rewards[:, k]
             good = ~torch.isnan(col)
             values += [float(col[good].sum()), float((col[good] ** 2).sum()), float(good.sum())]
+        if self.correction is not None:
+            weights = mask if is_ratio is None or is_ratio.shape[-1] == mask.shape[-1] else mask.amax(-1, keepdim=True)
+            ratio = torch.ones_like(weights) if is_ratio is None else is_ratio
+            values += [float((ratio * weights).sum()), float(weights.sum())]
         return loss, torch.tensor([float(v) for v in values], dtype=torch.float64)
 
     def report(self, sums, totals):
@@ -394,6 +508,8 @@ class GRPO(Objective):
             row["kl"] = sums["kl_sum"] / masked_tokens
         row["clip_ratio/region_mean"] = sums["clipped"] / masked_tokens
         row["completions"] = int(sums["completions"])
+        if self.correction is not None and sums["is_ratio_n"]:  # TRL's and Axolotl's metric name
+            row["sampling/importance_sampling_ratio/mean"] = sums["is_ratio_sum"] / sums["is_ratio_n"]
         return row
 
     def log_completions(self, samples: list[dict], step: int) -> None:
@@ -431,6 +547,8 @@ class GRPO(Objective):
                               "with val_set_size); this command does not generate")
         device, rank, world, timeout_s, batch_size = where.device, where.rank, where.world, where.timeout_s, where.batch_size
         mine = [dataset[i] for i in range(rank, len(dataset), world)]
+        if self.server is not None:
+            self.server.settle()  # the next step's prefetch finishes first (one request at a time)
         samples = self.generate(model, mine, EVAL_STEP)
         rewards = self.rewards(samples, EVAL_STEP) if samples else torch.zeros(0, len(self.funcs))
         advantages, zero_std = compute_advantages(
