@@ -96,6 +96,11 @@ TRAINING_ARGUMENTS_NAMES = {
     "undesirable_weight": "kto_undesirable_weight",
 }
 
+# Keys resume.py classes "may change" (a resumed run may set them anew) that still decide what is trained: how long it
+# trains. A near miss of one (num_train_epochs, max_step) is an error, as for a key that trains: ignored, the run would
+# train for the default length instead of the one written.
+LENGTH = ("num_epochs", "max_steps")
+
 # The keys Axolotl's schema requires (AxolotlInputConfig fields with no default, axolotl 0.19.0, read by
 # scripts/axolotl_oracle.py schema): a config without one is refused there, so here too
 REQUIRED = ("base_model", "learning_rate")

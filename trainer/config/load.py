@@ -139,7 +139,8 @@ class Sift:
                 close = [keys.TRAINING_ARGUMENTS_NAMES[key]]
             # an error where ignoring it would train with the default instead of this value: the key it resembles
             # changes what is trained (resume.py's one table; a dataset's or section's keys always do), else a warning
-            trains = bool(prefix) or resume.CLASSES.get(close[0] if close else "", resume.TRAINS) == resume.TRAINS
+            trains = bool(prefix) or resume.CLASSES.get(close[0] if close else "", resume.TRAINS) == resume.TRAINS \
+                or bool(close) and close[0] in keys.LENGTH
             if close and close[0] not in given and trains:
                 self.problems.append(f"'{where}{key}' is not a key; did you mean '{where}{close[0]}'? (the config does "
                                      f"not set {close[0]}: ignoring {key} would train with its default)")

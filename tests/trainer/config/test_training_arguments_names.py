@@ -61,3 +61,12 @@ def test_through_the_command(tmp_path, capsys):
     assert capsys.readouterr().err.strip() == (
         f"error: {config}: 'lr_scheduler_type' is not a key; did you mean 'lr_scheduler'? (the config does not set "
         "lr_scheduler: ignoring lr_scheduler_type would train with its default)")
+
+
+@pytest.mark.parametrize("name,key", [("num_train_epochs", "num_epochs"), ("max_step", "max_steps"),
+                                      ("num_epoch", "num_epochs")])
+def test_a_near_miss_of_the_length_is_refused(name, key):
+    """num_epochs and max_steps may change on resume (resume.py), but ignoring a near miss of one would train for
+    the default length instead of the one written: an error, not a warning."""
+    with pytest.raises(ConfigError, match=f"'{name}' is not a key; did you mean '{key}'"):
+        parse_config({**BASE, name: 3})
