@@ -144,16 +144,17 @@ def test_one_process_without_a_launcher_trains_under_deepspeed_as_without_it(tmp
     from trainer.cli import main
 
     paths = {}
-    for name, extra in (("plain", {}), ("zero2", BACKENDS["zero2"])):
+    # ZeRO-1 as Axolotl ships it (the bundled copy): no optimizer offload, so no cpu_adam build (minutes) in CI
+    for name, extra in (("plain", {}), ("zero1", {"deepspeed": "deepspeed_configs/zero1.json"})):
         cfg = {**common(tmp_path, tiny_llama), "output_dir": str(tmp_path / name), "val_set_size": 0, "max_steps": 3,
                **extra}
         cfg.pop("eval_steps")
         paths[name] = tmp_path / f"{name}.yml"
         paths[name].write_text(yaml.safe_dump(cfg))
     assert main(["train", str(paths["plain"])]) == 0  # the reference, in this process
-    result = run_cli("train", str(paths["zero2"]), timeout=240)
+    result = run_cli("train", str(paths["zero1"]), timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "sharding: DEEPSPEED" in result.stderr
-    plain, zero2 = train_losses(tmp_path / "plain"), train_losses(tmp_path / "zero2")
-    assert plain.keys() == zero2.keys() == {1, 2, 3}
-    assert all(zero2[s] == pytest.approx(plain[s], rel=1e-5) for s in plain), (plain, zero2)
+    plain, zero1 = train_losses(tmp_path / "plain"), train_losses(tmp_path / "zero1")
+    assert plain.keys() == zero1.keys() == {1, 2, 3}
+    assert all(zero1[s] == pytest.approx(plain[s], rel=1e-5) for s in plain), (plain, zero1)
