@@ -29,6 +29,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from tests.support import oracle
 import yaml
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -142,10 +143,7 @@ def _explained(problem: str) -> str | None:
 
 @pytest.mark.slow
 def test_where_axolotl_accepts_a_config_envtool_does_or_says_why(tmp_path, monkeypatch):
-    if not (ORACLE / "axolotl").is_dir():
-        if os.environ.get("CI"):
-            pytest.fail(f"the Axolotl oracle is not installed at {ORACLE} (.ci/setup installs it)")
-        pytest.skip(f"the Axolotl oracle is not installed at {ORACLE} (.ci/setup installs it)")
+    oracle.require(ORACLE / "axolotl", ORACLE)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
     configs: list[tuple[str, dict, Path]] = []

@@ -4,6 +4,7 @@ rewrite never overrides a key the config also sets; every `migrated` row of matr
 from __future__ import annotations
 
 import pytest
+from tests.support import oracle
 
 from trainer.config import DatasetConfig, parse_config
 from trainer.config import keys
@@ -96,8 +97,7 @@ def test_falsy_as_default_is_every_such_rewrite_of_axolotls_normalize_config():
     from trainer.config.migrate import FALSY_AS_DEFAULT
 
     source = Path(__file__).resolve().parents[3] / ".ci-cache/axolotl-oracle/axolotl/utils/config/__init__.py"
-    if not source.is_file():
-        pytest.skip(f"the Axolotl oracle is not installed at {source.parent} (.ci/setup installs it)")
+    oracle.require(source, source.parent)
     found, derived = {}, set()
     for m in re.finditer(r"^\s*cfg\.(\w+) = cfg\.\1 or (.+?)\s*$", source.read_text(), re.M):
         try:

@@ -8,6 +8,7 @@ import ast
 from pathlib import Path
 
 import pytest
+from tests.support import oracle
 
 from trainer.cli import main
 from trainer.config import parse_config
@@ -53,8 +54,7 @@ def test_eval_causal_lm_metrics_takes_axolotls_metric_names_only():
 
 def test_the_metric_names_are_axolotls():
     """The oracle environment's own SUPPORTED_METRICS (read as text: envtool's process never imports axolotl)."""
-    if not ORACLE_VALIDATION.is_file():
-        pytest.skip(f"the Axolotl oracle is not installed at {ORACLE_VALIDATION.parents[3]} (.ci/setup installs it)")
+    oracle.require(ORACLE_VALIDATION, ORACLE_VALIDATION.parents[3])
     tree = ast.parse(ORACLE_VALIDATION.read_text())
     (value,) = [n.value for n in tree.body if isinstance(n, ast.Assign)
                 and any(getattr(t, "id", None) == "SUPPORTED_METRICS" for t in n.targets)]

@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
+from tests.support import oracle
 
 from trainer.config import parse_config
 from trainer.config.keys import TRAINING_ARGUMENTS_NAMES
@@ -22,8 +23,7 @@ BASE = {"base_model": "org/model", "datasets": [{"path": "org/data", "type": "al
 def test_each_name_is_one_axolotl_fills_from_its_key():
     """Each pair is an assignment in Axolotl's trainer builders: training_args_kwargs["<name>"] = self.cfg.<key>
     (read as text: envtool's process never imports axolotl), and names a key of envtool's config, not one of its own."""
-    if not BUILDERS.is_dir():
-        pytest.skip(f"the Axolotl oracle is not installed at {BUILDERS.parents[2]} (.ci/setup installs it)")
+    oracle.require(BUILDERS, BUILDERS.parents[2])
     source = "\n".join(p.read_text() for p in sorted(BUILDERS.glob("*.py")))
     found = set(re.findall(r'training_arg(?:ument)?s_kwargs\["(\w+)"\]\s*=\s*\(?\s*self\.cfg\.(\w+)', source))
     assert set(TRAINING_ARGUMENTS_NAMES.items()) <= found, set(TRAINING_ARGUMENTS_NAMES.items()) - found

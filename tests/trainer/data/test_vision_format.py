@@ -9,10 +9,10 @@ import ast
 import base64
 import io
 import json
-import os
 from pathlib import Path
 
 import pytest
+from tests.support import oracle
 
 from trainer.data.formats import vision
 from trainer.errors import DataError
@@ -78,10 +78,7 @@ def test_image_size_pads_to_a_square_or_resizes_as_axolotl():
 def axolotl_scan():
     """RoleBoundary and _compute_role_keep_mask from the installed axolotl's processing_strategies.py, executed
     alone (the package's import pulls in far more than this function needs)."""
-    if not AXOLOTL.is_file():
-        if os.environ.get("CI"):
-            pytest.fail(f"the Axolotl oracle is not installed at {AXOLOTL} (.ci/setup installs it)")
-        pytest.skip(f"the Axolotl oracle is not installed at {AXOLOTL}")
+    oracle.require(AXOLOTL)
     tree = ast.parse(AXOLOTL.read_text())
     wanted = [n for n in tree.body if getattr(n, "name", None) in ("RoleBoundary", "_compute_role_keep_mask")]
     namespace: dict = {}
