@@ -4,9 +4,8 @@
 # No root, no Docker, no npm: only Python >= 3.10 with venv and pip, and a package index.
 # Safe to run again: the venv is reused, and the example continues from its last checkpoint.
 #
-# torch: `torch==2.13.0` is the version the tests pin. pip takes it from PyPI, where it is the multi-GB CUDA build,
-# unless an index with the CPU build comes first: set PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu
-# (or UV_EXTRA_INDEX_URL) before running this on a machine whose pip configuration does not already find it.
+# torch first, alone, as its CPU build (scripts/install-torch.sh: from wherever pip finds the CPU build, else from
+# PyTorch's CPU index, TORCH_INDEX_URL, for torch alone); TORCH (default torch==2.13.0) picks the release.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -29,8 +28,10 @@ else
     "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check "uv>=0.9"
     UV="$VENV/bin/uv"
 fi
-# uv reads UV_* settings, not pip's: carry over the index, the extra index (torch's CPU build), find-links and the
-# CA bundle from pip's environment variables or configuration files, where no UV_* setting says otherwise.
+# uv reads UV_* settings, not pip's: carry over the index, the extra indexes, find-links and the CA bundle from pip's
+# environment variables or configuration files, where no UV_* setting says otherwise, and resolve as pip does: the
+# newest version any of them holds (uv's own default takes each package from the first index that has it, at
+# whatever version that index holds). PyTorch's indexes are left out: they are for torch alone (install-torch.sh).
 pip_setting() {  # PIP_<NAME> from the environment, else pip's configuration (global.<name>)
     local env="PIP_$(echo "$1" | tr 'a-z-' 'A-Z_')"
     if [ -n "${!env:-}" ]; then echo "${!env}"; return 0; fi
@@ -39,7 +40,7 @@ pip_setting() {  # PIP_<NAME> from the environment, else pip's configuration (gl
 carry() {  # carry UV_NAME pip-name [separator]
     local value
     [ -n "${!1:-}" ] && return 0
-    value=$(pip_setting "$2")
+    value=$(pip_setting "$2" | tr ' ' '\n' | { grep -v '^https\?://download\.pytorch\.org/' || true; } | xargs)
     [ -n "$value" ] && export "$1=$(echo $value | tr ' ' "${3:- }")"
     return 0
 }
@@ -47,10 +48,14 @@ carry UV_INDEX_URL index-url
 carry UV_EXTRA_INDEX_URL extra-index-url
 carry UV_FIND_LINKS find-links ,
 carry SSL_CERT_FILE cert
+export UV_INDEX_STRATEGY=${UV_INDEX_STRATEGY:-unsafe-best-match}
 
-echo "quickstart: installing envtool[train] and $TORCH into $VENV" >&2
-# (the torch pin on the same line keeps the resolver from swapping the CPU build for another)
-"$UV" pip install --quiet --python "$VENV/bin/python" -e ".[train]" "$TORCH"
+torch_version=${TORCH#torch==}
+TORCH=$TORCH bash scripts/install-torch.sh "$VENV/bin/python"
+
+echo "quickstart: installing envtool[train] into $VENV" >&2
+# (the installed torch pinned on the same line: the resolver keeps that build instead of swapping it for another)
+"$UV" pip install --quiet --python "$VENV/bin/python" -e ".[train]" "torch==$torch_version"
 
 # One thread: the tiny model gains nothing from more, and on a busy machine several spinning OpenMP threads make
 # each step many times slower (measured on the 2-core CI machine: 12 steps 3m08s with torch's default, 1m37s with 1).

@@ -144,14 +144,38 @@ def test_the_workflow_copies_into_another_repository_unchanged():
     flow = workflow()
     for trigger in ("workflow_dispatch", "workflow_call"):
         assert flow["on"][trigger]["inputs"]["config"]["required"] == "true"
-    assert evaluate(flow["env"]["ENVTOOL_SPEC"], {}) == "envtool-llm"
-    assert evaluate(flow["env"]["ENVTOOL_SPEC"], {"envtool": "envtool-llm @ git+https://x/y@v1"}).endswith("@v1")
+    assert evaluate(flow["env"]["ENVTOOL_INPUT"], {"envtool": "envtool-llm @ git+https://x/y@v1"}).endswith("@v1")
+    for job in flow["jobs"].values():  # both jobs install what the plan job's first step decided
+        (install,) = [s for s in job["steps"] if s.get("name") == "Install envtool"]
+        assert install["env"]["ENVTOOL_SPEC"] in ("${{ steps.source.outputs.envtool }}",
+                                                  "${{ needs.plan.outputs.envtool }}")
     assert evaluate(flow["env"]["CONFIG"], {"config": "configs/run.yml"}) == "configs/run.yml"
     runs = "\n".join(s.get("run", "") for job in flow["jobs"].values() for s in job["steps"])
     assert "examples/" not in runs and "tiny-cpu" not in runs
     assert 'envtool build --gpu "$TARGET"' in runs
     assert "-- envtool doctor --gpu auto" in runs
     assert 'envtool train "$CONFIG" --gpu "$TARGET"' in runs and "--image" in runs
+
+
+def where_envtool_comes_from(inputs: dict, cwd: Path, tmp_path: Path) -> tuple[int, str, str]:
+    """The plan job's first step, as the runner runs it: (exit code, its ::error line or "", the spec it wrote)."""
+    output = tmp_path / "source-output"
+    output.write_text("")
+    step = run_step("plan", "source", inputs, cwd, {"GITHUB_OUTPUT": str(output)})
+    written = dict(line.split("=", 1) for line in output.read_text().splitlines())
+    return step.returncode, step.stdout.strip(), written.get("envtool", "")
+
+
+def test_the_default_install_is_this_checkout_in_envtools_repository_and_one_line_elsewhere(user_repo, tmp_path):
+    """envtool-llm is not on PyPI: the empty input installs envtool's own checkout where the workflow runs in envtool's
+    repository (gpu-smoke.yml), and in a user's repository stops the plan job in one line naming the input, before
+    any GPU runner is taken; a given input is installed as written."""
+    assert where_envtool_comes_from({"config": "c.yml"}, REPO, tmp_path) == (0, "", ".")
+    code, line, spec = where_envtool_comes_from({"config": "c.yml"}, user_repo, tmp_path)
+    assert (code, spec) == (2, "") and line.startswith("::error::input envtool: empty") and "\n" not in line
+    assert "envtool-llm @ git+https://github.com/OWNER/REPO@TAG" in line
+    given = "envtool-llm @ git+https://example.org/envtool@v1"
+    assert where_envtool_comes_from({"config": "c.yml", "envtool": given}, user_repo, tmp_path) == (0, "", given)
 
 
 def test_envtools_own_smoke_run_calls_the_copyable_workflow_with_its_tiny_example():

@@ -1,10 +1,13 @@
-"""A stand-in for the Hugging Face Hub's file endpoint on 127.0.0.1, for the one request the fit estimate makes:
-`{endpoint}/{org}/{name}/resolve/{revision}/config.json` (HEAD for the metadata huggingface_hub checks, then GET).
+"""A stand-in for the Hugging Face Hub's file endpoint on 127.0.0.1: `{endpoint}/{org}/{name}/resolve/{revision}/{file}`
+(HEAD for the metadata huggingface_hub checks, then GET), for the fit estimate's one request (config.json) and for a
+whole model a run downloads (a repository served from a folder: config, weights, tokenizer).
 
-The headers are the ones huggingface_hub's hf_hub_download reads from the real Hub (X-Repo-Commit, ETag,
-Content-Length); gated repositories answer 401 with X-Error-Code GatedRepo, missing ones 404 with
-RepoNotFound/EntryNotFound, as huggingface.co does. Every request is recorded, so a test can assert that only
-config.json was asked for. The config files come from bench/data/model_configs.toml (sizes as the Hub publishes).
+The headers are the ones huggingface_hub's file_download.py reads from the Hub (its constants
+HUGGINGFACE_HEADER_X_REPO_COMMIT, ETag, Content-Length; no X-Xet-* header, so it downloads over plain HTTP);
+gated repositories answer 401 with X-Error-Code GatedRepo, missing ones 404 with RepoNotFound/EntryNotFound, as
+huggingface.co does, and so does any other endpoint (the API's file listings): the client then goes on without it.
+Every request is recorded, so a test can assert what was asked for. The config files come from
+bench/data/model_configs.toml (sizes as the Hub publishes).
 """
 
 from __future__ import annotations
@@ -26,9 +29,39 @@ def published_config(name: str) -> dict:
     return tomllib.loads(CONFIGS.read_text())["models"][name]["config"]
 
 
+def _file(repo: dict | Path, name: str) -> bytes | None:
+    if isinstance(repo, dict):
+        return json.dumps(repo, indent=2).encode() if name == "config.json" else None
+    path = (repo / name).resolve()
+    return path.read_bytes() if path.is_file() and path.is_relative_to(repo.resolve()) else None
+
+
+def _files(repo: dict | Path) -> dict[str, int]:
+    if isinstance(repo, dict):
+        return {"config.json": len(_file(repo, "config.json") or b"")}
+    return {str(p.relative_to(repo)): p.stat().st_size for p in sorted(repo.rglob("*")) if p.is_file()}
+
+
+def _api(name: str, repo: dict | Path, rest: list[str], commit: str) -> bytes | None:
+    """`/api/models/{repo}` (model_info: the fields huggingface_hub's ModelInfo reads, the files as `siblings`) and
+    `/api/models/{repo}/tree/{revision}[/{path}]` (list_repo_tree: one entry per file under path; a path with no
+    file is EntryNotFound, as an empty folder is on the Hub: a Git repository holds no empty folder)."""
+    files = _files(repo)
+    if not rest or rest[0] == "revision":
+        return json.dumps({"id": name, "modelId": name, "sha": commit, "private": False, "gated": False,
+                           "disabled": False, "tags": [], "siblings": [{"rfilename": f} for f in files]}).encode()
+    if rest[0] != "tree" or len(rest) < 2:
+        return None
+    under = "/".join(rest[2:])
+    entries = [{"type": "file", "path": f, "size": size, "oid": hashlib.sha1(f.encode()).hexdigest()}
+               for f, size in files.items() if not under or f.startswith(under + "/")]
+    return json.dumps(entries).encode() if entries else None
+
+
 @contextlib.contextmanager
-def fake_hub(repos: dict[str, dict], gated: tuple[str, ...] = ()):
-    """Serve {repo id: config dict}; yields (endpoint URL, list of (method, path) requested)."""
+def fake_hub(repos: dict[str, dict | Path], gated: tuple[str, ...] = ()):
+    """Serve {repo id: config dict (the repository's config.json alone), or a folder (its files)}; yields (endpoint
+    URL, list of (method, path) requested)."""
     requests: list[tuple[str, str]] = []
     commit = "a" * 40
 
@@ -36,24 +69,25 @@ def fake_hub(repos: dict[str, dict], gated: tuple[str, ...] = ()):
         def _answer(self, body: bool) -> None:
             requests.append((self.command, self.path))
             parts = self.path.split("?")[0].strip("/").split("/")
-            repo = "/".join(parts[:2])
+            api = parts[:2] == ["api", "models"]  # the API: model info and file listings
+            repo = "/".join(parts[2:4] if api else parts[:2])
             if repo in gated:
                 self.send_response(401)
                 self.send_header("X-Error-Code", "GatedRepo")
                 self.send_header("X-Error-Message", "Access to this model is restricted")
                 self.end_headers()
                 return
-            if len(parts) < 5 or parts[2] != "resolve" or repo not in repos:
+            if repo not in repos or (not api and (len(parts) < 5 or parts[2] != "resolve")):
                 self.send_response(404)
                 self.send_header("X-Error-Code", "RepoNotFound")
                 self.end_headers()
                 return
-            if "/".join(parts[4:]) != "config.json":
+            data = _api(repo, repos[repo], parts[4:], commit) if api else _file(repos[repo], "/".join(parts[4:]))
+            if data is None:
                 self.send_response(404)
                 self.send_header("X-Error-Code", "EntryNotFound")
                 self.end_headers()
                 return
-            data = json.dumps(repos[repo], indent=2).encode()
             self.send_response(200)
             self.send_header("X-Repo-Commit", commit)
             self.send_header("ETag", '"' + hashlib.sha1(data).hexdigest() + '"')

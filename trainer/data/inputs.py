@@ -83,44 +83,25 @@ def snapshot(kind: str, repo: str, revision: str | None) -> Path | None:
 def _hub_answer(repo: str, marker: str, revision: str | None) -> str | None:
     """What the Hub says of `repo`'s `marker` file, as a problem to name, or None (there, or no clear answer).
     Raises OSError (with why) when the Hub does not answer."""
-    # start-up: urllib, trainer.runtime.hub_access imported only when this runs
-    import urllib.error
-    import urllib.request
+    # start-up: trainer.runtime.hub_access imported only when this runs
+    from trainer.runtime.hub_access import endpoint, head
 
-    from trainer.runtime.hub_access import PROBE_TIMEOUT_S, endpoint
-
-    request = urllib.request.Request(f"{endpoint()}/{repo}/resolve/{revision or 'main'}/{marker}", method="HEAD")
     token = os.environ.get("HF_TOKEN") or os.environ.get("HUGGING_FACE_HUB_TOKEN")
-    if token:
-        request.add_header("Authorization", f"Bearer {token}")
-
-    class NoRedirect(urllib.request.HTTPRedirectHandler):
-        def redirect_request(self, *args, **kwargs):  # a redirect (to the CDN) is the Hub's "here it is"
-            return None
-
-    try:
-        urllib.request.build_opener(NoRedirect).open(request, timeout=PROBE_TIMEOUT_S).close()
+    err = head(f"{endpoint()}/{repo}/resolve/{revision or 'main'}/{marker}",
+               {"Authorization": f"Bearer {token}"} if token else None)  # OSError (why) when nothing answers
+    if err is None:
         return None
-    except urllib.error.HTTPError as err:
-        code = err.headers.get("X-Error-Code", "") if err.headers else ""
-        if err.code < 400:
-            return None
-        if code == "RepoNotFound" or (err.code == 404 and not code):
-            return "no such model on the Hub (or a private one: set HF_TOKEN)"
-        if code == "RevisionNotFound":
-            return f"the Hub has no revision {revision} of it"
-        if code == "EntryNotFound":
-            return f"the Hub's repository has no {marker}"
-        if code == "GatedRepo":
-            return ("gated on the Hub: it needs a token with access (HF_TOKEN or `hf auth login`)" if not token else
-                    "gated on the Hub, and HF_TOKEN has no access to it (ask for access on its page)")
-        return None  # a server error: the run will tell
-    except (urllib.error.URLError, OSError) as err:
-        from trainer.runtime.hub_access import why_not
-
-        reason = getattr(err, "reason", err)
-        raise OSError("no answer in {:g}s".format(PROBE_TIMEOUT_S) if isinstance(reason, TimeoutError)
-                      else why_not(str(reason) or type(reason).__name__)) from None
+    code = err.headers.get("X-Error-Code", "") if err.headers else ""
+    if code == "RepoNotFound" or (err.code == 404 and not code):
+        return "no such model on the Hub (or a private one: set HF_TOKEN)"
+    if code == "RevisionNotFound":
+        return f"the Hub has no revision {revision} of it"
+    if code == "EntryNotFound":
+        return f"the Hub's repository has no {marker}"
+    if code == "GatedRepo":
+        return ("gated on the Hub: it needs a token with access (HF_TOKEN or `hf auth login`)" if not token else
+                "gated on the Hub, and HF_TOKEN has no access to it (ask for access on its page)")
+    return None  # a server error: the run will tell
 
 
 def model_problems(cfg: Config) -> list[str]:

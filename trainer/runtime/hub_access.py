@@ -52,16 +52,36 @@ def hub_datasets(cfg) -> list[str]:
 
 def reachable(url: str, timeout: float = PROBE_TIMEOUT_S) -> str | None:
     """None when `url` answers at all (any HTTP status), else why not, in a few words. One request, no retries."""
-    # optional: httpx is imported only where it is used
-    import httpx
-
     try:
-        httpx.head(url, timeout=timeout, follow_redirects=False)
+        head(url, timeout=timeout)
         return None
-    except httpx.TimeoutException:
-        return f"no answer in {timeout:g}s"
-    except httpx.HTTPError as err:
-        return why_not(str(err) or type(err).__name__)
+    except OSError as err:
+        return str(err)
+
+
+def head(url: str, headers: dict[str, str] | None = None, timeout: float = PROBE_TIMEOUT_S):
+    """One HEAD request with the standard library (no redirect followed: a redirect is an answer), no retries.
+    Returns None for a 1xx-3xx answer, the urllib HTTPError for a 4xx/5xx one; raises OSError with why not in a few
+    words when nothing answers. (urllib, not httpx or requests: the trainer's declared dependencies do not include
+    an HTTP client, and huggingface_hub's changes from one release to the next.)"""
+    # start-up: urllib loads only when a probe runs
+    import urllib.error
+    import urllib.request
+
+    class NoRedirect(urllib.request.HTTPRedirectHandler):
+        def redirect_request(self, *args, **kwargs):  # a redirect (to the CDN) is the Hub's "here it is"
+            return None
+
+    request = urllib.request.Request(url, method="HEAD", headers=headers or {})
+    try:
+        urllib.request.build_opener(NoRedirect).open(request, timeout=timeout).close()
+        return None
+    except urllib.error.HTTPError as err:
+        return err if err.code >= 400 else None
+    except (urllib.error.URLError, OSError, ValueError) as err:
+        reason = getattr(err, "reason", err)
+        raise OSError(f"no answer in {timeout:g}s" if isinstance(reason, TimeoutError)
+                      else why_not(str(reason) or type(reason).__name__)) from None
 
 
 def why_not(text: str) -> str:
