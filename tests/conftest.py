@@ -10,7 +10,8 @@ This file keeps the tiers honest, and keeps the full run safe under pytest-xdist
   test added and prunes dangling images engine-wide, which would pull images from under a build on another worker.
 - A marked test that uses a module-scoped fixture runs in its module's group, so the fixture is made once.
 - The node ids in tests/extended.txt (measured heaviest end-to-end tests) get the `extended` marker: CI's run
-  (`bash .ci/run`) leaves them out, `bash .ci/run --extended` runs them. A listed id that names no test fails a run of
+  (`bash .ci/run`) leaves them out but for one slice of them (ENVTOOL_EXTENDED_SLICE, tests/support/extended.py),
+  `bash .ci/run --extended` runs them all. A listed id that names no test fails a run of
   the whole suite, so the list cannot go stale silently.
 """
 
@@ -31,6 +32,19 @@ EXTENDED_LIST = Path(__file__).with_name("extended.txt")
 def _extended_ids() -> set[str]:
     lines = (line.split("#", 1)[0].strip() for line in EXTENDED_LIST.read_text().splitlines())
     return {line for line in lines if line}
+
+
+def _extended_slice() -> set[str]:
+    """The files of tests/extended.txt whose tests this run takes out of the extended tier: ENVTOOL_EXTENDED_SLICE
+    (set by .ci/run, tests/support/extended.py), none when unset."""
+    index = os.environ.get("ENVTOOL_EXTENDED_SLICE", "")
+    if not index:
+        return set()
+    if not index.isdigit():
+        raise pytest.UsageError(f"ENVTOOL_EXTENDED_SLICE={index!r}: give a slice number (0-3), as .ci/run does")
+    from tests.support.extended import listed, slices
+
+    return set(slices(listed())[int(index) % len(slices(listed()))])
 
 # What the guard measures: the CPU time (user + system) of the test's call phase -- not its fixtures' set-up --
 # spent by the pytest process (all its threads) plus the child processes it waited for (subprocess.run,
@@ -72,13 +86,15 @@ def _shares_a_module_fixture(item: pytest.Item) -> bool:
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups (--dist loadgroup)
 def pytest_collection_modifyitems(config, items):
     extended = _extended_ids()
+    chosen = _extended_slice()
     seen = set()
     for item in items:
         if item.nodeid in extended:
             if not item.get_closest_marker("slow") and not item.get_closest_marker("distributed") \
                     and not item.get_closest_marker("docker"):
                 raise pytest.UsageError(f"tests/extended.txt: {item.nodeid} is in the fast tier; list only marked tests")
-            item.add_marker(pytest.mark.extended)
+            if item.nodeid.split("::")[0] not in chosen:  # this run's slice runs in its own tier
+                item.add_marker(pytest.mark.extended)
             seen.add(item.nodeid)
     whole_run = not config.args or [str(a).rstrip("/") for a in config.args] == ["tests"]
     stale = sorted(extended - seen)
