@@ -97,7 +97,12 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(pytest.mark.extended)
             seen.add(item.nodeid)
     whole_run = not config.args or [str(a).rstrip("/") for a in config.args] == ["tests"]
-    stale = sorted(extended - seen)
+    # a listed id names no test: its file is gone, or was collected without it (a file skipped whole, for lack of an
+    # optional extra on a developer's machine, collects nothing and proves nothing either way)
+    collected = {item.nodeid.split("::")[0] for item in items}
+    root = Path(__file__).resolve().parents[1]
+    stale = sorted(i for i in extended - seen
+                   if not (root / i.split("::")[0]).is_file() or i.split("::")[0] in collected)
     if whole_run and stale:  # (a run of some files or ids collects only those)
         raise pytest.UsageError(f"tests/extended.txt: {stale[0]} names no test ({len(stale)} such lines); "
                                 "remove or rename it")

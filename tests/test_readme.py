@@ -129,9 +129,9 @@ def user_env(**extra) -> dict:
 @pytest.mark.slow
 def test_first_run_trains_the_tiny_model_without_root_or_docker(tmp_path):
     """`bash scripts/quickstart.sh` in a copy of the repository, as it would run in a fresh clone: a new .venv, the
-    `train` extra, the tiny model, and a real training on the CPU. Offline: uv (on PATH here, from the test
-    environment) installs from the set-up's wheel mirror, which holds torch 2.13.0's CPU build; the pip route
-    (no uv on PATH) differs only in the installer."""
+    `train` extra, the tiny model, and a real training on the CPU. Offline: pip (torch, first and alone: it finds
+    the CPU build) and uv (on PATH here, from the test environment: the rest) install from the set-up's wheel mirror,
+    which holds torch 2.13.0's CPU build; the pip route for the rest (no uv on PATH) differs only in the installer."""
     assert MIRROR.is_dir(), "run `bash .ci/setup` first: it fills .ci-cache/pypi-mirror"
     clone = tmp_path / "envtool"
     files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True,
@@ -141,12 +141,14 @@ def test_first_run_trains_the_tiny_model_without_root_or_docker(tmp_path):
             (clone / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / name, clone / name)
     env = user_env(PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}", UV_OFFLINE="1", UV_NO_INDEX="1",
-                   UV_FIND_LINKS=str(MIRROR), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1", XDG_CACHE_HOME=str(tmp_path))
+                   UV_FIND_LINKS=str(MIRROR), PIP_NO_INDEX="1", PIP_FIND_LINKS=str(MIRROR), HF_HUB_OFFLINE="1",
+                   OMP_NUM_THREADS="1", XDG_CACHE_HOME=str(tmp_path))
     env.pop("UV_INDEX_URL", None)
     run = subprocess.run(["bash", "scripts/quickstart.sh"], cwd=clone, env=env, capture_output=True, text=True,
                          timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "training in active environment" in run.stderr and str(clone / ".venv") in run.stderr
+    assert "install-torch: torch==2.13.0+cpu (pip finds the CPU build" in run.stderr
     assert (clone / "outputs/tiny-model/config.json").exists()
     assert (clone / "outputs/tiny-cpu/final/model.safetensors").exists()
     # then, as the README says, the venv is the user's: activated, `envtool` and `python -m trainer` are there
@@ -208,3 +210,38 @@ def test_the_config_to_copy(workdir, tmp_path):
     same = re.compile(r"plans/\w+/")  # the same command as for --gpu t4 (the plan file's key differs: its target)
     assert same.sub("", on_the_t4.stdout.splitlines()[-1]) == same.sub("", dry.stdout.splitlines()[-1])
     assert not (workdir / "outputs").exists()  # nothing ran
+
+
+@pytest.mark.slow
+def test_the_quickstart_resolves_as_pip_does_across_pips_indexes(tmp_path):
+    """The quickstart's uv takes pip's index settings (scripts/uv-from-pip.sh) and, as pip does, the newest version
+    any index holds: with an extra index holding an older release listed beside the main one, uv's own default
+    (first-index) would install the older one, as it did to the quickstart's venv (trl 1.13, transformers 5.17 from
+    this machine's local index). PyTorch's index, given as an extra index, is not carried: it is for torch alone."""
+    from tests.support.pypi import make_wheel, serve, write_simple_index
+
+    root = tmp_path / "indexes"
+    write_simple_index(root, "older", [make_wheel(tmp_path / "w1", "envtool-probe", "1.0")])
+    write_simple_index(root, "newer", [make_wheel(tmp_path / "w2", "envtool-probe", "2.0")])
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    python = venv / "bin" / "python"
+
+    def installed(**extra) -> tuple[str, str]:
+        script = (f'source scripts/uv-from-pip.sh "{sys.executable}" && '
+                  f'"{BIN / "uv"}" pip install -q --reinstall --python "{python}" envtool-probe && '
+                  f'"{python}" -c "import envtool_probe; print(envtool_probe.__version__)" && echo "$UV_EXTRA_INDEX_URL"')
+        env = {k: v for k, v in user_env(**extra).items() if not k.startswith(("UV_", "PIP_"))} | extra
+        out = subprocess.run(["bash", "-c", script], cwd=ROOT, env={**env, "PIP_CONFIG_FILE": "/dev/null", **extra},
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        version, extras = out.stdout.splitlines()[-2:]
+        return version, extras
+
+    with serve(root) as url:
+        pip_settings = {"PIP_INDEX_URL": f"{url}/newer/",
+                        "PIP_EXTRA_INDEX_URL": f"{url}/older/ https://download.pytorch.org/whl/cpu"}
+        version, extras = installed(**pip_settings)
+        assert version == "2.0"  # pip's answer
+        assert extras == f"{url}/older/"  # PyTorch's index left out
+        assert installed(**pip_settings, UV_INDEX_STRATEGY="first-index")[0] == "1.0"  # what uv's default did

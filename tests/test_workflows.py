@@ -185,3 +185,15 @@ def test_envtools_own_smoke_run_calls_the_copyable_workflow_with_its_tiny_exampl
     assert job["with"]["envtool"] == "." and (REPO / job["with"]["config"]).is_file()
     assert "make-tiny-model outputs/tiny-model" in job["with"]["setup"]
     assert set(job["with"]) <= set(workflow()["on"]["workflow_call"]["inputs"])
+
+
+def test_a_daily_run_tests_the_newest_allowed_versions_as_a_user_installs_them():
+    """The fast tier and the dependency check against what a non-editable install with the newest allowed versions
+    gives today, without .ci/setup (docs/contributing: the fast tier needs no set-up), torch first and alone."""
+    flow = workflow(REPO / ".github" / "workflows" / "newest-deps.yml")
+    assert "schedule" in flow["on"]
+    runs = "\n".join(s.get("run", "") for s in flow["jobs"]["fast-tier"]["steps"])
+    assert "bash scripts/install-torch.sh .venv/bin/python" in runs
+    assert '--upgrade --upgrade-strategy eager ".[train,dev]"' in runs and "-e " not in runs
+    assert ".venv/bin/deptry resolver trainer" in runs and ".venv/bin/python -m pytest -q" in runs
+    assert ".ci/setup" not in runs

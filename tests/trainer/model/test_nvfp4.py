@@ -15,8 +15,11 @@ from pathlib import Path
 
 import pytest
 import torch
-import torchao  # noqa: F401  (the `qat` extra: .ci/setup installs it)
 import yaml
+
+from tests.support.oracle import require_extra
+
+require_extra("torchao", "qat")  # before the imports that need it: skipped here without it, fails under CI
 
 from tests.trainer.helpers import example_full_then_resumed, run_cli, train_losses, train_then_resume
 from trainer.cli import main
