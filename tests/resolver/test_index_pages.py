@@ -73,6 +73,9 @@ def standin(tmp_path_factory):
     root = tmp_path_factory.mktemp("index")
     wheels = tmp_path_factory.mktemp("wheels")
     torch = make_wheel(wheels, "torch", "2.8.0+cu126", tag=LINUX_CP311)
+    from tests.support.oracle import require_setup
+
+    require_setup(MIRROR, "the wheel mirror (a real packaging wheel)")
     packaging = next(MIRROR.glob("packaging-*.whl"))
     write_simple_index(root, "whl/cu126", [torch], style="pytorch")
     write_simple_index(root, "simple", [packaging], style="pypi")

@@ -23,11 +23,18 @@ class Payload:
         return (os.system, (f"touch {self.marker}",))
 
 
-def test_a_planted_matrix_cache_runs_nothing_and_is_rebuilt(tmp_path, monkeypatch):
+def test_a_planted_matrix_cache_runs_nothing_and_is_rebuilt(tmp_path):
+    import subprocess
+
+    from .conftest import ENVTOOL
+
     cache_home = tmp_path / "cache"
-    with monkeypatch.context() as patch:
-        patch.setenv("XDG_CACHE_HOME", str(cache_home))
-        where = matrix._cache_path(matrix.matrix_dir())
+    # where the envtool command keeps it: its own installed matrices decide the key (an editable install's are this
+    # checkout's, a wheel's are in site-packages), so the command's Python says, from outside this checkout
+    where = Path(subprocess.run(
+        [str(ENVTOOL.parent / "python"), "-c", "from resolver import matrix; print(matrix._cache_path(matrix.matrix_dir()))"],
+        capture_output=True, text=True, check=True, cwd=tmp_path,
+        env={**os.environ, "XDG_CACHE_HOME": str(cache_home), "PYTHONPATH": ""}).stdout.strip())
     where.parent.mkdir(parents=True)
     marker = tmp_path / "pwned"
     # a pickle where the old envtool kept it (same key, .pickle), and a JSON in the current place shaped like

@@ -11,6 +11,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.support.oracle import require_extra
+
+require_extra("mistral_common", "mistral")  # skipped here without it, fails under CI
+
 from tests.trainer.helpers import run_cli, train_then_resume, write_jsonl
 from trainer.batch.labels import IGNORE
 from trainer.cli import main

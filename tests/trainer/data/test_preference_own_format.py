@@ -27,6 +27,9 @@ KTO_FORMAT = {"field_prompt": "q", "field_completion": "a", "field_label": "ok",
 
 
 def axolotl_transform(kind: str, fmt: dict):
+    from tests.support.oracle import require
+
+    require(STRATEGIES / kind / "user_defined.py")
     spec = importlib.util.spec_from_file_location(f"axolotl_{kind}_user_defined", STRATEGIES / kind / "user_defined.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)  # it imports nothing

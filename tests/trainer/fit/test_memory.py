@@ -23,6 +23,7 @@ import torch
 from matrices.catalog import matrix_dir
 from trainer.batch.collate import Collator
 from trainer.config import parse_config
+from trainer.errors import ConfigError
 from trainer.data.prepare import load_tokenizer
 from trainer.model.load import load_model
 from trainer.objectives.loss import token_loss_sum
@@ -161,7 +162,14 @@ def test_optimizer_state_equals_its_memory_columns(tiny_llama, name, monkeypatch
     monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fn)
     cfg = config(tiny_llama, optimizer=name)
     rt = runtime(cfg)
-    model, optimizer = one_step(cfg, rt)
+    try:
+        model, optimizer = one_step(cfg, rt)
+    except ConfigError as err:  # the `qat` extra's torchao, for its optimizers
+        if "torchao package, which is not installed" not in str(err):
+            raise
+        from tests.support.oracle import missing
+
+        missing(str(err))
     static = memory.static_terms(memory_model.model_shape(str(tiny_llama)), memory.setup_from(cfg, rt, 1))
     assert optimizer_bytes(optimizer) == static.optimizer
 

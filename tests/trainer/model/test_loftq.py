@@ -60,8 +60,9 @@ def test_loftq_trains_resumes_and_evaluates(make_config, tmp_path):
 
 
 def test_cpu_port_matches_peft():
-    """peft's loftq_init itself is the oracle: it computes on CUDA (or XPU) only, so its source runs here with the
-    compute device set to the CPU and nothing else changed (the replacement must hit, or peft changed)."""
+    """peft's loftq_init itself is the oracle. Before peft 0.22 it computed on CUDA (or XPU) only, so its source runs
+    here with the compute device set to the CPU and nothing else changed; from 0.22 it takes peft's infer_device(),
+    the CPU here, and runs as it is. Any other form fails: peft changed, re-check the port."""
     import inspect
     import textwrap
 
@@ -70,8 +71,9 @@ def test_cpu_port_matches_peft():
     from trainer.model.loftq import decompose
 
     source = textwrap.dedent(inspect.getsource(loftq_utils.loftq_init))
-    device_line = 'compute_device = "xpu" if is_xpu_available() else "cuda"'
-    assert device_line in source, "peft's loftq_init changed: re-check trainer/model/loftq.py against it"
+    device_lines = ('compute_device = "xpu" if is_xpu_available() else "cuda"', "compute_device = infer_device()")
+    (device_line,) = [line for line in device_lines if line in source] or [None]
+    assert device_line, "peft's loftq_init changed: re-check trainer/model/loftq.py against it"
     namespace = dict(vars(loftq_utils))
     exec(source.replace(device_line, 'compute_device = "cpu"'), namespace)
     w = torch.randn(128, 64, generator=torch.Generator().manual_seed(0))

@@ -23,7 +23,9 @@ BASE = {"base_model": "x", "datasets": [{"path": "x", "type": "alpaca"}], "learn
 
 def axolotl_schedulers():
     """Axolotl's schedulers module, loaded on its own (it imports only torch)."""
-    assert AXOLOTL_SCHEDULERS.exists(), "bash .ci/setup installs the axolotl package the oracle tests read"
+    from tests.support.oracle import require
+
+    require(AXOLOTL_SCHEDULERS)
     spec = importlib.util.spec_from_file_location("axolotl_schedulers", AXOLOTL_SCHEDULERS)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

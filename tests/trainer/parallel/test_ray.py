@@ -202,6 +202,9 @@ def test_a_failed_worker_becomes_the_trainers_own_one_line_error():
     as they arrive pickled): the lowest rank's trainer error, with its exit code; anything else is exit 1."""
     import pickle
 
+    from tests.support.oracle import require_extra
+
+    require_extra("ray", "ray")
     from ray.train import ControllerError, WorkerGroupError
 
     from trainer.errors import DataError, TrainingError
