@@ -1,6 +1,7 @@
 """A config's mistakes as the commands a user types report them (issue 40, item 6): a value of the wrong type for a
-key that takes a list or a name (`datasets: -1` with `rl: dpo` ended in "TypeError: 'int' object is not iterable")
--- one line naming the key and the value, and exit 2, from `python -m trainer validate`, `python -m trainer train`, `envtool train --dry-run` and `envtool fit`.
+key that takes a list or a name (`datasets: -1` with `rl: dpo` ended in "TypeError: 'int' object is not iterable"),
+and a YAML syntax error (PyYAML's own wording only, before) -- one line naming the file, the key or the place, and
+exit 2, from `python -m trainer validate`, `python -m trainer train`, `envtool train --dry-run` and `envtool fit`.
 
 In this process, through each command's own entry point (the trainer's `main`, envtool's typer app), as
 tests/resolver/test_train_seam.py does: the refusal comes before anything is built or loaded."""
@@ -91,3 +92,26 @@ def test_any_top_level_key_with_a_wrong_type_is_refused_in_lines_never_a_traceba
     code, lines = run("validate", write(tmp_path, **keys))
     assert code in (0, 2), lines
     assert not any("run with --debug for the traceback" in line for line in lines), lines
+
+
+BROKEN = {  # (the file's text, the line and column named, what it says)
+    "tab indentation": ("base_model: x\ndatasets:\n\t- path: a.jsonl\n", 3, 1, "a tab: YAML indents with spaces only"),
+    "unclosed quote": ('base_model: x\nchat_template: "chatml\nlearning_rate: 0.1\n', 2, 16,
+                       "a quoted value opens here and is never closed"),
+    "duplicate colon": ("base_model: x\nlearning_rate: 0.1: 2\n", 2, 19, "a ':' YAML cannot read here: quote a value "
+                        "that holds ': '"),
+    "unclosed list": ("base_model: x\nlora_target_modules: [q_proj, v_proj\nseed: 1\n", 2, 22,
+                      "a [list] opens here and is not closed"),
+    "missing colon": ("base_model: x\nlearning_rate\nseed: 1\n", 2, 1, "not `key: value`"),
+}
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+@pytest.mark.parametrize("broken", sorted(BROKEN))
+def test_a_yaml_syntax_error_is_one_line_naming_the_file_line_and_column(run, tmp_path, command, broken):
+    text, line, column, says = BROKEN[broken]
+    config = tmp_path / "broken.yml"
+    config.write_text(text)
+    code, lines = run(command, config)
+    assert code == 2 and len(lines) == 1, lines
+    assert lines[0].split("error: ", 1)[1].startswith(f"{config} line {line} column {column}: {says}"), lines

@@ -359,11 +359,39 @@ def read_yaml(path: Path) -> Any:
         _check_expanded_size(node, path)
         return loader.construct_document(node)
     except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark else ""
-        raise ConfigError(f"{path} is not valid YAML{where}: {getattr(err, 'problem', err)}") from None
+        raise ConfigError(yaml_problem(path, err)) from None
     finally:
         loader.dispose()
+
+
+# PyYAML's wording of the syntax errors people make in a config, in plain words: (its problem, its context or
+# None for any) -> (which mark the line points at: the problem's or the context's, what is wrong)
+YAML_PROBLEMS = [
+    (("found character '\\t'", None), ("problem", "a tab: YAML indents with spaces only")),
+    (("found unexpected end of stream", "while scanning a quoted scalar"),
+     ("context", "a quoted value opens here and is never closed (a missing \" or ')")),
+    (("mapping values are not allowed here", None),
+     ("problem", "a ':' YAML cannot read here: quote a value that holds ': ' (key: \"a: b\"), and do not indent a "
+                 "key under a line that already has its value")),
+    (("could not find expected ':'", None), ("context", "not `key: value` (a ':' and a space missing?)")),
+    (("expected <block end>", None), ("problem", "indented differently from the lines above it")),
+    (("expected ',' or ']'", None), ("context", "a [list] opens here and is not closed (a missing ']' or ',')")),
+    (("expected ',' or '}'", None), ("context", "a {mapping} opens here and is not closed (a missing '}' or ',')")),
+]
+
+
+def yaml_problem(path: Path, err) -> str:
+    """One line for a YAML syntax error: `PATH line L column C: what is wrong`, in plain words where PyYAML's
+    wording is one a config's author meets (YAML_PROBLEMS), else PyYAML's own."""
+    problem, context = str(getattr(err, "problem", None) or err), getattr(err, "context", None) or ""
+    marks = {"problem": getattr(err, "problem_mark", None), "context": getattr(err, "context_mark", None)}
+    mark, text = marks["problem"], problem + (f" ({context})" if context else "")
+    for (said, during), (at, plain) in YAML_PROBLEMS:
+        if problem.startswith(said) and (during is None or context == during):
+            mark, text = marks[at] or marks["problem"], plain
+            break
+    where = f" line {mark.line + 1} column {mark.column + 1}" if mark is not None else ""
+    return f"{path}{where}: {text}"
 
 
 def _check_expanded_size(root, path: Path) -> None:
