@@ -215,6 +215,9 @@ def say(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+RESOLVE_FORMATS = ("table", "json", "github", "markdown")  # `envtool resolve --format`
+
+
 @app.command()
 @reported
 @plan_options(gpu=(GpuListOpt, "auto"))
@@ -241,7 +244,7 @@ def resolve(
     from .pipeline import make_plans
 
     fmt = "json" if json_out else fmt
-    if fmt not in ("table", "json", "github", "markdown"):
+    if fmt not in RESOLVE_FORMATS:
         raise BadInput(f"--format {fmt!r}: choose table, json, github or markdown")
     plans = make_plans(opts)
     if fmt == "json":

@@ -176,13 +176,33 @@ def lookup(text: str, m: Matrix, source: str = "catalog", *, counts: bool = True
     hint = vendors.backend_hint(text)
     if hint:
         raise BadInput(hint)
-    import difflib
-
-    names = sorted({normalize_name(a) for g in m.gpus for a in g.aliases} | {"cpu"} | set(vendors.names()))
-    close = difflib.get_close_matches(key, names, n=3, cutoff=0.5)
+    close = _suggestions(key, m)
     hint = f"; did you mean {', '.join(close)}?" if close else ""
     raise BadInput(f"unknown GPU {text!r}{hint} (`envtool gpus` lists the known ones; `--gpu sm_XY` names any "
                    f"NVIDIA GPU by compute capability, `--gpu gfxNNNN` any AMD GPU by its target)")
+
+
+def _suggestions(key: str, m: Matrix, most: int = 3) -> list[str]:
+    """Up to `most` names close to the normalized `key`, as a user types them (the matrices' aliases: "a100-80gb",
+    "tesla-t4"; not the tools' long names with spaces), one per GPU, closest first."""
+    # start-up: resolver.vendors, difflib imported only when this runs
+    import difflib
+
+    from . import vendors
+
+    typed: dict[str, tuple[str, int]] = {}  # normalized -> (as written, which GPU)
+    groups = [list(g.aliases) for g in m.gpus] + [["cpu"]] + [[n] for n in vendors.names()]
+    for i, aliases in enumerate(groups):
+        for alias in aliases:
+            if " " not in alias.strip():
+                typed.setdefault(normalize_name(alias), (alias.strip(), i))
+    out, seen = [], set()
+    for name in difflib.get_close_matches(key, list(typed), n=len(typed), cutoff=0.5):
+        alias, group = typed[name]
+        if group not in seen:
+            seen.add(group)
+            out.append(alias)
+    return out[:most]
 
 
 def _catalog_names(m: Matrix) -> set[str]:

@@ -266,9 +266,12 @@ def load_plan(env_dir: Path) -> Plan:
     return Plan.read(path)
 
 
+EXPORT_FORMATS = {"requirements": "requirements-txt", "pylock": "pylock.toml"}  # `envtool export --format`: uv's name
+
+
 def export(env_dir: Path, fmt: str, quiet: bool = True) -> str:
     """The locked environment as requirements.txt (with hashes) or pylock.toml, via `uv export`."""
-    formats = {"requirements": "requirements-txt", "pylock": "pylock.toml"}
+    formats = EXPORT_FORMATS
     if fmt not in formats:
         raise BadInput(f"--format {fmt!r}: choose requirements or pylock")
     load_plan(env_dir)

@@ -42,5 +42,6 @@ def _row(plan: Plan, m: Matrix) -> str:
     else:
         wheel = "— (no prebuilt wheel for this torch)"
     torch = f"{plan.torch.version}" + ("" if plan.torch.backend == "mps" else f"+{plan.torch.variant}")
-    return (f"| {gpu['name']} | {arch} | {torch} | {plan.attention} | {plan.packing} | {plan.precision} | {triton} "
+    attention = m.runs_as(plan.attention, plan.packing, plan.torch.version)  # what the trainer runs
+    return (f"| {gpu['name']} | {arch} | {torch} | {attention} | {plan.packing} | {plan.precision} | {triton} "
             f"| {wheel} |")

@@ -317,6 +317,19 @@ class Matrix(NamedTuple):
     def backend(self, name: str) -> AttentionBackend:
         return next(b for b in self.attention if b.name == name)
 
+    def runs_as(self, attention: str, packing: str, torch_version: str) -> str:
+        """The attention the trainer runs for a plan's `attention` and `packing`, as the plan table, the docs'
+        tables and the dry run's `trainer:` line name it: where the plan packs through torch's own varlen kernel
+        (packing varlen, the [[varlen]] row's `attention`, its torch), that kernel, which the trainer registers with
+        transformers under its name (trainer/model/attention.py choose_packing) and runs for every row; else the
+        plan's backend. The plan's JSON keeps the backend (`--attention` takes it back)."""
+        if packing == "varlen":
+            kernel = next((v for v in self.varlen if v.attention == attention and in_range(torch_version, v.torch)),
+                          None)
+            if kernel is not None:
+                return kernel.name
+        return attention
+
     def triton_release(self, version: str) -> TritonRelease | None:
         return next((t for t in self.triton_releases if t.version == version), None)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from .matrix import Matrix
+from .matrix import Matrix, load
 from .plan import Plan
 
 
@@ -33,7 +33,9 @@ def plan_table(plan: Plan, explain: bool = False, console: Console | None = None
     if plan.env:
         table.add_row("env", " ".join(f"{k}={v}" for k, v in plan.env.items()))
     table.add_row("python", f"{plan.python} · {plan.platform}")
-    table.add_row("attention", plan.attention)
+    runs = load().runs_as(plan.attention, plan.packing, plan.torch.version)  # what the trainer runs
+    table.add_row("attention", runs if runs == plan.attention else f"{runs} (torch's own kernel; JSON attention: "
+                                                                  f"{plan.attention})")
     packing = "varlen (cu_seqlens, no mask)" if plan.packing == "varlen" else "mask (block-diagonal)"
     if plan.mask_without_cudnn:
         packing += "; masked SDPA calls without cuDNN"

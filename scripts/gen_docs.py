@@ -77,7 +77,9 @@ PLAN_FIELDS: dict[str, tuple[str, str]] = {
     "torch.backend": ("string", "`cuda`, `rocm`, `xpu`, `mps`, `cpu` (1.2)"),
     "torch.rocm": ("string or null", "the ROCm a ROCm build bundles, \"7.2\"; else null (1.2)"),
     "attention": ("string", "`flash_attention_2`, `flash_attention_3`, `sdpa`, `xformers`, `flex_attention`, `eager` "
-                            "or a Hub kernel (`kernels-community/...`)"),
+                            "or a Hub kernel (`kernels-community/...`): the backend (`--attention` takes it). `sdpa` "
+                            "with `packing: varlen` runs as torch's own `varlen_attn` (what the plan table, the "
+                            "docs' tables and the dry run's `trainer:` line name)"),
     "flash_attn": ("object or null", "the exact prebuilt flash-attn wheel; null when none is planned"),
     "flash_attn.version": ("string", "\"2.8.3\", \"3.0.0\""),
     "flash_attn.package": ("string", "`flash-attn`, `flash-attn-3`"),

@@ -82,9 +82,9 @@ def backend_hint(text: str) -> str | None:
 
 
 def names(v: Vendors | None = None) -> list[str]:
-    """Every alias `--gpu` accepts here (for 'did you mean')."""
+    """Every alias `--gpu` accepts here, as written in the matrices (for 'did you mean'; compare normalized)."""
     v = v or load()
-    out = {normalize_name(a) for g in (*v.amd_gpus, *v.intel_gpus) for a in g.aliases}
+    out = {a for g in (*v.amd_gpus, *v.intel_gpus) for a in g.aliases}
     out |= {t.gfx for t in v.amd_targets} | set(apple.NAMES) | {"xpu"}
     return sorted(out)
 

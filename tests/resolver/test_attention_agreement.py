@@ -129,6 +129,42 @@ def test_the_a100_example_on_an_h100_plans_what_resolve_plans(tmp_path):
     assert json.loads(train.stdout)["trainer"]["attention"] == "flash_attention_3"
 
 
+def _cell(text: str, row: str) -> list[str]:
+    """The first word of each `row` row of the plan tables a command printed (`│ attention │ sdpa ... │`)."""
+    return re.findall(rf"│ {row} +│ (\S+)", text)
+
+
+@pytest.mark.slow
+def test_resolve_and_the_dry_run_name_the_attention_and_packing_the_trainer_runs(tmp_path):
+    """`envtool resolve --gpu G` (its table, and the Markdown table the README prints) and `envtool train CONFIG --gpu G
+    --dry-run` (its plan table and its `trainer:` lines) name the same attention and packing, packed or not. On an
+    A100 the plan's backend is sdpa with packing varlen, which the trainer runs as torch's own varlen_attn: every
+    one of them says varlen_attn (it said sdpa in resolve and varlen_attn in the dry run)."""
+    gpus = ["t4", "v100", "a100", "h100"]
+    env = {**os.environ, **OFFLINE, "ENVTOOL_CACHE_DIR": str(tmp_path / "cache"), "COLUMNS": "200"}
+    common = ["--python", "3.11", "--platform", "x86_64"]
+    resolved = run_envtool("resolve", "--gpu", ",".join(gpus), *common, env=env)
+    table = run_envtool("resolve", "--gpu", ",".join(gpus), *common, "--format", "markdown", env=env)
+    assert resolved.returncode == table.returncode == 0, resolved.stderr + table.stderr
+    rows = [line.split(" | ") for line in table.stdout.splitlines()[2:]]
+    expected = dict(zip(gpus, zip(_cell(resolved.stdout, "attention"), _cell(resolved.stdout, "packing"))))
+    assert [(row[3], row[4]) for row in rows] == list(expected.values())
+    assert expected["a100"] == ("varlen_attn", "varlen") and expected["t4"] == ("sdpa", "mask")
+    example = yaml.safe_load((REPO / "examples" / "tiny-cpu.yml").read_text())
+    example["datasets"][0]["path"] = str(REPO / example["datasets"][0]["path"])
+    example.pop("attn_implementation")  # (a pin: the plan follows it, test_train_dry_run_plans_what_resolve_plans...)
+    for packed in (True, False):
+        config = tmp_path / f"packing-{packed}.yml"
+        config.write_text(yaml.safe_dump({**example, "sample_packing": packed, "eval_sample_packing": packed}))
+        for gpu in gpus:
+            run = run_envtool("train", str(config), "--gpu", gpu, *common, "--dry-run", "--isolated", env=env)
+            assert run.returncode == 0, run.stderr
+            trainer = re.search(r"^trainer: attention (\S+),.*^trainer: packing (\w+)", run.stdout, re.M | re.S)
+            said = {"plan table": (_cell(run.stdout, "attention")[0], _cell(run.stdout, "packing")[0]),
+                    "trainer: lines": trainer.groups()}
+            assert said == {"plan table": expected[gpu], "trainer: lines": expected[gpu]}, (gpu, packed)
+
+
 def _model_dir(tmp_path: Path, config) -> Path:
     """A model directory holding the config.json transformers itself writes for `config` (no weights: the plan reads
     only the config)."""

@@ -1,6 +1,7 @@
 """The command line as a user and a script see it: the --json contract, tables, errors, exit codes."""
 
 import json
+import re
 
 import pytest
 
@@ -104,6 +105,25 @@ def test_bad_input_is_one_line_and_exit_2(args, message):
     assert out.stdout == ""
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], out.stderr
+
+
+@pytest.mark.parametrize("typo, first", [("tesla-t5", "tesla-t4"), ("a10080gv", "a100-80gb"), ("rtx409", "rtx4090"),
+                                         ("mi300", None), ("max1500", "max1550"), ("teslat", "tesla-t4")])
+def test_a_gpu_name_is_suggested_as_a_user_types_it(typo, first, m):
+    """`--gpu` with a typo suggests names as the matrices write them ("a100-80gb", "tesla-t4"; they said "a10080gb",
+    "teslat4"), one per GPU, each of them a name `--gpu` takes."""
+    out = run_envtool("resolve", "--gpu", typo)
+    if first is None:  # (a name that is known after all: no suggestion to make)
+        assert out.returncode == 0, out.stderr
+        return
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    said = re.search(r"did you mean ([^?]+)\?", out.stderr).group(1).split(", ")
+    assert said[0] == first, said
+    from resolver.hardware import lookup
+
+    gpus = [lookup(name, m) for name in said]  # each one `--gpu` takes, as written
+    assert all(name == name.strip() and " " not in name for name in said)
+    assert len({g.name for g in gpus}) == len(gpus), "one suggestion per GPU"
 
 
 def test_debug_shows_the_traceback():

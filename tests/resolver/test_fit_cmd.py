@@ -105,6 +105,31 @@ def test_json_is_the_documented_object(workdir, env):
     assert out["ignored_memory_options"] == []  # the memory options Axolotl has that this estimate lacks
 
 
+# a `peft` first on the path that says it was imported (peft's rule-based fallback can give the same JSON)
+NO_PEFT = "open(__file__ + '.imported', 'w').close()\nraise ImportError('peft imported')\n"
+
+
+@pytest.mark.parametrize("adapter", [
+    {"adapter": "lora", "lora_r": 8, "lora_alpha": 16, "lora_target_linear": True},
+    {"adapter": "qlora", "load_in_4bit": True, "lora_r": 4, "lora_alpha": 8, "lora_target_modules": ["q_proj", "v_proj"]},
+], ids=["lora", "qlora"])
+def test_a_lora_count_is_kept_and_the_kept_answer_is_the_counted_one(workdir, env, tmp_path, adapter):
+    """The first fit of a LoRA/QLoRA config applies peft to the meta-device model (5-15 s); it keeps what peft wraps
+    and trains (trainer/runtime/kept.py, lora-layouts/), and the second run answers from it with the same JSON,
+    without importing peft (a stand-in `peft` first on the path records an import)."""
+    config = write_config(tmp_path / "adapter.yml", "examples/tiny-cpu.yml",
+                          base_model=str(workdir / "outputs" / "tiny-model"), **adapter)
+    counted = fit_json(workdir, config, "--gpu", "a100", env=env)
+    layouts = list((tmp_path / "cache" / "envtool" / "lora-layouts").glob("*.json"))
+    assert len(layouts) == 1 and json.loads(layouts[0].read_text())["params"] > 0  # peft's count, kept
+    shadow = tmp_path / "no-peft" / "peft"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text(NO_PEFT)
+    again = fit_json(workdir, config, "--gpu", "a100", env={**env, "PYTHONPATH": f"{shadow.parent}:{REPO}"})
+    assert again == counted
+    assert not (shadow / "__init__.py.imported").exists(), "the second run imported peft"
+
+
 def test_human_output(workdir, env):
     """The estimate, and a memory option Axolotl has that this trainer does not named in one line (the estimate is
     the run without it)."""

@@ -215,9 +215,10 @@ def parse_config(raw: Any) -> tuple[Config, list[str]]:
     ConfigError naming every problem (`.problems`, one line each; `.config`: the config as far as it reads)."""
     if not isinstance(raw, dict):
         raise ConfigError("the config must be a YAML mapping of keys to values")
-    raw, rewrite = migrate.migrate({str(k): v for k, v in raw.items()}, set(Config.model_fields) | {"model_config"},
-                                   set(DatasetConfig.model_fields))
-    notes, problems = list(rewrite.notes), list(rewrite.problems)
+    raw = {str(k): v for k, v in raw.items()}
+    scalars = _scalar_lists(raw)
+    raw, rewrite = migrate.migrate(raw, set(Config.model_fields) | {"model_config"}, set(DatasetConfig.model_fields))
+    notes, problems = list(rewrite.notes), list(rewrite.problems) + [line for _, line in scalars]
     if "model_config" in raw:  # Axolotl's model_config: pydantic owns the name
         raw["model_config_overrides"] = raw.pop("model_config")
     if raw.get("micro_batch_size") == "auto":  # the batch per step is micro 1 x gradient_accumulation_steps,
@@ -244,8 +245,9 @@ def parse_config(raw: Any) -> tuple[Config, list[str]]:
     try:
         cfg = Config.model_validate(kept)
     except ValidationError as err:  # key and value problems together, so one run shows them all
+        named = not_lists + [key for key, _ in scalars]  # (said above: not "Field required" as well)
         problems += [p for p in _validation_problems(err) if not any(p.startswith(f"{key}: Field required")
-                                                                      for key in not_lists)]
+                                                                      for key in named)]
         cfg = _lenient(kept, err)
         set_aside = {str(e["loc"][0]) for e in err.errors() if e["loc"]}
     if cfg is not None:
@@ -256,6 +258,21 @@ def parse_config(raw: Any) -> tuple[Config, list[str]]:
     if problems:
         raise several([("config", p) for p in problems], cfg)
     return cfg, notes
+
+
+def _scalar_lists(raw: dict) -> list[tuple[str, str]]:
+    """(key, problem) for each list of entries (datasets, test_datasets, pretraining_dataset) given one plain value
+    (`datasets: -1`, `datasets: data.jsonl`): the key is set aside, so that nothing after reads it as a list. (One
+    mapping instead of a list has its own line in parse_config: the `- ` left out.)"""
+    found = []
+    for key in migrate.LISTS:
+        value = raw.get(key)
+        if value is None or isinstance(value, (list, dict)):
+            continue
+        raw.pop(key)
+        found.append((key, f"{key}: must be a list of dataset entries, each starting with `- ` (`- path: ...`, then "
+                           f"`type: ...` below it), not {value!r}"))
+    return found
 
 
 def _named_choices(cfg: Config, notes: list[str], lenient: bool = False) -> list[str]:
@@ -342,11 +359,39 @@ def read_yaml(path: Path) -> Any:
         _check_expanded_size(node, path)
         return loader.construct_document(node)
     except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark else ""
-        raise ConfigError(f"{path} is not valid YAML{where}: {getattr(err, 'problem', err)}") from None
+        raise ConfigError(yaml_problem(path, err)) from None
     finally:
         loader.dispose()
+
+
+# PyYAML's wording of the syntax errors people make in a config, in plain words: (its problem, its context or
+# None for any) -> (which mark the line points at: the problem's or the context's, what is wrong)
+YAML_PROBLEMS = [
+    (("found character '\\t'", None), ("problem", "a tab: YAML indents with spaces only")),
+    (("found unexpected end of stream", "while scanning a quoted scalar"),
+     ("context", "a quoted value opens here and is never closed (a missing \" or ')")),
+    (("mapping values are not allowed here", None),
+     ("problem", "a ':' YAML cannot read here: quote a value that holds ': ' (key: \"a: b\"), and do not indent a "
+                 "key under a line that already has its value")),
+    (("could not find expected ':'", None), ("context", "not `key: value` (a ':' and a space missing?)")),
+    (("expected <block end>", None), ("problem", "indented differently from the lines above it")),
+    (("expected ',' or ']'", None), ("context", "a [list] opens here and is not closed (a missing ']' or ',')")),
+    (("expected ',' or '}'", None), ("context", "a {mapping} opens here and is not closed (a missing '}' or ',')")),
+]
+
+
+def yaml_problem(path: Path, err) -> str:
+    """One line for a YAML syntax error: `PATH line L column C: what is wrong`, in plain words where PyYAML's
+    wording is one a config's author meets (YAML_PROBLEMS), else PyYAML's own."""
+    problem, context = str(getattr(err, "problem", None) or err), getattr(err, "context", None) or ""
+    marks = {"problem": getattr(err, "problem_mark", None), "context": getattr(err, "context_mark", None)}
+    mark, text = marks["problem"], problem + (f" ({context})" if context else "")
+    for (said, during), (at, plain) in YAML_PROBLEMS:
+        if problem.startswith(said) and (during is None or context == during):
+            mark, text = marks[at] or marks["problem"], plain
+            break
+    where = f" line {mark.line + 1} column {mark.column + 1}" if mark is not None else ""
+    return f"{path}{where}: {text}"
 
 
 def _check_expanded_size(root, path: Path) -> None:

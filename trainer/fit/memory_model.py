@@ -708,7 +708,13 @@ class LoraLayout:
     layers_with_experts: int  # decoder layers holding such parameters
 
 
-_LAYOUTS: dict[str, LoraLayout] = {}
+_LAYOUTS: dict[str, LoraLayout | None] = {}
+
+# peft's layout, kept between processes like the model's shape (trainer/runtime/kept.py): applying peft to the
+# meta-device model imports peft and transformers' model code (5-15 s of CPU per `envtool fit` or dry run of a
+# LoRA/QLoRA config), and the layout never changes for the same config.json, LoraConfig, transformers and peft.
+# Not for remote code. A layout peft refuses is kept too (as {"none": true}): the estimate counts by rule then.
+LAYOUTS, LAYOUT_FORMAT = "lora-layouts", 1  # raised when LoraLayout's fields change
 
 
 def lora_layout(shape: ModelShape, lora_kwargs: dict) -> LoraLayout | None:
@@ -719,6 +725,51 @@ def lora_layout(shape: ModelShape, lora_kwargs: dict) -> LoraLayout | None:
         return _LAYOUTS[key]
     if not shape.config or "model_type" not in shape.config:
         return None
+    if not _importable("torch", "peft", "transformers"):  # counted by rule, as without a kept answer
+        return None
+    disk = _layout_key(key, shape)
+    answer = kept.read(LAYOUTS, disk)
+    if answer is not None and (found := _kept_layout(answer)) is not False:
+        _LAYOUTS[key] = found
+        return found
+    layout = _peft_layout(shape, lora_kwargs)
+    if layout is False:
+        return None
+    _LAYOUTS[key] = layout
+    kept.keep(LAYOUTS, disk, {"none": True} if layout is None else {
+        **dataclasses.asdict(layout), "wrapped": sorted(layout.wrapped)})
+    return layout
+
+
+def _layout_key(key: str, shape: ModelShape) -> str | None:
+    """The kept layout's name: the config and LoraConfig (`key`), with peft's version (transformers' is in every
+    kept name); None for remote code or where peft is not installed (nothing kept)."""
+    # start-up: importlib.metadata imported only when this runs
+    from importlib import metadata
+
+    if getattr(shape, "trust_remote_code", False):
+        return None
+    try:
+        return kept.key(LAYOUT_FORMAT, key.encode(), metadata.version("peft").encode())
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _kept_layout(answer: dict) -> LoraLayout | None | bool:
+    """The kept answer as a LoraLayout (None: peft refused it), False where it is damaged (counted again)."""
+    if answer.get("none") is True:
+        return None
+    try:
+        return LoraLayout(params=answer["params"], tensors=[(int(n), int(c)) for n, c in answer["tensors"]],
+                          wrapped=set(answer["wrapped"]), expert_params=answer["expert_params"],
+                          layers_with_experts=answer["layers_with_experts"])
+    except (KeyError, TypeError, ValueError):
+        return False
+
+
+def _peft_layout(shape: ModelShape, lora_kwargs: dict) -> LoraLayout | None | bool:
+    """Apply peft to the meta-device model and read what it wraps and trains (None: peft refuses the config;
+    False: peft, torch or transformers does not import)."""
     try:
         with quiet_imports():
             # heavy: torch and peft load only when this runs
@@ -726,8 +777,8 @@ def lora_layout(shape: ModelShape, lora_kwargs: dict) -> LoraLayout | None:
             from peft import LoraConfig, get_peft_model
             from transformers import AutoConfig, AutoModelForCausalLM
             from transformers import AutoModelForSequenceClassification, AutoModelForTokenClassification
-    except ImportError:
-        return None
+    except ImportError:  # (a broken install: not kept, so a repaired one counts with peft)
+        return False
     classes = {"SEQ_CLS": AutoModelForSequenceClassification, "TOKEN_CLS": AutoModelForTokenClassification}
     try:
         with quiet_imports():
@@ -759,7 +810,5 @@ def lora_layout(shape: ModelShape, lora_kwargs: dict) -> LoraLayout | None:
                 layers.add(found.group(1) if found else name)
         elif isinstance(base, torch.nn.Linear):
             wrapped.add(name.rsplit(".", 1)[-1])
-    layout = LoraLayout(params=sum(p.numel() for p in trained.values()), tensors=sorted(tensors.items()),
-                        wrapped=wrapped, expert_params=expert, layers_with_experts=len(layers))
-    _LAYOUTS[key] = layout
-    return layout
+    return LoraLayout(params=sum(p.numel() for p in trained.values()), tensors=sorted(tensors.items()),
+                      wrapped=wrapped, expert_params=expert, layers_with_experts=len(layers))
