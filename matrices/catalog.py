@@ -25,7 +25,7 @@ def matrix_dir() -> Path:
 
 
 def _get(row: Any, key: str):
-    return row.get(key) if isinstance(row, dict) else getattr(row, key)
+    return row.get(key) if isinstance(row, dict) else getattr(row, key, None)
 
 
 def normalize_name(text: str) -> str:
@@ -49,38 +49,70 @@ def cc_from_text(text: str) -> str | None:
     return f"{int(match.group(1))}.{match.group(2)}" if match else None
 
 
+# Words after a product's name that make it another product of the same line: NVIDIA's Ti and Super (and AMD's XT,
+# XTX) share the chip generation, so the compute capability, but not the memory ("RTX 5070 Ti" has 16 GB, the RTX
+# 5070 12 GB).
+VARIANT_WORDS = frozenset({"ti", "super", "xt", "xtx"})
+MEMORY_IN_NAME = re.compile(r"(?<![\w.])(\d+(?:\.\d+)?)\s*(?:g|gb|gib)(?![a-z])", re.I)
+
+
+def memory_in_name(text: str) -> float | None:
+    """The memory a GPU's name states ("NVIDIA H100 80GB HBM3" -> 80, "NVIDIA GH200 144G HBM3e" -> 144), or None."""
+    found = MEMORY_IN_NAME.search(text) if isinstance(text, str) else None
+    return float(found.group(1)) if found else None
+
+
 def find_gpu(text: str, gpus: Iterable[Any]):
     """The catalog row a user's or nvidia-smi's name means: an exact name or alias first ("t4", "Tesla T4"),
     else the row with the longest name or alias spelled by whole words of it ("NVIDIA H100 80GB HBM3" -> H100,
-    "NVIDIA GeForce RTX 4090" -> rtx4090; "a101" is not "a10"), else None."""
+    "NVIDIA GeForce RTX 4090" -> rtx4090; "a101" is not "a10"), else None. Never another product of the row's line:
+    a name with a variant word after the row's ("RTX 5070 Ti") or a memory size the row does not have ("GH200
+    144G") is not that row (gpu_family says what such a name shares with it)."""
+    found = gpu_family(text, gpus)
+    return found[0] if found is not None and found[2] else None
+
+
+def gpu_family(text: str, gpus: Iterable[Any]):
+    """(row, memory in GB, same product) for a GPU's name: the row whose name or alias the text spells (as
+    find_gpu), the memory the text states (else the row's, for the same product; None for a variant whose memory
+    the catalog does not know), and whether it is the row's own product rather than a variant of its line (same
+    compute capability: see VARIANT_WORDS) or another memory size. None when no row matches."""
     if not isinstance(text, str):
         return None  # a number where a tool prints a name
     key = normalize_name(text)
     rows = list(gpus)
     labels = [(row, {normalize_name(a) for a in (_get(row, "name"), *_get(row, "aliases"))}) for row in rows]
+    stated = memory_in_name(text)
     for row, names in labels:
         if key in names:
-            return row
+            return row, stated if stated is not None else _get(row, "memory_gb"), True
     # Runs of consecutive words no longer than the longest label: a run longer than every label matches none, and
     # bounding them keeps this linear in the text's length (a 1,500-word name built ~10^6 runs of ~10^4
     # characters each when every run was formed).
     longest = max((len(n) for _, names in labels for n in names), default=0)
     words = [w for w in re.split(r"[\s_\-/,()]+", text.strip().lower()) if w]
-    runs = set()
+    runs: dict[str, str | None] = {}  # run -> the word after it
     for i in range(len(words)):
         run = ""
-        for word in words[i:]:
+        for j, word in enumerate(words[i:], start=i):
             run += word
             if len(run) > longest:
                 break
-            runs.add(run)
+            runs.setdefault(run, words[j + 1] if j + 1 < len(words) else None)
     best, best_len = None, 0
     for row in rows:
         for label in (_get(row, "name"), *_get(row, "aliases")):
             label = normalize_name(label)
             if label in runs and len(label) > best_len:
                 best, best_len = row, len(label)
-    return best
+    if best is None:
+        return None
+    after = {runs[n] for n in (normalize_name(a) for a in (_get(best, "name"), *_get(best, "aliases"))) if n in runs}
+    own = _get(best, "memory_gb")
+    variant = bool(after & VARIANT_WORDS)
+    other_size = stated is not None and own is not None and abs(stated - own) > max(1.0, 0.05 * own)
+    same = not variant and not other_size
+    return best, (stated if stated is not None else (own if same else None)), same
 
 
 def arch_for(cc: str, archs: Iterable[Any]):

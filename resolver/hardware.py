@@ -164,9 +164,11 @@ def lookup(text: str, m: Matrix, source: str = "catalog", *, counts: bool = True
     cc = catalog.cc_from_text(key) if key not in _catalog_names(m) else None  # "980" is the GTX 980, not sm_980
     if cc:
         return from_cc(cc, m, name=f"sm_{cc.replace('.', '')} GPU", memory_gb=None, source="compute-capability")
-    g = catalog.find_gpu(text, m.gpus)
-    if g is not None:
-        return from_cc(g.compute_capability, m, name=g.name, memory_gb=g.memory_gb, source=source)
+    family = catalog.gpu_family(text, m.gpus)
+    if family is not None:  # the row's product, or another of its line (same compute capability, its own memory)
+        g, memory_gb, same = family
+        return from_cc(g.compute_capability, m, name=g.name if same else text.strip(), memory_gb=memory_gb,
+                       source=source)
     # start-up: resolver.vendors, difflib imported only when this runs
     from . import vendors
 
@@ -427,9 +429,10 @@ def parse_old_nvidia_smi(text: str, m: Matrix) -> tuple[list[Seen], str | None, 
 
 
 def cc_from_name(name: str, m: Matrix) -> str | None:
-    """The compute capability of the catalog GPU whose longest name or alias appears in `name`."""
-    g = catalog.find_gpu(name, m.gpus)
-    return g.compute_capability if g else None
+    """The compute capability of the catalog GPU whose longest name or alias appears in `name` (a variant of its
+    line, "RTX 5070 Ti", shares it)."""
+    family = catalog.gpu_family(name, m.gpus)
+    return family[0].compute_capability if family else None
 
 
 def parse_nvidia_smi(text: str) -> tuple[list[Seen], str | None]:

@@ -340,3 +340,31 @@ def test_loader_refuses_inconsistent_facts(edited_matrix, name, old, new, messag
     load = edited_matrix(name, old, new)
     with pytest.raises(MatrixError, match=message.replace("[", r"\[").replace("]", r"\]")):
         load()
+
+
+@pytest.mark.parametrize("name, cc, memory_gb, same", [
+    ("NVIDIA GeForce RTX 5070 Ti", "12.0", None, False),  # 16 GB, not the RTX 5070's 12 GB: unknown, not wrong
+    ("NVIDIA GeForce RTX 4060 Ti", "8.9", None, False),
+    ("NVIDIA GH200 144G HBM3e", "9.0", 144.0, False),  # the 144 GB HBM3e GH200, not the 96 GB row
+    ("Tesla V100-SXM2-32GB", "7.0", 32.0, True),  # the name states its memory
+    ("NVIDIA H100 80GB HBM3", "9.0", 80.0, True),
+    ("NVIDIA A100-SXM4-40GB", "8.0", 40.0, True),
+    ("Tesla T4", "7.5", 16.0, True),
+])
+def test_a_gpu_name_is_never_taken_for_another_product_of_its_line(name, cc, memory_gb, same):
+    """nvidia-smi's names of a variant (Ti) or of another memory size (GH200 144G) keep the product line's compute
+    capability but never the catalog row's memory: through `envtool resolve`, and the trainer's own reading."""
+    from matrices import catalog
+    from resolver import matrix
+    from trainer.runtime.hardware import gpu_from_name
+
+    row, memory, own = catalog.gpu_family(name, matrix.load().gpus)
+    assert (row.compute_capability, memory, own) == (cc, memory_gb, same)
+    assert (catalog.find_gpu(name, matrix.load().gpus) is row) == same  # find_gpu never answers another product
+    out = run_envtool("resolve", "--gpu", name, "--json")
+    assert out.returncode == 0, out.stderr
+    gpu = json.loads(out.stdout)["gpu"]
+    assert (gpu["compute_capability"], gpu["memory_gb"]) == (cc, memory_gb)
+    assert gpu["name"] == (row.name if same else name)
+    trainer = gpu_from_name(name)
+    assert (trainer.compute_capability, trainer.memory_gb) == (cc, memory_gb)

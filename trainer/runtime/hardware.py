@@ -149,10 +149,11 @@ def gpu_from_name(name: str) -> Gpu:
     cc = catalog.cc_from_text(name)
     if cc is not None:
         return Gpu(name=name, compute_capability=cc, source="--gpu")
-    row = catalog.find_gpu(name, facts.rows("gpus", "gpu"))
-    if row is not None:
-        return Gpu(name=row["name"], compute_capability=row["compute_capability"], source="--gpu",
-                   memory_gb=row.get("memory_gb"))
+    family = catalog.gpu_family(name, facts.rows("gpus", "gpu"))
+    if family is not None:  # the row's product, or another of its line (same compute capability, its own memory)
+        row, memory_gb, same = family
+        return Gpu(name=row["name"] if same else name.strip(), compute_capability=row["compute_capability"],
+                   source="--gpu", memory_gb=memory_gb)
     other = vendors.lookup(name)
     if other is not None:
         vendor, found, target = other
