@@ -142,3 +142,25 @@ def test_the_cpu_mode_runs_every_step_through_run_sh_and_reports_each_figure_or_
     train = steps["train"]["figures"]
     assert train["dry_run"]["kind"] == "active" and train["run"]["exit"] == 0
     assert any(n.endswith(".safetensors") for n in train["run"]["saved"])
+
+
+def test_the_kit_removes_only_a_venv_it_made(tmp_path):
+    """KIT_VENV naming a project folder, a file or a link: refused in one line, nothing deleted; the kit's own venv
+    (its mark in the root) is removed before the next run makes it anew."""
+    project = tmp_path / "my-project"
+    (project / "src").mkdir(parents=True)
+    (project / "src" / "work.py").write_text("precious = True\n")
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("keep me\n")
+    link = tmp_path / "link"
+    link.symlink_to(project)
+    for path in (project, a_file, link):
+        with pytest.raises(RuntimeError, match=rf"KIT_VENV {path}: exists and is not a venv this kit made"):
+            kit.remove_own_venv(path)
+    assert (project / "src" / "work.py").read_text() == "precious = True\n" and a_file.read_text() == "keep me\n"
+    own = tmp_path / "kit-venv"
+    (own / "lib").mkdir(parents=True)
+    (own / kit.KIT_MARK).write_text("made by the kit\n")
+    kit.remove_own_venv(own)
+    assert not own.exists()
+    kit.remove_own_venv(tmp_path / "never-made")  # nothing there: nothing to do

@@ -332,6 +332,20 @@ def need_gpu(ctx, what: str) -> None:
 # ---------------------------------------------------------------------------- 0. install
 
 
+KIT_MARK = ".envtool-gpu-kit"  # in the root of the venv the kit makes: what it may remove before its next run
+
+
+def remove_own_venv(venv: Path) -> None:
+    """Remove the venv an earlier run of the kit made at `venv` (KIT_VENV), and nothing else: a path that exists
+    without the kit's mark (a project folder, someone's venv, a file) is refused in one line, untouched."""
+    if not venv.exists() and not venv.is_symlink():
+        return
+    if venv.is_symlink() or not venv.is_dir() or not (venv / KIT_MARK).is_file():
+        raise RuntimeError(f"KIT_VENV {venv}: exists and is not a venv this kit made (no {KIT_MARK} in it); the kit "
+                           "removes only its own: name a new path, or remove it yourself")
+    shutil.rmtree(venv)
+
+
 def step_install(ctx, work: Path):
     """The bundle checked, then installed beside the machine's torch, and the project from the working tree."""
     if not ctx.get("install"):
@@ -354,11 +368,12 @@ def step_install(ctx, work: Path):
     base = sys.executable
     torch_before = sh([base, "-c", "import torch; print(torch.__version__)"]).stdout.strip()
     venv = Path(os.environ.get("KIT_VENV") or "/tmp/envtool-gpu-kit-venv")
-    shutil.rmtree(venv, ignore_errors=True)
+    remove_own_venv(venv)
     # A venv whose sys.path ends with the machine's own site-packages (a .pth file: --system-site-packages alone would
     # reach the base interpreter's, not those of a venv or a conda env the stack lives in). Its own packages come
     # first; the machine's torch and pip are the ones seen; nothing outside the venv is ever uninstalled.
     sh([base, "-m", "venv", "--without-pip", str(venv)])
+    (venv / KIT_MARK).write_text("made by envtool's GPU kit (bench/gpu/kit.py), which removes it before its next run\n")
     theirs = json.loads(sh([base, "-c", "import json, sys, os; print(json.dumps([p for p in sys.path if os.path"
                             ".isdir(p) and os.path.basename(p) in ('site-packages', 'dist-packages')]))"]).stdout)
     ours = sh([str(venv / "bin" / "python"), "-c",
