@@ -833,7 +833,7 @@ def run(launch: Launch, plan: Plan, *, hf_cache: Path | None = None, shm_size: s
             return run_torchrun(launch.command, env, stdout)
         proc = subprocess.Popen(launch.command, env=env, stdout=stdout, start_new_session=True)
         with forwarding_to(proc, workers=False):
-            return proc.wait()
+            return died_of_a_signal(proc.wait())
     except FileNotFoundError:
         raise EnvtoolError(f"cannot start {launch.command[0]}: the environment is gone; run again to rebuild it") from None
 
@@ -895,6 +895,32 @@ def _is_worker(pid: int) -> bool:
         return any(v.startswith(b"LOCAL_RANK=") for v in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"))
     except OSError:
         return False
+
+
+SIGNAL_WHY = {"SIGKILL": "the kernel's out-of-memory killer sends it when the machine runs out of memory (`dmesg` "
+                         "says; a smaller micro_batch_size or sequence_len, or `envtool fit CONFIG`, helps), as does "
+                         "a scheduler past its time limit",
+              "SIGBUS": "a file mapped into memory was cut short or its disk went away (a truncated compiled "
+                        "extension, e.g. a DeepSpeed op: delete its build folder and run again)",
+              "SIGSEGV": "a crash in compiled code (a library built for another torch or CPU)",
+              "SIGABRT": "a library aborted (its own message is above)"}
+
+
+def died_of_a_signal(code: int) -> int:
+    """A trainer process's exit status as a scheduler reads it: a death by signal N (Popen's -N) becomes 128 + N, as
+    a shell reports it (137 for SIGKILL), with one line naming the signal and its likely cause; other codes pass."""
+    if code >= 0:
+        return code
+    # start-up: signal imported only when this runs
+    import signal
+
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    why = SIGNAL_WHY.get(name, "sent by another process or the system")
+    print(f"envtool: error: the trainer was killed by {name} ({why}); exit {128 - code}", file=sys.stderr, flush=True)
+    return 128 - code
 
 
 def forwarding_to(proc, workers: bool):
@@ -982,4 +1008,4 @@ def run_torchrun(command: list[str], env: dict, stdout) -> int:
                     report.line(line)
             finally:
                 code = proc.wait()
-        return report.result(code)
+        return report.result(died_of_a_signal(code))

@@ -305,8 +305,10 @@ def plan_json_page() -> str:
 
 def exit_codes_page() -> str:
     import inspect
+    import signal
 
     import resolver.errors as renv
+    from resolver import launch
     import trainer.errors as terr
     from trainer.runtime import stop
 
@@ -336,7 +338,12 @@ def exit_codes_page() -> str:
            "| code | when |", "|---|---|",
            f"| {stop.REQUEUE_EXIT} | SIGTERM or SIGUSR1: checkpoint saved; \"requeue me\" |",
            f"| {stop.INTERRUPT_EXIT} | Ctrl-C |", "",
-           "The [long runs guide](../guides/long-runs.md) says what each signal does."]
+           "The [long runs guide](../guides/long-runs.md) says what each signal does.", "",
+           "## A trainer that died of a signal", "",
+           "`envtool train` exits 128 + N when the trainer was killed by signal N, as a shell and a scheduler read "
+           "it, after one line naming the signal and its likely cause (resolver/launch.py `died_of_a_signal`):", "",
+           "| code | signal | likely cause |", "|---|---|---|",
+           *(f"| {128 + signal.Signals[name].value} | {name} | {why} |" for name, why in launch.SIGNAL_WHY.items())]
     return "\n".join(out) + "\n"
 
 

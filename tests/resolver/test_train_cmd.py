@@ -307,3 +307,33 @@ def test_a_named_venv_is_used_when_it_runs_the_plan_and_built_for_it_otherwise(t
     assert ready["environment"]["ready"] and ready["command"][0] == str(venv / "bin" / "python")
     both = train(str(config()), *CPU, "--venv", str(tmp_path / "v"), "--image", env=env)
     assert both.returncode == 2 and "--venv and --image are two places to train" in both.stderr
+
+
+@pytest.mark.slow
+def test_a_trainer_killed_by_a_signal_is_one_named_line_and_the_shells_exit_code(config, env, tmp_path):
+    """The kernel's OOM killer sends SIGKILL: `envtool train` exits 137 (128 + 9, as a shell and a scheduler read
+    it), not Popen's -9 turned into 247, with one line naming the signal and what sends it."""
+    import signal
+    import time
+
+    proc = subprocess.Popen([str(ENVTOOL), "train", str(config(max_steps=10_000)), "--gpu", "cpu"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    deadline, trainer = time.monotonic() + 240, None
+    while trainer is None and time.monotonic() < deadline and proc.poll() is None:
+        for entry in Path("/proc").glob("[0-9]*/cmdline"):
+            try:
+                argv = entry.read_bytes().split(b"\0")
+                parent = int((entry.parent / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            if parent == proc.pid and b"trainer" in argv and b"train" in argv:
+                trainer = int(entry.parent.name)
+        time.sleep(0.2)
+    assert trainer is not None, "the trainer process never started"
+    time.sleep(3)  # into its start-up
+    os.kill(trainer, signal.SIGKILL)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 137, err[-2000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("envtool: error: the trainer was killed by SIGKILL (the kernel's out-of-memory killer")
+    assert last.endswith("exit 137") and "Traceback" not in err
