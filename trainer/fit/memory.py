@@ -118,6 +118,7 @@ class Setup:
     tiled_shards: int = 0  # tiled_mlp: the MLP over this many slices of a row (0: off; -1: Axolotl's 1 per 32768)
     compiled: bool = False  # torch_compile where it runs (no term of its own: its memory is not counted)
     freeze_mm: bool = False  # freeze_mm_modules: the vision tower and projector are not trained (shape.vision_params)
+    moe_quant: bool = False  # quantize_moe_experts: the 3-D expert tensors quantized as they load (trainer/model/experts.py)
 
     @property
     def e(self) -> int:
@@ -213,7 +214,7 @@ def setup_from(cfg, runtime, world: int) -> Setup:
         chunked_loss=(cfg.objective == "sft" and not cfg.use_eaft and tp == 1 and cp == 1 and zero != 3
                       and not fsdp and not cfg.ddp_find_unused_parameters
                       and not cfg.processor_type),  # vision-language SFT: full logits (trainer/objectives/vision.py)
-        freeze_mm=cfg.freeze_mm_modules,
+        freeze_mm=cfg.freeze_mm_modules, moe_quant=bool(getattr(cfg, "quantize_moe_experts", False)) and quant is not None,
         liger_norm=kernels_on and bool(cfg.liger_rms_norm or cfg.liger_layer_norm),
         liger_glu=kernels_on and bool(cfg.liger_glu_activation or cfg.liger_swiglu),
         objective=cfg.objective, world=world, shard=shard, zero=zero, fsdp=fsdp, offload_optimizer=offload_opt,
@@ -375,12 +376,39 @@ def _base_weights(shape, s: Setup, notes: list[str]) -> float:
             base += one * lin.count + n_b * 4  # biases: fp32 after prepare_model_for_kbit_training
         else:
             base += (n_w + n_b) * (4 if kbit else e_w)
-    rest = shape.embedding + shape.lm_head + shape.expert_params + shape.other_matrices + shape.vectors
-    base += rest * (4 if kbit else e_w)
-    if kbit and shape.expert_params:
-        notes.append("MoE expert tensors are not nn.Linear: bitsandbytes leaves them unquantized (counted in fp32 "
-                     "after peft's k-bit preparation)")
+    rest = shape.embedding + shape.lm_head + shape.other_matrices + shape.vectors
+    base += rest * (4 if kbit else e_w) + expert_bytes(shape, s)
+    if line := experts_note(shape, s):
+        notes.append(line)
     return base
+
+
+def expert_bytes(shape, s: Setup) -> float:
+    """The 3-D expert tensors as the load leaves them: quantized with quantize_moe_experts (NF4/FP4 as a
+    bitsandbytes 4-bit weight, int8 with an fp32 absmax per row), else in the load dtype; k-bit preparation does not
+    upcast them (trainer/model/experts.py keeps them out of it)."""
+    n = shape.expert_params
+    if not n or not s.moe_quant:
+        return n * s.weight_bytes
+    if s.quant in ("nf4", "fp4"):
+        return nf4_bytes(n, s.double_quant)
+    return n + 4 * n / max(1, shape.hidden_size)  # rows of the hidden size at most: an fp32 scale each
+
+
+def experts_note(shape, s: Setup) -> str | None:
+    """A k-bit MoE's experts in one line: what the load keeps unquantized and what it costs, or what
+    quantize_moe_experts stores instead (validate, the dry run and `envtool fit` print it)."""
+    n = shape.expert_params
+    if not n or s.quant is None:
+        return None
+    held, packed = n * s.weight_bytes / GB, expert_bytes(shape, replace(s, moe_quant=True)) / GB
+    fmt, dtype = ("int8" if s.quant == "int8" else s.quant.upper()), {2: s.precision, 4: "fp32"}[s.weight_bytes]
+    if s.moe_quant:
+        return (f"quantize_moe_experts: the {n / 1e9:.2f}B expert parameters (3-D tensors) quantized to {fmt} as "
+                f"they load: {packed:.1f} GB instead of {held:.1f} GB in {dtype}")
+    return (f"MoE experts: {n / 1e9:.2f}B parameters in 3-D expert tensors stay unquantized (bitsandbytes quantizes "
+            f"nn.Linear layers only): {held:.1f} GB in {dtype}; quantize_moe_experts: true stores them in {fmt} as "
+            f"they load ({packed:.1f} GB)")
 
 
 def _trained_params(shape, s: Setup, base: float, notes: list[str]) -> tuple[float, float, float]:
@@ -715,6 +743,9 @@ def activation_terms(shape, s: Setup, tokens: int | None = None, row_len: int | 
     # peft's ParamWrapper merges each wrapped 3-D expert tensor with its adapter in every forward and keeps the
     # merged copy for the backward: weight-sized, per layer
     merged = s.e * found.expert_params / max(1, found.layers_with_experts) if experts_wrapped else 0.0
+    if s.moe_quant and not merged:  # quantize_moe_experts: the layer's experts dequantized once per forward and
+        # kept for the backward of its input (the expert matmuls save their weight)
+        merged = s.e * shape.expert_params / max(1, sum(ly.count for ly in shape.layers if ly.experts))
     for layer in shape.layers:
         per_tok, per_key = layer_bytes_per_token(layer, shape, s, targeted, experts_train=experts_wrapped)
         tile = 0.0
@@ -1125,6 +1156,10 @@ def candidates(shape, s: Setup):
         yield ("lora", {"adapter": "lora", "lora_r": 16, "lora_target_linear": True},
                "adapter: lora (r 16 on every linear layer; trains an adapter, not the model)",
                replace(s, adapter="lora", lora_r=16, lora_targets="all-linear"))
+    if s.quant and not s.moe_quant and shape.expert_params:
+        yield ("quantize_moe_experts", {"quantize_moe_experts": True},
+               f"quantize_moe_experts: true (the 3-D expert tensors stored in {s.quant} as they load, as the linear "
+               "layers are; the adapters train through their quantization error)", replace(s, moe_quant=True))
     if s.adapter != "qlora":
         yield ("qlora", {"adapter": "qlora", "load_in_4bit": True, "lora_r": 16, "lora_target_linear": True},
                "adapter: qlora with load_in_4bit (NF4 base weights; trains an adapter)",
@@ -1188,6 +1223,7 @@ class Report:
     notes: list[str] = field(default_factory=list)  # what the estimate assumed or could not count
     estimate: Estimate | None = None  # None when unknown
     reason: str | None = None  # why the verdict is unknown
+    experts: str | None = None  # a k-bit MoE's experts in one line (experts_note), printed by validate and the dry run
 
 
 def unknown(gpu: Gpu, reason: str) -> dict:
@@ -1231,7 +1267,25 @@ def report(cfg, runtime, gpu: Gpu, local_only: bool = False) -> Report:
         reason = f"{gpu.name}'s memory is not in matrices/gpus.toml: name the GPU (e.g. --gpu a100-80gb)"
         notes.append(reason)
         result["reason"] = reason
-    return Report(result, cfg.base_model, notes, est, reason)
+    return Report(result, cfg.base_model, notes, est, reason, experts_note(shape, s))
+
+
+def experts_line(cfg, runtime) -> str | None:
+    """experts_note for a config without a GPU to estimate for (validate on the CPU): the model's config.json from
+    its directory or a cache only; None when its shape is unknown here."""
+    # start-up: trainer.fit.memory_model imported only when this runs
+    from trainer.fit import memory_model
+
+    if not (cfg.load_in_4bit or cfg.load_in_8bit):
+        return None
+    try:
+        with memory_model.quiet_imports():
+            shape = memory_model.model_shape(cfg.base_model, revision=cfg.revision_of_model,
+                                             trust_remote_code=cfg.trust_remote_code,
+                                             overrides=cfg.model_config_overrides, local_only=True)
+    except memory_model.ModelConfigError:
+        return None
+    return experts_note(shape, setup_from(cfg, runtime, 1))
 
 
 def one_line(r: Report) -> str:
