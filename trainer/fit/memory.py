@@ -390,9 +390,22 @@ def expert_bytes(shape, s: Setup) -> float:
     n = shape.expert_params
     if not n or not s.moe_quant:
         return n * s.weight_bytes
+    tensors = expert_tensors(shape)
     if s.quant in ("nf4", "fp4"):
-        return nf4_bytes(n, s.double_quant)
-    return n + 4 * n / max(1, shape.hidden_size)  # rows of the hidden size at most: an fp32 scale each
+        return sum(nf4_bytes(numel, s.double_quant) for numel, _ in tensors)
+    return sum(numel + 4 * numel // rows_of for numel, rows_of in tensors)  # an fp32 absmax per row
+
+
+def expert_tensors(shape) -> list[tuple[int, int]]:
+    """(values, row length) of each 3-D expert tensor, laid out as Mixtral's and Qwen3-MoE's
+    ([experts, 2 x width, hidden] gate_up_proj, [experts, hidden, width] down_proj); one lump of hidden-size rows
+    where the layers' sizes do not add up to the counted expert parameters (another layout)."""
+    h, out = shape.hidden_size, []
+    for ly in shape.layers:
+        if ly.experts:
+            up = ly.experts * (2 if ly.gated else 1) * ly.expert_width * h
+            out += [(up, h), (ly.experts * ly.expert_width * h, ly.expert_width)] * ly.count
+    return out if sum(n for n, _ in out) == shape.expert_params else [(shape.expert_params, max(1, h))]
 
 
 def experts_note(shape, s: Setup) -> str | None:
