@@ -1292,6 +1292,10 @@ def experts_line(cfg, runtime) -> str | None:
     if not (cfg.load_in_4bit or cfg.load_in_8bit):
         return None
     try:
+        raw = memory_model.read_config(cfg.base_model, cfg.revision_of_model, True)[0]
+        raw = {**raw, **(raw.get("text_config") or {})}
+        if not any(raw.get(k) for k in ("num_local_experts", "num_experts", "n_routed_experts")):
+            return None  # a dense model: no count to build
         with memory_model.quiet_imports():
             shape = memory_model.model_shape(cfg.base_model, revision=cfg.revision_of_model,
                                              trust_remote_code=cfg.trust_remote_code,
