@@ -167,3 +167,13 @@ def test_quantize_moe_experts_needs_quantized_loading(tmp_path, tiny_mixtral, ca
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "quantize_moe_experts needs adapter: lora or qlora with load_in_4bit or load_in_8bit" \
         in err[0]
+
+
+def test_expert_lora_on_quantized_experts_is_refused_in_one_line(tmp_path, tiny_mixtral, capsys):
+    """peft 0.22 wraps a quantized (parametrized) expert tensor wrongly (a nested wrapper trains nothing; the delta
+    stays on the tensor after each forward, so it is added again every step): refused, not trained wrong."""
+    config = moe_config(tmp_path, tiny_mixtral, quantize_moe_experts=True,
+                        lora_target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    assert main(["validate", str(config), "--gpu", "cpu"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "quantize_moe_experts: not with lora_target_parameters on the expert tensors" in err[0]
