@@ -1,7 +1,9 @@
 """Mixture-of-experts models trained as a user runs them: `envtool train CONFIG --gpu cpu` on tiny Mixtral and
 Qwen3-MoE models (transformers' own config classes) with quantize_moe_experts, the loss finite and going down, and
 the saved adapter loaded again by `python -m trainer evaluate` onto a base whose experts are quantized the same way
-(the evaluation loss the run logged, to float rounding); and `envtool train --dry-run` naming the experts' cost."""
+(the evaluation loss the run logged, to float rounding); `envtool train --dry-run` naming the experts' cost; and LoRA
+on the fused expert tensors (lora_target_parameters) merged by `merge-lora` into the checkpoint's own unfused expert
+tensors, its logits peft's (base + adapter)."""
 
 from __future__ import annotations
 
@@ -69,3 +71,35 @@ def test_the_dry_run_names_what_unquantized_experts_cost(tmp_path, tiny_mixtral)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = [x for x in out.stdout.splitlines() if "MoE experts:" in x]
     assert len(lines) == 1 and "stay unquantized" in lines[0] and "GB in bf16" in lines[0], out.stdout
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_merge_lora_folds_expert_lora_into_the_unfused_checkpoint(tmp_path, request, family):
+    import torch
+    from peft import PeftModel
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    base = request.getfixturevalue(f"tiny_{family}")
+    path = config(tmp_path, base, adapter="lora", load_in_4bit=None, quantize_moe_experts=None, bf16=None,
+                  lora_target_modules=["q_proj", "v_proj"], lora_dropout=0.0, max_steps=3, val_set_size=0,
+                  lora_target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    for command in ("train", "merge-lora"):
+        out = run_cli(command, str(path))
+        assert out.returncode == 0, out.stderr[-3000:]
+    merged = tmp_path / "out" / "merged"
+    names = [safe_open(d / "model.safetensors", "pt").keys() for d in (base, merged)]
+    assert names[0] == names[1] and any(".experts.0." in n for n in names[1])  # per-expert tensors, as saved
+
+    ids = torch.randint(3, 300, (2, 24), generator=torch.Generator().manual_seed(0))
+    oracle = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+                                       str(tmp_path / "out" / "final")).eval()
+    with torch.no_grad():
+        expected = oracle(input_ids=ids).logits
+        with oracle.disable_adapter():
+            before = oracle(input_ids=ids).logits
+        got = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()(input_ids=ids).logits
+    wrapped = [n for n, _ in oracle.named_parameters() if ".experts." in n and "lora_B" in n]
+    assert len(wrapped) == 4  # 2 layers x (gate_up_proj, down_proj): the experts were adapted
+    assert (expected - before).abs().max() > 1e-3  # the adapter changes the model, so the comparison can fail
+    assert (got - expected).abs().max() <= 1e-5
