@@ -100,8 +100,8 @@ class ModelKeys(BaseModel):
             raise ValueError("quantize_moe_experts needs adapter: lora or qlora with load_in_4bit or load_in_8bit "
                              "(the experts take the quantization the linear layers load with)")
         if self.quantize_moe_experts and any("expert" in t.lower() for t in self.lora_target_parameters or []):
-            raise ValueError("quantize_moe_experts: not with lora_target_parameters on the expert tensors: peft cannot "
-                             "wrap a quantized (parametrized) tensor correctly (it targets one only by its full module "
+            raise ValueError("quantize_moe_experts with lora_target_parameters on the expert tensors is not "
+                             "supported: peft cannot wrap a quantized (parametrized) tensor correctly (it targets one only by its full module "
                              "name, a nested wrapper reads it stale and trains nothing, and the adapter's delta is "
                              "left on it after each forward); train expert LoRA on unquantized experts (drop "
                              "quantize_moe_experts) or keep the adapters on the linear layers")

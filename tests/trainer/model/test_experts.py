@@ -176,4 +176,5 @@ def test_expert_lora_on_quantized_experts_is_refused_in_one_line(tmp_path, tiny_
                         lora_target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
     assert main(["validate", str(config), "--gpu", "cpu"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "quantize_moe_experts: not with lora_target_parameters on the expert tensors" in err[0]
+    assert len(err) == 1 and "quantize_moe_experts with lora_target_parameters on the expert tensors is not supported" \
+        in err[0]
