@@ -55,17 +55,25 @@ def test_quantize_moe_experts_quantizes_each_expert_tensor_as_it_loads(tmp_path,
     model_dir = request.getfixturevalue(f"tiny_{family}")
     import transformers.core_model_loading as loading
 
-    during_load = []
-    real = experts.quantize
+    during_load, handed = [], {}
+    real, real_set = experts.quantize, loading.set_param_for_module
 
     def spy(module, name, how):  # quantized inside transformers' per-tensor setter, not after the load
         during_load.append(loading.set_param_for_module.__name__ == "set_and_quantize")
         return real(module, name, how)
 
+    def handed_over(model, target_name, param_value, *args):  # what transformers' loader hands the setter
+        handed[target_name] = param_value
+        return real_set(model, target_name, param_value, *args)
+
     monkeypatch.setattr(experts, "quantize", spy)
+    monkeypatch.setattr(loading, "set_param_for_module", handed_over)
     model = loaded(moe_config(tmp_path, model_dir, quantize_moe_experts=True, **keys))
     assert during_load == [True] * 4  # 2 layers x (gate_up_proj, down_proj)
-    assert loading.set_param_for_module.__name__ == "set_param_for_module"  # restored
+    assert loading.set_param_for_module is handed_over  # restored after the load
+    loaded_experts = {n: t for n, t in handed.items() if ".experts." in n}
+    assert len(loaded_experts) == 4 and all(t.numel() == 0 for t in loaded_experts.values())  # 16-bit copies freed
+    assert all(t.numel() > 0 for n, t in handed.items() if n not in loaded_experts)
     stored = {p.dtype for p in expert_tensors(model).values()}
     assert stored == ({torch.int8} if keys else {torch.uint8})
     assert not list(experts.float_experts(model))
