@@ -419,9 +419,17 @@ def experts_note(shape, s: Setup) -> str | None:
     if s.moe_quant:
         return (f"quantize_moe_experts: the {n / 1e9:.2f}B expert parameters (3-D tensors) quantized to {fmt} as "
                 f"they load: {packed:.1f} GB instead of {held:.1f} GB in {dtype}")
-    return (f"MoE experts: {n / 1e9:.2f}B parameters in 3-D expert tensors stay unquantized (bitsandbytes quantizes "
-            f"nn.Linear layers only): {held:.1f} GB in {dtype}; quantize_moe_experts: true stores them in {fmt} as "
-            f"they load ({packed:.1f} GB)")
+    line = (f"MoE experts: {n / 1e9:.2f}B parameters in 3-D expert tensors stay unquantized (bitsandbytes quantizes "
+            f"nn.Linear layers only): {held:.1f} GB in {dtype}")
+    if experts_adapted(s):  # expert LoRA rules quantize_moe_experts out (trainer/config/model.py)
+        return line + f" (quantize_moe_experts would store them in {fmt}, {packed:.1f} GB, but not with " \
+                      "lora_target_parameters on them)"
+    return line + f"; quantize_moe_experts: true stores them in {fmt} as they load ({packed:.1f} GB)"
+
+
+def experts_adapted(s: Setup) -> bool:
+    """lora_target_parameters names expert tensors (which quantize_moe_experts is not allowed with)."""
+    return any("expert" in t.lower() for t in s.lora_target_parameters)
 
 
 def _trained_params(shape, s: Setup, base: float, notes: list[str]) -> tuple[float, float, float]:
@@ -1169,7 +1177,7 @@ def candidates(shape, s: Setup):
         yield ("lora", {"adapter": "lora", "lora_r": 16, "lora_target_linear": True},
                "adapter: lora (r 16 on every linear layer; trains an adapter, not the model)",
                replace(s, adapter="lora", lora_r=16, lora_targets="all-linear"))
-    if s.quant and not s.moe_quant and shape.expert_params:
+    if s.quant and not s.moe_quant and shape.expert_params and not experts_adapted(s):
         yield ("quantize_moe_experts", {"quantize_moe_experts": True},
                f"quantize_moe_experts: true (the 3-D expert tensors stored in {s.quant} as they load, as the linear "
                "layers are; the adapters train through their quantization error)", replace(s, moe_quant=True))
