@@ -70,7 +70,7 @@ def test_the_dry_run_names_what_unquantized_experts_cost(tmp_path, tiny_mixtral)
     out = envtool("train", str(plain), "--gpu", "a100-80gb", "--dry-run", tmp_path=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = [x for x in out.stdout.splitlines() if "MoE experts:" in x]
-    assert len(lines) == 1 and "stay unquantized" in lines[0] and "GB in bf16" in lines[0], out.stdout
+    assert len(lines) == 1 and "stay unquantized" in lines[0] and "0.4 MB in bf16" in lines[0], out.stdout
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])

@@ -414,17 +414,18 @@ def experts_note(shape, s: Setup) -> str | None:
     n = shape.expert_params
     if not n or s.quant is None:
         return None
-    held, packed = n * s.weight_bytes / GB, expert_bytes(shape, replace(s, moe_quant=True)) / GB
+    held, packed = _size(n * s.weight_bytes / GB), _size(expert_bytes(shape, replace(s, moe_quant=True)) / GB)
     fmt, dtype = ("int8" if s.quant == "int8" else s.quant.upper()), {2: s.precision, 4: "fp32"}[s.weight_bytes]
+    count = f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.2f}M"
     if s.moe_quant:
-        return (f"quantize_moe_experts: the {n / 1e9:.2f}B expert parameters (3-D tensors) quantized to {fmt} as "
-                f"they load: {packed:.1f} GB instead of {held:.1f} GB in {dtype}")
-    line = (f"MoE experts: {n / 1e9:.2f}B parameters in 3-D expert tensors stay unquantized (bitsandbytes quantizes "
-            f"nn.Linear layers only): {held:.1f} GB in {dtype}")
+        return (f"quantize_moe_experts: the {count} expert parameters (3-D tensors) quantized to {fmt} as they "
+                f"load: {packed} instead of {held} in {dtype}")
+    line = (f"MoE experts: {count} parameters in 3-D expert tensors stay unquantized (bitsandbytes quantizes "
+            f"nn.Linear layers only): {held} in {dtype}")
     if experts_adapted(s):  # expert LoRA rules quantize_moe_experts out (trainer/config/model.py)
-        return line + f" (quantize_moe_experts would store them in {fmt}, {packed:.1f} GB, but not with " \
+        return line + f" (quantize_moe_experts would store them in {fmt}, {packed}, but not with " \
                       "lora_target_parameters on them)"
-    return line + f"; quantize_moe_experts: true stores them in {fmt} as they load ({packed:.1f} GB)"
+    return line + f"; quantize_moe_experts: true stores them in {fmt} as they load ({packed})"
 
 
 def experts_adapted(s: Setup) -> bool:

@@ -80,7 +80,7 @@ def test_fit_suggests_quantize_moe_experts_for_a_mixtral_8x7b_qlora(tmp_path):
                                                          runtime(cfg, "bf16"), 1), gpu)
     assert quantized.verdict == "fits" and first["peak_gb"] == pytest.approx(quantized.peak / memory.GB, abs=0.01)
     line = memory.experts_note(shape, s)
-    assert line.startswith("MoE experts: 45.10B parameters") and "84.0 GB in bf16" in line and "(21.7 GB)" in line
+    assert line.startswith("MoE experts: 45.10B parameters") and "84.00 GB in bf16" in line and "(21.67 GB)" in line
     adapted = memory.replace(s, lora_target_parameters=["mlp.experts.gate_up_proj"])  # refused with the key: not named
     assert not any(x["change"].get("quantize_moe_experts") for x in memory.estimate(shape, adapted, gpu).suggestions)
     assert "but not with lora_target_parameters on them" in memory.experts_note(shape, adapted)

@@ -161,12 +161,12 @@ def test_validate_says_what_unquantized_experts_cost(tmp_path, tiny_mixtral, cap
     for gpu in ("a100-80gb", "cpu"):
         assert main(["validate", str(plain), "--gpu", gpu]) == 0
         lines = [line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("experts:")]
-        assert len(lines) == 1 and "stay unquantized" in lines[0] and " GB in bf16" in lines[0], lines
-        assert "quantize_moe_experts: true stores them in NF4" in lines[0]
+        assert len(lines) == 1 and "0.20M parameters in 3-D expert tensors stay unquantized" in lines[0], lines
+        assert ": 0.4 MB in bf16; quantize_moe_experts: true stores them in NF4 as they load (0.1 MB)" in lines[0]
     quantized = moe_config(tmp_path, tiny_mixtral, quantize_moe_experts=True)
     assert main(["validate", str(quantized), "--gpu", "a100-80gb"]) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.strip().startswith("experts:"))
-    assert "quantized to NF4 as they load" in line
+    assert "the 0.20M expert parameters (3-D tensors) quantized to NF4 as they load: 0.1 MB instead of 0.4 MB" in line
 
 
 def test_quantize_moe_experts_needs_quantized_loading(tmp_path, tiny_mixtral, capsys):
