@@ -105,6 +105,12 @@ class ModelKeys(BaseModel):
                              "name, a nested wrapper reads it stale and trains nothing, and the adapter's delta is "
                              "left on it after each forward); train expert LoRA on unquantized experts (drop "
                              "quantize_moe_experts) or keep the adapters on the linear layers")
+        sharded = [k for k in ("fsdp", "fsdp_config", "fsdp_version", "deepspeed") if getattr(self, k, None)]
+        if self.quantize_moe_experts and sharded:
+            raise ValueError(f"quantize_moe_experts with {sharded[0]} is not supported: FSDP and DeepSpeed shard the "
+                             "experts' quantized storage apart from its quantization state (bitsandbytes' dequantize "
+                             "then mixes DTensors and tensors); Axolotl patches FSDP2 for it. Train on one process, "
+                             "or drop quantize_moe_experts")
         if self.lora_model_dir and not self.adapter:
             raise ValueError("lora_model_dir needs adapter: lora or qlora")
         for pattern in self.unfrozen_parameters or []:

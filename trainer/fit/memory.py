@@ -422,15 +422,18 @@ def experts_note(shape, s: Setup) -> str | None:
                 f"load: {packed} instead of {held} in {dtype}")
     line = (f"MoE experts: {count} parameters in 3-D expert tensors stay unquantized (bitsandbytes quantizes "
             f"nn.Linear layers only): {held} in {dtype}")
-    if experts_adapted(s):  # expert LoRA rules quantize_moe_experts out (trainer/config/model.py)
-        return line + f" (quantize_moe_experts would store them in {fmt}, {packed}, but not with " \
-                      "lora_target_parameters on them)"
+    if why := moe_quant_refused(s):  # the config's rules rule quantize_moe_experts out (trainer/config/model.py)
+        return line + f" (quantize_moe_experts would store them in {fmt}, {packed}, but not {why})"
     return line + f"; quantize_moe_experts: true stores them in {fmt} as they load ({packed})"
 
 
-def experts_adapted(s: Setup) -> bool:
-    """lora_target_parameters names expert tensors (which quantize_moe_experts is not allowed with)."""
-    return any("expert" in t.lower() for t in s.lora_target_parameters)
+def moe_quant_refused(s: Setup) -> str | None:
+    """Why the config would refuse quantize_moe_experts here (trainer/config/model.py), or None."""
+    if any("expert" in t.lower() for t in s.lora_target_parameters):
+        return "with lora_target_parameters on them"
+    if s.fsdp or s.zero:
+        return "with FSDP or DeepSpeed"
+    return None
 
 
 def _trained_params(shape, s: Setup, base: float, notes: list[str]) -> tuple[float, float, float]:
@@ -1178,7 +1181,7 @@ def candidates(shape, s: Setup):
         yield ("lora", {"adapter": "lora", "lora_r": 16, "lora_target_linear": True},
                "adapter: lora (r 16 on every linear layer; trains an adapter, not the model)",
                replace(s, adapter="lora", lora_r=16, lora_targets="all-linear"))
-    if s.quant and not s.moe_quant and shape.expert_params and not experts_adapted(s):
+    if s.quant and not s.moe_quant and shape.expert_params and not moe_quant_refused(s):
         yield ("quantize_moe_experts", {"quantize_moe_experts": True},
                f"quantize_moe_experts: true (the 3-D expert tensors stored in {s.quant} as they load, as the linear "
                "layers are; the adapters train through their quantization error)", replace(s, moe_quant=True))

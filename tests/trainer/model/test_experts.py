@@ -186,3 +186,13 @@ def test_expert_lora_on_quantized_experts_is_refused_in_one_line(tmp_path, tiny_
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "quantize_moe_experts with lora_target_parameters on the expert tensors is not supported" \
         in err[0]
+
+
+def test_quantize_moe_experts_under_fsdp_is_refused_before_anything_runs(tmp_path, tiny_mixtral, capsys):
+    """Measured: FSDP2 over 2 CPU processes stopped at the first forward (bitsandbytes' dequantize_4bit got mixed
+    torch.Tensor and DTensor). Refused in one line instead."""
+    config = moe_config(tmp_path, tiny_mixtral, quantize_moe_experts=True, fsdp_version=2,
+                        fsdp_config={"fsdp_transformer_layer_cls_to_wrap": "MixtralDecoderLayer"})
+    assert main(["validate", str(config), "--gpu", "cpu"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "quantize_moe_experts with fsdp_config is not supported" in err[0]
