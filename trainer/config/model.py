@@ -101,10 +101,11 @@ class ModelKeys(BaseModel):
                              "(the experts take the quantization the linear layers load with)")
         if self.quantize_moe_experts and any("expert" in t.lower() for t in self.lora_target_parameters or []):
             raise ValueError("quantize_moe_experts with lora_target_parameters on the expert tensors is not "
-                             "supported: peft cannot wrap a quantized (parametrized) tensor correctly (it targets one only by its full module "
-                             "name, a nested wrapper reads it stale and trains nothing, and the adapter's delta is "
-                             "left on it after each forward); train expert LoRA on unquantized experts (drop "
-                             "quantize_moe_experts) or keep the adapters on the linear layers")
+                             "supported: peft cannot wrap a quantized (parametrized) tensor correctly (it targets "
+                             "one only by its full module name, a nested wrapper reads it stale and trains nothing, "
+                             "and the adapter's delta is left on it after each forward); train expert LoRA on "
+                             "unquantized experts (drop quantize_moe_experts) or keep the adapters on the linear "
+                             "layers")
         sharded = [k for k in ("fsdp", "fsdp_config", "fsdp_version", "deepspeed") if getattr(self, k, None)]
         if self.quantize_moe_experts and sharded:
             raise ValueError(f"quantize_moe_experts with {sharded[0]} is not supported: FSDP and DeepSpeed shard the "

@@ -118,7 +118,7 @@ class Setup:
     tiled_shards: int = 0  # tiled_mlp: the MLP over this many slices of a row (0: off; -1: Axolotl's 1 per 32768)
     compiled: bool = False  # torch_compile where it runs (no term of its own: its memory is not counted)
     freeze_mm: bool = False  # freeze_mm_modules: the vision tower and projector are not trained (shape.vision_params)
-    moe_quant: bool = False  # quantize_moe_experts: the 3-D expert tensors quantized as they load (trainer/model/experts.py)
+    moe_quant: bool = False  # quantize_moe_experts: the 3-D experts quantized as they load (trainer/model/experts.py)
 
     @property
     def e(self) -> int:
@@ -214,7 +214,8 @@ def setup_from(cfg, runtime, world: int) -> Setup:
         chunked_loss=(cfg.objective == "sft" and not cfg.use_eaft and tp == 1 and cp == 1 and zero != 3
                       and not fsdp and not cfg.ddp_find_unused_parameters
                       and not cfg.processor_type),  # vision-language SFT: full logits (trainer/objectives/vision.py)
-        freeze_mm=cfg.freeze_mm_modules, moe_quant=bool(getattr(cfg, "quantize_moe_experts", False)) and quant is not None,
+        freeze_mm=cfg.freeze_mm_modules,
+        moe_quant=bool(getattr(cfg, "quantize_moe_experts", False)) and quant is not None,
         liger_norm=kernels_on and bool(cfg.liger_rms_norm or cfg.liger_layer_norm),
         liger_glu=kernels_on and bool(cfg.liger_glu_activation or cfg.liger_swiglu),
         objective=cfg.objective, world=world, shard=shard, zero=zero, fsdp=fsdp, offload_optimizer=offload_opt,
