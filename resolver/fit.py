@@ -116,6 +116,8 @@ def lines(found) -> list[str]:
     from trainer.fit.memory import cheapest, one_line
 
     out = [f"fit: {one_line(found)}"]
+    if found.experts:  # a k-bit MoE: what its experts are stored in, and what that costs
+        out.append(f"fit: {found.experts}")
     out += [f"fit: {o['text']}" for o in found.result.get("options", []) if o["on"]]  # the options this run uses
     change = cheapest(found) if found.result["verdict"] != "fits" else None
     if change:

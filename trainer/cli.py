@@ -32,6 +32,7 @@ def cmd_validate(args) -> int:
     # heavy: torch loads only when this runs
     from trainer.model import quantization
     from trainer import features
+    from trainer.fit import memory
     from trainer.optim import optimizers
 
     cfg, notes, runtime = _setup(args, args.gpu)
@@ -83,6 +84,8 @@ def cmd_validate(args) -> int:
         print(f"  objective:  {described}")
     if wanted:  # trainer/features.py: what the plan for this config installs beside torch and transformers
         print(f"  packages:   {'; '.join(f'{n.package} ({n.key})' for n in wanted)}")
+    if experts := (fit.experts if fit else memory.experts_line(cfg, runtime)):  # a k-bit MoE's experts, one line
+        print(f"  experts:    {experts}")
     if fit is None:
         print("  fit:        not estimated: no GPU memory here (--gpu NAME estimates for that GPU)")
     else:
@@ -419,7 +422,8 @@ def _add_tool_commands(sub) -> None:
 
     p = sub.add_parser("make-tiny-model", help="write a tiny local model + tokenizer (no downloads)")
     p.add_argument("dir")
-    p.add_argument("--family", choices=["llama", "qwen2", "mistral", "llava", "gemma3_vision"], default="llama")
+    p.add_argument("--family", choices=["llama", "qwen2", "mistral", "mixtral", "qwen3_moe", "llava", "gemma3_vision"],
+                   default="llama")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_make_tiny_model)
 

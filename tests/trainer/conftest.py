@@ -31,6 +31,18 @@ def tiny_qwen2(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_mixtral(tmp_path_factory) -> Path:
+    """A mixture-of-experts model (transformers' MixtralConfig: 4 experts, 2 per token), built locally."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-mixtral"), family="mixtral", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_moe(tmp_path_factory) -> Path:
+    """A mixture-of-experts model (transformers' Qwen3MoeConfig: 4 experts, 2 per token), built locally."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny-qwen3-moe"), family="qwen3_moe", seed=0)
+
+
+@pytest.fixture(scope="session")
 def tiny_llava(tmp_path_factory) -> Path:
     """A vision-language model (LLaVA: CLIP tower, projector, llama) with its processor, built locally."""
     return make_tiny_model(tmp_path_factory.mktemp("tiny-llava"), family="llava", seed=0)

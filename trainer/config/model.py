@@ -55,6 +55,9 @@ class ModelKeys(BaseModel):
     load_in_4bit: bool = False  # bitsandbytes NF4/FP4 base weights (QLoRA)
     load_in_8bit: bool = False  # bitsandbytes LLM.int8() base weights
     bnb_config_kwargs: dict[str, Any] | None = None  # extra BitsAndBytesConfig arguments, as in Axolotl
+    # MoE experts (fused 3-D tensors, which bitsandbytes leaves unquantized) quantized as they load, in the format of
+    # load_in_4bit / load_in_8bit (trainer/model/experts.py)
+    quantize_moe_experts: bool = False
     lora_r: int = Field(8, ge=1)
     lora_alpha: int = Field(16, ge=1)
     lora_dropout: float = Field(0.0, ge=0, lt=1)
@@ -93,6 +96,22 @@ class ModelKeys(BaseModel):
         if (self.load_in_4bit or self.load_in_8bit) and not self.adapter:
             raise ValueError("load_in_4bit/load_in_8bit need an adapter (lora or qlora): quantized weights cannot "
                              "be trained directly")
+        if self.quantize_moe_experts and not (self.adapter and (self.load_in_4bit or self.load_in_8bit)):
+            raise ValueError("quantize_moe_experts needs adapter: lora or qlora with load_in_4bit or load_in_8bit "
+                             "(the experts take the quantization the linear layers load with)")
+        if self.quantize_moe_experts and any("expert" in t.lower() for t in self.lora_target_parameters or []):
+            raise ValueError("quantize_moe_experts with lora_target_parameters on the expert tensors is not "
+                             "supported: peft cannot wrap a quantized (parametrized) tensor correctly (it targets "
+                             "one only by its full module name, a nested wrapper reads it stale and trains nothing, "
+                             "and the adapter's delta is left on it after each forward); train expert LoRA on "
+                             "unquantized experts (drop quantize_moe_experts) or keep the adapters on the linear "
+                             "layers")
+        sharded = [k for k in ("fsdp", "fsdp_config", "fsdp_version", "deepspeed") if getattr(self, k, None)]
+        if self.quantize_moe_experts and sharded:
+            raise ValueError(f"quantize_moe_experts with {sharded[0]} is not supported: FSDP and DeepSpeed shard the "
+                             "experts' quantized storage apart from its quantization state (bitsandbytes' dequantize "
+                             "then mixes DTensors and tensors); Axolotl patches FSDP2 for it. Train on one process, "
+                             "or drop quantize_moe_experts")
         if self.lora_model_dir and not self.adapter:
             raise ValueError("lora_model_dir needs adapter: lora or qlora")
         for pattern in self.unfrozen_parameters or []:

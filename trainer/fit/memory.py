@@ -118,6 +118,7 @@ class Setup:
     tiled_shards: int = 0  # tiled_mlp: the MLP over this many slices of a row (0: off; -1: Axolotl's 1 per 32768)
     compiled: bool = False  # torch_compile where it runs (no term of its own: its memory is not counted)
     freeze_mm: bool = False  # freeze_mm_modules: the vision tower and projector are not trained (shape.vision_params)
+    moe_quant: bool = False  # quantize_moe_experts: the 3-D experts quantized as they load (trainer/model/experts.py)
 
     @property
     def e(self) -> int:
@@ -214,6 +215,7 @@ def setup_from(cfg, runtime, world: int) -> Setup:
                       and not fsdp and not cfg.ddp_find_unused_parameters
                       and not cfg.processor_type),  # vision-language SFT: full logits (trainer/objectives/vision.py)
         freeze_mm=cfg.freeze_mm_modules,
+        moe_quant=bool(getattr(cfg, "quantize_moe_experts", False)) and quant is not None,
         liger_norm=kernels_on and bool(cfg.liger_rms_norm or cfg.liger_layer_norm),
         liger_glu=kernels_on and bool(cfg.liger_glu_activation or cfg.liger_swiglu),
         objective=cfg.objective, world=world, shard=shard, zero=zero, fsdp=fsdp, offload_optimizer=offload_opt,
@@ -375,12 +377,64 @@ def _base_weights(shape, s: Setup, notes: list[str]) -> float:
             base += one * lin.count + n_b * 4  # biases: fp32 after prepare_model_for_kbit_training
         else:
             base += (n_w + n_b) * (4 if kbit else e_w)
-    rest = shape.embedding + shape.lm_head + shape.expert_params + shape.other_matrices + shape.vectors
-    base += rest * (4 if kbit else e_w)
-    if kbit and shape.expert_params:
-        notes.append("MoE expert tensors are not nn.Linear: bitsandbytes leaves them unquantized (counted in fp32 "
-                     "after peft's k-bit preparation)")
+    rest = shape.embedding + shape.lm_head + shape.other_matrices + shape.vectors
+    base += rest * (4 if kbit else e_w) + expert_bytes(shape, s)
+    if line := experts_note(shape, s):
+        notes.append(line)
     return base
+
+
+def expert_bytes(shape, s: Setup) -> float:
+    """The 3-D expert tensors as the load leaves them: quantized with quantize_moe_experts (NF4/FP4 as a
+    bitsandbytes 4-bit weight, int8 with an fp32 absmax per row), else in the load dtype; k-bit preparation does not
+    upcast them (trainer/model/experts.py keeps them out of it)."""
+    n = shape.expert_params
+    if not n or not s.moe_quant:
+        return n * s.weight_bytes
+    tensors = expert_tensors(shape)
+    if s.quant in ("nf4", "fp4"):
+        return sum(nf4_bytes(numel, s.double_quant) for numel, _ in tensors)
+    return sum(numel + 4 * numel // rows_of for numel, rows_of in tensors)  # an fp32 absmax per row
+
+
+def expert_tensors(shape) -> list[tuple[int, int]]:
+    """(values, row length) of each 3-D expert tensor, laid out as Mixtral's and Qwen3-MoE's
+    ([experts, 2 x width, hidden] gate_up_proj, [experts, hidden, width] down_proj); one lump of hidden-size rows
+    where the layers' sizes do not add up to the counted expert parameters (another layout)."""
+    h, out = shape.hidden_size, []
+    for ly in shape.layers:
+        if ly.experts:
+            up = ly.experts * (2 if ly.gated else 1) * ly.expert_width * h
+            out += [(up, h), (ly.experts * ly.expert_width * h, ly.expert_width)] * ly.count
+    return out if sum(n for n, _ in out) == shape.expert_params else [(shape.expert_params, max(1, h))]
+
+
+def experts_note(shape, s: Setup) -> str | None:
+    """A k-bit MoE's experts in one line: what the load keeps unquantized and what it costs, or what
+    quantize_moe_experts stores instead (validate, the dry run and `envtool fit` print it)."""
+    n = shape.expert_params
+    if not n or s.quant is None:
+        return None
+    held, packed = _size(n * s.weight_bytes / GB), _size(expert_bytes(shape, replace(s, moe_quant=True)) / GB)
+    fmt, dtype = ("int8" if s.quant == "int8" else s.quant.upper()), {2: s.precision, 4: "fp32"}[s.weight_bytes]
+    count = f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.2f}M"
+    if s.moe_quant:
+        return (f"quantize_moe_experts: the {count} expert parameters (3-D tensors) quantized to {fmt} as they "
+                f"load: {packed} instead of {held} in {dtype}")
+    line = (f"MoE experts: {count} parameters in 3-D expert tensors stay unquantized (bitsandbytes quantizes "
+            f"nn.Linear layers only): {held} in {dtype}")
+    if why := moe_quant_refused(s):  # the config's rules rule quantize_moe_experts out (trainer/config/model.py)
+        return line + f" (quantize_moe_experts would store them in {fmt}, {packed}, but not {why})"
+    return line + f"; quantize_moe_experts: true stores them in {fmt} as they load ({packed})"
+
+
+def moe_quant_refused(s: Setup) -> str | None:
+    """Why the config would refuse quantize_moe_experts here (trainer/config/model.py), or None."""
+    if any("expert" in t.lower() for t in s.lora_target_parameters):
+        return "with lora_target_parameters on them"
+    if s.fsdp or s.zero:
+        return "with FSDP or DeepSpeed"
+    return None
 
 
 def _trained_params(shape, s: Setup, base: float, notes: list[str]) -> tuple[float, float, float]:
@@ -715,6 +769,9 @@ def activation_terms(shape, s: Setup, tokens: int | None = None, row_len: int | 
     # peft's ParamWrapper merges each wrapped 3-D expert tensor with its adapter in every forward and keeps the
     # merged copy for the backward: weight-sized, per layer
     merged = s.e * found.expert_params / max(1, found.layers_with_experts) if experts_wrapped else 0.0
+    if s.moe_quant and not merged:  # quantize_moe_experts: the layer's experts dequantized once per forward and
+        # kept for the backward of its input (the expert matmuls save their weight)
+        merged = s.e * shape.expert_params / max(1, sum(ly.count for ly in shape.layers if ly.experts))
     for layer in shape.layers:
         per_tok, per_key = layer_bytes_per_token(layer, shape, s, targeted, experts_train=experts_wrapped)
         tile = 0.0
@@ -1125,6 +1182,10 @@ def candidates(shape, s: Setup):
         yield ("lora", {"adapter": "lora", "lora_r": 16, "lora_target_linear": True},
                "adapter: lora (r 16 on every linear layer; trains an adapter, not the model)",
                replace(s, adapter="lora", lora_r=16, lora_targets="all-linear"))
+    if s.quant and not s.moe_quant and shape.expert_params and not moe_quant_refused(s):
+        yield ("quantize_moe_experts", {"quantize_moe_experts": True},
+               f"quantize_moe_experts: true (the 3-D expert tensors stored in {s.quant} as they load, as the linear "
+               "layers are; the adapters train through their quantization error)", replace(s, moe_quant=True))
     if s.adapter != "qlora":
         yield ("qlora", {"adapter": "qlora", "load_in_4bit": True, "lora_r": 16, "lora_target_linear": True},
                "adapter: qlora with load_in_4bit (NF4 base weights; trains an adapter)",
@@ -1188,6 +1249,7 @@ class Report:
     notes: list[str] = field(default_factory=list)  # what the estimate assumed or could not count
     estimate: Estimate | None = None  # None when unknown
     reason: str | None = None  # why the verdict is unknown
+    experts: str | None = None  # a k-bit MoE's experts in one line (experts_note), printed by validate and the dry run
 
 
 def unknown(gpu: Gpu, reason: str) -> dict:
@@ -1231,7 +1293,29 @@ def report(cfg, runtime, gpu: Gpu, local_only: bool = False) -> Report:
         reason = f"{gpu.name}'s memory is not in matrices/gpus.toml: name the GPU (e.g. --gpu a100-80gb)"
         notes.append(reason)
         result["reason"] = reason
-    return Report(result, cfg.base_model, notes, est, reason)
+    return Report(result, cfg.base_model, notes, est, reason, experts_note(shape, s))
+
+
+def experts_line(cfg, runtime) -> str | None:
+    """experts_note for a config without a GPU to estimate for (validate on the CPU): the model's config.json from
+    its directory or a cache only; None when its shape is unknown here."""
+    # start-up: trainer.fit.memory_model imported only when this runs
+    from trainer.fit import memory_model
+
+    if not (cfg.load_in_4bit or cfg.load_in_8bit):
+        return None
+    try:
+        raw = memory_model.read_config(cfg.base_model, cfg.revision_of_model, True)[0]
+        raw = {**raw, **(raw.get("text_config") or {})}
+        if not any(raw.get(k) for k in ("num_local_experts", "num_experts", "n_routed_experts")):
+            return None  # a dense model: no count to build
+        with memory_model.quiet_imports():
+            shape = memory_model.model_shape(cfg.base_model, revision=cfg.revision_of_model,
+                                             trust_remote_code=cfg.trust_remote_code,
+                                             overrides=cfg.model_config_overrides, local_only=True)
+    except memory_model.ModelConfigError:
+        return None
+    return experts_note(shape, setup_from(cfg, runtime, 1))
 
 
 def one_line(r: Report) -> str:

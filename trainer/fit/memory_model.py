@@ -493,8 +493,8 @@ def shape_of(model, source: str = "model") -> ModelShape:
                            "activations of image tokens are not counted (unverified: they depend on image sizes)")
     if expert:
         shape.notes.append(f"{expert / 1e9:.2f}B parameters are 3-D expert tensors (MoE), outside nn.Linear: "
-                           "bitsandbytes leaves them in the compute dtype and LoRA reaches them only through "
-                           "lora_target_parameters")
+                           "bitsandbytes quantizes them only with quantize_moe_experts, and LoRA reaches them only "
+                           "through lora_target_parameters")
     return shape
 
 

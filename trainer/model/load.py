@@ -17,7 +17,7 @@ import torch
 from trainer.config import Config
 from trainer.config.model import lora_exclusions, lora_task_type
 from trainer.errors import ConfigError, TrainingError
-from trainer.model import attention_varlen
+from trainer.model import attention_varlen, experts
 from trainer.model.attention import packed_masks
 from trainer.runtime.hardware import Runtime
 from trainer.runtime.hardware import full_weights
@@ -55,14 +55,17 @@ def load_model(cfg: Config, runtime: Runtime, tokenizer, source: str | None = No
         extra = {k: v for k, v in extra.items() if k not in overrides}
         extra["config"] = config_class.load(cfg, other_config or source, overrides,
                                             None if other_config else cfg.revision_of_model)
+    how = experts.scheme(quantization) if cfg.quantize_moe_experts and quantization is not None else None
     try:
         if cfg.reinit_weights:  # Axolotl's from_config: the architecture only, weights drawn from the seed
             model = fresh_model(cfg, source, dtype, runtime.attention, extra)
-        else:
-            with head_init(cfg):  # the head follows the objective (trainer.model.reward_model)
+        else:  # quantize_moe_experts: each 3-D expert tensor quantized as it loads (trainer/model/experts.py)
+            with head_init(cfg), experts.quantized_on_load(how):  # the head follows the objective (reward_model)
                 model = auto_class(cfg).from_pretrained(
                     source, dtype=dtype, attn_implementation=runtime.attention,
                     trust_remote_code=cfg.trust_remote_code, **head_kwargs(cfg, tokenizer), **extra)
+        if how:
+            experts.quantize_remaining(model, how)
     except OSError as err:
         raise ConfigError(f"cannot load the model from {source}: {str(err).splitlines()[0]}") from None
     except ValueError as err:  # e.g. a model with no tp_plan asked for tensor_parallel_size
@@ -106,8 +109,9 @@ def checkpointed(cfg: Config, model, quantized: bool):
 
         keep_trainable_layout(model)  # evaluation mid-training must not break the 4-bit layers' backward
 
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=bool(cfg.gradient_checkpointing),
-                                                gradient_checkpointing_kwargs=checkpointing)
+        with experts.kept_from_upcast(model):  # frozen MoE experts keep their dtype, never fp32 (experts.py)
+            model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=bool(cfg.gradient_checkpointing),
+                                                    gradient_checkpointing_kwargs=checkpointing)
     elif cfg.gradient_checkpointing:
         if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x renamed it
             model.activation_checkpointing_enable(activation_checkpointing_kwargs=checkpointing)
@@ -228,10 +232,12 @@ def load_trained(cfg: Config, runtime: Runtime, tokenizer, model_dir=None):
 
             extra["config"] = config_class.load(cfg, cfg.base_model, dict(cfg.model_config_overrides or {}),
                                                 cfg.revision_of_model)
-        base = auto_class(cfg).from_pretrained(cfg.base_model, dtype=DTYPES[runtime.precision],
-                                               attn_implementation=runtime.attention,
-                                               trust_remote_code=cfg.trust_remote_code,
-                                               **load_kwargs(cfg, tokenizer), **extra)
+        how = experts.scheme(quantization) if cfg.quantize_moe_experts and quantization is not None else None
+        with experts.quantized_on_load(how):  # the experts as they trained (trainer/model/experts.py)
+            base = auto_class(cfg).from_pretrained(cfg.base_model, dtype=DTYPES[runtime.precision],
+                                                   attn_implementation=runtime.attention,
+                                                   trust_remote_code=cfg.trust_remote_code,
+                                                   **load_kwargs(cfg, tokenizer), **extra)
         resize_embeddings(cfg, base, tokenizer)
         packed_masks(base)
         return PeftModel.from_pretrained(base, str(model_dir))

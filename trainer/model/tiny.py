@@ -76,19 +76,27 @@ def build_mistral_tokenizer(out_dir: str | Path, version: str = "v13", vocab: in
     return path
 
 
+# Mixture-of-experts families: 4 routed experts, 2 per token (transformers 5 stores them as fused 3-D parameters,
+# experts.gate_up_proj and experts.down_proj, as the real Mixtral and Qwen3-MoE checkpoints load)
+MOE = {"mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
+       "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "head_dim": 16}}
+
+
 def build_model(tokenizer, family: str = "llama", seed: int = 0, hidden_size: int = 64, layers: int = 2):
     # heavy: torch and transformers load only when this runs
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import (AutoModelForCausalLM, LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config,
+                              Qwen3MoeConfig)
 
-    configs = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}
+    configs = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig, "mixtral": MixtralConfig,
+               "qwen3_moe": Qwen3MoeConfig}
     if family not in configs:
         raise ValueError(f"family must be one of {sorted(configs)}")
     config = configs[family](
         vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False)
+        pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False, **MOE.get(family, {}))
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 

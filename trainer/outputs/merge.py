@@ -39,7 +39,6 @@ PREFIX = "base_model.model."
 DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 # adapter_config.json keys that change what the adapter computes in ways this merge does not reproduce
 UNSUPPORTED = {
-    "target_parameters": "LoRA on bare parameters (lora_target_parameters, MoE experts)",
     "layer_replication": "layer_replication",
     "trainable_token_indices": "trainable_token_indices",
     "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens)",
@@ -56,16 +55,19 @@ class Delta:
     """One LoRA-adapted weight: its factors and how to combine them (see the module docstring)."""
 
     module: str
-    kind: str = "linear"  # linear | embedding
+    kind: str = "linear"  # linear | embedding | dense (an update computed whole: trainer/outputs/merge_params.py)
     A: object = None
     B: object = None
     bias: object = None  # lora_B.bias (lora_bias)
     magnitude: object = None  # DoRA's m
     scaling: float = 1.0
     fan_in_fan_out: bool = False
+    dense: object = None  # kind dense: a function returning the update
 
     def delta(self):
         """scaling * B @ A in the base weight's layout, fp32."""
+        if self.kind == "dense":
+            return self.dense().float()
         A, B = self.A.float(), self.B.float()
         if self.kind == "embedding":
             return (B @ A).T * self.scaling
@@ -102,9 +104,10 @@ class Adapter:
         return self.config.get("r", 0)
 
 
-def read_adapter(final: Path) -> Adapter:
+def read_adapter(final: Path, wrapped: dict | None = None) -> Adapter:
     """The adapter in final/ as deltas keyed by the base tensor they change. Raises ConfigError for adapters this
-    merge cannot reproduce (named), before anything is written."""
+    merge cannot reproduce (named), before anything is written. `wrapped`: peft's ParamWrapper modules
+    (trainer/outputs/merge_params.py wrappers), whose factors hold rank x experts rows."""
     # heavy: torch and safetensors load only when this runs
     import torch
 
@@ -164,7 +167,8 @@ def read_adapter(final: Path) -> Adapter:
         if part.magnitude is not None and part.kind == "embedding":
             raise ConfigError(f"merge-lora: DoRA on the embedding {module} is not supported by this merge")
         r = rank_pattern.get(pattern_key(final, "rank_pattern", rank_pattern, module), config.get("r", part.A.shape[0]))
-        check_rank(final, module, part, r)
+        experts = wrapped[module][2] if wrapped and module in wrapped else 1  # ParamWrapper: rank x experts rows
+        check_rank(final, module, part, r * experts if type(r) is int else r)
         alpha = alpha_pattern.get(pattern_key(final, "alpha_pattern", alpha_pattern, module),
                                   config.get("lora_alpha", r))
         part.scaling = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
@@ -364,8 +368,13 @@ def merge_lora(config: str | Path, output: str | Path | None = None, dtype: str 
     remove_leftovers(out.parent, out.name, log)  # a merge killed before its rename (trainer/runtime/signals.py)
     if out.exists():
         raise ConfigError(f"merge-lora: {out} already exists; remove it or pass --output DIR")
-    adapter = read_adapter(final)
     base = base_dir(cfg)
+    found = {}
+    if json.loads((final / "adapter_config.json").read_text()).get("target_parameters"):  # LoRA on bare parameters
+        from trainer.outputs import merge_params
+
+        found = merge_params.wrappers(final, base, cfg.trust_remote_code)
+    adapter = read_adapter(final, found)
     base_config = json.loads((base / "config.json").read_text()) if (base / "config.json").is_file() else None
     if base_config is None:
         raise ConfigError(f"merge-lora: {base} has no config.json")
@@ -374,6 +383,8 @@ def merge_lora(config: str | Path, output: str | Path | None = None, dtype: str 
         raise ConfigError(f"merge-lora: the base checkpoint {base} is quantized ({method}); the merge needs the "
                           "unquantized weights")
     shards, weight_map = base_shards(base)
+    if found:  # each adapted parameter's update, in the checkpoint's own (unfused) tensors
+        merge_params.add_param_deltas(adapter, found, base, weight_map, cfg.trust_remote_code, Delta)
     missing = [name for name in [*adapter.deltas, *adapter.biases, *adapter.whole] if name not in weight_map]
     if missing:  # a base saved in an older layout than the model's names (LLaVA's language_model.model.*)
         as_saved = {loaded: saved for saved, loaded in checkpoint_renames(base, weight_map, cfg.trust_remote_code)}

@@ -41,6 +41,10 @@ N_GENERATED = int(os.environ.get("ORACLE_N", 2000))
 # cause. Besides these, a problem naming a key that matrices/axolotl_keys.toml refuses is a "design limit" (the row's
 # reason says what ignoring it would change), and the kinds hardware and file are the GPU's and this machine's.
 DIFFERENCES: list[tuple[str, str, str]] = [
+    (r"quantize_moe_experts with lora_target_parameters on the expert tensors is not supported", "upstream limit",
+     "peft 0.22 wraps a quantized (parametrized) expert tensor wrongly: a nested wrapper trains nothing and the "
+     "delta stays on the tensor after each forward (added again every step); Axolotl patches peft for it "
+     "(monkeypatch/moe_quant.py), envtool refuses rather than train another adapter than the config asks for"),
     (r"not implemented|not supported|does not implement|this trainer does not carry|this trainer has one loop"
      r"|implemented here only with|ignoring it would", "design limit",
      "a feature envtool does not have, refused in one line naming the key rather than trained without it"),
