@@ -21,6 +21,7 @@ import json
 from trainer.data import user_code
 from trainer.data.prepare import Prepared, load_raw
 from trainer.errors import ConfigError, DataError
+from trainer.runtime.templates import render as budgeted  # the chat template under a time budget
 
 
 def reward_functions(cfg) -> list:
@@ -45,7 +46,7 @@ def _transformed(cfg, i: int, ds, raw, tokenizer):
 def prompt_ids(prompt, tokenizer) -> list[int]:
     """TRL's prompt tokens: chat messages through the chat template with a generation prompt; text as is."""
     if isinstance(prompt, list):
-        out = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=True)
+        out = budgeted(tokenizer, prompt, add_generation_prompt=True, tokenize=True, return_dict=True)
         return list(out["input_ids"])
     return list(tokenizer(prompt)["input_ids"])
 

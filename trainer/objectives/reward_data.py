@@ -25,7 +25,8 @@ from trainer.batch.labels import IGNORE
 from trainer.config import Config, DatasetConfig
 from trainer.config.rl import num_labels
 from trainer.data.prepare import tokenize_and_split
-from trainer.errors import DataError
+from trainer.errors import ConfigError, DataError
+from trainer.runtime.templates import render as budgeted  # the chat template under a time budget
 
 
 def _field(row: dict, key: str, ds: DatasetConfig, required: bool = True):
@@ -55,8 +56,10 @@ def bradley_terry(row: dict, ds: DatasetConfig, tokenizer) -> tuple[list[int], l
         if not isinstance(answer, str):
             raise DataError(f"dataset {ds.path}: '{side}' must be a string for type {ds.type}, got {str(answer)[:80]}")
         try:
-            text = tokenizer.apply_chat_template(prompt + [{"role": "assistant", "content": answer}], tokenize=False,
-                                                 chat_template=template)
+            text = budgeted(tokenizer, prompt + [{"role": "assistant", "content": answer}], tokenize=False,
+                            chat_template=template)
+        except ConfigError:  # the template's time budget: its own line
+            raise
         except Exception as err:  # jinja's raise_exception (e.g. "System role not supported") and template bugs
             hint = "; set drop_system_message: true on the dataset" if prompt[0]["role"] == "system" else ""
             raise DataError(f"dataset {ds.path}: the chat template cannot render a row: "

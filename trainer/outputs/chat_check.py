@@ -22,47 +22,11 @@ import os
 from pathlib import Path
 
 from trainer.errors import ConfigError
+from trainer.runtime.templates import render  # the chat template under a time budget, as data preparation renders it
 
 MARKER = "Zq7Marker"  # an assistant message no template rewrites; the text after it is the turn's tail
 CONVERSATION = [{"role": "user", "content": "What is the capital of France?"}]
 MAX_NEW_TOKENS = 32
-
-
-TEMPLATE_SECONDS = 10.0  # rendering one short conversation: real templates take milliseconds
-
-
-class _Expired(BaseException):  # not an Exception: jinja and transformers catch those and would carry on
-    pass
-
-
-def render(tokenizer, messages, **kwargs):
-    """tokenizer.apply_chat_template under a time budget: a template from a file (chat_template.jinja, the
-    config's chat_template_jinja) with nested `range(100000)` loops otherwise hangs the final save, merge-lora,
-    export and chat-check, printing nothing. Past TEMPLATE_SECONDS: ConfigError naming the tokenizer's directory.
-    The budget is a SIGALRM timer, so it holds in the main thread (where every command renders); elsewhere the
-    template renders unbounded."""
-    # start-up: signal, threading imported only when this runs
-    import signal
-    import threading
-
-    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
-        return tokenizer.apply_chat_template(messages, **kwargs)
-
-    def expired(signum, frame):
-        raise _Expired()
-
-    previous = signal.signal(signal.SIGALRM, expired)
-    signal.setitimer(signal.ITIMER_REAL, TEMPLATE_SECONDS)
-    try:
-        return tokenizer.apply_chat_template(messages, **kwargs)
-    except _Expired:
-        where = getattr(tokenizer, "name_or_path", None) or "the tokenizer"
-        raise ConfigError(f"{where}: the chat template did not finish rendering a {len(messages)}-message "
-                          f"conversation in {TEMPLATE_SECONDS:g} s (a loop without bound, e.g. nested range()?): fix "
-                          "chat_template.jinja, or the config's chat_template / chat_template_jinja") from None
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 def is_mistral_common(tokenizer) -> bool:

@@ -26,6 +26,7 @@ from trainer.batch.labels import IGNORE
 from trainer.config import DatasetConfig
 from trainer.data.formats.roles import role_alias
 from trainer.errors import DataError
+from trainer.runtime.templates import render as budgeted  # the chat template under a time budget
 
 WRAPPERS = {  # family -> (system turn, user turn + assistant header, end of the assistant turn)
     "chatml": ("<|im_start|>system\n{}<|im_end|>\n", "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n",
@@ -149,7 +150,7 @@ def _chat(row: dict, ds: DatasetConfig, tokenizer) -> tuple[str, list[str]]:
     answers = [_answer(_get(row, ds.field_chosen, ds), ds), _answer(_get(row, ds.field_rejected, ds), ds)]
 
     def render(msgs, header: bool) -> str:
-        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=header)
+        return budgeted(tokenizer, msgs, tokenize=False, add_generation_prompt=header)
 
     prompt = render(messages, True)
     completions = []

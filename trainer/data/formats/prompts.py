@@ -27,6 +27,7 @@ from trainer.config import DatasetConfig
 from trainer.data.formats import alpaca_styles, instruction
 from trainer.data.formats.roles import role_alias
 from trainer.errors import DataError
+from trainer.runtime.templates import render as budgeted  # the chat template under a time budget
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
@@ -207,7 +208,7 @@ def render_chat(row: dict, ds: DatasetConfig, tokenizer, eot_tokens: list[str] |
     def render(msgs, header=False):
         if not msgs:
             return ""
-        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=header, chat_template=template)
+        return budgeted(tokenizer, msgs, tokenize=False, add_generation_prompt=header, chat_template=template)
 
     text = render(messages)
     # train_on_eos (Axolotl's): which end-of-turn tokens are trained. Unset and no eot_tokens: the whole

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from trainer import facts
 from trainer.errors import ConfigError, DataError
+from trainer.runtime.templates import render as budgeted  # the chat template under a time budget
 
 ROLE_NAMES = {"human": "user", "gpt": "assistant"}
 IMAGE_SOURCES = ("image", "url", "path", "base64")
@@ -345,7 +346,7 @@ def encode(conversations: list[list[dict]], processor, tokenizer, m: Masking, si
 
     texts, images = [], []  # images: one list per conversation, as the processor's apply_chat_template passes them
     for i, turns in enumerate(conversations):
-        texts.append(tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=False))
+        texts.append(budgeted(tokenizer, turns, tokenize=False, add_generation_prompt=False))
         images.append([load_image(p, where[i] if where else "row", size, algorithm)
                        for turn in turns for p in turn["content"] if p["type"] == "image"])
     images = images if any(images) else None
