@@ -80,21 +80,31 @@ def wait_for_server(url: str, timeout_s: float, sleep=time.sleep) -> None:
         sleep(1.0)
 
 
-def make_client(url: str):
-    """TRL's VLLMClient for `url`, without the vllm package (see the module's docstring)."""
+def make_client(url: str, timeout_s: float = DEFAULT_TIMEOUT_S):
+    """TRL's VLLMClient for `url`, without the vllm package (see the module's docstring). Every request it makes is
+    bounded: TRL's client gives generation no timeout, so a server that stops answering would hold the run (and a
+    stop request) for good; here each request has `timeout_s` (trl.vllm_server_timeout), and a request the server
+    took but did not answer in time is not sent again."""
     # heavy: trl and requests load only when this runs
     import requests
     from requests.adapters import HTTPAdapter
     from trl.generation.vllm_client import VLLMClient
     from urllib3.util.retry import Retry
 
+    class Bounded(HTTPAdapter):
+        def send(self, request, **kwargs):
+            if kwargs.get("timeout") is None:
+                kwargs["timeout"] = timeout_s
+            return super().send(request, **kwargs)
+
     client = VLLMClient.__new__(VLLMClient)
     client.session = requests.Session()
-    # transient failures retried as TRL's client does (connection, read, 500/502/503, exponential back-off)
-    retry = Retry(total=5, connect=5, read=5, status=3, status_forcelist=[500, 502, 503], backoff_factor=2,
+    # transient failures retried as TRL's client does (connection, 500/502/503, exponential back-off); a read that
+    # timed out is not (read=0): the whole request stays within its timeout, not six times it
+    retry = Retry(total=5, connect=5, read=0, status=3, status_forcelist=[500, 502, 503], backoff_factor=2,
                   allowed_methods=["POST", "GET"])
-    client.session.mount("http://", HTTPAdapter(max_retries=retry))
-    client.session.mount("https://", HTTPAdapter(max_retries=retry))
+    client.session.mount("http://", Bounded(max_retries=retry))
+    client.session.mount("https://", Bounded(max_retries=retry))
     client.base_url, client.host, client.group_port, client.communicator = url, None, None, None
     client._updating_weights = False
     client.model = client._get(f"{url}/v1/models")["data"][0]["id"]
@@ -114,7 +124,7 @@ class ServerGeneration:
         self.version, self.last_synced, self.folder = 0, None, None
         self.pending, self.executor = None, None  # (key, future) of the prefetched generation (async_prefetch)
         wait_for_server(self.url, self.timeout)
-        self.client = make_client(self.url)
+        self.client = make_client(self.url, self.timeout)
         self.base_model = self.client.model
 
     def describe(self) -> str:
@@ -197,7 +207,12 @@ class ServerGeneration:
         self.say(f"vllm: adapter v{self.version} loaded by the server via {via} (after step {step})")
 
     def generate(self, prompts: list[list[int]], n: int, max_tokens: int, seed: int) -> dict:
-        """TRL's VLLMClient.generate: prompt-major completion ids and the sampled tokens' log-probs."""
+        """TRL's VLLMClient.generate: prompt-major completion ids and the sampled tokens' log-probs, checked
+        (checked_completions)."""
+        return checked_completions(self._generate(prompts, n, max_tokens, seed), len(prompts) * n, max_tokens,
+                                   self.url)
+
+    def _generate(self, prompts: list[list[int]], n: int, max_tokens: int, seed: int) -> dict:
         trl = self.trl
         try:
             return self.client.generate(prompts=prompts, n=n, repetition_penalty=trl.repetition_penalty or 1.0,
@@ -208,3 +223,25 @@ class ServerGeneration:
         except Exception as err:  # requests' errors and TRL's "Request failed: <code>, <text>"
             raise TrainingError(f"trl.use_vllm: generation on the vLLM server at {self.url} failed: "
                                 f"{str(err).splitlines()[0][:300]}") from None
+
+
+def checked_completions(got, count: int, max_tokens: int, url: str) -> dict:
+    """The server's answer as the loss may use it: `count` completions of token ids (ints >= 0), none longer than
+    `max_tokens` (trl.max_completion_length), log-probs one per token where given. Anything else is a TrainingError
+    naming the server: training on 3,000-token completions for max_completion_length 6 would change the run."""
+    where = f"trl.use_vllm: the vLLM server at {url}"
+    ids = got.get("completion_ids") if isinstance(got, dict) else None
+    if not isinstance(ids, list) or len(ids) != count:
+        raise TrainingError(f"{where} returned {len(ids) if isinstance(ids, list) else 'no'} completions where "
+                            f"{count} were asked for")
+    for k, completion in enumerate(ids):
+        if not isinstance(completion, list) or not all(isinstance(t, int) and t >= 0 for t in completion):
+            raise TrainingError(f"{where} returned completion {k} with something other than token ids")
+        if len(completion) > max_tokens:
+            raise TrainingError(f"{where} returned a completion of {len(completion)} tokens for max_tokens "
+                                f"{max_tokens} (trl.max_completion_length): is it serving another configuration?")
+    logprobs = got.get("logprobs")
+    if logprobs is not None and (not isinstance(logprobs, list) or len(logprobs) != count
+                                 or any(len(lp) != len(c) for lp, c in zip(logprobs, ids))):
+        raise TrainingError(f"{where} returned log-probs that do not match its completions token for token")
+    return got

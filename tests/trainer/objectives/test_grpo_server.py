@@ -235,3 +235,63 @@ def test_envtool_trains_grpo_on_the_servers_completions(grpo_config, tiny_llama,
     assert all(abs(r["sampling/importance_sampling_ratio/mean"] - 1) < 1e-3 for r in rows)  # on-policy
     completions = [json.loads(line) for line in (tmp_path / "out" / "completions.jsonl").read_text().splitlines()]
     assert len(completions) == 12 and (tmp_path / "out" / "final" / "adapter_model.safetensors").is_file()
+
+
+# ---------------------------------------------------------------------------- servers that misbehave (issue 44 item 3)
+def _generating_with(tiny_llama, answer, timeout: int = 2):
+    """ServerGeneration against a stand-in whose /v1/completions answers `answer(body, original)`; runs one
+    generate() in a thread and returns (what it raised or returned, whether it finished within 60 s)."""
+    import threading
+
+    from trainer.config.grpo import TrlConfig
+    from trainer.objectives.grpo_server import ServerGeneration
+
+    outcome = {}
+    with StandInVLLM(tiny_llama) as server:
+        original = server.completions
+        server.completions = lambda body: answer(body, original)
+        trl = TrlConfig(**{**SERVER, "vllm_server_timeout": timeout}, vllm_server_port=server.port)
+        generation = ServerGeneration(types.SimpleNamespace(trl=trl, lora_model_dir=None), 0, lambda s: None)
+
+        def call():
+            try:
+                outcome["result"] = generation.generate([[1, 5, 9], [1, 7]], n=2, max_tokens=6, seed=0)
+            except Exception as err:  # noqa: BLE001  (what the run would print)
+                outcome["error"] = err
+
+        worker = threading.Thread(target=call, daemon=True)
+        worker.start()
+        worker.join(60)
+        finished = not worker.is_alive()
+        release.set()
+    return outcome, finished, server.url
+
+
+release = __import__("threading").Event()
+
+
+def test_a_server_that_stops_answering_ends_the_request_at_its_timeout_naming_the_server(tiny_llama):
+    """TRL's client gives generation no timeout: a server that takes the request and never answers held the run for
+    good. Each request now ends at trl.vllm_server_timeout (not retried), one line naming the server."""
+    from trainer.errors import TrainingError
+
+    release.clear()
+    outcome, finished, url = _generating_with(tiny_llama, lambda body, original: release.wait(120) or original(body))
+    assert finished, "generation still waiting on a silent server after 60 s"
+    assert isinstance(outcome.get("error"), TrainingError), outcome
+    assert str(outcome["error"]).startswith(f"trl.use_vllm: generation on the vLLM server at {url} failed: ")
+    assert "timed out" in str(outcome["error"]).lower()
+
+
+@pytest.mark.parametrize("answer, says", [
+    (lambda body, original: original({**body, "max_tokens": 40}), "a completion of"),  # longer than asked for
+    (lambda body, original: (200, "<html><body>502 Bad Gateway</body></html>"), "failed: "),  # a proxy's page
+    (lambda body, original: (200, {"choices": []}), "failed: "),  # nothing where 4 were asked for
+])
+def test_a_server_answer_that_does_not_fit_the_config_is_one_line_naming_the_server(tiny_llama, answer, says):
+    from trainer.errors import TrainingError
+
+    outcome, finished, url = _generating_with(tiny_llama, answer)
+    assert finished and isinstance(outcome.get("error"), TrainingError), outcome
+    line = str(outcome["error"])
+    assert f"the vLLM server at {url}" in line and says in line and "\n" not in line
