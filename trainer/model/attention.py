@@ -145,9 +145,9 @@ def _model_class(cfg, local_only: bool):
     if local_only and file is None:
         return None  # (cheap check first: validate stays fast, no transformers import for a model not here)
     key = None if file is None or cfg.trust_remote_code else _facts_key(file)
-    kept = _kept_facts(key)
+    kept = _kept_facts(key) if local_only else None  # the planners' shortcut: a training run asks transformers
     if kept is not None:
-        return kept
+        return _overridden(kept, cfg)
     try:
         # heavy: transformers loads only when this runs
         from transformers import AutoConfig
@@ -159,7 +159,19 @@ def _model_class(cfg, local_only: bool):
     except Exception:
         return None
     _keep_facts(key, *found)
-    return found
+    return _overridden(found, cfg)
+
+
+def _overridden(found, cfg):
+    """(config, class) with the config's model_config_overrides applied to the facts the rules read: the model
+    trains with them (an override's attention_dropout: 0.1 is dropout varlen_attn does not do)."""
+    overrides = {k: v for k, v in (cfg.model_config_overrides or {}).items() if k in MODEL_FACTS["config"]}
+    if not overrides:
+        return found
+    config, cls = found
+    missing = object()
+    facts = {a: v for a in MODEL_FACTS["config"] if (v := getattr(config, a, missing)) is not missing}
+    return SimpleNamespace(**{**facts, **overrides}), cls
 
 
 # What the rules above read of a model's config and of its class: nothing else may be read of what _model_class
@@ -188,7 +200,21 @@ def _kept_facts(key: str | None):
         config, cls = SimpleNamespace(**answer["config"]), SimpleNamespace(**answer["class"])
     except (KeyError, TypeError):
         return None
-    return (config, cls) if {*vars(cls)} == {*MODEL_FACTS["class"]} else None
+    if {*vars(cls)} != {*MODEL_FACTS["class"]} or not {*vars(config)} <= {*MODEL_FACTS["config"]}:
+        return None
+    typed = all(isinstance(getattr(config, a, None), FACT_TYPES[a]) for a in MODEL_FACTS["config"]) \
+        and all(isinstance(getattr(cls, a), FACT_TYPES[a]) for a in MODEL_FACTS["class"]) \
+        and all(isinstance(x, str) for a in ("layer_types", "_compatible_flash_implementations")
+                for x in (getattr(config, a, None) or getattr(cls, a, None) or []))
+    return (config, cls) if typed else None  # a wrong type is damage, never a decision: asked again
+
+
+NUMBER = (int, float, type(None))
+FACT_TYPES = {"attn_logit_softcapping": NUMBER, "attention_dropout": NUMBER, "layer_types": (list, type(None)),
+              "sliding_window": (int, type(None)), "use_sliding_window": (bool, type(None)), "__name__": str,
+              "_supports_sdpa": (bool, type(None)), "_supports_flex_attn": (bool, type(None)),
+              "_supports_attention_backend": (bool, type(None)),
+              "_compatible_flash_implementations": (list, tuple, type(None))}
 
 
 def _keep_facts(key: str | None, config, cls) -> None:

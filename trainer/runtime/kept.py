@@ -11,6 +11,7 @@ from pathlib import Path
 import hashlib
 import json
 import os
+import stat
 import tempfile
 
 
@@ -31,12 +32,31 @@ def key(fmt: int, *parts: bytes) -> str | None:
     return digest.hexdigest()
 
 
+MAX_BYTES = 1 << 20  # a kept answer is a few KB; anything larger is not one
+
+
 def read(kind: str, name: str | None) -> dict | None:
+    """The answer kept as `name`, or None. The cache is outside the project's control, so it is read as untrusted: a
+    regular file only (not a link, a FIFO or a device: no wait, no endless read), at most MAX_BYTES, JSON holding a
+    mapping; anything else is damage, and the question is asked again. Callers check the values' types."""
     if name is None:
         return None
     try:
-        kept = json.loads((directory(kind) / f"{name}.json").read_text())
-    except (OSError, ValueError):
+        fd = os.open(directory(kind) / f"{name}.json", os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_BYTES:
+            return None
+        data = os.read(fd, MAX_BYTES + 1)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    try:
+        kept = json.loads(data) if len(data) <= MAX_BYTES else None
+    except (ValueError, RecursionError):
         return None
     return kept if isinstance(kept, dict) else None
 

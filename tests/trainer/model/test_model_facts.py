@@ -119,3 +119,50 @@ def test_a_damaged_or_older_answer_is_asked_again_and_remote_code_is_never_kept(
                            "datasets": [{"path": "d.jsonl", "type": "completion"}]})
     assert attention._model_class(cfg, local_only=True) is not None
     assert len(list(facts_dir().glob("*.json"))) == 2
+
+
+def test_hostile_or_wrong_kept_answers_are_damage_never_a_decision_and_training_asks_transformers(
+        models, tmp_path, monkeypatch):
+    """The cache is outside envtool's control (issue 44 item 2): a FIFO or a link to /dev/zero in its place is not read
+    (no wait, no endless read), an oversized or 200,000-deep file and wrong types are damage (asked again), and a
+    training run never takes the kept answer: a planted `_supports_sdpa: false` (or a Gemma 2 entry without its
+    soft-capping) would train with another attention."""
+    import os
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    expected = fitted(models["gpt-oss"], "a100", "flash_attention_2", None)
+    kept = next(facts_dir().glob("*.json"))
+    good = json.loads(kept.read_text())
+    wrong_types = [{**good, "class": {**good["class"], "_supports_sdpa": "no"}},
+                   {**good, "config": {**good["config"], "attention_dropout": {"py/function": "os.system"}}},
+                   {**good, "class": {**good["class"], "_compatible_flash_implementations": [1, 2]}}]
+    for damage in ([json.dumps(w) for w in wrong_types] + ["[" * 200_000 + "]" * 200_000,
+                                                              json.dumps(good) + " " * (answers.MAX_BYTES + 1)]):
+        kept.write_text(damage)
+        assert fitted(models["gpt-oss"], "a100", "flash_attention_2", None) == expected
+    kept.unlink()
+    for hostile in ("fifo", "zero"):
+        os.mkfifo(kept) if hostile == "fifo" else kept.symlink_to("/dev/zero")
+        key = kept.stem
+        assert answers.read(KIND, key) is None  # at once: a FIFO with no writer would block a plain open()
+        kept.unlink()
+    # planted: a class without sdpa. A planner may take the kept answer (validate, the dry run); training never does
+    cfg, _ = parse_config({"base_model": models["llama"], "datasets": [{"path": "d.jsonl", "type": "completion"}]})
+    attention._model_class(cfg, local_only=True)
+    planted = next(p for p in facts_dir().glob("*.json")
+                   if json.loads(p.read_text())["class"]["__name__"] == "LlamaForCausalLM")
+    answer = json.loads(planted.read_text())
+    answer["class"]["_supports_sdpa"] = False
+    planted.write_text(json.dumps(answer))
+    assert attention._model_class(cfg, local_only=True)[1]._supports_sdpa is False  # the planners' shortcut
+    assert attention._model_class(cfg, local_only=False)[1]._supports_sdpa is True  # transformers' own class
+
+
+def test_model_config_overrides_count_in_the_attention_checks(models):
+    """An override the model trains with (Axolotl's model_config) is read by the rules as the model's own value:
+    attention_dropout 0.1 as an override rules out varlen_attn, which does no dropout."""
+    base = {"base_model": models["llama"], "datasets": [{"path": "d.jsonl", "type": "completion"}]}
+    plain, _ = parse_config(base)
+    dropped, _ = parse_config({**base, "model_config_overrides": {"attention_dropout": 0.1}})
+    assert attention.model_varlen_limit(plain, "2.13.0") is None
+    assert attention.model_varlen_limit(dropped, "2.13.0")[0] == "dropout"
