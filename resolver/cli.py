@@ -832,6 +832,12 @@ FAST_COMMANDS = ("resolve", "gpus")
 def main() -> None:
     """Typer builds a parser for every command of the app it runs, on every call. `resolve` and `gpus` are what
     scripts and CI call most and must start fast, so they run in an app of their own (same options)."""
+    # start-up: trainer.errors imported only when this runs (no torch, no pydantic)
+    from trainer.errors import no_home
+
+    if no_home():
+        print(f"envtool: error: {no_home()}", file=sys.stderr)
+        sys.exit(2)
     words = [a for a in sys.argv[1:] if not a.startswith("-")]
     if words[:1] and words[0] in FAST_COMMANDS:
         fast = typer.Typer(**APP_SETTINGS)

@@ -437,7 +437,11 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger(name).setLevel(logging.ERROR)
     rank = os.environ.get("RANK")
     prefix = f"error (rank {rank}): " if rank not in (None, "0") else "error: "
-    from trainer.errors import capped, readable, record  # under envtool's torchrun launcher the line goes to it, printed once
+    from trainer.errors import capped, no_home, readable, record  # under envtool's torchrun launcher the line goes to it, printed once
+
+    if no_home():
+        print(prefix + no_home(), file=sys.stderr)
+        return 2
 
     try:
         return args.func(args)

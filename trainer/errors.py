@@ -110,3 +110,18 @@ class Stopped(TrainerError):
     def __init__(self, message: str, exit_code: int):
         super().__init__(message)
         self.exit_code = exit_code
+
+
+def no_home() -> str | None:
+    """Why this process has no home directory, or None. Caches and settings live under it (~/.cache, the Hugging Face
+    cache): HOME unset for a user without a passwd entry (a container run with an arbitrary uid) is one line from
+    `envtool` and `python -m trainer` (exit 2), not a traceback deep in a cache path."""
+    # start-up: pathlib imported only when this runs
+    from pathlib import Path
+
+    try:
+        Path.home()
+        return None
+    except (RuntimeError, KeyError):
+        return (f"no home directory: HOME is not set and user {os.getuid()} has no passwd entry; set HOME to a "
+                "writable folder (caches go under $HOME/.cache)")

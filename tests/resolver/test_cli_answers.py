@@ -3,6 +3,7 @@ not a CPU plan; `--help` says which commands take a list of GPUs, and those are 
 than the GPU's first driver branch gets no plan."""
 
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -113,3 +114,30 @@ def test_train_never_runs_a_plan_for_another_python_in_this_environment(tmp_path
     same = run_envtool("train", TINY, "--gpu", "cpu", "--python", host, "--dry-run", "--json", **bare)
     assert same.returncode == 0, same.stderr
     assert json.loads(same.stdout)["environment"]["kind"] == "active"
+
+
+@pytest.mark.parametrize("command", [["envtool", "resolve", "--gpu", "t4"],
+                                     ["python", "-m", "trainer", "validate", "examples/tiny-cpu.yml"]])
+def test_a_user_without_a_home_directory_gets_one_line(command, tmp_path):
+    """A container run with an arbitrary uid: HOME unset and no passwd entry (issue 44 item 7). One line, exit 2,
+    not a RuntimeError from pathlib deep in a cache path."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.support.oracle import missing
+
+    setpriv = shutil.which("setpriv")
+    if not setpriv or os.geteuid() != 0:  # another uid needs root (CI runs as root)
+        missing("running as a user without a passwd entry needs root and setpriv (util-linux)")
+    uid = 54321
+    exe = [str(Path(sys.executable).parent / "envtool")] if command[0] == "envtool" else [sys.executable]
+    env = {k: v for k, v in os.environ.items() if k not in ("HOME", "XDG_CACHE_HOME")}
+    argv = [setpriv, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", *exe, *command[1:]]
+    out = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=Path(__file__).resolve().parents[2],
+                         timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr.strip().splitlines() == [
+        f"{'envtool: ' if command[0] == 'envtool' else ''}error: no home directory: HOME is not set and user {uid} has "
+        "no passwd entry; set HOME to a writable folder (caches go under $HOME/.cache)"]
