@@ -8,6 +8,8 @@ stored index on 2026-12-07, values included (build_cuda.sh's 12.6/12.8/12.9 bran
 build_env_setup.py's table at 00505f29, the pre-2.10 `$ARCH` substitution for 13.0). The files at the release tags
 could not be captured here (the pytorch/pytorch snapshot is over the fetch limit, GitHub is not reachable) and
 pytorch's code is not committed; these tests check the reading and the rows written from it, not torch's facts.
+Files captured at real tags (tests/resolver/data/upstream/capture.py --pytorch-git DIR TAG ...) are served by
+tests/support/upstream.py at /pytorch/<tag>/<path> beside these.
 """
 
 from __future__ import annotations
