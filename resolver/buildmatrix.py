@@ -134,23 +134,23 @@ def arch_script(text: str, cuda: str, machine: str = "x86_64") -> list[str] | No
     blocks and `$([[ "$ARCH" == ... ]] && echo A || echo B)` are followed. None: no branch for `cuda`, or a
     construct not followed here."""
     current: str | None = None
-    stack: list[bool] = []  # the ARCH conditions of the open if blocks
+    stack: list[bool | None] = []  # the open if blocks: their ARCH condition, None for any other test
     state = "before"  # before the case -> "labels" (looking for a branch) -> "branch" -> "done"
     for line in text.splitlines():
         stripped = line.split("#", 1)[0].rstrip() if not line.lstrip().startswith("#") else ""
         if not stripped:
             continue
         m = _ARCH_IF.match(stripped)
-        if m:
-            stack.append((machine == m.group(2)) == (m.group(1) == "=="))
+        if m or re.match(r"^\s*if\s.*;\s*then\s*$", stripped):
+            stack.append((machine == m.group(2)) == (m.group(1) == "==") if m else None)
             continue
         if stripped.strip() == "else" and stack:
-            stack[-1] = not stack[-1]
+            stack[-1] = None if stack[-1] is None else not stack[-1]
             continue
         if stripped.strip() == "fi" and stack:
             stack.pop()
             continue
-        live = all(stack)
+        live = all(c is not False for c in stack)
         if state == "before" and _CASE.match(stripped):
             state = "labels"
             continue
@@ -168,6 +168,8 @@ def arch_script(text: str, cuda: str, machine: str = "x86_64") -> list[str] | No
             if state == "branch" and re.search(r"\bexit\b", stripped):
                 return None  # the branch refuses this version ("unknown cuda version")
             a = _ASSIGN.match(stripped)
+            if not a and "TORCH_CUDA_ARCH_LIST=" in stripped and state == "branch":
+                return None  # set some other way (`[[ ... ]] && TORCH_CUDA_ARCH_LIST=...`): not followed
             if a and live:
                 current = _expand(a.group(1), current, machine)
                 if current is None and state == "branch":

@@ -143,8 +143,18 @@ def test_the_case_block_is_evaluated_per_cuda_version_and_machine():
     assert "11.0" in buildmatrix.arch_script(SCRIPT_BY_ARCH, "13.0", "aarch64")
 
 
+def test_if_blocks_on_arch_nest_with_other_tests():
+    script = ('case ${CUDA_VERSION} in\n    12.9)\n        if [[ "$ARCH" == "aarch64" ]]; then\n'
+              '            if [[ "$PACKAGE_TYPE" == "libtorch" ]]; then\n                export X=1\n            fi\n'
+              '            TORCH_CUDA_ARCH_LIST="8.0;9.0;10.0;12.0"\n        else\n'
+              '            TORCH_CUDA_ARCH_LIST="7.5;8.0;8.6;9.0;10.0;12.0+PTX"\n        fi\n        ;;\nesac\n')
+    assert buildmatrix.arch_script(script, "12.9", "aarch64") == ["8.0", "9.0", "10.0", "12.0"]
+    assert buildmatrix.arch_script(script, "12.9") == ["7.5", "8.0", "8.6", "9.0", "10.0", "12.0"]
+
+
 @pytest.mark.parametrize("line", ['TORCH_CUDA_ARCH_LIST="$(python3 list.py)"', "TORCH_CUDA_ARCH_LIST=$LIST",
-                                  'TORCH_CUDA_ARCH_LIST="`cat list`"'])
+                                  'TORCH_CUDA_ARCH_LIST="`cat list`"',
+                                  '[[ "$ARCH" == "aarch64" ]] && TORCH_CUDA_ARCH_LIST="8.0;9.0"'])
 def test_a_construct_not_followed_gives_no_list_rather_than_a_guess(line):
     script = f"case ${{CUDA_VERSION}} in\n    12.9)\n        {line}\n        ;;\nesac\n"
     assert buildmatrix.arch_script(script, "12.9") is None
