@@ -794,15 +794,23 @@ def matrix_update(
     pypi_url: Optional[str] = typer.Option(None, "--pypi-url", help=_PYPI_HELP),
     torch_index_url: Optional[str] = typer.Option(None, "--torch-index-url", help=_TORCH_INDEX_HELP),
     matrix_dir: Optional[Path] = typer.Option(None, "--matrix-dir", help=_DIR_HELP),
+    pytorch_source_url: Optional[str] = typer.Option(
+        None, "--pytorch-source-url", help="pytorch/pytorch raw-file URL template with {ref} and {path}, where "
+        "each release's build matrix is read at its tag (default: $ENVTOOL_PYTORCH_SOURCE_URL, else "
+        "https://raw.githubusercontent.com/pytorch/pytorch/{ref}/{path})."),
+    builds: bool = typer.Option(True, "--builds/--no-builds", help="Read torch's CUDA builds and arch lists from "
+                                "PyTorch's release build matrix at each release tag."),
 ) -> None:
     """Regenerate what PyPI metadata states (torch releases, Python ranges, triton pins; xformers' torch pins;
-    the training stack's newest versions; new kernels releases) and where the PyTorch index holds flash-attn-3
-    (its variant folders and platforms), print the diff, and write it after the schema check."""
+    the training stack's newest versions; new kernels releases), where the PyTorch index holds flash-attn-3
+    (its variant folders and platforms) and which CUDA builds each torch release has (PyTorch's release build
+    matrix at its tag, with their arch lists), print the diff, and write it after the schema check."""
     # start-up: resolver.update (and requests) imported only when this runs
     from .update import command
 
     raise typer.Exit(command(check=check, json_out=json_out, pypi_url=pypi_url, matrix_dir=matrix_dir,
-                             torch_index_url=torch_index_url))
+                             torch_index_url=torch_index_url, pytorch_source_url=pytorch_source_url,
+                             builds=builds))
 
 
 @matrix_app.command("verify")

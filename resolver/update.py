@@ -67,10 +67,11 @@ class Change(NamedTuple):
 
 class Addition(NamedTuple):
     file: str
-    table: str
+    table: str  # "release", or "release.build": a [[release.build]] of the existing row `index`
     row: str
     fields: dict
     why: str
+    index: int = -1  # the parent row of a nested table
 
 
 class Review(NamedTuple):
@@ -120,12 +121,16 @@ def _lowest_python(spec: str) -> str:
 
 
 def regenerate(data: dict[str, dict], client: Client, *, date: str, torch_index: str | None = None,
-               step: Callable[[str], None] = lambda what: None) -> Report:
+               pytorch_source: str | None = None, step: Callable[[str], None] = lambda what: None) -> Report:
     """Compare the matrices (tomllib data per file stem) with upstream; nothing is written here. torch_index:
-    the PyTorch index template ({variant}) whose pages say where index-hosted wheels (flash-attn-3) are."""
+    the PyTorch index template ({variant}) whose pages say where index-hosted wheels (flash-attn-3) are;
+    pytorch_source: the raw-file URL template ({ref}, {path}) of pytorch/pytorch whose release build matrix
+    says which CUDA builds each torch row has (None: not read)."""
     report = Report([], [], [], [])
     step("torch")
     _torch(data["torch"], client, date, report, step)
+    if pytorch_source:
+        _torch_builds(data, client, pytorch_source, date, report, step)
     step("xformers")
     _xformers(data["xformers"], client, report, step)
     if "triton_release" in data["packages"]:
@@ -220,6 +225,59 @@ def _torch(data: dict, client: Client, date: str, report: Report, step) -> None:
             del fields["triton"]
         report.additions.append(Addition("torch.toml", "release", f"torch {release.version}", fields,
                                          "a torch minor newer than the matrix's rows is on PyPI"))
+
+
+def _torch_builds(data: dict, client: Client, template: str, date: str, report: Report, step) -> None:
+    """Each torch row's CUDA builds against PyTorch's release build matrix at its tag (resolver.buildmatrix):
+    a CUDA build the matrix lists and the row lacks becomes a [[release.build]] row when its arch list is
+    readable at the tag (else it is reported, never written with a guessed list); a recorded build the matrix
+    does not list, an arch list that differs and a ROCm variant rocm.toml lacks are reported for review."""
+    # start-up: resolver.buildmatrix imported only when this runs
+    from . import buildmatrix
+
+    rocm = {(str(b["torch"]), str(b["variant"])) for b in data.get("rocm", {}).get("build", [])}
+    for i, row in enumerate(data["torch"].get("release", [])):
+        version = str(row["version"])
+        step(f"torch {version} build matrix")
+        found = buildmatrix.read(client, template, version)
+        name = f"torch {version}"
+        if found is None:
+            report.reviews.append(Review("torch.toml", name, f"{buildmatrix.MATRIX_PATH} is not readable at "
+                                         f"{buildmatrix.tag_of(version)}: its CUDA builds stay as recorded"))
+            continue
+        recorded = {b["variant"]: b for b in row.get("build", [])}
+        for build in found.cuda:
+            _torch_build(report, i, name, row, recorded.get(build.variant), build, found, date)
+        for variant in sorted(set(recorded) - {b.variant for b in found.cuda}):
+            report.reviews.append(Review("torch.toml", f"{name} {variant}", f"recorded, but {found.source} lists "
+                                         f"no CUDA {recorded[variant]['cuda']}"))
+        for r in found.rocm:
+            if (version, f"rocm{r}") not in rocm:
+                report.reviews.append(Review("rocm.toml", f"{name} rocm{r}", f"{found.source} lists ROCm {r}; "
+                                             "add a [[build]] row with its gfx targets (PYTORCH_ROCM_ARCH at the tag)"))
+
+
+def _torch_build(report: Report, i: int, name: str, row: dict, recorded: dict | None, build, found,
+                 date: str) -> None:
+    where = f"{name} {build.variant}"
+    if recorded is not None:
+        if build.sass is not None and build.sass != list(recorded.get("sass", [])):
+            report.reviews.append(Review("torch.toml", where, f"sass {list(recorded.get('sass', []))} recorded; "
+                                         f"{build.arch_source} says {build.sass}"))
+        return
+    if build.sass is None or (build.aarch64 and build.sass_aarch64 is None):
+        report.reviews.append(Review("torch.toml", where, f"{found.source} lists CUDA {build.cuda}, but no arch "
+                                     f"list for it is readable at {found.tag}: add it by hand once read"))
+        return
+    status = "stable" if build.cuda == found.stable else "experimental"
+    fields = {"variant": build.variant, "cuda": build.cuda, "status": status, "sass": build.sass}
+    if build.sass_aarch64 is not None:
+        fields["sass_aarch64"] = build.sass_aarch64
+    fields["source"] = (f"added by envtool matrix update from the PyTorch release build matrix on {date}: "
+                        f"{found.source} (CUDA_ARCHES; {'CUDA_STABLE' if status == 'stable' else 'not CUDA_STABLE'}"
+                        f"{'; CUDA_AARCH64_ARCHES' if build.aarch64 else ''}); sass: {build.arch_source}")
+    report.additions.append(Addition("torch.toml", "release.build", where, fields,
+                                     f"{found.source} lists CUDA {build.cuda} ({build.full or '?'})", i))
 
 
 def _torch_facts(client: Client, release: Release, step) -> TorchFacts:
@@ -602,7 +660,15 @@ def apply(directory: Path, report: Report, *, date: str) -> dict[str, tuple[str,
         for key, value in a.fields.items():
             table[key] = value
         table.trivia.indent = "\n"
-        docs[a.file][a.table].append(table)
+        if a.table == "release.build":  # after the row's last build, which ends with a blank line already
+            table.trivia.indent = ""
+            table.add(tomlkit.nl())
+            parent = docs[a.file]["release"][a.index]
+            if "build" not in parent:
+                parent["build"] = tomlkit.aot()
+            parent["build"].append(table)
+        else:
+            docs[a.file][a.table].append(table)
     for name, doc in docs.items():
         texts[name] = (texts[name][0], tomlkit.dumps(doc))
     if texts:
@@ -651,7 +717,10 @@ def write(directory: Path, texts: dict[str, tuple[str, str]]) -> None:
 def read(directory: Path) -> dict[str, dict]:
     """The matrices as tomllib data (after the loader has checked them)."""
     matrix_module._load(directory)
-    return {name: matrix_module._read(directory / f"{name}.toml") for name in matrix_module.FILES}
+    data = {name: matrix_module._read(directory / f"{name}.toml") for name in matrix_module.FILES}
+    if (directory / "rocm.toml").exists():  # read, never written: its ROCm rows are checked against torch's matrix
+        data["rocm"] = matrix_module._read(directory / "rocm.toml")
+    return data
 
 
 def as_json(report: Report, *, texts: dict[str, tuple[str, str]], written: bool, pypi_url: str,
@@ -672,8 +741,13 @@ def as_json(report: Report, *, texts: dict[str, tuple[str, str]], written: bool,
 
 
 def command(*, check: bool, json_out: bool, pypi_url: str | None, matrix_dir,
-            torch_index_url: str | None = None) -> int:
-    """`envtool matrix update [--check]`; returns the exit code."""
+            torch_index_url: str | None = None, pytorch_source_url: str | None = None,
+            builds: bool = True) -> int:
+    """`envtool matrix update [--check]`; returns the exit code. builds=False: torch's release build matrices
+    are not read (PyPI and the PyTorch index only)."""
+    # start-up: resolver.buildmatrix imported only when this runs
+    from .buildmatrix import source_url
+
     # start-up: resolver.progress, resolver.solve imported only when this runs
     from .progress import progress
     from .solve import TORCH_INDEX_ENV
@@ -685,7 +759,8 @@ def command(*, check: bool, json_out: bool, pypi_url: str | None, matrix_dir,
     date = today()
     with progress(f"reading {base}", None) as advance:
         client = Client(base, on_request=lambda url: advance(1))
-        report = regenerate(data, client, date=date, torch_index=torch_index)
+        report = regenerate(data, client, date=date, torch_index=torch_index,
+                            pytorch_source=source_url(pytorch_source_url) if builds else None)
     from .credentials import redact  # a mirror's credentials (in --pypi-url, the torch index) are never written
 
     texts = {name: (old, redact(new)) for name, (old, new) in apply(directory, report, date=date).items()}

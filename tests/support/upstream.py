@@ -31,6 +31,11 @@ class World:
                        for p in (captured / "wheels").glob("*.json")}
         self._zips: dict[str, bytes] = {}
         self.paths: dict[str, tuple[int, bytes, dict]] = {}
+        # pytorch/pytorch files captured at release tags (capture.py --pytorch-git), at /pytorch/<tag>/<path>
+        root = captured / "pytorch"
+        for f in (p for p in root.glob("v*/**/*") if p.is_file()) if root.is_dir() else ():
+            self.paths[f"/pytorch/{f.relative_to(root).as_posix()}"] = (200, f.read_bytes(),
+                                                                       {"Content-Type": "text/plain"})
         self.fail: dict[str, int] = {}
         self.head_fail: dict[str, int] = {}  # path -> status for HEAD only (storage URLs signed for GET)
         self.requests: list[tuple[str, str, str | None]] = []  # (method, path, Range)

@@ -1,6 +1,13 @@
 """Re-capture the upstream metadata the `envtool matrix` tests serve (run by hand; the tests never go online).
 
     PYTHONPATH=$PWD .venv/bin/python tests/resolver/data/upstream/capture.py [https://pypi.org [NAME ...]]
+    PYTHONPATH=$PWD .venv/bin/python tests/resolver/data/upstream/capture.py --pytorch-git DIR TAG [TAG ...]
+
+The second form copies PyTorch's release build matrix files (resolver/buildmatrix.py: the matrix script and the
+arch-list files) at each tag out of a pytorch/pytorch git directory, byte for byte (`git show TAG:PATH`), to
+pytorch/<tag>/<path> here, and adds a line per file to pytorch/SOURCES.md (repository, tag, path, commit, date
+read); a path the tag does not have is left out (the update reads the next one). tests/support/upstream.py serves
+them at /pytorch/<tag>/<path>.
 
 Writes, next to this file, trimmed but format-faithful copies of real answers:
 - pypi/<name>.json: the JSON API project page, with the releases the tests need (from the oldest version the
@@ -120,5 +127,35 @@ def capture_wheels(client: Client, name: str, project) -> None:
         (HERE / "wheels" / f"{wheel.filename}.json").write_text(json.dumps(members, indent=1) + "\n")
 
 
+def capture_pytorch(git_dir: str, tags: list[str]) -> None:
+    import datetime
+    import subprocess
+
+    from resolver import buildmatrix
+
+    today = datetime.date.today().isoformat()
+    sources = HERE / "pytorch" / "SOURCES.md"
+    sources.parent.mkdir(exist_ok=True)
+    if not sources.exists():
+        sources.write_text("# pytorch/pytorch files at release tags, byte for byte (`git show TAG:PATH`)\n\n"
+                           "| tag | path | commit | read |\n|---|---|---|---|\n")
+    for tag in tags:
+        commit = subprocess.run(["git", "-C", git_dir, "rev-parse", f"{tag}^{{commit}}"], capture_output=True,
+                                text=True, check=True).stdout.strip()
+        for path in (buildmatrix.MATRIX_PATH, buildmatrix.ARCH_TABLE_PATH, buildmatrix.ARCH_SCRIPT_PATH):
+            shown = subprocess.run(["git", "-C", git_dir, "show", f"{tag}:{path}"], capture_output=True)
+            if shown.returncode != 0:
+                continue
+            target = HERE / "pytorch" / tag / path
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(shown.stdout)
+            with sources.open("a") as f:
+                f.write(f"| {tag} | {path} | {commit} | {today} |\n")
+            print(tag, path, len(shown.stdout), "bytes")
+
+
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "https://pypi.org", sys.argv[2:])
+    if sys.argv[1:2] == ["--pytorch-git"]:
+        capture_pytorch(sys.argv[2], sys.argv[3:])
+    else:
+        main(sys.argv[1] if len(sys.argv) > 1 else "https://pypi.org", sys.argv[2:])
