@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, field_validator
+from pydantic import BaseModel, Field, field_validator
 
 from trainer import facts
 from trainer.errors import ConfigError
@@ -96,7 +96,7 @@ class HardwareKeys(BaseModel):
     # Axolotl's chunked loss: the trainer's loss is chunked wherever the model allows it, at its own chunk size (the
     # same loss and gradients either way; matrices/axolotl_keys.toml), so the values are read and change nothing
     chunked_cross_entropy: bool | None = None
-    chunked_cross_entropy_num_chunks: int | None = None
+    chunked_cross_entropy_num_chunks: int | None = Field(None, ge=1)  # Axolotl's: the target tokens in that many chunks
     lora_mlp_kernel: bool = False
     lora_qkv_kernel: bool = False
     lora_o_kernel: bool = False

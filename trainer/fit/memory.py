@@ -119,6 +119,7 @@ class Setup:
     compiled: bool = False  # torch_compile where it runs (no term of its own: its memory is not counted)
     freeze_mm: bool = False  # freeze_mm_modules: the vision tower and projector are not trained (shape.vision_params)
     moe_quant: bool = False  # quantize_moe_experts: the 3-D experts quantized as they load (trainer/model/experts.py)
+    loss_chunks: int | None = None  # chunked_cross_entropy_num_chunks: the target tokens in that many chunks
 
     @property
     def e(self) -> int:
@@ -212,10 +213,12 @@ def setup_from(cfg, runtime, world: int) -> Setup:
         # SFT's loss runs in chunks wherever the head is whole in one process and the model does not change its
         # logits after it (trainer/objectives/chunked_loss.py decides the same at the first step, and says so)
         chunked_loss=(cfg.objective == "sft" and not cfg.use_eaft and tp == 1 and cp == 1 and zero != 3
+                      and cfg.chunked_cross_entropy is not False
                       and not fsdp and not cfg.ddp_find_unused_parameters
                       and not cfg.processor_type),  # vision-language SFT: full logits (trainer/objectives/vision.py)
         freeze_mm=cfg.freeze_mm_modules,
         moe_quant=bool(getattr(cfg, "quantize_moe_experts", False)) and quant is not None,
+        loss_chunks=cfg.chunked_cross_entropy_num_chunks,
         liger_norm=kernels_on and bool(cfg.liger_rms_norm or cfg.liger_layer_norm),
         liger_glu=kernels_on and bool(cfg.liger_glu_activation or cfg.liger_swiglu),
         objective=cfg.objective, world=world, shard=shard, zero=zero, fsdp=fsdp, offload_optimizer=offload_opt,
@@ -867,7 +870,7 @@ def logits_bytes(shape, s: Setup, tokens: float) -> float:
     v = shape.vocab_size / s.tp
     tokens = tokens / s.cp
     if chunked(shape, s):
-        chunk = loss_chunks.chunk_tokens(tokens, int(v))
+        chunk = loss_chunks.chunk_tokens(tokens, int(v), num_chunks=s.loss_chunks)
         return chunk * v * 12 + tokens * shape.hidden_size * s.e + (v * shape.hidden_size * 4 if s.full else 0.0)
     return tokens * v * 12
 

@@ -52,6 +52,10 @@ def describe(cfg: Config) -> str | None:
 
 
 def build(cfg: Config, collator: Collator, token_loss_sum) -> Objective:
+    # start-up: the chunked loss (torch) imported only when this runs
+    from trainer.objectives import chunked_loss
+
+    chunked_loss.configure(cfg)  # the config's chunked_cross_entropy keys, for every objective's loss
     return objective_class(cfg).from_config(cfg, collator, token_loss_sum)
 
 

@@ -34,6 +34,16 @@ PROBE_TOKENS = 16
 CHUNK_LOGITS_BYTES = loss_chunks.CHUNK_LOGITS_BYTES  # (tests make it small to run many chunks)
 _decided: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (owner, name) or None
 _notes: list[str] = []  # why a model fell back (read once by the loop's notes)
+_chosen: dict = {"off": False, "num_chunks": None}  # what the run's config says (configure)
+
+
+def configure(cfg) -> None:
+    """The config's say on the loss path, read once as a run starts: `chunked_cross_entropy: false` asks for the full
+    logits (Axolotl's default path), `chunked_cross_entropy_num_chunks` for that many chunks of target tokens instead
+    of the memory budget's size. Unset: chunked wherever the model allows it (same loss and gradients)."""
+    _chosen.update(off=getattr(cfg, "chunked_cross_entropy", None) is False,
+                   num_chunks=getattr(cfg, "chunked_cross_entropy_num_chunks", None))
+    _decided.clear()
 
 
 class _HiddenOut(torch.nn.Module):
@@ -117,7 +127,7 @@ def loss_sum_from_hidden(hidden, head, seen, labels) -> torch.Tensor:
     if y.numel() == 0:  # zero, through the head as the full path's is: every parameter gets its (zero) gradient
         return _chunk_loss(head, seen)(hidden[:1, -1], torch.zeros(1, dtype=torch.long, device=hidden.device)) * 0.0
     vocab = head.out_features if hasattr(head, "out_features") else head.weight.shape[0]
-    size = loss_chunks.chunk_tokens(y.numel(), vocab, CHUNK_LOGITS_BYTES)
+    size = loss_chunks.chunk_tokens(y.numel(), vocab, CHUNK_LOGITS_BYTES, _chosen["num_chunks"])
     run = _chunk_loss(head, seen)
     total = None
     for i in range(0, y.numel(), size):
@@ -141,7 +151,7 @@ def token_logps_from_hidden(hidden, head, seen, ids, where) -> torch.Tensor:
         zero = _chunk_logps(head, seen)(hidden[:1, -1], torch.zeros(1, dtype=torch.long, device=hidden.device))
         return out + zero.sum() * 0.0
     vocab = head.out_features if hasattr(head, "out_features") else head.weight.shape[0]
-    size = loss_chunks.chunk_tokens(y.numel(), vocab, CHUNK_LOGITS_BYTES)
+    size = loss_chunks.chunk_tokens(y.numel(), vocab, CHUNK_LOGITS_BYTES, _chosen["num_chunks"])
     run = _chunk_logps(head, seen)
     parts = [checkpoint(run, h[i:i + size], y[i:i + size], use_reentrant=False) if torch.is_grad_enabled()
              else run(h[i:i + size], y[i:i + size]) for i in range(0, y.numel(), size)]
@@ -156,7 +166,7 @@ def token_log_sum_sq_from_hidden(hidden, head, seen, where) -> torch.Tensor:
     if h.shape[0] == 0:
         return out
     vocab = head.out_features if hasattr(head, "out_features") else head.weight.shape[0]
-    size = loss_chunks.chunk_tokens(h.shape[0], vocab, CHUNK_LOGITS_BYTES)
+    size = loss_chunks.chunk_tokens(h.shape[0], vocab, CHUNK_LOGITS_BYTES, _chosen["num_chunks"])
     with torch.no_grad():
         parts = [log_sum_sq_probs(head_logits(head, seen, h[i:i + size])) for i in range(0, h.shape[0], size)]
     return out.masked_scatter(where, torch.cat(parts))
@@ -212,6 +222,10 @@ def decide(model, inputs):
     """The head slot for the chunked loss on this model, or None (decided once per model, noted once)."""
     if model in _decided:
         return _decided[model]
+    if _chosen["off"]:
+        _decided[model] = None
+        _notes.append("loss: full logits (chunked_cross_entropy: false)")
+        return None
     slot, why = _head_slot(model)
     if slot is not None:
         transform = _after_head(getattr(slot[0], "config", None))

@@ -12,10 +12,13 @@ CHUNK_LOGITS_BYTES = 256 * 2**20  # one chunk's fp32 logits: ~6% of the full log
 AFTER_HEAD = re.compile(r"^(?!attn|attention)\w*(logit|lm_head|output)\w*(soft_?cap|scal|multiplier)\w*$")
 
 
-def chunk_tokens(n_tokens: int, vocab_size: int, budget: int | None = None) -> int:
-    """Tokens per chunk: as many as keep one chunk's fp32 logits within the budget (a power of two, at least 16).
-    Fewer, larger chunks than Liger's vocab/hidden rule: each chunk adds a whole weight-sized gradient to the
-    head's, which at 148 chunks (152k vocabulary, hidden 1024) cost more than the matmuls on CPU."""
+def chunk_tokens(n_tokens: int, vocab_size: int, budget: int | None = None, num_chunks: int | None = None) -> int:
+    """Tokens per chunk: as many as keep one chunk's fp32 logits within the budget (a power of two, at least 16);
+    with `num_chunks` (the config's chunked_cross_entropy_num_chunks, Axolotl's), the target tokens in that many
+    chunks instead. Fewer, larger chunks than Liger's vocab/hidden rule: each chunk adds a whole weight-sized gradient
+    to the head's, which at 148 chunks (152k vocabulary, hidden 1024) cost more than the matmuls on CPU."""
+    if num_chunks:
+        return max(1, -(-int(n_tokens) // int(num_chunks)))
     fit = max(16, (budget or CHUNK_LOGITS_BYTES) // (4 * max(vocab_size, 1)))
     return min(1 << (fit.bit_length() - 1), max(int(n_tokens), 1))
 

@@ -189,3 +189,27 @@ class chunked_loss_off:
             del chunked_loss._decided[self.model]
         else:
             chunked_loss._decided[self.model] = self.before
+
+
+def test_the_configs_chunked_cross_entropy_keys_are_read(monkeypatch):
+    """chunked_cross_entropy: false gives the full logits (one note), chunked_cross_entropy_num_chunks that many
+    chunks of target tokens; both keep the loss and gradients (issue 44 item 8: the keys table called them honoured
+    while nothing read them)."""
+    from types import SimpleNamespace
+
+    calls = []
+    real = loss_chunks.chunk_tokens
+    monkeypatch.setattr(loss_chunks, "chunk_tokens", lambda *a: calls.append(a) or real(*a))
+    model, batch = model_of("llama", 400, 16, tied=False), batch_of(400, 2, 40, 0.0)
+    try:
+        chunked_loss.configure(SimpleNamespace(chunked_cross_entropy=None, chunked_cross_entropy_num_chunks=3))
+        assert_same(model, batch, **FP32)
+        assert calls and calls[-1][-1] == 3 and real(78, 400, SMALL, 3) == 26  # 78 targets in 3 chunks
+        chunked_loss.configure(SimpleNamespace(chunked_cross_entropy=False, chunked_cross_entropy_num_chunks=None))
+        chunked_loss.notes()
+        want, _ = loss_and_grads(model, full_path, batch)
+        got, _ = loss_and_grads(model, token_loss_sum, batch)
+        assert chunked_loss._decided[model] is None and float(got) == float(want)
+        assert chunked_loss.notes() == ["loss: full logits (chunked_cross_entropy: false)"]
+    finally:
+        chunked_loss.configure(SimpleNamespace(chunked_cross_entropy=None, chunked_cross_entropy_num_chunks=None))
