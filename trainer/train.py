@@ -665,16 +665,16 @@ class Training:
         full_state = distributed.gathered_model_state(self.model, self.unwrapped)  # FSDP/ZeRO-3: every rank takes part
         if self.main:
             shutil.rmtree(tmp, ignore_errors=True)
-        if not self.hooks.save_final(self.unwrapped, tmp, self.tokenizer) and self.main:  # (ReLoRA: the merged model)
-            self.unwrapped.save_pretrained(tmp, state_dict=full_state)
+        try:
+            self.write_final(tmp, final, full_state)
+        except (OSError, RuntimeError) as err:
+            shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written stays (and keeps the disk full)
+            why = checkpoint.disk_full(err)
+            if why is None:
+                raise
+            raise TrainingError(f"cannot write the final model to {final}: {why}; free space, then "
+                                f"{checkpoint.how_to_continue(self.output_dir)}") from None
         if self.main:
-            self.tokenizer.save_pretrained(tmp)
-            if getattr(self.objective, "processor", None) is not None:  # vision-language: the processor beside it
-                self.objective.processor.save_pretrained(tmp)
-            self.write_generation_config(tmp)
-            self.stop.pause_at("final-save", self.say)
-            shutil.rmtree(final, ignore_errors=True)
-            tmp.rename(final)
             (self.output_dir / STOPPED).unlink(missing_ok=True)  # complete: the next run of the command is not a resume
             self.say(f"saved the final {'adapter' if self.cfg.adapter else 'model'} to {final}")
             if self.stop.requested:
@@ -689,6 +689,20 @@ class Training:
             self.model.destroy()
         self.accelerator.end_training()
         return final
+
+    def write_final(self, tmp: Path, final: Path, full_state) -> None:
+        """The final model (or adapter), tokenizer, processor and generation config into `tmp`, renamed to `final`
+        once whole (rank 0 writes; a hook may save for every rank)."""
+        if not self.hooks.save_final(self.unwrapped, tmp, self.tokenizer) and self.main:  # (ReLoRA: the merged model)
+            self.unwrapped.save_pretrained(tmp, state_dict=full_state)
+        if self.main:
+            self.tokenizer.save_pretrained(tmp)
+            if getattr(self.objective, "processor", None) is not None:  # vision-language: the processor beside it
+                self.objective.processor.save_pretrained(tmp)
+            self.write_generation_config(tmp)
+            self.stop.pause_at("final-save", self.say)
+            shutil.rmtree(final, ignore_errors=True)
+            tmp.rename(final)
 
     def write_generation_config(self, directory: Path) -> None:
         """final/generation_config.json whose eos_token_id includes the chat template's end-of-turn token, so the

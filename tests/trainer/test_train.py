@@ -289,3 +289,24 @@ def test_train_reads_the_plan(make_config, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("ENVTOOL_PLAN", str(t4_plan))
     assert train(make_config(max_steps=1)) == 1
     assert "the plan is for Tesla T4 (sm_75, turing) but torch sees no CUDA device here" in capsys.readouterr().err
+
+
+def test_a_full_disk_at_the_final_save_names_the_folder_and_how_to_continue(make_config, tmp_path, monkeypatch,
+                                                                             capsys):
+    """ENOSPC while the final model is written (issue 44 item 7): one line naming output_dir/final and the config
+    keys that continue from the newest checkpoint, exit 1, and no .tmp-final left to keep the disk full."""
+    import errno
+
+    from transformers import PreTrainedTokenizerBase
+
+    def no_space(self, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(PreTrainedTokenizerBase, "save_pretrained", no_space)
+    out = tmp_path / "out"
+    assert train(make_config(output_dir=str(out), save_steps=2)) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == (f"error: cannot write the final model to {out / 'final'}: No space left on device; free space, then "
+                   f"continue from {out / 'checkpoint-4'}: run again with auto_resume_from_checkpoints: true (or "
+                   f"resume_from_checkpoint: {out / 'checkpoint-4'})")
+    assert not (out / ".tmp-final").exists() and not (out / "final").exists()

@@ -121,19 +121,13 @@ def save(run: Run, model, optimizer, scheduler, scaler, state: dict, engine=None
                 for old in list_checkpoints(output_dir)[:-keep]:
                     if old.name != protect:
                         shutil.rmtree(old, ignore_errors=True)
-    except OSError as err:
+    except (OSError, RuntimeError) as err:
         shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written stays (and keeps the disk full)
-        if err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
-            raise TrainingError(f"cannot write checkpoint-{step} to {output_dir}: {os.strerror(err.errno)}; free "
-                                "space (or lower save_total_limit) and run again: it resumes from the last "
-                                "checkpoint") from None
-        raise
-    except RuntimeError as err:  # torch.save's "[enforce fail at inline_container.cc] ... unexpected pos": ENOSPC
-        shutil.rmtree(tmp, ignore_errors=True)
-        if "inline_container" in str(err) or "No space left" in str(err):
-            raise TrainingError(f"cannot write checkpoint-{step} to {output_dir}: no space left on the device "
-                                f"({str(err).splitlines()[0][:120]}); free space and run again") from None
-        raise
+        why = disk_full(err)
+        if why is None:
+            raise
+        raise TrainingError(f"cannot write checkpoint-{step} to {output_dir}: {why}; free space (or lower "
+                            f"save_total_limit), then {how_to_continue(output_dir)}") from None
     barrier("checkpoint save (rename)", rank, timeout_s)
     return final
 
@@ -283,3 +277,24 @@ def _load_model_only(path: Path, state: dict, model, scheduler, engine) -> dict:
         for _ in range(state["step"]):
             scheduler.step()
     return state
+
+
+def disk_full(err: BaseException) -> str | None:
+    """Why a write failed for want of room, in a few words (no space, over quota, a read-only file system), or None
+    for any other failure. torch.save says it as a RuntimeError ("[enforce fail at inline_container.cc] ...
+    unexpected pos")."""
+    if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
+        return os.strerror(err.errno)
+    if isinstance(err, RuntimeError) and ("inline_container" in str(err) or "No space left" in str(err)):
+        return f"no space left on the device ({str(err).splitlines()[0][:120]})"
+    return None
+
+
+def how_to_continue(output_dir: Path) -> str:
+    """What to run after a failure, as words: continue from the newest whole checkpoint (the config keys that
+    resume it: a plain rerun into an output_dir with checkpoints is refused, trainer/setup.py), or run again."""
+    found = list_checkpoints(Path(output_dir))
+    if not found:
+        return "run again (no checkpoint was saved yet)"
+    return (f"continue from {found[-1]}: run again with auto_resume_from_checkpoints: true (or resume_from_checkpoint: "
+            f"{found[-1]})")
