@@ -100,7 +100,13 @@ class Trackers:
             return
         config = cfg.model_dump(mode="json")
         for name in wanted(cfg):
-            self.backends.append(getattr(self, f"_open_{name}")(cfg, Path(output_dir), config, resumed, log))
+            try:
+                self.backends.append(getattr(self, f"_open_{name}")(cfg, Path(output_dir), config, resumed, log))
+            except Exception as err:  # a tracker that cannot import or start (a broken install, a bad URI): named
+                first = (str(err).strip().splitlines() or [""])[0][:200]
+                raise TrainingError(f"{asked_by(cfg, name)}: {name} could not start ({type(err).__name__}"
+                                    f"{': ' + first if first else ''}); fix its install or settings, or remove the "
+                                    "key") from None
 
     @staticmethod
     def _open_wandb(cfg, output_dir, config, resumed, log):

@@ -107,3 +107,19 @@ def test_missing_tracker_package_is_named_before_training(make_config, tmp_path,
     assert main(["train", str(make_config(output_dir=str(out), wandb_project="p"))]) == 2
     assert "wandb not installed: the config logs to wandb" in capsys.readouterr().err
     assert not (out / "metrics.jsonl").exists()
+
+
+def test_a_tracker_that_cannot_start_is_named_with_its_key(make_config, tmp_path, monkeypatch, capsys):
+    """Installed but broken (issue 44 item 7): tensorboard's writer failing at import (a protobuf too new for it) was a
+    bare ImportError naming no tracker; now one line naming the key that asked for it, exit 1."""
+    import torch.utils.tensorboard as tensorboard
+
+    def broken(*args, **kwargs):
+        raise ImportError("cannot import name 'builder' from 'google.protobuf.internal'")
+
+    monkeypatch.setattr(tensorboard, "SummaryWriter", broken)
+    out = tmp_path / "out"
+    assert main(["train", str(make_config(output_dir=str(out), use_tensorboard=True))]) == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "error: use_tensorboard: true: tensorboard could not start (ImportError: cannot import name 'builder' from "
+        "'google.protobuf.internal'); fix its install or settings, or remove the key")
