@@ -399,12 +399,26 @@ class Training:
                      f"(the config says {cfg.gradient_accumulation_steps}) to keep it")
         return cfg.model_copy(update={"gradient_accumulation_steps": ga})
 
+    def check_same_data(self, resume: Path) -> None:
+        """A checkpoint's data position counts rows of the data it was trained on: resumed onto other data (a dataset
+        file rewritten, another tokenizer) it would continue into other rows without a word. The prepared data's
+        key (trainer/data/prepare.py cache_key: the files' contents, the tokenizer, how rows are built) is recorded
+        with each checkpoint and compared here; a checkpoint without one (an older envtool, streamed data) is not."""
+        recorded = checkpoint.read_state(resume).get("data")
+        here = self.data.path.name if self.data.path is not None else None
+        if recorded and here and recorded != here:
+            raise ConfigError(f"{resume} was trained on other data than this run reads (prepared data {recorded} "
+                              f"there, {here} now: a dataset file, the tokenizer or how rows are built changed): "
+                              "resuming would continue its data position into other rows; restore that data, or "
+                              "start a new run (a new output_dir)")
+
     def resume(self) -> tuple[dict, str | None]:
         """The checkpoint chosen at the start: its weights, optimizer, schedule, RNG and data position; returns its
         trainer state and path."""
         resume = self.resume_from
         if resume is None:
             return {}, None
+        self.check_same_data(resume)
         state = checkpoint.load(resume, self.unwrapped, self.optimizer, self.scheduler, self.accelerator.scaler,
                                 self.rank, self.world, engine=self.model)
         self.step, self.epoch = state["step"], state["sampler"]["epoch"]
@@ -647,7 +661,8 @@ class Training:
         saved = self.hooks.on_save(self.step)
         state = {"step": self.step, "world_size": self.world, "data_world": self.data_world,
                  "global_batch": self.cfg.micro_batch_size * self.data_world * self.ga,
-                 "sampler": self.sampler.state_dict(consumed), **saved.state, "config": self.recorded_config}
+                 "sampler": self.sampler.state_dict(consumed), **saved.state, "config": self.recorded_config,
+                 "data": self.data.path.name if self.data.path is not None else None}  # the prepared data's key
         path = checkpoint.save(self.context, self.unwrapped, self.optimizer, self.scheduler, self.accelerator.scaler,
                                state, engine=self.model, saved=saved)
         self.say(f"saved {path}")

@@ -310,3 +310,22 @@ def test_a_full_disk_at_the_final_save_names_the_folder_and_how_to_continue(make
                    f"continue from {out / 'checkpoint-4'}: run again with auto_resume_from_checkpoints: true (or "
                    f"resume_from_checkpoint: {out / 'checkpoint-4'})")
     assert not (out / ".tmp-final").exists() and not (out / "final").exists()
+
+
+def test_resuming_onto_rewritten_data_is_refused_naming_the_checkpoint(make_config, alpaca_file, tmp_path, capsys):
+    """The same config over a dataset file rewritten since the checkpoint (issue 44 item 6): the data position would
+    continue into other rows. Refused in one line (exit 2) naming the checkpoint; the unchanged file resumes."""
+    from tests.trainer.helpers import alpaca_rows, write_jsonl
+
+    out = tmp_path / "out"
+    assert train(make_config(output_dir=str(out), max_steps=2, save_steps=2)) == 0
+    capsys.readouterr()
+    original = alpaca_file.read_text()
+    write_jsonl(alpaca_file, list(reversed(alpaca_rows(48))))
+    again = make_config("again.yml", output_dir=str(out), max_steps=4, save_steps=2, auto_resume_from_checkpoints=True)
+    assert train(again) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith(f"error: {out / 'checkpoint-2'} was trained on other data than this run reads")
+    assert "restore that data, or start a new run (a new output_dir)" in line
+    alpaca_file.write_text(original)
+    assert train(again) == 0 and (out / "checkpoint-4").is_dir()
