@@ -399,6 +399,30 @@ class Training:
                      f"(the config says {cfg.gradient_accumulation_steps}) to keep it")
         return cfg.model_copy(update={"gradient_accumulation_steps": ga})
 
+    def continue_schedule(self, resume: Path) -> None:
+        """The first step after a resume trains at the rate this run's schedule gives it. The optimizer's stored rate is
+        the checkpoint's schedule's: where the length changed (max_steps raised after a finished run), that schedule
+        had reached its end and one step trained at rate 0 before the new one took over. LambdaLR (every schedule
+        here) computes a rate from its step alone, so the rate is set from it; another scheduler keeps its own."""
+        # heavy: torch loads only when training
+        from torch.optim.lr_scheduler import LambdaLR
+
+        schedule = getattr(self.scheduler, "scheduler", self.scheduler)  # accelerate's wrapper
+        if not isinstance(schedule, LambdaLR):
+            return
+        rates = [base * fn(schedule.last_epoch) for base, fn in zip(schedule.base_lrs, schedule.lr_lambdas)]
+        groups = schedule.optimizer.param_groups
+        if all(abs(float(group["lr"]) - rate) <= 1e-12 * max(1.0, abs(rate)) for group, rate in zip(groups, rates)):
+            return
+        self.say(f"note: the learning rate continues on this run's schedule: {rates[0]:.3g} at step {self.step + 1} "
+                 f"({resume} had reached {float(groups[0]['lr']):.3g} on its own)")
+        for group, rate in zip(groups, rates):
+            if hasattr(group["lr"], "fill_"):  # torchao's optimizers keep it as a tensor
+                group["lr"].fill_(rate)
+            else:
+                group["lr"] = rate
+        schedule._last_lr = list(rates)  # what the step reports (get_last_lr)
+
     def check_same_data(self, resume: Path) -> None:
         """A checkpoint's data position counts rows of the data it was trained on: resumed onto other data (a dataset
         file rewritten, another tokenizer) it would continue into other rows without a word. The prepared data's
@@ -435,6 +459,7 @@ class Training:
                      f"same place in the data{extra}")
         self.sampler.load_state_dict(position)
         self.say(f"resumed from {resume} at step {self.step}")
+        self.continue_schedule(resume)
         if state.get("model_only"):
             self.say(f"note: {resume} was saved with save_only_model: its weights, step and data position continue, "
                      "the optimizer restarts with empty state (moments reset) and the RNG is not restored")

@@ -329,3 +329,19 @@ def test_resuming_onto_rewritten_data_is_refused_naming_the_checkpoint(make_conf
     assert "restore that data, or start a new run (a new output_dir)" in line
     alpaca_file.write_text(original)
     assert train(again) == 0 and (out / "checkpoint-4").is_dir()
+
+
+def test_raising_max_steps_on_a_resume_continues_at_the_new_schedules_rate(make_config, tmp_path, capsys):
+    """A finished 4-step cosine run resumed with max_steps 8 (issue 44 item 6): its step 5 trained at learning rate 0,
+    the old schedule's end, before the new one took over. Now step 5 is at the rate the 8-step schedule gives it, as
+    a fresh 8-step run has at step 5, and a note says so."""
+    common = {"lr_scheduler": "cosine", "warmup_steps": 1, "save_steps": 4}
+    out, fresh = tmp_path / "out", tmp_path / "fresh"
+    assert train(make_config(output_dir=str(out), max_steps=4, **common)) == 0
+    assert train(make_config("more.yml", output_dir=str(out), max_steps=8, auto_resume_from_checkpoints=True,
+                             **common)) == 0
+    assert "note: the learning rate continues on this run's schedule" in capsys.readouterr().err
+    assert train(make_config("fresh.yml", output_dir=str(fresh), max_steps=8, **common)) == 0
+    rates = {r["step"]: r["lr"] for r in read_metrics(out) if "lr" in r}
+    want = {r["step"]: r["lr"] for r in read_metrics(fresh) if "lr" in r}
+    assert rates[5] > 0 and [rates[s] for s in range(5, 9)] == pytest.approx([want[s] for s in range(5, 9)])
