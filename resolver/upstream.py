@@ -125,10 +125,11 @@ class Client:
     # ------------------------------------------------------------------ HTTP
 
     def get(self, url: str, *, accept: str | None = None, headers: dict | None = None,
-            ok: tuple[int, ...] = (200,), limit: int = MAX_BODY) -> Answer:
+            ok: tuple[int, ...] = (200,), limit: int | None = None) -> Answer:
         """The answer at `url`, read whole (its body only where its status is in `ok`); UpstreamError where the
         server cannot be reached, answers another status, sends more than `limit` bytes or takes longer than
-        DEADLINE seconds in all."""
+        DEADLINE seconds in all. limit: MAX_BODY where None."""
+        limit = MAX_BODY if limit is None else limit
         self.on_request(url)
         h = dict(headers or {})
         if accept:
@@ -396,8 +397,8 @@ def parse_project(data: dict, url: str) -> Project:
     wrong type."""
     if not isinstance(data, dict) or not isinstance(data.get("releases"), dict):
         raise UpstreamError(f"{url}: not a PyPI JSON API project page (no 'releases' object)")
-    info = _typed(data.get("info"), (dict, type(None)), url, "info")
-    given = _typed((info or {}).get("name"), (str, type(None)), url, "info.name")
+    info = _typed(data.get("info", {}), dict, url, "info")
+    given = _typed(info.get("name"), (str, type(None)), url, "info.name")
     name = canonicalize_name(given or url.rstrip("/").split("/")[-2])
     releases: dict[Version, Release] = {}
     for text, files in data["releases"].items():
