@@ -540,6 +540,9 @@ def _admits(need: _Need, version: Version) -> bool:
     return need.requirement.specifier.contains(version, prereleases=True)
 
 
+MAX_TRIES = 20_000  # releases tried by co_installable's backtracking (the real stack settles in a few dozen)
+
+
 def co_installable(client: Client, pins: dict[str, str], python: str, step=lambda what: None
                    ) -> tuple[dict[str, Version] | None, list[str]]:
     """The newest versions of the stack's packages (each at least its pin, Requires-Python admitting `python`)
@@ -576,10 +579,16 @@ def co_installable(client: Client, pins: dict[str, str], python: str, step=lambd
                     return f"{names[other_key]} {other.version} requires {need.requirement} ({need.origin})"
         return None
 
+    tries = [0]
+
     def search(i: int, chosen: dict[str, Release]) -> dict[str, Release] | None:
         if i == len(keys):
             return chosen
         for release in candidates[keys[i]]:
+            tries[0] += 1
+            if tries[0] > MAX_TRIES:  # an index can list releases that never settle: bounded, never a spin
+                raise UpstreamError(f"{client.base_url}: {', '.join(pins)} do not settle on releases that install "
+                                    f"together within {MAX_TRIES} tries")
             if conflict(keys[i], release, chosen) is None:
                 found = search(i + 1, {**chosen, keys[i]: release})
                 if found is not None:

@@ -326,3 +326,34 @@ def test_any_json_shape_is_a_project_or_one_line_naming_the_url(data):
             parse(data, url)
         except UpstreamError as e:
             assert str(e).startswith(url + ": ") and "\n" not in str(e)
+
+
+def test_releases_that_never_settle_are_bounded_not_a_spin(monkeypatch):
+    """An index listing many releases of two packages, each requiring what the other never is: the backtracking
+    search (exponential in what an index lists) stops at its bound with one line."""
+    from email.message import Message
+
+    from packaging.version import Version
+
+    from resolver import update
+    from resolver.upstream import Project, Release, WheelFile
+
+    def release(name: str, version: str) -> Release:
+        wheel = WheelFile(f"{name}-{version}-py3-none-any.whl", "", Version(version), None, True,
+                          frozenset({"any"}), None, False)
+        return Release(Version(version), [wheel], None, False)
+
+    class Index:
+        base_url = "http://index.test"
+
+        def project(self, name):
+            return Project(name, {Version(f"1.{i}"): release(name, f"1.{i}") for i in range(60)})
+
+        def metadata(self, name, wheel):
+            message = Message()
+            message["Requires-Dist"] = "beta==0.1" if name == "alpha" else "alpha==0.1"
+            return message
+
+    monkeypatch.setattr(update, "MAX_TRIES", 500)
+    with pytest.raises(UpstreamError, match=r"^http://index.test: alpha, beta do not settle .* within 500 tries"):
+        bounded(lambda: update.co_installable(Index(), {"alpha": "1.0", "beta": "1.0"}, "3.12"))
