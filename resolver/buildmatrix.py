@@ -69,7 +69,7 @@ def literals(text: str) -> dict[str, object]:
     """The module-level NAME = <literal> (and NAME: T = <literal>) assignments of a Python file."""
     try:
         tree = ast.parse(text)
-    except SyntaxError:
+    except (SyntaxError, ValueError, RecursionError, MemoryError):  # the file comes from a server: any text
         return {}
     out: dict[str, object] = {}
     for node in tree.body:
@@ -85,14 +85,24 @@ def literals(text: str) -> dict[str, object]:
 
 
 def _cc(value: int | str) -> str:
-    """50 -> "5.0", 120 -> "12.0", "12.0+PTX" -> "12.0"."""
-    if isinstance(value, int):
-        return f"{value // 10}.{value % 10}"
-    return str(value).removesuffix("+PTX").strip()
+    """50 -> "5.0", 120 -> "12.0", "12.0+PTX" -> "12.0"; ValueError for what is no compute capability."""
+    cc = f"{value // 10}.{value % 10}" if isinstance(value, int) and not isinstance(value, bool) else \
+        str(value).removesuffix("+PTX").strip()
+    if not re.fullmatch(r"\d{1,2}\.\d", cc):
+        raise ValueError(f"not a compute capability: {str(value)[:40]!r}")
+    return cc
 
 
 def _sorted(ccs) -> list[str]:
     return sorted({_cc(c) for c in ccs}, key=lambda c: tuple(int(x) for x in c.split(".")))
+
+
+def _sorted_or_none(ccs) -> list[str] | None:
+    """The capabilities sorted; None where one is not a capability (no list rather than a guess)."""
+    try:
+        return _sorted(ccs)
+    except ValueError:
+        return None
 
 
 def arch_table(text: str) -> dict[str, dict[str, list[str]]]:
@@ -103,7 +113,8 @@ def arch_table(text: str) -> dict[str, dict[str, list[str]]]:
     out: dict[str, dict[str, list[str]]] = {}
     for cuda, machines in table.items():
         if isinstance(machines, dict):
-            out[str(cuda)] = {str(m): _sorted(ccs) for m, ccs in machines.items() if isinstance(ccs, (set, list))}
+            lists = {str(m): _sorted_or_none(ccs) for m, ccs in machines.items() if isinstance(ccs, (set, list, tuple))}
+            out[str(cuda)] = {m: ccs for m, ccs in lists.items() if ccs is not None}
     return out
 
 
@@ -181,7 +192,7 @@ def arch_script(text: str, cuda: str, machine: str = "x86_64") -> list[str] | No
                 break
     if state != "done" or not current:
         return None
-    return _sorted(c for c in current.split(";") if c.strip())
+    return _sorted_or_none(c for c in current.split(";") if c.strip())
 
 
 def _get(client: Client, template: str, ref: str, path: str) -> str | None:
@@ -207,6 +218,15 @@ def _arch_lists(client: Client, template: str, ref: str, versions: list[str]) ->
             f"{ARCH_SCRIPT_PATH}@{ref} TORCH_CUDA_ARCH_LIST")
 
 
+def _strings(values: dict, url: str, name: str, pattern: str) -> None:
+    """values[name], where present, is a list of strings matching `pattern`; else UpstreamError naming it."""
+    items = values.get(name) or []
+    bad = [a for a in items if not isinstance(a, str) or not re.fullmatch(pattern, a)] \
+        if isinstance(items, (list, tuple)) else [items]
+    if bad:
+        raise UpstreamError(f"{url}: {name} holds {str(bad[0])[:40]!r}, not a list of versions")
+
+
 def read(client: Client, template: str, version: str) -> BuildMatrix | None:
     """The build matrix of torch `version` at its release tag; None where the tag has no such file."""
     ref = tag_of(version)
@@ -214,9 +234,15 @@ def read(client: Client, template: str, version: str) -> BuildMatrix | None:
     if text is None:
         return None
     values = literals(text)
+    url = template.format(ref=ref, path=MATRIX_PATH)
     arches = values.get("CUDA_ARCHES")
     if not isinstance(arches, list):
-        raise UpstreamError(f"{template.format(ref=ref, path=MATRIX_PATH)}: no CUDA_ARCHES list in it")
+        raise UpstreamError(f"{url}: no CUDA_ARCHES list in it")
+    _strings(values, url, "CUDA_ARCHES", r"\d+\.\d+")
+    _strings(values, url, "CUDA_AARCH64_ARCHES", r"\d+\.\d+(-aarch64)?")
+    _strings(values, url, "ROCM_ARCHES", r"[\w.]+")
+    if not isinstance(values.get("CUDA_STABLE", ""), str):
+        raise UpstreamError(f"{url}: CUDA_STABLE is not a string")
     full = values.get("CUDA_ARCHES_FULL_VERSION") if isinstance(values.get("CUDA_ARCHES_FULL_VERSION"), dict) else {}
     aarch64 = {str(a).removesuffix("-aarch64") for a in values.get("CUDA_AARCH64_ARCHES") or []}
     lists, arch_source = _arch_lists(client, template, ref, [str(a) for a in arches])
@@ -228,4 +254,4 @@ def read(client: Client, template: str, version: str) -> BuildMatrix | None:
                                 arch_source))
     stable = values.get("CUDA_STABLE")
     return BuildMatrix(ref, builds, [str(r) for r in values.get("ROCM_ARCHES") or []],
-                       str(stable) if stable else None, f"pytorch/pytorch {MATRIX_PATH}@{ref}")
+                       stable or None, f"pytorch/pytorch {MATRIX_PATH}@{ref}")

@@ -43,8 +43,8 @@ from packaging.version import Version
 
 from . import matrix as matrix_module
 from .errors import MatrixError
-from .upstream import (MACHINES, Client, Release, admits_python, any_wheel, linux_machines, linux_wheel,
-                       python_range, requirement, requirements)
+from .upstream import (MACHINES, Client, Release, UpstreamError, admits_python, any_wheel, linux_machines,
+                       linux_wheel, python_range, requirement, requirements)
 from .upstream import pypi_url as resolve_pypi_url
 
 UPDATED_RE = re.compile(r"; (?:[\w, ]+ )?updated by envtool matrix update from (?:PyPI metadata|the PyTorch index) "
@@ -498,6 +498,7 @@ def _needs(client: Client, name: str, release: Release, python: str, names: set[
     (deepspeed) states none that can be read without building it."""
     # start-up: packaging imported only when this runs
     from packaging.requirements import Requirement
+
     wheel = any_wheel(release)
     if wheel is None:
         return []
@@ -506,19 +507,40 @@ def _needs(client: Client, name: str, release: Release, python: str, names: set[
     pattern = RUNTIME_TABLES.get(name)
     if pattern:
         entry = client.simple_files(name).get(wheel.filename)
-        text = client.wheel_member(entry["url"] if entry else wheel.url, pattern)
-        tree = ast.parse(text or "")
-        table = next((ast.literal_eval(n.value) for n in ast.walk(tree) if isinstance(n, ast.Assign)
-                      and isinstance(n.value, ast.Dict)), {})
-        for key, spec in table.items():
+        url = entry["url"] if entry else wheel.url
+        for spec in _runtime_table(client.wheel_member(url, pattern), f"{url}: {pattern.replace(chr(92), '')}"):
             req = Requirement(spec)
             if canonicalize_name(req.name) in names:
                 out.append(_Need(req, f"its {pattern.replace(chr(92), '')}, checked at run time"))
     return out
 
 
+def _runtime_table(text: str | None, where: str) -> list[str]:
+    """The requirement strings of a runtime version table (the first dict literal assigned in the file), read
+    without running it; UpstreamError naming `where` when it is not one (the file comes from an index)."""
+    # start-up: packaging imported only when this runs
+    from packaging.requirements import InvalidRequirement, Requirement
+
+    try:
+        tree = ast.parse(text or "")
+        table = next((ast.literal_eval(n.value) for n in ast.walk(tree) if isinstance(n, ast.Assign)
+                      and isinstance(n.value, ast.Dict)), {})
+    except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError) as e:
+        raise UpstreamError(f"{where}: not a readable version table ({type(e).__name__})") from None
+    specs = list(table.values()) if isinstance(table, dict) else [table]
+    for spec in specs:
+        try:
+            Requirement(spec if isinstance(spec, str) else "")
+        except InvalidRequirement:
+            raise UpstreamError(f"{where}: {str(spec)[:80]!r} is not a requirement") from None
+    return specs
+
+
 def _admits(need: _Need, version: Version) -> bool:
     return need.requirement.specifier.contains(version, prereleases=True)
+
+
+MAX_TRIES = 20_000  # releases tried by co_installable's backtracking (the real stack settles in a few dozen)
 
 
 def co_installable(client: Client, pins: dict[str, str], python: str, step=lambda what: None
@@ -557,10 +579,16 @@ def co_installable(client: Client, pins: dict[str, str], python: str, step=lambd
                     return f"{names[other_key]} {other.version} requires {need.requirement} ({need.origin})"
         return None
 
+    tries = [0]
+
     def search(i: int, chosen: dict[str, Release]) -> dict[str, Release] | None:
         if i == len(keys):
             return chosen
         for release in candidates[keys[i]]:
+            tries[0] += 1
+            if tries[0] > MAX_TRIES:  # an index can list releases that never settle: bounded, never a spin
+                raise UpstreamError(f"{client.base_url}: {', '.join(pins)} do not settle on releases that install "
+                                    f"together within {MAX_TRIES} tries")
             if conflict(keys[i], release, chosen) is None:
                 found = search(i + 1, {**chosen, keys[i]: release})
                 if found is not None:
@@ -699,19 +727,25 @@ def write(directory: Path, texts: dict[str, tuple[str, str]]) -> None:
         except MatrixError as e:
             raise MatrixError(f"the regenerated matrices fail the schema check, nothing written: "
                               f"{str(e).replace(tmp, str(directory))}") from None
-    for name, (old, new) in texts.items():
-        target = directory / name
-        if target.read_text() != old:
-            raise MatrixError(f"{target} changed while envtool matrix update ran; nothing more written")
-        fd, tmp_path = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)
-        try:
+    # all or nothing: every file checked unchanged and every new text written beside it before the first rename
+    for name, (old, _) in texts.items():
+        if (directory / name).read_text() != old:
+            raise MatrixError(f"{directory / name} changed while envtool matrix update ran; nothing written")
+    staged: list[tuple[str, Path]] = []
+    try:
+        for name, (_, new) in texts.items():
+            fd, tmp_path = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)
+            staged.append((tmp_path, directory / name))
             with os.fdopen(fd, "w") as f:
                 f.write(new)
-            os.chmod(tmp_path, target.stat().st_mode & 0o777)
+                f.flush()
+                os.fsync(f.fileno())
+            os.chmod(tmp_path, (directory / name).stat().st_mode & 0o777)
+        for tmp_path, target in staged:
             os.replace(tmp_path, target)
-        except BaseException:
+    finally:
+        for tmp_path, _ in staged:
             Path(tmp_path).unlink(missing_ok=True)
-            raise
 
 
 def read(directory: Path) -> dict[str, dict]:

@@ -13,12 +13,14 @@ Imported only by the `matrix` commands: requests stays off `envtool resolve`'s p
 from __future__ import annotations
 
 import io
+import json as jsonlib
 import os
 import re
+import threading
 import zipfile
 from email.message import Message
 from email.parser import HeaderParser
-from typing import Callable, NamedTuple
+from typing import Callable, Mapping, NamedTuple
 from urllib.parse import urljoin
 
 import requests
@@ -32,12 +34,45 @@ from .errors import EnvtoolError
 PYPI_URL_ENV = "ENVTOOL_PYPI_URL"
 DEFAULT_PYPI_URL = "https://pypi.org"
 SIMPLE_JSON = "application/vnd.pypi.simple.v1+json"
-TIMEOUT = (10, 60)  # connect, read (seconds)
+TIMEOUT = (10, 60)  # connect, read (seconds): each socket operation
+# Everything an index or server sends is untrusted: each fetch has an overall deadline (a server dripping a byte
+# every few seconds never trips the read timeout), each answer a size cap (read in chunks, stopped at the cap), and
+# a zip member is never unpacked past its cap. Real answers are far below each: PyPI's torch page is 0.2 MB, a
+# METADATA at most a few hundred KB.
+DEADLINE = 180.0  # seconds for one fetch, from connecting to its last byte
+MIB = 2 ** 20
+MAX_BODY = 64 * MIB  # one answer
+MAX_MEMBER = 16 * MIB  # one METADATA (PEP 658 file or zip member), unpacked
+MAX_RANGE_READ = 64 * MIB  # all range requests into one remote wheel together
 RANGE_BLOCK = 512 * 1024
 
 
 class UpstreamError(EnvtoolError):
     """Exit code 1: an upstream server could not be reached or answered with an error."""
+
+
+class Answer(NamedTuple):
+    """A server's answer, read whole within the deadline and the size cap."""
+
+    url: str
+    status_code: int
+    reason: str
+    headers: Mapping[str, str]
+    content: bytes
+
+    @property
+    def text(self) -> str:
+        return self.content.decode("utf-8", "replace")
+
+    def json(self):
+        """The body as JSON; UpstreamError (naming the URL) where it is not JSON or nested too deep to read."""
+        try:
+            return jsonlib.loads(self.content)
+        except RecursionError:
+            raise UpstreamError(f"{self.url}: the JSON answer is nested too deep to read") from None
+        except ValueError:
+            raise UpstreamError(f"{self.url}: the answer is not JSON "
+                                f"({self.headers.get('Content-Type', '?')})") from None
 
 
 def pypi_url(option: str | None = None) -> str:
@@ -90,25 +125,62 @@ class Client:
     # ------------------------------------------------------------------ HTTP
 
     def get(self, url: str, *, accept: str | None = None, headers: dict | None = None,
-            ok: tuple[int, ...] = (200,)) -> requests.Response:
+            ok: tuple[int, ...] = (200,), limit: int | None = None) -> Answer:
+        """The answer at `url`, read whole (its body only where its status is in `ok`); UpstreamError where the
+        server cannot be reached, answers another status, sends more than `limit` bytes or takes longer than
+        DEADLINE seconds in all. limit: MAX_BODY where None."""
+        limit = MAX_BODY if limit is None else limit
         self.on_request(url)
         h = dict(headers or {})
         if accept:
             h["Accept"] = accept
+        answer = self._within_deadline(url, lambda: self._fetch(url, h, ok, limit))
+        if answer.status_code not in ok:
+            raise UpstreamError(f"{url}: HTTP {answer.status_code} {answer.reason or ''}".rstrip())
+        return answer
+
+    @staticmethod
+    def _within_deadline(url: str, work: Callable[[], object]):
+        """work() (one fetch of `url`), in a thread of its own so DEADLINE holds whatever the server does (drips a
+        byte at a time in the headers or the body): a fetch left running past it dies with the process."""
+        box: dict[str, object] = {}
+
+        def run() -> None:
+            try:
+                box["value"] = work()
+            except BaseException as e:  # handed to the caller's thread
+                box["error"] = e
+
+        worker = threading.Thread(target=run, name=f"envtool fetch {url[:200]}", daemon=True)
+        worker.start()
+        worker.join(DEADLINE)
+        if worker.is_alive():
+            raise UpstreamError(f"{url}: no complete answer within {DEADLINE:g} s (the server sends too slowly); "
+                                "not read further")
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
+
+    def _fetch(self, url: str, headers: dict, ok: tuple[int, ...], limit: int) -> Answer:
         try:
-            r = self.session.get(url, headers=h, timeout=TIMEOUT)
+            with self.session.get(url, headers=headers, timeout=TIMEOUT, stream=True) as r:
+                body = bytearray()
+                if r.status_code in ok:
+                    declared = r.headers.get("Content-Length", "")
+                    if declared.isdigit() and int(declared) > limit:
+                        raise UpstreamError(f"{url}: the answer is {int(declared)} bytes, over the "
+                                            f"{limit / MIB:g} MiB read from one; not read")
+                    for chunk in r.iter_content(64 * 1024):
+                        body += chunk
+                        if len(body) > limit:
+                            raise UpstreamError(f"{url}: the answer is over the {limit / MIB:g} MiB read from one; "
+                                                "not read further")
+                return Answer(url, r.status_code, r.reason or "", r.headers, bytes(body))
         except requests.RequestException as e:
             raise UpstreamError(f"cannot reach {url}: {_reason(e)}") from None
-        if r.status_code not in ok:
-            raise UpstreamError(f"{url}: HTTP {r.status_code} {r.reason or ''}".rstrip())
-        return r
 
-    def json(self, url: str, *, accept: str | None = None) -> dict:
-        r = self.get(url, accept=accept)
-        try:
-            return r.json()
-        except ValueError:
-            raise UpstreamError(f"{url}: the answer is not JSON ({r.headers.get('Content-Type', '?')})") from None
+    def json(self, url: str, *, accept: str | None = None):
+        return self.get(url, accept=accept).json()
 
     # ------------------------------------------------------------------ the JSON API
 
@@ -130,14 +202,7 @@ class Client:
             if r.status_code != 200 or "json" not in r.headers.get("Content-Type", ""):
                 self._simple[key] = {}  # no PEP 691 here (an older mirror): no PEP 658 either; wheels are read
                 return self._simple[key]
-            try:
-                data = r.json()
-            except ValueError:
-                raise UpstreamError(f"{url}: the answer is not JSON") from None
-            if not isinstance(data.get("files"), list):
-                raise UpstreamError(f"{url}: not a PEP 691 project page (no 'files' list)")
-            self._simple[key] = {f["filename"]: dict(f, url=urljoin(url, f["url"])) for f in data["files"]
-                                 if isinstance(f, dict) and "filename" in f and "url" in f}
+            self._simple[key] = parse_simple(r.json(), url)
         return self._simple[key]
 
     def metadata(self, name: str, wheel: WheelFile) -> Message:
@@ -149,7 +214,7 @@ class Client:
         advertised = entry and (entry.get("core-metadata") or entry.get("data-dist-info-metadata"))
         url = entry["url"] if entry else wheel.url
         if advertised:
-            text = self.get(url + ".metadata").content.decode("utf-8", "replace")
+            text = self.get(url + ".metadata", limit=MAX_MEMBER).text
         else:
             text = self.metadata_from_wheel(url)
         message = HeaderParser().parsestr(text)
@@ -169,15 +234,30 @@ class Client:
         try:
             with zipfile.ZipFile(remote) as z:
                 names = [n for n in z.namelist() if re.fullmatch(pattern, n)]
-                return z.read(names[0]).decode("utf-8", "replace") if len(names) == 1 else None
-        except zipfile.BadZipFile as e:
-            raise UpstreamError(f"{url}: not a readable wheel ({e})") from None
+                if len(names) != 1:
+                    return None
+                info = z.getinfo(names[0])
+                if info.file_size > MAX_MEMBER:
+                    raise UpstreamError(f"{url}: its {names[0]} is {info.file_size} bytes unpacked, over the "
+                                        f"{MAX_MEMBER / MIB:g} MiB read from one; not read")
+                with z.open(info) as member:  # the size in the header may lie: never unpack past the cap
+                    data = member.read(MAX_MEMBER + 1)
+                if len(data) > MAX_MEMBER:
+                    raise UpstreamError(f"{url}: its {names[0]} unpacks past the {MAX_MEMBER / MIB:g} MiB read "
+                                        "from one; not read further")
+                return data.decode("utf-8", "replace")
+        except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, OSError, ValueError, NotImplementedError,
+                RuntimeError, RecursionError) as e:
+            raise UpstreamError(f"{url}: not a readable wheel ({type(e).__name__}: {str(e)[:160]})") from None
 
     # ------------------------------------------------------------------ HEAD (verify)
 
     def exists(self, url: str) -> tuple[bool, str]:
         """(found, what the server said) after following redirects; servers that refuse HEAD get a GET."""
         self.on_request(url)
+        return self._within_deadline(url, lambda: self._exists(url))
+
+    def _exists(self, url: str) -> tuple[bool, str]:
         try:
             r = self.session.head(url, allow_redirects=True, timeout=TIMEOUT)
             if r.status_code in (403, 405, 501):  # some CDNs answer HEAD differently from GET
@@ -188,27 +268,50 @@ class Client:
         return r.status_code == 200, f"HTTP {r.status_code}"
 
 
+_CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+)")
+
+
 class _RangeFile(io.RawIOBase):
-    """A read-only, seekable view of a remote file, fetched in blocks with HTTP Range requests."""
+    """A read-only, seekable view of a remote file, fetched in blocks with HTTP Range requests. Every answer's
+    Content-Range must be the range asked for, with that many bytes (a server that says otherwise is an error,
+    never a loop), and all the blocks together stay within MAX_RANGE_READ."""
 
     def __init__(self, client: Client, url: str):
-        self.client, self.url, self.pos = client, url, 0
+        self.client, self.url, self.pos, self.fetched = client, url, 0, 0
         self.blocks: dict[int, bytes] = {}
+        self._tail_start: int | None = None
+        self._tail = b""
         # The last block also tells the size (Content-Range: bytes a-b/SIZE).
-        r = client.get(url, headers={"Range": f"bytes=-{RANGE_BLOCK}"}, ok=(206, 200))
-        if r.status_code == 200:  # no range support: the whole file came back
+        r = client.get(url, headers={"Range": f"bytes=-{RANGE_BLOCK}"}, ok=(206, 200), limit=MAX_RANGE_READ)
+        if r.status_code == 200:  # no range support: the whole file came back (within the cap)
             self.size = len(r.content)
             self.blocks = {i: r.content[i * RANGE_BLOCK:(i + 1) * RANGE_BLOCK]
                            for i in range(self.size // RANGE_BLOCK + 1)}
             return
-        m = re.match(r"bytes (\d+)-(\d+)/(\d+)", r.headers.get("Content-Range", ""))
+        start, end, self.size = self._checked(r, None)
+        if end != self.size - 1:
+            raise UpstreamError(f"{url}: asked for the last {RANGE_BLOCK} bytes, the server sent bytes {start}-{end} "
+                                f"of {self.size} (Content-Range: {r.headers.get('Content-Range')})")
+        # Kept as it came: the tail may start mid-block.
+        self._tail_start, self._tail = start, r.content
+
+    def _checked(self, r: Answer, asked: tuple[int, int] | None) -> tuple[int, int, int]:
+        """(first, last, size) of a 206 answer, checked against what was asked and what came."""
+        header = r.headers.get("Content-Range", "")
+        m = _CONTENT_RANGE.fullmatch(header.strip())
         if not m:
-            raise UpstreamError(f"{url}: a range request came back without Content-Range")
-        self.size = int(m.group(3))
-        start = int(m.group(1))
-        data = r.content
-        # Cache it by block: the tail may start mid-block.
-        self._tail_start, self._tail = start, data
+            raise UpstreamError(f"{self.url}: a range request came back without a valid Content-Range "
+                                f"({header[:80] or 'none'})")
+        first, last, size = map(int, m.groups())
+        self.fetched += len(r.content)
+        problem = ("its range is not within its size" if not first <= last < size else
+                   f"not the bytes {asked[0]}-{asked[1]} asked for" if asked and (first, last) != asked else
+                   f"it carries {len(r.content)} bytes" if len(r.content) != last - first + 1 else
+                   f"a size of {size}, not the {self.size} it said before" if asked and size != self.size else
+                   f"over {MAX_RANGE_READ / MIB:g} MiB read from it in all" if self.fetched > MAX_RANGE_READ else "")
+        if problem:
+            raise UpstreamError(f"{self.url}: the server's Content-Range does not hold ({header}: {problem})")
+        return first, last, size
 
     def readable(self) -> bool:
         return True
@@ -220,7 +323,10 @@ class _RangeFile(io.RawIOBase):
         return self.pos
 
     def seek(self, offset: int, whence: int = 0) -> int:
-        self.pos = {0: offset, 1: self.pos + offset, 2: self.size + offset}[whence]
+        pos = {0: offset, 1: self.pos + offset, 2: self.size + offset}[whence]
+        if pos < 0:
+            raise ValueError(f"negative seek position {pos}")  # a zip directory pointing before the file
+        self.pos = pos
         return self.pos
 
     def read(self, n: int = -1) -> bytes:
@@ -228,6 +334,8 @@ class _RangeFile(io.RawIOBase):
         out = bytearray()
         while self.pos < end:
             chunk = self._chunk(self.pos, end)
+            if not chunk:  # never spin on an empty answer
+                raise UpstreamError(f"{self.url}: a range request came back short")
             out += chunk
             self.pos += len(chunk)
         return bytes(out)
@@ -238,7 +346,7 @@ class _RangeFile(io.RawIOBase):
         return len(data)
 
     def _chunk(self, pos: int, end: int) -> bytes:
-        tail_start = getattr(self, "_tail_start", None)
+        tail_start = self._tail_start
         if tail_start is not None and pos >= tail_start:
             return self._tail[pos - tail_start:end - tail_start]
         index = pos // RANGE_BLOCK
@@ -247,7 +355,9 @@ class _RangeFile(io.RawIOBase):
             last = min(self.size, first + RANGE_BLOCK) - 1
             if tail_start is not None:
                 last = min(last, tail_start - 1)
-            r = self.client.get(self.url, headers={"Range": f"bytes={first}-{last}"}, ok=(206,))
+            r = self.client.get(self.url, headers={"Range": f"bytes={first}-{last}"}, ok=(206,),
+                                limit=last - first + 1)
+            self._checked(r, (first, last))
             self.blocks[index] = r.content
         block = self.blocks[index]
         offset = pos - index * RANGE_BLOCK
@@ -269,29 +379,50 @@ def _reason(e: Exception) -> str:
 # ---------------------------------------------------------------------------- parsing
 
 
+def _typed(value, types: type | tuple[type, ...], url: str, where: str):
+    """`value` where it is one of `types`; else UpstreamError naming the URL, the place and what came."""
+    if isinstance(value, types) and not (isinstance(value, bool) and bool not in (types if isinstance(types, tuple)
+                                                                                 else (types,))):
+        return value
+    names = {str: "a string", list: "a list", dict: "an object", bool: "true or false", type(None): "null",
+             int: "a number", float: "a number"}
+    wanted = " or ".join(dict.fromkeys(names.get(t, t.__name__) for t in (types if isinstance(types, tuple)
+                                                                          else (types,))))
+    came = names.get(type(value), type(value).__name__)
+    raise UpstreamError(f"{url}: {where} is {came}, not {wanted}")
+
+
 def parse_project(data: dict, url: str) -> Project:
+    """A PyPI JSON API project page; UpstreamError (one line naming the URL and the field) where a value has the
+    wrong type."""
     if not isinstance(data, dict) or not isinstance(data.get("releases"), dict):
-        raise UpstreamError(f"{url}: not a PyPI JSON API project page (no 'releases')")
-    name = canonicalize_name(data.get("info", {}).get("name") or url.rstrip("/").split("/")[-2])
+        raise UpstreamError(f"{url}: not a PyPI JSON API project page (no 'releases' object)")
+    info = _typed(data.get("info", {}), dict, url, "info")
+    given = _typed(info.get("name"), (str, type(None)), url, "info.name")
+    name = canonicalize_name(given or url.rstrip("/").split("/")[-2])
     releases: dict[Version, Release] = {}
     for text, files in data["releases"].items():
         try:
             version = Version(text)
         except InvalidVersion:
             continue
+        where = f"releases[{text[:40]!r}]"
         wheels, requires, yanked = [], None, bool(files)
-        for f in files or []:
-            requires = requires or f.get("requires_python")
-            yanked = yanked and bool(f.get("yanked"))
-            wheel = parse_wheel(f, url)
+        for i, f in enumerate(_typed(files, (list, type(None)), url, where) or []):
+            _typed(f, dict, url, f"{where}[{i}]")
+            requires = requires or _typed(f.get("requires_python"), (str, type(None)), url,
+                                          f"{where}[{i}].requires_python")
+            yanked = yanked and bool(_typed(f.get("yanked", False), (bool, str, type(None)), url,
+                                            f"{where}[{i}].yanked"))
+            wheel = parse_wheel(f, url, f"{where}[{i}]")
             if wheel:
                 wheels.append(wheel)
         releases[version] = Release(version, wheels, requires, yanked if files else True)
     return Project(name, releases)
 
 
-def parse_wheel(f: dict, base: str) -> WheelFile | None:
-    filename = f.get("filename", "")
+def parse_wheel(f: dict, base: str, where: str = "a file") -> WheelFile | None:
+    filename = _typed(f.get("filename", ""), str, base, f"{where}.filename")
     if not filename.endswith(".whl"):
         return None
     try:
@@ -300,10 +431,30 @@ def parse_wheel(f: dict, base: str) -> WheelFile | None:
         return None
     pythons = {(3, int(t.interpreter[3:])) for t in tags if re.fullmatch(r"(cp|py)3\d+", t.interpreter)}
     later = any(t.abi == "abi3" or (t.interpreter.startswith("py") and t.abi == "none") for t in tags)
-    return WheelFile(filename=filename, url=urljoin(base, f.get("url", "")), version=version,
+    url = _typed(f.get("url", ""), str, base, f"{where}.url")
+    requires = _typed(f.get("requires_python"), (str, type(None)), base, f"{where}.requires_python")
+    yanked = _typed(f.get("yanked", False), (bool, str, type(None)), base, f"{where}.yanked")
+    return WheelFile(filename=filename, url=urljoin(base, url), version=version,
                      python=min(pythons) if pythons else None, later=later,
-                     platforms=frozenset(t.platform for t in tags),
-                     requires_python=f.get("requires_python"), yanked=bool(f.get("yanked")))
+                     platforms=frozenset(t.platform for t in tags), requires_python=requires, yanked=bool(yanked))
+
+
+def parse_simple(data, url: str) -> dict[str, dict]:
+    """A PEP 691 project page: filename -> its file entry (with an absolute url); UpstreamError (one line naming
+    the URL and the field) where a value has the wrong type."""
+    if not isinstance(data, dict) or not isinstance(data.get("files"), list):
+        raise UpstreamError(f"{url}: not a PEP 691 project page (no 'files' list)")
+    out = {}
+    for i, f in enumerate(data["files"]):
+        where = f"files[{i}]"
+        _typed(f, dict, url, where)
+        if "filename" not in f or "url" not in f:
+            continue
+        filename = _typed(f["filename"], str, url, f"{where}.filename")
+        for key in ("core-metadata", "data-dist-info-metadata"):
+            _typed(f.get(key), (bool, dict, str, type(None)), url, f"{where}.{key}")
+        out[filename] = dict(f, url=urljoin(url, _typed(f["url"], str, url, f"{where}.url")))
+    return out
 
 
 def python_range(release: Release, machine: str = "x86_64") -> str | None:
@@ -372,9 +523,16 @@ def requirement(metadata: Message, name: str) -> Pin | None:
         marker = str(req.marker) if req.marker else ""
         if "extra ==" in marker:
             continue
-        lows = [s.version for s in req.specifier if s.operator in ("==", "~=", ">=", "===")]
+        lows = [s.version for s in req.specifier if s.operator in ("==", "~=", ">=", "===") and _version(s.version)]
         return Pin(version=min(lows, key=Version) if lows else "", specifier=str(req.specifier), marker=marker)
     return None
+
+
+def _version(text: str) -> Version | None:
+    try:
+        return Version(text)
+    except InvalidVersion:  # `===anything` is a valid specifier
+        return None
 
 
 def any_wheel(release: Release) -> WheelFile | None:
@@ -387,6 +545,7 @@ def requirements(metadata: Message, python: str, machine: str = "x86_64") -> lis
     """The Requires-Dist entries (packaging Requirements) that apply without extras on Linux `machine` with
     `python` ("3.11")."""
     # start-up: packaging imported only when this runs
+    from packaging.markers import UndefinedComparison, UndefinedEnvironmentName
     from packaging.requirements import InvalidRequirement, Requirement
 
     env = {"python_version": python, "python_full_version": f"{python}.0", "platform_machine": machine,
@@ -397,6 +556,10 @@ def requirements(metadata: Message, python: str, machine: str = "x86_64") -> lis
             req = Requirement(line)
         except InvalidRequirement:
             continue
-        if req.marker is None or req.marker.evaluate(env):
+        try:
+            applies = req.marker is None or req.marker.evaluate(env)
+        except (UndefinedComparison, UndefinedEnvironmentName, InvalidVersion):
+            continue  # a marker no installer can evaluate either: skipped like a malformed requirement
+        if applies:
             out.append(req)
     return out

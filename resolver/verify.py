@@ -30,7 +30,7 @@ from packaging.version import Version
 from . import matrix as matrix_module
 from .errors import EnvtoolError
 from .matrix import Matrix, in_range, pythons
-from .upstream import Client, UpstreamError
+from .upstream import Client, UpstreamError, parse_project
 from .upstream import pypi_url as resolve_pypi_url
 
 PLATFORMS = ("x86_64", "aarch64")
@@ -213,11 +213,9 @@ def run(all_checks: list[Check], client: Client, *, jobs: int = 8,
         r = client.get(url, ok=tuple(range(200, 600)))
         if r.status_code != 200:
             return ("project", r.status_code, {})
-        try:
-            releases = r.json().get("releases", {})
-        except ValueError:
-            raise UpstreamError(f"{url}: the answer is not JSON") from None
-        return ("project", 200, releases)
+        data = r.json()
+        parse_project(data, url)  # every value of the type it should have, else one line naming it
+        return ("project", 200, data["releases"])
 
     def head(url: str):
         return ("head",) + client.exists(url)

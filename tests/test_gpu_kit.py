@@ -46,6 +46,70 @@ def test_a_bundle_matches_its_manifest_until_a_wheel_changes_goes_missing_or_is_
     assert "no manifest" in bundle.check_bundle(tmp_path / "nowhere")[0]
 
 
+GOOD = {"file": "alpha-1.0-py3-none-any.whl", "size": 1, "sha256": "0" * 64}
+MALFORMED = {  # manifest.json as written -> what --check says (each a traceback before, or a path followed out)
+    "not utf-8": (b"\xff\xfe{", "not UTF-8 text"),
+    "not json": (b"{wheels", "not JSON"),
+    "200000 deep": (b"[" * 200_000 + b"]" * 200_000, "JSON nested too deep to read"),
+    "a list": (b"[1]", "not a JSON object"),
+    "wheels an object": (b'{"wheels": {"a": 1}}', "'wheels' is not a list"),
+    "limit a string": (b'{"wheels": [], "limit_mib": "40"}', "'limit_mib' is not a positive number"),
+    "a pip option": (b'{"wheels": [], "requirements": ["--index-url=http://x"]}', "'requirements' is not a list"),
+    "no file": (json.dumps({"wheels": [{"size": 1}]}).encode(), "wheels[0] has no file, sha256"),
+    "file a number": (json.dumps({"wheels": [dict(GOOD, file=3)]}).encode(), "file '3' is not a wheel's file name"),
+    "a path out": (json.dumps({"wheels": [dict(GOOD, file="../x.whl")]}).encode(), "file '../x.whl' is not a"),
+    "size a string": (json.dumps({"wheels": [dict(GOOD, size="1")]}).encode(), "size '1' is not a number of bytes"),
+    "no sha256": (json.dumps({"wheels": [{"file": GOOD["file"], "size": 1}]}).encode(), "wheels[0] has no sha256"),
+}
+
+
+@pytest.mark.parametrize("case", MALFORMED)
+def test_a_malformed_manifest_is_one_line_each_from_check(tmp_path, case):
+    body, expected = MALFORMED[case]
+    (tmp_path / bundle.MANIFEST).write_bytes(body)
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu" / "bundle.py"), "--check", "--out",
+                          str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    (line,) = out.stderr.splitlines()
+    assert line.startswith(f"bundle.py: {tmp_path / bundle.MANIFEST}") and expected in line, line
+
+
+def test_a_manifest_that_is_no_regular_file_is_one_line(tmp_path):
+    (tmp_path / bundle.MANIFEST).mkdir()
+    assert bundle.check_bundle(tmp_path) == [f"{tmp_path / bundle.MANIFEST}: not a regular file"]
+    os.rmdir(tmp_path / bundle.MANIFEST)
+    os.mkfifo(tmp_path / bundle.MANIFEST)  # never opened: a FIFO would block the read
+    assert bundle.check_bundle(tmp_path) == [f"{tmp_path / bundle.MANIFEST}: not a regular file"]
+
+
+def _json_values():
+    from hypothesis import strategies as st
+
+    leaf = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=12) | \
+        st.sampled_from(["../x.whl", "/etc/passwd", "a.whl", "0" * 64, "--pre"])
+    return st.recursive(leaf, lambda inner: st.lists(inner, max_size=3) |
+                        st.dictionaries(st.sampled_from(["file", "size", "sha256", "wheels", "limit_mib",
+                                                         "requirements", "total_size", "x"]), inner, max_size=4),
+                        max_leaves=10)
+
+
+def test_any_manifest_shape_gives_problems_as_lines_never_an_exception(tmp_path_factory):
+    from hypothesis import given, settings
+
+    folder = tmp_path_factory.mktemp("bundle")
+
+    @settings(max_examples=200, deadline=None)
+    @given(_json_values())
+    def check(data):
+        (folder / bundle.MANIFEST).write_text(json.dumps(data))
+        problems = bundle.check_bundle(folder)
+        assert all(isinstance(p, str) and "\n" not in p for p in problems)
+        if not isinstance(data, dict):
+            assert problems
+
+    check()
+
+
 def test_every_dependency_of_the_project_is_in_the_bundle_on_the_host_or_left_out_with_a_reason():
     """A dependency added to pyproject.toml fails here until the bundle takes it (or says why not)."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())

@@ -182,29 +182,93 @@ def write_manifest(folder: Path, requirements: list[str], limit_mib: float = LIM
     return manifest
 
 
-def check_bundle(folder: Path, limit_mib: float | None = None) -> list[str]:
-    """What is wrong with the bundle in `folder` (empty: nothing): no manifest, a wheel missing or changed (size,
-    sha256), a wheel the manifest does not name, the total over the limit (the manifest's, or `limit_mib`)."""
-    folder = Path(folder)
+MANIFEST_MAX = 4 * MIB  # a real manifest is a few KB
+
+
+def read_manifest(folder: Path) -> tuple[dict | None, list[str]]:
+    """(the manifest, []) or (None, [one line saying why it cannot be read]): a regular file of at most
+    MANIFEST_MAX bytes, UTF-8 JSON, an object whose `wheels` is a list and whose `limit_mib` (where given) is a
+    number. The folder may come from anywhere (carried to a GPU host): nothing in it is trusted."""
+    path = folder / MANIFEST
     try:
-        manifest = json.loads((folder / MANIFEST).read_text())
-    except FileNotFoundError:
-        return [f"{folder / MANIFEST}: no manifest (build the bundle: python bench/gpu/bundle.py)"]
+        if not path.is_file():
+            return None, [f"{path}: " + ("no manifest (build the bundle: python bench/gpu/bundle.py)"
+                                         if not path.exists() else "not a regular file")]
+        if path.stat().st_size > MANIFEST_MAX:
+            return None, [f"{path}: {path.stat().st_size} bytes, over the {MANIFEST_MAX // MIB} MiB a manifest is"]
+        manifest = json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError:
+        return None, [f"{path}: not UTF-8 text"]
+    except RecursionError:
+        return None, [f"{path}: JSON nested too deep to read"]
     except json.JSONDecodeError as err:
-        return [f"{folder / MANIFEST}: not JSON ({err})"]
-    problems = []
+        return None, [f"{path}: not JSON ({err})"]
+    except OSError as err:
+        return None, [f"{path}: cannot be read ({err.strerror or err})"]
+    if not isinstance(manifest, dict):
+        return None, [f"{path}: not a JSON object"]
+    if not isinstance(manifest.get("wheels", []), list):
+        return None, [f"{path}: 'wheels' is not a list"]
+    limit = manifest.get("limit_mib", LIMIT_MIB)
+    if isinstance(limit, bool) or not isinstance(limit, (int, float)) or limit <= 0:
+        return None, [f"{path}: 'limit_mib' is not a positive number"]
+    total = manifest.get("total_size", 0)
+    if isinstance(total, bool) or not isinstance(total, int) or total < 0:
+        return None, [f"{path}: 'total_size' is not a number of bytes"]
+    # kit.py hands these to pip: requirements only, never an option (--index-url ...)
+    requirements = manifest.get("requirements", [])
+    if not isinstance(requirements, list) or not all(isinstance(r, str) and r.strip() and not r.lstrip()
+                                                     .startswith("-") for r in requirements):
+        return None, [f"{path}: 'requirements' is not a list of requirements (no pip options)"]
+    return manifest, []
+
+
+def _entry_problem(folder: Path, i: int, wheel) -> str | None:
+    """What is wrong with the manifest's wheel entry `i` as written (None: nothing): an object with a plain
+    `*.whl` file name in the folder (never a path out of it), a size in bytes and a sha256."""
+    where = f"{folder / MANIFEST}: wheels[{i}]"
+    if not isinstance(wheel, dict):
+        return f"{where} is not an object"
+    missing = [k for k in ("file", "size", "sha256") if k not in wheel]
+    if missing:
+        return f"{where} has no {', '.join(missing)}"
+    name, size, digest = wheel["file"], wheel["size"], wheel["sha256"]
+    if not isinstance(name, str) or not name.endswith(".whl") or name != Path(name).name or name.startswith(".") \
+            or "\\" in name:
+        return f"{where}: file {str(name)[:80]!r} is not a wheel's file name in the folder"
+    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        return f"{where}: size {str(size)[:40]!r} is not a number of bytes"
+    if not isinstance(digest, str) or not re.fullmatch(r"[0-9a-f]{64}", digest):
+        return f"{where}: sha256 {str(digest)[:80]!r} is not a sha256 digest"
+    return None
+
+
+def check_bundle(folder: Path, limit_mib: float | None = None) -> list[str]:
+    """What is wrong with the bundle in `folder` (empty: nothing): no manifest or one that cannot be read (each a
+    line), a wheel missing or changed (size, sha256), a wheel the manifest does not name, the total over the
+    limit (the manifest's, or `limit_mib`)."""
+    folder = Path(folder)
+    manifest, problems = read_manifest(folder)
+    if manifest is None:
+        return problems
+    wheels = manifest.get("wheels", [])
+    problems = [p for p in (_entry_problem(folder, i, w) for i, w in enumerate(wheels)) if p]
+    if problems:
+        return problems
     named = set()
-    for wheel in manifest.get("wheels", []):
+    for wheel in wheels:
         path = folder / wheel["file"]
         named.add(wheel["file"])
-        if not path.is_file():
+        if path.is_symlink() or (path.exists() and not path.is_file()):
+            problems.append(f"{wheel['file']}: not a regular file")
+        elif not path.is_file():
             problems.append(f"{wheel['file']}: missing")
         elif path.stat().st_size != wheel["size"]:
             problems.append(f"{wheel['file']}: {path.stat().st_size} bytes, the manifest says {wheel['size']}")
         elif sha256(path) != wheel["sha256"]:
             problems.append(f"{wheel['file']}: sha256 differs from the manifest's")
     problems += [f"{p.name}: not in the manifest" for p in sorted(folder.glob("*.whl")) if p.name not in named]
-    total = sum(w["size"] for w in manifest.get("wheels", []))
+    total = sum(w["size"] for w in wheels)
     limit = manifest.get("limit_mib", LIMIT_MIB) if limit_mib is None else limit_mib
     if total > limit * MIB:
         problems.append(f"the wheels add up to {total / MIB:.1f} MiB, over the {limit:g} MiB limit")

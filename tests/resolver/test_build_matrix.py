@@ -15,6 +15,7 @@ tests/support/upstream.py at /pytorch/<tag>/<path> beside these.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import socket
 from pathlib import Path
@@ -197,6 +198,30 @@ def test_a_matrix_without_cuda_arches_is_one_error_line():
     publish(world, "v2.13.0", {buildmatrix.MATRIX_PATH: "ROCM_ARCHES = ['7.1']\n"})
     with serve(world) as url, pytest.raises(UpstreamError, match="no CUDA_ARCHES list in it"):
         buildmatrix.read(Client(url), template(url), "2.13.0")
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("CUDA_ARCHES = " + "1+" * 200_000 + "1\n", "no CUDA_ARCHES list in it"),  # RecursionError in ast.parse before
+    ("CUDA_ARCHES = ['12.9', {'a': 1}]\n", "CUDA_ARCHES holds \"{'a': 1}\", not a list of versions"),
+    ("CUDA_ARCHES = ['12.9']\nCUDA_AARCH64_ARCHES = 5\n", "CUDA_AARCH64_ARCHES holds '5', not a list"),
+    ("CUDA_ARCHES = ['12.9']\nROCM_ARCHES = [None]\n", "ROCM_ARCHES holds 'None', not a list"),
+    ("CUDA_ARCHES = ['12.9']\nCUDA_STABLE = 12.9\n", "CUDA_STABLE is not a string"),
+], ids=["deep", "a dict in CUDA_ARCHES", "an int for a list", "None in ROCM_ARCHES", "a float for CUDA_STABLE"])
+def test_a_hostile_build_matrix_file_is_one_error_line(text, expected):
+    """The file comes from a server: nesting too deep for the parser and values of the wrong type are one line
+    naming the URL (tracebacks before)."""
+    world = World()
+    publish(world, "v2.13.0", {buildmatrix.MATRIX_PATH: text})
+    with serve(world) as url, pytest.raises(UpstreamError, match=re.escape(expected)) as raised:
+        buildmatrix.read(Client(url), template(url), "2.13.0")
+    assert str(raised.value).startswith(f"{url}/pytorch/v2.13.0/{buildmatrix.MATRIX_PATH}: ")
+
+
+def test_an_arch_list_entry_that_is_no_capability_gives_no_list_rather_than_a_traceback():
+    table = "TORCH_CUDA_ARCH_LIST_TABLE = {'12.9': {'x86_64': {'sm_90'}, 'aarch64': [90, '10.0+PTX']}}\n"
+    assert buildmatrix.arch_table(table) == {"12.9": {"aarch64": ["9.0", "10.0"]}}
+    script = 'case ${CUDA_VERSION} in\n  12.9) TORCH_CUDA_ARCH_LIST="8.0;sm_90" ;;\nesac\n'
+    assert buildmatrix.arch_script(script, "12.9") is None
 
 
 # ---------------------------------------------------------------------------- the rows it writes
