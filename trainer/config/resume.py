@@ -101,14 +101,26 @@ def _show(value: Any, limit: int = 80) -> str:
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
+# keys of a block (a mapping key) that may change on a resume although the block trains: where a server is and how long
+# to wait for it (a GRPO run's vLLM server restarted on another port resumes)
+BLOCK_MAY_CHANGE = {"trl": {"vllm_server_host", "vllm_server_port", "vllm_server_timeout"}}
+
+
 def changes(before: dict[str, Any], now: dict[str, Any], defaults: dict[str, Any]) -> list[tuple[str, str, Any, Any]]:
     """(key, class, the checkpoint's value, this config's value) for every key whose value differs. A key the
-    checkpoint does not record (added to envtool since) is compared with its default."""
+    checkpoint does not record (added to envtool since) is compared with its default. A block (trl: {...}) is
+    compared key by key (`trl.vllm_server_port`), each named with its own two values."""
     out = []
     for key, value in now.items():
         old = before.get(key, defaults.get(key))
-        if old != value:
-            out.append((key, CLASSES.get(key, TRAINS), old, value))
+        if old == value:
+            continue
+        kind = CLASSES.get(key, TRAINS)
+        if isinstance(old, dict) and isinstance(value, dict):
+            out += [(f"{key}.{sub}", MAY_CHANGE if sub in BLOCK_MAY_CHANGE.get(key, ()) else kind, old.get(sub),
+                     value.get(sub)) for sub in sorted({*old, *value}) if old.get(sub) != value.get(sub)]
+        else:
+            out.append((key, kind, old, value))
     return out
 
 

@@ -141,3 +141,19 @@ def test_an_older_checkpoint_of_another_lora_r_is_one_line_naming_it(tiny_llama,
     line = str(err.value)
     assert "\n" not in line and str(ckpt) in line and "size mismatch" in line and "lora_r" in line
     assert err.value.exit_code == 2
+
+
+def test_a_grpo_servers_new_address_resumes_and_a_block_change_is_named_by_its_key():
+    """A GRPO run's vLLM server restarted on another port (issue 44 item 6): the checkpoint resumes with a note. A
+    change inside the trl block that trains is refused naming trl.<key> and its two values, not the whole block cut
+    at 80 characters (which showed the same truncated text twice)."""
+    base = {"vllm_server_host": "127.0.0.1", "vllm_server_port": 8000, "vllm_server_timeout": 240, "beta": 0.04,
+            "num_generations": 4, "use_vllm": True, "vllm_lora_sync": True, "max_completion_length": 64}
+    before = {"trl": base}
+    moved = resume_keys.compare("checkpoint-2", before, {"trl": {**base, "vllm_server_port": 8001,
+                                                                 "vllm_server_timeout": 600}})
+    assert moved == ["note: trl.vllm_server_port changed since checkpoint-2 was saved: 8000 -> 8001 (allowed on a resume)",
+                     "note: trl.vllm_server_timeout changed since checkpoint-2 was saved: 240 -> 600 (allowed on a "
+                     "resume)"]
+    with pytest.raises(ConfigError, match=r"in what it trains \(trl\.beta: 0\.04 -> 0\.1\)"):
+        resume_keys.compare("checkpoint-2", before, {"trl": {**base, "beta": 0.1}})
