@@ -130,3 +130,17 @@ def test_every_template_row_names_its_source_and_encodes_with_its_own_markers():
         assert row["source"].startswith("axolotl 0.19.0 processing_strategies.py")
         assert all(b["role"] and b["start"] for b in row["boundaries"])
     assert json.dumps(vision.freeze_components())  # [freeze] read as a list of names
+
+
+def test_a_decompression_bomb_is_one_line_naming_the_image(tmp_path, monkeypatch):
+    """An image over Pillow's pixel limit (issue 44 item 8) was a bare DecompressionBombError; now one DataError line
+    naming the row's image. (The limit is lowered here: a real bomb is a 200-megapixel file.)"""
+    from PIL import Image
+
+    path = tmp_path / "big.png"
+    Image.new("RGB", (64, 64)).save(path)
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)  # 4096 pixels: over twice the limit, an error in Pillow
+    with pytest.raises(DataError, match=rf"row 3: cannot read the image \({path}\): .*Pillow refuses images this "
+                                        "large") as err:
+        vision.load_image({"path": str(path)}, "row 3")
+    assert "\n" not in str(err.value)

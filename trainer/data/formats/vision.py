@@ -201,9 +201,12 @@ def load_image(part: dict, where: str, size=None, algorithm: str | None = None):
         else:
             image = Image.open(part["path"])
         image.load()
-    except (UnidentifiedImageError, binascii.Error, OSError, ValueError) as err:
+    except (UnidentifiedImageError, binascii.Error, OSError, ValueError, Image.DecompressionBombError) as err:
         source = "base64 data" if "base64" in part else part.get("path")
-        raise DataError(f"{where}: cannot read the image ({source}): {str(err).splitlines()[0][:200]}") from None
+        why = str(err).splitlines()[0][:200]
+        if isinstance(err, Image.DecompressionBombError):  # Pillow's own limit on pixels: a bomb, or a huge image
+            why = f"{why} (Pillow refuses images this large: shrink it, or drop the row)"
+        raise DataError(f"{where}: cannot read the image ({source}): {why}") from None
     image = image.convert("RGB")
     if size is not None:
         method = getattr(Image.Resampling, RESAMPLING[algorithm or "bilinear"])
