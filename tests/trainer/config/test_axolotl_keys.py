@@ -213,3 +213,19 @@ def test_script_keeps_decisions_and_flags_new_keys(axolotl_repo, tmp_path):
     assert rows["eta_min"]["schema"] == "none" and rows["eta_min"]["releases"] == ""  # a decided non-Axolotl key stays
     assert rows["base_model"]["decision"] == "honoured"  # a key new to the table takes the trainer's present decision
     assert "decision" not in rows["load_4bit"]  # the trainer does not know it today: undecided, for someone to decide
+
+
+def test_every_key_called_honoured_is_read_by_the_trainer_or_the_resolver():
+    """issue 44 item 8: the keys table called chunked_cross_entropy honoured while nothing read it. A top-level key whose
+    decision is `honoured` must be read somewhere in trainer/ or resolver/ beyond its declaration (as `.key` or
+    "key"), else it is inert (the run is the same: say why) or refused."""
+    import re
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3]
+    rows = tomllib.loads((root / "matrices" / "axolotl_keys.toml").read_text())["key"]
+    honoured = [r["name"] for r in rows if r.get("decision") == "honoured" and re.fullmatch(r"\w+", r["name"])]
+    sources = [p.read_text() for d in ("trainer", "resolver") for p in (root / d).rglob("*.py")]
+    unread = [k for k in honoured if not any(re.search(rf"\.{k}\b|[\"']{k}[\"']", text) for text in sources)]
+    assert len(honoured) > 150 and unread == [], unread
