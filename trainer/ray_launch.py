@@ -152,11 +152,29 @@ def launch(config_path: str, plan_path: str | None, cfg, runtime, log, debug: bo
     log(f"ray: {workers} worker(s) trained, ranks {', '.join(map(str, ranks))}")
 
 
-def _quiet_ray() -> None:
-    # start-up: logging imported only when this runs
-    import logging
+CLEANER_LOG = "ray.train.v2._internal.execution.controller.placement_group_cleaner"
 
-    logging.getLogger("ray.train.v2._internal.execution.controller.placement_group_cleaner").setLevel(logging.ERROR)
+
+def _quiet_ray() -> None:
+    """In every Ray process as it starts: Ray Train's placement-group cleaner says little. Its monitor thread asks
+    Ray's state API for the controller with no address; where another Ray cluster runs on the machine (another
+    user's, or another run's) that ends the thread with "Found multiple active Ray instances" and a traceback on
+    the run's terminal. The cleaner only tidies up after a controller that died, and this run stops its own
+    cluster at the end, so that one failure goes to its log instead; any other is printed as before."""
+    # start-up: logging, threading imported only when this runs
+    import logging
+    import threading
+
+    logging.getLogger(CLEANER_LOG).setLevel(logging.ERROR)
+    previous = threading.excepthook
+
+    def excepthook(args) -> None:
+        if isinstance(args.exc_value, ConnectionError) and "multiple active Ray instances" in str(args.exc_value):
+            logging.getLogger(CLEANER_LOG).error("placement-group cleaner stopped: %s", args.exc_value)
+            return
+        previous(args)
+
+    threading.excepthook = excepthook
 
 
 def _worker_error(err: Exception) -> TrainerError:

@@ -82,12 +82,11 @@ def test_the_collator_keeps_flex_rows_and_passes_position_ids_alone():
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="open finding (2026-11-28): flex_attention's CPU forward on packed rows gives NaN "
-                   "from the second sequence on with transformers 5.23 / torch 2.13 CPU; the plan never picks flex on "
-                   "CPU (its row's min_cc is 8.0), and the GPU kit checks packed attention on a GPU")
 def test_packed_flex_attention_gives_sdpas_logits_and_loss(tiny_llama):
     """flex_attention's forward (compiled by torch for CPU, ~20 s) on packed rows: the same logits as sdpa with
-    the block-diagonal mask, so no sequence sees another. fp32 on both sides; the kernels differ only in
+    the block-diagonal mask, so no sequence sees another. (An open finding of 2026-11-28, NaN from the second
+    sequence on, no longer reproduces: on 2026-12-07 it passed three runs in a row with transformers 5.23.0 and
+    torch 2.13.0 CPU, which failed its strict xfail; the plan still never picks flex on CPU, min_cc 8.0.) fp32 on both sides; the kernels differ only in
     summation order, so 1e-5 is far above their rounding (measured ~2e-7) and far below a leak (~0.5)."""
     rows = examples(300)
     logits = {}

@@ -231,3 +231,30 @@ def test_under_torchrun_a_use_ray_config_is_refused_before_ray_starts(make_confi
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["error: use_ray: launch this config as one process (python -m trainer train), not with torchrun: "
                    "Ray Train starts its ray_num_workers workers itself"]
+
+
+def test_the_placement_group_cleaner_failing_beside_another_ray_cluster_prints_no_traceback():
+    """Two Ray clusters on one machine (a concurrent run's): Ray Train's placement-group cleaner thread ended with
+    "Found multiple active Ray instances" and a traceback on the run's terminal (seen in the extended tier). The
+    setup hook every Ray process runs sends that one failure to the cleaner's log; any other thread failure goes to
+    the hook that printed it before."""
+    import threading
+
+    from trainer.ray_launch import _quiet_ray
+
+    before, printed = threading.excepthook, []
+    try:
+        threading.excepthook = lambda args: printed.append(args.exc_value)  # what prints a thread's traceback
+        _quiet_ray()
+
+        def fail(error):
+            thread = threading.Thread(target=lambda: (_ for _ in ()).throw(error))
+            thread.start()
+            thread.join()
+
+        fail(ConnectionError("Found multiple active Ray instances: {'127.0.0.1:1', '127.0.0.1:2'}."))
+        other = ValueError("something else")
+        fail(other)
+        assert printed == [other]
+    finally:
+        threading.excepthook = before
