@@ -138,6 +138,10 @@ class DatasetConfig(BaseModel):
     field_segments: str = "segments"
     # chat_template
     field_messages: str = "messages"
+    # the row's tool definitions (a list of {"type": "function", "function": {...}}, or its JSON text), rendered by the
+    # chat template as transformers' apply_chat_template(tools=...) renders them (Axolotl's _get_tools; its default
+    # column is "tools" too)
+    field_tools: str = "tools"
     message_property_mappings: dict[str, str] | None = None  # {"role": "from", "content": "value"}
     message_field_role: str | None = None  # legacy spelling of message_property_mappings.role
     message_field_content: str | None = None  # legacy spelling of message_property_mappings.content
@@ -251,8 +255,12 @@ class DataKeys(BaseModel):
     chat_template: str = "tokenizer_default"
     chat_template_jinja: str | None = None
     eot_tokens: list[str] | None = None  # the tokens that end a turn (train_on_eos decides which are trained)
+    # extra variables for the chat template (enable_thinking: false, ...): apply_chat_template(**chat_template_kwargs),
+    # as Axolotl's ChatTemplatePrompter passes them
+    chat_template_kwargs: dict[str, Any] | None = None
     sequence_len: int = Field(2048, ge=8)
-    excess_length_strategy: Literal["drop", "truncate"] = "drop"
+    # a row longer than sequence_len: dropped, cut to it, or (raise) the data refused in one line naming the first
+    excess_length_strategy: Literal["drop", "truncate", "raise"] = "drop"
     train_on_inputs: bool = False
     min_sample_len: int | None = Field(None, ge=1)  # SFT rows with fewer tokens are dropped (Axolotl's filter)
     # --- pretraining and streaming (trainer/data/streaming.py) -------------------------------------------------

@@ -145,7 +145,7 @@ def cache_key(cfg: Config, tokenizer, hub_fingerprints: list[str], kind: dict | 
         "tokenizer": tokenizer_identity(tokenizer),
         **(kind or {"kind": "sft"}),
         **{k: getattr(cfg, k) for k in ("sequence_len", "excess_length_strategy", "train_on_inputs", "val_set_size",
-                                       "seed", "shuffle_merged_datasets", "chat_template", "chat_template_jinja",
+                                       "seed", "shuffle_merged_datasets", "chat_template", "chat_template_jinja", "chat_template_kwargs",
                                        "eot_tokens", "dataset_exact_deduplication", "min_sample_len",
                                        "curriculum_sampling")},
     }
@@ -228,7 +228,7 @@ def tokenize_example(row: dict, ds: DatasetConfig, cfg: Config, tokenizer) -> di
     if ds.type is None:  # no type: the row is already tokenized
         out = pretokenized_row(row, ds)
     else:
-        out = tokenize_row(row, ds, tokenizer, cfg.train_on_inputs, cfg.eot_tokens)
+        out = tokenize_row(row, ds, tokenizer, cfg.train_on_inputs, cfg.eot_tokens, cfg.chat_template_kwargs)
     limit = cfg.sequence_len
     n = len(out["input_ids"])
     out["too_long"] = n > limit
@@ -287,6 +287,15 @@ def tokenize_and_split(cfg: Config, tokenizer, tokenize):
     return data, validation, stats
 
 
+def refuse_too_long(cfg: Config, too_long: int, rows: int, what: str = "rows") -> None:
+    """excess_length_strategy: raise (Axolotl's): the data is refused, in one line, where any row is longer than
+    sequence_len (Axolotl raises at the first; this line counts them)."""
+    if too_long and cfg.excess_length_strategy == "raise":
+        raise DataError(f"{too_long} of {rows} {what} are longer than sequence_len {cfg.sequence_len} "
+                        "(excess_length_strategy: raise); set excess_length_strategy: drop or truncate, or a larger "
+                        "sequence_len")
+
+
 def held_out(cfg: Config, parts: list):
     """test_datasets' rows (tokenized like the training rows) as the validation set, with the rows filter_and_split
     drops from training dropped here too (too long under drop, nothing to train on)."""
@@ -294,6 +303,7 @@ def held_out(cfg: Config, parts: list):
     import datasets
 
     data = datasets.concatenate_datasets(parts)
+    refuse_too_long(cfg, sum(data["too_long"]), len(data), "test_datasets rows")
     drop = cfg.excess_length_strategy == "drop"
     keep = [i for i, (long, targets) in enumerate(zip(data["too_long"], data["targets"]))
             if targets > 0 and not (long and drop)]
@@ -306,6 +316,7 @@ def filter_and_split(cfg: Config, data) -> tuple[object, object | None, dict]:
     """What SFT and preference data share after tokenising: drop or count over-long rows and rows with
     nothing to train on, drop exact duplicates (dataset_exact_deduplication), shuffle, split off validation."""
     too_long = sum(data["too_long"])
+    refuse_too_long(cfg, too_long, len(data))
     drop = cfg.excess_length_strategy == "drop"
     stats = {"rows": len(data), "too_long": too_long, "excess_length_strategy": cfg.excess_length_strategy,
              "dropped_too_long": too_long if drop else 0, "truncated": 0 if drop else too_long}

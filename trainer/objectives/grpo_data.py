@@ -19,7 +19,7 @@ import inspect
 import json
 
 from trainer.data import user_code
-from trainer.data.prepare import Prepared, load_raw
+from trainer.data.prepare import Prepared, load_raw, refuse_too_long
 from trainer.errors import ConfigError, DataError
 
 
@@ -75,6 +75,7 @@ def prepare(cfg, tokenizer, log=print):
             too_long += 1
             continue
         kept.append({"prompt_ids": ids, "length": len(ids), "row": json.dumps(row, default=str), "index": len(kept)})
+    refuse_too_long(cfg, too_long, len(rows), "prompts")
     if too_long:
         log(f"{too_long} of {len(rows)} prompts are longer than sequence_len {cfg.sequence_len}: dropped")
     if not kept:

@@ -56,9 +56,9 @@ class VisionSFT(SFT):
                          for i, row in enumerate(raw)]))
                 return parts
 
-            # rows are never truncated (an image's tokens cannot be cut): longer ones are dropped whatever
-            # excess_length_strategy says
-            whole = cfg.model_copy(update={"excess_length_strategy": "drop"})
+            # rows are never truncated (an image's tokens cannot be cut): longer ones are dropped, or refused (raise)
+            whole = cfg if cfg.excess_length_strategy == "raise" else cfg.model_copy(
+                update={"excess_length_strategy": "drop"})
             data, validation, stats = filter_and_split(whole, datasets.concatenate_datasets(each(cfg.datasets)))
             if cfg.test_datasets:
                 validation = held_out(whole, each(cfg.test_datasets))

@@ -120,8 +120,7 @@ GAPS: dict[str, str] = {
                      "trl.ref_model_mixup_alpha", "trl.ref_model_sync_steps", "trl.replay_buffer_size",
                      "trl.replay_recompute_logps", "trl.reroll_max_groups", "trl.reroll_start_fraction",
                      "trl.rollout_func", "trl.skip_zero_advantage_batches"), f"GRPO option: {_NOT_YET}"),
-    **dict.fromkeys(("chat_template_kwargs", "default_system_message", "datasets[].field_tools",
-                     "datasets[].train_on_eot", "shuffle_before_merging_datasets", "dataset_shard_idx",
+    **dict.fromkeys(("default_system_message", "datasets[].train_on_eot", "shuffle_before_merging_datasets", "dataset_shard_idx",
                      "dataset_shard_num", "pretraining_dataset[].shards", "pretraining_dataset[].shards_idx",
                      "hub_revision"), f"data, chat template or hub option: {_NOT_YET}"),
     **dict.fromkeys(("datasets[].length", "datasets[].max_input_id", "datasets[].min_input_id", "datasets[].seed",
@@ -153,13 +152,11 @@ GAPS: dict[str, str] = {
                      "early_stopping_patience", "lisa_n_layers", "jagged_restart_steps", "neftune_noise_alpha",
                      "warmup_ratio", "lisa_step_interval", "tiled_mlp_num_shards"), _ZERO),
     "orpo_alpha": "0: Axolotl trains ORPO with the odds-ratio term off (the chosen answers' NLL only); refused here",
-    "excess_length_strategy": f"raise (stop at the first sample longer than sequence_len): {_NOT_YET}",
     **dict.fromkeys(("streaming_multipack_buffer_size", "pretrain_multipack_buffer_size", "ray_num_workers",
                      "eaft_k"), _UNCHECKED_ZERO),
 }
 # keys the table says are read (honoured) whose some values a rule refuses: named above for those values
-_REFUSED_BY_A_RULE = ("plugins", "fp8", "eval_causal_lm_metrics", "lora_target_parameters", "orpo_alpha",
-                      "excess_length_strategy")
+_REFUSED_BY_A_RULE = ("plugins", "fp8", "eval_causal_lm_metrics", "lora_target_parameters", "orpo_alpha")
 
 
 def _oracle(kind: str, payload=None):
