@@ -162,6 +162,9 @@ class DatasetConfig(BaseModel):
     # moved to template_thinking_key, the rest (or its <|begin_of_solution|> block) stays the content (Axolotl's)
     split_thinking: bool = False
     train_on_eos: Literal["turn", "last", "all", "none"] | None = None  # None: the whole turn tail, as rendered
+    # which end-of-turn tokens (eot_tokens) are trained, where it differs from train_on_eos (Axolotl's: unset, it is
+    # train_on_eos; an EOS that is one of them follows both, so the two must agree: check_train_on_eot)
+    train_on_eot: Literal["turn", "last", "all", "none"] | None = None
     chat_template: str | None = None  # per-dataset override of the top-level chat_template
     chat_template_jinja: str | None = None
     # --- attention, gpt-oss (attn) ---
@@ -313,6 +316,15 @@ class DataKeys(BaseModel):
             raise ValueError(f"{what}: not with group_by_length, curriculum_sampling or sample_packing_sequentially "
                              "(they order prepared data; shuffle_merged_datasets: false keeps the stream's order)")
 
+    def _check_train_on_eot(self) -> None:
+        """Without eot_tokens the end-of-turn token is the EOS, which train_on_eos decides: a train_on_eot that differs
+        is refused, as Axolotl's ChatTemplateStrategy refuses it (with eot_tokens it is checked against the tokenizer's
+        EOS when the data is rendered)."""
+        for group, entries in (("datasets", self.datasets), ("test_datasets", self.test_datasets or [])):
+            for i, ds in enumerate(entries):
+                if not self.eot_tokens and ds.train_on_eot and ds.train_on_eot != (ds.train_on_eos or "turn"):
+                    raise ValueError(eot_conflict(f"{group}.{i}", ds))
+
     def _check_sft_types(self) -> None:
         """Without rl: or reward models, each dataset's type is a prompt format (or none: pre-tokenized rows)."""
         for group, entries in (("datasets", self.datasets), ("test_datasets", self.test_datasets or [])):
@@ -330,6 +342,12 @@ class DataKeys(BaseModel):
                                  f"|phi), chat_template, completion, input_output, a format of your own (a mapping: "
                                  f"format, no_input_format, ...) or one of Axolotl's older types "
                                  f"({', '.join(INSTRUCTION_TYPES)})")
+
+
+def eot_conflict(where: str, ds: DatasetConfig) -> str:
+    return (f"{where}.train_on_eot: {ds.train_on_eot!r} differs from train_on_eos ({ds.train_on_eos or 'turn'!r}) while "
+            "the EOS token is an end-of-turn token (eot_tokens unset, or naming it): one token cannot follow both; "
+            "set them alike, or eot_tokens without the EOS")
 
 
 def stream_notes(cfg) -> list[str]:

@@ -67,6 +67,9 @@ class TrainingKeys(BaseModel):
     saves_per_epoch: int | None = Field(None, ge=0)  # 0: none (only the final model), as evals_per_epoch
     save_total_limit: int | None = Field(None, ge=1)
     save_only_model: bool = False  # checkpoints without optimizer/scheduler/RNG state (resume restarts the optimizer)
+    # checkpoints and the final model are safetensors; false is refused, as Axolotl 0.19 refuses it
+    # (utils/schemas/model.py: transformers 5 saves only safetensors)
+    save_safetensors: bool = True
     resume_from_checkpoint: str | None = None
     auto_resume_from_checkpoints: bool = False
 
@@ -84,7 +87,9 @@ class TrainingKeys(BaseModel):
     eval_max_new_tokens: int = Field(128, ge=1)  # Axolotl's default; perplexity's window length
     # NEFTune: uniform noise of alpha / sqrt(sequence length x hidden size) on the input embeddings while training,
     # transformers' own neftune_noise_alpha (trainer/model/neftune.py)
-    neftune_noise_alpha: float | None = Field(None, gt=0)
+    # 0 is off: Axolotl passes it to transformers, whose noise alpha / sqrt(L * d) is then 0 (and its deprecated
+    # noisy_embedding_alpha: 0 is never moved to this key)
+    neftune_noise_alpha: float | None = Field(None, ge=0)
     # the accelerator's cache emptied every N steps, transformers' own key (trainer/runtime/empty_cache.py)
     torch_empty_cache_steps: int | None = Field(None, ge=1)
     eval_table_size: int | None = Field(None, ge=0)  # Axolotl logs prediction tables only to wandb/mlflow/comet
@@ -95,6 +100,14 @@ class TrainingKeys(BaseModel):
     jagged_restart_steps: int | None = Field(None, ge=1)  # LR restarts (and ReLoRA merges) every this many steps
     jagged_restart_warmup_steps: int | None = Field(None, ge=0)  # warmup after each restart (0/unset: 10)
     jagged_restart_anneal_steps: int | None = Field(None, ge=0)  # anneal before each restart (0/unset: 1)
+
+    @field_validator("save_safetensors")
+    @classmethod
+    def _safetensors_only(cls, value: bool) -> bool:
+        if value is False:
+            raise ValueError("false is not supported: transformers 5 saves models only as safetensors (Axolotl "
+                             "refuses it too); remove it")
+        return value
 
     @field_validator("logging_steps", "eval_steps", "save_steps", mode="after")
     @classmethod

@@ -25,6 +25,7 @@ import os
 
 from trainer.batch.labels import IGNORE
 from trainer.config import DatasetConfig
+from trainer.config.datasets import eot_conflict
 from trainer.data.formats import alpaca_styles, instruction
 from trainer.data.formats.roles import role_alias
 from trainer.errors import DataError
@@ -206,8 +207,8 @@ def tools_of(row: dict, ds: DatasetConfig) -> list[dict] | None:
     return tools or None
 
 
-def render_chat(row: dict, ds: DatasetConfig, tokenizer, eot_tokens: list[str] | None = None,
-                template_kwargs: dict | None = None) -> tuple[str, Spans, bool]:
+def _template(ds: DatasetConfig, tokenizer) -> str:
+    """The chat template a dataset renders with: its own, else the tokenizer's."""
     template = tokenizer.chat_template
     if ds.chat_template:  # this dataset's own template
         # start-up: trainer.data.formats.chat_templates imported only when this runs
@@ -217,6 +218,12 @@ def render_chat(row: dict, ds: DatasetConfig, tokenizer, eot_tokens: list[str] |
     if not template:
         raise DataError("the tokenizer has no chat template; set chat_template: chatml (or another name), or jinja "
                         "with chat_template_jinja")
+    return template
+
+
+def render_chat(row: dict, ds: DatasetConfig, tokenizer, eot_tokens: list[str] | None = None,
+                template_kwargs: dict | None = None) -> tuple[str, Spans, bool]:
+    template = _template(ds, tokenizer)
     messages = _messages(row, ds)
     if ds.drop_system_message:
         messages = [m for m in messages if m["role"] != "system"]
@@ -237,8 +244,11 @@ def render_chat(row: dict, ds: DatasetConfig, tokenizer, eot_tokens: list[str] |
     text = render(messages)
     # train_on_eos (Axolotl's): which end-of-turn tokens are trained. Unset and no eot_tokens: the whole
     # rendered tail of each trained turn (its EOT and any separator after it) is trained.
-    policy = ds.train_on_eos or ("turn" if eot_tokens else None)
+    # train_on_eot (Axolotl's), where set, decides the end-of-turn tokens instead; an EOS among them follows both
+    policy = ds.train_on_eot or ds.train_on_eos or ("turn" if eot_tokens else None)
     eots = [t for t in (eot_tokens or [tokenizer.eos_token]) if t]
+    if ds.train_on_eot and tokenizer.eos_token in eots and ds.train_on_eot != (ds.train_on_eos or "turn"):
+        raise DataError(eot_conflict(f"dataset {ds.path}", ds))
     spans = []
     last = len(messages) - 1
     for i, message in enumerate(messages):

@@ -269,7 +269,7 @@ def masking(cfg, tokenizer, processor) -> Masking:
             if isinstance(ids, int) and ids != tokenizer.unk_token_id:
                 never.add(ids)
     return Masking(boundaries, frozenset(first.roles_to_train if first else ["assistant"]),
-                   (first.train_on_eos if first else None) or "turn", bool(cfg.train_on_inputs),
+                   (first.train_on_eot or first.train_on_eos if first else None) or "turn", bool(cfg.train_on_inputs),
                    frozenset(never), source, dict(cfg.chat_template_kwargs or {}))
 
 
