@@ -253,6 +253,7 @@ class DataKeys(BaseModel):
     dataset_processes: int | None = Field(None, ge=1)  # default min(cpu_count, 8)
     dataset_prepare_timeout: int = Field(1800, ge=1)  # seconds other ranks wait for rank 0's cache
     shuffle_merged_datasets: bool = True
+    shuffle_before_merging_datasets: bool = False  # each of several datasets shuffled by the seed before merging
     # tokenizer_default | jinja (chat_template_jinja: text or file) | a name in trainer/templates/ |
     # tokenizer_default_fallback_<name>; checked against the templates by check_chat_template
     chat_template: str = "tokenizer_default"

@@ -145,7 +145,7 @@ def cache_key(cfg: Config, tokenizer, hub_fingerprints: list[str], kind: dict | 
         "tokenizer": tokenizer_identity(tokenizer),
         **(kind or {"kind": "sft"}),
         **{k: getattr(cfg, k) for k in ("sequence_len", "excess_length_strategy", "train_on_inputs", "val_set_size",
-                                       "seed", "shuffle_merged_datasets", "chat_template", "chat_template_jinja", "chat_template_kwargs",
+                                       "seed", "shuffle_merged_datasets", "shuffle_before_merging_datasets", "chat_template", "chat_template_jinja", "chat_template_kwargs",
                                        "eot_tokens", "dataset_exact_deduplication", "min_sample_len",
                                        "curriculum_sampling")},
     }
@@ -247,11 +247,8 @@ def _tokenize(raw, ds: DatasetConfig, cfg: Config, tokenizer):
 
 def build(cfg: Config, tokenizer) -> tuple[object, object | None, dict]:
     """SFT's rows: every dataset tokenized by its prompt format (trainer/data/formats/), filtered and split."""
-    # heavy: datasets loads only when this runs
-    import datasets
-
     parts = [_tokenize(load_raw(ds, cfg.seed), ds, cfg, tokenizer) for ds in cfg.datasets]
-    data, validation, stats = filter_and_split(cfg, datasets.concatenate_datasets(parts))
+    data, validation, stats = filter_and_split(cfg, merged(cfg, parts))
     if cfg.test_datasets:
         validation = held_out(cfg, [_tokenize(load_raw(ds, cfg.seed), ds, cfg, tokenizer) for ds in cfg.test_datasets])
     stats.update(train_rows=len(data), train_tokens=int(sum(data["length"])),
@@ -271,9 +268,6 @@ def build_held_out(cfg: Config, tokenizer) -> tuple[None, object, dict]:
 def tokenize_and_split(cfg: Config, tokenizer, tokenize):
     """Each dataset tokenized by tokenize(raw, ds, cfg, tokenizer, workers), concatenated, then filter_and_split
     (the shared tail of the preference and reward data paths)."""
-    # heavy: datasets loads only when this runs
-    import datasets
-
     def each(entries):
         parts = []
         for ds in entries:
@@ -281,10 +275,21 @@ def tokenize_and_split(cfg: Config, tokenizer, tokenize):
             parts.append(tokenize(raw, ds, cfg, tokenizer, workers_for(cfg, len(raw))))
         return parts
 
-    data, validation, stats = filter_and_split(cfg, datasets.concatenate_datasets(each(cfg.datasets)))
+    data, validation, stats = filter_and_split(cfg, merged(cfg, each(cfg.datasets)))
     if cfg.test_datasets:
         validation = held_out(cfg, each(cfg.test_datasets))
     return data, validation, stats
+
+
+def merged(cfg: Config, parts: list):
+    """The datasets' rows as one, as Axolotl's merge_datasets: with shuffle_before_merging_datasets and more than one
+    dataset, each shuffled by the seed first (shuffle_merged_datasets shuffles the whole after filtering)."""
+    # heavy: datasets loads only when this runs
+    import datasets
+
+    if cfg.shuffle_before_merging_datasets and len(parts) > 1:
+        parts = [part.shuffle(seed=cfg.seed) for part in parts]
+    return datasets.concatenate_datasets(parts)
 
 
 def refuse_too_long(cfg: Config, too_long: int, rows: int, what: str = "rows") -> None:
@@ -299,10 +304,7 @@ def refuse_too_long(cfg: Config, too_long: int, rows: int, what: str = "rows") -
 def held_out(cfg: Config, parts: list):
     """test_datasets' rows (tokenized like the training rows) as the validation set, with the rows filter_and_split
     drops from training dropped here too (too long under drop, nothing to train on)."""
-    # heavy: datasets loads only when this runs
-    import datasets
-
-    data = datasets.concatenate_datasets(parts)
+    data = merged(cfg, parts)
     refuse_too_long(cfg, sum(data["too_long"]), len(data), "test_datasets rows")
     drop = cfg.excess_length_strategy == "drop"
     keep = [i for i, (long, targets) in enumerate(zip(data["too_long"], data["targets"]))

@@ -120,7 +120,7 @@ GAPS: dict[str, str] = {
                      "trl.ref_model_mixup_alpha", "trl.ref_model_sync_steps", "trl.replay_buffer_size",
                      "trl.replay_recompute_logps", "trl.reroll_max_groups", "trl.reroll_start_fraction",
                      "trl.rollout_func", "trl.skip_zero_advantage_batches"), f"GRPO option: {_NOT_YET}"),
-    **dict.fromkeys(("shuffle_before_merging_datasets", "dataset_shard_idx",
+    **dict.fromkeys(("dataset_shard_idx",
                      "dataset_shard_num", "pretraining_dataset[].shards", "pretraining_dataset[].shards_idx",
                      "hub_revision"), f"data, chat template or hub option: {_NOT_YET}"),
     **dict.fromkeys(("datasets[].length", "datasets[].max_input_id", "datasets[].min_input_id", "datasets[].seed",
