@@ -124,7 +124,8 @@ class DatasetConfig(BaseModel):
     name: str | None = None  # hub dataset configuration name
     revision: str | None = None  # the hub dataset's branch, tag or commit
     data_files: str | list[str] | None = None
-    ds_type: Literal["json", "parquet", "csv"] | None = None  # file format when the extension does not say
+    # file format when the extension does not say (arrow: a datasets Arrow file; text: one row per line, `text`)
+    ds_type: Literal["json", "parquet", "csv", "arrow", "text"] | None = None
     # one shard of the rows: Axolotl's load_dataset_with_config, `rows.shuffle(seed=cfg.seed).shard(shards, shards_idx)`
     shards: int | None = Field(None, ge=1)
     shards_idx: int | None = Field(None, ge=0)  # which shard (Axolotl's default: the first, 0)
@@ -176,9 +177,20 @@ class DatasetConfig(BaseModel):
     step_separator: str = "\n"  # appended to every step; the step's label sits on its last token
     max_completion_length: int | None = Field(None, ge=1)  # steps' tokens kept (prompt not counted)
     train_on_last_step_only: bool = False  # only the last step's label is trained
+    # --- type: _synthetic (Axolotl's benchmark data, prompt_strategies/_synthetic.py): `length` rows of
+    # `sequence_length` (default sequence_len) token ids drawn uniformly from [min_input_id, max_input_id) (default
+    # 100, the tokenizer's vocab_size) by numpy's default_rng(seed), every token trained
+    length: int | None = Field(None, ge=1)  # (Axolotl's default: 1000)
+    sequence_length: int | None = Field(None, ge=1)
+    min_input_id: int | None = Field(None, ge=0)
+    max_input_id: int | None = Field(None, ge=1)
+    seed: int | None = None
 
     @model_validator(mode="after")
     def _source(self) -> DatasetConfig:
+        synthetic = [k for k in SYNTHETIC_KEYS if getattr(self, k) is not None]
+        if synthetic and self.type != SYNTHETIC:
+            raise ValueError(f"{synthetic[0]}: only with type: {SYNTHETIC} (a synthetic dataset's setting)")
         if not self.path and not self.data_files:
             raise ValueError("path: Field required (or data_files with ds_type)")
         if self.shards_idx and self.shards_idx >= (self.shards or 1):
@@ -358,7 +370,9 @@ def stream_notes(cfg) -> list[str]:
     return []
 
 
-SFT_TYPES = (*PromptFormat.__args__, *ALPACA_TYPES[1:], *INSTRUCTION_TYPES)
+SYNTHETIC = "_synthetic"
+SYNTHETIC_KEYS = ("length", "sequence_length", "min_input_id", "max_input_id", "seed")
+SFT_TYPES = (*PromptFormat.__args__, *ALPACA_TYPES[1:], *INSTRUCTION_TYPES, SYNTHETIC)
 
 
 # --- chat templates by name: trainer/templates/<name>.jinja, each listed with its source in SOURCES.toml ----------

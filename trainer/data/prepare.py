@@ -26,6 +26,7 @@ from pathlib import Path
 
 from trainer.batch.labels import IGNORE
 from trainer.config import Config, DatasetConfig, looks_local
+from trainer.config.datasets import SYNTHETIC
 from trainer.data import files as local_files
 from trainer.data.formats.prompts import tokenize_row
 from trainer.errors import ConfigError, DataError, TrainerError
@@ -35,7 +36,8 @@ from trainer.runtime.digest import sha256_file
 CACHE_FORMAT = 2  # bump when tokenization changes, so old caches are not reused
 MANIFEST = "manifest.json"
 HASH_LIMIT = 1 << 30  # caches up to 1 GiB are hashed at every load (~1 s/GB); larger ones are checked by size
-FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow",
+                 ".txt": "text"}  # (Axolotl's EXTENSIONS_TO_DATASET_TYPES, and json)
 
 
 def default_workers(cfg: Config) -> int:
@@ -155,7 +157,13 @@ def cache_key(cfg: Config, tokenizer, hub_fingerprints: list[str], kind: dict | 
 def load_raw(ds: DatasetConfig, seed: int | None = None):
     """A local file or directory, local files given by data_files (no path, or path: json|csv|parquet|...), or a
     hub dataset (needs the network; at `revision` where given); with `shards`, the one shard Axolotl trains on (its
-    rows shuffled by `seed`, then shard `shards_idx` of `shards`)."""
+    rows shuffled by `seed`, then shard `shards_idx` of `shards`). type: _synthetic loads nothing (its rows are
+    generated: synthetic_rows)."""
+    if ds.type == SYNTHETIC:
+        # heavy: datasets loads only when this runs
+        import datasets
+
+        return datasets.Dataset.from_dict({"text": [""]})  # Axolotl's placeholder
     rows = _load_rows(ds)
     if ds.shards and seed is not None:
         rows = rows.shuffle(seed=seed).shard(num_shards=ds.shards, index=ds.shards_idx or 0)
@@ -180,6 +188,10 @@ def _load_rows(ds: DatasetConfig):
         return local_files.load_file(path, builder, ds.path)  # a malformed row: the file and line, exit 2
     if looks_local(ds.path) and not path.exists():
         raise DataError(f"dataset file not found: {ds.path}")
+    if path.is_dir() and not ds.data_files:  # a folder datasets' save_to_disk wrote, as Axolotl tries it first
+        saved = _saved_to_disk(path, ds)
+        if saved is not None:
+            return saved
     if path.is_dir():
         try:
             with local_files.quiet_datasets():
@@ -190,6 +202,24 @@ def _load_rows(ds: DatasetConfig):
         return datasets.load_dataset(ds.path, ds.name, data_files=ds.data_files, split=ds.split, revision=ds.revision)
     except Exception as err:  # hub errors come in many types; the first line says what happened
         raise TrainerError(f"cannot load dataset {ds.path} (split {ds.split}): {str(err).splitlines()[0]}") from None
+
+
+def _saved_to_disk(path: Path, ds: DatasetConfig):
+    """datasets.load_from_disk of a folder save_to_disk wrote (a Dataset, or a DatasetDict: its `split`); None for a
+    folder it did not write (Axolotl's _load_from_local_path falls back to load_dataset on FileNotFoundError)."""
+    # heavy: datasets loads only when this runs
+    import datasets
+
+    try:
+        saved = datasets.load_from_disk(str(path))
+    except FileNotFoundError:
+        return None
+    if isinstance(saved, datasets.DatasetDict):
+        if ds.split not in saved:
+            raise DataError(f"dataset {ds.path}: the saved dataset has no split '{ds.split}' (splits: "
+                            f"{', '.join(saved)}); set split")
+        return saved[ds.split]
+    return saved
 
 
 @dataclass
@@ -239,7 +269,26 @@ def tokenize_example(row: dict, ds: DatasetConfig, cfg: Config, tokenizer) -> di
     return out
 
 
+def synthetic_rows(ds: DatasetConfig, cfg: Config, tokenizer):
+    """type: _synthetic: Axolotl's SyntheticDatasetStrategy (prompt_strategies/_synthetic.py), the same draw:
+    numpy's default_rng(seed).integers(min_input_id, max_input_id, (length, sequence_length)), labels the input_ids.
+    Returned as pre-tokenized rows, so sequence_len and excess_length_strategy apply as to any other rows."""
+    # heavy: datasets and numpy load only when this runs
+    import datasets
+    import numpy as np
+
+    low = 100 if ds.min_input_id is None else ds.min_input_id
+    high = tokenizer.vocab_size if ds.max_input_id is None else ds.max_input_id
+    if high <= low:
+        raise DataError(f"dataset {ds.path}: max_input_id {high} must be above min_input_id {low} (type: _synthetic)")
+    ids = np.random.default_rng(ds.seed).integers(low=low, high=high, size=(ds.length or 1000,
+                                                                           ds.sequence_length or cfg.sequence_len))
+    return datasets.Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist()})
+
+
 def _tokenize(raw, ds: DatasetConfig, cfg: Config, tokenizer):
+    if ds.type == SYNTHETIC:  # generated, whatever the source (Axolotl's wrap_dataset ignores it)
+        raw, ds = synthetic_rows(ds, cfg, tokenizer), ds.model_copy(update={"type": None})
     workers = workers_for(cfg, len(raw))
     return raw.map(lambda row: tokenize_example(row, ds, cfg, tokenizer), remove_columns=raw.column_names,
                    num_proc=workers if workers > 1 else None, desc=f"tokenizing {ds.source}")

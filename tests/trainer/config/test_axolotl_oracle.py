@@ -123,8 +123,6 @@ GAPS: dict[str, str] = {
     **dict.fromkeys(("dataset_shard_idx",
                      "dataset_shard_num", "pretraining_dataset[].shards", "pretraining_dataset[].shards_idx",
                      "hub_revision"), f"data, chat template or hub option: {_NOT_YET}"),
-    **dict.fromkeys(("datasets[].length", "datasets[].max_input_id", "datasets[].min_input_id", "datasets[].seed",
-                     "datasets[].sequence_length"), f"type: _synthetic datasets: {_NOT_YET}"),
     **dict.fromkeys(("datasets[].type.chosen_format", "datasets[].type.completion_format",
                      "datasets[].type.field_chosen", "datasets[].type.field_completion", "datasets[].type.field_label",
                      "datasets[].type.field_prompt", "datasets[].type.field_rejected", "datasets[].type.prompt_format",
