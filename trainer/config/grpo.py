@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -29,6 +29,9 @@ class TrlConfig(BaseModel):
     max_completion_length: int | None = Field(None, ge=1)  # TRL's default 512
     use_vllm: bool = False  # with vllm_lora_sync: completions from a vLLM server; without: model.generate (a note)
     reward_funcs: list[str] | None = None  # "module.function", imported from the config's directory or the cwd
+    # extra variables for the chat template the prompts are rendered with (TRL's GRPOConfig.chat_template_kwargs:
+    # apply_chat_template(prompt, add_generation_prompt=True, **chat_template_kwargs))
+    chat_template_kwargs: dict[str, Any] | None = None
     reward_weights: list[float] | None = None  # default 1.0 each
     num_generations: int | None = Field(None, ge=2)  # completions per prompt (a group); TRL's default 8
     generation_batch_size: int | None = Field(None, ge=1)  # only TRL's default (one generation batch per step)

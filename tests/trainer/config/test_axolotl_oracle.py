@@ -116,7 +116,7 @@ GAPS: dict[str, str] = {
                     "peft_autocast_adapter_dtype is peft's own default and still refused: a bug)"),
     **dict.fromkeys(("rpo_alpha", "dpo_norm_loss", "dpo_loss_weights", "rl_adapter_ref_model", "max_prompt_len"),
                     f"preference-training option: {_NOT_YET}"),
-    **dict.fromkeys(("trl.chat_template_kwargs", "trl.generation_kwargs", "trl.off_policy_mask_threshold",
+    **dict.fromkeys(("trl.generation_kwargs", "trl.off_policy_mask_threshold",
                      "trl.ref_model_mixup_alpha", "trl.ref_model_sync_steps", "trl.replay_buffer_size",
                      "trl.replay_recompute_logps", "trl.reroll_max_groups", "trl.reroll_start_fraction",
                      "trl.rollout_func", "trl.skip_zero_advantage_batches"), f"GRPO option: {_NOT_YET}"),
