@@ -266,6 +266,10 @@ class DataKeys(BaseModel):
     dataset_prepare_timeout: int = Field(1800, ge=1)  # seconds other ranks wait for rank 0's cache
     shuffle_merged_datasets: bool = True
     shuffle_before_merging_datasets: bool = False  # each of several datasets shuffled by the seed before merging
+    # one shard of the prepared training rows (SFT), as Axolotl's _apply_dataset_sharding: rows.shard(num, idx) before
+    # the validation split; 0 shards is unset (Axolotl's `if cfg.dataset_shard_num`)
+    dataset_shard_num: int | None = Field(None, ge=0)
+    dataset_shard_idx: int | None = Field(None, ge=0)
     # tokenizer_default | jinja (chat_template_jinja: text or file) | a name in trainer/templates/ |
     # tokenizer_default_fallback_<name>; checked against the templates by check_chat_template
     chat_template: str = "tokenizer_default"
@@ -328,6 +332,22 @@ class DataKeys(BaseModel):
         if self.group_by_length or self.curriculum_sampling or self.sample_packing_sequentially:
             raise ValueError(f"{what}: not with group_by_length, curriculum_sampling or sample_packing_sequentially "
                              "(they order prepared data; shuffle_merged_datasets: false keeps the stream's order)")
+
+    def _check_dataset_shard(self) -> None:
+        """dataset_shard_num and dataset_shard_idx go together (Axolotl shards only with both and drops a lone one
+        without a word), the index one of the shards; not with rl: (Axolotl's preference loader never reads them)
+        or a stream."""
+        num, idx = self.dataset_shard_num or None, self.dataset_shard_idx
+        if (num is None) != (idx is None):
+            raise ValueError("dataset_shard_num and dataset_shard_idx go together: set both (or neither); Axolotl "
+                             "trains on all the rows with one alone")
+        if num is None:
+            return
+        if idx >= num:
+            raise ValueError(f"dataset_shard_idx: {idx} names no shard of {num} (it counts from 0)")
+        if self.rl or self.streaming or self.pretraining_dataset:
+            raise ValueError("dataset_shard_num: shards prepared SFT rows; Axolotl does not shard rl: or streamed "
+                             "data (it would train on all of it); remove it")
 
     def _check_train_on_eot(self) -> None:
         """Without eot_tokens the end-of-turn token is the EOS, which train_on_eos decides: a train_on_eot that differs

@@ -147,7 +147,9 @@ def cache_key(cfg: Config, tokenizer, hub_fingerprints: list[str], kind: dict | 
         "tokenizer": tokenizer_identity(tokenizer),
         **(kind or {"kind": "sft"}),
         **{k: getattr(cfg, k) for k in ("sequence_len", "excess_length_strategy", "train_on_inputs", "val_set_size",
-                                       "seed", "shuffle_merged_datasets", "shuffle_before_merging_datasets", "chat_template", "chat_template_jinja", "chat_template_kwargs",
+                                       "seed", "shuffle_merged_datasets", "shuffle_before_merging_datasets",
+                                       "dataset_shard_num", "dataset_shard_idx", "chat_template", "chat_template_jinja",
+                                       "chat_template_kwargs",
                                        "eot_tokens", "dataset_exact_deduplication", "min_sample_len",
                                        "curriculum_sampling")},
     }
@@ -394,6 +396,9 @@ def filter_and_split(cfg: Config, data) -> tuple[object, object | None, dict]:
     # curriculum_sampling keeps a single dataset's order (merged datasets follow shuffle_merged_datasets), as Axolotl
     if cfg.shuffle_merged_datasets and not (cfg.curriculum_sampling and len(cfg.datasets) == 1):
         data = data.shuffle(seed=cfg.seed)
+    if cfg.dataset_shard_num:  # Axolotl's _apply_dataset_sharding, before the validation split (SFT: Config checks)
+        data = data.shard(num_shards=cfg.dataset_shard_num, index=cfg.dataset_shard_idx)
+        stats["dataset_shard"] = f"{cfg.dataset_shard_idx} of {cfg.dataset_shard_num}"
     validation = None
     if cfg.val_set_size:
         size = cfg.val_set_size if cfg.val_set_size < 1 else int(cfg.val_set_size)

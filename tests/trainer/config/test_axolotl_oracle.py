@@ -87,6 +87,9 @@ STRICTER: dict[str, str] = {
                        "transform of that name, which reads chosen/rejected columns (KeyError while preprocessing)",
     "datasets[].type.format": "a format naming a placeholder it is not filled with: Axolotl's str.format fails "
                               "with KeyError while preprocessing",
+    "dataset_shard_num": "one of dataset_shard_num / dataset_shard_idx alone, or with rl: or a stream: Axolotl "
+                         "shards only SFT rows with both (utils/data/sft.py) and drops the rest without a word",
+    "dataset_shard_idx": "an index past the shards: datasets' shard() raises IndexError while preparing",
     "lora_r": "0: peft refuses a rank of 0 when the adapter is built",
     "lora_dropout": "1: the adapter's input is always dropped: trains nothing",
     "lr_scheduler": "a name transformers' SchedulerType does not have ('auto', ...): refused when training starts",
@@ -120,9 +123,8 @@ GAPS: dict[str, str] = {
                      "trl.ref_model_mixup_alpha", "trl.ref_model_sync_steps", "trl.replay_buffer_size",
                      "trl.replay_recompute_logps", "trl.reroll_max_groups", "trl.reroll_start_fraction",
                      "trl.rollout_func", "trl.skip_zero_advantage_batches"), f"GRPO option: {_NOT_YET}"),
-    **dict.fromkeys(("dataset_shard_idx",
-                     "dataset_shard_num", "pretraining_dataset[].shards", "pretraining_dataset[].shards_idx",
-                     "hub_revision"), f"data, chat template or hub option: {_NOT_YET}"),
+    **dict.fromkeys(("pretraining_dataset[].shards", "pretraining_dataset[].shards_idx", "hub_revision"),
+                    f"data or hub option: {_NOT_YET}"),
     **dict.fromkeys(("datasets[].type.chosen_format", "datasets[].type.completion_format",
                      "datasets[].type.field_chosen", "datasets[].type.field_completion", "datasets[].type.field_label",
                      "datasets[].type.field_prompt", "datasets[].type.field_rejected", "datasets[].type.prompt_format",
