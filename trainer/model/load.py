@@ -183,22 +183,40 @@ def add_lora(cfg: Config, model):
     from trainer.model import loftq
 
     on_cuda = torch.cuda.is_available()  # peft's LoftQ computes on CUDA whatever device the weights are on
-    lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                      target_modules=targets, target_parameters=cfg.lora_target_parameters,
-                      use_rslora=cfg.peft_use_rslora, use_dora=cfg.peft_use_dora,
-                      modules_to_save=cfg.lora_modules_to_save, task_type=lora_task_type(cfg),
-                      exclude_modules=lora_exclusions(cfg),
-                      **loftq.lora_kwargs(cfg, on_cuda))
+    autocast = cfg.peft_autocast_adapter_dtype is not False
     try:
-        model = get_peft_model(model, lora, autocast_adapter_dtype=True)
-    except ValueError as err:
-        raise ConfigError(f"lora_target_modules: {str(err).splitlines()[0]}") from None
+        lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                          target_modules=targets, target_parameters=cfg.lora_target_parameters,
+                          use_rslora=cfg.peft_use_rslora, use_dora=cfg.peft_use_dora,
+                          modules_to_save=cfg.lora_modules_to_save, task_type=lora_task_type(cfg),
+                          exclude_modules=lora_exclusions(cfg),
+                          **{**loftq.lora_kwargs(cfg, on_cuda), **lora_options(cfg)})
+        model = get_peft_model(model, lora, autocast_adapter_dtype=autocast)
+    except ValueError as err:  # peft's own words, under the key they are about
+        first = str(err).splitlines()[0]
+        key = next((k for word, k in (("initialization", "peft_init_lora_weights"), ("layers_", "peft_layers_pattern"),
+                                      ("replication", "peft_layer_replication"), ("token", "peft_trainable_token_indices"))
+                    if word in first.lower()), "lora_target_modules")
+        raise ConfigError(f"{key}: {first}") from None
     if loftq.loftq_bits(cfg) and not on_cuda:
         loftq.apply_on_cpu(cfg, model)
-    for p in model.parameters():  # adapter weights train in fp32 whatever the base dtype
+    for p in model.parameters() if autocast else ():  # adapter weights train in fp32 whatever the base dtype
         if p.requires_grad:
             p.data = p.data.float()
     return model
+
+
+def lora_options(cfg: Config) -> dict:
+    """peft LoraConfig arguments from Axolotl's lora_*/peft_* keys, as its _build_lora_config_kwargs and
+    _build_peft_lora_config pass them (only the keys given: peft's defaults otherwise)."""
+    given = {"rank_pattern": cfg.lora_rank_pattern, "alpha_pattern": cfg.lora_alpha_pattern,
+             "layers_to_transform": cfg.peft_layers_to_transform, "layers_pattern": cfg.peft_layers_pattern,
+             "layer_replication": cfg.peft_layer_replication,
+             # true is peft's default: not passed, so it never replaces LoftQ's own initialisation
+             "init_lora_weights": None if cfg.peft_init_lora_weights is True else cfg.peft_init_lora_weights,
+             "trainable_token_indices": cfg.peft_trainable_token_indices,
+             "ensure_weight_tying": cfg.peft_ensure_weight_tying}
+    return {k: v for k, v in given.items() if v is not None and v != {} and v != []}
 
 
 def load_trained(cfg: Config, runtime: Runtime, tokenizer, model_dir=None):

@@ -112,11 +112,6 @@ GAPS: dict[str, str] = {
                      "lr_groups"), f"per-parameter-group learning rates (LoRA+, embeddings, groups): {_NOT_YET}"),
     **dict.fromkeys(("fix_untrained_tokens", "mean_resizing_embeddings", "shrink_embeddings",
                      "added_tokens_overrides"), f"embedding and vocabulary edits: {_NOT_YET}"),
-    **dict.fromkeys(("lora_rank_pattern", "lora_alpha_pattern", "peft_autocast_adapter_dtype",
-                     "peft_ensure_weight_tying", "peft_init_lora_weights", "peft_layer_replication",
-                     "peft_layers_pattern", "peft_layers_to_transform", "peft_trainable_token_indices"),
-                    f"peft's LoraConfig field: {_NOT_YET} (true for peft_init_lora_weights / "
-                    "peft_autocast_adapter_dtype is peft's own default and still refused: a bug)"),
     **dict.fromkeys(("rpo_alpha", "dpo_norm_loss", "dpo_loss_weights", "rl_adapter_ref_model", "max_prompt_len"),
                     f"preference-training option: {_NOT_YET}"),
     **dict.fromkeys(("trl.generation_kwargs", "trl.off_policy_mask_threshold",
