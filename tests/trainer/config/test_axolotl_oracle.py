@@ -90,6 +90,9 @@ STRICTER: dict[str, str] = {
     "dataset_shard_num": "one of dataset_shard_num / dataset_shard_idx alone, or with rl: or a stream: Axolotl "
                          "shards only SFT rows with both (utils/data/sft.py) and drops the rest without a word",
     "dataset_shard_idx": "an index past the shards: datasets' shard() raises IndexError while preparing",
+    "loraplus_lr_ratio": "0: LoRA+ trains lora_B at learning_rate x 0, and B starts at 0: the adapter trains nothing; "
+                         "beside embedding_lr / embedding_lr_scale / lr_groups: Axolotl's LoRA+ optimizer drops them "
+                         "without a word",
     "lora_r": "0: peft refuses a rank of 0 when the adapter is built",
     "lora_dropout": "1: the adapter's input is always dropped: trains nothing",
     "lr_scheduler": "a name transformers' SchedulerType does not have ('auto', ...): refused when training starts",
@@ -108,8 +111,6 @@ GAPS: dict[str, str] = {
                     f"PoSE position ids: {_NOT_YET}"),
     **dict.fromkeys(("scaling_softmax", "scaling_softmax_bias", "scaling_softmax_factor"),
                     f"Scalable-Softmax attention: {_NOT_YET}"),
-    **dict.fromkeys(("embedding_lr", "embedding_lr_scale", "loraplus_lr_ratio", "loraplus_lr_embedding",
-                     "lr_groups"), f"per-parameter-group learning rates (LoRA+, embeddings, groups): {_NOT_YET}"),
     **dict.fromkeys(("fix_untrained_tokens", "mean_resizing_embeddings", "shrink_embeddings",
                      "added_tokens_overrides"), f"embedding and vocabulary edits: {_NOT_YET}"),
     **dict.fromkeys(("rpo_alpha", "dpo_norm_loss", "dpo_loss_weights", "rl_adapter_ref_model", "max_prompt_len"),
