@@ -36,6 +36,9 @@ class ModelKeys(BaseModel):
     trust_remote_code: bool = False
     # Axolotl's `model_config:` (overrides of the model's config); renamed on reading, pydantic owns the name
     model_config_overrides: dict[str, Any] | None = None
+    # extra from_pretrained arguments (Axolotl's model_kwargs, field overrides_of_model_kwargs): the model loader's
+    # own (dtype, attention, quantization, revision, ...) win over them, as Axolotl's ModelLoader sets its own after
+    model_kwargs: dict[str, Any] | None = None
     revision_of_model: str | None = None  # the model repository's branch, tag or commit
     special_tokens: dict[str, str | list[str]] | None = None  # bos_token, ..., additional_special_tokens: [...]
     tokens: list[str] | None = None  # extra tokens added to the vocabulary

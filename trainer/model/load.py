@@ -37,7 +37,10 @@ def load_model(cfg: Config, runtime: Runtime, tokenizer, source: str | None = No
 
     dtype = DTYPES[runtime.precision] if cfg.adapter else DTYPES[full_weights(cfg, runtime.precision)]
     quantization = bnb_config(cfg, DTYPES[runtime.precision], sharded=bool(cfg.deepspeed or cfg.fsdp or cfg.fsdp_config))
-    extra = dict(cfg.model_config_overrides or {})  # Axolotl's model_config: overrides of the model's config
+    # model_kwargs (not read by a from_config build, as Axolotl's), then model_config: overrides of the model's config
+    heads = head_kwargs(cfg, tokenizer)
+    extra = {**{k: v for k, v in user_kwargs(cfg).items() if k not in heads and not cfg.reinit_weights},
+             **(cfg.model_config_overrides or {})}
     if quantization is not None:
         extra["quantization_config"] = quantization
     elif cfg.model_quantization_config:  # Mxfp4Config(dequantize=True): gpt-oss's MXFP4 experts as weights
@@ -62,7 +65,7 @@ def load_model(cfg: Config, runtime: Runtime, tokenizer, source: str | None = No
             with head_init(cfg):  # the head follows the objective (trainer.model.reward_model)
                 model = auto_class(cfg).from_pretrained(
                     source, dtype=dtype, attn_implementation=runtime.attention,
-                    trust_remote_code=cfg.trust_remote_code, **head_kwargs(cfg, tokenizer), **extra)
+                    trust_remote_code=cfg.trust_remote_code, **heads, **extra)
     except OSError as err:
         raise ConfigError(f"cannot load the model from {source}: {str(err).splitlines()[0]}") from None
     except ValueError as err:  # e.g. a model with no tp_plan asked for tensor_parallel_size
@@ -206,6 +209,17 @@ def add_lora(cfg: Config, model):
     return model
 
 
+# from_pretrained arguments this loader passes itself (model_kwargs' value for one of them is replaced, as Axolotl's
+# ModelLoader replaces it with its own)
+OWN_KWARGS = ("dtype", "torch_dtype", "attn_implementation", "trust_remote_code", "quantization_config", "revision",
+              "config", "device_map")
+
+
+def user_kwargs(cfg: Config) -> dict:
+    """model_kwargs (Axolotl's overrides_of_model_kwargs) without the arguments the loader sets itself."""
+    return {k: v for k, v in (cfg.model_kwargs or {}).items() if k not in OWN_KWARGS}
+
+
 def lora_options(cfg: Config) -> dict:
     """peft LoraConfig arguments from Axolotl's lora_*/peft_* keys, as its _build_lora_config_kwargs and
     _build_peft_lora_config pass them (only the keys given: peft's defaults otherwise)."""
@@ -249,7 +263,7 @@ def load_trained(cfg: Config, runtime: Runtime, tokenizer, model_dir=None):
         base = auto_class(cfg).from_pretrained(cfg.base_model, dtype=DTYPES[runtime.precision],
                                                attn_implementation=runtime.attention,
                                                trust_remote_code=cfg.trust_remote_code,
-                                               **load_kwargs(cfg, tokenizer), **extra)
+                                               **{**user_kwargs(cfg), **load_kwargs(cfg, tokenizer), **extra})
         resize_embeddings(cfg, base, tokenizer)
         packed_masks(base)
         return PeftModel.from_pretrained(base, str(model_dir))

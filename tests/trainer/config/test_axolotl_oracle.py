@@ -125,7 +125,6 @@ GAPS: dict[str, str] = {
                      "datasets[].type.field_chosen", "datasets[].type.field_completion", "datasets[].type.field_label",
                      "datasets[].type.field_prompt", "datasets[].type.field_rejected", "datasets[].type.prompt_format",
                      "datasets[].type.rejected_format"), f"user-defined preference formats: {_NOT_YET}"),
-    **dict.fromkeys(("model_kwargs", "overrides_of_model_kwargs"), f"extra from_pretrained arguments: {_NOT_YET}"),
     **dict.fromkeys(("dsv4_fp4_grouped_mode", "dsv4_fp8_lora_kernel", "dsv4_fp8_nonexpert_mode",
                      "gemma4_fp8_nonexpert", "gemma4_nf4_nonexpert", "nonexpert_quantization", "quantize_moe_experts",
                      "nvfp4_merge_aware", "nvfp4_merge_aware_start_step"),
