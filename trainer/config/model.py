@@ -43,6 +43,10 @@ class ModelKeys(BaseModel):
     special_tokens: dict[str, str | list[str]] | None = None  # bos_token, ..., additional_special_tokens: [...]
     tokens: list[str] | None = None  # extra tokens added to the vocabulary
     resize_token_embeddings_to_32x: bool = False
+    shrink_embeddings: bool = False  # also shrink the embeddings to the tokenizer's length (Axolotl's)
+    # new embedding rows at the mean of the others (transformers' resize_token_embeddings(mean_resizing=); unset: its
+    # default, true)
+    mean_resizing_embeddings: bool | None = None
     cls_model_config: str | None = None  # transformers config class to read the model's config with
     reinit_weights: bool = False  # train from the model's config with freshly initialised weights
     # Mistral's own tokenizer (trainer/data/formats/mistral_tokenizer.py); chat_template data encoded by it.

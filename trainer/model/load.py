@@ -153,15 +153,15 @@ def reentrant(cfg: Config) -> bool:
 
 
 def resize_embeddings(cfg: Config, model, tokenizer) -> None:
-    """Grow the embeddings for added tokens; resize_token_embeddings_to_32x rounds the size up to a multiple of 32."""
+    """Axolotl's _resize_token_embeddings (loaders/model.py): the embeddings grow to the tokenizer's length (rounded up
+    to a multiple of 32 with resize_token_embeddings_to_32x), or shrink to it with shrink_embeddings, through
+    transformers' resize_token_embeddings (mean_resizing: mean_resizing_embeddings where given, not for llava)."""
     rows = model.get_input_embeddings().weight.shape[0]
-    needed = max(len(tokenizer), rows)
-    if cfg.resize_token_embeddings_to_32x:
-        multiple = -(-needed // 32) * 32
-        if multiple != rows:
-            model.resize_token_embeddings(needed, pad_to_multiple_of=32)
-    elif len(tokenizer) > rows:
-        model.resize_token_embeddings(len(tokenizer))
+    target = -(-len(tokenizer) // 32) * 32 if cfg.resize_token_embeddings_to_32x else len(tokenizer)
+    if rows < target or (rows > target and cfg.shrink_embeddings):
+        mean = cfg.mean_resizing_embeddings
+        kwargs = {} if mean is None or model.config.model_type == "llava" else {"mean_resizing": mean}
+        model.resize_token_embeddings(target, **kwargs)
 
 
 def add_lora(cfg: Config, model):
