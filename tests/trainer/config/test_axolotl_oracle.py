@@ -123,7 +123,8 @@ GAPS: dict[str, str] = {
     **dict.fromkeys(("fix_untrained_tokens", "added_tokens_overrides"), f"embedding and vocabulary edits: {_NOT_YET}"),
     **dict.fromkeys(("dpo_loss_weights", "rl_adapter_ref_model"),
                     f"preference-training option: {_NOT_YET}"),
-    **dict.fromkeys(("trl.generation_kwargs", "trl.off_policy_mask_threshold",
+    "trl.generation_kwargs": f"with use_vllm and vllm_lora_sync (completions from the vLLM server): {_NOT_YET}",
+    **dict.fromkeys(("trl.off_policy_mask_threshold",
                      "trl.ref_model_mixup_alpha", "trl.ref_model_sync_steps", "trl.replay_buffer_size",
                      "trl.replay_recompute_logps", "trl.reroll_max_groups", "trl.reroll_start_fraction",
                      "trl.rollout_func", "trl.skip_zero_advantage_batches"), f"GRPO option: {_NOT_YET}"),
@@ -158,7 +159,8 @@ GAPS: dict[str, str] = {
                      "eaft_k"), _UNCHECKED_ZERO),
 }
 # keys the table says are read (honoured) whose some values a rule refuses: named above for those values
-_REFUSED_BY_A_RULE = ("plugins", "fp8", "eval_causal_lm_metrics", "lora_target_parameters", "orpo_alpha")
+_REFUSED_BY_A_RULE = ("plugins", "fp8", "eval_causal_lm_metrics", "lora_target_parameters", "orpo_alpha",
+                      "trl.generation_kwargs")
 
 
 def _oracle(kind: str, payload=None):

@@ -336,3 +336,24 @@ def test_trl_chat_template_kwargs_train_through_the_cli(grpo_config, tmp_path):
                          output_dir=str(tmp_path / "out"))
     assert main(["train", str(config)]) == 0
     assert [r["step"] for r in read_metrics(tmp_path / "out") if "loss" in r] == [1, 2]
+
+
+def test_trl_generation_kwargs_update_the_sampling_settings_as_trl_does(grpo_config):
+    """trl.generation_kwargs: TRL's GRPOTrainer updates its generation_kwargs dict with them (user values win)."""
+    from trainer.config import load_config
+    from trainer.objectives.grpo import GRPO
+
+    cfg, _ = load_config(grpo_config(trl={"generation_kwargs": {"top_k": 7, "no_repeat_ngram_size": 2}}))
+    method = GRPO.__new__(GRPO)
+    method.trl, method.G, method.pad_id, method.eos_ids = cfg.trl, 2, 0, [1]
+    method.tokenizer = type("T", (), {"bos_token_id": 2})()
+    config = method.generation_config()
+    assert (config.top_k, config.no_repeat_ngram_size, config.temperature) == (7, 2, 0.7)
+
+
+@pytest.mark.slow
+def test_trl_generation_kwargs_train_through_the_cli(grpo_config, tmp_path):
+    config = grpo_config(trl={"generation_kwargs": {"top_k": 5}}, max_steps=2, save_steps=None,
+                         output_dir=str(tmp_path / "out"))
+    assert main(["train", str(config)]) == 0
+    assert [r["step"] for r in read_metrics(tmp_path / "out") if "loss" in r] == [1, 2]
