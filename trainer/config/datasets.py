@@ -124,7 +124,8 @@ class DatasetConfig(BaseModel):
     name: str | None = None  # hub dataset configuration name
     revision: str | None = None  # the hub dataset's branch, tag or commit
     data_files: str | list[str] | None = None
-    ds_type: Literal["json", "parquet", "csv"] | None = None  # file format when the extension does not say
+    # file format when the extension does not say (arrow: a datasets Arrow file; text: one row per line, `text`)
+    ds_type: Literal["json", "parquet", "csv", "arrow", "text"] | None = None
     # one shard of the rows: Axolotl's load_dataset_with_config, `rows.shuffle(seed=cfg.seed).shard(shards, shards_idx)`
     shards: int | None = Field(None, ge=1)
     shards_idx: int | None = Field(None, ge=0)  # which shard (Axolotl's default: the first, 0)
@@ -138,6 +139,10 @@ class DatasetConfig(BaseModel):
     field_segments: str = "segments"
     # chat_template
     field_messages: str = "messages"
+    # the row's tool definitions (a list of {"type": "function", "function": {...}}, or its JSON text), rendered by the
+    # chat template as transformers' apply_chat_template(tools=...) renders them (Axolotl's _get_tools; its default
+    # column is "tools" too)
+    field_tools: str = "tools"
     message_property_mappings: dict[str, str] | None = None  # {"role": "from", "content": "value"}
     message_field_role: str | None = None  # legacy spelling of message_property_mappings.role
     message_field_content: str | None = None  # legacy spelling of message_property_mappings.content
@@ -158,6 +163,9 @@ class DatasetConfig(BaseModel):
     # moved to template_thinking_key, the rest (or its <|begin_of_solution|> block) stays the content (Axolotl's)
     split_thinking: bool = False
     train_on_eos: Literal["turn", "last", "all", "none"] | None = None  # None: the whole turn tail, as rendered
+    # which end-of-turn tokens (eot_tokens) are trained, where it differs from train_on_eos (Axolotl's: unset, it is
+    # train_on_eos; an EOS that is one of them follows both, so the two must agree: check_train_on_eot)
+    train_on_eot: Literal["turn", "last", "all", "none"] | None = None
     chat_template: str | None = None  # per-dataset override of the top-level chat_template
     chat_template_jinja: str | None = None
     # --- attention, gpt-oss (attn) ---
@@ -169,9 +177,20 @@ class DatasetConfig(BaseModel):
     step_separator: str = "\n"  # appended to every step; the step's label sits on its last token
     max_completion_length: int | None = Field(None, ge=1)  # steps' tokens kept (prompt not counted)
     train_on_last_step_only: bool = False  # only the last step's label is trained
+    # --- type: _synthetic (Axolotl's benchmark data, prompt_strategies/_synthetic.py): `length` rows of
+    # `sequence_length` (default sequence_len) token ids drawn uniformly from [min_input_id, max_input_id) (default
+    # 100, the tokenizer's vocab_size) by numpy's default_rng(seed), every token trained
+    length: int | None = Field(None, ge=1)  # (Axolotl's default: 1000)
+    sequence_length: int | None = Field(None, ge=1)
+    min_input_id: int | None = Field(None, ge=0)
+    max_input_id: int | None = Field(None, ge=1)
+    seed: int | None = None
 
     @model_validator(mode="after")
     def _source(self) -> DatasetConfig:
+        synthetic = [k for k in SYNTHETIC_KEYS if getattr(self, k) is not None]
+        if synthetic and self.type != SYNTHETIC:
+            raise ValueError(f"{synthetic[0]}: only with type: {SYNTHETIC} (a synthetic dataset's setting)")
         if not self.path and not self.data_files:
             raise ValueError("path: Field required (or data_files with ds_type)")
         if self.shards_idx and self.shards_idx >= (self.shards or 1):
@@ -246,13 +265,22 @@ class DataKeys(BaseModel):
     dataset_processes: int | None = Field(None, ge=1)  # default min(cpu_count, 8)
     dataset_prepare_timeout: int = Field(1800, ge=1)  # seconds other ranks wait for rank 0's cache
     shuffle_merged_datasets: bool = True
+    shuffle_before_merging_datasets: bool = False  # each of several datasets shuffled by the seed before merging
+    # one shard of the prepared training rows (SFT), as Axolotl's _apply_dataset_sharding: rows.shard(num, idx) before
+    # the validation split; 0 shards is unset (Axolotl's `if cfg.dataset_shard_num`)
+    dataset_shard_num: int | None = Field(None, ge=0)
+    dataset_shard_idx: int | None = Field(None, ge=0)
     # tokenizer_default | jinja (chat_template_jinja: text or file) | a name in trainer/templates/ |
     # tokenizer_default_fallback_<name>; checked against the templates by check_chat_template
     chat_template: str = "tokenizer_default"
     chat_template_jinja: str | None = None
     eot_tokens: list[str] | None = None  # the tokens that end a turn (train_on_eos decides which are trained)
+    # extra variables for the chat template (enable_thinking: false, ...): apply_chat_template(**chat_template_kwargs),
+    # as Axolotl's ChatTemplatePrompter passes them
+    chat_template_kwargs: dict[str, Any] | None = None
     sequence_len: int = Field(2048, ge=8)
-    excess_length_strategy: Literal["drop", "truncate"] = "drop"
+    # a row longer than sequence_len: dropped, cut to it, or (raise) the data refused in one line naming the first
+    excess_length_strategy: Literal["drop", "truncate", "raise"] = "drop"
     train_on_inputs: bool = False
     min_sample_len: int | None = Field(None, ge=1)  # SFT rows with fewer tokens are dropped (Axolotl's filter)
     # --- pretraining and streaming (trainer/data/streaming.py) -------------------------------------------------
@@ -305,6 +333,31 @@ class DataKeys(BaseModel):
             raise ValueError(f"{what}: not with group_by_length, curriculum_sampling or sample_packing_sequentially "
                              "(they order prepared data; shuffle_merged_datasets: false keeps the stream's order)")
 
+    def _check_dataset_shard(self) -> None:
+        """dataset_shard_num and dataset_shard_idx go together (Axolotl shards only with both and drops a lone one
+        without a word), the index one of the shards; not with rl: (Axolotl's preference loader never reads them)
+        or a stream."""
+        num, idx = self.dataset_shard_num or None, self.dataset_shard_idx
+        if (num is None) != (idx is None):
+            raise ValueError("dataset_shard_num and dataset_shard_idx go together: set both (or neither); Axolotl "
+                             "trains on all the rows with one alone")
+        if num is None:
+            return
+        if idx >= num:
+            raise ValueError(f"dataset_shard_idx: {idx} names no shard of {num} (it counts from 0)")
+        if self.rl or self.streaming or self.pretraining_dataset:
+            raise ValueError("dataset_shard_num: shards prepared SFT rows; Axolotl does not shard rl: or streamed "
+                             "data (it would train on all of it); remove it")
+
+    def _check_train_on_eot(self) -> None:
+        """Without eot_tokens the end-of-turn token is the EOS, which train_on_eos decides: a train_on_eot that differs
+        is refused, as Axolotl's ChatTemplateStrategy refuses it (with eot_tokens it is checked against the tokenizer's
+        EOS when the data is rendered)."""
+        for group, entries in (("datasets", self.datasets), ("test_datasets", self.test_datasets or [])):
+            for i, ds in enumerate(entries):
+                if not self.eot_tokens and ds.train_on_eot and ds.train_on_eot != (ds.train_on_eos or "turn"):
+                    raise ValueError(eot_conflict(f"{group}.{i}", ds))
+
     def _check_sft_types(self) -> None:
         """Without rl: or reward models, each dataset's type is a prompt format (or none: pre-tokenized rows)."""
         for group, entries in (("datasets", self.datasets), ("test_datasets", self.test_datasets or [])):
@@ -324,6 +377,12 @@ class DataKeys(BaseModel):
                                  f"({', '.join(INSTRUCTION_TYPES)})")
 
 
+def eot_conflict(where: str, ds: DatasetConfig) -> str:
+    return (f"{where}.train_on_eot: {ds.train_on_eot!r} differs from train_on_eos ({ds.train_on_eos or 'turn'!r}) while "
+            "the EOS token is an end-of-turn token (eot_tokens unset, or naming it): one token cannot follow both; "
+            "set them alike, or eot_tokens without the EOS")
+
+
 def stream_notes(cfg) -> list[str]:
     if cfg.pretraining_dataset and cfg.val_set_size:
         return [f"val_set_size: {cfg.val_set_size:g} ignored with pretraining_dataset (a stream has no held-out split; "
@@ -331,7 +390,9 @@ def stream_notes(cfg) -> list[str]:
     return []
 
 
-SFT_TYPES = (*PromptFormat.__args__, *ALPACA_TYPES[1:], *INSTRUCTION_TYPES)
+SYNTHETIC = "_synthetic"
+SYNTHETIC_KEYS = ("length", "sequence_length", "min_input_id", "max_input_id", "seed")
+SFT_TYPES = (*PromptFormat.__args__, *ALPACA_TYPES[1:], *INSTRUCTION_TYPES, SYNTHETIC)
 
 
 # --- chat templates by name: trainer/templates/<name>.jinja, each listed with its source in SOURCES.toml ----------

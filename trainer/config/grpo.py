@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -29,6 +29,12 @@ class TrlConfig(BaseModel):
     max_completion_length: int | None = Field(None, ge=1)  # TRL's default 512
     use_vllm: bool = False  # with vllm_lora_sync: completions from a vLLM server; without: model.generate (a note)
     reward_funcs: list[str] | None = None  # "module.function", imported from the config's directory or the cwd
+    # extra variables for the chat template the prompts are rendered with (TRL's GRPOConfig.chat_template_kwargs:
+    # apply_chat_template(prompt, add_generation_prompt=True, **chat_template_kwargs))
+    chat_template_kwargs: dict[str, Any] | None = None
+    # extra generation settings over the sampling keys (TRL's GRPOConfig.generation_kwargs: its generation_kwargs
+    # dict updated with them for model.generate); not yet passed to the vLLM server (refused with vllm_lora_sync)
+    generation_kwargs: dict[str, Any] | None = None
     reward_weights: list[float] | None = None  # default 1.0 each
     num_generations: int | None = Field(None, ge=2)  # completions per prompt (a group); TRL's default 8
     generation_batch_size: int | None = Field(None, ge=1)  # only TRL's default (one generation batch per step)
@@ -83,6 +89,9 @@ class TrlConfig(BaseModel):
         if (self.use_data_producer or self.async_prefetch) and not lora_sync:
             raise ValueError("use_data_producer/async_prefetch: Axolotl's asynchronous GRPO generates on a vLLM server; "
                              "here it needs use_vllm: true with vllm_lora_sync: true (and adapter: lora)")
+        if self.generation_kwargs and lora_sync:
+            raise ValueError("generation_kwargs: with use_vllm and vllm_lora_sync the completions come from the vLLM "
+                             "server, which is not given them here yet; remove them, or vllm_lora_sync")
         if self.prefetch_depth not in (None, 1):
             raise ValueError(f"prefetch_depth: {self.prefetch_depth}; only 1 (the next step generated while this one "
                              "trains, Axolotl's default): prefetching deeper is not implemented")

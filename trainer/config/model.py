@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -36,10 +36,17 @@ class ModelKeys(BaseModel):
     trust_remote_code: bool = False
     # Axolotl's `model_config:` (overrides of the model's config); renamed on reading, pydantic owns the name
     model_config_overrides: dict[str, Any] | None = None
+    # extra from_pretrained arguments (Axolotl's model_kwargs, field overrides_of_model_kwargs): the model loader's
+    # own (dtype, attention, quantization, revision, ...) win over them, as Axolotl's ModelLoader sets its own after
+    model_kwargs: dict[str, Any] | None = None
     revision_of_model: str | None = None  # the model repository's branch, tag or commit
     special_tokens: dict[str, str | list[str]] | None = None  # bos_token, ..., additional_special_tokens: [...]
     tokens: list[str] | None = None  # extra tokens added to the vocabulary
     resize_token_embeddings_to_32x: bool = False
+    shrink_embeddings: bool = False  # also shrink the embeddings to the tokenizer's length (Axolotl's)
+    # new embedding rows at the mean of the others (transformers' resize_token_embeddings(mean_resizing=); unset: its
+    # default, true)
+    mean_resizing_embeddings: bool | None = None
     cls_model_config: str | None = None  # transformers config class to read the model's config with
     reinit_weights: bool = False  # train from the model's config with freshly initialised weights
     # Mistral's own tokenizer (trainer/data/formats/mistral_tokenizer.py); chat_template data encoded by it.
@@ -67,6 +74,19 @@ class ModelKeys(BaseModel):
     peft_use_dora: bool = False  # weight-decomposed LoRA, peft's use_dora
     lora_target_parameters: list[str] | None = None  # LoRA on bare parameters (MoE experts), peft's target_parameters
     lora_modules_to_save: list[str] | None = None
+    # peft's LoraConfig fields, passed as Axolotl passes them (loaders/adapter.py _build_lora_config_kwargs):
+    lora_rank_pattern: dict[str, Annotated[int, Field(ge=1)]] | None = None  # rank_pattern: a rank per module regex
+    lora_alpha_pattern: dict[str, Annotated[int, Field(ge=1)]] | None = None  # alpha_pattern
+    peft_layers_to_transform: list[int] | None = None  # layers_to_transform: only these layer indices
+    peft_layers_pattern: list[str] | None = None  # layers_pattern: the name of the layers' ModuleList
+    peft_layer_replication: list[tuple[int, int]] | None = None  # layer_replication: a deeper model from ranges
+    # init_lora_weights: true (peft's default), false, or a method name (gaussian, pissa, pissa_niter_N, olora, ...)
+    peft_init_lora_weights: bool | str | None = None
+    peft_trainable_token_indices: list[int] | dict[str, list[int]] | None = None  # trainable_token_indices
+    peft_ensure_weight_tying: bool | None = None  # ensure_weight_tying (tied embeddings' adapters kept tied)
+    # get_peft_model(autocast_adapter_dtype=...): true (peft's default) trains the adapter in fp32, false in the
+    # base weights' dtype
+    peft_autocast_adapter_dtype: bool | None = None
     unfrozen_parameters: list[str] | None = None  # full fine-tune: train only parameters matching these regexes
     peft: PeftOptions | None = None  # peft.loftq_config.loftq_bits: LoftQ initialisation of LoRA (trainer.model.loftq)
 
@@ -78,6 +98,9 @@ class ModelKeys(BaseModel):
     use_onebitllms: bool = False  # Falcon-E: every linear layer but lm_head becomes onebitllms' BitNetLinear
 
     def _check_model(self) -> None:
+        if self.peft_init_lora_weights not in (None, True, "loftq") and self.peft and self.peft.loftq_config:
+            raise ValueError(f"peft_init_lora_weights: {self.peft_init_lora_weights!r} conflicts with "
+                             "peft.loftq_config (LoftQ is an initialisation of its own); set one of them")
         if self.reinit_weights and (self.adapter or self.load_in_4bit or self.load_in_8bit):
             raise ValueError("reinit_weights: not with an adapter or quantized loading (random base weights are "
                              "not saved, so an adapter over them could not be reloaded)")

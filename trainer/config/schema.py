@@ -46,6 +46,9 @@ class Config(FeatureKeys, VisionKeys, SpeedKeys, SparsityKeys, QatKeys, EbftKeys
     @model_validator(mode="after")
     def _consistent(self) -> Config:
         self._check_streaming()  # datasets
+        self._check_train_on_eot()  # datasets
+        self._check_dataset_shard()  # datasets
+        self._check_lr_groups()  # training (LoRA+, embedding and module learning rates)
         self._check_preference()  # rl (dataset types follow what is trained)
         self._check_training()  # LISA, early stopping, ReLoRA, evaluation keys
         self._check_launch()  # parallel (Ray Train)

@@ -9,7 +9,7 @@ import difflib
 import math
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from trainer import facts
 from trainer.config.parallel import fsdp_enabled, fsdp_settings
@@ -17,6 +17,15 @@ from trainer.errors import ConfigError
 
 # Axolotl's SUPPORTED_METRICS (axolotl/utils/schemas/validation.py)
 CAUSAL_LM_METRICS = ("sacrebleu", "comet", "ter", "chrf", "perplexity")
+
+
+class LrGroup(BaseModel):
+    """One of Axolotl's lr_groups: the parameters whose names contain one of `modules` train at `lr`."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    modules: list[str] = Field(min_length=1)
+    lr: float = Field(gt=0)
 
 
 class TrainingKeys(BaseModel):
@@ -50,6 +59,15 @@ class TrainingKeys(BaseModel):
     optimizer: str = "adamw_torch"  # a name in matrices/optimizers.toml (check_optimizer)
     optim_args: dict[str, Any] | str | None = None  # extra optimizer arguments, as transformers' optim_args
     weight_decay: float = Field(0.0, ge=0)
+    # learning rates per parameter group, as Axolotl's OptimizerMixin sets them (core/trainers/mixins/optimizer.py):
+    # LoRA+ through peft's create_loraplus_optimizer (lora_B at learning_rate x ratio, LoRA embeddings at
+    # loraplus_lr_embedding, default 1e-6); else the embeddings (embed_tokens, lm_head) at learning_rate x
+    # embedding_lr_scale or at embedding_lr (0: unset, as Axolotl reads them), and lr_groups' modules at their lr
+    loraplus_lr_ratio: float | None = Field(None, gt=0)
+    loraplus_lr_embedding: float | None = Field(None, ge=0)
+    embedding_lr: float | None = Field(None, ge=0)
+    embedding_lr_scale: float | None = Field(None, ge=0)
+    lr_groups: list[LrGroup] | None = None
     max_grad_norm: float | None = Field(1.0, ge=0)
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
@@ -67,6 +85,9 @@ class TrainingKeys(BaseModel):
     saves_per_epoch: int | None = Field(None, ge=0)  # 0: none (only the final model), as evals_per_epoch
     save_total_limit: int | None = Field(None, ge=1)
     save_only_model: bool = False  # checkpoints without optimizer/scheduler/RNG state (resume restarts the optimizer)
+    # checkpoints and the final model are safetensors; false is refused, as Axolotl 0.19 refuses it
+    # (utils/schemas/model.py: transformers 5 saves only safetensors)
+    save_safetensors: bool = True
     resume_from_checkpoint: str | None = None
     auto_resume_from_checkpoints: bool = False
 
@@ -84,7 +105,9 @@ class TrainingKeys(BaseModel):
     eval_max_new_tokens: int = Field(128, ge=1)  # Axolotl's default; perplexity's window length
     # NEFTune: uniform noise of alpha / sqrt(sequence length x hidden size) on the input embeddings while training,
     # transformers' own neftune_noise_alpha (trainer/model/neftune.py)
-    neftune_noise_alpha: float | None = Field(None, gt=0)
+    # 0 is off: Axolotl passes it to transformers, whose noise alpha / sqrt(L * d) is then 0 (and its deprecated
+    # noisy_embedding_alpha: 0 is never moved to this key)
+    neftune_noise_alpha: float | None = Field(None, ge=0)
     # the accelerator's cache emptied every N steps, transformers' own key (trainer/runtime/empty_cache.py)
     torch_empty_cache_steps: int | None = Field(None, ge=1)
     eval_table_size: int | None = Field(None, ge=0)  # Axolotl logs prediction tables only to wandb/mlflow/comet
@@ -95,6 +118,25 @@ class TrainingKeys(BaseModel):
     jagged_restart_steps: int | None = Field(None, ge=1)  # LR restarts (and ReLoRA merges) every this many steps
     jagged_restart_warmup_steps: int | None = Field(None, ge=0)  # warmup after each restart (0/unset: 10)
     jagged_restart_anneal_steps: int | None = Field(None, ge=0)  # anneal before each restart (0/unset: 1)
+
+    def _check_lr_groups(self) -> None:
+        """LoRA+ builds its own groups (Axolotl then drops embedding_lr, embedding_lr_scale and lr_groups without a
+        word); Muon splits the parameters its own way (Axolotl's optimizer factory ignores all four)."""
+        grouped = [k for k in ("embedding_lr", "embedding_lr_scale", "lr_groups") if getattr(self, k)]
+        if self.loraplus_lr_ratio is not None and grouped:
+            raise ValueError(f"loraplus_lr_ratio conflicts with {grouped[0]}: LoRA+ sets the groups' learning rates "
+                             "itself (Axolotl ignores the other); set one of them")
+        if self.optimizer == "muon" and (grouped or self.loraplus_lr_ratio is not None):
+            raise ValueError(f"{(grouped or ['loraplus_lr_ratio'])[0]}: not with optimizer: muon (it splits the "
+                             "parameters its own way; Axolotl ignores the key there)")
+
+    @field_validator("save_safetensors")
+    @classmethod
+    def _safetensors_only(cls, value: bool) -> bool:
+        if value is False:
+            raise ValueError("false is not supported: transformers 5 saves models only as safetensors (Axolotl "
+                             "refuses it too); remove it")
+        return value
 
     @field_validator("logging_steps", "eval_steps", "save_steps", mode="after")
     @classmethod

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from trainer.errors import DataError
 
-SUFFIXES = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+SUFFIXES = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow", ".txt": "text"}
 
 
 def cause(err: BaseException) -> str:

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from trainer.batch.labels import IGNORE
 from trainer.config import Config, DatasetConfig, looks_local
+from trainer.config.datasets import SYNTHETIC
 from trainer.data import files as local_files
 from trainer.data.formats.prompts import tokenize_row
 from trainer.errors import ConfigError, DataError, TrainerError
@@ -35,7 +36,8 @@ from trainer.runtime.digest import sha256_file
 CACHE_FORMAT = 2  # bump when tokenization changes, so old caches are not reused
 MANIFEST = "manifest.json"
 HASH_LIMIT = 1 << 30  # caches up to 1 GiB are hashed at every load (~1 s/GB); larger ones are checked by size
-FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow",
+                 ".txt": "text"}  # (Axolotl's EXTENSIONS_TO_DATASET_TYPES, and json)
 
 
 def default_workers(cfg: Config) -> int:
@@ -145,7 +147,9 @@ def cache_key(cfg: Config, tokenizer, hub_fingerprints: list[str], kind: dict | 
         "tokenizer": tokenizer_identity(tokenizer),
         **(kind or {"kind": "sft"}),
         **{k: getattr(cfg, k) for k in ("sequence_len", "excess_length_strategy", "train_on_inputs", "val_set_size",
-                                       "seed", "shuffle_merged_datasets", "chat_template", "chat_template_jinja",
+                                       "seed", "shuffle_merged_datasets", "shuffle_before_merging_datasets",
+                                       "dataset_shard_num", "dataset_shard_idx", "chat_template", "chat_template_jinja",
+                                       "chat_template_kwargs",
                                        "eot_tokens", "dataset_exact_deduplication", "min_sample_len",
                                        "curriculum_sampling")},
     }
@@ -155,7 +159,13 @@ def cache_key(cfg: Config, tokenizer, hub_fingerprints: list[str], kind: dict | 
 def load_raw(ds: DatasetConfig, seed: int | None = None):
     """A local file or directory, local files given by data_files (no path, or path: json|csv|parquet|...), or a
     hub dataset (needs the network; at `revision` where given); with `shards`, the one shard Axolotl trains on (its
-    rows shuffled by `seed`, then shard `shards_idx` of `shards`)."""
+    rows shuffled by `seed`, then shard `shards_idx` of `shards`). type: _synthetic loads nothing (its rows are
+    generated: synthetic_rows)."""
+    if ds.type == SYNTHETIC:
+        # heavy: datasets loads only when this runs
+        import datasets
+
+        return datasets.Dataset.from_dict({"text": [""]})  # Axolotl's placeholder
     rows = _load_rows(ds)
     if ds.shards and seed is not None:
         rows = rows.shuffle(seed=seed).shard(num_shards=ds.shards, index=ds.shards_idx or 0)
@@ -180,6 +190,10 @@ def _load_rows(ds: DatasetConfig):
         return local_files.load_file(path, builder, ds.path)  # a malformed row: the file and line, exit 2
     if looks_local(ds.path) and not path.exists():
         raise DataError(f"dataset file not found: {ds.path}")
+    if path.is_dir() and not ds.data_files:  # a folder datasets' save_to_disk wrote, as Axolotl tries it first
+        saved = _saved_to_disk(path, ds)
+        if saved is not None:
+            return saved
     if path.is_dir():
         try:
             with local_files.quiet_datasets():
@@ -190,6 +204,24 @@ def _load_rows(ds: DatasetConfig):
         return datasets.load_dataset(ds.path, ds.name, data_files=ds.data_files, split=ds.split, revision=ds.revision)
     except Exception as err:  # hub errors come in many types; the first line says what happened
         raise TrainerError(f"cannot load dataset {ds.path} (split {ds.split}): {str(err).splitlines()[0]}") from None
+
+
+def _saved_to_disk(path: Path, ds: DatasetConfig):
+    """datasets.load_from_disk of a folder save_to_disk wrote (a Dataset, or a DatasetDict: its `split`); None for a
+    folder it did not write (Axolotl's _load_from_local_path falls back to load_dataset on FileNotFoundError)."""
+    # heavy: datasets loads only when this runs
+    import datasets
+
+    try:
+        saved = datasets.load_from_disk(str(path))
+    except FileNotFoundError:
+        return None
+    if isinstance(saved, datasets.DatasetDict):
+        if ds.split not in saved:
+            raise DataError(f"dataset {ds.path}: the saved dataset has no split '{ds.split}' (splits: "
+                            f"{', '.join(saved)}); set split")
+        return saved[ds.split]
+    return saved
 
 
 @dataclass
@@ -228,7 +260,7 @@ def tokenize_example(row: dict, ds: DatasetConfig, cfg: Config, tokenizer) -> di
     if ds.type is None:  # no type: the row is already tokenized
         out = pretokenized_row(row, ds)
     else:
-        out = tokenize_row(row, ds, tokenizer, cfg.train_on_inputs, cfg.eot_tokens)
+        out = tokenize_row(row, ds, tokenizer, cfg.train_on_inputs, cfg.eot_tokens, cfg.chat_template_kwargs)
     limit = cfg.sequence_len
     n = len(out["input_ids"])
     out["too_long"] = n > limit
@@ -239,7 +271,26 @@ def tokenize_example(row: dict, ds: DatasetConfig, cfg: Config, tokenizer) -> di
     return out
 
 
+def synthetic_rows(ds: DatasetConfig, cfg: Config, tokenizer):
+    """type: _synthetic: Axolotl's SyntheticDatasetStrategy (prompt_strategies/_synthetic.py), the same draw:
+    numpy's default_rng(seed).integers(min_input_id, max_input_id, (length, sequence_length)), labels the input_ids.
+    Returned as pre-tokenized rows, so sequence_len and excess_length_strategy apply as to any other rows."""
+    # heavy: datasets and numpy load only when this runs
+    import datasets
+    import numpy as np
+
+    low = 100 if ds.min_input_id is None else ds.min_input_id
+    high = tokenizer.vocab_size if ds.max_input_id is None else ds.max_input_id
+    if high <= low:
+        raise DataError(f"dataset {ds.path}: max_input_id {high} must be above min_input_id {low} (type: _synthetic)")
+    ids = np.random.default_rng(ds.seed).integers(low=low, high=high, size=(ds.length or 1000,
+                                                                           ds.sequence_length or cfg.sequence_len))
+    return datasets.Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist()})
+
+
 def _tokenize(raw, ds: DatasetConfig, cfg: Config, tokenizer):
+    if ds.type == SYNTHETIC:  # generated, whatever the source (Axolotl's wrap_dataset ignores it)
+        raw, ds = synthetic_rows(ds, cfg, tokenizer), ds.model_copy(update={"type": None})
     workers = workers_for(cfg, len(raw))
     return raw.map(lambda row: tokenize_example(row, ds, cfg, tokenizer), remove_columns=raw.column_names,
                    num_proc=workers if workers > 1 else None, desc=f"tokenizing {ds.source}")
@@ -247,11 +298,8 @@ def _tokenize(raw, ds: DatasetConfig, cfg: Config, tokenizer):
 
 def build(cfg: Config, tokenizer) -> tuple[object, object | None, dict]:
     """SFT's rows: every dataset tokenized by its prompt format (trainer/data/formats/), filtered and split."""
-    # heavy: datasets loads only when this runs
-    import datasets
-
     parts = [_tokenize(load_raw(ds, cfg.seed), ds, cfg, tokenizer) for ds in cfg.datasets]
-    data, validation, stats = filter_and_split(cfg, datasets.concatenate_datasets(parts))
+    data, validation, stats = filter_and_split(cfg, merged(cfg, parts))
     if cfg.test_datasets:
         validation = held_out(cfg, [_tokenize(load_raw(ds, cfg.seed), ds, cfg, tokenizer) for ds in cfg.test_datasets])
     stats.update(train_rows=len(data), train_tokens=int(sum(data["length"])),
@@ -271,9 +319,6 @@ def build_held_out(cfg: Config, tokenizer) -> tuple[None, object, dict]:
 def tokenize_and_split(cfg: Config, tokenizer, tokenize):
     """Each dataset tokenized by tokenize(raw, ds, cfg, tokenizer, workers), concatenated, then filter_and_split
     (the shared tail of the preference and reward data paths)."""
-    # heavy: datasets loads only when this runs
-    import datasets
-
     def each(entries):
         parts = []
         for ds in entries:
@@ -281,19 +326,37 @@ def tokenize_and_split(cfg: Config, tokenizer, tokenize):
             parts.append(tokenize(raw, ds, cfg, tokenizer, workers_for(cfg, len(raw))))
         return parts
 
-    data, validation, stats = filter_and_split(cfg, datasets.concatenate_datasets(each(cfg.datasets)))
+    data, validation, stats = filter_and_split(cfg, merged(cfg, each(cfg.datasets)))
     if cfg.test_datasets:
         validation = held_out(cfg, each(cfg.test_datasets))
     return data, validation, stats
 
 
-def held_out(cfg: Config, parts: list):
-    """test_datasets' rows (tokenized like the training rows) as the validation set, with the rows filter_and_split
-    drops from training dropped here too (too long under drop, nothing to train on)."""
+def merged(cfg: Config, parts: list):
+    """The datasets' rows as one, as Axolotl's merge_datasets: with shuffle_before_merging_datasets and more than one
+    dataset, each shuffled by the seed first (shuffle_merged_datasets shuffles the whole after filtering)."""
     # heavy: datasets loads only when this runs
     import datasets
 
-    data = datasets.concatenate_datasets(parts)
+    if cfg.shuffle_before_merging_datasets and len(parts) > 1:
+        parts = [part.shuffle(seed=cfg.seed) for part in parts]
+    return datasets.concatenate_datasets(parts)
+
+
+def refuse_too_long(cfg: Config, too_long: int, rows: int, what: str = "rows") -> None:
+    """excess_length_strategy: raise (Axolotl's): the data is refused, in one line, where any row is longer than
+    sequence_len (Axolotl raises at the first; this line counts them)."""
+    if too_long and cfg.excess_length_strategy == "raise":
+        raise DataError(f"{too_long} of {rows} {what} are longer than sequence_len {cfg.sequence_len} "
+                        "(excess_length_strategy: raise); set excess_length_strategy: drop or truncate, or a larger "
+                        "sequence_len")
+
+
+def held_out(cfg: Config, parts: list):
+    """test_datasets' rows (tokenized like the training rows) as the validation set, with the rows filter_and_split
+    drops from training dropped here too (too long under drop, nothing to train on)."""
+    data = merged(cfg, parts)
+    refuse_too_long(cfg, sum(data["too_long"]), len(data), "test_datasets rows")
     drop = cfg.excess_length_strategy == "drop"
     keep = [i for i, (long, targets) in enumerate(zip(data["too_long"], data["targets"]))
             if targets > 0 and not (long and drop)]
@@ -306,6 +369,7 @@ def filter_and_split(cfg: Config, data) -> tuple[object, object | None, dict]:
     """What SFT and preference data share after tokenising: drop or count over-long rows and rows with
     nothing to train on, drop exact duplicates (dataset_exact_deduplication), shuffle, split off validation."""
     too_long = sum(data["too_long"])
+    refuse_too_long(cfg, too_long, len(data))
     drop = cfg.excess_length_strategy == "drop"
     stats = {"rows": len(data), "too_long": too_long, "excess_length_strategy": cfg.excess_length_strategy,
              "dropped_too_long": too_long if drop else 0, "truncated": 0 if drop else too_long}
@@ -332,6 +396,9 @@ def filter_and_split(cfg: Config, data) -> tuple[object, object | None, dict]:
     # curriculum_sampling keeps a single dataset's order (merged datasets follow shuffle_merged_datasets), as Axolotl
     if cfg.shuffle_merged_datasets and not (cfg.curriculum_sampling and len(cfg.datasets) == 1):
         data = data.shuffle(seed=cfg.seed)
+    if cfg.dataset_shard_num:  # Axolotl's _apply_dataset_sharding, before the validation split (SFT: Config checks)
+        data = data.shard(num_shards=cfg.dataset_shard_num, index=cfg.dataset_shard_idx)
+        stats["dataset_shard"] = f"{cfg.dataset_shard_idx} of {cfg.dataset_shard_num}"
     validation = None
     if cfg.val_set_size:
         size = cfg.val_set_size if cfg.val_set_size < 1 else int(cfg.val_set_size)

@@ -104,7 +104,7 @@ class Stream:
 
     def _examples(self, pass_index: int) -> Iterator[tuple[int, int, dict]]:
         # start-up: trainer.data.prepare imported only when this runs
-        from trainer.data.prepare import tokenize_example
+        from trainer.data.prepare import refuse_too_long, tokenize_example
 
         cfg = self.cfg
         rows = itertools.chain.from_iterable(((k, row) for row in _open(entry)) for k, entry in enumerate(self.entries))
@@ -127,6 +127,7 @@ class Stream:
                 continue
             ds = entry.as_dataset() if isinstance(entry, PretrainingDatasetConfig) else entry
             out = tokenize_example(row, ds, cfg, self.tokenizer)
+            refuse_too_long(cfg, int(out["too_long"]), 1, f"streamed rows (row {i})")
             too_short = cfg.min_sample_len is not None and out["length"] < cfg.min_sample_len
             if out["targets"] > 0 and not too_short and not (out["too_long"] and cfg.excess_length_strategy == "drop"):
                 yield i, 0, {"input_ids": out["input_ids"], "labels": out["labels"]}

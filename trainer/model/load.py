@@ -37,7 +37,10 @@ def load_model(cfg: Config, runtime: Runtime, tokenizer, source: str | None = No
 
     dtype = DTYPES[runtime.precision] if cfg.adapter else DTYPES[full_weights(cfg, runtime.precision)]
     quantization = bnb_config(cfg, DTYPES[runtime.precision], sharded=bool(cfg.deepspeed or cfg.fsdp or cfg.fsdp_config))
-    extra = dict(cfg.model_config_overrides or {})  # Axolotl's model_config: overrides of the model's config
+    # model_kwargs (not read by a from_config build, as Axolotl's), then model_config: overrides of the model's config
+    heads = head_kwargs(cfg, tokenizer)
+    extra = {**{k: v for k, v in user_kwargs(cfg).items() if k not in heads and not cfg.reinit_weights},
+             **(cfg.model_config_overrides or {})}
     if quantization is not None:
         extra["quantization_config"] = quantization
     elif cfg.model_quantization_config:  # Mxfp4Config(dequantize=True): gpt-oss's MXFP4 experts as weights
@@ -63,7 +66,7 @@ def load_model(cfg: Config, runtime: Runtime, tokenizer, source: str | None = No
             with head_init(cfg), experts.quantized_on_load(how):  # the head follows the objective (reward_model)
                 model = auto_class(cfg).from_pretrained(
                     source, dtype=dtype, attn_implementation=runtime.attention,
-                    trust_remote_code=cfg.trust_remote_code, **head_kwargs(cfg, tokenizer), **extra)
+                    trust_remote_code=cfg.trust_remote_code, **heads, **extra)
         if how:
             experts.quantize_remaining(model, how)
     except OSError as err:
@@ -154,15 +157,15 @@ def reentrant(cfg: Config) -> bool:
 
 
 def resize_embeddings(cfg: Config, model, tokenizer) -> None:
-    """Grow the embeddings for added tokens; resize_token_embeddings_to_32x rounds the size up to a multiple of 32."""
+    """Axolotl's _resize_token_embeddings (loaders/model.py): the embeddings grow to the tokenizer's length (rounded up
+    to a multiple of 32 with resize_token_embeddings_to_32x), or shrink to it with shrink_embeddings, through
+    transformers' resize_token_embeddings (mean_resizing: mean_resizing_embeddings where given, not for llava)."""
     rows = model.get_input_embeddings().weight.shape[0]
-    needed = max(len(tokenizer), rows)
-    if cfg.resize_token_embeddings_to_32x:
-        multiple = -(-needed // 32) * 32
-        if multiple != rows:
-            model.resize_token_embeddings(needed, pad_to_multiple_of=32)
-    elif len(tokenizer) > rows:
-        model.resize_token_embeddings(len(tokenizer))
+    target = -(-len(tokenizer) // 32) * 32 if cfg.resize_token_embeddings_to_32x else len(tokenizer)
+    if rows < target or (rows > target and cfg.shrink_embeddings):
+        mean = cfg.mean_resizing_embeddings
+        kwargs = {} if mean is None or model.config.model_type == "llava" else {"mean_resizing": mean}
+        model.resize_token_embeddings(target, **kwargs)
 
 
 def add_lora(cfg: Config, model):
@@ -187,22 +190,51 @@ def add_lora(cfg: Config, model):
     from trainer.model import loftq
 
     on_cuda = torch.cuda.is_available()  # peft's LoftQ computes on CUDA whatever device the weights are on
-    lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                      target_modules=targets, target_parameters=cfg.lora_target_parameters,
-                      use_rslora=cfg.peft_use_rslora, use_dora=cfg.peft_use_dora,
-                      modules_to_save=cfg.lora_modules_to_save, task_type=lora_task_type(cfg),
-                      exclude_modules=lora_exclusions(cfg),
-                      **loftq.lora_kwargs(cfg, on_cuda))
+    autocast = cfg.peft_autocast_adapter_dtype is not False
     try:
-        model = get_peft_model(model, lora, autocast_adapter_dtype=True)
-    except ValueError as err:
-        raise ConfigError(f"lora_target_modules: {str(err).splitlines()[0]}") from None
+        lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                          target_modules=targets, target_parameters=cfg.lora_target_parameters,
+                          use_rslora=cfg.peft_use_rslora, use_dora=cfg.peft_use_dora,
+                          modules_to_save=cfg.lora_modules_to_save, task_type=lora_task_type(cfg),
+                          exclude_modules=lora_exclusions(cfg),
+                          **{**loftq.lora_kwargs(cfg, on_cuda), **lora_options(cfg)})
+        model = get_peft_model(model, lora, autocast_adapter_dtype=autocast)
+    except ValueError as err:  # peft's own words, under the key they are about
+        first = str(err).splitlines()[0]
+        key = next((k for word, k in (("initialization", "peft_init_lora_weights"), ("layers_", "peft_layers_pattern"),
+                                      ("replication", "peft_layer_replication"), ("token", "peft_trainable_token_indices"))
+                    if word in first.lower()), "lora_target_modules")
+        raise ConfigError(f"{key}: {first}") from None
     if loftq.loftq_bits(cfg) and not on_cuda:
         loftq.apply_on_cpu(cfg, model)
-    for p in model.parameters():  # adapter weights train in fp32 whatever the base dtype
+    for p in model.parameters() if autocast else ():  # adapter weights train in fp32 whatever the base dtype
         if p.requires_grad:
             p.data = p.data.float()
     return model
+
+
+# from_pretrained arguments this loader passes itself (model_kwargs' value for one of them is replaced, as Axolotl's
+# ModelLoader replaces it with its own)
+OWN_KWARGS = ("dtype", "torch_dtype", "attn_implementation", "trust_remote_code", "quantization_config", "revision",
+              "config", "device_map")
+
+
+def user_kwargs(cfg: Config) -> dict:
+    """model_kwargs (Axolotl's overrides_of_model_kwargs) without the arguments the loader sets itself."""
+    return {k: v for k, v in (cfg.model_kwargs or {}).items() if k not in OWN_KWARGS}
+
+
+def lora_options(cfg: Config) -> dict:
+    """peft LoraConfig arguments from Axolotl's lora_*/peft_* keys, as its _build_lora_config_kwargs and
+    _build_peft_lora_config pass them (only the keys given: peft's defaults otherwise)."""
+    given = {"rank_pattern": cfg.lora_rank_pattern, "alpha_pattern": cfg.lora_alpha_pattern,
+             "layers_to_transform": cfg.peft_layers_to_transform, "layers_pattern": cfg.peft_layers_pattern,
+             "layer_replication": cfg.peft_layer_replication,
+             # true is peft's default: not passed, so it never replaces LoftQ's own initialisation
+             "init_lora_weights": None if cfg.peft_init_lora_weights is True else cfg.peft_init_lora_weights,
+             "trainable_token_indices": cfg.peft_trainable_token_indices,
+             "ensure_weight_tying": cfg.peft_ensure_weight_tying}
+    return {k: v for k, v in given.items() if v is not None and v != {} and v != []}
 
 
 def load_trained(cfg: Config, runtime: Runtime, tokenizer, model_dir=None):
@@ -237,7 +269,7 @@ def load_trained(cfg: Config, runtime: Runtime, tokenizer, model_dir=None):
             base = auto_class(cfg).from_pretrained(cfg.base_model, dtype=DTYPES[runtime.precision],
                                                    attn_implementation=runtime.attention,
                                                    trust_remote_code=cfg.trust_remote_code,
-                                                   **load_kwargs(cfg, tokenizer), **extra)
+                                                   **{**user_kwargs(cfg), **load_kwargs(cfg, tokenizer), **extra})
         resize_embeddings(cfg, base, tokenizer)
         packed_masks(base)
         return PeftModel.from_pretrained(base, str(model_dir))

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from trainer.batch.labels import IGNORE
 from trainer.data import user_code
-from trainer.data.prepare import filter_and_split, load_raw
+from trainer.data.prepare import filter_and_split, load_raw, merged
 from trainer.errors import DataError
 
 
@@ -63,9 +63,6 @@ def identity(cfg) -> list[str]:
 
 
 def build_ebft(cfg, tokenizer):
-    # heavy: datasets loads only when this runs
-    import datasets
-
     parts = []
     for i, ds in enumerate(cfg.datasets):
         factory, _ = resolve(cfg, ds.type, f"datasets.{i}.type")
@@ -76,7 +73,7 @@ def build_ebft(cfg, tokenizer):
                             f"{', '.join(mapped.column_names)}); it must tokenize (take tokenizer=)")
         parts.append(mapped.map(lambda row: _finish(row, cfg), remove_columns=mapped.column_names,
                                 desc=f"checking {ds.path}"))
-    return filter_and_split(cfg, datasets.concatenate_datasets(parts))
+    return filter_and_split(cfg, merged(cfg, parts))
 
 
 def _finish(row: dict, cfg) -> dict:

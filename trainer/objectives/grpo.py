@@ -282,11 +282,12 @@ class GRPO(Objective):
         from transformers import GenerationConfig
 
         trl = self.trl
-        return GenerationConfig(max_new_tokens=trl.completion_length, do_sample=True, pad_token_id=self.pad_id,
-                                bos_token_id=self.tokenizer.bos_token_id, eos_token_id=self.eos_ids,
-                                temperature=trl.temperature or 1.0, top_p=trl.top_p or 1.0, top_k=trl.top_k or 0,
-                                min_p=trl.min_p, repetition_penalty=trl.repetition_penalty or 1.0,
-                                num_return_sequences=self.G)
+        settings = {"max_new_tokens": trl.completion_length, "do_sample": True, "pad_token_id": self.pad_id,
+                    "bos_token_id": self.tokenizer.bos_token_id, "eos_token_id": self.eos_ids,
+                    "temperature": trl.temperature or 1.0, "top_p": trl.top_p or 1.0, "top_k": trl.top_k or 0,
+                    "min_p": trl.min_p, "repetition_penalty": trl.repetition_penalty or 1.0}
+        # trl.generation_kwargs over them, as TRL's GRPOTrainer updates its generation_kwargs
+        return GenerationConfig(**{**settings, **(trl.generation_kwargs or {})}, num_return_sequences=self.G)
 
     def trim(self, ids: list[int]) -> tuple[list[int], bool]:
         """(ids up to and with the first end-of-sequence token, truncated: no such token)."""

@@ -19,7 +19,7 @@ import inspect
 import json
 
 from trainer.data import user_code
-from trainer.data.prepare import Prepared, load_raw
+from trainer.data.prepare import Prepared, load_raw, refuse_too_long
 from trainer.errors import ConfigError, DataError
 from trainer.runtime.templates import render as budgeted  # the chat template under a time budget
 
@@ -43,10 +43,12 @@ def _transformed(cfg, i: int, ds, raw, tokenizer):
     return user_code.transform(factory(cfg, dataset_idx=i), raw, tokenizer, key, desc=f"transforming {ds.path}")
 
 
-def prompt_ids(prompt, tokenizer) -> list[int]:
-    """TRL's prompt tokens: chat messages through the chat template with a generation prompt; text as is."""
+def prompt_ids(prompt, tokenizer, template_kwargs: dict | None = None) -> list[int]:
+    """TRL's prompt tokens: chat messages through the chat template with a generation prompt (and
+    trl.chat_template_kwargs, as TRL's GRPOTrainer passes them); text as is."""
     if isinstance(prompt, list):
-        out = budgeted(tokenizer, prompt, add_generation_prompt=True, tokenize=True, return_dict=True)
+        out = budgeted(tokenizer, prompt, add_generation_prompt=True, tokenize=True, return_dict=True,
+                       **(template_kwargs or {}))
         return list(out["input_ids"])
     return list(tokenizer(prompt)["input_ids"])
 
@@ -68,7 +70,7 @@ def prepare(cfg, tokenizer, log=print):
     kept, too_long = [], 0
     for row in rows:
         try:
-            ids = prompt_ids(row["prompt"], tokenizer)
+            ids = prompt_ids(row["prompt"], tokenizer, cfg.trl.chat_template_kwargs if cfg.trl else None)
         except (ValueError, TypeError, KeyError) as err:  # no chat template, or messages it cannot render
             raise DataError(f"datasets: cannot tokenize the prompt {str(row['prompt'])[:80]!r}: "
                             f"{str(err).splitlines()[0] if str(err) else type(err).__name__}") from None
@@ -76,6 +78,7 @@ def prepare(cfg, tokenizer, log=print):
             too_long += 1
             continue
         kept.append({"prompt_ids": ids, "length": len(ids), "row": json.dumps(row, default=str), "index": len(kept)})
+    refuse_too_long(cfg, too_long, len(rows), "prompts")
     if too_long:
         log(f"{too_long} of {len(rows)} prompts are longer than sequence_len {cfg.sequence_len}: dropped")
     if not kept:

@@ -17,7 +17,7 @@ import torch
 
 from trainer.batch.collate import count_targets
 from trainer.data.formats import vision
-from trainer.data.prepare import filter_and_split, held_out, load_raw, load_tokenizer, prepare
+from trainer.data.prepare import filter_and_split, held_out, load_raw, load_tokenizer, merged, prepare
 from trainer.objectives import chunked_loss
 from trainer.objectives.base import Objective
 from trainer.objectives.sft import SFT
@@ -56,10 +56,10 @@ class VisionSFT(SFT):
                          for i, row in enumerate(raw)]))
                 return parts
 
-            # rows are never truncated (an image's tokens cannot be cut): longer ones are dropped whatever
-            # excess_length_strategy says
-            whole = cfg.model_copy(update={"excess_length_strategy": "drop"})
-            data, validation, stats = filter_and_split(whole, datasets.concatenate_datasets(each(cfg.datasets)))
+            # rows are never truncated (an image's tokens cannot be cut): longer ones are dropped, or refused (raise)
+            whole = cfg if cfg.excess_length_strategy == "raise" else cfg.model_copy(
+                update={"excess_length_strategy": "drop"})
+            data, validation, stats = filter_and_split(whole, merged(cfg, each(cfg.datasets)))
             if cfg.test_datasets:
                 validation = held_out(whole, each(cfg.test_datasets))
             stats.update(train_rows=len(data), train_tokens=int(sum(data["length"])),

@@ -51,12 +51,7 @@ def make_optimizer(cfg, model):
     if importlib.util.find_spec(row["library"]) is None:
         raise ConfigError(f"optimizer: {cfg.optimizer} needs the {row['library']} package, which is not installed "
                           f"(pip install {row['library']}, or pick adamw_torch)")
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    groups = [{"params": [p for _, p in named if p.ndim >= 2], "weight_decay": cfg.weight_decay},
-              {"params": [p for _, p in named if p.ndim < 2], "weight_decay": 0.0}]
-    # no empty group (LoRA has no 1-d parameters): DeepSpeed ZeRO-3 drops empty groups, leaving the schedule
-    # one group short
-    groups = [g for g in groups if g["params"]]
+    groups = param_groups(cfg, [(n, p) for n, p in model.named_parameters() if p.requires_grad])
     optim_args = cfg.optim_args
     if isinstance(optim_args, dict):
         optim_args = ",".join(f"{k}={v}" for k, v in optim_args.items())
@@ -67,7 +62,15 @@ def make_optimizer(cfg, model):
         cls, kwargs = torch_adamw(args) or _transformers_optimizer(args, model)
     except (ImportError, ValueError) as err:
         raise ConfigError(f"optimizer: {cfg.optimizer}: {str(err).splitlines()[0]}") from None
-    optimizer = cls(groups, **kwargs)
+    if cfg.loraplus_lr_ratio is not None:  # LoRA+: peft's own groups (Axolotl's create_optimizer)
+        from peft.optimizers import create_loraplus_optimizer  # heavy: peft loads only here
+
+        embedding_lr = 1e-6 if cfg.loraplus_lr_embedding is None else cfg.loraplus_lr_embedding
+        optimizer = create_loraplus_optimizer(model, cls, loraplus_lr_ratio=cfg.loraplus_lr_ratio,
+                                              loraplus_lr_embedding=embedding_lr, **kwargs)
+        optimizer.param_groups[:] = [g for g in optimizer.param_groups if g["params"]]  # (no empty group: below)
+    else:
+        optimizer = cls(groups, **kwargs)
     if "bitsandbytes" in cls.__module__ and kwargs.get("optim_bits") == 8:
         import bitsandbytes
 
@@ -76,6 +79,35 @@ def make_optimizer(cfg, model):
             if isinstance(module, torch.nn.Embedding):
                 manager.register_module_override(module, "weight", {"optim_bits": 32})
     return optimizer
+
+
+def param_groups(cfg, named: list) -> list[dict]:
+    """The trainable parameters' groups: with and without weight decay (1-d: biases, norms); with embedding_lr /
+    embedding_lr_scale / lr_groups, as Axolotl's create_optimizer_grouped_parameters: the embeddings (embed_tokens,
+    lm_head, a saved module's weight) apart without decay at learning_rate x embedding_lr_scale, else at embedding_lr,
+    and each lr_group's decayed parameters (a name containing one of its modules) at its lr. No empty group: DeepSpeed
+    ZeRO-3 drops empty groups, leaving the schedule one group short (LoRA has no 1-d parameters)."""
+    lr = cfg.learning_rate
+    if not (cfg.embedding_lr or cfg.embedding_lr_scale or cfg.lr_groups):
+        groups = [{"params": [p for _, p in named if p.ndim >= 2], "weight_decay": cfg.weight_decay},
+                  {"params": [p for _, p in named if p.ndim < 2], "weight_decay": 0.0}]
+        return [g for g in groups if g["params"]]
+    embedding = lr * cfg.embedding_lr_scale if cfg.embedding_lr_scale else cfg.embedding_lr or lr
+    owner = {m: g for g in cfg.lr_groups or [] for m in g.modules}
+    decay, embeddings, rest, by_group = [], [], [], {g.name: [] for g in cfg.lr_groups or []}
+    for name, p in named:
+        if name.endswith("modules_to_save.default.weight") or "embed_tokens" in name or "lm_head" in name:
+            embeddings.append(p)
+        elif p.ndim < 2:
+            rest.append(p)
+        else:
+            found = next((m for m in owner if m in name), None)
+            (by_group[owner[found].name] if found else decay).append(p)
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay, "lr": lr},
+              {"params": embeddings, "weight_decay": 0.0, "lr": embedding},
+              {"params": rest, "weight_decay": 0.0, "lr": lr}]
+    groups += [{"params": by_group[g.name], "weight_decay": cfg.weight_decay, "lr": g.lr} for g in cfg.lr_groups or []]
+    return [g for g in groups if g["params"]]
 
 
 ADAMW_TORCH = ("adamw_torch", "adamw_torch_fused")  # transformers' names for torch's AdamW (_get_adamw_torch)

@@ -140,16 +140,16 @@ def test_unknown_key_inside_a_dataset_entry():
 
 
 def test_refused_axolotl_key_says_why_and_what_to_write():
-    with pytest.raises(ConfigError, match=r"loraplus_lr_ratio: LoRA\+ .* is not implemented: ignoring it would train "
-                                          r"A and B at learning_rate; remove it"):
-        parse_config({**BASE, "loraplus_lr_ratio": 16})
+    with pytest.raises(ConfigError, match=r"use_pose: PoSE changes the position ids trained on: ignoring it would "
+                                          r"train plain positions; remove it"):
+        parse_config({**BASE, "use_pose": True})
 
 
 def test_empty_refused_keys_and_inert_keys_are_accepted():
-    cfg, notes = parse_config({**BASE, "loraplus_lr_ratio": None, "fsdp": None, "strict": True})
+    cfg, notes = parse_config({**BASE, "use_pose": None, "fsdp": None, "strict": True})
     assert cfg.base_model == "org/model"
     assert any(n.startswith("ignored: strict") for n in notes)  # one note line naming the inert keys
-    assert not any("loraplus_lr_ratio" in n for n in notes)  # empty: asks for nothing
+    assert not any("use_pose" in n for n in notes)  # empty: asks for nothing
 
 
 def test_null_means_default():
@@ -240,12 +240,12 @@ def test_version():
 
 def test_validate_reports_key_file_and_hardware_problems_in_one_run(make_config, tmp_path, capsys):
     """A user fixes everything in one round: a refused key, a bad value, a missing file and the GPU's limit."""
-    path = make_config(loraplus_lr_ratio=16, optimizer="adamw_bnb_9bit", bf16=True,
+    path = make_config(use_pose=True, optimizer="adamw_bnb_9bit", bf16=True,
                        datasets=[{"path": str(tmp_path / "nope.jsonl"), "type": "alpaca"}])
     assert main(["validate", str(path), "--gpu", "t4"]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 4 and all(line.startswith("error: ") for line in lines), lines
-    assert [line.split(":")[1].strip() for line in lines] == ["loraplus_lr_ratio", "optimizer", "datasets.0.path", "bf16"]
+    assert [line.split(":")[1].strip() for line in lines] == ["use_pose", "optimizer", "datasets.0.path", "bf16"]
 
 
 def test_a_config_file_without_learning_rate_is_refused_as_axolotl_refuses_it(tmp_path):

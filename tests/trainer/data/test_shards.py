@@ -44,3 +44,42 @@ def test_a_shard_of_a_streamed_dataset_is_refused():
                                           "not implemented"):
         parse_config({**BASE, "streaming": True, "max_steps": 5,
                       "datasets": [{"path": "org/data", "type": "alpaca", "shards": 4}]})
+
+
+def test_dataset_shard_num_and_idx_shard_the_prepared_rows_as_axolotl():
+    """dataset_shard_num / dataset_shard_idx: Axolotl's _apply_dataset_sharding (utils/data/sft.py) shards the
+    prepared rows, `dataset.shard(num_shards, index)`, before the validation split; a lone one, an index past the
+    shards, or rl: are refused (Axolotl trains on all the rows there)."""
+    import datasets
+
+    from trainer.data.prepare import filter_and_split
+
+    rows = datasets.Dataset.from_dict({"input_ids": [[i, i] for i in range(20)], "labels": [[i, i] for i in range(20)],
+                                       "too_long": [False] * 20, "length": [2] * 20, "targets": [1] * 20})
+    cfg, _ = parse_config({**BASE, "datasets": [{"path": "d.jsonl", "type": "alpaca"}], "dataset_shard_num": 3,
+                           "dataset_shard_idx": 2, "seed": 5})
+    data, _, stats = filter_and_split(cfg, rows)
+    want = rows.remove_columns(["too_long"]).shuffle(seed=5).shard(num_shards=3, index=2)  # Axolotl's two calls
+    assert data["input_ids"][:] == want["input_ids"][:] and stats["dataset_shard"] == "2 of 3"
+    for extra, message in (({"dataset_shard_num": 3}, "go together"), ({"dataset_shard_idx": 0}, "go together"),
+                           ({"dataset_shard_num": 3, "dataset_shard_idx": 3}, "names no shard of 3"),
+                           ({"dataset_shard_num": 3, "dataset_shard_idx": 1, "rl": "dpo"}, "shards prepared SFT rows")):
+        with pytest.raises(ConfigError, match=message):
+            parse_config({**BASE, "datasets": [{"path": "d.jsonl", "type": "alpaca"}], **extra})
+
+
+@pytest.mark.slow
+def test_dataset_shard_trains_through_the_cli(tmp_path, tiny_llama):
+    import yaml
+
+    from tests.trainer.helpers import run_cli
+
+    data = write_jsonl(tmp_path / "rows.jsonl", [{"text": f"row {i} of the data"} for i in range(24)])
+    config = tmp_path / "c.yml"
+    config.write_text(yaml.safe_dump({
+        "base_model": str(tiny_llama), "datasets": [{"path": str(data), "type": "completion"}],
+        "dataset_shard_num": 4, "dataset_shard_idx": 1, "dataset_prepared_path": str(tmp_path / "prepared"),
+        "output_dir": str(tmp_path / "out"), "sequence_len": 64, "micro_batch_size": 2, "max_steps": 2,
+        "learning_rate": 1e-3, "seed": 1}))
+    result = run_cli("train", str(config), timeout=400)
+    assert result.returncode == 0, result.stderr[-3000:]

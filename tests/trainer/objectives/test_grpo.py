@@ -313,3 +313,47 @@ def test_mask_truncated_completions_drops_cut_completions_from_the_loss(tiny_lla
 
     assert mask_for(False) == [[1, 1, 1, 0], [1, 1, 1, 1]]
     assert mask_for(True) == [[1, 1, 1, 0], [0, 0, 0, 0]]
+
+
+def test_trl_chat_template_kwargs_reach_the_prompts_as_trl_renders_them():
+    """trl.chat_template_kwargs: TRL's GRPOTrainer renders each prompt with apply_chat_template(prompt,
+    add_generation_prompt=True, **chat_template_kwargs); transformers' own render is the reference."""
+    from trainer.model.tiny import build_tokenizer
+    from trainer.objectives.grpo_data import prompt_ids
+
+    tok = build_tokenizer()
+    tok.chat_template = ("{% if mood is defined %}{{ mood }} {% endif %}{% for m in messages %}{{ m.content }}"
+                         "{% endfor %}{% if add_generation_prompt %} A:{% endif %}")
+    prompt = [{"role": "user", "content": "How many words: the fox?"}]
+    want = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=True, mood="calm")
+    assert prompt_ids(prompt, tok, {"mood": "calm"}) == list(want["input_ids"])
+    assert prompt_ids(prompt, tok) != prompt_ids(prompt, tok, {"mood": "calm"})
+
+
+@pytest.mark.slow
+def test_trl_chat_template_kwargs_train_through_the_cli(grpo_config, tmp_path):
+    config = grpo_config(trl={"chat_template_kwargs": {"enable_thinking": False}}, max_steps=2, save_steps=None,
+                         output_dir=str(tmp_path / "out"))
+    assert main(["train", str(config)]) == 0
+    assert [r["step"] for r in read_metrics(tmp_path / "out") if "loss" in r] == [1, 2]
+
+
+def test_trl_generation_kwargs_update_the_sampling_settings_as_trl_does(grpo_config):
+    """trl.generation_kwargs: TRL's GRPOTrainer updates its generation_kwargs dict with them (user values win)."""
+    from trainer.config import load_config
+    from trainer.objectives.grpo import GRPO
+
+    cfg, _ = load_config(grpo_config(trl={"generation_kwargs": {"top_k": 7, "no_repeat_ngram_size": 2}}))
+    method = GRPO.__new__(GRPO)
+    method.trl, method.G, method.pad_id, method.eos_ids = cfg.trl, 2, 0, [1]
+    method.tokenizer = type("T", (), {"bos_token_id": 2})()
+    config = method.generation_config()
+    assert (config.top_k, config.no_repeat_ngram_size, config.temperature) == (7, 2, 0.7)
+
+
+@pytest.mark.slow
+def test_trl_generation_kwargs_train_through_the_cli(grpo_config, tmp_path):
+    config = grpo_config(trl={"generation_kwargs": {"top_k": 5}}, max_steps=2, save_steps=None,
+                         output_dir=str(tmp_path / "out"))
+    assert main(["train", str(config)]) == 0
+    assert [r["step"] for r in read_metrics(tmp_path / "out") if "loss" in r] == [1, 2]

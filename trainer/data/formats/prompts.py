@@ -20,10 +20,12 @@ unless train_on_inputs.
 
 from __future__ import annotations
 
+import json
 import os
 
 from trainer.batch.labels import IGNORE
 from trainer.config import DatasetConfig
+from trainer.config.datasets import eot_conflict
 from trainer.data.formats import alpaca_styles, instruction
 from trainer.data.formats.roles import role_alias
 from trainer.errors import DataError
@@ -187,7 +189,27 @@ def split_thinking(content: str, key: str) -> dict:
     return {}
 
 
-def render_chat(row: dict, ds: DatasetConfig, tokenizer, eot_tokens: list[str] | None = None) -> tuple[str, Spans, bool]:
+def tools_of(row: dict, ds: DatasetConfig) -> list[dict] | None:
+    """The row's tool definitions for the chat template (Axolotl's _get_tools): a list of dicts, or its JSON text; a
+    function's parameters given as JSON text are read too. None where the row has none."""
+    tools = row.get(ds.field_tools)
+    try:
+        if isinstance(tools, str):
+            tools = json.loads(tools)
+        for tool in tools if isinstance(tools, list) else []:
+            function = tool.get("function") if isinstance(tool, dict) else None
+            if isinstance(function, dict) and isinstance(function.get("parameters"), str):
+                function["parameters"] = json.loads(function["parameters"])
+    except json.JSONDecodeError as err:
+        raise DataError(f"dataset {ds.path}: '{ds.field_tools}' is not valid JSON ({err})") from None
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise DataError(f"dataset {ds.path}: '{ds.field_tools}' must be a list of tool definitions (dicts); got "
+                        f"{type(tools).__name__}")
+    return tools or None
+
+
+def _template(ds: DatasetConfig, tokenizer) -> str:
+    """The chat template a dataset renders with: its own, else the tokenizer's."""
     template = tokenizer.chat_template
     if ds.chat_template:  # this dataset's own template
         # start-up: trainer.data.formats.chat_templates imported only when this runs
@@ -197,6 +219,12 @@ def render_chat(row: dict, ds: DatasetConfig, tokenizer, eot_tokens: list[str] |
     if not template:
         raise DataError("the tokenizer has no chat template; set chat_template: chatml (or another name), or jinja "
                         "with chat_template_jinja")
+    return template
+
+
+def render_chat(row: dict, ds: DatasetConfig, tokenizer, eot_tokens: list[str] | None = None,
+                template_kwargs: dict | None = None) -> tuple[str, Spans, bool]:
+    template = _template(ds, tokenizer)
     messages = _messages(row, ds)
     if ds.drop_system_message:
         messages = [m for m in messages if m["role"] != "system"]
@@ -204,17 +232,23 @@ def render_chat(row: dict, ds: DatasetConfig, tokenizer, eot_tokens: list[str] |
         _join_parts(message, ds)
     flags = [m.pop(TRAIN_FLAG, None) for m in messages]
     details = [m.pop(TRAIN_DETAIL, None) for m in messages]
+    # Axolotl's prompter: the config's chat_template_kwargs, and the row's tools where it has some, on every render
+    tools = tools_of(row, ds)
+    extra = {**(template_kwargs or {}), **({"tools": tools} if tools else {})}
 
     def render(msgs, header=False):
         if not msgs:
             return ""
-        return budgeted(tokenizer, msgs, tokenize=False, add_generation_prompt=header, chat_template=template)
+        return budgeted(tokenizer, msgs, tokenize=False, add_generation_prompt=header, chat_template=template, **extra)
 
     text = render(messages)
     # train_on_eos (Axolotl's): which end-of-turn tokens are trained. Unset and no eot_tokens: the whole
     # rendered tail of each trained turn (its EOT and any separator after it) is trained.
-    policy = ds.train_on_eos or ("turn" if eot_tokens else None)
+    # train_on_eot (Axolotl's), where set, decides the end-of-turn tokens instead; an EOS among them follows both
+    policy = ds.train_on_eot or ds.train_on_eos or ("turn" if eot_tokens else None)
     eots = [t for t in (eot_tokens or [tokenizer.eos_token]) if t]
+    if ds.train_on_eot and tokenizer.eos_token in eots and ds.train_on_eot != (ds.train_on_eos or "turn"):
+        raise DataError(eot_conflict(f"dataset {ds.path}", ds))
     spans = []
     last = len(messages) - 1
     for i, message in enumerate(messages):
@@ -323,14 +357,14 @@ RENDERERS = {
 
 
 def tokenize_row(row: dict, ds: DatasetConfig, tokenizer, train_on_inputs: bool,
-                 eot_tokens: list[str] | None = None) -> dict:
+                 eot_tokens: list[str] | None = None, template_kwargs: dict | None = None) -> dict:
     # start-up: trainer.data.formats.mistral_tokenizer imported only when this runs
     from trainer.data.formats import mistral_tokenizer
 
     if ds.type == "chat_template" and mistral_tokenizer.is_mistral(tokenizer):  # ids, not text: see that module
         return mistral_tokenizer.tokenize_chat(row, ds, tokenizer, train_on_inputs)
     if ds.type == "chat_template":
-        text, spans, add_special = render_chat(row, ds, tokenizer, eot_tokens)
+        text, spans, add_special = render_chat(row, ds, tokenizer, eot_tokens, template_kwargs)
     elif ds.user_defined is not None or ds.type in instruction.NAMED:
         text, spans, add_special = instruction.render(row, ds, tokenizer)
     else:

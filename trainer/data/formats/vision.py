@@ -244,6 +244,7 @@ class Masking:
     train_on_inputs: bool
     never: frozenset[int] = field(default_factory=frozenset)  # pad, image and media token ids
     source: str = ""  # where the boundaries came from, for the run's note
+    template_kwargs: dict = field(default_factory=dict)  # the config's chat_template_kwargs, on every render
 
 
 def template_row(name: str | None) -> dict | None:
@@ -272,8 +273,8 @@ def masking(cfg, tokenizer, processor) -> Masking:
             if isinstance(ids, int) and ids != tokenizer.unk_token_id:
                 never.add(ids)
     return Masking(boundaries, frozenset(first.roles_to_train if first else ["assistant"]),
-                   (first.train_on_eos if first else None) or "turn", bool(cfg.train_on_inputs),
-                   frozenset(never), source)
+                   (first.train_on_eot or first.train_on_eos if first else None) or "turn", bool(cfg.train_on_inputs),
+                   frozenset(never), source, dict(cfg.chat_template_kwargs or {}))
 
 
 def _boundary(spec: dict, i: int, tokenizer) -> Boundary:
@@ -349,7 +350,7 @@ def encode(conversations: list[list[dict]], processor, tokenizer, m: Masking, si
 
     texts, images = [], []  # images: one list per conversation, as the processor's apply_chat_template passes them
     for i, turns in enumerate(conversations):
-        texts.append(budgeted(tokenizer, turns, tokenize=False, add_generation_prompt=False))
+        texts.append(budgeted(tokenizer, turns, tokenize=False, add_generation_prompt=False, **m.template_kwargs))
         images.append([load_image(p, where[i] if where else "row", size, algorithm)
                        for turn in turns for p in turn["content"] if p["type"] == "image"])
     images = images if any(images) else None
@@ -383,6 +384,9 @@ def base_dir(ds) -> Path | None:
 def prepared_row(row: dict, index: int, ds, cfg, processor, tokenizer, m: Masking, size) -> dict:
     """One raw row -> {messages (JSON), length, targets, too_long}: checked and measured through the processor."""
     where = f"dataset {ds.source} row {index + 1}"  # counted from 1: a JSON Lines file's line number
+    if row.get(ds.field_tools):  # Axolotl renders them for image conversations too; this path does not yet
+        raise DataError(f"{where}: tool definitions ('{ds.field_tools}') in an image conversation are not rendered "
+                        "here yet; remove the column (or train the conversations without images)")
     turns = conversation(row, ds.field_messages, where, base_dir(ds))
     batch = encode([turns], processor, tokenizer, m, size, cfg.image_resize_algorithm, [where])
     n = int(batch["input_ids"].shape[1])
