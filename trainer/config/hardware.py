@@ -96,7 +96,8 @@ class HardwareKeys(BaseModel):
     # Axolotl's chunked loss: the trainer's loss is chunked wherever the model allows it, at its own chunk size (the
     # same loss and gradients either way; matrices/axolotl_keys.toml), so the values are read and change nothing
     chunked_cross_entropy: bool | None = None
-    chunked_cross_entropy_num_chunks: int | None = Field(None, ge=1)  # Axolotl's: the target tokens in that many chunks
+    # Axolotl's: the target tokens in that many chunks; 0 = unset, as Axolotl reads it
+    chunked_cross_entropy_num_chunks: int | None = Field(None, ge=0)
     lora_mlp_kernel: bool = False
     lora_qkv_kernel: bool = False
     lora_o_kernel: bool = False
