@@ -180,7 +180,7 @@ def test_legacy_attention_flags_mean_attn_implementation():
 @pytest.mark.slow
 def test_bad_config_fails_with_one_clear_line(tmp_path, tiny_llama):
     raw = yaml.safe_load(AXOLOTL_INSTRUCT_LORA.format(model=tiny_llama))
-    raw.update(chat_template="llama_3", optimizer="adamw_bnb_9bit", loraplus_lr_ratio=16)
+    raw.update(chat_template="llama_3", optimizer="adamw_bnb_9bit", use_pose=True)
     path = tmp_path / "bad.yml"
     path.write_text(yaml.safe_dump(raw))
     result = run_cli("validate", str(path), "--gpu", "a100")
@@ -190,7 +190,7 @@ def test_bad_config_fails_with_one_clear_line(tmp_path, tiny_llama):
     # every problem in one run, one line each, so one run shows all that must change
     assert len(lines) == 3, lines
     assert all(line.startswith("error: ") for line in lines)
-    assert any(line.startswith("error: loraplus_lr_ratio: LoRA+") for line in lines)
+    assert any(line.startswith("error: use_pose: PoSE") for line in lines)
     assert any("unknown template 'llama_3'" in line for line in lines)
     assert any("unknown optimizer 'adamw_bnb_9bit'" in line for line in lines)
 
