@@ -635,12 +635,13 @@ def train(
     # start-up: resolver.emit, resolver.launch imported only when this runs
     from .emit import Request
     from .emit import emit as write_launcher
-    from .launch import Distribution, check_places, plan_training, train_in
+    from .launch import Distribution, Starting, check_places, plan_training, train_in
 
     check_places(venv=venv, image=image, emit=emit, output=output, pvc=pvc, secret=secret)
     dist = Distribution(nproc, nnodes, node_rank, rdzv_endpoint)
     training = plan_training(config, opts, dist, venv=venv, image=image, isolated=isolated, emit=emit,
-                             fit_check=not (dry_run or no_fit_check))  # does_not_fit: exit 2 before anything starts
+                             then=Starting(fit_check=not (dry_run or no_fit_check),  # does_not_fit: exit 2 first
+                                           starting=not dry_run and not emit))
     log = (lambda s: None) if json_out else say
     if emit:
         text = write_launcher(training, Request(emit, output, pvc, secret), dist, sources, dry_run=dry_run,

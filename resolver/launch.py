@@ -683,14 +683,22 @@ def check_places(*, venv: Path | None, image: bool, emit: str | None, output: Pa
         check_claim(pvc)
 
 
+class Starting(NamedTuple):
+    """What follows the plan: `fit_check` stops (exit 2) where the estimate says the run does not fit the plan's GPU
+    (resolver/fit.py `check`); `starting`: the run starts next, not a dry run (`--gpu cpu` then trains on this
+    machine: its model must be found here, as for a detected GPU)."""
+
+    fit_check: bool = False
+    starting: bool = False
+
+
 def plan_training(config: Path, opts: PlanOptions, dist: Distribution, *, venv: Path | None = None,
                   image: bool = False, isolated: bool = False, emit: str | None = None,
-                  fit_check: bool = False) -> Training:
+                  then: Starting = Starting()) -> Training:
     """Read the config, plan for it, check it against the plan and decide where and how it runs: everything that
     can refuse, in seconds, before anything is built, pulled or started (also what --dry-run shows). The config is
     judged against the plan once (`plan_for_config`, the trainer's `for_plan`): the dry run's report, the memory
-    estimate and the launch all read that one judgement. `fit_check`: stop (exit 2) where the estimate says the
-    run does not fit the plan's GPU (resolver/fit.py `check`)."""
+    estimate and the launch all read that one judgement. `then`: what follows (Starting)."""
     if emit is None:
         dist.check()
     cfg, load_notes = read_config(config)
@@ -704,7 +712,7 @@ def plan_training(config: Path, opts: PlanOptions, dist: Distribution, *, venv: 
         from trainer.setup import check_inputs
 
         here = ((opts.gpu or "auto") == "auto" and fitted.plan.gpu.get("source") not in NAMED_GPU_SOURCES) \
-            or ((opts.gpu or "").strip().lower() == "cpu" and not image)  # `--gpu cpu` here: this machine
+            or (then.starting and (opts.gpu or "").strip().lower() == "cpu" and not image)  # a CPU run starting here
         _trainer_call(config, check_inputs, cfg, here)
     if (image or emit == "k8s") and not opts.python:  # in the plan's image: the Python of its base, where it has one
 
@@ -735,7 +743,7 @@ def plan_training(config: Path, opts: PlanOptions, dist: Distribution, *, venv: 
         fit = _trainer_call(config, on_plan, cfg, fitted.runtime, config, fitted.plan,
                             launcher_nproc(fitted.plan, cfg, config, dist) * dist.nnodes)  # the trainer's refusals
     training = Training(config, cfg, fitted.plan, fitted.notes, fitted.trainer, launch, fit)
-    if fit_check:
+    if then.fit_check:
         from .fit import check
 
         check(training)  # does_not_fit: exit 2 before anything is built or started
