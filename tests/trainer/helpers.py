@@ -60,10 +60,37 @@ def run_group(cmd: list[str], env: dict, cwd: Path, timeout: int) -> subprocess.
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired as expired:
+            # torchrun's workers run in sessions of their own: the group kill misses them, and an orphan holding the
+            # pipes would keep communicate() waiting for good. Every descendant is found first, then all killed.
+            for pid in [proc.pid, *descendants(proc.pid)]:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
             os.killpg(proc.pid, signal.SIGKILL)
-            out, err = proc.communicate()
+            try:
+                out, err = proc.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                out, err = "", "(the output could not be read: a process outside the group still holds it)"
             raise subprocess.TimeoutExpired(cmd, timeout, output=out, stderr=err) from expired
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (Linux /proc), children before their parents' siblings; [] elsewhere."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(entry.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(parent, []).append(int(entry.parent.name))
+    found, todo = [], list(children.get(pid, []))
+    while todo:
+        child = todo.pop()
+        found.append(child)
+        todo.extend(children.get(child, []))
+    return found
 
 
 def run_cli(*args: str, env: dict | None = None, cwd: Path | None = None, timeout: int = 180) -> subprocess.CompletedProcess:
