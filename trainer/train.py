@@ -728,7 +728,23 @@ class Training:
         if hasattr(self.model, "destroy"):  # a DeepSpeed engine: stop its hooks and helper threads first
             self.model.destroy()
         self.accelerator.end_training()
+        self.release_collectives()
         return final
+
+    def release_collectives(self) -> None:
+        """A torchrun run's last act, every rank past the final barrier: the wrapped model (DDP's reducer holds a
+        process group) and the optimizer are dropped and the process group destroyed here, while every peer is still
+        in the run. Left to the interpreter's exit, gloo's process group was destroyed after a peer had gone, and its
+        destructor waited for good: a finished 2-process run that never exited (seen once in CI's rehearsal, under
+        load). Ray Train's workers are left to Ray, which tears its own group down."""
+        if (self.world <= 1 or not torch.distributed.is_initialized()
+                or os.environ.get("ENVTOOL_RAY_WORKER") == "1"):
+            return
+        self.accelerator.free_memory()
+        self.model = self.optimizer = self.scheduler = None
+        gc.collect()
+        barrier("release", self.rank, self.timeout)
+        torch.distributed.destroy_process_group()
 
     def write_final(self, tmp: Path, final: Path, full_state) -> None:
         """The final model (or adapter), tokenizer, processor and generation config into `tmp`, renamed to `final`
