@@ -844,8 +844,9 @@ def main() -> None:
     # start-up: trainer.errors imported only when this runs (no torch, no pydantic)
     from trainer.errors import no_home
 
-    if no_home():
-        print(f"envtool: error: {no_home()}", file=sys.stderr)
+    why = no_home()
+    if why:
+        print(f"envtool: error: {why}", file=sys.stderr)
         sys.exit(2)
     words = [a for a in sys.argv[1:] if not a.startswith("-")]
     if words[:1] and words[0] in FAST_COMMANDS:

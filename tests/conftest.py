@@ -44,7 +44,8 @@ def _extended_slice() -> set[str]:
         raise pytest.UsageError(f"ENVTOOL_EXTENDED_SLICE={index!r}: give a slice number (0-3), as .ci/run does")
     from tests.support.extended import listed, slices
 
-    return set(slices(listed())[int(index) % len(slices(listed()))])
+    dealt = slices(listed())
+    return set(dealt[int(index) % len(dealt)])
 
 # What the guard measures: the CPU time (user + system) of the test's call phase -- not its fixtures' set-up --
 # spent by the pytest process (all its threads) plus the child processes it waited for (subprocess.run,

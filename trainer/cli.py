@@ -439,8 +439,9 @@ def main(argv: list[str] | None = None) -> int:
     prefix = f"error (rank {rank}): " if rank not in (None, "0") else "error: "
     from trainer.errors import capped, no_home, readable, record  # under envtool's torchrun launcher the line goes to it, printed once
 
-    if no_home():
-        print(prefix + no_home(), file=sys.stderr)
+    why = no_home()
+    if why:
+        print(prefix + why, file=sys.stderr)
         return 2
 
     try:
