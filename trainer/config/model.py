@@ -122,13 +122,12 @@ class ModelKeys(BaseModel):
         if self.quantize_moe_experts and not (self.adapter and (self.load_in_4bit or self.load_in_8bit)):
             raise ValueError("quantize_moe_experts needs adapter: lora or qlora with load_in_4bit or load_in_8bit "
                              "(the experts take the quantization the linear layers load with)")
-        if self.quantize_moe_experts and any("expert" in t.lower() for t in self.lora_target_parameters or []):
-            raise ValueError("quantize_moe_experts with lora_target_parameters on the expert tensors is not "
-                             "supported: peft cannot wrap a quantized (parametrized) tensor correctly (it targets "
-                             "one only by its full module name, a nested wrapper reads it stale and trains nothing, "
-                             "and the adapter's delta is left on it after each forward); train expert LoRA on "
-                             "unquantized experts (drop quantize_moe_experts) or keep the adapters on the linear "
-                             "layers")
+        if self.lora_target_parameters and self.lora_dropout:
+            raise ValueError(f"lora_dropout: {self.lora_dropout} with lora_target_parameters: dropout cannot apply to "
+                             "a LoRA on a bare parameter (peft's ParamWrapper); set lora_dropout: 0")
+        if self.quantize_moe_experts and self.lora_target_linear:
+            raise ValueError("lora_target_linear with quantize_moe_experts: the experts are not linear layers; name "
+                             "them in lora_target_parameters instead (as Axolotl requires)")
         sharded = [k for k in ("fsdp", "fsdp_config", "fsdp_version", "deepspeed") if getattr(self, k, None)]
         if self.quantize_moe_experts and sharded:
             raise ValueError(f"quantize_moe_experts with {sharded[0]} is not supported: FSDP and DeepSpeed shard the "

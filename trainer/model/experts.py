@@ -107,6 +107,9 @@ def quantize(module, name: str, how: dict) -> None:
     import bitsandbytes.functional as F
     from bitsandbytes.nn.parametrize import replace_parameter_4bit
 
+    from trainer.model.expert_lora import remember_order
+
+    remember_order(module)  # expert LoRA nests peft's wrappers in this order (trainer/model/expert_lora.py)
     param = module._parameters[name]
     if how["bits"] == 4:
         replace_parameter_4bit(module, name, compress_statistics=how["double_quant"], quant_type=how["quant_type"],

@@ -17,7 +17,7 @@ import torch
 from trainer.config import Config
 from trainer.config.model import lora_exclusions, lora_task_type
 from trainer.errors import ConfigError, TrainingError
-from trainer.model import attention_varlen, experts
+from trainer.model import attention_varlen, expert_lora, experts
 from trainer.model.attention import packed_masks
 from trainer.runtime.hardware import Runtime
 from trainer.runtime.hardware import full_weights
@@ -174,7 +174,8 @@ def add_lora(cfg: Config, model):
 
     if cfg.lora_model_dir:  # continue from a trained adapter (its own r, alpha and targets)
         try:
-            model = PeftModel.from_pretrained(model, cfg.lora_model_dir, is_trainable=True)
+            with expert_lora.for_peft(model):  # quantized experts as peft sees them unquantized (expert_lora.py)
+                model = PeftModel.from_pretrained(model, cfg.lora_model_dir, is_trainable=True)
         except (OSError, ValueError) as err:
             raise ConfigError(f"lora_model_dir: cannot load an adapter from {cfg.lora_model_dir}: "
                               f"{str(err).splitlines()[0]}") from None
@@ -198,7 +199,8 @@ def add_lora(cfg: Config, model):
                           modules_to_save=cfg.lora_modules_to_save, task_type=lora_task_type(cfg),
                           exclude_modules=lora_exclusions(cfg),
                           **{**loftq.lora_kwargs(cfg, on_cuda), **lora_options(cfg)})
-        model = get_peft_model(model, lora, autocast_adapter_dtype=autocast)
+        with expert_lora.for_peft(model):  # LoRA on quantized experts (lora_target_parameters; expert_lora.py)
+            model = get_peft_model(model, lora, autocast_adapter_dtype=autocast)
     except ValueError as err:  # peft's own words, under the key they are about
         first = str(err).splitlines()[0]
         key = next((k for word, k in (("initialization", "peft_init_lora_weights"), ("layers_", "peft_layers_pattern"),
@@ -272,7 +274,8 @@ def load_trained(cfg: Config, runtime: Runtime, tokenizer, model_dir=None):
                                                    **{**user_kwargs(cfg), **load_kwargs(cfg, tokenizer), **extra})
         resize_embeddings(cfg, base, tokenizer)
         packed_masks(base)
-        return PeftModel.from_pretrained(base, str(model_dir))
+        with expert_lora.for_peft(base):
+            return PeftModel.from_pretrained(base, str(model_dir))
     return load_model(cfg, runtime, tokenizer, source=str(model_dir)).to(DTYPES[runtime.precision])
 
 

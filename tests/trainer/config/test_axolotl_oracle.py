@@ -160,7 +160,7 @@ GAPS: dict[str, str] = {
 }
 # keys the table says are read (honoured) whose some values a rule refuses: named above for those values
 _REFUSED_BY_A_RULE = ("plugins", "fp8", "eval_causal_lm_metrics", "lora_target_parameters", "orpo_alpha",
-                      "trl.generation_kwargs", "quantize_moe_experts")  # (honoured; refused with expert LoRA, FSDP)
+                      "trl.generation_kwargs", "quantize_moe_experts")  # (honoured; refused with FSDP/DeepSpeed)
 
 
 def _oracle(kind: str, payload=None):
