@@ -433,8 +433,6 @@ def experts_note(shape, s: Setup) -> str | None:
 
 def moe_quant_refused(s: Setup) -> str | None:
     """Why the config would refuse quantize_moe_experts here (trainer/config/model.py), or None."""
-    if any("expert" in t.lower() for t in s.lora_target_parameters):
-        return "with lora_target_parameters on them"
     if s.fsdp or s.zero:
         return "with FSDP or DeepSpeed"
     return None

@@ -81,6 +81,8 @@ def test_fit_suggests_quantize_moe_experts_for_a_mixtral_8x7b_qlora(tmp_path):
     assert quantized.verdict == "fits" and first["peak_gb"] == pytest.approx(quantized.peak / memory.GB, abs=0.01)
     line = memory.experts_note(shape, s)
     assert line.startswith("MoE experts: 45.10B parameters") and "84.00 GB in bf16" in line and "(21.67 GB)" in line
-    adapted = memory.replace(s, lora_target_parameters=["mlp.experts.gate_up_proj"])  # refused with the key: not named
-    assert not any(x["change"].get("quantize_moe_experts") for x in memory.estimate(shape, adapted, gpu).suggestions)
-    assert "but not with lora_target_parameters on them" in memory.experts_note(shape, adapted)
+    adapted = memory.replace(s, lora_target_parameters=["mlp.experts.gate_up_proj"])  # LoRA on the experts: allowed
+    assert any(x["change"].get("quantize_moe_experts") for x in memory.estimate(shape, adapted, gpu).suggestions)
+    sharded = memory.replace(s, zero=3)  # refused with DeepSpeed: not suggested, and the line says why
+    assert not any(x["change"].get("quantize_moe_experts") for x in memory.estimate(shape, sharded, gpu).suggestions)
+    assert "but not with FSDP or DeepSpeed" in memory.experts_note(shape, sharded)
