@@ -291,7 +291,8 @@ def check_sizes(config: dict, source: str, overrides: dict | None = None) -> Non
             raise ModelConfigError(f"{source}: {where}num_key_value_heads {kv} does not divide num_attention_heads "
                                    f"{heads}", bad_input=True)
         hidden = part.get("hidden_size")
-        if heads and hidden and part.get("head_dim") is None and hidden % heads:
+        latent = part.get("qk_nope_head_dim") is not None or part.get("kv_lora_rank") is not None  # MLA: own dims
+        if heads and hidden and part.get("head_dim") is None and not latent and hidden % heads:
             raise ModelConfigError(f"{source}: {where}hidden_size {hidden} is not a multiple of num_attention_heads "
                                    f"{heads} and there is no head_dim", bad_input=True)
 
