@@ -215,6 +215,11 @@ class Stack(NamedTuple):
     # PyPI (5.23.0 needs kernels>=0.18.2): an older transformers whose range one fits, installing with the rest.
     hub_kernels: dict[str, str] = {}
     hub_kernels_source: str | None = None
+    # Upper bounds a human keeps on the row's packages although newer releases install with the rest (envtool's own
+    # `train` extra bounds transformers): `envtool matrix update` never moves a package past its hold, and reports
+    # the release held with hold_source.
+    hold: dict[str, str] = {}
+    hold_source: str | None = None
 
     def packages_for(self, attention: str | None) -> dict[str, str]:
         """The row's pins for a plan with this attention: a Hub kernel (a name with a slash) takes hub_kernels."""
@@ -744,6 +749,16 @@ def _check_packages(m: Matrix, rule: _Rules) -> None:
     for s in m.stacks:
         if s.hub_kernels and not s.hub_kernels_source:
             rule.fail(f"packages.toml [[stack]] (python{s.python}): hub_kernels without hub_kernels_source")
+        if s.hold and not s.hold_source:
+            rule.fail(f"packages.toml [[stack]] (python{s.python}): hold without hold_source")
+        for name, spec in s.hold.items():
+            if name not in s.packages:
+                rule.fail(f"packages.toml [[stack]] (python{s.python}): hold.{name} is not one of its packages")
+            rule.spec(spec, f"packages.toml [[stack]] (python{s.python}) hold.{name}")
+            if name in s.packages and all(RANGE_RE.match(c.strip()) for c in spec.split(",")) \
+                    and not in_range(s.packages[name], spec):
+                rule.fail(f"packages.toml [[stack]] (python{s.python}): hold.{name} {spec} excludes its own pin "
+                          f"{s.packages[name]}")
         for name, v in s.hub_kernels.items():
             if name not in s.packages:
                 rule.fail(f"packages.toml [[stack]] (python{s.python}): hub_kernels.{name} is not one of its packages")

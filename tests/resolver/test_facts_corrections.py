@@ -333,6 +333,10 @@ def edited_matrix(tmp_path):
      "max_driver_branch = 470\n", "a driver limit needs a driver_note"),
     ("xformers.toml", 'platforms = ["x86_64"]', 'platforms = ["x86-64"]', "platform 'x86-64' is not one of"),
     ("torch.toml", 'sass_aarch64 = ["8.0", "9.0"]', "sass_aarch64 = []", "empty sass_aarch64 list"),
+    ("packages.toml", 'hold = { transformers = "<5.24" }', 'hold = { transformers = "<5.23" }',
+     "hold.transformers <5.23 excludes its own pin 5.23.0"),
+    ("packages.toml", 'hold = { transformers = "<5.24" }', 'hold = { torchao = "<2" }', "hold.torchao is not one of"),
+    ("packages.toml", '\nhold_source = "', '\n# hold_source = "', "hold without hold_source"),
 ])
 def test_loader_refuses_inconsistent_facts(edited_matrix, name, old, new, message):
     from resolver.errors import MatrixError
