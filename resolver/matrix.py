@@ -64,6 +64,7 @@ class Gpu(NamedTuple):
     jetpack_cuda: str | None = None  # the CUDA that JetPack runs with that driver
     l4t: bool = False  # Jetson on L4T's CUDA (nvgpu): the PyTorch index's SBSA wheels do not run there
     l4t_note: str = ""
+    pci_ids: list[str] = []  # PCI device ids (vendor 10de) in pci.ids, "2c05": detection names the GPU by them
 
 
 class CudaMajor(NamedTuple):
@@ -625,9 +626,18 @@ def _check_gpus(m: Matrix, rule: _Rules) -> None:
         if (a.min_driver or a.max_driver_branch) and not a.driver_note:
             rule.fail(f"{where}: a driver limit needs a driver_note saying why")
     aliases: dict[str, str] = {}
+    pci: dict[str, str] = {}
     for g in m.gpus:
         where = f"gpus.toml [[gpu]] ({g.name})"
         rule.cc(g.compute_capability, where)
+        for device in g.pci_ids:
+            if not re.fullmatch(r"[0-9a-f]{4}", device):
+                rule.fail(f"{where}: pci_ids {device!r} is not a PCI device id (4 lowercase hex digits)")
+            if device in pci:
+                rule.fail(f"{where}: PCI id {device} also names {pci[device]}")
+            pci[device] = g.name
+        if g.pci_ids and "pci.ids" not in g.source:
+            rule.fail(f"{where}: pci_ids without pci.ids named in its source")
         if m.arch_for(g.compute_capability) is None:
             rule.fail(f"{where}: no archs.toml row covers compute capability {g.compute_capability}")
         for alias in g.aliases:
