@@ -62,6 +62,19 @@ def memory_in_name(text: str) -> float | None:
     return float(found.group(1)) if found else None
 
 
+def find_by_pci_id(pci_id: str | None, gpus: Iterable[Any]):
+    """The catalog row whose pci_ids hold this NVIDIA device id ("2c05", "0x2C05", or NVML's 32-bit pciDeviceId
+    as hex "0x2c0510de"), else None."""
+    if not isinstance(pci_id, str):
+        return None
+    text = pci_id.strip().lower().removeprefix("0x")
+    if len(text) == 8 and text.endswith("10de"):  # NVML and nvidia-smi: device id, then vendor id
+        text = text[:4]
+    if not re.fullmatch(r"[0-9a-f]{4}", text):
+        return None
+    return next((row for row in gpus if text in (_get(row, "pci_ids") or [])), None)
+
+
 def find_gpu(text: str, gpus: Iterable[Any]):
     """The catalog row a user's or nvidia-smi's name means: an exact name or alias first ("t4", "Tesla T4"),
     else the row with the longest name or alias spelled by whole words of it ("NVIDIA H100 80GB HBM3" -> H100,

@@ -108,6 +108,7 @@ class Seen(NamedTuple):
     name: str
     compute_capability: str
     memory_gb: float | None
+    pci_id: str | None = None  # the PCI device id ("2c05", vendor 10de) where the source reports it (NVML)
 
 
 # ---------------------------------------------------------------------------- named GPUs
@@ -294,8 +295,13 @@ def detect(m: Matrix) -> Detection:
         notes.append("no NVIDIA, AMD, Intel or Apple GPU found: planning for CPU")
         return Detection(CPU, driver, notes)
     lowest = min(seen, key=lambda s: cc_tuple(s.compute_capability))
-    gpu = from_cc(lowest.compute_capability, m, name=lowest.name, memory_gb=lowest.memory_gb,
-                  source=source, count=len(seen))
+    name, memory_gb = lowest.name, lowest.memory_gb
+    row = catalog.find_by_pci_id(lowest.pci_id, m.gpus)
+    if row is not None:  # the PCI id names the product; the device's own memory stays what it reports
+        if catalog.find_gpu(name, m.gpus) is not row:  # the name alone would have named another, or none
+            notes.append(f"{name!r} is PCI device 10de:{lowest.pci_id}: {row.name} in the catalog")
+        name, memory_gb = row.name, memory_gb if memory_gb is not None else row.memory_gb
+    gpu = from_cc(lowest.compute_capability, m, name=name, memory_gb=memory_gb, source=source, count=len(seen))
     if len({s.compute_capability for s in seen}) > 1:
         mix = ", ".join(f"{s.name} (sm_{s.compute_capability.replace('.', '')})" for s in seen)
         notes.append(f"{len(seen)} GPUs of different compute capability ({mix}): planning for the lowest, "
@@ -361,7 +367,8 @@ def probe_nvml(m: Matrix) -> tuple[list[Seen], str | None, str]:
             handle = pynvml.nvmlDeviceGetHandleByIndex(i)
             major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(handle)
             memory = pynvml.nvmlDeviceGetMemoryInfo(handle).total / 2**30
-            seen.append(Seen(_text(pynvml.nvmlDeviceGetName(handle)), f"{major}.{minor}", round(memory, 1)))
+            seen.append(Seen(_text(pynvml.nvmlDeviceGetName(handle)), f"{major}.{minor}", round(memory, 1),
+                             _pci_device(handle)))
         return seen, driver, f"NVML: {len(seen)} GPU(s), driver {driver}"
     except pynvml.NVMLError as e:
         return [], None, f"NVML: {e}"
@@ -370,6 +377,21 @@ def probe_nvml(m: Matrix) -> tuple[list[Seen], str | None, str]:
             pynvml.nvmlShutdown()
         except pynvml.NVMLError:
             pass
+
+
+def _pci_device(handle) -> str | None:
+    """The GPU's PCI device id from NVML's pciDeviceId (device << 16 | vendor 0x10de), as "2c05"; None where NVML
+    does not say (then the GPU is named by its name)."""
+    # optional: pynvml is imported only where it is used
+    import pynvml
+
+    try:
+        value = pynvml.nvmlDeviceGetPciInfo(handle).pciDeviceId
+    except (pynvml.NVMLError, AttributeError):
+        return None
+    if not isinstance(value, int) or value & 0xFFFF != 0x10DE:
+        return None
+    return f"{(value >> 16) & 0xFFFF:04x}"
 
 
 NVIDIA_SMI_QUERY = ["--query-gpu=name,compute_cap,memory.total,driver_version", "--format=csv,noheader"]

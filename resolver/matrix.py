@@ -64,6 +64,7 @@ class Gpu(NamedTuple):
     jetpack_cuda: str | None = None  # the CUDA that JetPack runs with that driver
     l4t: bool = False  # Jetson on L4T's CUDA (nvgpu): the PyTorch index's SBSA wheels do not run there
     l4t_note: str = ""
+    pci_ids: list[str] = []  # PCI device ids (vendor 10de) in pci.ids, "2c05": detection names the GPU by them
 
 
 class CudaMajor(NamedTuple):
@@ -215,6 +216,11 @@ class Stack(NamedTuple):
     # PyPI (5.23.0 needs kernels>=0.18.2): an older transformers whose range one fits, installing with the rest.
     hub_kernels: dict[str, str] = {}
     hub_kernels_source: str | None = None
+    # Upper bounds a human keeps on the row's packages although newer releases install with the rest (envtool's own
+    # `train` extra bounds transformers): `envtool matrix update` never moves a package past its hold, and reports
+    # the release held with hold_source.
+    hold: dict[str, str] = {}
+    hold_source: str | None = None
 
     def packages_for(self, attention: str | None) -> dict[str, str]:
         """The row's pins for a plan with this attention: a Hub kernel (a name with a slash) takes hub_kernels."""
@@ -620,9 +626,18 @@ def _check_gpus(m: Matrix, rule: _Rules) -> None:
         if (a.min_driver or a.max_driver_branch) and not a.driver_note:
             rule.fail(f"{where}: a driver limit needs a driver_note saying why")
     aliases: dict[str, str] = {}
+    pci: dict[str, str] = {}
     for g in m.gpus:
         where = f"gpus.toml [[gpu]] ({g.name})"
         rule.cc(g.compute_capability, where)
+        for device in g.pci_ids:
+            if not re.fullmatch(r"[0-9a-f]{4}", device):
+                rule.fail(f"{where}: pci_ids {device!r} is not a PCI device id (4 lowercase hex digits)")
+            if device in pci:
+                rule.fail(f"{where}: PCI id {device} also names {pci[device]}")
+            pci[device] = g.name
+        if g.pci_ids and "pci.ids" not in g.source:
+            rule.fail(f"{where}: pci_ids without pci.ids named in its source")
         if m.arch_for(g.compute_capability) is None:
             rule.fail(f"{where}: no archs.toml row covers compute capability {g.compute_capability}")
         for alias in g.aliases:
@@ -744,6 +759,16 @@ def _check_packages(m: Matrix, rule: _Rules) -> None:
     for s in m.stacks:
         if s.hub_kernels and not s.hub_kernels_source:
             rule.fail(f"packages.toml [[stack]] (python{s.python}): hub_kernels without hub_kernels_source")
+        if s.hold and not s.hold_source:
+            rule.fail(f"packages.toml [[stack]] (python{s.python}): hold without hold_source")
+        for name, spec in s.hold.items():
+            if name not in s.packages:
+                rule.fail(f"packages.toml [[stack]] (python{s.python}): hold.{name} is not one of its packages")
+            rule.spec(spec, f"packages.toml [[stack]] (python{s.python}) hold.{name}")
+            if name in s.packages and all(RANGE_RE.match(c.strip()) for c in spec.split(",")) \
+                    and not in_range(s.packages[name], spec):
+                rule.fail(f"packages.toml [[stack]] (python{s.python}): hold.{name} {spec} excludes its own pin "
+                          f"{s.packages[name]}")
         for name, v in s.hub_kernels.items():
             if name not in s.packages:
                 rule.fail(f"packages.toml [[stack]] (python{s.python}): hub_kernels.{name} is not one of its packages")

@@ -43,8 +43,8 @@ from packaging.version import Version
 
 from . import matrix as matrix_module
 from .errors import MatrixError
-from .upstream import (MACHINES, Client, Release, UpstreamError, admits_python, any_wheel, linux_machines,
-                       linux_wheel, python_range, requirement, requirements)
+from .upstream import (MACHINES, Client, Release, Unreachable, UpstreamError, admits_python, any_wheel,
+                       linux_machines, linux_wheel, python_range, requirement, requirements)
 from .upstream import pypi_url as resolve_pypi_url
 
 UPDATED_RE = re.compile(r"; (?:[\w, ]+ )?updated by envtool matrix update from (?:PyPI metadata|the PyTorch index) "
@@ -129,7 +129,7 @@ def regenerate(data: dict[str, dict], client: Client, *, date: str, torch_index:
     report = Report([], [], [], [])
     step("torch")
     _torch(data["torch"], client, date, report, step)
-    if pytorch_source:
+    if pytorch_source:  # unreachable: one error line, nothing written (--no-builds reads PyPI without it)
         _torch_builds(data, client, pytorch_source, date, report, step)
     step("xformers")
     _xformers(data["xformers"], client, report, step)
@@ -140,7 +140,12 @@ def regenerate(data: dict[str, dict], client: Client, *, date: str, torch_index:
     _flash_attn(data["flash_attn"], client, report)
     if torch_index:
         step("flash-attn-3 on the PyTorch index")
-        _flash_attn_index(data["flash_attn"], client, torch_index, report)
+        try:
+            _flash_attn_index(data["flash_attn"], client, torch_index, report)
+        except Unreachable as e:  # no flag leaves this index out: PyPI's facts are still read and written,
+            # these rows stay as recorded, and --check counts them as needing review
+            report.reviews.append(Review("flash_attn.toml", "flash-attn-3", f"the PyTorch index was not read "
+                                         f"({e}); its rows are kept unchecked"))
     _stacks(data["packages"], client, report, step)
     if "kernels_release" in data["packages"]:
         step("kernels")
@@ -458,12 +463,27 @@ def _kernels(data: dict, client: Client, date: str, report: Report) -> None:
     [[kernels_requirement]] row needs a human to read its Requires-Dist."""
     recorded = {Version(r["version"]) for r in data.get("kernels_release", [])}
     final = client.project("kernels").final()
-    if final and recorded and final[-1].version > max(recorded):
-        newest = final[-1]
-        report.additions.append(Addition("packages.toml", "kernels_release", f"kernels {newest.version}", {
-            "version": str(newest.version),
-            "source": f"added by envtool matrix update from PyPI metadata on {date} (the newest kernels release)"},
+    added: set[Version] = set()
+
+    def add(release: Release, what: str) -> None:
+        added.add(release.version)
+        report.additions.append(Addition("packages.toml", "kernels_release", f"kernels {release.version}", {
+            "version": str(release.version),
+            "source": f"added by envtool matrix update from PyPI metadata on {date} ({what}; Requires-Python "
+                      f"{release.requires_python or 'any'})"},
             "a kernels release newer than the recorded ones is on PyPI"))
+
+    if final and recorded and final[-1].version > max(recorded):
+        add(final[-1], "the newest kernels release")
+    # a transformers' range the newest release falls outside of (transformers 5.23.0: kernels>=0.18.2,<0.19 while
+    # PyPI's newest is 0.19.1) still gets its own newest release, or plans with that transformers keep an old one
+    for r in data.get("kernels_requirement", []):
+        spec = SpecifierSet(r["kernels"])
+        inside = [rel for rel in final if spec.contains(rel.version)]
+        if inside and inside[-1].version not in added and \
+                all(inside[-1].version > v for v in recorded if spec.contains(v)):
+            add(inside[-1], f"the newest kernels release inside transformers {r['transformers']}'s range "
+                            f"kernels{spec}")
     required = {r["transformers"] for r in data.get("kernels_requirement", [])}
     ranges = {r["transformers"]: SpecifierSet(r["kernels"]) for r in data.get("kernels_requirement", [])}
     releases = {Version(r["version"]) for r in data.get("kernels_release", [])} | {r.version for r in final}
@@ -543,7 +563,22 @@ def _admits(need: _Need, version: Version) -> bool:
 MAX_TRIES = 20_000  # releases tried by co_installable's backtracking (the real stack settles in a few dozen)
 
 
-def co_installable(client: Client, pins: dict[str, str], python: str, step=lambda what: None
+def _apply_holds(candidates: dict[str, list[Release]], holds: dict[str, str], why: str | None
+                 ) -> dict[str, tuple[Version, str]]:
+    """Drop the candidates past each package's hold (a [[stack]] row's `hold`); key -> (the newest release held
+    back, the line saying why) for each package a hold held back."""
+    capped = {}
+    for name, spec in holds.items():
+        key, hold = canonicalize_name(name), SpecifierSet(spec)
+        past = [r for r in candidates.get(key, []) if not hold.contains(r.version, prereleases=True)]
+        if past:
+            capped[key] = (past[0].version, f"the row's hold {name}{hold} ({why or 'no reason recorded'})")
+            candidates[key] = [r for r in candidates[key] if hold.contains(r.version, prereleases=True)]
+    return capped
+
+
+def co_installable(client: Client, pins: dict[str, str], python: str, step=lambda what: None,
+                   holds: dict[str, str] | None = None, hold_source: str | None = None
                    ) -> tuple[dict[str, Version] | None, list[str]]:
     """The newest versions of the stack's packages (each at least its pin, Requires-Python admitting `python`)
     that install together: every chosen release's requirements (_needs) admit every other chosen one. Packages
@@ -561,6 +596,7 @@ def co_installable(client: Client, pins: dict[str, str], python: str, step=lambd
         floor = Version(pins[names[key]])
         candidates[key] = [r for r in reversed(fitting) if r.version >= floor] or \
             [r for r in client.project(names[key]).releases.values() if r.version == floor]
+    capped = _apply_holds(candidates, holds or {}, hold_source)
     cache: dict[tuple[str, Version], list[_Need]] = {}
 
     def needs(key: str, release: Release) -> list[_Need]:
@@ -601,6 +637,9 @@ def co_installable(client: Client, pins: dict[str, str], python: str, step=lambd
                       f"together"]
     held = []
     for key in keys:
+        if key in capped and not [r for r in candidates[key] if r.version > found[key].version]:
+            held.append(f"{names[key]} {capped[key][0]} held back at {found[key].version}: {capped[key][1]}")
+            continue
         newer = [r for r in candidates[key] if r.version > found[key].version]
         if not newer:
             continue
@@ -631,7 +670,8 @@ def _stacks(data: dict, client: Client, report: Report, step) -> None:
                                          f"Python {python}"))
         if unfit:
             continue
-        chosen, held = co_installable(client, dict(row["packages"]), python, step)
+        chosen, held = co_installable(client, dict(row["packages"]), python, step, holds=row.get("hold"),
+                                      hold_source=row.get("hold_source"))
         if chosen is None:
             report.reviews.append(Review("packages.toml", where, held[0]))
             continue

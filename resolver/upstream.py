@@ -51,6 +51,10 @@ class UpstreamError(EnvtoolError):
     """Exit code 1: an upstream server could not be reached or answered with an error."""
 
 
+class Unreachable(UpstreamError):
+    """No answer at all (DNS, connection refused, timeout): the server's facts are unread, not wrong."""
+
+
 class Answer(NamedTuple):
     """A server's answer, read whole within the deadline and the size cap."""
 
@@ -177,7 +181,7 @@ class Client:
                                                 "not read further")
                 return Answer(url, r.status_code, r.reason or "", r.headers, bytes(body))
         except requests.RequestException as e:
-            raise UpstreamError(f"cannot reach {url}: {_reason(e)}") from None
+            raise Unreachable(f"cannot reach {url}: {_reason(e)}") from None
 
     def json(self, url: str, *, accept: str | None = None):
         return self.get(url, accept=accept).json()

@@ -40,7 +40,9 @@ def no_gpu(monkeypatch, tmp_path):
 @pytest.fixture
 def fake_nvml(no_gpu, monkeypatch):
     def install(driver, *gpus):
-        spec = {"driver": driver, "gpus": [{"name": n, "cc": cc, "memory_mib": mib} for n, cc, mib in gpus]}
+        # (name, cc, memory MiB[, NVML pciDeviceId])
+        spec = {"driver": driver, "gpus": [{"name": g[0], "cc": g[1], "memory_mib": g[2],
+                                            **({"pci_device_id": g[3]} if len(g) > 3 else {})} for g in gpus]}
         monkeypatch.setenv("FAKE_NVML", json.dumps(spec))
 
     return install

@@ -1,15 +1,17 @@
 """`envtool matrix update` reading torch's CUDA builds from PyPI's neighbour: PyTorch's release build matrix at each
 release tag (resolver/buildmatrix.py), served on 127.0.0.1.
 
-The files served here are NOT captures: they are written in the shape of pytorch/pytorch's
-.github/scripts/generate_binary_build_matrix.py (module-level literals), .ci/manywheel/build_env_setup.py
-(TORCH_CUDA_ARCH_LIST_TABLE) and .ci/manywheel/build_cuda.sh (the `case ${CUDA_VERSION} in` block) as read in the
-stored index on 2026-12-07, values included (build_cuda.sh's 12.6/12.8/12.9 branches at pytorch commit 00c7a380,
-build_env_setup.py's table at 00505f29, the pre-2.10 `$ARCH` substitution for 13.0). The files at the release tags
-could not be captured here (the pytorch/pytorch snapshot is over the fetch limit, GitHub is not reachable) and
-pytorch's code is not committed; these tests check the reading and the rows written from it, not torch's facts.
-Files captured at real tags (tests/resolver/data/upstream/capture.py --pytorch-git DIR TAG ...) are served by
-tests/support/upstream.py at /pytorch/<tag>/<path> beside these.
+What is captured and what is not (tests/support/captured/SOURCES.md, "pytorch/pytorch build files"):
+- CAPTURED_TABLE, CAPTURED_SCRIPT, CAPTURED_MATRIX: excerpts of .ci/manywheel/build_env_setup.py (commit 00505f29),
+  .ci/manywheel/build_cuda.sh (commit 00c7a380) and .github/scripts/generate_binary_build_matrix.py (commit
+  00018c94) as the stored index of pytorch/pytorch holds them (read 2026-12-07), verbatim. They are the only
+  versions of these files readable here: none is at a release tag (GitHub is not reachable, the pytorch/pytorch
+  snapshot is over the fetch limit). The reading tests run on them.
+- MATRIX, TABLE (and SCRIPT_BY_ARCH): NOT captures. Written in the shape of the files above with the values issue
+  43 reports for v2.13.0 (CUDA 12.6, 12.9, 13.0, 13.2), so the rows-it-writes tests have a build matrix that lists
+  12.9; they check the reading and the rows written from it, not torch's facts. Files captured at real tags
+  (tests/resolver/data/upstream/capture.py --pytorch-git DIR TAG ...) are served by tests/support/upstream.py at
+  /pytorch/<tag>/<path> beside these.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import socket
 from pathlib import Path
 
 import pytest
+from packaging.version import Version
 
 from resolver import buildmatrix, update
 from resolver import matrix as matrix_module
@@ -30,6 +33,10 @@ from tests.support.upstream import World, serve
 from .conftest import run_envtool
 
 REPO_MATRICES = Path(matrix_module.__file__).resolve().parents[1] / "matrices"
+CAPTURED = Path(__file__).resolve().parents[1] / "support" / "captured" / "pytorch"
+CAPTURED_TABLE = (CAPTURED / "build_env_setup.py@00505f29-excerpt.py").read_text()
+CAPTURED_SCRIPT = (CAPTURED / "build_cuda.sh@00c7a380-excerpt.sh").read_text()
+CAPTURED_MATRIX = (CAPTURED / "generate_binary_build_matrix.py@00018c94-excerpt.py").read_text()
 
 MATRIX = '''#!/usr/bin/env python3
 """Generates a matrix to be utilized through github actions"""
@@ -74,27 +81,7 @@ TABLE = '''TORCH_CUDA_ARCH_LIST_TABLE: dict[str, dict[str, set[int]]] = {
 _PTX_ARCHES: set[int] = {120}
 '''
 
-SCRIPT = '''case ${CUDA_VERSION} in
-    #however we would like to keep sm_70 architecture see: https://github.com/pytorch/pytorch/issues/157517
-    12.8)
-        TORCH_CUDA_ARCH_LIST="7.0;7.5;8.0;8.6;9.0;10.0;12.0"
-        ;;
-    12.9)
-        TORCH_CUDA_ARCH_LIST="7.0;7.5;8.0;8.6;9.0;10.0;12.0+PTX"
-        ;;
-    12.6)
-        TORCH_CUDA_ARCH_LIST="5.0;6.0;7.0;7.5;8.0;8.6;9.0"
-        if [[ "$PACKAGE_TYPE" == "libtorch" ]]; then
-            export TORCH_NVCC_FLAGS="${TORCH_NVCC_FLAGS} --compress-mode=default"
-        fi
-        ;;
-    *)
-        echo "unknown cuda version $CUDA_VERSION"
-        exit 1
-        ;;
-esac
-export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST}
-'''
+SCRIPT = CAPTURED_SCRIPT  # the case block of build_cuda.sh at 00c7a380: 12.8, 12.9, 12.6 branches
 
 SCRIPT_BY_ARCH = '''TORCH_CUDA_ARCH_LIST="7.0;7.5;8.0;8.6;9.0"
 case ${CUDA_VERSION} in
@@ -127,10 +114,19 @@ def test_the_matrix_is_read_as_literals_without_running_it():
     assert buildmatrix.literals("def broken(:\n") == {}
 
 
+def test_the_captured_matrix_is_read_as_literals_without_running_it():
+    values = buildmatrix.literals(CAPTURED_MATRIX)
+    assert values["CUDA_ARCHES"] == ["11.8", "12.6", "12.8"] and values["CUDA_STABLE"] == "12.6"
+    assert values["CUDA_ARCHES_FULL_VERSION"]["12.8"] == "12.8.0" and values["ROCM_ARCHES"] == ["6.2.4", "6.3"]
+    assert values["CUDA_AARCH64_ARCHES"] == ["12.8-aarch64"]
+
+
 def test_the_arch_table_counts_ptx_capabilities_as_sass():
-    table = buildmatrix.arch_table(TABLE)
+    table = buildmatrix.arch_table(CAPTURED_TABLE)  # 12.0 is in _PTX_ARCHES there: SASS and PTX
     assert table["12.6"]["x86_64"] == ["5.0", "6.0", "7.0", "7.5", "8.0", "8.6", "9.0"]
     assert table["13.0"]["aarch64"] == ["8.0", "9.0", "10.0", "11.0", "12.0"]
+    assert table["13.2"]["x86_64"] == ["7.5", "8.0", "8.6", "9.0", "10.0", "12.0"]
+    assert "12.9" not in table  # this commit's table has no 12.9: a build matrix listing 12.9 with it gets no row
     assert buildmatrix.arch_table("TORCH_CUDA_ARCH_LIST_TABLE = compute()\n") == {}
 
 
@@ -170,6 +166,21 @@ def test_the_source_url_is_overridable_and_must_name_ref_and_path(monkeypatch):
     with pytest.raises(Exception, match="must contain {ref} and {path}") as e:
         buildmatrix.source_url("http://mirror/pytorch")
     assert e.value.exit_code == 2
+
+
+def test_the_captured_matrix_and_script_give_builds_with_the_lists_they_state():
+    """The captured generate_binary_build_matrix.py (11.8, 12.6, 12.8; 12.8-aarch64) with the captured build_cuda.sh
+    case block, served as one tag: 12.6 and 12.8 get the script's lists, 11.8 none (no branch: its `*)` exits), and
+    12.8's aarch64 list stays unread (that script never tests $ARCH)."""
+    world = World()
+    publish(world, "v0.0.0", {buildmatrix.MATRIX_PATH: CAPTURED_MATRIX, buildmatrix.ARCH_SCRIPT_PATH: CAPTURED_SCRIPT})
+    with serve(world) as url:
+        found = buildmatrix.read(Client(url), template(url), "0.0.0")
+    by = {b.variant: b for b in found.cuda}
+    assert list(by) == ["cu118", "cu126", "cu128"] and found.stable == "12.6" and found.rocm == ["6.2.4", "6.3"]
+    assert by["cu118"].sass is None and by["cu126"].sass == ["5.0", "6.0", "7.0", "7.5", "8.0", "8.6", "9.0"]
+    assert by["cu128"].sass == ["7.0", "7.5", "8.0", "8.6", "9.0", "10.0", "12.0"] and by["cu128"].full == "12.8.0"
+    assert by["cu128"].aarch64 and by["cu128"].sass_aarch64 is None and not by["cu126"].aarch64
 
 
 def test_the_table_is_read_first_and_the_script_where_the_tag_has_no_table():
@@ -227,6 +238,23 @@ def test_an_arch_list_entry_that_is_no_capability_gives_no_list_rather_than_a_tr
 # ---------------------------------------------------------------------------- the rows it writes
 
 
+def without_cu129(tmp_path: Path) -> Path:
+    """A copy of the matrices without the cu129 builds of 2.11.0-2.13.0 (entered by hand from pytorch's issue threads,
+    issue 43): the state the update met, for the tests of the rows it writes."""
+    import tomlkit
+
+    copy = tmp_path / "matrices"
+    shutil.copytree(REPO_MATRICES, copy, ignore=shutil.ignore_patterns("__pycache__", "*.py"))
+    doc = tomlkit.parse((copy / "torch.toml").read_text())
+    for release in doc["release"]:
+        if release["version"] in ("2.11.0", "2.12.1", "2.13.0"):
+            keep = [b for b in release["build"] if b["variant"] != "cu129"]
+            release["build"].clear()
+            release["build"].extend(keep)
+    (copy / "torch.toml").write_text(tomlkit.dumps(doc))
+    return copy
+
+
 def builds_report(world: World, directory: Path = REPO_MATRICES) -> update.Report:
     data = update.read(directory)
     report = update.Report([], [], [], [])
@@ -235,10 +263,10 @@ def builds_report(world: World, directory: Path = REPO_MATRICES) -> update.Repor
     return report
 
 
-def test_a_cuda_build_the_matrix_lists_becomes_a_row_naming_file_tag_and_date():
+def test_a_cuda_build_the_matrix_lists_becomes_a_row_naming_file_tag_and_date(tmp_path):
     world = World()
     publish(world, "v2.13.0", {buildmatrix.MATRIX_PATH: MATRIX, buildmatrix.ARCH_TABLE_PATH: TABLE})
-    report = builds_report(world)
+    report = builds_report(world, without_cu129(tmp_path))
     added = [a for a in report.additions if a.row == "torch 2.13.0 cu129"]
     assert len(added) == 1 and added[0].table == "release.build"
     fields = added[0].fields
@@ -255,10 +283,10 @@ def test_a_cuda_build_the_matrix_lists_becomes_a_row_naming_file_tag_and_date():
     assert not any(a.row.startswith("torch 2.12.1") for a in report.additions)
 
 
-def test_a_build_without_a_readable_arch_list_is_reported_and_not_written():
+def test_a_build_without_a_readable_arch_list_is_reported_and_not_written(tmp_path):
     world = World()
     publish(world, "v2.13.0", {buildmatrix.MATRIX_PATH: MATRIX, buildmatrix.ARCH_SCRIPT_PATH: SCRIPT})
-    report = builds_report(world)
+    report = builds_report(world, without_cu129(tmp_path))
     assert not any(a.row == "torch 2.13.0 cu129" for a in report.additions)  # no aarch64 list in the script
     assert "no arch list for it is readable at v2.13.0" in {r.row: r.why for r in report.reviews}[
         "torch 2.13.0 cu129"]
@@ -279,12 +307,33 @@ ASKED = {  # issue 43's three cases: refused while torch.toml had no cu129 build
 }
 
 
+def test_the_recorded_cu129_builds_plan_issue_43s_cases_and_name_their_sources():
+    """The matrix as shipped: the three requests of issue 43 take the cu129 builds of 2.12.1/2.13.0, and each cu129
+    row of 2.11-2.13 names where it was read and that its arch list was not read at the tag."""
+    from resolver import hardware
+    from resolver.solve import Request, solve
+
+    m = matrix_module.load()
+    for ask, (version, variant) in ASKED.items():
+        args = dict(zip(ask[::2], ask[1::2]))
+        p = solve(Request(gpu=hardware.lookup(args["--gpu"], m), driver=args.get("--driver"), python="3.11",
+                          target=args["--gpu"], torch=args.get("--torch"), cuda=args.get("--cuda")), m)
+        assert (p.torch.version, p.torch.variant, p.torch.cuda) == (version, variant, "12.9"), ask
+    for release in m.torch:
+        cu129 = [b for b in release.build if b.variant == "cu129"]
+        if release.version in ("2.11.0", "2.12.1", "2.13.0"):
+            (b,) = cu129
+            assert "read through the issues corpus 2026-12-07" in b.source and "not readable here" in b.source
+            assert b.sass_aarch64 is None and "7.0" not in b.sass  # PR #172598 dropped Volta from 12.9
+        elif Version(release.version) >= Version("2.14"):
+            assert not cu129  # none for 2.14+ (pytorch/pytorch#187834: no cu129 binaries with 2.14)
+
+
 @pytest.mark.slow
 def test_written_cu129_builds_are_planned_by_the_same_rules(tmp_path):
     """The rows update writes from the matrix are valid matrices, and plans take them without code changes: the
     requests refused before the rows plan after them (on a copy: the real tags were not readable here)."""
-    copy = tmp_path / "matrices"
-    shutil.copytree(REPO_MATRICES, copy, ignore=shutil.ignore_patterns("__pycache__", "*.py"))
+    copy = without_cu129(tmp_path)
     world = World()
     for tag in ("v2.12.1", "v2.13.0"):
         publish(world, tag, {buildmatrix.MATRIX_PATH: MATRIX, buildmatrix.ARCH_TABLE_PATH: TABLE})

@@ -333,6 +333,12 @@ def edited_matrix(tmp_path):
      "max_driver_branch = 470\n", "a driver limit needs a driver_note"),
     ("xformers.toml", 'platforms = ["x86_64"]', 'platforms = ["x86-64"]', "platform 'x86-64' is not one of"),
     ("torch.toml", 'sass_aarch64 = ["8.0", "9.0"]', "sass_aarch64 = []", "empty sass_aarch64 list"),
+    ("packages.toml", 'hold = { transformers = "<5.24" }', 'hold = { transformers = "<5.23" }',
+     "hold.transformers <5.23 excludes its own pin 5.23.0"),
+    ("packages.toml", 'hold = { transformers = "<5.24" }', 'hold = { torchao = "<2" }', "hold.torchao is not one of"),
+    ("packages.toml", '\nhold_source = "', '\n# hold_source = "', "hold without hold_source"),
+    ("gpus.toml", 'pci_ids = ["2c05"]', 'pci_ids = ["2C05"]', "pci_ids '2C05' is not a PCI device id"),
+    ("gpus.toml", 'pci_ids = ["2d04"]', 'pci_ids = ["2c05"]', "PCI id 2c05 also names GeForce RTX 5070 Ti"),
 ])
 def test_loader_refuses_inconsistent_facts(edited_matrix, name, old, new, message):
     from resolver.errors import MatrixError
@@ -343,9 +349,11 @@ def test_loader_refuses_inconsistent_facts(edited_matrix, name, old, new, messag
 
 
 @pytest.mark.parametrize("name, cc, memory_gb, same", [
-    ("NVIDIA GeForce RTX 5070 Ti", "12.0", None, False),  # 16 GB, not the RTX 5070's 12 GB: unknown, not wrong
+    ("NVIDIA GeForce RTX 5070 Ti", "12.0", 16.0, True),  # its own row (issue 43), not the RTX 5070's 12 GB
+    ("NVIDIA GeForce RTX 5060 Ti", "12.0", 8.0, True),  # its own row: the 8 GB of its two memory sizes
+    ("NVIDIA GeForce RTX 5060 Ti 16GB", "12.0", 16.0, False),  # the name states the other size
     ("NVIDIA GeForce RTX 4060 Ti", "8.9", None, False),
-    ("NVIDIA GH200 144G HBM3e", "9.0", 144.0, False),  # the 144 GB HBM3e GH200, not the 96 GB row
+    ("NVIDIA GH200 144G HBM3e", "9.0", 144.0, True),  # its own row (issue 43), not the 96 GB GH200 480GB row
     ("Tesla V100-SXM2-32GB", "7.0", 32.0, True),  # the name states its memory
     ("NVIDIA H100 80GB HBM3", "9.0", 80.0, True),
     ("NVIDIA A100-SXM4-40GB", "8.0", 40.0, True),

@@ -1,5 +1,8 @@
 """GPU names and detection: aliases, compute capabilities, NVML, nvidia-smi, /proc, overrides."""
 
+import re
+from pathlib import Path
+
 import pytest
 
 from resolver import hardware
@@ -51,6 +54,43 @@ def test_nvml_first(fake_nvml, m):
     assert (found.gpu.name, found.gpu.compute_capability, found.gpu.source) == ("NVIDIA A100-SXM4-80GB", "8.0", "nvml")
     assert found.gpu.memory_gb == 80.0
     assert found.driver == "550.54.15"
+
+
+@pytest.mark.parametrize("name, pci, row, memory_gb", [
+    ("NVIDIA GeForce RTX 5070 Ti", 0x2C0510DE, "GeForce RTX 5070 Ti", 15.9),
+    ("NVIDIA GeForce RTX 5060 Ti", 0x2D0410DE, "GeForce RTX 5060 Ti", 15.9),  # the 16 GB card: the device says so
+    ("NVIDIA GH200 144G HBM3e", 0x234810DE, "NVIDIA GH200 144G HBM3e", 143.8),
+    ("NVIDIA Graphics Device", 0x2C0510DE, "GeForce RTX 5070 Ti", 15.9),  # a driver too old to know the name
+])
+def test_nvml_names_a_gpu_by_its_pci_device_id(fake_nvml, m, name, pci, row, memory_gb):
+    """Issue 43: the PCI device id (pci.ids 2026.10.24) picks the catalog row, whatever the name says; the memory
+    stays the device's."""
+    fake_nvml("580.95.05", (name, "12.0" if "GH200" not in name else "9.0", round(memory_gb * 1024), pci))
+    found = hardware.detect(m)
+    assert (found.gpu.name, found.gpu.source, found.gpu.memory_gb) == (row, "nvml", memory_gb)
+    assert any(f"PCI device 10de:{pci >> 16:04x}" in n for n in found.notes) == (name == "NVIDIA Graphics Device")
+
+
+def test_a_pci_id_the_catalog_lacks_or_another_vendors_keeps_the_name(fake_nvml, m):
+    fake_nvml("580.95.05", ("NVIDIA GeForce RTX 5070 Ti", "12.0", 16303, 0x2C0510DF))  # not NVIDIA's vendor id
+    assert hardware.detect(m).gpu.name == "NVIDIA GeForce RTX 5070 Ti"
+    fake_nvml("580.95.05", ("NVIDIA B300", "10.3", 275000, 0x31B110DE))  # no row holds 31b1
+    assert hardware.detect(m).gpu.name == "NVIDIA B300"
+
+
+def test_every_pci_id_in_the_catalog_is_in_the_captured_pci_ids_under_the_rows_name(m):
+    """Each gpus.toml pci_ids entry is an NVIDIA device line of the captured pci.ids excerpt whose bracketed name
+    is the row's product (the words of the row's name, less NVIDIA/GeForce, appear in it)."""
+    captured = Path(__file__).resolve().parents[1] / "support" / "captured" / "pci.ids-10de-excerpt.txt"
+    lines = dict(re.findall(r"^\t([0-9a-f]{4})  (.*)$", captured.read_text(), flags=re.M))
+    seen = 0
+    for g in m.gpus:
+        for device in g.pci_ids:
+            seen += 1
+            assert device in lines, (g.name, device)
+            words = g.name.replace("GeForce ", "").replace("NVIDIA ", "").split()
+            assert all(w.lower() in lines[device].lower() for w in words if not w.endswith("GB")), (g.name, lines[device])
+    assert seen >= 20
 
 
 def test_several_gpus_plan_for_the_lowest_and_say_so(fake_nvml, m):

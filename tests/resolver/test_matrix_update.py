@@ -642,12 +642,31 @@ def test_verify_reads_the_flash_attn_3_folder_page_of_each_variant(world, synthe
 # ---------------------------------------------------------------------------- the stack installs together
 
 
+def without_hold(copy: Path, peft: str = "0.21.2") -> None:
+    """The copy's newest stack row as it stood before issue 43: no hold on transformers, peft at `peft`."""
+    doc = tomlkit.parse((copy / "packages.toml").read_text())
+    row = doc["stack"][0]
+    row["packages"]["peft"] = peft
+    for key in ("hold", "hold_source"):
+        row.pop(key, None)
+    (copy / "packages.toml").write_text(tomlkit.dumps(doc))
+
+
+def before_peft_0_22(world) -> None:
+    """PyPI as captured on 2026-11-28, before peft 0.22.0 (captured 2026-12-07) was uploaded."""
+    del world.pypi["peft"]["releases"]["0.22.0"]
+    for name in [n for n in world.wheels if n.startswith("peft-0.22.0-")]:
+        del world.wheels[name]
+
+
 @pytest.mark.slow
 def test_transformers_5_24_is_held_back_while_pypi_has_no_peft_it_accepts(world, copy, tmp_path):
     """transformers 5.24.0 (2026-11-21, captured) checks peft >= 0.22.0 when it loads an adapter (its
-    dependency_versions_table.py; no Requires-Dist), and PyPI's newest peft is 0.21.2: the update keeps the
-    stack at 5.23.0 and says what held it, instead of writing a set that breaks LoRA loading."""
+    dependency_versions_table.py; no Requires-Dist), and PyPI's newest peft was 0.21.2 (until 2026-12): the
+    update keeps the stack at 5.23.0 and says what held it, instead of writing a set that breaks LoRA loading."""
     trim_flash_attn(world, copy)
+    before_peft_0_22(world)
+    without_hold(copy)
     assert "5.24.0" in world.pypi["transformers"]["releases"]
     with serve(world) as url:
         make_current(url, copy, tmp_path)
@@ -664,20 +683,10 @@ def test_transformers_5_24_is_held_back_while_pypi_has_no_peft_it_accepts(world,
 
 @pytest.mark.slow
 def test_the_stack_moves_to_a_release_once_what_it_requires_is_on_pypi(world, copy, tmp_path):
-    """The same rule lets a release through once its requirement exists: with a peft 0.22.0 on the index (a
-    stand-in: peft 0.21.2's captured METADATA under the new version), the update moves transformers and peft
-    together to 5.24.0 and 0.22.0."""
-    import copy as copying
-
+    """The same rule lets a release through once its requirement exists: with peft 0.22.0 on the index (captured
+    2026-12-07) and no hold on the row, the update moves transformers and peft together to 5.24.0 and 0.22.0."""
     trim_flash_attn(world, copy)
-    (old,) = [n for n in world.wheels if n.startswith("peft-0.21.2-")]
-    new = old.replace("0.21.2", "0.22.0")
-    world.wheels[new] = {k.replace("0.21.2", "0.22.0"): v.replace("Version: 0.21.2", "Version: 0.22.0")
-                         for k, v in world.wheels[old].items()}
-    files = copying.deepcopy(world.pypi["peft"]["releases"]["0.21.2"])
-    for f in files:
-        f["filename"], f["url"] = f["filename"].replace("0.21.2", "0.22.0"), f["url"].replace("0.21.2", "0.22.0")
-    world.pypi["peft"]["releases"]["0.22.0"] = files
+    without_hold(copy)
     with serve(world) as url:
         data = json.loads(update(url, copy, "--check", "--json", tmp=tmp_path).stdout)
     found = {(c["field"], c["new"]) for c in data["changes"] if c["row"] == "[[stack]] python>=3.11"}
@@ -703,7 +712,8 @@ def test_the_train_extra_is_bounded_by_what_the_stack_installs_together(world):
              ["project"]["optional-dependencies"]["train"]}
     newest = tomllib.loads((REPO_MATRICES / "packages.toml").read_text())["stack"][0]
     with serve(world) as url:
-        chosen, held = co_installable(Client(url), dict(newest["packages"]), "3.11")
+        chosen, held = co_installable(Client(url), dict(newest["packages"]), "3.11", holds=newest.get("hold"),
+                                      hold_source=newest.get("hold_source"))
     for name, version in chosen.items():
         if name in extra:
             assert extra[name].contains(version), f"the train extra's {name}{extra[name]} excludes {version}"

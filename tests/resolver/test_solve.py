@@ -154,16 +154,15 @@ def test_cudnn_sdpa_is_switched_off_for_masks_where_it_is_the_default(m):
     assert not plan(m, "h100", "580.65.06", no_flash_attn=True, cuda="12.6").mask_without_cudnn  # older cuDNN
 
 
-def test_hub_kernels_on_python_3_11_take_the_transformers_that_accepts_pypis_kernels(m):
-    """Issue 34: transformers 5.23.0 (the Python >= 3.11 stack) needs kernels>=0.18.2, which PyPI lacks, and
-    Hub-kernel plans were refused although 5.21/5.22 accept kernels 0.17.2 (their captured wheel METADATA)."""
+def test_hub_kernels_on_python_3_11_take_the_stacks_own_transformers_with_kernels_0_18(m):
+    """Issue 43: kernels 0.18.3 (PyPI, uploaded 2026-11-12) is inside transformers 5.23.0's kernels>=0.18.2,<0.19,
+    so Hub-kernel plans on Python >= 3.11 keep the stack's transformers 5.23.0 (issue 34 had to lower them to 5.22.2
+    while PyPI's newest kernels was 0.17.2); PyPI's newest, 0.19.1, is outside that range and never pinned."""
     hub = "kernels-community/vllm-flash-attn3"
     for python in ("3.11", "3.12", "3.13"):
         p = plan(m, "h100", "580.65.06", python=python, attention=hub)
-        assert (p.packages["transformers"], p.packages["kernels"]) == ("5.22.2", "0.17.2"), python
-        assert p.packages["trl"] == "1.16.0" and p.torch.version != "2.8.0"  # only transformers moves
-        assert "transformers 5.22.2, not 5.23.0" in reasons(p)
-    assert plan(m, "h100", "580.65.06", python="3.12").packages["transformers"] == "5.23.0"  # other plans keep it
+        assert (p.packages["transformers"], p.packages["kernels"]) == ("5.23.0", "0.18.3"), python
+        assert p.packages["trl"] == "1.16.0" and p.torch.version != "2.8.0"
     # Python 3.10's stack (transformers 5.20.2) takes kernels>=0.17.2,<0.18: 0.17.2 installs beside it
     p = plan(m, "h100", "580.65.06", python="3.10", attention=hub)
     assert p.packages["kernels"] == "0.17.2" and p.packages["transformers"] == "5.20.2"
@@ -171,9 +170,10 @@ def test_hub_kernels_on_python_3_11_take_the_transformers_that_accepts_pypis_ker
 
 def test_hub_kernels_are_refused_where_no_transformers_of_the_stack_accepts_a_kernels_release(m):
     newest = m.stacks[0]._replace(hub_kernels={}, hub_kernels_source=None)
-    bare = m._replace(stacks=[newest, *m.stacks[1:]])
+    bare = m._replace(stacks=[newest, *m.stacks[1:]],
+                      kernels_releases=[k for k in m.kernels_releases if not k.version.startswith("0.18.")])
     with pytest.raises(Unsatisfiable, match=r"transformers 5\.23\.0 loads Hub kernels through kernels>=0\.18\.2,<0\.19, "
-                       r"and no kernels release in that range exists \(PyPI's newest: 0\.17\.2\)"):
+                       r"and no kernels release in that range exists \(PyPI's newest: 0\.19\.1\)"):
         plan(bare, "h100", "580.65.06", attention="kernels-community/vllm-flash-attn3")
 
 

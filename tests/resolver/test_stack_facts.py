@@ -98,7 +98,7 @@ def wheel_members(name: str, version: str) -> dict[str, str]:
 
 def needs(name: str, version: str, python: str, names: set[str]) -> list[tuple[Requirement, str]]:
     """What this release requires of the other packages (no extras, Linux x86_64), with where it says so."""
-    if name == "kernels":
+    if name == "kernels" and not sorted(UPSTREAM.glob(f"wheels/{name}-{version}-*.whl.json")):
         info = json.loads((CAPTURED / "pypi.org-pypi-kernels-json-info.json").read_text())
         assert info["version"] == version, "the captured kernels info is another release's"
         text = "".join(f"Requires-Dist: {r}\n" for r in info["requires_dist"])
@@ -152,7 +152,7 @@ def test_hub_kernels_through_the_command_on_python_3_12():
                       "--attention", HUB, "--json")
     assert out.returncode == 0, out.stderr
     packages = json.loads(out.stdout)["packages"]
-    assert (packages["transformers"], packages["kernels"]) == ("5.22.2", "0.17.2")
+    assert (packages["transformers"], packages["kernels"]) == ("5.23.0", "0.18.3")
 
 
 # ------------------------------------------------------------------------------------------------ CUDA floors
@@ -164,29 +164,54 @@ def test_a_toolkit_without_a_driver_floor_says_it_is_unverified(m):
             assert "unverified" in t.source, f"cuda.toml [[toolkit]] {t.version}: no min_driver and no 'unverified'"
 
 
-def test_matrix_update_asks_to_drop_hub_kernels_once_a_kernels_release_fits_the_stacks_own_transformers():
-    """`envtool matrix update`'s kernels step, in process on the repository's packages.toml, with PyPI's kernels
-    releases as captured (newest 0.17.2): nothing to review; with a 0.18.2 published, the Python >= 3.11 row's
-    hub_kernels (transformers 5.22.2) is no longer needed and the update says so."""
+def _kernels_step(data, versions):
     from types import SimpleNamespace
 
     from resolver import update
 
+    project = SimpleNamespace(final=lambda: [SimpleNamespace(version=Version(v), requires_python=">=3.10")
+                                             for v in versions])
+    report = update.Report([], [], [])
+    update._kernels(data["packages"], SimpleNamespace(project=lambda name: project), "2026-12-07", report)
+    return report
+
+
+def test_matrix_update_asks_to_drop_hub_kernels_once_a_kernels_release_fits_the_stacks_own_transformers():
+    """`envtool matrix update`'s kernels step, in process on the repository's packages.toml given back the
+    hub_kernels override issue 34 wrote (transformers 5.22.2): with PyPI's kernels releases as captured on
+    2026-11-28 (newest 0.17.2) nothing to review; with 0.18.3 published the override is no longer needed and the
+    update says so (it was then dropped, issue 43)."""
+    from resolver import update
+
     data = update.read(Path(update.__file__).resolve().parents[1] / "matrices")
+    data["packages"]["stack"][0]["hub_kernels"] = {"transformers": "5.22.2"}
+    data["packages"]["kernels_release"] = [r for r in data["packages"]["kernels_release"]
+                                           if not r["version"].startswith(("0.18.", "0.19."))]
     captured = json.loads((CAPTURED / "pypi.org-pypi-kernels-json-info.json").read_text())["versions_newest_5"]
 
-    def client(versions):
-        project = SimpleNamespace(final=lambda: [SimpleNamespace(version=Version(v)) for v in versions])
-        return SimpleNamespace(project=lambda name: project)
-
     def reviews(versions):
-        report = update.Report([], [], [])
-        update._kernels(data["packages"], client(versions), "2026-11-28", report)
-        return [r for r in report.reviews if "hub_kernels" in str(r)]
+        return [r for r in _kernels_step(data, versions).reviews if "hub_kernels" in str(r)]
 
     assert reviews(captured) == []
-    (drop,) = reviews([*captured, "0.18.2"])
+    (drop,) = reviews([*captured, "0.18.3", "0.19.1"])
     assert "transformers 5.22.2" in str(drop) and "5.23.0" in str(drop) and "drop it" in str(drop)
+
+
+def test_matrix_update_adds_the_newest_kernels_inside_each_transformers_range_not_only_pypis_newest():
+    """PyPI's newest kernels (0.19.1) is outside transformers 5.23.0's kernels>=0.18.2,<0.19: a row for it alone
+    would leave the stack's Hub-kernel plans on no release (or an older transformers). The update adds 0.18.3 too,
+    naming the range, and nothing for ranges whose newest release is recorded."""
+    from resolver import update
+
+    data = update.read(Path(update.__file__).resolve().parents[1] / "matrices")
+    data["packages"]["kernels_release"] = [r for r in data["packages"]["kernels_release"]
+                                           if not r["version"].startswith(("0.18.", "0.19."))]
+    added = {a.row: a.fields["source"] for a in _kernels_step(data, ["0.17.2", "0.18.2", "0.18.3", "0.19.1"]).additions}
+    assert sorted(added) == ["kernels 0.18.3", "kernels 0.19.1"]
+    assert "inside transformers 5.23.0's range kernels<0.19,>=0.18.2" in added["kernels 0.18.3"]
+    assert "on 2026-12-07" in added["kernels 0.18.3"] and "Requires-Python >=3.10" in added["kernels 0.18.3"]
+    full = update.read(Path(update.__file__).resolve().parents[1] / "matrices")  # as written: all recorded
+    assert _kernels_step(full, ["0.17.2", "0.18.3", "0.19.1"]).additions == []
 
 
 def test_every_stack_row_installs_together_by_its_releases_own_metadata(m):

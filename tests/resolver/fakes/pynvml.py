@@ -1,7 +1,7 @@
 """A stand-in for nvidia-ml-py's `pynvml`, for machines without an NVIDIA driver.
 
 It answers with the GPUs described in $FAKE_NVML (JSON: {"driver": "...", "gpus": [{"name", "cc",
-"memory_mib"}]}) and, when that variable is unset, fails at nvmlInit exactly as the real module does when
+"memory_mib", optionally "pci_device_id": NVML's 32-bit pciDeviceId}]}) and, when that variable is unset, fails at nvmlInit exactly as the real module does when
 libnvidia-ml.so is missing. Names, signatures and return types follow nvidia-ml-py 12+.
 """
 
@@ -61,3 +61,14 @@ def nvmlDeviceGetCudaComputeCapability(handle):
 
 def nvmlDeviceGetMemoryInfo(handle):
     return _Memory(handle["memory_mib"] * 2**20)
+
+
+class _PciInfo:
+    def __init__(self, device_id):
+        self.pciDeviceId = device_id
+
+
+def nvmlDeviceGetPciInfo(handle):
+    if "pci_device_id" not in handle:
+        raise NVMLError("Not Supported")
+    return _PciInfo(handle["pci_device_id"])
