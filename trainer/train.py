@@ -234,6 +234,9 @@ class Training:
             self.optimizer = accelerator.prepare(optimizer)
             self.model = parallelism.autocast(model, accelerator)
         else:  # the scheduler is stepped by us, once per step
+            if kept := distributed.keep_quantized_experts_whole(accelerator, model):
+                say(f"FSDP: the {kept} quantized expert tensors are kept whole on each rank (not sharded: their "
+                    "quantization state cannot be split with them)")
             self.model, self.optimizer = accelerator.prepare(model, optimizer)
             distributed.register_lora_weights(self.model)  # ZeRO-3 + LoRA: the same parameter fetches every micro-batch
         self.unwrapped = unwrapped = accelerator.unwrap_model(self.model)

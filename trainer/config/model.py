@@ -128,12 +128,10 @@ class ModelKeys(BaseModel):
         if self.quantize_moe_experts and self.lora_target_linear:
             raise ValueError("lora_target_linear with quantize_moe_experts: the experts are not linear layers; name "
                              "them in lora_target_parameters instead (as Axolotl requires)")
-        sharded = [k for k in ("fsdp", "fsdp_config", "fsdp_version", "deepspeed") if getattr(self, k, None)]
-        if self.quantize_moe_experts and sharded:
-            raise ValueError(f"quantize_moe_experts with {sharded[0]} is not supported: FSDP and DeepSpeed shard the "
-                             "experts' quantized storage apart from its quantization state (bitsandbytes' dequantize "
-                             "then mixes DTensors and tensors); Axolotl patches FSDP2 for it. Train on one process, "
-                             "or drop quantize_moe_experts")
+        if self.quantize_moe_experts and self.deepspeed:
+            raise ValueError("quantize_moe_experts with deepspeed is not supported: DeepSpeed partitions the experts' "
+                             "quantized storage apart from its quantization state (Axolotl has not tested it either); "
+                             "use FSDP (fsdp_version: 2), one process, or drop quantize_moe_experts")
         if self.lora_model_dir and not self.adapter:
             raise ValueError("lora_model_dir needs adapter: lora or qlora")
         for pattern in self.unfrozen_parameters or []:

@@ -205,7 +205,8 @@ def setup_from(cfg, runtime, world: int) -> Setup:
         lora_target_parameters=list(cfg.lora_target_parameters or []), unfrozen=cfg.unfrozen_parameters,
         optimizer=cfg.optimizer, micro_batch=cfg.micro_batch_size, sequence_len=cfg.sequence_len,
         packing=cfg.sample_packing, grad_accum=cfg.gradient_accumulation_steps,
-        checkpointing=bool(cfg.gradient_checkpointing),
+        # FSDP's own activation checkpointing (fsdp_config.activation_checkpointing, Axolotl's FSDP2 examples)
+        checkpointing=bool(cfg.gradient_checkpointing) or bool(fsdp and fsdp_checkpointing(cfg)),
         offload=bool(offloading(cfg)) and runtime.device != "cpu",
         selective=tuple(sac.save) if (sac := selective(cfg)) is not None else (),
         tiled_shards=(cfg.tiled_mlp_num_shards or -1) if cfg.tiled_mlp else 0,
@@ -431,10 +432,18 @@ def experts_note(shape, s: Setup) -> str | None:
     return line + f"; quantize_moe_experts: true stores them in {fmt} as they load ({packed})"
 
 
+def fsdp_checkpointing(cfg) -> bool:
+    """fsdp_config.activation_checkpointing: FSDP checkpoints each wrapped layer (trainer/parallel/distributed.py
+    hands it to accelerate's plugin)."""
+    from trainer.config.parallel import fsdp_settings
+
+    return bool(fsdp_settings(cfg).get("activation_checkpointing"))
+
+
 def moe_quant_refused(s: Setup) -> str | None:
     """Why the config would refuse quantize_moe_experts here (trainer/config/model.py), or None."""
-    if s.fsdp or s.zero:
-        return "with FSDP or DeepSpeed"
+    if s.zero:
+        return "with DeepSpeed"
     return None
 
 
@@ -525,11 +534,17 @@ def static_terms(shape, s: Setup) -> Static:
         # FSDP: parameters, gradients and optimizer states sharded; each layer gathered in the compute dtype for
         # its forward and backward (with the next one prefetched); SHARD_GRAD_OP keeps them gathered between the
         # forward and the backward
-        layer_params = (shape.params - shape.embedding - shape.lm_head) / max(1, shape.num_layers)
+        # quantize_moe_experts: the quantized experts are kept whole on each rank, never gathered
+        # (trainer/parallel/distributed.py keep_quantized_experts_whole)
+        whole = expert_bytes(shape, s) if s.moe_quant else 0.0
+        gathered_params = shape.params - (shape.expert_params if s.moe_quant else 0)
+        layer_params = (gathered_params - shape.embedding - shape.lm_head) / max(1, shape.num_layers)
         gathered = 2 * layer_params * (s.e if s.autocast else 4)
         if s.fsdp == "grad_op":
-            gathered = shape.params * (s.e if s.autocast else 4)
-        sharded_w = weights / n
+            gathered = gathered_params * (s.e if s.autocast else 4)
+        sharded_w = (weights - whole) / n + whole
+        if whole:
+            notes.append("quantize_moe_experts under FSDP: the quantized experts are held whole on every rank")
         weights = (0 if s.offload_params else sharded_w)
         buffers += gathered + max(shape.embedding, shape.lm_head) * (s.e if s.autocast else 4)
         gradients = gradients / n

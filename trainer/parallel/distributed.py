@@ -15,6 +15,7 @@ import json
 import os
 import socket
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 from trainer.config.parallel import deepspeed_path, fsdp_settings  # noqa: F401 (how the config reads them)
@@ -40,6 +41,26 @@ def fsdp_plugin(cfg, runtime):
         return FullyShardedDataParallelPlugin(**settings)
     except (ValueError, TypeError) as err:
         raise ConfigError(f"fsdp_config: {str(err).splitlines()[0]}") from None
+
+
+def keep_quantized_experts_whole(accelerator, model) -> int:
+    """FSDP2 with quantize_moe_experts: the experts' quantized storage is left out of sharding (accelerate's
+    ignored_modules), as accelerate leaves bitsandbytes' non-float 4-bit weights out: sharded, the packed storage
+    would be split apart from its quantization state (absmax, block layout), and bitsandbytes' dequantize then mixes
+    DTensors and tensors (measured: FSDP2 over 2 CPU processes stopped at the first forward). Each rank holds the
+    frozen quantized experts whole, as Axolotl's FSDP2 runs hold them (its README: GLM-4.7-Flash QLoRA 24 GiB on one
+    GPU, 29 GiB per GPU on two). Returns how many expert tensors are kept whole."""
+    plugin = getattr(accelerator.state, "fsdp_plugin", None)
+    if plugin is None:
+        return 0
+    # heavy: torch loads only when this runs
+    import torch.nn.utils.parametrize as P
+
+    chains = [module.parametrizations[name] for module in model.modules() if P.is_parametrized(module)
+              for name in module.parametrizations if not module.parametrizations[name].original.is_floating_point()]
+    if chains:
+        plugin.ignored_modules = [*(plugin.ignored_modules or []), *chains]
+    return len(chains)
 
 
 def use_fsdp_on_cpu(accelerator, plugin) -> None:
@@ -77,7 +98,29 @@ def full_model_state(model) -> dict | None:
     # heavy: torch loads only when this runs
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    return get_model_state_dict(model, options=_options(cpu_offload=True))
+    with _quant_state_unserialized(model):
+        return get_model_state_dict(model, options=_options(cpu_offload=True))
+
+
+@contextmanager
+def _quant_state_unserialized(model):
+    """Without bitsandbytes' state-dict hook on parametrized (quantized) expert tensors while torch's
+    get_model_state_dict runs: the hook adds the quantization state under keys such as `experts.gate_up_proj.absmax`,
+    which torch then resolves as attributes ('Tensor' object has no attribute 'absmax', measured under FSDP2 with
+    quantize_moe_experts). The state then holds the packed storage under its own name
+    (`parametrizations.gate_up_proj.original`); the frozen experts are never saved from it (adapters only)."""
+    removed = []
+    for module in model.modules():
+        hooks = module.__dict__.get("_state_dict_hooks") or {}
+        for key, hook in list(hooks.items()):
+            func = getattr(hook, "func", hook)
+            if getattr(func, "__name__", "") == "_parametrized_state_dict_post_hook":
+                removed.append((hooks, key, hooks.pop(key)))
+    try:
+        yield
+    finally:
+        for hooks, key, hook in removed:
+            hooks[key] = hook
 
 
 def full_optimizer_state(model, optimizer) -> dict | None:

@@ -85,4 +85,4 @@ def test_fit_suggests_quantize_moe_experts_for_a_mixtral_8x7b_qlora(tmp_path):
     assert any(x["change"].get("quantize_moe_experts") for x in memory.estimate(shape, adapted, gpu).suggestions)
     sharded = memory.replace(s, zero=3)  # refused with DeepSpeed: not suggested, and the line says why
     assert not any(x["change"].get("quantize_moe_experts") for x in memory.estimate(shape, sharded, gpu).suggestions)
-    assert "but not with FSDP or DeepSpeed" in memory.experts_note(shape, sharded)
+    assert "but not with DeepSpeed" in memory.experts_note(shape, sharded)
