@@ -65,6 +65,9 @@ class ModelKeys(BaseModel):
     # MoE experts (fused 3-D tensors, which bitsandbytes leaves unquantized) quantized as they load, in the format of
     # load_in_4bit / load_in_8bit (trainer/model/experts.py)
     quantize_moe_experts: bool = False
+    # transformers' experts forward for MoE models (its ExpertsInterface): eager, batched_mm or grouped_mm run here;
+    # Axolotl's kernels (scattermoe, sonicmoe) and deepgemm are named in a note (trainer/config/model.py notes)
+    experts_implementation: str | None = None
     lora_r: int = Field(8, ge=1)
     lora_alpha: int = Field(16, ge=1)
     lora_dropout: float = Field(0.0, ge=0, lt=1)
@@ -111,6 +114,11 @@ class ModelKeys(BaseModel):
         if self.model_quantization_config and (self.load_in_4bit or self.load_in_8bit):
             raise ValueError("model_quantization_config and load_in_4bit/load_in_8bit are two quantizations; choose one")
 
+    def _check_experts_implementation(self) -> None:
+        if self.experts_implementation is not None and self.experts_implementation not in EXPERTS_IMPLEMENTATIONS:
+            raise ValueError(f"experts_implementation: {self.experts_implementation!r} is not one of "
+                             f"{', '.join(EXPERTS_IMPLEMENTATIONS)}")
+
     def _check_adapter(self) -> None:
         if self.load_in_4bit and self.load_in_8bit:
             raise ValueError("load_in_4bit and load_in_8bit are both true; choose one")
@@ -140,9 +148,24 @@ class ModelKeys(BaseModel):
                                  "freeze or train whole parameters")
 
 
+# experts_implementation values: transformers' own (integrations/moe.py ExpertsInterface, 5.23: eager plus batched_mm,
+# grouped_mm, deepgemm, sonicmoe) and Axolotl's kernels plugin's scattermoe (integrations/kernels/README.md at 067b021)
+EXPERTS_IMPLEMENTATIONS = ("eager", "batched_mm", "grouped_mm", "scattermoe", "sonicmoe", "deepgemm")
+RUN_HERE = ("eager", "batched_mm", "grouped_mm")  # plain torch: every device
+EXPERT_KERNELS = {  # the kernels this trainer does not bundle, and where they run (their sources' own words)
+    "scattermoe": "Axolotl's ScatterMoE triton kernels (any CUDA GPU; from its kernels plugin)",
+    "sonicmoe": "SonicMoE's CUTLASS kernels (Hopper sm_90 or newer; the `kernels` package's Hub build)",
+    "deepgemm": "DeepGEMM's kernels (Hopper sm_90 or newer, bf16)",
+}
+
+
 def notes(cfg) -> list[str]:
     """Keys accepted that do less than they say here."""
     out = []
+    kernel = EXPERT_KERNELS.get(cfg.experts_implementation or "")
+    if kernel:
+        out.append(f"experts_implementation: {cfg.experts_implementation} runs {kernel}, which this trainer does not "
+                   "bundle: the experts run transformers' grouped_mm (the same math; slower)")
     if cfg.gradient_checkpointing in ("offload", "offload_disk"):
         became = "true" if cfg.gradient_checkpointing == "offload" else "disk"
         out.append(f"gradient_checkpointing: {cfg.gradient_checkpointing} is Axolotl's deprecated spelling of "

@@ -57,6 +57,7 @@ class Config(FeatureKeys, VisionKeys, SpeedKeys, SparsityKeys, QatKeys, EbftKeys
         self._check_precision()  # hardware
         self._check_cadence()  # eval/save steps
         self._check_adapter()  # model (quantized loading, LoRA)
+        self._check_experts_implementation()  # model
         self._check_attention()  # hardware
         self._check_speed()  # activation offloading, selective checkpointing, tiled MLP, torch.compile
         return self

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from trainer.config import Config
-from trainer.config.model import lora_exclusions, lora_task_type
+from trainer.config.model import RUN_HERE, lora_exclusions, lora_task_type
 from trainer.errors import ConfigError, TrainingError
 from trainer.model import attention_varlen, expert_lora, experts
 from trainer.model.attention import packed_masks
@@ -76,6 +76,8 @@ def load_model(cfg: Config, runtime: Runtime, tokenizer, source: str | None = No
             raise
         raise ConfigError(f"tensor_parallel_size: cannot shard {source}: {str(err).splitlines()[0]}") from None
     resize_embeddings(cfg, model, tokenizer)
+    if cfg.experts_implementation in RUN_HERE:  # transformers' experts forward (the default: grouped_mm)
+        model.set_experts_implementation(cfg.experts_implementation)
     if cfg.use_onebitllms:  # Falcon-E's BitNet layers, swapped in right after loading (as Axolotl)
         from trainer.model import bitnet
 

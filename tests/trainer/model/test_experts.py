@@ -252,3 +252,27 @@ def test_quantize_moe_experts_under_deepspeed_is_refused_before_anything_runs(tm
     assert main(["validate", str(config), "--gpu", "cpu"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "quantize_moe_experts with deepspeed is not supported" in err[0], err
+
+
+@pytest.mark.slow  # three model loads and two validations (~10 s)
+def test_experts_implementation_is_set_on_the_model_and_each_computes_the_same(tmp_path, tiny_mixtral, capsys):
+    """Axolotl's experts_implementation: transformers' eager, batched_mm and grouped_mm set on the model the trainer
+    builds (the eager loop is the oracle: the same logits to float rounding); a kernel this trainer does not bundle
+    is named in one note, its GPU floor with it, and the experts run grouped_mm."""
+    logits = {}
+    ids = torch.randint(3, 300, (2, 12), generator=torch.Generator().manual_seed(0))
+    for impl in ("eager", "batched_mm", "grouped_mm"):
+        model = loaded(moe_config(tmp_path, tiny_mixtral, adapter=None, load_in_4bit=None, bf16=None,
+                                  experts_implementation=impl))
+        assert model.config._experts_implementation == impl
+        with torch.no_grad():
+            logits[impl] = model(input_ids=ids).logits
+    for impl in ("batched_mm", "grouped_mm"):
+        assert torch.allclose(logits[impl], logits["eager"], rtol=1e-5, atol=1e-6), impl
+    config = moe_config(tmp_path, tiny_mixtral, experts_implementation="sonicmoe")
+    assert main(["validate", str(config), "--gpu", "h100"]) == 0
+    out = capsys.readouterr().out
+    assert "experts_implementation: sonicmoe runs SonicMoE's CUTLASS kernels (Hopper sm_90 or newer" in out
+    assert main(["validate", str(moe_config(tmp_path, tiny_mixtral, experts_implementation="fastest"))]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "experts_implementation: 'fastest' is not one of eager, batched_mm" in err[0], err
