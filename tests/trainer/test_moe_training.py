@@ -112,3 +112,23 @@ def test_merge_lora_folds_expert_lora_into_the_unfused_checkpoint(tmp_path, requ
     assert len(wrapped) == 4  # 2 layers x (gate_up_proj, down_proj): the experts were adapted
     assert (expected - before).abs().max() > 1e-3  # the adapter changes the model, so the comparison can fail
     assert (got - expected).abs().max() <= 1e-5
+
+    exported = run_cli("export", str(path), "--format", "gguf", "--outtype", "f32")  # llama.cpp's file of it
+    gguf_file = tmp_path / "out" / "out-f32.gguf"
+    if family == "qwen3_moe":  # transformers' Qwen3-MoE default does not normalize the top-k weights; llama.cpp does
+        assert exported.returncode == 2 and not gguf_file.exists()
+        assert exported.stderr.strip().splitlines()[-1].startswith("error: export: this Qwen3-MoE does not normalize")
+        return
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    import gguf
+    from safetensors.torch import load_file
+
+    weights = load_file(str(merged / "model.safetensors"))
+    tensors = {t.name: t for t in gguf.GGUFReader(gguf_file).tensors}
+    for layer in range(2):  # each layer's experts stacked per projection, as llama.cpp's converter stacks them
+        for gguf_name, proj in (("ffn_gate_exps", "w1"), ("ffn_down_exps", "w2"), ("ffn_up_exps", "w3")):
+            stacked = torch.stack([weights[f"model.layers.{layer}.block_sparse_moe.experts.{e}.{proj}.weight"]
+                                   for e in range(4)])
+            assert torch.equal(torch.from_numpy(tensors[f"blk.{layer}.{gguf_name}.weight"].data.copy()), stacked)
+        router = weights[f"model.layers.{layer}.block_sparse_moe.gate.weight"]
+        assert torch.equal(torch.from_numpy(tensors[f"blk.{layer}.ffn_gate_inp.weight"].data.copy()), router)

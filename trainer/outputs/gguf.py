@@ -7,6 +7,9 @@ gguf-py: its GGUFWriter, tensor-name maps, quantizers and SpecialVocab); no llam
 
 What goes in, following llama.cpp's convert_hf_to_gguf.py for these families:
 - hyperparameters under the architecture's keys (llama.cpp converts Mistral as `llama`);
+- mixtures of experts (Mixtral as `llama`, Qwen3-MoE as `qwen3moe`): a layer's per-expert tensors stacked into one
+  [experts, out, in] tensor per projection (ffn_{gate,up,down}_exps), the router as ffn_gate_inp, and the expert
+  count, experts per token and expert width in the header, as convert_hf_to_gguf.py's MoE models write them;
 - the tensors renamed by gguf.TensorNameMap; llama's q_proj/k_proj rows permuted the way llama.cpp's converter
   permutes them (its rope pairs dimensions i, i+d/2 interleaved; transformers undoes the permutation when it reads a
   GGUF, which the round-trip test checks); 1-D tensors (norms, biases) in f32, the rest in --outtype (q8_0: rows
@@ -25,6 +28,7 @@ import itertools
 import json
 import math
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,7 +40,12 @@ FAMILIES = {
     "mistral": ("llama", True),  # llama.cpp's converter registers MistralForCausalLM as LlamaModel
     "qwen2": ("qwen2", False),
     "qwen3": ("qwen3", False),  # + per-head q/k norms (attn_q_norm, attn_k_norm)
+    # mixtures of experts: each layer's experts stacked into one tensor per projection (ffn_{gate,up,down}_exps,
+    # [experts, out, in]) and the router as ffn_gate_inp, as convert_hf_to_gguf.py writes them
+    "mixtral": ("llama", True),  # llama.cpp's converter registers MixtralForCausalLM as LlamaModel
+    "qwen3_moe": ("qwen3moe", False),
 }
+EXPERT_KEY = re.compile(r"^(?P<stem>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>[^.]+)\.weight$")
 OUTTYPES = ("f32", "f16", "bf16", "q8_0")
 
 
@@ -116,6 +125,14 @@ def check_config(config: dict, log) -> tuple[str, bool]:
         raise ConfigError(f"export: model_type {model_type!r} is not exported to GGUF here; supported: "
                           f"{', '.join(FAMILIES)} (transformers also reads GGUF for {', '.join(others)}, which this "
                           "exporter does not write)")
+    if model_type == "qwen3_moe":  # what llama.cpp's qwen3moe graph assumes (src/models/qwen3moe.cpp)
+        if not config.get("norm_topk_prob", False):
+            raise ConfigError("export: this Qwen3-MoE does not normalize its top-k routing weights (norm_topk_prob: "
+                              "false in its config.json) and llama.cpp's qwen3moe always does: its GGUF would route "
+                              "the experts differently; not exported")
+        if config.get("mlp_only_layers") or config.get("decoder_sparse_step", 1) != 1:
+            raise ConfigError("export: this Qwen3-MoE has dense layers between its MoE layers (mlp_only_layers / "
+                              "decoder_sparse_step), which llama.cpp's qwen3moe does not have; not exported")
     rope = rope_scaling(config)
     rope_type = rope.get("rope_type") or rope.get("type") or "default"
     if rope_type not in ("default", "linear"):
@@ -244,24 +261,54 @@ def plan_tensors(model_dir: Path, arch_name: str, blocks: int, outtype: str) -> 
               else ["model.safetensors"])
     wide = {"f32": gguf.GGMLQuantizationType.F32, "f16": gguf.GGMLQuantizationType.F16,
             "bf16": gguf.GGMLQuantizationType.BF16, "q8_0": gguf.GGMLQuantizationType.Q8_0}[outtype]
-    plan = []
+    plan, stacked = [], {}
     for shard in shards:
         with safe_open(model_dir / shard, framework="pt") as f:
             for key in f.keys():
                 if key.endswith(".rotary_emb.inv_freq"):  # a buffer older checkpoints saved; llama.cpp skips it
                     continue
-                stem, suffix = key.rsplit(".", 1) if key.endswith((".weight", ".bias")) else (key, "")
-                name = names.get_name(stem)
-                if name is None:
-                    raise ConfigError(f"export: {key} has no GGUF tensor name for the {arch_name} architecture")
                 shape = list(f.get_slice(key).get_shape())
-                qtype = gguf.GGMLQuantizationType.F32 if len(shape) == 1 else wide
-                block = gguf.GGML_QUANT_SIZES[qtype][0]
-                if qtype == gguf.GGMLQuantizationType.Q8_0 and shape[-1] % block:
-                    qtype = gguf.GGMLQuantizationType.F16  # as llama.cpp falls back for rows q8_0 cannot split
-                plan.append({"name": f"{name}.{suffix}" if suffix else name, "shard": shard, "key": key,
-                             "shape": shape, "type": qtype})
+                expert = EXPERT_KEY.match(key)
+                if expert:  # one expert's projection: stacked with the layer's others into one GGUF tensor
+                    stem = f"{expert['stem']}.{expert['proj']}"
+                    entry = stacked.get(stem)
+                    if entry is None:
+                        entry = stacked[stem] = _entry(names, arch_name, f"{stem}.weight", stem, "weight", shard,
+                                                       shape, wide)
+                        entry["experts"] = {}
+                        plan.append(entry)
+                    elif shape != entry["expert_shape"]:
+                        raise ConfigError(f"export: {key} is {shape}, unlike the layer's other experts "
+                                          f"({entry['expert_shape']})")
+                    entry["experts"][int(expert["expert"])] = (shard, key)
+                    continue
+                stem, suffix = key.rsplit(".", 1) if key.endswith((".weight", ".bias")) else (key, "")
+                plan.append(_entry(names, arch_name, key, stem, suffix, shard, shape, wide))
+    for stem, entry in stacked.items():
+        count = len(entry["experts"])
+        if sorted(entry["experts"]) != list(range(count)):
+            raise ConfigError(f"export: {stem}: the checkpoint's experts are numbered {sorted(entry['experts'])}, "
+                              f"not 0 to {count - 1}")
+        entry["parts"] = [entry["experts"].pop(i) for i in range(count)]
+        del entry["experts"]
+        entry["shape"] = [count, *entry["expert_shape"]]
     return plan
+
+
+def _entry(names, arch_name: str, key: str, stem: str, suffix: str, shard: str, shape: list[int], wide) -> dict:
+    """One GGUF tensor: its name for the architecture, where it is read from, its shape and its GGML type."""
+    # heavy: gguf loads only when this runs
+    import gguf
+
+    name = names.get_name(stem)
+    if name is None:
+        raise ConfigError(f"export: {key} has no GGUF tensor name for the {arch_name} architecture")
+    qtype = gguf.GGMLQuantizationType.F32 if len(shape) == 1 else wide
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    if qtype == gguf.GGMLQuantizationType.Q8_0 and shape[-1] % block:
+        qtype = gguf.GGMLQuantizationType.F16  # as llama.cpp falls back for rows q8_0 cannot split
+    return {"name": f"{name}.{suffix}" if suffix else name, "shard": shard, "key": key, "shape": shape,
+            "expert_shape": shape, "type": qtype}
 
 
 def tensor_data(tensor, entry: dict, config: dict, permute_qk: bool):
@@ -373,8 +420,9 @@ def write_gguf(writer, cfg, model: Model, plan, outtype, tmp, target, log=print)
         for shard, entries in itertools.groupby(plan, key=lambda e: e["shard"]):  # then the data, a tensor at a time
             with safe_open(model_dir / shard, framework="pt") as f:
                 for entry in entries:
-                    writer.write_tensor_data(tensor_data(f.get_tensor(entry["key"]), entry, model_config,
-                                                         model.permute_qk))
+                    tensor = _stacked(model_dir, f, shard, entry["parts"]) if "parts" in entry else \
+                        f.get_tensor(entry["key"])
+                    writer.write_tensor_data(tensor_data(tensor, entry, model_config, model.permute_qk))
         writer.close()
         os.replace(tmp, target)
     except BaseException:
@@ -382,6 +430,23 @@ def write_gguf(writer, cfg, model: Model, plan, outtype, tmp, target, log=print)
         tmp.unlink(missing_ok=True)
         raise
     return tokens
+
+
+def _stacked(model_dir: Path, opened, shard: str, parts: list[tuple[str, str]]):
+    """One layer's experts of one projection, stacked [experts, out, in] (llama.cpp's ffn_*_exps); an expert kept in
+    another shard is read from there."""
+    # heavy: torch and safetensors load only when this runs
+    import torch
+    from safetensors import safe_open
+
+    tensors = []
+    for part_shard, key in parts:
+        if part_shard == shard:
+            tensors.append(opened.get_tensor(key))
+        else:
+            with safe_open(model_dir / part_shard, framework="pt") as other:
+                tensors.append(other.get_tensor(key))
+    return torch.stack(tensors)
 
 
 def _add_header(writer, cfg, model: Model, outtype) -> None:
@@ -405,6 +470,12 @@ def _add_header(writer, cfg, model: Model, outtype) -> None:
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(float(rope["factor"]))
     writer.add_layer_norm_rms_eps(model_config.get("rms_norm_eps", 1e-6))
+    experts = model_config.get("num_local_experts") or model_config.get("num_experts")
+    if experts:  # a mixture of experts: as convert_hf_to_gguf.py's TextModel and Qwen2MoeModel write it
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(model_config["num_experts_per_tok"])
+        if model_config.get("moe_intermediate_size"):
+            writer.add_expert_feed_forward_length(model_config["moe_intermediate_size"])
     if model.arch_name == "llama":
         writer.add_vocab_size(model.vocab_size)
         writer.add_rope_dimension_count(head_dim)
