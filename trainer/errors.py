@@ -125,3 +125,14 @@ def no_home() -> str | None:
     except (RuntimeError, KeyError):
         return (f"no home directory: HOME is not set and user {os.getuid()} has no passwd entry; set HOME to a "
                 "writable folder (caches go under $HOME/.cache)")
+
+
+class ServerFailed(TrainingError):
+    """A service the step needs (GRPO's vLLM server) failed while the step waited for it: the message names the URL.
+    One process keeps the last finished step in a checkpoint first (trainer/train.py abandon_step)."""
+
+
+class StepAbandoned(Exception):
+    """A stop request arrived while the step was waiting for a service (GRPO's vLLM server): the step is given up
+    before it changed anything, so that the run stops now with the last finished step, not after the wait
+    (trainer/train.py abandon_step). Not an error: the loop turns it into its Stopped."""

@@ -39,7 +39,7 @@ from trainer.config import resume as resume_keys
 from trainer.config.parallel import sync_each_batch
 from trainer.config.training import epoch_steps, steps_from_fractions
 from trainer.data.prepare import Prepared, build_held_out, load_tokenizer, prepare
-from trainer.errors import ConfigError, DataError, Stopped, TrainingError
+from trainer.errors import ConfigError, DataError, ServerFailed, StepAbandoned, Stopped, TrainingError
 from trainer.hooks import Hooks, Run
 from trainer.model.attention import for_model
 from trainer.model.load import DTYPES, load_model
@@ -480,6 +480,9 @@ class Training:
         stopped = False
         self.stop = StopRequest(say_rank0=self.main).install()  # from here a signal means: this step, a checkpoint
         self.stop_now = False
+        server = getattr(self.objective, "server", None)
+        if server is not None and self.world == 1:  # a wait for the server gives way to a stop (abandon_step)
+            server.stopping = lambda: self.stop.requested
         try:  # close the progress bar on errors too, so the error is a line of its own
             while self.step < self.total_steps and not stopped:
                 self.sampler.set_epoch(self.epoch)
@@ -499,6 +502,11 @@ class Training:
                     except torch.OutOfMemoryError as err:
                         err.__traceback__ = None  # its frames hold the step's activations
                         oom = err
+                    except (StepAbandoned, ServerFailed) as err:
+                        if self.world > 1:  # the ranks stop together at a step's end (trainer/runtime/stop.py)
+                            raise
+                        progress.close()
+                        self.abandon_step(err, consumed - self.draws)
                     if oom is not None:
                         del micro_batches
                         self.out_of_memory(oom)  # raises unless it backed off to a smaller micro-batch
@@ -616,6 +624,23 @@ class Training:
         self.accelerator.end_training()
         raise Stopped(f"stopped after step {self.step} of {self.total_steps} ({name}): saved {path}; run the same "
                       f"command again to continue from it (exit code {code})", code)
+
+    def abandon_step(self, err: Exception, consumed: int) -> None:
+        """One process, a step given up while it waited for a service, before it changed anything: a stop request
+        (StepAbandoned) or the service failing (ServerFailed). The last finished step is kept in a checkpoint (the
+        data position before this step's batches, which the resumed run draws again), then the run stops with the
+        request's exit code, or ends with the failure's line and where to resume."""
+        path = self.save(consumed) if self.step > 0 else None
+        if isinstance(err, ServerFailed):
+            self.metrics.close()
+            kept = (f"; {path} keeps step {self.step}: run the same command again to resume from it" if path else
+                    "; no step had finished, so nothing was kept")
+            raise ServerFailed(f"{err}{kept}") from None
+        if path is not None:
+            self.stopped_by_signal(path)
+        self.metrics.close()
+        raise Stopped(f"stopped before step 1 finished ({self.stop.name}, while waiting for a service): nothing to "
+                      "keep; run the same command again to start", self.stop.exit_code)
 
     def optimizer_step(self, micro_batches: list) -> tuple[dict, dict]:
         """One optimizer step: the step's totals over all micro-batches and ranks first (ONE all-reduce), then

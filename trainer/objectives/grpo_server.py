@@ -16,6 +16,14 @@ What differs from the library, and why:
   `trl.vllm_server_timeout` seconds (TRL's default 240); then one error line (exit 1), before the data and the
   model load (GRPO.check_services).
 
+Waiting for the server: each request runs in a daemon thread while the loop's thread waits for it in short slices, so
+that (one process) a stop request (SIGTERM, SIGUSR1, Ctrl-C) is acted on at once: the step is given up before it
+changed anything (StepAbandoned) and the run stops with a checkpoint of the last finished step; a request that fails or
+times out (trl.vllm_server_timeout) ends the run in one line naming the server (ServerFailed), a checkpoint of the
+last finished step kept first. A request left running never holds the process at exit (a daemon thread; the
+standard library's thread pools are joined at exit). Several processes wait the request out (bounded by its timeout)
+and stop at the step's end together, as for any stop request (trainer/runtime/stop.py).
+
 async_prefetch (Axolotl's AsyncGRPOTrainer, prefetch_depth 1): once step s's completions are in hand and the adapter
 synced, the completions of step s + 1's prompts (the loop's `Objective.upcoming`) are requested in a background thread
 while step s trains: they come from the adapter after s steps and train step s + 1, one step stale, as Axolotl's; the
@@ -37,10 +45,11 @@ import atexit
 import concurrent.futures
 import shutil
 import tempfile
+import threading
 import time
 from pathlib import Path
 
-from trainer.errors import TrainingError
+from trainer.errors import ServerFailed, StepAbandoned, TrainingError
 
 LORA_NAME = "envtool-policy"  # the name the adapter is loaded under (vLLM serves it as a model of that name)
 HEALTH_REQUEST_S = 5.0  # one /health request's own timeout (the whole wait is vllm_server_timeout)
@@ -111,6 +120,25 @@ def make_client(url: str, timeout_s: float = DEFAULT_TIMEOUT_S):
     return client
 
 
+WAIT_SLICE_S = 0.25  # how often a wait for the server looks for a stop request
+
+
+def in_background(work, name: str) -> concurrent.futures.Future:
+    """work() in a daemon thread (never joined at exit, unlike a ThreadPoolExecutor's), its result in a Future."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run():
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(work())
+        except BaseException as err:  # noqa: BLE001 (handed to the waiting thread, which re-raises it)
+            future.set_exception(err)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return future
+
+
 class ServerGeneration:
     """The client, the sync counter and the adapter folder of one run (rank 0 syncs; every rank generates)."""
 
@@ -122,7 +150,8 @@ class ServerGeneration:
         self.timeout = server_timeout(trl)
         self.fresh_adapter = not cfg.lora_model_dir
         self.version, self.last_synced, self.folder = 0, None, None
-        self.pending, self.executor = None, None  # (key, future) of the prefetched generation (async_prefetch)
+        self.pending = None  # (key, future) of the prefetched generation (async_prefetch)
+        self.stopping = lambda: False  # set by the loop (one process): a stop request gives up the wait
         wait_for_server(self.url, self.timeout)
         self.client = make_client(self.url, self.timeout)
         self.base_model = self.client.model
@@ -132,23 +161,31 @@ class ServerGeneration:
                 f"loaded by the server every {self.interval} step(s) (trl.vllm_lora_sync)")
 
     def prefetch(self, key, generate) -> None:
-        """Start generate() in the background thread; `take(key)` collects it."""
-        if self.executor is None:
-            self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="vllm-prefetch")
-        self.pending = (key, self.executor.submit(generate))
+        """Start generate() in a background thread; `take(key)` collects it."""
+        self.pending = (key, in_background(generate, "vllm-prefetch"))
 
     def take(self, key):
         """The prefetched result for `key` (waits for it; re-raises its error), else None (none, or another key's)."""
         if self.pending is None:
             return None
         (wanted, future), self.pending = self.pending, None
-        result = future.result()
+        result = self.wait(future)
         return result if wanted == key else None
 
     def settle(self) -> None:
         """Wait for a prefetch in flight, keeping it (nothing else talks to the server meanwhile)."""
         if self.pending is not None:
             concurrent.futures.wait([self.pending[1]])
+
+    def wait(self, future):
+        """The request's result, waited for in slices: StepAbandoned as soon as a stop is requested (one process)."""
+        while True:
+            try:
+                return future.result(timeout=WAIT_SLICE_S)
+            except concurrent.futures.TimeoutError:
+                if self.stopping():
+                    raise StepAbandoned(f"a stop request arrived while waiting for the vLLM server at {self.url}") \
+                        from None
 
     def due(self, step: int) -> bool:
         if step == self.last_synced:
@@ -209,8 +246,8 @@ class ServerGeneration:
     def generate(self, prompts: list[list[int]], n: int, max_tokens: int, seed: int) -> dict:
         """TRL's VLLMClient.generate: prompt-major completion ids and the sampled tokens' log-probs, checked
         (checked_completions)."""
-        return checked_completions(self._generate(prompts, n, max_tokens, seed), len(prompts) * n, max_tokens,
-                                   self.url)
+        got = self.wait(in_background(lambda: self._generate(prompts, n, max_tokens, seed), "vllm-generate"))
+        return checked_completions(got, len(prompts) * n, max_tokens, self.url)
 
     def _generate(self, prompts: list[list[int]], n: int, max_tokens: int, seed: int) -> dict:
         trl = self.trl
@@ -221,8 +258,8 @@ class ServerGeneration:
                                         logprobs=0, structured_outputs_regex=trl.vllm_guided_decoding_regex,
                                         generation_kwargs={"seed": seed})
         except Exception as err:  # requests' errors and TRL's "Request failed: <code>, <text>"
-            raise TrainingError(f"trl.use_vllm: generation on the vLLM server at {self.url} failed: "
-                                f"{str(err).splitlines()[0][:300]}") from None
+            raise ServerFailed(f"trl.use_vllm: generation on the vLLM server at {self.url} failed: "
+                               f"{str(err).splitlines()[0][:300]}") from None
 
 
 def checked_completions(got, count: int, max_tokens: int, url: str) -> dict:
@@ -232,16 +269,16 @@ def checked_completions(got, count: int, max_tokens: int, url: str) -> dict:
     where = f"trl.use_vllm: the vLLM server at {url}"
     ids = got.get("completion_ids") if isinstance(got, dict) else None
     if not isinstance(ids, list) or len(ids) != count:
-        raise TrainingError(f"{where} returned {len(ids) if isinstance(ids, list) else 'no'} completions where "
+        raise ServerFailed(f"{where} returned {len(ids) if isinstance(ids, list) else 'no'} completions where "
                             f"{count} were asked for")
     for k, completion in enumerate(ids):
         if not isinstance(completion, list) or not all(isinstance(t, int) and t >= 0 for t in completion):
-            raise TrainingError(f"{where} returned completion {k} with something other than token ids")
+            raise ServerFailed(f"{where} returned completion {k} with something other than token ids")
         if len(completion) > max_tokens:
-            raise TrainingError(f"{where} returned a completion of {len(completion)} tokens for max_tokens "
+            raise ServerFailed(f"{where} returned a completion of {len(completion)} tokens for max_tokens "
                                 f"{max_tokens} (trl.max_completion_length): is it serving another configuration?")
     logprobs = got.get("logprobs")
     if logprobs is not None and (not isinstance(logprobs, list) or len(logprobs) != count
                                  or any(len(lp) != len(c) for lp, c in zip(logprobs, ids))):
-        raise TrainingError(f"{where} returned log-probs that do not match its completions token for token")
+        raise ServerFailed(f"{where} returned log-probs that do not match its completions token for token")
     return got

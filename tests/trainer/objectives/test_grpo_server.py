@@ -295,3 +295,96 @@ def test_a_server_answer_that_does_not_fit_the_config_is_one_line_naming_the_ser
     assert finished and isinstance(outcome.get("error"), TrainingError), outcome
     line = str(outcome["error"])
     assert f"the vLLM server at {url}" in line and says in line and "\n" not in line
+
+
+# ------------------------------------------------- a server that stops answering in the middle of a run (issue 44)
+def _run_with_a_server_that_hangs_from(grpo_config, tiny_llama, tmp_path, hang_from: int, timeout: int,  # noqa: F811
+                                       signal_when_waiting=None):
+    """`python -m trainer train` (one process, 4 steps, save_steps 0) against a stand-in whose generation request
+    number `hang_from` (1-based) and later never answer. With `signal_when_waiting`, that signal is sent once the
+    hanging request has arrived. Returns (the finished process, seconds from the hang to the exit)."""
+    import signal as signals
+    import threading
+    import time
+
+    calls, hung = [], threading.Event()
+    with StandInVLLM(tiny_llama) as server:
+        original = server.completions
+
+        def completions(body):
+            calls.append(1)
+            if len(calls) >= hang_from:
+                hung.set()
+                release.wait(120)
+            return original(body)
+
+        server.completions = completions
+        config = grpo_config("hang.yml", rl="grpo", output_dir=str(tmp_path / "out"), max_steps=4, save_steps=0,
+                             **LORA, trl={**SERVER, "vllm_server_port": server.port, "vllm_server_timeout": timeout,
+                                          "beta": 0.0, "multi_objective_aggregation": None})
+        env = {k: v for k, v in os.environ.items() if k != "ENVTOOL_PLAN"}
+        env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+        release.clear()
+        proc = subprocess.Popen([sys.executable, "-m", "trainer", "train", str(config)], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+        try:
+            assert hung.wait(240), "the run never reached the hanging request"
+            started = time.monotonic()
+            if signal_when_waiting is not None:
+                time.sleep(1.0)
+                proc.send_signal(signal_when_waiting)
+            out, err = proc.communicate(timeout=timeout + 120)
+            took = time.monotonic() - started
+        finally:
+            release.set()
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+        assert signals.SIGTERM  # (imported for the callers' signal)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), took, config, server.url
+
+
+@pytest.mark.slow  # GRPO runs in a subprocess (~40 s)
+def test_a_server_that_stops_answering_mid_run_keeps_the_last_finished_step_and_resumes(
+        grpo_config, tiny_llama, tmp_path):  # noqa: F811
+    """The third step's request is never answered: the run ends at trl.vllm_server_timeout in one line that names the
+    server and where the last finished step is kept (checkpoint-2, though save_steps never saved), exit 1; the same
+    command with the server back finishes steps 3 and 4 from it."""
+    result, took, config, url = _run_with_a_server_that_hangs_from(grpo_config, tiny_llama, tmp_path, hang_from=3,
+                                                                  timeout=4)
+    assert result.returncode == 1, result.stderr[-2000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: trl.use_vllm: generation on the vLLM server at {url} failed: ") and \
+        f"{tmp_path / 'out' / 'checkpoint-2'} keeps step 2: run the same command again to resume from it" in last, last
+    assert took < 4 + 60  # the request's timeout, then the checkpoint
+    assert (tmp_path / "out" / "checkpoint-2").is_dir() and not (tmp_path / "out" / "final").exists()
+    with StandInVLLM(tiny_llama) as server:
+        import yaml
+
+        raw = yaml.safe_load(config.read_text())
+        raw["trl"]["vllm_server_port"] = server.port  # the server came back elsewhere (an address may change)
+        config.write_text(yaml.safe_dump(raw))
+        env = {k: v for k, v in os.environ.items() if k != "ENVTOOL_PLAN"}
+        env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+        again = subprocess.run([sys.executable, "-m", "trainer", "train", str(config)], capture_output=True, text=True,
+                               env=env, cwd=tmp_path, timeout=300)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "resumed from" in again.stderr + again.stdout
+    steps = [r["step"] for r in read_metrics(tmp_path / "out") if "loss" in r]
+    assert steps == [1, 2, 3, 4] and (tmp_path / "out" / "final" / "adapter_model.safetensors").is_file()
+
+
+@pytest.mark.slow  # a GRPO run in a subprocess (~30 s)
+def test_a_stop_while_waiting_for_the_server_is_acted_on_at_once_with_the_last_finished_step(
+        grpo_config, tiny_llama, tmp_path):  # noqa: F811
+    """SIGTERM while the third step waits for a server that does not answer (its timeout 120 s): the run gives the
+    step up, keeps step 2 in checkpoint-2 and exits 138 within seconds, not after the request's timeout."""
+    import signal
+
+    result, took, _, _ = _run_with_a_server_that_hangs_from(grpo_config, tiny_llama, tmp_path, hang_from=3,
+                                                           timeout=120, signal_when_waiting=signal.SIGTERM)
+    assert result.returncode == 138, result.stderr[-2000:]
+    assert took < 30, took
+    last = result.stderr.strip().splitlines()[-1]
+    assert "stopped after step 2 of 4 (SIGTERM)" in last and str(tmp_path / "out" / "checkpoint-2") in last, last
+    assert (tmp_path / "out" / "checkpoint-2").is_dir()
