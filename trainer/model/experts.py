@@ -13,6 +13,9 @@ Two consequences for k-bit training, handled here:
    made for MoE experts), int8 with one absmax per row through bitsandbytes' LLM.int8 row-wise functions. The
    model's own expert forward runs unchanged: reading `experts.gate_up_proj` dequantizes it (once per forward,
    parametrize's cache), so the forward equals dequantize-then-matmul. bitsandbytes >= 0.48 runs both on CPU.
+
+Expert parallelism (expert_parallel_size) is transformers' own (trainer/parallel/mesh.py): `check_expert_parallel`
+stops a model it cannot split before the load, and `sharded_experts` counts what the load split.
 """
 
 from __future__ import annotations
@@ -184,3 +187,34 @@ def quantized_on_load(how: dict | None):
         loading.set_param_for_module = original
         if warmup is not None:
             modeling.caching_allocator_warmup = warmup
+
+
+def check_expert_parallel(source: str, ep: int, trust_remote_code: bool, extra: dict) -> None:
+    """expert_parallel_size: the model must be a mixture of experts whose expert count ep divides, with an expert
+    plan in transformers (`base_model_ep_plan`: Mixtral, Qwen3-MoE, DeepSeek, ...). Raises ConfigError naming the
+    key and value; reads config.json only."""
+    # heavy: transformers loads only when this runs
+    from transformers import AutoConfig
+
+    from trainer.config.parallel import expert_count_reason
+
+    kwargs = {k: v for k, v in extra.items() if k == "revision"}
+    try:
+        config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code, **kwargs)
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"cannot read the model's config from {source}: {str(err).splitlines()[0]}") from None
+    reason = expert_count_reason(config, ep)
+    if reason is not None:
+        raise ConfigError(reason)
+    plans = [getattr(c, "base_model_ep_plan", None) for c in (config, getattr(config, "text_config", None))]
+    if not any(plans):
+        raise ConfigError(f"expert_parallel_size: {ep}: transformers has no expert-parallel plan for model_type "
+                          f"{config.model_type} (its config class declares no base_model_ep_plan); use "
+                          "expert_parallel_size: 1")
+
+
+def sharded_experts(model) -> tuple[int, int]:
+    """(MoE expert modules whose experts the load split over the expert-parallel ranks, all MoE expert modules):
+    transformers marks each split one `_is_expert_parallel`."""
+    found = [m for m in model.modules() if any(is_expert(f"experts.{n}", p) for n, p in m._parameters.items())]
+    return sum(bool(getattr(m, "_is_expert_parallel", False)) for m in found), len(found)

@@ -14,8 +14,10 @@ Supported here: dp_shard_size and dp_replicate_size (FSDP, and HSDP through acce
 only), and tensor_parallel_size (transformers loads the model sharded by its tp_plan, with FSDP2/HSDP over the
 ranks TP leaves), on GPUs and on CPU over gloo, and context_parallel_size (trainer/parallel/context_parallel.py: the
 ranks of one CP group read the same batches and split each sequence; under FSDP they shard with the data
-ranks). A size of 1 means "none" and is accepted. expert_parallel_size is refused by matrices/axolotl_keys.toml.
-The sizes' rules are checked with the config (trainer/config/parallel.py).
+ranks), and expert_parallel_size (transformers' own expert parallelism, load_kwargs below: the experts split over
+the ranks, tokens exchanged with all-to-all, the rest FSDP2-sharded; Axolotl's rule: expert_parallel_size x
+dp_shard_size = the world). A size of 1 means "none" and is accepted. The sizes' rules are checked with the config
+(trainer/config/parallel.py).
 """
 
 from __future__ import annotations
@@ -75,10 +77,21 @@ def placement(model) -> str | None:
     return f"mesh {dims}, placements {', '.join(repr(p) for p in param.placements)}"
 
 
+def by_transformers(mesh: Mesh | None) -> bool:
+    """Whether transformers shards the model as it loads (tensor or expert parallelism): accelerate then wraps
+    nothing, and the optimizer alone is prepared."""
+    return mesh is not None and (mesh.tp > 1 or mesh.ep > 1)
+
+
 def load_kwargs(mesh: Mesh | None) -> dict:
-    """from_pretrained arguments: with tensor parallelism, transformers' DistributedConfig loads the model already
-    sharded on its (dp_replicate, fsdp, tp) mesh -- tp by the model's tp_plan, FSDP2 over the data ranks."""
-    if mesh is None or mesh.tp == 1:
+    """from_pretrained arguments: with tensor or expert parallelism, transformers' DistributedConfig loads the model
+    already sharded on its (dp_replicate, fsdp, tp) mesh -- tp by the model's tp_plan, FSDP2 over the data ranks --
+    and, with expert_parallel_size, the experts split by the model's ep_plan: each rank holds num_experts / ep of
+    every MoE layer (`grouped_gemm`: Shard(0) of the fused [experts, ...] tensors), and its `ep_dispatch_experts`
+    forward sends each (token, expert) pair to the expert's rank with torch.distributed's all-to-all (gloo has it:
+    the CPU runs use it) and the results back with a second one, both differentiable. Ranks that hold the same
+    experts (efsdp = world / ep) shard them with FSDP2, whose gradient reduction divides by all data ranks."""
+    if not by_transformers(mesh):
         return {}
 
     # heavy: transformers loads only when this runs
@@ -89,9 +102,13 @@ def load_kwargs(mesh: Mesh | None) -> dict:
     except ImportError:
         DistributedConfig = None
     fields = {f.name for f in dataclasses.fields(DistributedConfig)} if dataclasses.is_dataclass(DistributedConfig) else set()
-    if not {"tp_size", "fsdp_size", "dp_replicate_size"} <= fields:
-        raise ConfigError(f"tensor_parallel_size: needs transformers' DistributedConfig with tp_size, fsdp_size and "
-                          f"dp_replicate_size (transformers 5.2x; installed: {transformers.__version__})")
+    key, needed = (("expert_parallel_size", {"ep_size", "fsdp_size"}) if mesh.ep > 1 else
+                   ("tensor_parallel_size", {"tp_size", "fsdp_size", "dp_replicate_size"}))
+    if not needed <= fields:
+        raise ConfigError(f"{key}: needs transformers' DistributedConfig with {', '.join(sorted(needed))} "
+                          f"(transformers 5.2x; installed: {transformers.__version__})")
+    if mesh.ep > 1:
+        return {"distributed_config": DistributedConfig(fsdp_size=mesh.dp_shard, ep_size=mesh.ep)}
     return {"distributed_config": DistributedConfig(tp_size=mesh.tp, fsdp_size=mesh.dp_shard * mesh.cp,
                                                     dp_replicate_size=mesh.dp_replicate)}
 
@@ -99,13 +116,13 @@ def load_kwargs(mesh: Mesh | None) -> dict:
 def after_load(model, mesh: Mesh | None) -> None:
     """The trainer gathers and writes checkpoints itself (trainer.parallel.distributed): drop the training mesh from the
     model's config, or save_pretrained on rank 0 alone would enter transformers' distributed save (a collective)."""
-    if mesh is not None and mesh.tp > 1 and hasattr(model.config, "distributed_config"):
+    if by_transformers(mesh) and hasattr(model.config, "distributed_config"):
         del model.config.distributed_config
 
 
 def autocast(model, accelerator):
-    """The model's forward under the run's mixed precision, as accelerate's prepare would wrap it (the tensor-
-    parallel model is not passed through prepare). fp32 (CPU) runs unchanged."""
+    """The model's forward under the run's mixed precision, as accelerate's prepare would wrap it (the tensor- and
+    expert-parallel model is not passed through prepare). fp32 (CPU) runs unchanged."""
     if accelerator.mixed_precision == "no":
         return model
 
