@@ -227,8 +227,8 @@ EP_CLASHES = (
     ("tensor_parallel_size", "tensor_parallel_size: {v} (EP x TP is not supported, as in Axolotl)"),
     ("context_parallel_size", "context_parallel_size: {v} (EP x CP is not supported here)"),
     ("dp_replicate_size", "dp_replicate_size: {v} (EP x HSDP is not supported here: give dp_shard_size alone)"),
-    ("adapter", "adapter: {v} (transformers shards the model as it loads; a LoRA added afterwards is not "
-                "gradient-synchronised by its FSDP2: full fine-tuning only)"),
+    ("lora_target_parameters", "lora_target_parameters (LoRA on the fused expert tensors, which the ranks hold "
+                               "in parts: target the attention and shared linear layers)"),
     ("rl", "rl: {v} (the reference pass runs each rank's own share of pairs through collective layers)"),
     ("load_in_4bit", "load_in_4bit (bitsandbytes layers are not sharded by transformers' plans)"),
     ("load_in_8bit", "load_in_8bit (bitsandbytes layers are not sharded by transformers' plans)"),

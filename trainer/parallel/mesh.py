@@ -113,6 +113,32 @@ def load_kwargs(mesh: Mesh | None) -> dict:
                                                     dp_replicate_size=mesh.dp_replicate)}
 
 
+def average_plain_gradients(model, mesh: Mesh | None, world: int) -> int:
+    """Expert parallelism with an adapter: transformers' FSDP2 manages the weights it loaded (DTensors), not the LoRA
+    weights peft adds afterwards, whose gradients are each rank's own. Average those over the ranks, as DDP would
+    (the loss scale assumes it), in one all-reduce of one flat buffer; every rank sends the same parameters in the
+    same order (a missing gradient as zeros). Returns how many were averaged."""
+    if mesh is None or mesh.ep == 1 or world == 1:
+        return 0
+    # heavy: torch loads only when this runs
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    params = [p for p in model.parameters() if p.requires_grad and not isinstance(p, DTensor)]
+    if not params:
+        return 0
+    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+    dist.all_reduce(flat)
+    flat /= world
+    offset = 0
+    for p in params:
+        n = p.numel()
+        p.grad = flat[offset:offset + n].view_as(p).clone()
+        offset += n
+    return len(params)
+
+
 def after_load(model, mesh: Mesh | None) -> None:
     """The trainer gathers and writes checkpoints itself (trainer.parallel.distributed): drop the training mesh from the
     model's config, or save_pretrained on rank 0 alone would enter transformers' distributed save (a collective)."""
