@@ -243,7 +243,7 @@ def expert_parallel_problems(cfg, ep: int, shard: int, replicate: int, tp: int, 
     problems = []
     for key, why in EP_CLASHES:
         value = values.get(key, getattr(cfg, key, None))
-        if value and value not in (1, False):
+        if value and not (type(value) is int and value == 1):  # a size of 1 is none; True is a flag
             problems.append(f"expert_parallel_size: {ep} with {why.format(v=value)}")
     if cfg.objective != "sft" and not cfg.rl:
         problems.append(f"expert_parallel_size: {ep} with the {cfg.objective} objective (SFT's token loss only)")

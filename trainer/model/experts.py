@@ -218,3 +218,37 @@ def sharded_experts(model) -> tuple[int, int]:
     transformers marks each split one `_is_expert_parallel`."""
     found = [m for m in model.modules() if any(is_expert(f"experts.{n}", p) for n, p in m._parameters.items())]
     return sum(bool(getattr(m, "_is_expert_parallel", False)) for m in found), len(found)
+
+
+def as_loaded(model, weights: dict) -> dict:
+    """A checkpoint's tensors under the model's own names: transformers saves MoE experts in the checkpoint's original
+    layout (experts.0.gate_proj.weight ..., reverted by save_pretrained) and fuses them only while from_pretrained
+    loads (experts.gate_up_proj); a resume that sets the weights itself applies the same conversions, transformers'
+    own (the model's `_weight_conversions`, or its type's default mapping). Weights already named as the model's
+    come back unchanged."""
+    own = set(model.state_dict())
+    if all(k in own for k in weights):
+        return weights
+    # heavy: transformers loads only when this runs
+    from copy import deepcopy
+
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import (WeightConverter, WeightRenaming, dot_natural_key,
+                                                 rename_source_key)
+
+    conversions = getattr(model, "_weight_conversions", None) or get_model_conversion_mapping(model, add_legacy=False)
+    renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
+    converters = [c for c in conversions if isinstance(c, WeightConverter)]
+    by_pattern = {p: c for c in converters for p in c.source_patterns}
+    pending: dict = {}
+    for key, tensor in sorted(weights.items(), key=lambda kv: dot_natural_key(kv[0])):
+        name, pattern = rename_source_key(key, renamings, converters)
+        if pattern is None:
+            pending.setdefault(name, WeightRenaming(key, name)).add_tensor(name, key, key, tensor)
+        else:
+            pending.setdefault(name, deepcopy(by_pattern[pattern])).add_tensor(name, key, pattern, tensor)
+    out = {}
+    for name, transform in pending.items():
+        for target, value in transform.convert(name, model=model, config=model.config).items():
+            out[target] = value[0] if isinstance(value, list) else value
+    return out

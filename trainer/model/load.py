@@ -298,7 +298,8 @@ def load_weights(model, path: Path) -> None:
 
             set_peft_model_state_dict(model, weights)
             return
-        missing, unexpected = model.load_state_dict(weights, strict=False)
+        # MoE experts saved unfused (the checkpoint's original layout), fused as from_pretrained fuses them
+        missing, unexpected = model.load_state_dict(experts.as_loaded(model, weights), strict=False)
     except RuntimeError as err:  # "size mismatch for ...": a checkpoint without a recorded config to compare first
         first = next((line.strip() for line in str(err).splitlines() if "size mismatch" in line), str(err)[:200])
         raise ConfigError(f"checkpoint {path} does not match this config's model or adapter ({first[:300]}): it was "
