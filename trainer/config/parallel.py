@@ -293,11 +293,7 @@ def check_expert_parallel(cfg, ep: int, shard: int, fsdp: bool) -> list[str]:
     if fsdp:
         notes.append("fsdp_config: with expert_parallel_size transformers applies FSDP2 as the model loads (its "
                      "fsdp_plan); fsdp_config's wrapping and offload settings are transformers' own there")
-    backend = getattr(cfg, "expert_parallel_backend", None)
-    if backend:
-        notes.append(f"expert_parallel_backend: {backend}: DeepEP's kernels are not used; tokens move with "
-                     "torch.distributed all-to-all (same results)")
-    return notes
+    return notes  # expert_parallel_backend and DeepEP's buffer sizes: the "ignored:" note says why (the matrix)
 
 
 @dataclass(frozen=True)
