@@ -290,3 +290,14 @@ def test_a_checkpoints_unfused_experts_resume_as_from_pretrained_fuses_them(tiny
         assert fused.keys() <= own.keys() and {k for k in own if "experts" in k} <= fused.keys()
         assert all(torch.equal(fused[k], own[k]) for k in fused), path
         assert as_loaded(model, fused) is fused  # already the model's names: unchanged
+
+
+def test_the_memory_estimate_shards_what_expert_parallelism_shards():
+    """Axolotl's ep_fft example on 4 GPUs: transformers' FSDP2 over every rank and the experts split over them, so
+    the estimate divides weights and states by 4 (estimated as full replicas, a 30B MoE would be refused as not
+    fitting on four 80 GB GPUs)."""
+    from trainer.fit.memory import _sharding
+
+    sharding = _sharding(cfg(expert_parallel_size=4)[0], 4)
+    assert (sharding.fsdp, sharding.shard) == ("full", 4)
+    assert _sharding(cfg()[0], 4).shard == 1  # plain DDP: replicas
