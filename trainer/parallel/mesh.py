@@ -144,6 +144,12 @@ def after_load(model, mesh: Mesh | None) -> None:
     model's config, or save_pretrained on rank 0 alone would enter transformers' distributed save (a collective)."""
     if by_transformers(mesh) and hasattr(model.config, "distributed_config"):
         del model.config.distributed_config
+    if mesh is not None and mesh.ep > 1:
+        # the experts' and the other weights' gradients live on two meshes (efsdp x ep, fsdp): DTensor says at the
+        # first clip, on every rank, that their norm takes two all-reduces instead of one (speed, not results)
+        import logging
+
+        logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 
 
 def autocast(model, accelerator):

@@ -201,6 +201,8 @@ def _same_losses(out: Path, reference: Path) -> float:
         assert losses[step] == pytest.approx(expected[step], rel=1e-5), step
     evals = lambda o: [r["eval_loss"] for r in read_metrics(o) if "eval_loss" in r]  # noqa: E731
     assert evals(out) == pytest.approx(evals(reference), rel=1e-5) and len(evals(out)) == 2
+    norms = lambda o: [r["grad_norm"] for r in read_metrics(o) if r.get("grad_norm") is not None]  # noqa: E731
+    assert norms(out) == pytest.approx(norms(reference), rel=1e-5) and len(norms(out)) == 4  # clipped alike (> 1)
     return max(abs(losses[s] - expected[s]) for s in expected)
 
 
