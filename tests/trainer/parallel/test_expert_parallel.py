@@ -196,6 +196,7 @@ def _train(tmp_path: Path, path: Path, nproc: int) -> subprocess.CompletedProces
 
 def _same_losses(out: Path, reference: Path) -> float:
     losses, expected = train_losses(out), train_losses(reference)
+    print(f"losses 1 process: {expected}\nlosses 2 processes: {losses}")
     assert losses.keys() == expected.keys() == {1, 2, 3, 4}
     for step in expected:
         assert losses[step] == pytest.approx(expected[step], rel=1e-5), step
@@ -253,8 +254,9 @@ def test_lora_on_attention_with_expert_parallel_matches_one_process(tmp_path, ti
     lora = dict(adapter="lora", lora_r=4, lora_alpha=8, lora_target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
                 learning_rate=5e-3)
     _train(tmp_path, _config(tmp_path, tiny_mixtral, "one", gradient_accumulation_steps=4, **lora), 1)
-    _train(tmp_path, _config(tmp_path, tiny_mixtral, "ep", gradient_accumulation_steps=2, expert_parallel_size=2,
-                             **lora), 2)
+    result = _train(tmp_path, _config(tmp_path, tiny_mixtral, "ep", gradient_accumulation_steps=2,
+                                      expert_parallel_size=2, **lora), 2)
+    assert "expert parallel: the experts of 2 MoE layers split over 2 ranks (2 processes)" in result.stderr
     print(f"max |loss difference| (LoRA): {_same_losses(tmp_path / 'ep', tmp_path / 'one'):.2e}")
     mine = load_file(tmp_path / "ep" / "final" / "adapter_model.safetensors")
     theirs = load_file(tmp_path / "one" / "final" / "adapter_model.safetensors")
