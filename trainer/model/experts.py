@@ -198,11 +198,13 @@ def check_expert_parallel(source: str, ep: int, trust_remote_code: bool, extra: 
 
     from trainer.config.parallel import expert_count_reason
 
-    kwargs = {k: v for k, v in extra.items() if k == "revision"}
-    try:
-        config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code, **kwargs)
-    except (OSError, ValueError) as err:
-        raise ConfigError(f"cannot read the model's config from {source}: {str(err).splitlines()[0]}") from None
+    config = extra.get("config")  # base_model_config / cls_model_config: the config the model loads with
+    if config is None:
+        kwargs = {k: v for k, v in extra.items() if k == "revision"}
+        try:
+            config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code, **kwargs)
+        except (OSError, ValueError) as err:
+            raise ConfigError(f"cannot read the model's config from {source}: {str(err).splitlines()[0]}") from None
     reason = expert_count_reason(config, ep)
     if reason is not None:
         raise ConfigError(reason)
@@ -216,7 +218,8 @@ def check_expert_parallel(source: str, ep: int, trust_remote_code: bool, extra: 
 def sharded_experts(model) -> tuple[int, int]:
     """(MoE expert modules whose experts the load split over the expert-parallel ranks, all MoE expert modules):
     transformers marks each split one `_is_expert_parallel`."""
-    found = [m for m in model.modules() if any(is_expert(f"experts.{n}", p) for n, p in m._parameters.items())]
+    found = [m for name, m in model.named_modules()
+             if any(is_expert(f"{name}.{n}", p) for n, p in m._parameters.items())]
     return sum(bool(getattr(m, "_is_expert_parallel", False)) for m in found), len(found)
 
 
