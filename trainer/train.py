@@ -657,7 +657,8 @@ class Training:
         if not math.isfinite(report["loss"]):
             raise TrainingError(f"loss is {report['loss']} at step {step + 1}; lower learning_rate, check the data, "
                                 "or use bf16 instead of fp16")
-        parallelism.average_plain_gradients(self.model, accelerator.mesh, self.world)  # EP + LoRA (as DDP would)
+        # EP + LoRA: the adapter's gradients averaged over the ranks, as DDP would
+        parallelism.average_plain_gradients(self.model, accelerator.mesh, self.world, self.rank, self.timeout)
         grad_norm = None
         if self.cfg.max_grad_norm:
             norm = accelerator.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)

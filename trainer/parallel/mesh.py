@@ -113,28 +113,32 @@ def load_kwargs(mesh: Mesh | None) -> dict:
                                                     dp_replicate_size=mesh.dp_replicate)}
 
 
-def average_plain_gradients(model, mesh: Mesh | None, world: int) -> int:
+def average_plain_gradients(model, mesh: Mesh | None, world: int, rank: int, timeout_s: float) -> int:
     """Expert parallelism with an adapter: transformers' FSDP2 manages the weights it loaded (DTensors), not the LoRA
     weights peft adds afterwards, whose gradients are each rank's own. Average those over the ranks, as DDP would
     (the loss scale assumes it), in one all-reduce of one flat buffer; every rank sends the same parameters in the
-    same order (a missing gradient as zeros). Returns how many were averaged."""
+    same order, a missing gradient as zeros, with a count of the ranks that had one (none anywhere: it stays None,
+    and the optimizer skips it as one process would). Returns how many were averaged."""
     if mesh is None or mesh.ep == 1 or world == 1:
         return 0
     # heavy: torch loads only when this runs
     import torch
-    import torch.distributed as dist
     from torch.distributed.tensor import DTensor
+
+    from trainer.parallel.collective import reduce_sum
 
     params = [p for p in model.parameters() if p.requires_grad and not isinstance(p, DTensor)]
     if not params:
         return 0
-    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
-    dist.all_reduce(flat)
-    flat /= world
+    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
+                     + [torch.tensor([float(p.grad is not None) for p in params], dtype=params[0].dtype,
+                                     device=params[0].device)])
+    flat = reduce_sum(flat, "averaging the adapter's gradients (expert parallel)", rank, timeout_s)
+    had = flat[-len(params):]
     offset = 0
-    for p in params:
+    for p, count in zip(params, had.tolist()):
         n = p.numel()
-        p.grad = flat[offset:offset + n].view_as(p).clone()
+        p.grad = (flat[offset:offset + n] / world).view_as(p).to(p.dtype).clone() if count else None
         offset += n
     return len(params)
 
