@@ -42,6 +42,7 @@ from trainer.data.prepare import Prepared, build_held_out, load_tokenizer, prepa
 from trainer.errors import ConfigError, DataError, Stopped, TrainingError
 from trainer.hooks import Hooks, Run
 from trainer.model.attention import for_model
+from trainer.model.experts import sharded_experts
 from trainer.model.load import DTYPES, load_model
 from trainer.objectives import chunked_loss
 from trainer.objectives.base import to_device
@@ -196,8 +197,6 @@ class Training:
         self.tp, self.cp = (mesh.tp, mesh.cp) if mesh is not None else (1, 1)
         self.by_transformers = parallelism.by_transformers(mesh)  # TP/EP: sharded as it loaded, FSDP2 included
         if mesh is not None and mesh.ep > 1:
-            from trainer.model.experts import sharded_experts
-
             split, layers = sharded_experts(model)
             if split == 0 or split != layers:
                 raise ConfigError(f"expert_parallel_size: {mesh.ep}: transformers split the experts of {split} of "

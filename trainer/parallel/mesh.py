@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import os
 
 from trainer.config.parallel import Mesh  # the sizes laid over the world (mesh_for), read with the config
@@ -151,8 +152,6 @@ def after_load(model, mesh: Mesh | None) -> None:
     if mesh is not None and mesh.ep > 1:
         # the experts' and the other weights' gradients live on two meshes (efsdp x ep, fsdp): DTensor says at the
         # first clip, on every rank, that their norm takes two all-reduces instead of one (speed, not results)
-        import logging
-
         logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 
 
