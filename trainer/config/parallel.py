@@ -197,7 +197,7 @@ def check_sizes(cfg, fsdp: bool) -> list[str]:
     if problems:
         raise ConfigError("; ".join(problems))
     if ep > 1:
-        return check_expert_parallel(cfg, ep, shard, fsdp)
+        return check_expert_parallel(cfg, ep, shard, cp, fsdp) + check_context_parallel(cfg)
     fixed = (shard if shard > 1 else 1) * replicate * tp * cp
     notes = check_context_parallel(cfg)
     if tp > 1:
@@ -225,7 +225,6 @@ def check_sizes(cfg, fsdp: bool) -> list[str]:
 EP_CLASHES = (
     ("deepspeed", "deepspeed (ZeRO shards the experts by its own stage; use FSDP: fsdp_version: 2 and dp_shard_size)"),
     ("tensor_parallel_size", "tensor_parallel_size: {v} (EP x TP is not supported, as in Axolotl)"),
-    ("context_parallel_size", "context_parallel_size: {v} (EP x CP is not supported here)"),
     ("dp_replicate_size", "dp_replicate_size: {v} (EP x HSDP is not supported here: give dp_shard_size alone)"),
     ("lora_target_parameters", "lora_target_parameters (LoRA on the fused expert tensors, which the ranks hold "
                                "in parts: target the attention and shared linear layers)"),
@@ -278,14 +277,15 @@ def expert_count_reason(config, ep: int) -> str | None:
     return None
 
 
-def check_expert_parallel(cfg, ep: int, shard: int, fsdp: bool) -> list[str]:
+def check_expert_parallel(cfg, ep: int, shard: int, cp: int, fsdp: bool) -> list[str]:
     """Notes for expert_parallel_size above 1 (its refusals are expert_parallel_problems)."""
+    sizes = "expert_parallel_size" + (" x context_parallel_size" if cp > 1 else "")
     if shard > 1:
-        count = f"exactly {ep * shard} processes (expert_parallel_size x dp_shard_size, as Axolotl)"
+        count = f"exactly {ep * cp * shard} processes ({sizes} x dp_shard_size, as Axolotl)"
     elif fsdp:
-        count = f"a multiple of {ep} processes (FSDP takes the ranks EP leaves)"
+        count = f"a multiple of {ep * cp} processes (FSDP takes the ranks EP leaves)"
     else:
-        count = f"exactly {ep} processes (without FSDP, expert_parallel_size is the number of processes, as Axolotl)"
+        count = f"exactly {ep * cp} processes (without FSDP, {sizes} is the number of processes, as Axolotl)"
     notes = [f"expert_parallel_size: {ep}: each MoE layer's experts are split over {ep} ranks (transformers' expert "
              "parallelism, DistributedConfig ep_size), every rank trains its own batches and sends each token to "
              "its experts' rank with torch.distributed all-to-all; the other weights are FSDP2-sharded over all "
@@ -324,10 +324,10 @@ class Mesh:
 
     def describe(self) -> str:
         if self.ep > 1:
-            copies = self.dp_shard // self.ep
+            copies = self.world // self.ep
             held = f", each expert held by {copies} ranks" if copies > 1 else ""
-            return (f"{self.ep}-way expert parallel{held}; other weights FSDP over {self.dp_shard} processes "
-                    f"({self.world} processes)")
+            context = f" x {self.cp}-way context parallel" if self.cp > 1 else ""
+            return f"{self.ep}-way expert parallel{held}{context}; other weights FSDP over all {self.world} processes"
         if self.cp > 1:
             rest = Mesh(self.dp_replicate, self.dp_shard, self.tp).describe()
             return f"{self.cp}-way context parallel x {rest.rsplit(' (', 1)[0]} ({self.world} processes)"
@@ -356,13 +356,14 @@ def mesh_for(cfg, world: int, fsdp: bool) -> Mesh | None:
     cp = sizes.get("context_parallel_size") or 1
     asked = " x ".join(f"{k} {v}" for k, v in sizes.items() if v > 1)
     ep = sizes.get("expert_parallel_size") or 1
-    if ep > 1:  # Axolotl's rule: expert_parallel_size x dp_shard_size = world (FSDP alone may take what EP leaves)
-        exact = shard > 1 or not fsdp
-        if (world != ep * shard) if exact else world % ep:
-            need = f"= {ep * shard} processes" if exact else f"needs a multiple of {ep} processes"
+    if ep > 1:  # Axolotl's rule: expert_parallel_size x context_parallel_size x dp_shard_size = world (FSDP alone
+        # may take what EP leaves); the ranks of a CP group read the same batches, as without EP
+        exact, fixed = shard > 1 or not fsdp, ep * cp * shard
+        if (world != fixed) if exact else world % (ep * cp):
+            need = f"= {fixed} processes" if exact else f"needs a multiple of {ep * cp} processes"
             raise ConfigError(f"{asked} {need}, but this run has {world} (WORLD_SIZE): launch that many processes "
                               "(torchrun --nproc-per-node, times the nodes) or change the sizes")
-        return Mesh(dp_replicate=1, dp_shard=world, ep=ep)
+        return Mesh(dp_replicate=1, dp_shard=world // cp, cp=cp, ep=ep)
 
     def mismatch() -> ConfigError:
         fixed = shard * (replicate or 1) * tp * cp

@@ -16,8 +16,8 @@ ranks TP leaves), on GPUs and on CPU over gloo, and context_parallel_size (train
 ranks of one CP group read the same batches and split each sequence; under FSDP they shard with the data
 ranks), and expert_parallel_size (transformers' own expert parallelism, load_kwargs below: the experts split over
 the ranks, tokens exchanged with all-to-all, the rest FSDP2-sharded; Axolotl's rule: expert_parallel_size x
-dp_shard_size = the world). A size of 1 means "none" and is accepted. The sizes' rules are checked with the config
-(trainer/config/parallel.py).
+context_parallel_size x dp_shard_size = the world). A size of 1 means "none" and is accepted. The sizes' rules are
+checked with the config (trainer/config/parallel.py).
 """
 
 from __future__ import annotations
@@ -109,7 +109,8 @@ def load_kwargs(mesh: Mesh | None) -> dict:
         raise ConfigError(f"{key}: needs transformers' DistributedConfig with {', '.join(sorted(needed))} "
                           f"(transformers 5.2x; installed: {transformers.__version__})")
     if mesh.ep > 1:
-        return {"distributed_config": DistributedConfig(fsdp_size=mesh.dp_shard, ep_size=mesh.ep)}
+        # CP ranks shard with the data ranks, as with TP below; the experts split over ep of them
+        return {"distributed_config": DistributedConfig(fsdp_size=mesh.dp_shard * mesh.cp, ep_size=mesh.ep)}
     return {"distributed_config": DistributedConfig(tp_size=mesh.tp, fsdp_size=mesh.dp_shard * mesh.cp,
                                                     dp_replicate_size=mesh.dp_replicate)}
 

@@ -43,6 +43,7 @@ def cfg(**keys):
     ({"expert_parallel_size": 4}, 4, False, Mesh(1, 4, ep=4)),  # examples/expert_parallel/*_ep_fft_4gpu
     ({"expert_parallel_size": 2, "dp_shard_size": 2}, 4, True, Mesh(1, 4, ep=2)),  # *_ep_fsdp_fft_4gpu
     ({"expert_parallel_size": 2}, 4, True, Mesh(1, 4, ep=2)),  # FSDP takes the ranks EP leaves
+    ({"expert_parallel_size": 2, "context_parallel_size": 2}, 4, False, Mesh(1, 2, cp=2, ep=2)),  # EP x CP
 ])
 def test_sizes_fill_the_world_as_axolotl_does(keys, world, fsdp, expected):
     assert mesh_for(cfg(**keys, **(FSDP2 if fsdp else {}))[0], world, fsdp) == expected
@@ -53,6 +54,8 @@ def test_sizes_fill_the_world_as_axolotl_does(keys, world, fsdp, expected):
     ({"expert_parallel_size": 2, "dp_shard_size": 2, **FSDP2}, 2,
      "dp_shard_size 2 x expert_parallel_size 2 = 4 processes, but this run has 2"),
     ({"expert_parallel_size": 4, **FSDP2}, 6, "expert_parallel_size 4 needs a multiple of 4 processes, but this run has 6"),
+    ({"expert_parallel_size": 2, "context_parallel_size": 2}, 2,
+     "context_parallel_size 2 x expert_parallel_size 2 = 4 processes, but this run has 2"),
 ])
 def test_sizes_that_do_not_fit_the_world_are_one_clear_line(keys, world, message):
     with pytest.raises(ConfigError, match=message) as err:
@@ -71,7 +74,6 @@ def test_the_plugin_is_accepted_and_the_note_says_how_tokens_move():
 @pytest.mark.parametrize("keys, message", [
     ({"deepspeed": "ds.json"}, "expert_parallel_size: 2 with deepspeed (ZeRO shards"),
     ({"tensor_parallel_size": 2}, "expert_parallel_size: 2 with tensor_parallel_size: 2 (EP x TP"),
-    ({"context_parallel_size": 2, **FSDP2}, "expert_parallel_size: 2 with context_parallel_size: 2"),
     ({"adapter": "lora", "lora_target_parameters": ["mlp.experts.gate_up_proj"]},
      "expert_parallel_size: 2 with lora_target_parameters"),
     ({"adapter": "qlora", "load_in_4bit": True}, "expert_parallel_size: 2 with load_in_4bit"),
@@ -196,7 +198,7 @@ def _train(tmp_path: Path, path: Path, nproc: int) -> subprocess.CompletedProces
 
 def _same_losses(out: Path, reference: Path) -> float:
     losses, expected = train_losses(out), train_losses(reference)
-    print(f"losses 1 process: {expected}\nlosses 2 processes: {losses}")
+    print(f"losses 1 process: {expected}\nlosses parallel: {losses}")
     assert losses.keys() == expected.keys() == {1, 2, 3, 4}
     for step in expected:
         assert losses[step] == pytest.approx(expected[step], rel=1e-5), step
@@ -242,6 +244,19 @@ def test_envtool_trains_a_moe_expert_parallel_on_two_processes_as_one_process_do
     assert "resumed from" in _train(tmp_path, again, 2).stderr
     full, after = train_losses(tmp_path / "ep"), train_losses(resumed)
     assert sorted(after) == [3, 4] and all(after[s] == pytest.approx(full[s], rel=1e-6) for s in after)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_expert_parallel_with_context_parallel_on_four_processes_matches_one_process(tmp_path, tiny_qwen3_moe):
+    """Axolotl's EP x CP: 2 expert-parallel ranks x 2 context-parallel ranks (each sequence split over a CP pair, the
+    tokens of every slice sent to their experts' rank); 2 data ranks x accumulation 2 = 1 process x accumulation 4."""
+    _train(tmp_path, _config(tmp_path, tiny_qwen3_moe, "one", gradient_accumulation_steps=4), 1)
+    result = _train(tmp_path, _config(tmp_path, tiny_qwen3_moe, "epcp", gradient_accumulation_steps=2,
+                                      expert_parallel_size=2, context_parallel_size=2), 4)
+    assert ("parallelism: 2-way expert parallel, each expert held by 2 ranks x 2-way context parallel; other weights "
+            "FSDP over all 4 processes") in result.stderr
+    print(f"max |loss difference| (EP 2 x CP 2): {_same_losses(tmp_path / 'epcp', tmp_path / 'one'):.2e}")
 
 
 @pytest.mark.distributed
