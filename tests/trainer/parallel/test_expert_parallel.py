@@ -261,6 +261,19 @@ def test_expert_parallel_with_context_parallel_on_four_processes_matches_one_pro
 
 @pytest.mark.distributed
 @pytest.mark.slow
+def test_expert_parallel_with_dp_shard_on_four_processes_matches_one_process(tmp_path, tiny_qwen3_moe):
+    """Axolotl's ep_fsdp example's layout: expert_parallel_size 2 x dp_shard_size 2 under fsdp_version 2, every
+    expert held by 2 ranks that FSDP2-shard it; 4 data ranks x accumulation 1 = 1 process x accumulation 4."""
+    _train(tmp_path, _config(tmp_path, tiny_qwen3_moe, "one", gradient_accumulation_steps=4), 1)
+    result = _train(tmp_path, _config(tmp_path, tiny_qwen3_moe, "epfsdp", gradient_accumulation_steps=1,
+                                      expert_parallel_size=2, dp_shard_size=2, **FSDP2), 4)
+    assert ("parallelism: 2-way expert parallel, each expert held by 2 ranks; other weights FSDP over all 4 "
+            "processes") in result.stderr
+    print(f"max |loss difference| (EP 2 x dp_shard 2): {_same_losses(tmp_path / 'epfsdp', tmp_path / 'one'):.2e}")
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_lora_on_attention_with_expert_parallel_matches_one_process(tmp_path, tiny_mixtral):
     """Axolotl's ep_lora example's shape (LoRA on q/k/v/o, the experts frozen and split): peft's weights, added after
     transformers' FSDP2 wrapped the loaded ones, averaged over the ranks; the adapter saved whole."""
