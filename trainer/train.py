@@ -42,6 +42,7 @@ from trainer.data.prepare import Prepared, build_held_out, load_tokenizer, prepa
 from trainer.errors import ConfigError, DataError, ServerFailed, StepAbandoned, Stopped, TrainingError
 from trainer.hooks import Hooks, Run
 from trainer.model.attention import for_model
+from trainer.model.experts import sharded_experts
 from trainer.model.load import DTYPES, load_model
 from trainer.objectives import chunked_loss
 from trainer.objectives.base import to_device
@@ -194,6 +195,14 @@ class Training:
         model = load_model(cfg, runtime, tokenizer, parallel_kwargs=parallelism.load_kwargs(mesh))
         parallelism.after_load(model, mesh)
         self.tp, self.cp = (mesh.tp, mesh.cp) if mesh is not None else (1, 1)
+        self.by_transformers = parallelism.by_transformers(mesh)  # TP/EP: sharded as it loaded, FSDP2 included
+        if mesh is not None and mesh.ep > 1:
+            split, layers = sharded_experts(model)
+            if split == 0 or split != layers:
+                raise ConfigError(f"expert_parallel_size: {mesh.ep}: transformers split the experts of {split} of "
+                                  f"{layers} MoE layers; this model's expert layout is not one its plan covers")
+            say(f"expert parallel: the experts of {layers} MoE layers split over {mesh.ep} ranks "
+                f"({self.world} processes)")
         # the ranks of a tensor-parallel group, and of a context-parallel group, share their batches
         group = self.tp * self.cp
         self.data_rank, self.data_world = self.rank // group, self.world // group
@@ -230,7 +239,7 @@ class Training:
 
         optimizer = make_optimizer(cfg, model)
         self.scheduler = make_scheduler(cfg, optimizer, warmup_steps(cfg, self.total_steps), self.total_steps)
-        if self.tp > 1:  # already sharded by transformers; accelerate would wrap it in DDP on CPU
+        if self.by_transformers:  # already sharded by transformers (TP, EP); accelerate would wrap it in DDP on CPU
             self.optimizer = accelerator.prepare(optimizer)
             self.model = parallelism.autocast(model, accelerator)
         else:  # the scheduler is stepped by us, once per step
@@ -675,6 +684,8 @@ class Training:
         if not math.isfinite(report["loss"]):
             raise TrainingError(f"loss is {report['loss']} at step {step + 1}; lower learning_rate, check the data, "
                                 "or use bf16 instead of fp16")
+        # EP + LoRA: the adapter's gradients averaged over the ranks, as DDP would
+        parallelism.average_plain_gradients(self.model, accelerator.mesh, self.world, self.rank, self.timeout)
         grad_norm = None
         if self.cfg.max_grad_norm:
             norm = accelerator.clip_grad_norm_(self.model.parameters(), self.cfg.max_grad_norm)

@@ -46,11 +46,13 @@ ACCEPTED_PLUGINS = {
     # sparse fine-tuning: ConstantPruningModifier keeps the weights' zeros (trainer/model/sparsity.py)
     "axolotl.integrations.llm_compressor.LLMCompressorPlugin": None,
     "axolotl.integrations.llm_compressor.plugin.LLMCompressorPlugin": None,
+    # expert parallelism: expert_parallel_size (trainer/config/parallel.py, trainer/parallel/mesh.py)
+    "axolotl.integrations.expert_parallel.ExpertParallelPlugin": None,
+    "axolotl.integrations.expert_parallel.plugin.ExpertParallelPlugin": None,
     "axolotl.integrations.swanlab.SwanLabPlugin": "SwanLab logging is not supported; metrics go to "
                                                   "output_dir/metrics.jsonl",
 }
 REFUSED_PLUGINS = {
-    "axolotl.integrations.expert_parallel.ExpertParallelPlugin": "expert parallelism is not supported",
     "axolotl.integrations.kd.KDPlugin": "knowledge distillation is not supported",
     "axolotl.integrations.grokfast.GrokfastPlugin": "grokfast gradient filtering is not supported",
     "axolotl.integrations.spectrum.SpectrumPlugin": "spectrum layer selection is not supported",

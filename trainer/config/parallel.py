@@ -31,6 +31,8 @@ class ParallelKeys(BaseModel):
     dp_replicate_size: int | None = Field(None, ge=1)  # replicas of the sharded model (HSDP with dp_shard_size)
     tensor_parallel_size: int | None = Field(None, ge=1)
     context_parallel_size: int | None = Field(None, ge=1)
+    # each MoE layer's experts split over this many ranks, tokens exchanged by all-to-all (trainer/parallel/mesh.py)
+    expert_parallel_size: int | None = Field(None, ge=1)
     # accelerate's AcceleratorConfig, as Axolotl passes it: only gradient_accumulation_kwargs.sync_each_batch
     accelerator_config: dict[str, Any] | None = None
     # --- Ray Train launching (trainer/ray_launch.py; Axolotl's names and defaults) ----------------------------
@@ -155,7 +157,8 @@ def deepspeed_path(path: str):
 
 
 # --- the N-D mesh sizes (trainer/parallel/mesh.py builds the mesh) ---------------------------------------------
-SIZE_KEYS = ("dp_shard_size", "dp_replicate_size", "tensor_parallel_size", "context_parallel_size")
+SIZE_KEYS = ("dp_shard_size", "dp_replicate_size", "tensor_parallel_size", "context_parallel_size",
+             "expert_parallel_size")
 
 # Sizes above 1 that this trainer refuses, with the reason (a size of 1 is "none" and accepted).
 REFUSED: dict[str, str] = {}
@@ -188,8 +191,13 @@ def check_sizes(cfg, fsdp: bool) -> list[str]:
                            (cfg.rl, f"rl: {cfg.rl} (the reference pass runs each rank's own share of pairs)")):
             if clash:
                 problems.append(f"tensor_parallel_size: {tp} with {why}")
+    ep = sizes.get("expert_parallel_size", 1)
+    if ep > 1:
+        problems += expert_parallel_problems(cfg, ep, shard, replicate, tp, cp)
     if problems:
         raise ConfigError("; ".join(problems))
+    if ep > 1:
+        return check_expert_parallel(cfg, ep, shard, cp, fsdp) + check_context_parallel(cfg)
     fixed = (shard if shard > 1 else 1) * replicate * tp * cp
     notes = check_context_parallel(cfg)
     if tp > 1:
@@ -212,12 +220,89 @@ def check_sizes(cfg, fsdp: bool) -> list[str]:
             "checked at launch" if replicate > 1 else "parallelism: sizes of 1 mean none"]
 
 
+# --- expert parallelism (trainer/parallel/mesh.py: transformers' DistributedConfig ep_size) -----------------------
+# What expert_parallel_size composes with here, and why not the rest (each a one-line refusal naming both keys).
+EP_CLASHES = (
+    ("deepspeed", "deepspeed (ZeRO shards the experts by its own stage; use FSDP: fsdp_version: 2 and dp_shard_size)"),
+    ("tensor_parallel_size", "tensor_parallel_size: {v} (EP x TP is not supported, as in Axolotl)"),
+    ("dp_replicate_size", "dp_replicate_size: {v} (EP x HSDP is not supported here: give dp_shard_size alone)"),
+    ("lora_target_parameters", "lora_target_parameters (LoRA on the fused expert tensors, which the ranks hold "
+                               "in parts: target the attention and shared linear layers)"),
+    ("rl", "rl: {v} (the reference pass runs each rank's own share of pairs through collective layers)"),
+    ("load_in_4bit", "load_in_4bit (bitsandbytes layers are not sharded by transformers' plans)"),
+    ("load_in_8bit", "load_in_8bit (bitsandbytes layers are not sharded by transformers' plans)"),
+)
+# config.json keys that hold the number of routed experts (Mixtral, Qwen3-MoE, DeepSeek, ...)
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+
+def expert_parallel_problems(cfg, ep: int, shard: int, replicate: int, tp: int, cp: int) -> list[str]:
+    """What expert_parallel_size above 1 cannot be combined with, and a local model's expert count."""
+    values = {"tensor_parallel_size": tp, "context_parallel_size": cp, "dp_replicate_size": replicate}
+    problems = []
+    for key, why in EP_CLASHES:
+        value = values.get(key, getattr(cfg, key, None))
+        if value and not (type(value) is int and value == 1):  # a size of 1 is none; True is a flag
+            problems.append(f"expert_parallel_size: {ep} with {why.format(v=value)}")
+    if cfg.objective != "sft" and not cfg.rl:
+        problems.append(f"expert_parallel_size: {ep} with the {cfg.objective} objective (SFT's token loss only)")
+    local = _local_config(cfg.base_model)
+    if local is not None:
+        reason = expert_count_reason(local, ep)
+        if reason is not None:
+            problems.append(reason)
+    return problems
+
+
+def expert_count(config) -> int | None:
+    """The number of routed experts per MoE layer, from a model config (None: not a mixture of experts)."""
+    for c in (config, getattr(config, "text_config", None)):
+        for key in EXPERT_COUNT_KEYS:
+            value = getattr(c, key, None) if c is not None else None
+            if isinstance(value, int) and value > 1:
+                return value
+    return None
+
+
+def expert_count_reason(config, ep: int) -> str | None:
+    """Why this model's experts cannot be split over ep ranks (None: they can)."""
+    count = expert_count(config)
+    kind = getattr(config, "model_type", "") or "this model"
+    if count is None:
+        return (f"expert_parallel_size: {ep}: model_type {kind} is not a mixture-of-experts model (its config names "
+                f"no experts: {', '.join(EXPERT_COUNT_KEYS)}); use expert_parallel_size: 1")
+    if count % ep:
+        return (f"expert_parallel_size: {ep} does not divide the model's {count} experts per layer (model_type "
+                f"{kind}); use a divisor of {count}")
+    return None
+
+
+def check_expert_parallel(cfg, ep: int, shard: int, cp: int, fsdp: bool) -> list[str]:
+    """Notes for expert_parallel_size above 1 (its refusals are expert_parallel_problems)."""
+    sizes = "expert_parallel_size" + (" x context_parallel_size" if cp > 1 else "")
+    if shard > 1:
+        count = f"exactly {ep * cp * shard} processes ({sizes} x dp_shard_size, as Axolotl)"
+    elif fsdp:
+        count = f"a multiple of {ep * cp} processes (FSDP takes the ranks EP leaves)"
+    else:
+        count = f"exactly {ep * cp} processes (without FSDP, {sizes} is the number of processes, as Axolotl)"
+    notes = [f"expert_parallel_size: {ep}: each MoE layer's experts are split over {ep} ranks (transformers' expert "
+             "parallelism, DistributedConfig ep_size), every rank trains its own batches and sends each token to "
+             "its experts' rank with torch.distributed all-to-all; the other weights are FSDP2-sharded over all "
+             f"ranks; needs {count}, checked at launch"]
+    if fsdp:
+        notes.append("fsdp_config: with expert_parallel_size transformers applies FSDP2 as the model loads (its "
+                     "fsdp_plan); fsdp_config's wrapping and offload settings are transformers' own there")
+    return notes  # expert_parallel_backend and DeepEP's buffer sizes: the "ignored:" note says why (the matrix)
+
+
 @dataclass(frozen=True)
 class Mesh:
     dp_replicate: int
     dp_shard: int
     tp: int = 1
     cp: int = 1  # context parallel (trainer/parallel/context_parallel.py): between the data ranks and tp
+    ep: int = 1  # expert parallel: the experts split over ep of the data ranks (dp_shard), tokens exchanged
 
     @property
     def data_world(self) -> int:
@@ -238,6 +323,11 @@ class Mesh:
         return self.dp_replicate > 1 and self.dp_shard > 1
 
     def describe(self) -> str:
+        if self.ep > 1:
+            copies = self.world // self.ep
+            held = f", each expert held by {copies} ranks" if copies > 1 else ""
+            context = f" x {self.cp}-way context parallel" if self.cp > 1 else ""
+            return f"{self.ep}-way expert parallel{held}{context}; other weights FSDP over all {self.world} processes"
         if self.cp > 1:
             rest = Mesh(self.dp_replicate, self.dp_shard, self.tp).describe()
             return f"{self.cp}-way context parallel x {rest.rsplit(' (', 1)[0]} ({self.world} processes)"
@@ -265,6 +355,15 @@ def mesh_for(cfg, world: int, fsdp: bool) -> Mesh | None:
     tp = sizes.get("tensor_parallel_size") or 1
     cp = sizes.get("context_parallel_size") or 1
     asked = " x ".join(f"{k} {v}" for k, v in sizes.items() if v > 1)
+    ep = sizes.get("expert_parallel_size") or 1
+    if ep > 1:  # Axolotl's rule: expert_parallel_size x context_parallel_size x dp_shard_size = world (FSDP alone
+        # may take what EP leaves); the ranks of a CP group read the same batches, as without EP
+        exact, fixed = shard > 1 or not fsdp, ep * cp * shard
+        if (world != fixed) if exact else world % (ep * cp):
+            need = f"= {fixed} processes" if exact else f"needs a multiple of {ep * cp} processes"
+            raise ConfigError(f"{asked} {need}, but this run has {world} (WORLD_SIZE): launch that many processes "
+                              "(torchrun --nproc-per-node, times the nodes) or change the sizes")
+        return Mesh(dp_replicate=1, dp_shard=world // cp, cp=cp, ep=ep)
 
     def mismatch() -> ConfigError:
         fixed = shard * (replicate or 1) * tp * cp

@@ -274,6 +274,8 @@ def _sharding(cfg, world: int) -> _Sharding:
             strategy = str(settings.get("sharding_strategy", "FULL_SHARD")).upper()
             fsdp = {"SHARD_GRAD_OP": "grad_op", "NO_SHARD": None}.get(strategy, "full")
         offload_params = offload_opt = bool(settings.get("cpu_offload"))
+    if mesh and mesh.ep > 1:  # transformers' FSDP2 over every rank; each expert split over ep x efsdp = every rank
+        fsdp = fsdp or "full"
     data_world = world // (tp * cp)
     shard = data_world if (zero or fsdp) else 1
     if mesh and fsdp:

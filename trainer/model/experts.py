@@ -13,6 +13,9 @@ Two consequences for k-bit training, handled here:
    made for MoE experts), int8 with one absmax per row through bitsandbytes' LLM.int8 row-wise functions. The
    model's own expert forward runs unchanged: reading `experts.gate_up_proj` dequantizes it (once per forward,
    parametrize's cache), so the forward equals dequantize-then-matmul. bitsandbytes >= 0.48 runs both on CPU.
+
+Expert parallelism (expert_parallel_size) is transformers' own (trainer/parallel/mesh.py): `check_expert_parallel`
+stops a model it cannot split before the load, and `sharded_experts` counts what the load split.
 """
 
 from __future__ import annotations
@@ -187,3 +190,71 @@ def quantized_on_load(how: dict | None):
         loading.set_param_for_module = original
         if warmup is not None:
             modeling.caching_allocator_warmup = warmup
+
+
+def check_expert_parallel(source: str, ep: int, trust_remote_code: bool, extra: dict) -> None:
+    """expert_parallel_size: the model must be a mixture of experts whose expert count ep divides, with an expert
+    plan in transformers (`base_model_ep_plan`: Mixtral, Qwen3-MoE, DeepSeek, ...). Raises ConfigError naming the
+    key and value; reads config.json only."""
+    # heavy: transformers loads only when this runs
+    from transformers import AutoConfig
+
+    from trainer.config.parallel import expert_count_reason
+
+    config = extra.get("config")  # base_model_config / cls_model_config: the config the model loads with
+    if config is None:
+        kwargs = {k: v for k, v in extra.items() if k == "revision"}
+        try:
+            config = AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code, **kwargs)
+        except (OSError, ValueError) as err:
+            raise ConfigError(f"cannot read the model's config from {source}: {str(err).splitlines()[0]}") from None
+    reason = expert_count_reason(config, ep)
+    if reason is not None:
+        raise ConfigError(reason)
+    plans = [getattr(c, "base_model_ep_plan", None) for c in (config, getattr(config, "text_config", None))]
+    if not any(plans):
+        raise ConfigError(f"expert_parallel_size: {ep}: transformers has no expert-parallel plan for model_type "
+                          f"{config.model_type} (its config class declares no base_model_ep_plan); use "
+                          "expert_parallel_size: 1")
+
+
+def sharded_experts(model) -> tuple[int, int]:
+    """(MoE expert modules whose experts the load split over the expert-parallel ranks, all MoE expert modules):
+    transformers marks each split one `_is_expert_parallel`."""
+    found = [m for name, m in model.named_modules()
+             if any(is_expert(f"{name}.{n}", p) for n, p in m._parameters.items())]
+    return sum(bool(getattr(m, "_is_expert_parallel", False)) for m in found), len(found)
+
+
+def as_loaded(model, weights: dict) -> dict:
+    """A checkpoint's tensors under the model's own names: transformers saves MoE experts in the checkpoint's original
+    layout (experts.0.gate_proj.weight ..., reverted by save_pretrained) and fuses them only while from_pretrained
+    loads (experts.gate_up_proj); a resume that sets the weights itself applies the same conversions, transformers'
+    own (the model's `_weight_conversions`, or its type's default mapping). Weights already named as the model's
+    come back unchanged."""
+    own = set(model.state_dict())
+    if all(k in own for k in weights):
+        return weights
+    # heavy: transformers loads only when this runs
+    from copy import deepcopy
+
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import (WeightConverter, WeightRenaming, dot_natural_key,
+                                                 rename_source_key)
+
+    conversions = getattr(model, "_weight_conversions", None) or get_model_conversion_mapping(model, add_legacy=False)
+    renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
+    converters = [c for c in conversions if isinstance(c, WeightConverter)]
+    by_pattern = {p: c for c in converters for p in c.source_patterns}
+    pending: dict = {}
+    for key, tensor in sorted(weights.items(), key=lambda kv: dot_natural_key(kv[0])):
+        name, pattern = rename_source_key(key, renamings, converters)
+        if pattern is None:
+            pending.setdefault(name, WeightRenaming(key, name)).add_tensor(name, key, key, tensor)
+        else:
+            pending.setdefault(name, deepcopy(by_pattern[pattern])).add_tensor(name, key, pattern, tensor)
+    out = {}
+    for name, transform in pending.items():
+        for target, value in transform.convert(name, model=model, config=model.config).items():
+            out[target] = value[0] if isinstance(value, list) else value
+    return out

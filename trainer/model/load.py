@@ -59,6 +59,9 @@ def load_model(cfg: Config, runtime: Runtime, tokenizer, source: str | None = No
         extra["config"] = config_class.load(cfg, other_config or source, overrides,
                                             None if other_config else cfg.revision_of_model)
     how = experts.scheme(quantization) if cfg.quantize_moe_experts and quantization is not None else None
+    ep = getattr((parallel_kwargs or {}).get("distributed_config"), "ep_size", 1) or 1
+    if ep > 1:  # before the load: a dense model, or one transformers has no expert plan for, stops in one line
+        experts.check_expert_parallel(source, ep, cfg.trust_remote_code, extra)
     try:
         if cfg.reinit_weights:  # Axolotl's from_config: the architecture only, weights drawn from the seed
             model = fresh_model(cfg, source, dtype, runtime.attention, extra)
@@ -74,7 +77,9 @@ def load_model(cfg: Config, runtime: Runtime, tokenizer, source: str | None = No
     except ValueError as err:  # e.g. a model with no tp_plan asked for tensor_parallel_size
         if not parallel_kwargs:
             raise
-        raise ConfigError(f"tensor_parallel_size: cannot shard {source}: {str(err).splitlines()[0]}") from None
+        ep = getattr(parallel_kwargs.get("distributed_config"), "ep_size", 1) or 1
+        key = f"expert_parallel_size: {ep}" if ep > 1 else "tensor_parallel_size"
+        raise ConfigError(f"{key}: cannot shard {source}: {str(err).splitlines()[0]}") from None
     resize_embeddings(cfg, model, tokenizer)
     if cfg.experts_implementation in RUN_HERE:  # transformers' experts forward (the default: grouped_mm)
         model.set_experts_implementation(cfg.experts_implementation)
@@ -298,7 +303,8 @@ def load_weights(model, path: Path) -> None:
 
             set_peft_model_state_dict(model, weights)
             return
-        missing, unexpected = model.load_state_dict(weights, strict=False)
+        # MoE experts saved unfused (the checkpoint's original layout), fused as from_pretrained fuses them
+        missing, unexpected = model.load_state_dict(experts.as_loaded(model, weights), strict=False)
     except RuntimeError as err:  # "size mismatch for ...": a checkpoint without a recorded config to compare first
         first = next((line.strip() for line in str(err).splitlines() if "size mismatch" in line), str(err)[:200])
         raise ConfigError(f"checkpoint {path} does not match this config's model or adapter ({first[:300]}): it was "

@@ -38,6 +38,7 @@ import torch
 
 from trainer.errors import TrainingError
 from trainer.hooks import Run, Saved
+from trainer.model.experts import as_loaded
 from trainer.model.load import load_weights
 from trainer.parallel.collective import barrier
 from trainer.runtime import digest
@@ -212,6 +213,8 @@ def _load_sharded_weights(model, path: Path) -> None:
         if missing:
             raise TrainingError(f"checkpoint {path} does not match the adapter (unexpected {missing[:3]})")
         weights = {names[k]: v for k, v in weights.items()}
+    else:  # MoE experts saved unfused (the checkpoint's original layout), fused as from_pretrained fuses them
+        weights = as_loaded(model, weights)
     unexpected = [k for k in weights if k not in model.state_dict()]
     if unexpected:
         raise TrainingError(f"checkpoint {path} does not match the model (unexpected {unexpected[:3]})")

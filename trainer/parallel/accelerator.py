@@ -56,8 +56,9 @@ def make_accelerator(cfg: Config, runtime: Runtime):
     # gradient_accumulation_steps stays 1: the loop accumulates itself, normalising by the step's token count
     mesh = mesh_for(cfg, parallelism.world_size(), distributed.enabled(cfg))  # sizes vs processes
     mesh_config = parallelism.parallelism_config(mesh)
-    # with tensor parallelism transformers shards the model as it loads (FSDP included): accelerate wraps nothing
-    fsdp = fsdp_plugin(cfg, runtime) if mesh is None or mesh.tp == 1 else None
+    # with tensor or expert parallelism transformers shards the model as it loads (FSDP included): accelerate wraps
+    # nothing
+    fsdp = None if parallelism.by_transformers(mesh) else fsdp_plugin(cfg, runtime)
     if deepspeed is not None and runtime.device == "cpu":
         # DeepSpeed's CPU accelerator over gloo: accelerate skips DeepSpeed when told cpu=True, and with no GPU
         # and no backend named it would count one process; name gloo and the DeepSpeed launch path

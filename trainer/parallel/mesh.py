@@ -14,14 +14,17 @@ Supported here: dp_shard_size and dp_replicate_size (FSDP, and HSDP through acce
 only), and tensor_parallel_size (transformers loads the model sharded by its tp_plan, with FSDP2/HSDP over the
 ranks TP leaves), on GPUs and on CPU over gloo, and context_parallel_size (trainer/parallel/context_parallel.py: the
 ranks of one CP group read the same batches and split each sequence; under FSDP they shard with the data
-ranks). A size of 1 means "none" and is accepted. expert_parallel_size is refused by matrices/axolotl_keys.toml.
-The sizes' rules are checked with the config (trainer/config/parallel.py).
+ranks), and expert_parallel_size (transformers' own expert parallelism, load_kwargs below: the experts split over
+the ranks, tokens exchanged with all-to-all, the rest FSDP2-sharded; Axolotl's rule: expert_parallel_size x
+context_parallel_size x dp_shard_size = the world). A size of 1 means "none" and is accepted. The sizes' rules are
+checked with the config (trainer/config/parallel.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import os
 
 from trainer.config.parallel import Mesh  # the sizes laid over the world (mesh_for), read with the config
@@ -75,10 +78,21 @@ def placement(model) -> str | None:
     return f"mesh {dims}, placements {', '.join(repr(p) for p in param.placements)}"
 
 
+def by_transformers(mesh: Mesh | None) -> bool:
+    """Whether transformers shards the model as it loads (tensor or expert parallelism): accelerate then wraps
+    nothing, and the optimizer alone is prepared."""
+    return mesh is not None and (mesh.tp > 1 or mesh.ep > 1)
+
+
 def load_kwargs(mesh: Mesh | None) -> dict:
-    """from_pretrained arguments: with tensor parallelism, transformers' DistributedConfig loads the model already
-    sharded on its (dp_replicate, fsdp, tp) mesh -- tp by the model's tp_plan, FSDP2 over the data ranks."""
-    if mesh is None or mesh.tp == 1:
+    """from_pretrained arguments: with tensor or expert parallelism, transformers' DistributedConfig loads the model
+    already sharded on its (dp_replicate, fsdp, tp) mesh -- tp by the model's tp_plan, FSDP2 over the data ranks --
+    and, with expert_parallel_size, the experts split by the model's ep_plan: each rank holds num_experts / ep of
+    every MoE layer (`grouped_gemm`: Shard(0) of the fused [experts, ...] tensors), and its `ep_dispatch_experts`
+    forward sends each (token, expert) pair to the expert's rank with torch.distributed's all-to-all (gloo has it:
+    the CPU runs use it) and the results back with a second one, both differentiable. Ranks that hold the same
+    experts (efsdp = world / ep) shard them with FSDP2, whose gradient reduction divides by all data ranks."""
+    if not by_transformers(mesh):
         return {}
 
     # heavy: transformers loads only when this runs
@@ -89,23 +103,62 @@ def load_kwargs(mesh: Mesh | None) -> dict:
     except ImportError:
         DistributedConfig = None
     fields = {f.name for f in dataclasses.fields(DistributedConfig)} if dataclasses.is_dataclass(DistributedConfig) else set()
-    if not {"tp_size", "fsdp_size", "dp_replicate_size"} <= fields:
-        raise ConfigError(f"tensor_parallel_size: needs transformers' DistributedConfig with tp_size, fsdp_size and "
-                          f"dp_replicate_size (transformers 5.2x; installed: {transformers.__version__})")
+    key, needed = (("expert_parallel_size", {"ep_size", "fsdp_size"}) if mesh.ep > 1 else
+                   ("tensor_parallel_size", {"tp_size", "fsdp_size", "dp_replicate_size"}))
+    if not needed <= fields:
+        raise ConfigError(f"{key}: needs transformers' DistributedConfig with {', '.join(sorted(needed))} "
+                          f"(transformers 5.2x; installed: {transformers.__version__})")
+    if mesh.ep > 1:
+        # CP ranks shard with the data ranks, as with TP below; the experts split over ep of them
+        return {"distributed_config": DistributedConfig(fsdp_size=mesh.dp_shard * mesh.cp, ep_size=mesh.ep)}
     return {"distributed_config": DistributedConfig(tp_size=mesh.tp, fsdp_size=mesh.dp_shard * mesh.cp,
                                                     dp_replicate_size=mesh.dp_replicate)}
+
+
+def average_plain_gradients(model, mesh: Mesh | None, world: int, rank: int, timeout_s: float) -> int:
+    """Expert parallelism with an adapter: transformers' FSDP2 manages the weights it loaded (DTensors), not the LoRA
+    weights peft adds afterwards, whose gradients are each rank's own. Average those over the ranks, as DDP would
+    (the loss scale assumes it), in one all-reduce of one flat buffer; every rank sends the same parameters in the
+    same order, a missing gradient as zeros, with a count of the ranks that had one (none anywhere: it stays None,
+    and the optimizer skips it as one process would). Returns how many were averaged."""
+    if mesh is None or mesh.ep == 1 or world == 1:
+        return 0
+    # heavy: torch loads only when this runs
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    from trainer.parallel.collective import reduce_sum
+
+    params = [p for p in model.parameters() if p.requires_grad and not isinstance(p, DTensor)]
+    if not params:
+        return 0
+    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
+                     + [torch.tensor([float(p.grad is not None) for p in params], dtype=params[0].dtype,
+                                     device=params[0].device)])
+    flat = reduce_sum(flat, "averaging the adapter's gradients (expert parallel)", rank, timeout_s)
+    had = flat[-len(params):]
+    offset = 0
+    for p, count in zip(params, had.tolist()):
+        n = p.numel()
+        p.grad = (flat[offset:offset + n] / world).view_as(p).to(p.dtype).clone() if count else None
+        offset += n
+    return len(params)
 
 
 def after_load(model, mesh: Mesh | None) -> None:
     """The trainer gathers and writes checkpoints itself (trainer.parallel.distributed): drop the training mesh from the
     model's config, or save_pretrained on rank 0 alone would enter transformers' distributed save (a collective)."""
-    if mesh is not None and mesh.tp > 1 and hasattr(model.config, "distributed_config"):
+    if by_transformers(mesh) and hasattr(model.config, "distributed_config"):
         del model.config.distributed_config
+    if mesh is not None and mesh.ep > 1:
+        # the experts' and the other weights' gradients live on two meshes (efsdp x ep, fsdp): DTensor says at the
+        # first clip, on every rank, that their norm takes two all-reduces instead of one (speed, not results)
+        logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 
 
 def autocast(model, accelerator):
-    """The model's forward under the run's mixed precision, as accelerate's prepare would wrap it (the tensor-
-    parallel model is not passed through prepare). fp32 (CPU) runs unchanged."""
+    """The model's forward under the run's mixed precision, as accelerate's prepare would wrap it (the tensor- and
+    expert-parallel model is not passed through prepare). fp32 (CPU) runs unchanged."""
     if accelerator.mixed_precision == "no":
         return model
 

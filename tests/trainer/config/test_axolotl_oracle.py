@@ -144,14 +144,16 @@ GAPS: dict[str, str] = {
     "sage_attention": f"SageAttention kernels (they run on an H100): {_NOT_YET}",
     "liger_use_token_scaling": f"Liger's token-scaled loss: {_NOT_YET}",
     "selective_checkpointing.offload": f"offloading selectively saved ops: {_NOT_YET}",
-    "expert_parallel_size": f"expert parallelism: {_NOT_YET}",
+    "expert_parallel_token_capacity": f"DeepEP's per-expert token cap, which drops the routes past it (the "
+                                      f"all-to-all here drops none): {_NOT_YET}",
     "gptq": "GPTQ checkpoints: gptqmodel does not install beside the tested torch stack (a dependency conflict)",
     "eval_causal_lm_metrics": "sacrebleu/comet/ter/chrf: Axolotl fetches the metric scripts from the Hub; only "
                               "perplexity is computed here",
     "lora_target_parameters": "one string (not a list): Axolotl passes it to peft as given; refused here",
     **dict.fromkeys(("save_total_limit", "ddp_timeout", "kto_desirable_weight", "kto_undesirable_weight",
                      "loss_watchdog_patience", "eval_steps", "save_steps", "max_steps", "dp_shard_size",
-                     "dp_replicate_size", "context_parallel_size", "tensor_parallel_size", "eval_batch_size",
+                     "dp_replicate_size", "context_parallel_size", "tensor_parallel_size", "expert_parallel_size",
+                     "eval_batch_size",
                      "early_stopping_patience", "lisa_n_layers", "jagged_restart_steps",
                      "warmup_ratio", "lisa_step_interval", "tiled_mlp_num_shards"), _ZERO),
     "orpo_alpha": "0: Axolotl trains ORPO with the odds-ratio term off (the chosen answers' NLL only); refused here",
