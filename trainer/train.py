@@ -641,6 +641,11 @@ class Training:
         request's exit code, or ends with the failure's line and where to resume."""
         path = self.save(consumed) if self.step > 0 else None
         if isinstance(err, ServerFailed):
+            if path is not None:  # the same command resumes from it (setup.py reads the file as a stop's)
+                tmp = self.output_dir / f".{STOPPED}.tmp"
+                tmp.write_text(json.dumps({"step": self.step, "checkpoint": str(path), "signal": None,
+                                           "during": "a wait for the vLLM server, which failed"}))
+                tmp.replace(self.output_dir / STOPPED)
             self.metrics.close()
             kept = (f"; {path} keeps step {self.step}: run the same command again to resume from it" if path else
                     "; no step had finished, so nothing was kept")

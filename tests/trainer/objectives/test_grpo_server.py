@@ -300,7 +300,7 @@ def test_a_server_answer_that_does_not_fit_the_config_is_one_line_naming_the_ser
 # ------------------------------------------------- a server that stops answering in the middle of a run (issue 44)
 def _run_with_a_server_that_hangs_from(grpo_config, tiny_llama, tmp_path, hang_from: int, timeout: int,  # noqa: F811
                                        signal_when_waiting=None):
-    """`python -m trainer train` (one process, 4 steps, save_steps 0) against a stand-in whose generation request
+    """`python -m trainer train` (one process, 4 steps, no save before the end) against a stand-in whose generation request
     number `hang_from` (1-based) and later never answer. With `signal_when_waiting`, that signal is sent once the
     hanging request has arrived. Returns (the finished process, seconds from the hang to the exit)."""
     import signal as signals
@@ -319,7 +319,7 @@ def _run_with_a_server_that_hangs_from(grpo_config, tiny_llama, tmp_path, hang_f
             return original(body)
 
         server.completions = completions
-        config = grpo_config("hang.yml", rl="grpo", output_dir=str(tmp_path / "out"), max_steps=4, save_steps=0,
+        config = grpo_config("hang.yml", rl="grpo", output_dir=str(tmp_path / "out"), max_steps=4, save_steps=100,
                              **LORA, trl={**SERVER, "vllm_server_port": server.port, "vllm_server_timeout": timeout,
                                           "beta": 0.0, "multi_objective_aggregation": None})
         env = {k: v for k, v in os.environ.items() if k != "ENVTOOL_PLAN"}
@@ -328,7 +328,10 @@ def _run_with_a_server_that_hangs_from(grpo_config, tiny_llama, tmp_path, hang_f
         proc = subprocess.Popen([sys.executable, "-m", "trainer", "train", str(config)], stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
         try:
-            assert hung.wait(240), "the run never reached the hanging request"
+            deadline = time.monotonic() + 240
+            while not hung.wait(0.5):
+                assert proc.poll() is None, f"the run ended before the hanging request: {proc.communicate()[1][-2000:]}"
+                assert time.monotonic() < deadline, "the run never reached the hanging request"
             started = time.monotonic()
             if signal_when_waiting is not None:
                 time.sleep(1.0)
