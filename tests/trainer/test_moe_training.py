@@ -132,3 +132,27 @@ def test_merge_lora_folds_expert_lora_into_the_unfused_checkpoint(tmp_path, requ
             assert torch.equal(torch.from_numpy(tensors[f"blk.{layer}.{gguf_name}.weight"].data.copy()), stacked)
         router = weights[f"model.layers.{layer}.block_sparse_moe.gate.weight"]
         assert torch.equal(torch.from_numpy(tensors[f"blk.{layer}.ffn_gate_inp.weight"].data.copy()), router)
+
+
+def test_lora_on_quantized_experts_resumes_exactly(tmp_path, tiny_mixtral):
+    """Stopped at checkpoint-2 and resumed, a QLoRA with LoRA on its NF4 experts takes the uninterrupted run's steps 3
+    and 4 (the adapter's expert tensors load back onto the quantized experts: the same peft nesting)."""
+    import shutil
+
+    keys = {"lora_target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"], "lora_dropout": 0.0,
+            "max_steps": 4, "save_steps": 2, "val_set_size": 0, "bf16": None}
+    full = config(tmp_path, tiny_mixtral, **keys)
+    out = run_cli("train", str(full))
+    assert out.returncode == 0, out.stderr[-3000:]
+    resumed_dir = tmp_path / "resumed"
+    resumed_dir.mkdir()
+    shutil.copytree(tmp_path / "out" / "checkpoint-2", resumed_dir / "checkpoint-2")
+    raw = yaml.safe_load(full.read_text())
+    raw.update(output_dir=str(resumed_dir), resume_from_checkpoint=str(resumed_dir / "checkpoint-2"))
+    again = tmp_path / "again.yml"
+    again.write_text(yaml.safe_dump(raw))
+    out = run_cli("train", str(again))
+    assert out.returncode == 0, out.stderr[-3000:]
+    want, got = train_losses(tmp_path / "out"), train_losses(resumed_dir)
+    assert sorted(got) == [3, 4]
+    assert all(got[s] == pytest.approx(want[s], rel=1e-6) for s in got), (want, got)
