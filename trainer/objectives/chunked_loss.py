@@ -100,10 +100,24 @@ def forward_hidden(model, owner, name, inputs):
     stand_in = _HiddenOut()
     setattr(owner, name, stand_in)
     try:
-        hidden = model(**inputs, use_cache=False).logits
+        out = model(**inputs, use_cache=False)
     finally:
         setattr(owner, name, head)
-    return hidden, head, stand_in.seen
+    _keep_router_aux(out)
+    return out.logits, head, stand_in.seen
+
+
+_router: dict = {}  # the last forward's router auxiliary loss (MoE with output_router_logits), until taken
+
+
+def _keep_router_aux(out) -> None:
+    aux = getattr(out, "aux_loss", None)
+    _router["aux"] = aux if isinstance(aux, torch.Tensor) else None
+
+
+def take_router_aux():
+    """The router auxiliary (load-balancing) loss of the last forward through this module, once; None without one."""
+    return _router.pop("aux", None)
 
 
 def head_logits(head, seen, h: torch.Tensor) -> torch.Tensor:
@@ -179,7 +193,9 @@ def log_sum_sq_probs(logits: torch.Tensor) -> torch.Tensor:
 
 
 def full_loss_sum(model, inputs, labels) -> torch.Tensor:
-    logits = model(**inputs, use_cache=False).logits
+    out = model(**inputs, use_cache=False)
+    _keep_router_aux(out)
+    logits = out.logits
     return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
                            ignore_index=IGNORE, reduction="sum")
 

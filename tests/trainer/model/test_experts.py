@@ -276,3 +276,33 @@ def test_experts_implementation_is_set_on_the_model_and_each_computes_the_same(t
     assert main(["validate", str(moe_config(tmp_path, tiny_mixtral, experts_implementation="fastest"))]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "experts_implementation: 'fastest' is not one of eager, batched_mm" in err[0], err
+
+
+@pytest.mark.parametrize("chunked", [True, False], ids=["chunked-head", "full-logits"])
+def test_router_aux_loss_is_added_as_transformers_adds_it(tiny_mixtral, chunked, monkeypatch):
+    """Axolotl's Mixtral examples set model_config: output_router_logits: true: the model's own loss is then its mean
+    cross-entropy plus router_aux_loss_coef x the load-balancing loss. The trainer's token loss sum over one
+    micro-batch, divided by its target tokens, is that loss (the oracle: transformers' own forward with labels), and
+    without output_router_logits it is the cross-entropy alone."""
+    from transformers import AutoModelForCausalLM
+
+    from trainer.objectives import chunked_loss
+    from trainer.objectives.loss import token_loss_sum
+
+    if not chunked:
+        monkeypatch.setattr(chunked_loss, "decide", lambda model, inputs: None)
+    ids = torch.randint(3, 300, (2, 12), generator=torch.Generator().manual_seed(0))
+    labels = ids.clone()
+    labels[0, :4] = -100
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
+    targets = (labels[:, 1:] != -100).sum()
+    for router in (True, False):
+        model = AutoModelForCausalLM.from_pretrained(tiny_mixtral, dtype=torch.float32, output_router_logits=router,
+                                                     router_aux_loss_coef=0.5).eval()
+        with torch.no_grad():
+            want = model(**batch)
+            got = token_loss_sum(model, batch) / targets
+        assert (want.aux_loss is not None) == router
+        assert got.item() == pytest.approx(want.loss.item(), rel=1e-5)
+        if router:
+            assert want.aux_loss.item() * 0.5 > 1e-3  # the term is there to be missed
