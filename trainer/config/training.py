@@ -206,7 +206,8 @@ class TrainingKeys(BaseModel):
 
     def _check_schedule(self) -> None:
         if self.warmup_ratio is not None and self.warmup_steps is not None:
-            raise ValueError("set warmup_ratio or warmup_steps, not both")
+            raise ValueError(f"warmup_steps: {self.warmup_steps} beside warmup_ratio: {self.warmup_ratio}: set one "
+                             "(Axolotl reads warmup_steps and drops the ratio; both non-zero, it refuses them)")
         if self.min_sample_len is not None and (self.rl or self.min_sample_len > self.sequence_len):
             raise ValueError(f"min_sample_len: {self.min_sample_len} must be at most sequence_len ({self.sequence_len})"
                              if not self.rl else "min_sample_len: applies to SFT data, not to rl: preference pairs")

@@ -97,6 +97,14 @@ STRICTER: dict[str, str] = {
     "lora_r": "0: peft refuses a rank of 0 when the adapter is built",
     "lora_dropout": "1: the adapter's input is always dropped: trains nothing",
     "lr_scheduler": "a name transformers' SchedulerType does not have ('auto', ...): refused when training starts",
+    "tiled_mlp_num_shards": "0: Axolotl's tiled MLP splits the sequence into 0 shards (torch.chunk refuses 0 chunks "
+                            "in the first forward)",
+    "streaming_multipack_buffer_size": "0: Axolotl's streaming.py passes it as datasets' shuffle buffer (0: no "
+                                       "shuffle) and as the packing map's batch_size (0: the whole stream at once)",
+    "pretrain_multipack_buffer_size": "0: as streaming_multipack_buffer_size (its deprecated name)",
+    "eaft_k": "0 or 1: EAFT's entropy over the top-k logits is 0, every token's weight 0: trains nothing",
+    "warmup_steps": "0 beside a warmup_ratio: Axolotl reads warmup_steps first, trains with no warmup and drops the "
+                    "ratio without a word",
     "lr_scheduler_type": "transformers' name of lr_scheduler, which Axolotl's schema drops while lr_scheduler is "
                          "unset: Axolotl trains with the default schedule",
 }
@@ -105,7 +113,6 @@ STRICTER: dict[str, str] = {
 # work left. A key leaves this table when it is honoured (test_refused_keys_are_named_here keeps the table and
 # matrices/axolotl_keys.toml's refused rows together).
 _NOT_YET = "Axolotl trains it; not implemented here yet"
-_ZERO = "0: Axolotl reads 0 as unset (`if cfg.KEY:` / `cfg.KEY or DEFAULT`, core/builders); refused here"
 # AXOLOTL_REFUSES: keys Axolotl 0.19's own schema refuses (its validators raise on any value): refused here too, so no
 # disagreement; the matrix says refused with that reason
 AXOLOTL_REFUSES: dict[str, str] = {
@@ -114,7 +121,6 @@ AXOLOTL_REFUSES: dict[str, str] = {
     "s2_attention": "utils/schemas/deprecated.py: shifted-sparse attention is no longer supported",
 }
 
-_UNCHECKED_ZERO = "0: Axolotl's schema takes it; what Axolotl does with 0 is not checked yet"
 GAPS: dict[str, str] = {
     **dict.fromkeys(("use_pose", "pose_max_context_len", "pose_num_chunks", "pose_split_on_token_ids"),
                     f"PoSE position ids: {_NOT_YET}"),
@@ -149,14 +155,7 @@ GAPS: dict[str, str] = {
     "eval_causal_lm_metrics": "sacrebleu/comet/ter/chrf: Axolotl fetches the metric scripts from the Hub; only "
                               "perplexity is computed here",
     "lora_target_parameters": "one string (not a list): Axolotl passes it to peft as given; refused here",
-    **dict.fromkeys(("save_total_limit", "ddp_timeout", "kto_desirable_weight", "kto_undesirable_weight",
-                     "loss_watchdog_patience", "eval_steps", "save_steps", "max_steps", "dp_shard_size",
-                     "dp_replicate_size", "context_parallel_size", "tensor_parallel_size", "eval_batch_size",
-                     "early_stopping_patience", "lisa_n_layers", "jagged_restart_steps",
-                     "warmup_ratio", "lisa_step_interval", "tiled_mlp_num_shards"), _ZERO),
     "orpo_alpha": "0: Axolotl trains ORPO with the odds-ratio term off (the chosen answers' NLL only); refused here",
-    **dict.fromkeys(("streaming_multipack_buffer_size", "pretrain_multipack_buffer_size", "ray_num_workers",
-                     "eaft_k"), _UNCHECKED_ZERO),
 }
 # keys the table says are read (honoured) whose some values a rule refuses: named above for those values
 _REFUSED_BY_A_RULE = ("plugins", "fp8", "eval_causal_lm_metrics", "lora_target_parameters", "orpo_alpha",
@@ -251,7 +250,7 @@ def test_refused_keys_are_named_here():
     decided = {r["name"]: r.get("decision") for r in rows}
     assert sorted(refused - set(LIMITS) - set(GAPS) - set(AXOLOTL_REFUSES)) == []
     assert sorted(k for k in {**LIMITS, **GAPS} if decided.get(k) not in ("refused", None)
-                  and GAPS.get(k) not in (_ZERO, _UNCHECKED_ZERO) and k not in _REFUSED_BY_A_RULE) == []
+                  and k not in _REFUSED_BY_A_RULE) == []
     assert all(kind in ("hardware", "user code") for kind, _ in LIMITS.values())
 
 
