@@ -193,6 +193,10 @@ class Training:
             say(f"note: {note}")
         model = load_model(cfg, runtime, tokenizer, parallel_kwargs=parallelism.load_kwargs(mesh))
         parallelism.after_load(model, mesh)
+        if not cfg.rl:  # before the optimizer sees the weights, and before any wrapping or sharding (as Axolotl)
+            from trainer.model import untrained_tokens
+
+            untrained_tokens.fix(cfg, model, tokenizer, self.data.train, say)
         self.tp, self.cp = (mesh.tp, mesh.cp) if mesh is not None else (1, 1)
         # the ranks of a tensor-parallel group, and of a context-parallel group, share their batches
         group = self.tp * self.cp

@@ -47,6 +47,9 @@ class ModelKeys(BaseModel):
     # new embedding rows at the mean of the others (transformers' resize_token_embeddings(mean_resizing=); unset: its
     # default, true)
     mean_resizing_embeddings: bool | None = None
+    # the embedding (and lm_head) rows of tokens the base never trained, set to the trained rows' mean before
+    # training (trainer/model/untrained_tokens.py); a list adds those token ids to the ones found, as Axolotl
+    fix_untrained_tokens: bool | int | list[int] | None = None
     cls_model_config: str | None = None  # transformers config class to read the model's config with
     reinit_weights: bool = False  # train from the model's config with freshly initialised weights
     # Mistral's own tokenizer (trainer/data/formats/mistral_tokenizer.py); chat_template data encoded by it.
@@ -153,6 +156,13 @@ def notes(cfg) -> list[str]:
     if cfg.adapter and cfg.unfrozen_parameters:
         out.append("unfrozen_parameters: ignored with an adapter (the adapter's weights are what is trained; "
                    "quantized base weights cannot be)")
+    fix = cfg.fix_untrained_tokens
+    if isinstance(fix, int) and not isinstance(fix, bool) and fix != 1:
+        out.append(f"fix_untrained_tokens: {fix} is read as true: the untrained tokens found are fixed, and token "
+                   f"{fix} only if it is one of them (Axolotl passes ids on only as a list: write [{fix}] for that)")
+    if fix and cfg.rl:
+        out.append("fix_untrained_tokens: not read with rl (Axolotl's fix reads the rows' input_ids, which "
+                   "preference rows do not have)")
     return out
 
 

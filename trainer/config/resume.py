@@ -36,7 +36,7 @@ TRAINS, MAY_CHANGE, RESUME = "trains", "may change", "resume"
 
 _TRAINS = """
 base_model base_model_config tokenizer_config model_config_overrides revision_of_model special_tokens
-tokens resize_token_embeddings_to_32x shrink_embeddings mean_resizing_embeddings cls_model_config reinit_weights tokenizer_use_mistral_common adapter
+tokens resize_token_embeddings_to_32x shrink_embeddings mean_resizing_embeddings fix_untrained_tokens added_tokens_overrides cls_model_config reinit_weights tokenizer_use_mistral_common adapter
 lora_model_dir load_in_4bit load_in_8bit bnb_config_kwargs quantize_moe_experts lora_r lora_alpha lora_dropout lora_target_modules
 lora_target_linear peft_use_rslora peft_use_dora lora_target_parameters lora_modules_to_save unfrozen_parameters peft
 lora_rank_pattern lora_alpha_pattern peft_layers_to_transform peft_layers_pattern peft_layer_replication
