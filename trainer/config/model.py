@@ -50,6 +50,9 @@ class ModelKeys(BaseModel):
     # the embedding (and lm_head) rows of tokens the base never trained, set to the trained rows' mean before
     # training (trainer/model/untrained_tokens.py); a list adds those token ids to the ones found, as Axolotl
     fix_untrained_tokens: bool | int | list[int] | None = None
+    # added tokens renamed {token id: new text} before any data is tokenized (trainer/data/prepare.py), as Axolotl's
+    # modify_tokenizer_files: the id keeps its embedding row, the text now reads as that token
+    added_tokens_overrides: dict[int, str] | None = None
     cls_model_config: str | None = None  # transformers config class to read the model's config with
     reinit_weights: bool = False  # train from the model's config with freshly initialised weights
     # Mistral's own tokenizer (trainer/data/formats/mistral_tokenizer.py); chat_template data encoded by it.
@@ -101,6 +104,9 @@ class ModelKeys(BaseModel):
     use_onebitllms: bool = False  # Falcon-E: every linear layer but lm_head becomes onebitllms' BitNetLinear
 
     def _check_model(self) -> None:
+        if self.added_tokens_overrides and self.tokenizer_use_mistral_common:
+            raise ValueError("added_tokens_overrides: not with tokenizer_use_mistral_common (Mistral's tokenizer file "
+                             "has no added tokens to rename; Axolotl refuses it too)")
         if self.peft_init_lora_weights not in (None, True, "loftq") and self.peft and self.peft.loftq_config:
             raise ValueError(f"peft_init_lora_weights: {self.peft_init_lora_weights!r} conflicts with "
                              "peft.loftq_config (LoftQ is an initialisation of its own); set one of them")

@@ -126,7 +126,6 @@ GAPS: dict[str, str] = {
                     f"PoSE position ids: {_NOT_YET}"),
     **dict.fromkeys(("scaling_softmax", "scaling_softmax_bias", "scaling_softmax_factor"),
                     f"Scalable-Softmax attention: {_NOT_YET}"),
-    "added_tokens_overrides": f"vocabulary edits: {_NOT_YET}",
     **dict.fromkeys(("dpo_loss_weights", "rl_adapter_ref_model"),
                     f"preference-training option: {_NOT_YET}"),
     "trl.generation_kwargs": f"with use_vllm and vllm_lora_sync (completions from the vLLM server): {_NOT_YET}",
