@@ -162,6 +162,8 @@ def notes(cfg) -> list[str]:
     if cfg.adapter and cfg.unfrozen_parameters:
         out.append("unfrozen_parameters: ignored with an adapter (the adapter's weights are what is trained; "
                    "quantized base weights cannot be)")
+    if cfg.hub_revision and not cfg.hub_model_id:
+        out.append(f"hub_revision: {cfg.hub_revision} not read: nothing is pushed without hub_model_id (as in Axolotl)")
     fix = cfg.fix_untrained_tokens
     if isinstance(fix, int) and not isinstance(fix, bool) and fix != 1:
         out.append(f"fix_untrained_tokens: {fix} is read as true: the untrained tokens found are fixed, and token "

@@ -81,7 +81,7 @@ dp_replicate_size tensor_parallel_size context_parallel_size accelerator_config 
 use_ray ray_num_workers resources_per_worker ray_run_name
 wandb_project wandb_entity wandb_name wandb_run_id wandb_mode wandb_watch wandb_log_model use_wandb use_tensorboard
 use_mlflow mlflow_tracking_uri mlflow_experiment_name mlflow_run_name loss_watchdog_threshold loss_watchdog_patience
-hub_model_id hub_strategy
+hub_model_id hub_strategy hub_revision
 """
 
 _RESUME = "resume_from_checkpoint auto_resume_from_checkpoints"

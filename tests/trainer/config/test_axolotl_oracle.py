@@ -133,7 +133,7 @@ GAPS: dict[str, str] = {
                      "trl.ref_model_mixup_alpha", "trl.ref_model_sync_steps", "trl.replay_buffer_size",
                      "trl.replay_recompute_logps", "trl.reroll_max_groups", "trl.reroll_start_fraction",
                      "trl.rollout_func", "trl.skip_zero_advantage_batches"), f"GRPO option: {_NOT_YET}"),
-    **dict.fromkeys(("pretraining_dataset[].shards", "pretraining_dataset[].shards_idx", "hub_revision"),
+    **dict.fromkeys(("pretraining_dataset[].shards", "pretraining_dataset[].shards_idx"),
                     f"data or hub option: {_NOT_YET}"),
     **dict.fromkeys(("datasets[].type.chosen_format", "datasets[].type.completion_format",
                      "datasets[].type.field_chosen", "datasets[].type.field_completion", "datasets[].type.field_label",
