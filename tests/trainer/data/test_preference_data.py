@@ -151,7 +151,7 @@ def test_rl_keys_with_axolotls_names_validate():
     ({**BASE, "datasets": [{"path": "org/data", "type": "chatml.intel"}]}, "a preference type: set rl"),
     ({**BASE, "rl": "dpo", "datasets": [{"path": "o/d", "type": "chatml.intell"}]}, "not a preference pair dataset type"),
     ({**BASE, "rl": "kto"}, "not a KTO dataset type"),
-    ({**BASE, "rl": "orpo", "dpo_loss_type": ["ipo"]}, "dpo_loss_type: only with rl: dpo"),
+    ({**BASE, "rl": "orpo", "dpo_loss_type": ["ipo"]}, "dpo_loss_type / dpo_loss_weights: only with rl: dpo"),
     ({**BASE, "rl": "dpo", "precompute_ref_log_probs": False}, "always computed once before training"),
     ({**BASE, "rl": "dpo", "trl": {"beta": 0.1}}, "trl: configures rl: grpo or gdpo, not rl: dpo"),
 ])
