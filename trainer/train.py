@@ -180,6 +180,11 @@ class Training:
             self.data = Prepared(None, validation, {"train_rows": "streamed"}, None)
         else:
             self.data = objectives.prepare(cfg, tokenizer, self.rank, log=say)
+            if cfg.pose:  # PoSE's position ids (trainer/data/pose.py), drawn per row from the seed
+                from trainer.data import pose
+
+                self.data = pose.apply(cfg, self.data)
+                say(f"PoSE: position ids skip up to pose_max_context_len {cfg.pose_max_context_len}")
 
     def stage_model(self):
         """3: the model, fitted and patched; returns it (unprepared) and the context-parallel splitter (None)."""

@@ -162,6 +162,9 @@ def notes(cfg) -> list[str]:
     if cfg.adapter and cfg.unfrozen_parameters:
         out.append("unfrozen_parameters: ignored with an adapter (the adapter's weights are what is trained; "
                    "quantized base weights cannot be)")
+    if cfg.use_pose and not cfg.pose:
+        out.append("use_pose: not read: Axolotl adds PoSE's position ids only while it prepares packed SFT data "
+                   "(sample_packing: true, not streamed, not skip_prepare_dataset, no rl); so here")
     if cfg.hub_revision and not cfg.hub_model_id:
         out.append(f"hub_revision: {cfg.hub_revision} not read: nothing is pushed without hub_model_id (as in Axolotl)")
     fix = cfg.fix_untrained_tokens

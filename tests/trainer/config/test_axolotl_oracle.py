@@ -105,6 +105,11 @@ STRICTER: dict[str, str] = {
     "eaft_k": "0 or 1: EAFT's entropy over the top-k logits is 0, every token's weight 0: trains nothing",
     "warmup_steps": "0 beside a warmup_ratio: Axolotl reads warmup_steps first, trains with no warmup and drops the "
                     "ratio without a word",
+    "use_pose": "with sample_packing and without pose_max_context_len: Axolotl's add_pose_position_ids subtracts "
+                "the row's length from None (TypeError while preprocessing)",
+    "pose_max_context_len": "below sequence_len: a longer row draws from random.randint(0, a negative number), "
+                            "which fails while preprocessing in Axolotl",
+    "pose_num_chunks": "0: Axolotl divides the row's length by it (ZeroDivisionError while preprocessing)",
     "lr_scheduler_type": "transformers' name of lr_scheduler, which Axolotl's schema drops while lr_scheduler is "
                          "unset: Axolotl trains with the default schedule",
 }
@@ -122,8 +127,6 @@ AXOLOTL_REFUSES: dict[str, str] = {
 }
 
 GAPS: dict[str, str] = {
-    **dict.fromkeys(("use_pose", "pose_max_context_len", "pose_num_chunks", "pose_split_on_token_ids"),
-                    f"PoSE position ids: {_NOT_YET}"),
     **dict.fromkeys(("scaling_softmax", "scaling_softmax_bias", "scaling_softmax_factor"),
                     f"Scalable-Softmax attention: {_NOT_YET}"),
     "trl.generation_kwargs": f"with use_vllm and vllm_lora_sync (completions from the vLLM server): {_NOT_YET}",
