@@ -211,6 +211,9 @@ class Training:
             from trainer.parallel.context_parallel import ContextParallel
 
             context = ContextParallel(model, self.cp, self.tp, self.rank, self.world)
+        from trainer.model import ssmax
+
+        ssmax.install(cfg, runtime.attention, say)  # scaling_softmax: SSMax in place of the attention that runs
         kernels.apply(cfg, model, getattr(runtime, "kernels", False), say)  # liger, where the plan says triton runs
         qat.apply(cfg, model, say)  # torchao fake quantization of the linear layers (before sharding, as Axolotl)
         memory_options.compile_model(cfg, model, getattr(runtime, "compile", False), say)  # last: what runs is compiled

@@ -81,6 +81,10 @@ class HardwareKeys(BaseModel):
     xformers_attention: bool | None = None
     eager_attention: bool | None = None
     flex_attention: bool | None = None  # Axolotl's deprecated flag for attn_implementation: flex_attention
+    # Scalable-Softmax attention (trainer/model/ssmax.py): scores x (factor log n + bias), flex_attention only
+    scaling_softmax: bool = False
+    scaling_softmax_factor: float | None = None  # 0 or unset: 0.43, as Axolotl
+    scaling_softmax_bias: float | None = None  # unset: 0
 
     # kernels and plugins (applied where the plan says triton kernels run, else switched off with a note)
     plugins: list[str] | None = None
@@ -128,6 +132,9 @@ class HardwareKeys(BaseModel):
         flags = [f for f in LEGACY_ATTENTION if getattr(self, f)]
         if len(flags) > 1 or (flags and self.attn_implementation):
             raise ValueError(f"choose one attention setting, got {', '.join(flags + (['attn_implementation'] if self.attn_implementation else []))}")
+        if self.scaling_softmax and self.requested_attention != "flex_attention":
+            raise ValueError("scaling_softmax: needs attn_implementation: flex_attention (SSMax is a score_mod of "
+                             "flex_attention; Axolotl refuses it with any other attention too)")
 
 
 def check_plugins(cfg) -> list[str]:

@@ -81,6 +81,7 @@ ZERO_AS_AXOLOTL: dict[str, tuple[Any, str]] = {
     "lisa_n_layers": (_UNSET, "core/builders/causal.py: `if lisa_step_interval and lisa_n_layers:` (LISA off)"),
     "lisa_step_interval": (_UNSET, "core/builders/causal.py: `if lisa_step_interval and lisa_n_layers:` (LISA off)"),
     "jagged_restart_steps": (_UNSET, "core/builders/causal.py: `if cfg.jagged_restart_steps:` (no restarts)"),
+    "scaling_softmax_factor": (_UNSET, "loaders/patch_manager.py: `scaling_softmax_factor or 0.43`"),
     "ray_num_workers": (1, "cli/train.py: Ray Train's ScalingConfig(num_workers=0) runs the loop in the driver "
                            "process, one rank; here one Ray worker, one rank: the same training"),
 }

@@ -127,8 +127,6 @@ AXOLOTL_REFUSES: dict[str, str] = {
 }
 
 GAPS: dict[str, str] = {
-    **dict.fromkeys(("scaling_softmax", "scaling_softmax_bias", "scaling_softmax_factor"),
-                    f"Scalable-Softmax attention: {_NOT_YET}"),
     "trl.generation_kwargs": f"with use_vllm and vllm_lora_sync (completions from the vLLM server): {_NOT_YET}",
     **dict.fromkeys(("trl.off_policy_mask_threshold",
                      "trl.ref_model_mixup_alpha", "trl.ref_model_sync_steps", "trl.replay_buffer_size",
