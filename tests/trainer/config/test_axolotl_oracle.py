@@ -145,7 +145,8 @@ GAPS: dict[str, str] = {
                     "floor belong in LIMITS once implemented)"),
     "fp8": "float8 training (torchao's float8 linears) on a GPU that has float8 tensor cores: the refusal's kind is "
            "`hardware` but the H100 has them; not implemented here yet",
-    "sage_attention": f"SageAttention kernels (they run on an H100): {_NOT_YET}",
+    "sage_attention": f"SageAttention kernels (sm_80 to sm_120, no CPU kernel; they run on an H100, so not a "
+                      f"hardware limit there): {_NOT_YET}",
     "liger_use_token_scaling": f"Liger's token-scaled loss: {_NOT_YET}",
     "selective_checkpointing.offload": f"offloading selectively saved ops: {_NOT_YET}",
     "expert_parallel_size": f"expert parallelism: {_NOT_YET}",
