@@ -97,6 +97,11 @@ STRICTER: dict[str, str] = {
     "lora_r": "0: peft refuses a rank of 0 when the adapter is built",
     "lora_dropout": "1: the adapter's input is always dropped: trains nothing",
     "lr_scheduler": "a name transformers' SchedulerType does not have ('auto', ...): refused when training starts",
+    "dp_shard_size": "above 1 without FSDP (fsdp_version: 2 and fsdp_config): Axolotl's _get_parallel_config_kwargs "
+                     "raises on several GPUs and, on one, shards nothing without a word",
+    "lisa_n_layers": "one of lisa_n_layers / lisa_step_interval without the other: Axolotl trains LISA only with "
+                     "both (`if lisa_step_interval and lisa_n_layers`) and drops the one given without a word",
+    "lisa_step_interval": "as lisa_n_layers (they go together)",
     "tiled_mlp_num_shards": "0: Axolotl's tiled MLP splits the sequence into 0 shards (torch.chunk refuses 0 chunks "
                             "in the first forward)",
     "streaming_multipack_buffer_size": "0: Axolotl's streaming.py passes it as datasets' shuffle buffer (0: no "
