@@ -62,6 +62,7 @@ def fix(cfg, model, tokenizer, train_rows, say) -> None:
         extra = cfg.fix_untrained_tokens if isinstance(cfg.fix_untrained_tokens, list) else []
         candidates = sorted(set(found) | set(extra))
         if not candidates:
+            say("fix_untrained_tokens: the base has no untrained embedding rows; none changed")
             return
         names = [t for t in tokenizer.convert_ids_to_tokens(candidates) if t is not None]
         template = getattr(tokenizer, "chat_template", None) or ""
@@ -70,6 +71,8 @@ def fix(cfg, model, tokenizer, train_rows, say) -> None:
         ends = list(range(min(n, SCAN))) + list(range(max(n - SCAN, 0), n))
         in_rows = [t for i in ends for t in _ids(train_rows, i) if t in wanted]
         if not in_rows and not (isinstance(template, str) and any(t in template for t in names)):
+            say(f"fix_untrained_tokens: {len(candidates)} untrained token(s) in the base, none in the training rows' "
+                "ends or the chat template; none changed (as Axolotl)")
             return
         if not (inputs.requires_grad and outputs.requires_grad):
             if not in_rows:  # (Axolotl looks further, 2000 rows from each end, before it stops)
