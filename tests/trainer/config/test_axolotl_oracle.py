@@ -137,8 +137,6 @@ GAPS: dict[str, str] = {
                      "trl.ref_model_mixup_alpha", "trl.ref_model_sync_steps", "trl.replay_buffer_size",
                      "trl.replay_recompute_logps", "trl.reroll_max_groups", "trl.reroll_start_fraction",
                      "trl.rollout_func", "trl.skip_zero_advantage_batches"), f"GRPO option: {_NOT_YET}"),
-    **dict.fromkeys(("pretraining_dataset[].shards", "pretraining_dataset[].shards_idx"),
-                    f"data or hub option: {_NOT_YET}"),
     **dict.fromkeys(("dsv4_fp4_grouped_mode", "dsv4_fp8_lora_kernel", "dsv4_fp8_nonexpert_mode",
                      "gemma4_fp8_nonexpert", "gemma4_nf4_nonexpert", "nonexpert_quantization", "quantize_moe_experts",
                      "nvfp4_merge_aware", "nvfp4_merge_aware_start_step"),
