@@ -162,6 +162,9 @@ def notes(cfg) -> list[str]:
     if cfg.adapter and cfg.unfrozen_parameters:
         out.append("unfrozen_parameters: ignored with an adapter (the adapter's weights are what is trained; "
                    "quantized base weights cannot be)")
+    if cfg.liger_use_token_scaling and not cfg.token_scaling:
+        out.append("liger_use_token_scaling: not read: Axolotl reads the liger_* keys only with its Liger plugin "
+                   "listed in plugins: (axolotl.integrations.liger.LigerPlugin); so here")
     if cfg.use_pose and not cfg.pose:
         out.append("use_pose: not read: Axolotl adds PoSE's position ids only while it prepares packed SFT data "
                    "(sample_packing: true, not streamed, not skip_prepare_dataset, no rl); so here")

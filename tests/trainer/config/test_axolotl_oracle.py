@@ -146,7 +146,7 @@ GAPS: dict[str, str] = {
            "`hardware` but the H100 has them; not implemented here yet",
     "sage_attention": f"SageAttention kernels (sm_80 to sm_120, no CPU kernel; they run on an H100, so not a "
                       f"hardware limit there): {_NOT_YET}",
-    "liger_use_token_scaling": f"Liger's token-scaled loss: {_NOT_YET}",
+    "liger_use_token_scaling": f"Liger's token-scaled loss with context_parallel_size > 1: {_NOT_YET}",
     "selective_checkpointing.offload": f"offloading selectively saved ops: {_NOT_YET}",
     "expert_parallel_size": f"expert parallelism: {_NOT_YET}",
     "gptq": "GPTQ checkpoints: gptqmodel does not install beside the tested torch stack (a dependency conflict)",
@@ -157,7 +157,7 @@ GAPS: dict[str, str] = {
 }
 # keys the table says are read (honoured) whose some values a rule refuses: named above for those values
 _REFUSED_BY_A_RULE = ("plugins", "fp8", "eval_causal_lm_metrics", "lora_target_parameters", "orpo_alpha",
-                      "trl.generation_kwargs", "quantize_moe_experts")  # (honoured; refused with expert LoRA, FSDP)
+                      "trl.generation_kwargs", "quantize_moe_experts", "liger_use_token_scaling")  # (honoured; refused with expert LoRA, FSDP)
 
 
 def _oracle(kind: str, payload=None):
