@@ -62,6 +62,9 @@ STRICTER: dict[str, str] = {
     "dataset_processes": "0: datasets' map refuses num_proc 0 (fails while preprocessing)",
     "lora_alpha": "0: LoRA's scale alpha/r is 0, the adapter adds nothing: trains nothing without a word",
     "rl_beta": "0: DPO's loss is constant in the policy at beta 0: trains nothing",
+    "orpo_alpha": "0 with rl: dpo/ipo/kto/simpo and no rl_beta: Axolotl passes it as the method's beta, whose loss is "
+                  "then constant in the policy: trains nothing (with rl: orpo, 0 trains the chosen answers' NLL, as "
+                  "there)",
     "dpo_beta": "0: as rl_beta (its older name)",
     "dpo_label_smoothing": ">= 0.5 inverts which answer cDPO prefers: trains the opposite preference",
     "loss_watchdog_threshold": "0: every loss is above it, Axolotl's watchdog stops the run after its patience",
@@ -153,10 +156,9 @@ GAPS: dict[str, str] = {
     "eval_causal_lm_metrics": "sacrebleu/comet/ter/chrf: Axolotl fetches the metric scripts from the Hub; only "
                               "perplexity is computed here",
     "lora_target_parameters": "one string (not a list): Axolotl passes it to peft as given; refused here",
-    "orpo_alpha": "0: Axolotl trains ORPO with the odds-ratio term off (the chosen answers' NLL only); refused here",
 }
 # keys the table says are read (honoured) whose some values a rule refuses: named above for those values
-_REFUSED_BY_A_RULE = ("plugins", "fp8", "eval_causal_lm_metrics", "lora_target_parameters", "orpo_alpha",
+_REFUSED_BY_A_RULE = ("plugins", "fp8", "eval_causal_lm_metrics", "lora_target_parameters",
                       "trl.generation_kwargs", "quantize_moe_experts", "liger_use_token_scaling")  # (honoured; refused with expert LoRA, FSDP)
 
 

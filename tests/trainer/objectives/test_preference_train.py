@@ -13,6 +13,7 @@ import textwrap
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
 import trainer.objectives.reference as reference_mod
@@ -334,3 +335,24 @@ def test_dpo_loss_weights_need_one_weight_per_loss_type(make_config):
         parse_config(raw)
     with pytest.raises(ConfigError, match=r"dpo_loss_weights: \[1.0\] needs one weight per dpo_loss_type \(unset\)"):
         parse_config({**raw, "dpo_loss_type": None})
+
+
+@pytest.mark.slow
+def test_orpo_alpha_0_trains_the_chosen_answers_nll_only(pref_config, tmp_path):
+    """Axolotl passes orpo_alpha as ORPO's beta (`is not None`: 0 is 0), so TRL's ORPO loss is the chosen answers' NLL
+    alone: the logged loss is the logged nll_loss."""
+    out = tmp_path / "orpo0"
+    assert train(pref_config(rl="orpo", output_dir=str(out), max_steps=2, orpo_alpha=0)) == 0
+    steps = [r for r in read_metrics(out) if "loss" in r]
+    assert steps and all(r["loss"] == pytest.approx(r["nll_loss"], rel=1e-6) for r in steps)
+    assert all(r["rewards/chosen"] == 0 for r in steps)
+
+
+def test_orpo_alpha_0_as_another_methods_beta_is_refused(make_config):
+    from trainer.config import parse_config
+    from trainer.errors import ConfigError
+
+    raw = yaml.safe_load(make_config(rl="dpo", orpo_alpha=0).read_text())
+    with pytest.raises(ConfigError, match="orpo_alpha: 0 is the beta of rl: dpo"):
+        parse_config(raw)
+    assert parse_config({**raw, "rl_beta": 0.2})[0].beta == 0.2
