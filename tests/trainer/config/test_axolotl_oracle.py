@@ -150,7 +150,6 @@ GAPS: dict[str, str] = {
     "sage_attention": f"SageAttention kernels (sm_80 to sm_120, no CPU kernel; they run on an H100, so not a "
                       f"hardware limit there): {_NOT_YET}",
     "liger_use_token_scaling": f"Liger's token-scaled loss with context_parallel_size > 1: {_NOT_YET}",
-    "selective_checkpointing.offload": f"offloading selectively saved ops: {_NOT_YET}",
     "expert_parallel_size": f"expert parallelism: {_NOT_YET}",
     "gptq": "GPTQ checkpoints: gptqmodel does not install beside the tested torch stack (a dependency conflict)",
     "eval_causal_lm_metrics": "sacrebleu/comet/ter/chrf: Axolotl fetches the metric scripts from the Hub; only "
