@@ -73,6 +73,9 @@ class TrlConfig(BaseModel):
     vllm_sync_interval: int | None = Field(None, ge=1)  # adapter synced every N steps; 1
     vllm_lora_sync: bool | None = None  # the LoRA adapter to the server through the filesystem
     sync_ref_model: bool | None = None
+    # TR-DPO's reference sync; Axolotl passes them on only with sync_ref_model (refused above), so not read without
+    ref_model_mixup_alpha: float | None = None
+    ref_model_sync_steps: int | None = None
     use_data_producer: bool = False  # Axolotl's data-producer trainer; synchronous here (async_prefetch false)
     async_prefetch: bool = False  # the next step's completions generated while this one trains (one step stale)
     prefetch_depth: int | None = None  # only 1 (Axolotl's default: one step ahead)
@@ -179,6 +182,10 @@ def check(cfg) -> list[str]:
             raise ValueError(f"datasets.{i}.type: {ds.type!r}; with rl: {cfg.rl} use a transform 'module.function' "
                              "(as Axolotl's rwd.gsm8k_transform) or no type (rows with a prompt column)")
     notes = []
+    sync = [f"trl.{k}" for k in ("ref_model_mixup_alpha", "ref_model_sync_steps") if getattr(trl, k) is not None]
+    if sync:
+        notes.append(f"{', '.join(sync)}: not read without trl.sync_ref_model (Axolotl passes them on only with it); "
+                     "so here")
     given = [f"trl.{k}" for k in ASYNC_ONLY if getattr(trl, k) is not None]
     if given:
         notes.append(f"{', '.join(given)}: not read without async_prefetch / use_data_producer (options of Axolotl's "

@@ -136,10 +136,10 @@ AXOLOTL_REFUSES: dict[str, str] = {
 
 GAPS: dict[str, str] = {
     "trl.generation_kwargs": f"with use_vllm and vllm_lora_sync (completions from the vLLM server): {_NOT_YET}",
-    **dict.fromkeys(("trl.off_policy_mask_threshold", "trl.ref_model_mixup_alpha", "trl.ref_model_sync_steps",
-                     "trl.rollout_func"), f"GRPO option: {_NOT_YET}"),
+    **dict.fromkeys(("trl.off_policy_mask_threshold", "trl.rollout_func"), f"GRPO option: {_NOT_YET}"),
+    "trl.sync_ref_model": f"true: TR-DPO's reference sync in GRPO: {_NOT_YET}",
     **dict.fromkeys(("trl.replay_buffer_size", "trl.replay_recompute_logps", "trl.reroll_max_groups",
-                     "trl.reroll_start_fraction", "trl.skip_zero_advantage_batches"),
+                     "trl.reroll_start_fraction", "trl.skip_zero_advantage_batches", "trl.sync_ref_model"),
                     f"with async_prefetch / use_data_producer (Axolotl's fast asynchronous GRPO trainer): {_NOT_YET}"),
     **dict.fromkeys(("dsv4_fp4_grouped_mode", "dsv4_fp8_lora_kernel", "dsv4_fp8_nonexpert_mode",
                      "gemma4_fp8_nonexpert", "gemma4_nf4_nonexpert", "nonexpert_quantization", "quantize_moe_experts",
@@ -161,7 +161,7 @@ GAPS: dict[str, str] = {
 _REFUSED_BY_A_RULE = ("plugins", "fp8", "eval_causal_lm_metrics", "lora_target_parameters",
                       "trl.generation_kwargs", "quantize_moe_experts", "liger_use_token_scaling",
                       "trl.replay_buffer_size", "trl.replay_recompute_logps", "trl.reroll_max_groups",
-                      "trl.reroll_start_fraction", "trl.skip_zero_advantage_batches")  # (honoured; refused with expert LoRA, FSDP)
+                      "trl.reroll_start_fraction", "trl.skip_zero_advantage_batches", "trl.sync_ref_model")  # (honoured; refused with expert LoRA, FSDP)
 
 
 def _oracle(kind: str, payload=None):

@@ -373,3 +373,11 @@ def test_the_fast_async_trainers_options_are_not_read_without_the_async_mode(grp
     with pytest.raises(ConfigError, match="replay_buffer_size: with async_prefetch / use_data_producer"):
         load_config(grpo_config("b.yml", trl={**keys, "use_vllm": True, "vllm_lora_sync": True,
                                                 "async_prefetch": True}, adapter="lora"))
+
+
+def test_tr_dpos_sync_keys_are_not_read_without_sync_ref_model(grpo_config):
+    from trainer.config import load_config
+
+    _, notes = load_config(grpo_config(trl={"ref_model_mixup_alpha": 0.6, "ref_model_sync_steps": 64}))
+    assert any(n.startswith("trl.ref_model_mixup_alpha, trl.ref_model_sync_steps: not read without "
+                            "trl.sync_ref_model") for n in notes), notes
