@@ -111,6 +111,8 @@ STRICTER: dict[str, str] = {
                                        "shuffle) and as the packing map's batch_size (0: the whole stream at once)",
     "pretrain_multipack_buffer_size": "0: as streaming_multipack_buffer_size (its deprecated name)",
     "eaft_k": "0 or 1: EAFT's entropy over the top-k logits is 0, every token's weight 0: trains nothing",
+    "warmup_ratio": "1 with lr_scheduler: one_cycle: the annealing phase is 0 steps, torch's OneCycleLR divides by "
+                    "zero at the first step (Axolotl's create_scheduler too)",
     "warmup_steps": "0 beside a warmup_ratio: Axolotl reads warmup_steps first, trains with no warmup and drops the "
                     "ratio without a word",
     "use_pose": "with sample_packing and without pose_max_context_len: Axolotl's add_pose_position_ids subtracts "

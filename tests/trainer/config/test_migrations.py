@@ -154,3 +154,11 @@ def test_a_zero_warmup_ratio_beside_warmup_steps_is_not_read_and_a_zero_warmup_s
     assert cfg.warmup_steps == 10 and cfg.warmup_ratio is None
     with pytest.raises(ConfigError, match=r"warmup_steps: 0 beside warmup_ratio: 0.1: set one"):
         parse_config({**BASE, "warmup_steps": 0, "warmup_ratio": 0.1})
+
+
+def test_a_warmup_ratio_of_1_warms_up_the_whole_run_as_in_axolotl():
+    """Axolotl takes warmup_ratio: 1 (warmup_steps = the run's steps); with one_cycle torch's OneCycleLR divides by
+    zero (Axolotl's too): refused in one line."""
+    assert parse_config({**BASE, "warmup_ratio": 1.0})[0].warmup_ratio == 1.0
+    with pytest.raises(ConfigError, match="warmup_ratio: 1 with lr_scheduler: one_cycle"):
+        parse_config({**BASE, "warmup_ratio": 1.0, "lr_scheduler": "one_cycle"})
