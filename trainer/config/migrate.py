@@ -353,8 +353,8 @@ def _pretraining_first(raw: dict, rw: Rewrite) -> None:
 
 def _zero_as_axolotl(raw: dict, rw: Rewrite) -> None:
     """A 0 of a ZERO_AS_AXOLOTL key is read as Axolotl reads it: unset, or the value Axolotl then trains with."""
-    def zero(value: Any) -> bool:
-        return not isinstance(value, bool) and isinstance(value, (int, float)) and value == 0
+    def zero(value: Any) -> bool:  # (false too: Axolotl's int and float fields take it as 0)
+        return isinstance(value, (int, float)) and value == 0
 
     lisa = ("lisa_n_layers", "lisa_step_interval")
     if any(zero(raw.get(k)) for k in lisa):

@@ -118,7 +118,7 @@ def _zero_configs():
     for key, (value, where) in ZERO_AS_AXOLOTL.items():
         field = Config.model_fields[key]
         meant = field.default if value is None else value
-        zeros = (0, 0.0) if "float" in str(field.annotation) else (0,)
+        zeros = (0, 0.0, False) if "float" in str(field.annotation) else (0, False)  # (pydantic reads false as 0)
         for zero in zeros:
             yield pytest.param(key, zero, meant, where, id=f"{key}={zero!r}")
 
