@@ -181,6 +181,11 @@ class Training:
             self.data = Prepared(None, validation, {"train_rows": "streamed"}, None)
         else:
             self.data = objectives.prepare(cfg, tokenizer, self.rank, log=say)
+            if cfg.pose:  # PoSE's position ids (trainer/data/pose.py), drawn per row from the seed
+                from trainer.data import pose
+
+                self.data = pose.apply(cfg, self.data)
+                say(f"PoSE: position ids skip up to pose_max_context_len {cfg.pose_max_context_len}")
 
     def stage_model(self):
         """3: the model, fitted and patched; returns it (unprepared) and the context-parallel splitter (None)."""
@@ -194,6 +199,10 @@ class Training:
             say(f"note: {note}")
         model = load_model(cfg, runtime, tokenizer, parallel_kwargs=parallelism.load_kwargs(mesh))
         parallelism.after_load(model, mesh)
+        if not cfg.rl:  # before the optimizer sees the weights, and before any wrapping or sharding (as Axolotl)
+            from trainer.model import untrained_tokens
+
+            untrained_tokens.fix(cfg, model, tokenizer, self.data.train, say)
         self.tp, self.cp = (mesh.tp, mesh.cp) if mesh is not None else (1, 1)
         self.by_transformers = parallelism.by_transformers(mesh)  # TP/EP: sharded as it loaded, FSDP2 included
         if mesh is not None and mesh.ep > 1:
@@ -211,6 +220,9 @@ class Training:
             from trainer.parallel.context_parallel import ContextParallel
 
             context = ContextParallel(model, self.cp, self.tp, self.rank, self.world)
+        from trainer.model import ssmax
+
+        ssmax.install(cfg, runtime.attention, say)  # scaling_softmax: SSMax in place of the attention that runs
         kernels.apply(cfg, model, getattr(runtime, "kernels", False), say)  # liger, where the plan says triton runs
         qat.apply(cfg, model, say)  # torchao fake quantization of the linear layers (before sharding, as Axolotl)
         memory_options.compile_model(cfg, model, getattr(runtime, "compile", False), say)  # last: what runs is compiled

@@ -114,3 +114,72 @@ def fake_hub(repos: dict[str, dict | Path], gated: tuple[str, ...] = ()):
     finally:
         server.shutdown()
         server.server_close()
+
+
+@contextlib.contextmanager
+def fake_hub_uploads(user: str = "tester"):
+    """The Hub's write side for a push (huggingface_hub's whoami, create_repo, create_branch, preupload and commit
+    endpoints): every file is uploaded `regular` (in the commit's NDJSON, no LFS). Yields (endpoint URL, the commits
+    received: {"repo", "revision", "files"}, the branches created: (repo, branch)); every other request is 404."""
+    commits: list[dict] = []
+    branches: list[tuple[str, str]] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def _send(self, status: int, payload: dict | list | None = None, error: str | None = None) -> None:
+            data = json.dumps(payload).encode() if payload is not None else b""
+            self.send_response(status)
+            if error:
+                self.send_header("X-Error-Code", error)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def _body(self) -> bytes:
+            return self.rfile.read(int(self.headers.get("Content-Length") or 0))
+
+        def do_GET(self):  # noqa: N802
+            path = self.path.split("?")[0]
+            if path == "/api/whoami-v2":
+                return self._send(200, {"name": user, "type": "user", "orgs": [],
+                                        "auth": {"accessToken": {"role": "write"}}})
+            self._send(404, {"error": "not found"}, "EntryNotFound")
+
+        def do_HEAD(self):  # noqa: N802
+            self._send(404, None, "EntryNotFound")
+
+        def do_POST(self):  # noqa: N802
+            path, body = self.path.split("?")[0], self._body()
+            parts = path.strip("/").split("/")
+            if path == "/api/validate-yaml":  # a model card's metadata, checked before it is uploaded
+                return self._send(200, {"errors": [], "warnings": []})
+            if path == "/api/repos/create":
+                name = json.loads(body)
+                return self._send(200, {"url": f"http://{self.headers['Host']}/{name.get('organization') or user}/"
+                                               f"{name['name']}"})
+            if parts[:2] == ["api", "models"] and len(parts) >= 6 and parts[4] == "branch":
+                branches.append(("/".join(parts[2:4]), "/".join(parts[5:])))
+                return self._send(200, {})
+            if parts[:2] == ["api", "models"] and len(parts) >= 6 and parts[4] == "preupload":
+                files = json.loads(body).get("files", [])
+                return self._send(200, {"files": [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False}
+                                                  for f in files]})
+            if parts[:2] == ["api", "models"] and len(parts) >= 6 and parts[4] == "commit":
+                lines = [json.loads(x) for x in body.decode().splitlines() if x.strip()]
+                commits.append({"repo": "/".join(parts[2:4]), "revision": "/".join(parts[5:]),
+                                "files": sorted(x["value"]["path"] for x in lines if x.get("key") == "file")})
+                return self._send(200, {"commitUrl": f"http://{self.headers['Host']}/{'/'.join(parts[2:4])}/commit/"
+                                                     + "b" * 40, "commitOid": "b" * 40})
+            self._send(404, {"error": "not found"}, "EntryNotFound")
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", commits, branches
+    finally:
+        server.shutdown()
+        server.server_close()

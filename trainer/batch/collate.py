@@ -37,7 +37,7 @@ class Collator:
                 r_ids += example["input_ids"]
                 # The first token of a segment is never a target: the token before it belongs to another example.
                 r_labels += [IGNORE] + list(example["labels"][1:])
-                r_pos += range(n)
+                r_pos += example.get("position_ids") or range(n)  # PoSE's skipped positions, else 0..n-1
                 r_seg += [k] * n
             ids.append(r_ids), labels.append(r_labels), positions.append(r_pos), segments.append(r_seg)
 
@@ -78,7 +78,9 @@ class Rows(torch.utils.data.Dataset):
     """Index a tokenized dataset by rows (lists of example indices), for DataLoader(batch_sampler=...)."""
 
     def __init__(self, dataset):
-        self.dataset = dataset.select_columns(["input_ids", "labels"])
+        # position_ids: PoSE's (trainer/data/pose.py), where the rows carry them
+        self.dataset = dataset.select_columns([c for c in ("input_ids", "labels", "position_ids")
+                                               if c in dataset.column_names])
 
     def __len__(self):
         return len(self.dataset)

@@ -289,6 +289,29 @@ class DataKeys(BaseModel):
     streaming_multipack_buffer_size: int | None = Field(None, ge=1)  # rows per shuffle/packing buffer (10000)
     pretrain_multipack_buffer_size: int | None = Field(None, ge=1)  # Axolotl's deprecated spelling of the above
     pretrain_multipack_attn: bool = True  # packed documents do not attend to each other
+    # --- PoSE (trainer/data/pose.py): random position skips up to pose_max_context_len, on packed SFT rows ---------
+    use_pose: bool = False
+    pose_split_on_token_ids: list[int] | None = None  # cut before these tokens (else pose_num_chunks equal chunks)
+    pose_max_context_len: int | None = Field(None, ge=1)  # the positions reach up to this length
+    pose_num_chunks: int | None = Field(None, ge=1)  # Axolotl's default 2
+
+    @property
+    def pose(self) -> bool:
+        """PoSE's position ids are added: as in Axolotl, only while packed SFT data is prepared (its
+        process_datasets_for_packing, called for sample_packing alone, not for a stream or skip_prepare_dataset)."""
+        return bool(self.use_pose and self.sample_packing and not self.streamed and not self.skip_prepare_dataset
+                    and not self.rl)
+
+    def _check_pose(self) -> None:
+        if not self.pose:
+            return
+        if self.pose_max_context_len is None:
+            raise ValueError("use_pose: needs pose_max_context_len (how far the positions reach; Axolotl's "
+                             "add_pose_position_ids fails without it while preprocessing)")
+        if self.pose_max_context_len < self.sequence_len:
+            raise ValueError(f"pose_max_context_len: {self.pose_max_context_len} is below sequence_len "
+                             f"({self.sequence_len}): a row longer than it has a negative number of skips to draw "
+                             "(Axolotl's random.randint fails while preprocessing)")
 
     @property
     def streamed(self) -> bool:

@@ -22,6 +22,11 @@ VLLM_KEYS = ("vllm_mode", "vllm_server_host", "vllm_server_port", "vllm_server_t
              "vllm_importance_sampling_cap", "vllm_sync_interval", "vllm_lora_sync")
 
 
+# TrlConfig's keys only Axolotl's fast asynchronous GRPO trainer reads
+ASYNC_ONLY = ("replay_buffer_size", "replay_recompute_logps", "reroll_start_fraction", "reroll_max_groups",
+              "skip_zero_advantage_batches")
+
+
 class TrlConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -68,9 +73,19 @@ class TrlConfig(BaseModel):
     vllm_sync_interval: int | None = Field(None, ge=1)  # adapter synced every N steps; 1
     vllm_lora_sync: bool | None = None  # the LoRA adapter to the server through the filesystem
     sync_ref_model: bool | None = None
+    # TR-DPO's reference sync; Axolotl passes them on only with sync_ref_model (refused above), so not read without
+    ref_model_mixup_alpha: float | None = None
+    ref_model_sync_steps: int | None = None
     use_data_producer: bool = False  # Axolotl's data-producer trainer; synchronous here (async_prefetch false)
     async_prefetch: bool = False  # the next step's completions generated while this one trains (one step stale)
     prefetch_depth: int | None = None  # only 1 (Axolotl's default: one step ahead)
+    # options of Axolotl's fast asynchronous GRPO trainer (FastAsyncGRPOConfig): it passes them on only with
+    # async_prefetch / use_data_producer (its builder blocks them otherwise), so without those they are not read
+    replay_buffer_size: int | None = None
+    replay_recompute_logps: bool | None = None
+    reroll_start_fraction: float | None = None
+    reroll_max_groups: int | None = None
+    skip_zero_advantage_batches: bool | None = None
 
     @field_validator("reward_funcs")
     @classmethod
@@ -92,6 +107,10 @@ class TrlConfig(BaseModel):
         if self.generation_kwargs and lora_sync:
             raise ValueError("generation_kwargs: with use_vllm and vllm_lora_sync the completions come from the vLLM "
                              "server, which is not given them here yet; remove them, or vllm_lora_sync")
+        given = [k for k in ASYNC_ONLY if getattr(self, k) is not None]
+        if given and (self.use_data_producer or self.async_prefetch):
+            raise ValueError(f"{given[0]}: with async_prefetch / use_data_producer Axolotl's fast asynchronous GRPO "
+                             "trainer reads it; not implemented here yet (remove it, or the asynchronous mode)")
         if self.prefetch_depth not in (None, 1):
             raise ValueError(f"prefetch_depth: {self.prefetch_depth}; only 1 (the next step generated while this one "
                              "trains, Axolotl's default): prefetching deeper is not implemented")
@@ -163,6 +182,14 @@ def check(cfg) -> list[str]:
             raise ValueError(f"datasets.{i}.type: {ds.type!r}; with rl: {cfg.rl} use a transform 'module.function' "
                              "(as Axolotl's rwd.gsm8k_transform) or no type (rows with a prompt column)")
     notes = []
+    sync = [f"trl.{k}" for k in ("ref_model_mixup_alpha", "ref_model_sync_steps") if getattr(trl, k) is not None]
+    if sync:
+        notes.append(f"{', '.join(sync)}: not read without trl.sync_ref_model (Axolotl passes them on only with it); "
+                     "so here")
+    given = [f"trl.{k}" for k in ASYNC_ONLY if getattr(trl, k) is not None]
+    if given:
+        notes.append(f"{', '.join(given)}: not read without async_prefetch / use_data_producer (options of Axolotl's "
+                     "fast asynchronous GRPO trainer, which its builder passes on only in that mode); so here")
     if trl.use_vllm and trl.vllm_lora_sync:
         if cfg.adapter not in ("lora", "qlora"):
             raise ValueError("trl.vllm_lora_sync: needs adapter: lora or qlora (it sends the LoRA adapter to the vLLM "

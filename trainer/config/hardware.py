@@ -83,6 +83,10 @@ class HardwareKeys(BaseModel):
     xformers_attention: bool | None = None
     eager_attention: bool | None = None
     flex_attention: bool | None = None  # Axolotl's deprecated flag for attn_implementation: flex_attention
+    # Scalable-Softmax attention (trainer/model/ssmax.py): scores x (factor log n + bias), flex_attention only
+    scaling_softmax: bool = False
+    scaling_softmax_factor: float | None = None  # 0 or unset: 0.43, as Axolotl
+    scaling_softmax_bias: float | None = None  # unset: 0
 
     # kernels and plugins (applied where the plan says triton kernels run, else switched off with a note)
     plugins: list[str] | None = None
@@ -94,6 +98,9 @@ class HardwareKeys(BaseModel):
     liger_cross_entropy: bool = False
     liger_fused_linear_cross_entropy: bool = False
     liger_rms_norm_gated: bool = False
+    # Liger's token scaling: each target token's loss times its predicted probability (detached), with the Liger
+    # plugin and liger_fused_linear_cross_entropy, as Axolotl (trainer/objectives/chunked_loss.py)
+    liger_use_token_scaling: bool = False
     cut_cross_entropy: bool = False
     # Axolotl's chunked loss: the trainer's loss is chunked wherever the model allows it, at its own chunk size (the
     # same loss and gradients either way; matrices/axolotl_keys.toml), so the values are read and change nothing
@@ -108,6 +115,13 @@ class HardwareKeys(BaseModel):
     @classmethod
     def _axolotl_names(cls, plugins: list[str] | None) -> list[str] | None:
         return [axolotl_plugin_name(p) for p in plugins] if plugins is not None else None
+
+    @property
+    def token_scaling(self) -> bool:
+        """liger_use_token_scaling as Axolotl reads it: with its Liger plugin listed (without it the key is not in
+        Axolotl's schema) and liger_fused_linear_cross_entropy, the loss its patch scales."""
+        return bool(self.liger_use_token_scaling and self.liger_fused_linear_cross_entropy
+                    and LIGER in (self.plugins or []))
 
     @property
     def requested_attention(self) -> str | None:
@@ -130,6 +144,15 @@ class HardwareKeys(BaseModel):
         flags = [f for f in LEGACY_ATTENTION if getattr(self, f)]
         if len(flags) > 1 or (flags and self.attn_implementation):
             raise ValueError(f"choose one attention setting, got {', '.join(flags + (['attn_implementation'] if self.attn_implementation else []))}")
+        if self.liger_use_token_scaling and LIGER in (self.plugins or []) and not self.liger_fused_linear_cross_entropy:
+            raise ValueError("liger_use_token_scaling: needs liger_fused_linear_cross_entropy: true (the loss it scales; "
+                             "Axolotl's LigerArgs refuses it without)")
+        if self.token_scaling and (self.context_parallel_size or 1) > 1:
+            raise ValueError("liger_use_token_scaling: not with context_parallel_size > 1 here yet (the split "
+                             "sequence's loss is computed apart)")
+        if self.scaling_softmax and self.requested_attention != "flex_attention":
+            raise ValueError("scaling_softmax: needs attn_implementation: flex_attention (SSMax is a score_mod of "
+                             "flex_attention; Axolotl refuses it with any other attention too)")
 
 
 def check_plugins(cfg) -> list[str]:

@@ -26,6 +26,7 @@ class LoggingKeys(BaseModel):
     loss_watchdog_patience: int = Field(3, ge=1)  # ... for this many steps in a row
     hub_model_id: str | None = None  # push the final model or adapter to the hub at the end
     hub_strategy: str | None = None
+    hub_revision: str | None = None  # the branch of hub_model_id pushed to (created if missing); unset: main
 
     @field_validator("wandb_project", "wandb_entity", "wandb_name", "wandb_run_id", "wandb_watch", "wandb_log_model",
                      "mlflow_experiment_name", "mlflow_run_name", mode="before")

@@ -23,6 +23,9 @@ Values (retired forms of a key that is still read):
   left out and where more data goes (the first entry's data_files, or datasets: with streaming: true).
 - a falsy value (0, an empty string) of a key Axolotl's normalize_config reads as `cfg.KEY or DEFAULT`
   (FALSY_AS_DEFAULT below): the default, as Axolotl reads it, with a note (`eval_max_new_tokens: 0` is 128 there).
+- a 0 of a key Axolotl's trainer builders read as unset (`if cfg.KEY:`, `cfg.KEY or DEFAULT`; ZERO_AS_AXOLOTL
+  below): unset here too, or the value Axolotl then trains with where this trainer's unset means another (a 0
+  save_total_limit keeps 4 checkpoints there), with a note saying so.
 
 A rewrite never overrides a key the config also sets to another value: that is a problem (set one of them).
 """
@@ -55,6 +58,33 @@ PREFERENCE_METHODS = ("dpo", "ipo", "orpo", "simpo")
 # Every key Axolotl's normalize_config rewrites as `cfg.KEY = cfg.KEY or DEFAULT` (axolotl 0.19.0,
 # src/axolotl/utils/config/__init__.py): a 0 or "" there is the default, never the value as written
 FALSY_AS_DEFAULT = {"eval_max_new_tokens": 128, "eval_table_size": 0, "device_map": "auto"}
+# Every key whose 0 Axolotl 0.19's trainer builders read as unset: key -> (what this trainer reads instead, None for
+# unset (the key's own default here, the same as Axolotl's unset), where Axolotl reads it so). The pairs of LISA go
+# together: a 0 of either turns LISA off (both keys unset).
+_UNSET = None
+ZERO_AS_AXOLOTL: dict[str, tuple[Any, str]] = {
+    "save_total_limit": (4, "core/builders/base.py: `save_total_limit if save_total_limit else 4`"),
+    "ddp_timeout": (_UNSET, "core/builders/causal.py passes it only `if cfg.ddp_timeout` (transformers' 1800 s)"),
+    "kto_desirable_weight": (_UNSET, "core/builders/rl.py: `kto_desirable_weight or 1.0`"),
+    "kto_undesirable_weight": (_UNSET, "core/builders/rl.py: `kto_undesirable_weight or 1.0`"),
+    "loss_watchdog_patience": (_UNSET, "utils/callbacks: `loss_watchdog_patience or 3`"),
+    "eval_steps": (_UNSET, "core/builders/base.py: `elif cfg.eval_steps:` (no step cadence)"),
+    "save_steps": (_UNSET, "core/builders/base.py: `if cfg.save_steps:` (no step cadence)"),
+    "max_steps": (_UNSET, "core/builders/base.py: `max_steps or total_num_steps` (the epochs' steps)"),
+    "dp_shard_size": (_UNSET, "utils/distributed.py uses a size only when it is > 1"),
+    "dp_replicate_size": (_UNSET, "utils/distributed.py uses a size only when it is > 1"),
+    "tensor_parallel_size": (_UNSET, "utils/distributed.py uses a size only when it is > 1"),
+    "context_parallel_size": (_UNSET, "utils/distributed.py uses a size only when it is > 1"),
+    "eval_batch_size": (8, "core/builders/base.py passes it only `if cfg.eval_batch_size`: transformers' "
+                           "per_device_eval_batch_size, 8"),
+    "early_stopping_patience": (_UNSET, "core/builders/causal.py: `if cfg.early_stopping_patience:` (no early stop)"),
+    "lisa_n_layers": (_UNSET, "core/builders/causal.py: `if lisa_step_interval and lisa_n_layers:` (LISA off)"),
+    "lisa_step_interval": (_UNSET, "core/builders/causal.py: `if lisa_step_interval and lisa_n_layers:` (LISA off)"),
+    "jagged_restart_steps": (_UNSET, "core/builders/causal.py: `if cfg.jagged_restart_steps:` (no restarts)"),
+    "scaling_softmax_factor": (_UNSET, "loaders/patch_manager.py: `scaling_softmax_factor or 0.43`"),
+    "ray_num_workers": (1, "cli/train.py: Ray Train's ScalingConfig(num_workers=0) runs the loop in the driver "
+                           "process, one rank; here one Ray worker, one rank: the same training"),
+}
 
 
 class Rewrite:
@@ -321,6 +351,33 @@ def _pretraining_first(raw: dict, rw: Rewrite) -> None:
                         "several datasets: datasets: with streaming: true)")
 
 
+def _zero_as_axolotl(raw: dict, rw: Rewrite) -> None:
+    """A 0 of a ZERO_AS_AXOLOTL key is read as Axolotl reads it: unset, or the value Axolotl then trains with."""
+    def zero(value: Any) -> bool:  # (false too: Axolotl's int and float fields take it as 0)
+        return isinstance(value, (int, float)) and value == 0
+
+    lisa = ("lisa_n_layers", "lisa_step_interval")
+    if any(zero(raw.get(k)) for k in lisa):
+        for key in lisa:
+            if key in raw:
+                rw.notes.append(f"{key}: {raw.pop(key)!r} not read: LISA is off, as in Axolotl (a 0 of "
+                                f"lisa_n_layers or lisa_step_interval; {ZERO_AS_AXOLOTL[key][1]})")
+    for key, (value, where) in ZERO_AS_AXOLOTL.items():
+        if key in lisa or not zero(raw.get(key)):
+            continue
+        written = raw.pop(key)
+        if value is _UNSET:
+            rw.notes.append(f"{key}: {written!r} read as unset, as Axolotl reads it ({where})")
+        else:
+            raw[key] = value
+            rw.notes.append(f"{key}: {written!r} read as {value!r}, as Axolotl reads it ({where})")
+    # warmup: Axolotl reads warmup_steps first (core/builders/base.py `if cfg.warmup_steps is not None`), so a 0
+    # warmup_ratio beside warmup_steps is not read there
+    if zero(raw.get("warmup_ratio")) and raw.get("warmup_steps") is not None:
+        rw.notes.append(f"warmup_ratio: {raw.pop('warmup_ratio')!r} not read beside warmup_steps, as in Axolotl "
+                        "(core/builders/base.py reads warmup_steps first)")
+
+
 def _falsy_as_default(raw: dict, rw: Rewrite) -> None:
     """A falsy value of a FALSY_AS_DEFAULT key is read as its default, as Axolotl's normalize_config reads it."""
     for key, default in FALSY_AS_DEFAULT.items():
@@ -355,4 +412,5 @@ def migrate(raw: dict, config_fields: set[str], entry_fields: set[str]) -> tuple
     _base_model_config(out, rw)
     _pretraining_first(out, rw)
     _falsy_as_default(out, rw)
+    _zero_as_axolotl(out, rw)
     return out, rw

@@ -47,6 +47,12 @@ class ModelKeys(BaseModel):
     # new embedding rows at the mean of the others (transformers' resize_token_embeddings(mean_resizing=); unset: its
     # default, true)
     mean_resizing_embeddings: bool | None = None
+    # the embedding (and lm_head) rows of tokens the base never trained, set to the trained rows' mean before
+    # training (trainer/model/untrained_tokens.py); a list adds those token ids to the ones found, as Axolotl
+    fix_untrained_tokens: bool | int | list[int] | None = None
+    # added tokens renamed {token id: new text} before any data is tokenized (trainer/data/prepare.py), as Axolotl's
+    # modify_tokenizer_files: the id keeps its embedding row, the text now reads as that token
+    added_tokens_overrides: dict[int, str] | None = None
     cls_model_config: str | None = None  # transformers config class to read the model's config with
     reinit_weights: bool = False  # train from the model's config with freshly initialised weights
     # Mistral's own tokenizer (trainer/data/formats/mistral_tokenizer.py); chat_template data encoded by it.
@@ -101,6 +107,9 @@ class ModelKeys(BaseModel):
     use_onebitllms: bool = False  # Falcon-E: every linear layer but lm_head becomes onebitllms' BitNetLinear
 
     def _check_model(self) -> None:
+        if self.added_tokens_overrides and self.tokenizer_use_mistral_common:
+            raise ValueError("added_tokens_overrides: not with tokenizer_use_mistral_common (Mistral's tokenizer file "
+                             "has no added tokens to rename; Axolotl refuses it too)")
         if self.peft_init_lora_weights not in (None, True, "loftq") and self.peft and self.peft.loftq_config:
             raise ValueError(f"peft_init_lora_weights: {self.peft_init_lora_weights!r} conflicts with "
                              "peft.loftq_config (LoftQ is an initialisation of its own); set one of them")
@@ -173,6 +182,21 @@ def notes(cfg) -> list[str]:
     if cfg.adapter and cfg.unfrozen_parameters:
         out.append("unfrozen_parameters: ignored with an adapter (the adapter's weights are what is trained; "
                    "quantized base weights cannot be)")
+    if cfg.liger_use_token_scaling and not cfg.token_scaling:
+        out.append("liger_use_token_scaling: not read: Axolotl reads the liger_* keys only with its Liger plugin "
+                   "listed in plugins: (axolotl.integrations.liger.LigerPlugin); so here")
+    if cfg.use_pose and not cfg.pose:
+        out.append("use_pose: not read: Axolotl adds PoSE's position ids only while it prepares packed SFT data "
+                   "(sample_packing: true, not streamed, not skip_prepare_dataset, no rl); so here")
+    if cfg.hub_revision and not cfg.hub_model_id:
+        out.append(f"hub_revision: {cfg.hub_revision} not read: nothing is pushed without hub_model_id (as in Axolotl)")
+    fix = cfg.fix_untrained_tokens
+    if isinstance(fix, int) and not isinstance(fix, bool) and fix != 1:
+        out.append(f"fix_untrained_tokens: {fix} is read as true: the untrained tokens found are fixed, and token "
+                   f"{fix} only if it is one of them (Axolotl passes ids on only as a list: write [{fix}] for that)")
+    if fix and cfg.rl:
+        out.append("fix_untrained_tokens: not read with rl (Axolotl's fix reads the rows' input_ids, which "
+                   "preference rows do not have)")
     return out
 
 

@@ -22,9 +22,11 @@ class RlKeys(BaseModel):
     rl_beta: float | None = Field(None, gt=0)  # DPO/IPO/KTO/SimPO beta (TRL default 0.1)
     dpo_beta: float | None = Field(None, gt=0)  # deprecated spelling of rl_beta
     dpo_label_smoothing: float = Field(0.0, ge=0, lt=0.5)  # conservative DPO (cDPO); SimPO's too
-    dpo_loss_type: list[Literal["sigmoid", "ipo"]] | None = None  # rl: dpo with ["ipo"] is IPO
+    dpo_loss_type: list[Literal["sigmoid", "ipo"]] | None = Field(None, min_length=1)  # rl: dpo with ["ipo"] is IPO
+    # one weight per dpo_loss_type: the step's loss is the weighted sum of each type's mean loss (TRL's loss_weights)
+    dpo_loss_weights: list[float] | None = Field(None, min_length=1)
     dpo_use_weighting: bool | None = None  # WPO's weights on each pair's loss (TRL's DPOConfig.use_weighting)
-    orpo_alpha: float | None = Field(None, gt=0)  # ORPO's weight of the odds-ratio term (TRL's beta)
+    orpo_alpha: float | None = Field(None, ge=0)  # ORPO's weight of the odds-ratio term (TRL's beta; 0: NLL only)
     kto_desirable_weight: float = Field(1.0, gt=0)
     kto_undesirable_weight: float = Field(1.0, gt=0)
     simpo_gamma: float = Field(0.5, ge=0)  # SimPO's target reward margin
@@ -53,7 +55,9 @@ class RlKeys(BaseModel):
     @property
     def beta(self) -> float:
         """The method's beta, with Axolotl's precedence: rl_beta (or dpo_beta), then orpo_alpha, else TRL's 0.1."""
-        return self.rl_beta or self.dpo_beta or self.orpo_alpha or 0.1
+        if self.rl_beta or self.dpo_beta:
+            return self.rl_beta or self.dpo_beta
+        return self.orpo_alpha if self.orpo_alpha is not None else 0.1  # (Axolotl: `is not None`, so 0 is 0)
 
     def _check_preference(self) -> None:
         """The datasets' types follow what is trained; the preference keys only with their method."""
@@ -82,8 +86,16 @@ class RlKeys(BaseModel):
                 if ds.type not in allowed:
                     raise ValueError(f"{group}.{i}.type: {ds.type!r} is not a {'KTO' if self.rl == 'kto' else 'preference pair'} "
                                      f"dataset type; use one of {', '.join(allowed)}")
-        if self.dpo_loss_type is not None and (self.rl != "dpo" or len(self.dpo_loss_type) != 1):
-            raise ValueError("dpo_loss_type: only with rl: dpo, as a single loss ([sigmoid] or [ipo])")
+        if (self.dpo_loss_type is not None or self.dpo_loss_weights is not None) and self.rl != "dpo":
+            raise ValueError(f"dpo_loss_type / dpo_loss_weights: only with rl: dpo, not rl: {self.rl} (Axolotl refuses "
+                             "them too)")
+        if self.dpo_loss_weights is not None and (self.dpo_loss_type is None or
+                                                  len(self.dpo_loss_weights) != len(self.dpo_loss_type)):
+            raise ValueError(f"dpo_loss_weights: {self.dpo_loss_weights} needs one weight per dpo_loss_type "
+                             f"({self.dpo_loss_type or 'unset'}), as Axolotl and TRL require")
+        if self.orpo_alpha == 0 and self.rl in ("dpo", "ipo", "kto", "simpo") and not (self.rl_beta or self.dpo_beta):
+            raise ValueError(f"orpo_alpha: 0 is the beta of rl: {self.rl} (Axolotl passes orpo_alpha as the method's "
+                             "beta): its loss is constant in the policy at beta 0 and trains nothing; set rl_beta")
         if self.precompute_ref_log_probs is False:
             raise ValueError("precompute_ref_log_probs: false is not supported: the reference log-probs are always "
                              "computed once before training (no reference model is kept in memory)")

@@ -46,6 +46,7 @@ class Config(FeatureKeys, VisionKeys, SpeedKeys, SparsityKeys, QatKeys, EbftKeys
     @model_validator(mode="after")
     def _consistent(self) -> Config:
         self._check_streaming()  # datasets
+        self._check_pose()  # datasets (PoSE)
         self._check_train_on_eot()  # datasets
         self._check_dataset_shard()  # datasets
         self._check_lr_groups()  # training (LoRA+, embedding and module learning rates)

@@ -33,7 +33,8 @@ class SelectiveCheckpointing(BaseModel):  # Axolotl's SelectiveCheckpointingConf
     save: list[str] = Field(default_factory=lambda: ["attention"])
     save_sliding_window: bool = False  # also keep sliding-window layers' attention (default: recomputed, it is cheap)
     recompute_layer_types: list[str] | None = None  # config.layer_types recomputed (default sliding/chunked)
-    # `offload` (the kept ops in CPU memory) is refused by its matrices/axolotl_keys.toml row
+    # `offload` (the kept ops in CPU memory): a memory option not implemented here, named in the run's memory note
+    # (its matrices/axolotl_keys.toml row)
 
 
 class SpeedKeys(BaseModel):

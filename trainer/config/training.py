@@ -54,7 +54,7 @@ class TrainingKeys(BaseModel):
     lr_scheduler_kwargs: dict[str, Any] | None = None  # passed to the schedule as Axolotl passes them (schedule.py)
     cosine_min_lr_ratio: float | None = Field(None, ge=0, le=1)  # cosine decays to this fraction of learning_rate
     cosine_constant_lr_ratio: float | None = Field(None, ge=0, le=1)  # cosine to cosine_min_lr_ratio by this fraction of the steps, then flat
-    warmup_ratio: float | None = Field(None, ge=0, lt=1)
+    warmup_ratio: float | None = Field(None, ge=0, le=1)  # 1: the whole run warms up (Axolotl takes it)
     warmup_steps: int | float | None = Field(None, ge=0)  # a float < 1 is a fraction of the steps (transformers v5)
     optimizer: str = "adamw_torch"  # a name in matrices/optimizers.toml (check_optimizer)
     optim_args: dict[str, Any] | str | None = None  # extra optimizer arguments, as transformers' optim_args
@@ -206,7 +206,11 @@ class TrainingKeys(BaseModel):
 
     def _check_schedule(self) -> None:
         if self.warmup_ratio is not None and self.warmup_steps is not None:
-            raise ValueError("set warmup_ratio or warmup_steps, not both")
+            raise ValueError(f"warmup_steps: {self.warmup_steps} beside warmup_ratio: {self.warmup_ratio}: set one "
+                             "(Axolotl reads warmup_steps and drops the ratio; both non-zero, it refuses them)")
+        if self.warmup_ratio == 1 and self.lr_scheduler == "one_cycle":
+            raise ValueError("warmup_ratio: 1 with lr_scheduler: one_cycle leaves its annealing phase 0 steps: torch's "
+                             "OneCycleLR divides by zero at the first step (in Axolotl too); set warmup_ratio below 1")
         if self.min_sample_len is not None and (self.rl or self.min_sample_len > self.sequence_len):
             raise ValueError(f"min_sample_len: {self.min_sample_len} must be at most sequence_len ({self.sequence_len})"
                              if not self.rl else "min_sample_len: applies to SFT data, not to rl: preference pairs")

@@ -58,6 +58,8 @@ def load_tokenizer(cfg: Config):
         tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)
     except OSError as err:
         raise ConfigError(f"cannot load the tokenizer from {source}: {str(err).splitlines()[0]}") from None
+    if cfg.added_tokens_overrides:
+        tokenizer = override_added_tokens(tokenizer, cfg.added_tokens_overrides, cfg.trust_remote_code)
     if cfg.special_tokens:
         tokenizer.add_special_tokens(dict(cfg.special_tokens))
     if cfg.tokens:
@@ -70,6 +72,49 @@ def load_tokenizer(cfg: Config):
 
     tokenizer.chat_template = resolve(cfg.chat_template, cfg.chat_template_jinja, tokenizer)
     return tokenizer
+
+
+def override_added_tokens(tokenizer, overrides: dict[int, str], trust_remote_code: bool = False):
+    """added_tokens_overrides {id: text}: the tokenizer with those added tokens renamed, as Axolotl's
+    modify_tokenizer_files does it: the tokenizer saved, the token's `content` rewritten in tokenizer_config.json's
+    added_tokens_decoder and tokenizer.json's added_tokens (and its entry in the model's vocab, where it has one),
+    then loaded again. An id that is not an added token is refused (Axolotl raises the same). A token the tokenizer
+    also names as a special token (bos/eos/pad, additional_special_tokens) is added back under its old name when the
+    files load, at a new id, as it is in Axolotl: the renaming is for reserved tokens (Llama 3's
+    <|reserved_special_token_N|>)."""
+    import tempfile  # start-up: only runs with added_tokens_overrides
+
+    from transformers import AutoTokenizer
+
+    known = {int(i) for i in tokenizer.added_tokens_decoder}
+    missing = sorted(int(i) for i in overrides if int(i) not in known)
+    if missing:
+        raise ConfigError(f"added_tokens_overrides: token id(s) {missing} are not added tokens of this tokenizer "
+                          f"(only added tokens can be renamed; its added tokens: {sorted(known)[:20]})")
+    renames = {int(i): str(text) for i, text in overrides.items()}
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer.save_pretrained(tmp)
+        config_path, tokenizer_path = Path(tmp) / "tokenizer_config.json", Path(tmp) / "tokenizer.json"
+        if config_path.exists():
+            data = json.loads(config_path.read_text(encoding="utf-8"))
+            for i, text in renames.items():
+                if str(i) in data.get("added_tokens_decoder", {}):
+                    data["added_tokens_decoder"][str(i)]["content"] = text
+            config_path.write_text(json.dumps(data, indent=2), encoding="utf-8")
+        if tokenizer_path.exists():
+            data = json.loads(tokenizer_path.read_text(encoding="utf-8"))
+            for entry in data.get("added_tokens", []):
+                if entry.get("id") in renames:
+                    entry["content"] = renames[entry["id"]]
+            vocab = (data.get("model") or {}).get("vocab")
+            if isinstance(vocab, dict):
+                for i, text in renames.items():
+                    old = next((k for k, v in vocab.items() if v == i), None)
+                    if old is not None:
+                        del vocab[old]
+                        vocab[text] = i
+            tokenizer_path.write_text(json.dumps(data, indent=2), encoding="utf-8")
+        return AutoTokenizer.from_pretrained(tmp, trust_remote_code=trust_remote_code)
 
 
 DEFAULT_MASK_TOKEN = "<|diffusion_mask|>"  # Axolotl's resolve_mask_token_id default

@@ -437,7 +437,7 @@ def experts_note(shape, s: Setup) -> str | None:
 def fsdp_checkpointing(cfg) -> bool:
     """fsdp_config.activation_checkpointing: FSDP checkpoints each wrapped layer (trainer/parallel/distributed.py
     hands it to accelerate's plugin)."""
-    from trainer.config.parallel import fsdp_settings
+    from trainer.config.parallel import fsdp_settings  # start-up: imported where FSDP is asked for, as _sharding does
 
     return bool(fsdp_settings(cfg).get("activation_checkpointing"))
 

@@ -34,7 +34,7 @@ PROBE_TOKENS = 16
 CHUNK_LOGITS_BYTES = loss_chunks.CHUNK_LOGITS_BYTES  # (tests make it small to run many chunks)
 _decided: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (owner, name) or None
 _notes: list[str] = []  # why a model fell back (read once by the loop's notes)
-_chosen: dict = {"off": False, "num_chunks": None}  # what the run's config says (configure)
+_chosen: dict = {"off": False, "num_chunks": None, "token_scaling": False}  # what the run's config says (configure)
 
 
 def configure(cfg) -> None:
@@ -42,7 +42,8 @@ def configure(cfg) -> None:
     logits (Axolotl's default path), `chunked_cross_entropy_num_chunks` for that many chunks of target tokens instead
     of the memory budget's size. Unset: chunked wherever the model allows it (same loss and gradients)."""
     _chosen.update(off=getattr(cfg, "chunked_cross_entropy", None) is False,
-                   num_chunks=getattr(cfg, "chunked_cross_entropy_num_chunks", None))
+                   num_chunks=getattr(cfg, "chunked_cross_entropy_num_chunks", None),
+                   token_scaling=bool(getattr(cfg, "token_scaling", False)))
     _decided.clear()
 
 
@@ -128,8 +129,18 @@ def head_logits(head, seen, h: torch.Tensor) -> torch.Tensor:
         return head(h.to(seen["dtype"])).float()
 
 
+def ce_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Summed cross-entropy of the targets (IGNORE left out); with liger_use_token_scaling each token's loss times its
+    predicted probability, detached (Liger's fused linear cross-entropy with use_token_scaling, as Axolotl patches
+    it in: the probability exp(-loss) of the target, from the same logits)."""
+    losses = F.cross_entropy(logits, targets, ignore_index=IGNORE, reduction="none")
+    if _chosen["token_scaling"]:
+        losses = losses * torch.exp(-losses.detach())
+    return losses.sum()
+
+
 def _chunk_loss(head, seen):
-    return lambda h, y: F.cross_entropy(head_logits(head, seen, h), y, reduction="sum")
+    return lambda h, y: ce_sum(head_logits(head, seen, h), y)
 
 
 def loss_sum_from_hidden(hidden, head, seen, labels) -> torch.Tensor:
@@ -195,9 +206,7 @@ def log_sum_sq_probs(logits: torch.Tensor) -> torch.Tensor:
 def full_loss_sum(model, inputs, labels) -> torch.Tensor:
     out = model(**inputs, use_cache=False)
     _keep_router_aux(out)
-    logits = out.logits
-    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
-                           ignore_index=IGNORE, reduction="sum")
+    return ce_sum(out.logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten())
 
 
 def _after_head(config) -> str:

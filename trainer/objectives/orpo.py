@@ -60,7 +60,7 @@ class ORPO(PairObjective):
         ratio, log_odds, chosen_rewards, rejected_rewards = odds_ratio_loss(avg_chosen, avg_rejected, self.beta)
         loss = nll - ratio.sum() / pairs
         return loss, self.pair_metrics(loss, chosen_rewards, rejected_rewards, avg_chosen, avg_rejected, batch,
-                                       nll, (ratio / self.beta).sum(), log_odds.sum())
+                                       nll, F.logsigmoid(log_odds).sum(), log_odds.sum())  # (beta may be 0)
 
     def report(self, sums, totals):
         row = super().report(sums, totals)

@@ -40,6 +40,9 @@ def check(cfg) -> None:
 def push(cfg, model, tokenizer, log) -> None:
     if not cfg.hub_model_id:
         return
-    model.push_to_hub(cfg.hub_model_id, private=True)
-    tokenizer.push_to_hub(cfg.hub_model_id, private=True)
-    log(f"pushed the final {'adapter' if cfg.adapter else 'model'} to https://huggingface.co/{cfg.hub_model_id}")
+    # hub_revision: the branch pushed to, as Axolotl passes it to transformers (TrainingArguments.hub_revision);
+    # push_to_hub creates the branch where it is missing
+    model.push_to_hub(cfg.hub_model_id, private=True, revision=cfg.hub_revision)
+    tokenizer.push_to_hub(cfg.hub_model_id, private=True, revision=cfg.hub_revision)
+    branch = f" (branch {cfg.hub_revision})" if cfg.hub_revision else ""
+    log(f"pushed the final {'adapter' if cfg.adapter else 'model'} to https://huggingface.co/{cfg.hub_model_id}{branch}")

@@ -53,7 +53,7 @@ def test_the_bench_script_counts_and_groups(tmp_path):
     (repo / "examples" / "cloud").mkdir()
     good = (EXAMPLES[0].parent / "llama-3__qlora-1b.yml").read_text()
     (repo / "examples" / "llama-3" / "qlora.yml").write_text(good)
-    (repo / "examples" / "llama-3" / "dora.yml").write_text(good + "\nuse_pose: true\n")
+    (repo / "examples" / "llama-3" / "dora.yml").write_text(good + "\nsage_attention: true\n")
     (repo / "examples" / "llama-3" / "vision.yml").write_text(good + "\nprocessor_type: AutoProcessor\n")
     (repo / "examples" / "archived" / "old.yml").write_text(good)
     (repo / "examples" / "cloud" / "modal.yaml").write_text("provider: modal\n")
@@ -67,7 +67,7 @@ def test_the_bench_script_counts_and_groups(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "1/2 example configs validate for --gpu a100 (50.0%)" in result.stdout
     assert "1 archived" in result.stdout and "1 vision/audio model" in result.stdout
-    assert "   1  use_pose: e.g. examples/llama-3/dora.yml" in result.stdout
+    assert "   1  sage_attention: e.g. examples/llama-3/dora.yml" in result.stdout
 
 
 @pytest.mark.slow
@@ -172,11 +172,10 @@ def test_legacy_dtype_keys():
 
 @pytest.mark.slow
 def test_unsupported_keys_are_one_line_naming_key_and_reason(make_config, tmp_path):
-    config = make_config(use_pose=True)
+    config = make_config(sage_attention=True)
     result = run_cli("validate", str(config), "--gpu", "a100")
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
-    assert result.stderr.startswith("error: use_pose: PoSE changes the position ids trained on: ignoring it would "
-                                    "train plain positions")
+    assert result.stderr.startswith("error: sage_attention: SageAttention is a quantized attention kernel")
     result = run_cli("validate", str(make_config("p.yml", plugins=["my.custom.Plugin"])), "--gpu", "a100")
     assert result.returncode == 2 and "plugins: my.custom.Plugin is a plugin module of your own" in result.stderr
 

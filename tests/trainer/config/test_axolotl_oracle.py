@@ -62,6 +62,9 @@ STRICTER: dict[str, str] = {
     "dataset_processes": "0: datasets' map refuses num_proc 0 (fails while preprocessing)",
     "lora_alpha": "0: LoRA's scale alpha/r is 0, the adapter adds nothing: trains nothing without a word",
     "rl_beta": "0: DPO's loss is constant in the policy at beta 0: trains nothing",
+    "orpo_alpha": "0 with rl: dpo/ipo/kto/simpo and no rl_beta: Axolotl passes it as the method's beta, whose loss is "
+                  "then constant in the policy: trains nothing (with rl: orpo, 0 trains the chosen answers' NLL, as "
+                  "there)",
     "dpo_beta": "0: as rl_beta (its older name)",
     "dpo_label_smoothing": ">= 0.5 inverts which answer cDPO prefers: trains the opposite preference",
     "loss_watchdog_threshold": "0: every loss is above it, Axolotl's watchdog stops the run after its patience",
@@ -97,6 +100,26 @@ STRICTER: dict[str, str] = {
     "lora_r": "0: peft refuses a rank of 0 when the adapter is built",
     "lora_dropout": "1: the adapter's input is always dropped: trains nothing",
     "lr_scheduler": "a name transformers' SchedulerType does not have ('auto', ...): refused when training starts",
+    "dp_shard_size": "above 1 without FSDP (fsdp_version: 2 and fsdp_config): Axolotl's _get_parallel_config_kwargs "
+                     "raises on several GPUs and, on one, shards nothing without a word",
+    "lisa_n_layers": "one of lisa_n_layers / lisa_step_interval without the other: Axolotl trains LISA only with "
+                     "both (`if lisa_step_interval and lisa_n_layers`) and drops the one given without a word",
+    "lisa_step_interval": "as lisa_n_layers (they go together)",
+    "tiled_mlp_num_shards": "0: Axolotl's tiled MLP splits the sequence into 0 shards (torch.chunk refuses 0 chunks "
+                            "in the first forward)",
+    "streaming_multipack_buffer_size": "0: Axolotl's streaming.py passes it as datasets' shuffle buffer (0: no "
+                                       "shuffle) and as the packing map's batch_size (0: the whole stream at once)",
+    "pretrain_multipack_buffer_size": "0: as streaming_multipack_buffer_size (its deprecated name)",
+    "eaft_k": "0 or 1: EAFT's entropy over the top-k logits is 0, every token's weight 0: trains nothing",
+    "warmup_ratio": "1 with lr_scheduler: one_cycle: the annealing phase is 0 steps, torch's OneCycleLR divides by "
+                    "zero at the first step (Axolotl's create_scheduler too)",
+    "warmup_steps": "0 beside a warmup_ratio: Axolotl reads warmup_steps first, trains with no warmup and drops the "
+                    "ratio without a word",
+    "use_pose": "with sample_packing and without pose_max_context_len: Axolotl's add_pose_position_ids subtracts "
+                "the row's length from None (TypeError while preprocessing)",
+    "pose_max_context_len": "below sequence_len: a longer row draws from random.randint(0, a negative number), "
+                            "which fails while preprocessing in Axolotl",
+    "pose_num_chunks": "0: Axolotl divides the row's length by it (ZeroDivisionError while preprocessing)",
     "lr_scheduler_type": "transformers' name of lr_scheduler, which Axolotl's schema drops while lr_scheduler is "
                          "unset: Axolotl trains with the default schedule",
 }
@@ -105,7 +128,6 @@ STRICTER: dict[str, str] = {
 # work left. A key leaves this table when it is honoured (test_refused_keys_are_named_here keeps the table and
 # matrices/axolotl_keys.toml's refused rows together).
 _NOT_YET = "Axolotl trains it; not implemented here yet"
-_ZERO = "0: Axolotl reads 0 as unset (`if cfg.KEY:` / `cfg.KEY or DEFAULT`, core/builders); refused here"
 # AXOLOTL_REFUSES: keys Axolotl 0.19's own schema refuses (its validators raise on any value): refused here too, so no
 # disagreement; the matrix says refused with that reason
 AXOLOTL_REFUSES: dict[str, str] = {
@@ -114,26 +136,13 @@ AXOLOTL_REFUSES: dict[str, str] = {
     "s2_attention": "utils/schemas/deprecated.py: shifted-sparse attention is no longer supported",
 }
 
-_UNCHECKED_ZERO = "0: Axolotl's schema takes it; what Axolotl does with 0 is not checked yet"
 GAPS: dict[str, str] = {
-    **dict.fromkeys(("use_pose", "pose_max_context_len", "pose_num_chunks", "pose_split_on_token_ids"),
-                    f"PoSE position ids: {_NOT_YET}"),
-    **dict.fromkeys(("scaling_softmax", "scaling_softmax_bias", "scaling_softmax_factor"),
-                    f"Scalable-Softmax attention: {_NOT_YET}"),
-    **dict.fromkeys(("fix_untrained_tokens", "added_tokens_overrides"), f"embedding and vocabulary edits: {_NOT_YET}"),
-    **dict.fromkeys(("dpo_loss_weights", "rl_adapter_ref_model"),
-                    f"preference-training option: {_NOT_YET}"),
     "trl.generation_kwargs": f"with use_vllm and vllm_lora_sync (completions from the vLLM server): {_NOT_YET}",
-    **dict.fromkeys(("trl.off_policy_mask_threshold",
-                     "trl.ref_model_mixup_alpha", "trl.ref_model_sync_steps", "trl.replay_buffer_size",
-                     "trl.replay_recompute_logps", "trl.reroll_max_groups", "trl.reroll_start_fraction",
-                     "trl.rollout_func", "trl.skip_zero_advantage_batches"), f"GRPO option: {_NOT_YET}"),
-    **dict.fromkeys(("pretraining_dataset[].shards", "pretraining_dataset[].shards_idx", "hub_revision"),
-                    f"data or hub option: {_NOT_YET}"),
-    **dict.fromkeys(("datasets[].type.chosen_format", "datasets[].type.completion_format",
-                     "datasets[].type.field_chosen", "datasets[].type.field_completion", "datasets[].type.field_label",
-                     "datasets[].type.field_prompt", "datasets[].type.field_rejected", "datasets[].type.prompt_format",
-                     "datasets[].type.rejected_format"), f"user-defined preference formats: {_NOT_YET}"),
+    **dict.fromkeys(("trl.off_policy_mask_threshold", "trl.rollout_func"), f"GRPO option: {_NOT_YET}"),
+    "trl.sync_ref_model": f"true: TR-DPO's reference sync in GRPO: {_NOT_YET}",
+    **dict.fromkeys(("trl.replay_buffer_size", "trl.replay_recompute_logps", "trl.reroll_max_groups",
+                     "trl.reroll_start_fraction", "trl.skip_zero_advantage_batches", "trl.sync_ref_model"),
+                    f"with async_prefetch / use_data_producer (Axolotl's fast asynchronous GRPO trainer): {_NOT_YET}"),
     **dict.fromkeys(("dsv4_fp4_grouped_mode", "dsv4_fp8_lora_kernel", "dsv4_fp8_nonexpert_mode",
                      "gemma4_fp8_nonexpert", "gemma4_nf4_nonexpert", "nonexpert_quantization", "quantize_moe_experts",
                      "nvfp4_merge_aware", "nvfp4_merge_aware_start_step"),
@@ -141,28 +150,21 @@ GAPS: dict[str, str] = {
                     "floor belong in LIMITS once implemented)"),
     "fp8": "float8 training (torchao's float8 linears) on a GPU that has float8 tensor cores: the refusal's kind is "
            "`hardware` but the H100 has them; not implemented here yet",
-    "sage_attention": f"SageAttention kernels (they run on an H100): {_NOT_YET}",
-    "liger_use_token_scaling": f"Liger's token-scaled loss: {_NOT_YET}",
-    "selective_checkpointing.offload": f"offloading selectively saved ops: {_NOT_YET}",
+    "sage_attention": f"SageAttention kernels (sm_80 to sm_120, no CPU kernel; they run on an H100, so not a "
+                      f"hardware limit there): {_NOT_YET}",
+    "liger_use_token_scaling": f"Liger's token-scaled loss with context_parallel_size > 1: {_NOT_YET}",
     "expert_parallel_token_capacity": f"DeepEP's per-expert token cap, which drops the routes past it (the "
                                       f"all-to-all here drops none): {_NOT_YET}",
     "gptq": "GPTQ checkpoints: gptqmodel does not install beside the tested torch stack (a dependency conflict)",
     "eval_causal_lm_metrics": "sacrebleu/comet/ter/chrf: Axolotl fetches the metric scripts from the Hub; only "
                               "perplexity is computed here",
     "lora_target_parameters": "one string (not a list): Axolotl passes it to peft as given; refused here",
-    **dict.fromkeys(("save_total_limit", "ddp_timeout", "kto_desirable_weight", "kto_undesirable_weight",
-                     "loss_watchdog_patience", "eval_steps", "save_steps", "max_steps", "dp_shard_size",
-                     "dp_replicate_size", "context_parallel_size", "tensor_parallel_size", "expert_parallel_size",
-                     "eval_batch_size",
-                     "early_stopping_patience", "lisa_n_layers", "jagged_restart_steps",
-                     "warmup_ratio", "lisa_step_interval", "tiled_mlp_num_shards"), _ZERO),
-    "orpo_alpha": "0: Axolotl trains ORPO with the odds-ratio term off (the chosen answers' NLL only); refused here",
-    **dict.fromkeys(("streaming_multipack_buffer_size", "pretrain_multipack_buffer_size", "ray_num_workers",
-                     "eaft_k"), _UNCHECKED_ZERO),
 }
 # keys the table says are read (honoured) whose some values a rule refuses: named above for those values
-_REFUSED_BY_A_RULE = ("plugins", "fp8", "eval_causal_lm_metrics", "lora_target_parameters", "orpo_alpha",
-                      "trl.generation_kwargs", "quantize_moe_experts")  # (honoured; refused with FSDP/DeepSpeed)
+_REFUSED_BY_A_RULE = ("plugins", "fp8", "eval_causal_lm_metrics", "lora_target_parameters",
+                      "trl.generation_kwargs", "quantize_moe_experts", "liger_use_token_scaling",
+                      "trl.replay_buffer_size", "trl.replay_recompute_logps", "trl.reroll_max_groups",
+                      "trl.reroll_start_fraction", "trl.skip_zero_advantage_batches", "trl.sync_ref_model")  # (honoured; some values refused)
 
 
 def _oracle(kind: str, payload=None):
@@ -253,7 +255,7 @@ def test_refused_keys_are_named_here():
     decided = {r["name"]: r.get("decision") for r in rows}
     assert sorted(refused - set(LIMITS) - set(GAPS) - set(AXOLOTL_REFUSES)) == []
     assert sorted(k for k in {**LIMITS, **GAPS} if decided.get(k) not in ("refused", None)
-                  and GAPS.get(k) not in (_ZERO, _UNCHECKED_ZERO) and k not in _REFUSED_BY_A_RULE) == []
+                  and k not in _REFUSED_BY_A_RULE) == []
     assert all(kind in ("hardware", "user code") for kind, _ in LIMITS.values())
 
 

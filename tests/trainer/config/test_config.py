@@ -140,16 +140,16 @@ def test_unknown_key_inside_a_dataset_entry():
 
 
 def test_refused_axolotl_key_says_why_and_what_to_write():
-    with pytest.raises(ConfigError, match=r"use_pose: PoSE changes the position ids trained on: ignoring it would "
-                                          r"train plain positions; remove it"):
-        parse_config({**BASE, "use_pose": True})
+    with pytest.raises(ConfigError, match=r"sage_attention: SageAttention is a quantized attention kernel .* "
+                                          r"remove it to train that way"):
+        parse_config({**BASE, "sage_attention": True})
 
 
 def test_empty_refused_keys_and_inert_keys_are_accepted():
-    cfg, notes = parse_config({**BASE, "use_pose": None, "fsdp": None, "strict": True})
+    cfg, notes = parse_config({**BASE, "sage_attention": None, "fsdp": None, "strict": True})
     assert cfg.base_model == "org/model"
     assert any(n.startswith("ignored: strict") for n in notes)  # one note line naming the inert keys
-    assert not any("use_pose" in n for n in notes)  # empty: asks for nothing
+    assert not any("sage_attention" in n for n in notes)  # empty: asks for nothing
 
 
 def test_null_means_default():
@@ -162,7 +162,7 @@ def test_bad_values_are_reported_with_their_key():
         parse_config({**BASE, "lr_scheduler": "cosine_with_restart"})
     with pytest.raises(ConfigError, match="micro_batch_size"):
         parse_config({**BASE, "micro_batch_size": 0})
-    with pytest.raises(ConfigError, match="warmup_ratio or warmup_steps"):
+    with pytest.raises(ConfigError, match="warmup_steps: 3 beside warmup_ratio: 0.1: set one"):
         parse_config({**BASE, "warmup_ratio": 0.1, "warmup_steps": 3})
     with pytest.raises(ConfigError, match="unknown template 'llama_3'; did you mean 'llama3'"):
         parse_config({**BASE, "chat_template": "llama_3"})
@@ -180,7 +180,7 @@ def test_legacy_attention_flags_mean_attn_implementation():
 @pytest.mark.slow
 def test_bad_config_fails_with_one_clear_line(tmp_path, tiny_llama):
     raw = yaml.safe_load(AXOLOTL_INSTRUCT_LORA.format(model=tiny_llama))
-    raw.update(chat_template="llama_3", optimizer="adamw_bnb_9bit", use_pose=True)
+    raw.update(chat_template="llama_3", optimizer="adamw_bnb_9bit", sage_attention=True)
     path = tmp_path / "bad.yml"
     path.write_text(yaml.safe_dump(raw))
     result = run_cli("validate", str(path), "--gpu", "a100")
@@ -190,7 +190,7 @@ def test_bad_config_fails_with_one_clear_line(tmp_path, tiny_llama):
     # every problem in one run, one line each, so one run shows all that must change
     assert len(lines) == 3, lines
     assert all(line.startswith("error: ") for line in lines)
-    assert any(line.startswith("error: use_pose: PoSE") for line in lines)
+    assert any(line.startswith("error: sage_attention: SageAttention") for line in lines)
     assert any("unknown template 'llama_3'" in line for line in lines)
     assert any("unknown optimizer 'adamw_bnb_9bit'" in line for line in lines)
 
@@ -240,12 +240,12 @@ def test_version():
 
 def test_validate_reports_key_file_and_hardware_problems_in_one_run(make_config, tmp_path, capsys):
     """A user fixes everything in one round: a refused key, a bad value, a missing file and the GPU's limit."""
-    path = make_config(use_pose=True, optimizer="adamw_bnb_9bit", bf16=True,
+    path = make_config(sage_attention=True, optimizer="adamw_bnb_9bit", bf16=True,
                        datasets=[{"path": str(tmp_path / "nope.jsonl"), "type": "alpaca"}])
     assert main(["validate", str(path), "--gpu", "t4"]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 4 and all(line.startswith("error: ") for line in lines), lines
-    assert [line.split(":")[1].strip() for line in lines] == ["use_pose", "optimizer", "datasets.0.path", "bf16"]
+    assert [line.split(":")[1].strip() for line in lines] == ["sage_attention", "optimizer", "datasets.0.path", "bf16"]
 
 
 def test_a_config_file_without_learning_rate_is_refused_as_axolotl_refuses_it(tmp_path):

@@ -108,3 +108,57 @@ def test_falsy_as_default_is_every_such_rewrite_of_axolotls_normalize_config():
     # gradient_accumulation_steps from batch_size (migrate's batch_size rewrite); eval_causal_lm_metrics' list
     # (Config's own `or` of the same four metrics)
     assert derived == {"gradient_accumulation_steps", "eval_causal_lm_metrics"}
+
+
+def _zero_configs():
+    """One config per key of ZERO_AS_AXOLOTL, drawn from the table itself: the key at 0 (int), and at 0.0 where the
+    field takes floats; each with what Axolotl trains: the value the table names, or the key's own default here."""
+    from trainer.config.migrate import ZERO_AS_AXOLOTL
+
+    for key, (value, where) in ZERO_AS_AXOLOTL.items():
+        field = Config.model_fields[key]
+        meant = field.default if value is None else value
+        zeros = (0, 0.0, False) if "float" in str(field.annotation) else (0, False)  # (pydantic reads false as 0)
+        for zero in zeros:
+            yield pytest.param(key, zero, meant, where, id=f"{key}={zero!r}")
+
+
+@pytest.mark.parametrize("key, zero, meant, where", list(_zero_configs()))
+def test_a_zero_axolotl_reads_as_unset_validates_with_axolotls_meaning(tmp_path, key, zero, meant, where):
+    """`KEY: 0` where Axolotl's builders read 0 as unset (issue 42): `validate` (trainer.setup.start, for an H100)
+    accepts it, the effective config holds what Axolotl trains with, and a note says so naming Axolotl's source."""
+    import yaml
+
+    from trainer.setup import start
+
+    path = tmp_path / "zero.yml"
+    raw = {**BASE, "base_model": "NousResearch/Llama-3.2-1B", "sequence_len": 512, "micro_batch_size": 1,
+           "learning_rate": 2e-4, key: zero}
+    path.write_text(yaml.safe_dump(raw))
+    cfg, notes, _ = start(path, "h100")
+    assert getattr(cfg, key) == meant
+    if key.startswith("lisa_"):  # a 0 of either LISA key turns LISA off
+        assert cfg.lisa_n_layers is None and cfg.lisa_step_interval is None
+    assert any(n.startswith(f"{key}: {zero!r} ") and where in n for n in notes), notes
+
+
+def test_a_zero_of_one_lisa_key_turns_lisa_off_with_the_other_given():
+    """Axolotl trains LISA only `if lisa_step_interval and lisa_n_layers`: a 0 of one, the other set, is LISA off."""
+    cfg, notes = parse_config({**BASE, "lisa_n_layers": 0, "lisa_step_interval": 5})
+    assert cfg.lisa_n_layers is None and cfg.lisa_step_interval is None
+    assert any(n.startswith("lisa_step_interval: 5 not read: LISA is off") for n in notes)
+
+
+def test_a_zero_warmup_ratio_beside_warmup_steps_is_not_read_and_a_zero_warmup_steps_beside_a_ratio_is_refused():
+    cfg, notes = parse_config({**BASE, "warmup_steps": 10, "warmup_ratio": 0})
+    assert cfg.warmup_steps == 10 and cfg.warmup_ratio is None
+    with pytest.raises(ConfigError, match=r"warmup_steps: 0 beside warmup_ratio: 0.1: set one"):
+        parse_config({**BASE, "warmup_steps": 0, "warmup_ratio": 0.1})
+
+
+def test_a_warmup_ratio_of_1_warms_up_the_whole_run_as_in_axolotl():
+    """Axolotl takes warmup_ratio: 1 (warmup_steps = the run's steps); with one_cycle torch's OneCycleLR divides by
+    zero (Axolotl's too): refused in one line."""
+    assert parse_config({**BASE, "warmup_ratio": 1.0})[0].warmup_ratio == 1.0
+    with pytest.raises(ConfigError, match="warmup_ratio: 1 with lr_scheduler: one_cycle"):
+        parse_config({**BASE, "warmup_ratio": 1.0, "lr_scheduler": "one_cycle"})

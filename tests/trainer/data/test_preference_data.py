@@ -151,7 +151,7 @@ def test_rl_keys_with_axolotls_names_validate():
     ({**BASE, "datasets": [{"path": "org/data", "type": "chatml.intel"}]}, "a preference type: set rl"),
     ({**BASE, "rl": "dpo", "datasets": [{"path": "o/d", "type": "chatml.intell"}]}, "not a preference pair dataset type"),
     ({**BASE, "rl": "kto"}, "not a KTO dataset type"),
-    ({**BASE, "rl": "orpo", "dpo_loss_type": ["ipo"]}, "dpo_loss_type: only with rl: dpo"),
+    ({**BASE, "rl": "orpo", "dpo_loss_type": ["ipo"]}, "dpo_loss_type / dpo_loss_weights: only with rl: dpo"),
     ({**BASE, "rl": "dpo", "precompute_ref_log_probs": False}, "always computed once before training"),
     ({**BASE, "rl": "dpo", "trl": {"beta": 0.1}}, "trl: configures rl: grpo or gdpo, not rl: dpo"),
 ])
@@ -208,3 +208,11 @@ def test_preference_with_weights_sharded_per_forward_validates(tmp_path, capsys,
     assert main(["validate", str(config), "--gpu", "a100"]) == 0
     out = capsys.readouterr().out
     assert "objective:  dpo (beta 0.1; reference log-probs computed once" in out and "sharding:" in out
+
+
+def test_rl_adapter_ref_model_is_named_as_ignored_as_axolotls_schema_drops_it():
+    """Axolotl 0.19's validate_config keeps only its schema's keys, and none declares rl_adapter_ref_model: its
+    train.py reads it as unset, the reference being the policy with the adapter disabled, as here."""
+    cfg, notes = parse_config({**BASE, "rl": "dpo", "adapter": "lora", "rl_adapter_ref_model": True})
+    assert cfg.objective == "dpo"
+    assert any("ignored: rl_adapter_ref_model" in n and "adapter disabled" in n for n in notes), notes

@@ -375,3 +375,15 @@ def test_too_few_rows_for_the_processes_is_said_before_training(pretrain_config,
     check_stream(cfg, stream.tokenizer, world_size=2)
     with pytest.raises(DataError, match="2 row\\(s\\) for 3 processes"):
         check_stream(cfg, stream.tokenizer, world_size=3)
+
+
+def test_a_pretraining_entrys_shards_are_named_as_ignored_as_axolotl_streams_it_whole():
+    """Axolotl's pretraining stream reads only path, name, skip, split, data_files and type of its entry
+    (utils/data/sft.py _extract_pretraining_config): shards / shards_idx there are not read, here neither."""
+    from trainer.config import parse_config
+
+    cfg, notes = parse_config({"base_model": "m", "learning_rate": 1e-4, "max_steps": 2,
+                               "pretraining_dataset": [{"path": "org/corpus", "shards": 4, "shards_idx": 1}]})
+    assert cfg.pretraining_dataset[0].path == "org/corpus"
+    assert any("ignored: pretraining_dataset.0.shards, pretraining_dataset.0.shards_idx" in n and
+               "_extract_pretraining_config" in n for n in notes), notes

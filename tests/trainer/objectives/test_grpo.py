@@ -357,3 +357,27 @@ def test_trl_generation_kwargs_train_through_the_cli(grpo_config, tmp_path):
                          output_dir=str(tmp_path / "out"))
     assert main(["train", str(config)]) == 0
     assert [r["step"] for r in read_metrics(tmp_path / "out") if "loss" in r] == [1, 2]
+
+
+def test_the_fast_async_trainers_options_are_not_read_without_the_async_mode(grpo_config, capsys):
+    """trl.replay_buffer_size, reroll_*, skip_zero_advantage_batches, replay_recompute_logps: options of Axolotl's
+    fast asynchronous GRPO trainer, which its builder blocks unless async_prefetch / use_data_producer: not read
+    here either, said in one note; in that mode refused (not implemented here yet)."""
+    from trainer.config import load_config
+    from trainer.errors import ConfigError
+
+    keys = {"replay_buffer_size": 64, "skip_zero_advantage_batches": False, "reroll_max_groups": 2}
+    _, notes = load_config(grpo_config(trl=keys))
+    assert any(n.startswith("trl.replay_buffer_size, trl.reroll_max_groups, trl.skip_zero_advantage_batches: not "
+                            "read without async_prefetch") for n in notes), notes
+    with pytest.raises(ConfigError, match="replay_buffer_size: with async_prefetch / use_data_producer"):
+        load_config(grpo_config("b.yml", trl={**keys, "use_vllm": True, "vllm_lora_sync": True,
+                                                "async_prefetch": True}, adapter="lora"))
+
+
+def test_tr_dpos_sync_keys_are_not_read_without_sync_ref_model(grpo_config):
+    from trainer.config import load_config
+
+    _, notes = load_config(grpo_config(trl={"ref_model_mixup_alpha": 0.6, "ref_model_sync_steps": 64}))
+    assert any(n.startswith("trl.ref_model_mixup_alpha, trl.ref_model_sync_steps: not read without "
+                            "trl.sync_ref_model") for n in notes), notes

@@ -13,6 +13,7 @@ import textwrap
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
 import trainer.objectives.reference as reference_mod
@@ -304,3 +305,54 @@ def test_dpo_use_weighting_through_the_command(rl, pref_config, tmp_path, capsys
     assert train(config) == 0
     first = train_losses(tmp_path / "out")[1]
     assert math.isfinite(first) and first != pytest.approx(math.log(2), rel=1e-4)
+
+
+@pytest.mark.slow
+def test_several_dpo_loss_types_train_as_their_weighted_sum(pref_config, tmp_path, capsys):
+    """dpo_loss_type [sigmoid, ipo] with dpo_loss_weights [0.5, 2] (TRL's loss_type list and loss_weights, as Axolotl
+    passes them): the step's loss is 0.5 x sigmoid + 2 x ipo. At step 1 the policy is the reference (every log-ratio 0):
+    0.5 log 2 + 2 (1 / (2 beta))^2."""
+    from tests.trainer.helpers import run_cli
+
+    out = tmp_path / "mix"
+    config = pref_config(output_dir=str(out), max_steps=2, rl_beta=0.1, dpo_loss_type=["sigmoid", "ipo"],
+                         dpo_loss_weights=[0.5, 2.0])
+    shown = run_cli("validate", str(config), "--gpu", "cpu")
+    assert "objective:  dpo (beta 0.1; reference log-probs computed once before training and cached; loss 0.5 x " \
+           "sigmoid + 2 x ipo)" in shown.stdout, shown.stdout + shown.stderr
+    assert train(config) == 0
+    first = next(r for r in read_metrics(out) if "loss" in r)
+    assert first["loss"] == pytest.approx(0.5 * math.log(2) + 2 * (1 / (2 * 0.1)) ** 2, rel=1e-4)
+
+
+def test_dpo_loss_weights_need_one_weight_per_loss_type(make_config):
+    from trainer.config import parse_config
+    from trainer.errors import ConfigError
+    import yaml
+
+    raw = yaml.safe_load(make_config(rl="dpo", dpo_loss_type=["sigmoid", "ipo"], dpo_loss_weights=[1.0]).read_text())
+    with pytest.raises(ConfigError, match=r"dpo_loss_weights: \[1.0\] needs one weight per dpo_loss_type"):
+        parse_config(raw)
+    with pytest.raises(ConfigError, match=r"dpo_loss_weights: \[1.0\] needs one weight per dpo_loss_type \(unset\)"):
+        parse_config({**raw, "dpo_loss_type": None})
+
+
+@pytest.mark.slow
+def test_orpo_alpha_0_trains_the_chosen_answers_nll_only(pref_config, tmp_path):
+    """Axolotl passes orpo_alpha as ORPO's beta (`is not None`: 0 is 0), so TRL's ORPO loss is the chosen answers' NLL
+    alone: the logged loss is the logged nll_loss."""
+    out = tmp_path / "orpo0"
+    assert train(pref_config(rl="orpo", output_dir=str(out), max_steps=2, orpo_alpha=0)) == 0
+    steps = [r for r in read_metrics(out) if "loss" in r]
+    assert steps and all(r["loss"] == pytest.approx(r["nll_loss"], rel=1e-6) for r in steps)
+    assert all(r["rewards/chosen"] == 0 for r in steps)
+
+
+def test_orpo_alpha_0_as_another_methods_beta_is_refused(make_config):
+    from trainer.config import parse_config
+    from trainer.errors import ConfigError
+
+    raw = yaml.safe_load(make_config(rl="dpo", orpo_alpha=0).read_text())
+    with pytest.raises(ConfigError, match="orpo_alpha: 0 is the beta of rl: dpo"):
+        parse_config(raw)
+    assert parse_config({**raw, "rl_beta": 0.2})[0].beta == 0.2

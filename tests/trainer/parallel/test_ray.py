@@ -147,7 +147,6 @@ def test_the_axolotl_ray_example_validates_and_says_how_it_launches(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("overrides, message", [
-    ({"ray_num_workers": 0}, "ray_num_workers"),
     ({"ray_num_workers": -2}, "ray_num_workers"),
     ({"resources_per_worker": {"GPU": -1}}, "resources_per_worker.GPU: -1 is negative"),
     ({"ray_run_name": "../elsewhere"}, "ray_run_name"),
