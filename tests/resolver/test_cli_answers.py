@@ -134,7 +134,10 @@ def test_a_user_without_a_home_directory_gets_one_line(command, tmp_path):
     uid = 54321
     exe = [str(Path(sys.executable).parent / "envtool")] if command[0] == "envtool" else [sys.executable]
     env = {k: v for k, v in os.environ.items() if k not in ("HOME", "XDG_CACHE_HOME")}
-    argv = [setpriv, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", *exe, *command[1:]]
+    # the user may read what root can (CAP_DAC_READ_SEARCH): a checkout under a folder only root enters (a fresh
+    # clone in `mktemp -d`, root's home) stays readable to it, so the run reaches the home check
+    argv = [setpriv, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--inh-caps=+dac_read_search",
+            "--ambient-caps=+dac_read_search", *exe, *command[1:]]
     out = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=Path(__file__).resolve().parents[2],
                          timeout=120)
     assert out.returncode == 2, out.stderr[-2000:]
