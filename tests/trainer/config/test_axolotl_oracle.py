@@ -57,6 +57,8 @@ LIMITS: dict[str, tuple[str, str]] = {
 # STRICTER: refused where Axolotl's schema takes the value, only to prevent a silent difference or a late failure:
 # each with why (Axolotl's source says what it does instead).
 STRICTER: dict[str, str] = {
+    "experts_implementation": "a value transformers' ExpertsInterface does not know (or ''): Axolotl's "
+                              "set_experts_implementation raises ValueError when the model loads; refused here first",
     "logging_steps": "0: transformers refuses logging_steps 0 with the steps strategy Axolotl sets (fails at start)",
     "torch_empty_cache_steps": "0: transformers' TrainingArguments refuses it (must be a positive int)",
     "dataset_processes": "0: datasets' map refuses num_proc 0 (fails while preprocessing)",
