@@ -69,12 +69,15 @@ def test_a_malformed_jsonl_row_names_the_file_and_line(make_config, tmp_path):
 
 @pytest.mark.slow
 def test_a_hub_model_with_no_hub_is_one_line_naming_it(make_config, tmp_path):
-    with socket.socket() as s:  # a port nothing listens on: the connection is refused, as with no network
+    # a port nothing listens on: the connection is refused, as with no network. The socket stays bound (not
+    # listening) for the whole run, so no server another test starts meanwhile can take the port (seen in CI: the
+    # probe found a stand-in server there, then the tokenizer's download found none)
+    with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    endpoint = f"http://127.0.0.1:{port}"
-    env = {"HF_ENDPOINT": endpoint, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "0"}
-    result = run_cli("train", str(make_config(base_model="someone/some-model")), env=env)
+        endpoint = f"http://127.0.0.1:{port}"
+        env = {"HF_ENDPOINT": endpoint, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "0"}
+        result = run_cli("train", str(make_config(base_model="someone/some-model")), env=env)
     assert result.returncode == 2
     line = one_error_line(result)
     assert line.startswith("error: base_model: someone/some-model is not on this machine")
