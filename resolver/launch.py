@@ -253,7 +253,7 @@ def _needs(cfg, config: Path, plan: Plan) -> tuple[Plan, list[str]]:
     from trainer.setup import needs, pin
 
     from .matrix import load
-    from .solve import stack_for
+    from .solve import hub_kernels_release, stack_for
 
     m = load()
     notes = []
@@ -272,6 +272,13 @@ def _needs(cfg, config: Path, plan: Plan) -> tuple[Plan, list[str]]:
                 raise Unsatisfiable(f"{config}: {need.key} does not run on {plan.gpu['name']}: {refused}")
         if need.package in packages:
             notes.append(f"{need.key}: {need.package} {packages[need.package]}{what}")
+            continue
+        if need.package == "kernels":  # the Hub kernels loader: the release the plan's transformers admits
+            release, why = hub_kernels_release(m, packages.get("transformers"))
+            if release is None:
+                raise Unsatisfiable(f"{config}: {need.key} needs the kernels package: {why}")
+            packages["kernels"] = release.version
+            notes.append(f"{need.key}: kernels {release.version}{what}, added to the plan for this config")
             continue
         row = pin(need.package, facts)
         if row is not None:  # a [[package]] row: the plan installs it for this config, where a release installs here

@@ -107,6 +107,21 @@ def _liger(cfg, plan) -> list[Use]:
     return [Use(f"{key}: true") for key in kernels.liger_on(cfg)]
 
 
+def _expert_kernels(cfg, plan) -> list[Use]:
+    """SonicMoE's packages, where the plan is for a CUDA GPU its floor admits (trainer/model/expert_kernels.py);
+    nothing elsewhere (the experts run grouped_mm there, with a note), nor without a plan's GPU."""
+    # start-up: trainer.model.expert_kernels imported only when this runs
+    from trainer.model import expert_kernels
+
+    name, key = expert_kernels.asked(cfg)
+    gpu = (plan or {}).get("gpu") or {}
+    cc = gpu.get("compute_capability")
+    if name != "sonicmoe" or cc is None or (plan.get("torch") or {}).get("backend", "cuda") != "cuda":
+        return []
+    major, minor = (int(x) for x in str(cc).split("."))
+    return [Use(key, "sonicmoe_experts")] if (major, minor) >= expert_kernels.SONICMOE_FLOOR else []
+
+
 def _tracker(name: str):
     def uses(cfg, plan) -> list[Use]:
         # start-up: trainer.outputs.loggers imported only when this runs
@@ -186,6 +201,14 @@ def _liger_notes(cfg, runtime, plan) -> list[str]:
 
     runtime.kernels, notes = kernels.plan_notes(cfg, runtime.gpu, plan)
     return notes
+
+
+def _expert_kernels_notes(cfg, runtime, plan) -> list[str]:
+    # start-up: trainer.model.expert_kernels imported only when this runs
+    from trainer.model import expert_kernels
+
+    note = expert_kernels.choose(cfg, runtime.gpu).note
+    return [note] if note else []
 
 
 # ---------------------------------------------------------------------------- validate's line about each feature

@@ -190,7 +190,7 @@ class Training:
     def stage_model(self):
         """3: the model, fitted and patched; returns it (unprepared) and the context-parallel splitter (None)."""
         # heavy: torch loads only when this runs
-        from trainer.model import kernels, memory_options, qat
+        from trainer.model import expert_kernels, kernels, memory_options, qat
 
         cfg, runtime, say, tokenizer = self.cfg, self.runtime, self.say, self.tokenizer
         mesh = self.accelerator.mesh
@@ -224,6 +224,7 @@ class Training:
 
         ssmax.install(cfg, runtime.attention, say)  # scaling_softmax: SSMax in place of the attention that runs
         kernels.apply(cfg, model, getattr(runtime, "kernels", False), say)  # liger, where the plan says triton runs
+        expert_kernels.apply(cfg, model, runtime.gpu, say)  # SonicMoE where it loads, else grouped_mm (a note)
         qat.apply(cfg, model, say)  # torchao fake quantization of the linear layers (before sharding, as Axolotl)
         memory_options.compile_model(cfg, model, getattr(runtime, "compile", False), say)  # last: what runs is compiled
         return model, context

@@ -64,21 +64,25 @@ def _stack_packages() -> set[str]:
 def test_every_feature_names_packages_the_matrices_pin_and_every_package_row_serves_a_feature():
     rows = {canonicalize_name(r["name"]) for r in facts.rows("packages", "package")}
     named = {canonicalize_name(p) for f in FEATURES for p in f.packages}
-    assert named <= rows | _stack_packages(), named - rows - _stack_packages()
+    # `kernels`: pinned by the plan's transformers ([[kernels_requirement]] / [[kernels_release]] rows)
+    hub = {"kernels"} if facts.rows("packages", "kernels_release") else set()
+    assert named <= rows | _stack_packages() | hub, named - rows - _stack_packages() - hub
     assert rows <= named, rows - named  # no [[package]] row that no feature imports
     assert len({f.name for f in FEATURES}) == len(FEATURES)
 
 
 def test_each_module_a_feature_imports_comes_from_a_package_it_names():
     """The oracle is the installed packages' own RECORDs (packages_distributions): this environment has every
-    extra installed (.ci/setup). liger-kernel is not installed here (it needs triton, which the CPU torch lacks)."""
+    extra installed (.ci/setup). Not installed here, by name and reason: liger-kernel (it needs triton, which the
+    CPU torch lacks); SonicMoE's kernels, nvidia-cutlass-dsl and apache-tvm-ffi (expert_kernels: planned for CUDA
+    GPUs at sm_90+ only; `kernels` in a CPU venv would make transformers and bitsandbytes fetch Hub kernels)."""
     providers = md.packages_distributions()
     checked = 0
     for feature in FEATURES:
         for module in feature.imports:
             top = module.split(".")[0]
             if top not in providers:
-                if feature.name != "liger":
+                if feature.name not in ("liger", "expert_kernels"):
                     from tests.support.oracle import missing
 
                     missing(f"{feature.name}: {module} is not installed here (its extra; .ci/setup installs every "
@@ -225,6 +229,33 @@ def test_liger_is_planned_only_where_the_trainer_runs_its_kernels(tmp_path):
         fitted = plan_for_config(cfg, notes, path, PlanOptions(gpu=gpu, python="3.11", platform="x86_64"))
         on = for_plan(cfg, fitted.plan.to_dict()).kernels
         assert on == ("liger-kernel" in fitted.plan.packages), (gpu, on, fitted.plan.packages)
+
+
+@pytest.mark.slow  # six plans (about 6 s)
+def test_sonicmoe_is_planned_exactly_where_the_trainer_runs_it(tmp_path):
+    """use_sonicmoe (Axolotl's kernels plugin): the plan installs SonicMoE's packages on the GPUs where the trainer's
+    choice (trainer/model/expert_kernels.py, transformers' own sm_90 floor) runs it, and nowhere else; `kernels` at
+    the release the plan's transformers admits, the two build dependencies at their packages.toml rows."""
+    from resolver.launch import read_config
+    from resolver.solve import hub_kernels_release
+    from trainer.model import expert_kernels
+    from trainer.runtime.hardware import gpu_from_name
+
+    path = _write(tmp_path, use_sonicmoe=True, plugins=["axolotl.integrations.kernels.KernelsPlugin"])
+    cfg, notes = read_config(path)
+    m = load()
+    seen = set()
+    for gpu in ("h100", "b200", "gh200", "a100", "l4", "cpu"):
+        plan = plan_for_config(cfg, notes, path, PlanOptions(gpu=gpu, python="3.11", platform="x86_64")).plan
+        runs = expert_kernels.choose(cfg, gpu_from_name(gpu)).runs == "sonicmoe"
+        planned = {"kernels", "nvidia-cutlass-dsl", "apache-tvm-ffi"} & set(plan.packages)
+        assert planned == ({"kernels", "nvidia-cutlass-dsl", "apache-tvm-ffi"} if runs else set()), (gpu, planned)
+        if runs:
+            rows = {r["name"]: r["version"] for r in facts.rows("packages", "package")}
+            assert plan.packages["nvidia-cutlass-dsl"] == rows["nvidia-cutlass-dsl"]
+            assert plan.packages["kernels"] == hub_kernels_release(m, plan.packages["transformers"])[0].version
+        seen.add(runs)
+    assert seen == {True, False}
 
 
 # ---------------------------------------------------------------------------- the real thing, on the CPU

@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Literal, NamedTuple
 
 from pydantic import Field
 
+SONICMOE_PACKAGES = ("kernels", "nvidia-cutlass-dsl", "apache-tvm-ffi")  # trainer/model/expert_kernels.py
 RESUME_CLASSES = ("trains", "may change")  # trainer/config/resume.py's classes a feature's key may take
 
 
@@ -112,6 +113,17 @@ FEATURES: list[Feature] = [
             "any", _at("_mlflow")),
     Feature("mistral_common", "Mistral's own tokenizer (mistral-common)", ("tokenizer_use_mistral_common",),
             ("mistral-common",), ("mistral_common", "transformers.tokenization_mistral_common"), "any", _at("_mistral")),
+    Feature("expert_kernels", "fused MoE expert kernels: SonicMoE through transformers' experts interface",
+            ("experts_implementation", "use_sonicmoe", "use_scattermoe", "expert_backend"), SONICMOE_PACKAGES,
+            ("kernels", "cutlass", "tvm_ffi"), "SonicMoE: CUDA GPUs at sm_90+ (packages.toml [[feature]] "
+            "sonicmoe_experts); ScatterMoE and DeepGEMM: no package installs them (grouped_mm, with a note)",
+            _at("_expert_kernels"), notes=_at("_expert_kernels_notes"),
+            # Axolotl's kernels plugin (src/axolotl/integrations/kernels/args.py at 067b021): the flags set
+            # experts_implementation unless it is given; expert_backend sets the flag
+            config={"use_sonicmoe": Key(bool | None, None, "may change"),
+                    "use_scattermoe": Key(bool | None, None, "may change"),
+                    "expert_backend": Key(Literal["scattermoe", "sonicmoe", "eager", "builtin"] | None, None,
+                                          "may change")}),
     Feature("gguf_export", "`python -m trainer export --format gguf`, printed as a next step after training", (),
             ("gguf",), ("gguf",), "any (pure Python)", _at("_gguf"), step="export"),
     # the loop's features: no package beyond the training stack, a hook each (in the order the loop calls them)

@@ -38,8 +38,10 @@ ACCEPTED_PLUGINS = {
     "axolotl.integrations.liger.plugin.LigerPlugin": None,
     CCE: None,
     "axolotl.integrations.cut_cross_entropy.plugin.CutCrossEntropyPlugin": None,
-    "axolotl.integrations.kernels.KernelsPlugin": "Hugging Face hub kernels (MoE/attention speed-ups) are not "
-                                                  "used by this trainer (same training, slower)",
+    # its MoE backends are read (use_sonicmoe, use_scattermoe, expert_backend: trainer/model/expert_kernels.py)
+    "axolotl.integrations.kernels.KernelsPlugin": "its own kernels are not loaded: same training, slower; its MoE "
+                                                  "backend keys are read: SonicMoE runs through transformers where "
+                                                  "the GPU takes it",
     # diffusion LM training: an objective (trainer/config/diffusion.py, trainer/objectives/diffusion.py)
     "axolotl.integrations.diffusion.DiffusionPlugin": None,
     "axolotl.integrations.diffusion.plugin.DiffusionPlugin": None,

@@ -71,8 +71,9 @@ class ModelKeys(BaseModel):
     # MoE experts (fused 3-D tensors, which bitsandbytes leaves unquantized) quantized as they load, in the format of
     # load_in_4bit / load_in_8bit (trainer/model/experts.py)
     quantize_moe_experts: bool = False
-    # transformers' experts forward for MoE models (its ExpertsInterface): eager, batched_mm or grouped_mm run here;
-    # Axolotl's kernels (scattermoe, sonicmoe) and deepgemm are named in a note (trainer/config/model.py notes)
+    # transformers' experts forward for MoE models (its ExpertsInterface): eager, batched_mm or grouped_mm run
+    # everywhere; sonicmoe where the GPU takes it, scattermoe and deepgemm as grouped_mm with a note
+    # (trainer/model/expert_kernels.py)
     experts_implementation: str | None = None
     lora_r: int = Field(8, ge=1)
     lora_alpha: int = Field(16, ge=1)
@@ -127,6 +128,14 @@ class ModelKeys(BaseModel):
         if self.experts_implementation is not None and self.experts_implementation not in EXPERTS_IMPLEMENTATIONS:
             raise ValueError(f"experts_implementation: {self.experts_implementation!r} is not one of "
                              f"{', '.join(EXPERTS_IMPLEMENTATIONS)}")
+        # Axolotl's kernels plugin's rules (src/axolotl/integrations/kernels/args.py at 067b021: check_mutually_exclusive,
+        # _canonicalize_expert_backend); the keys are declared by the expert_kernels feature (trainer/config/features.py)
+        if self.use_scattermoe and self.use_sonicmoe:
+            raise ValueError("use_scattermoe and use_sonicmoe are both true: ScatterMoE and SonicMoE cannot run "
+                             "together; set only one")
+        for flag in ("use_scattermoe", "use_sonicmoe"):
+            if getattr(self, flag) and self.expert_backend and self.expert_backend != flag.removeprefix("use_"):
+                raise ValueError(f"expert_backend: {self.expert_backend} conflicts with {flag}: true; set only one")
 
     def _check_adapter(self) -> None:
         if self.load_in_4bit and self.load_in_8bit:
@@ -161,20 +170,11 @@ class ModelKeys(BaseModel):
 # grouped_mm, deepgemm, sonicmoe) and Axolotl's kernels plugin's scattermoe (integrations/kernels/README.md at 067b021)
 EXPERTS_IMPLEMENTATIONS = ("eager", "batched_mm", "grouped_mm", "scattermoe", "sonicmoe", "deepgemm")
 RUN_HERE = ("eager", "batched_mm", "grouped_mm")  # plain torch: every device
-EXPERT_KERNELS = {  # the kernels this trainer does not bundle, and where they run (their sources' own words)
-    "scattermoe": "Axolotl's ScatterMoE triton kernels (any CUDA GPU; from its kernels plugin)",
-    "sonicmoe": "SonicMoE's CUTLASS kernels (Hopper sm_90 or newer; the `kernels` package's Hub build)",
-    "deepgemm": "DeepGEMM's kernels (Hopper sm_90 or newer, bf16)",
-}
 
 
 def notes(cfg) -> list[str]:
     """Keys accepted that do less than they say here."""
     out = []
-    kernel = EXPERT_KERNELS.get(cfg.experts_implementation or "")
-    if kernel:
-        out.append(f"experts_implementation: {cfg.experts_implementation} runs {kernel}, which this trainer does not "
-                   "bundle: the experts run transformers' grouped_mm (the same math; slower)")
     if cfg.gradient_checkpointing in ("offload", "offload_disk"):
         became = "true" if cfg.gradient_checkpointing == "offload" else "disk"
         out.append(f"gradient_checkpointing: {cfg.gradient_checkpointing} is Axolotl's deprecated spelling of "

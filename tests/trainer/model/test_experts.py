@@ -257,8 +257,7 @@ def test_quantize_moe_experts_under_deepspeed_is_refused_before_anything_runs(tm
 @pytest.mark.slow  # three model loads and two validations (~10 s)
 def test_experts_implementation_is_set_on_the_model_and_each_computes_the_same(tmp_path, tiny_mixtral, capsys):
     """Axolotl's experts_implementation: transformers' eager, batched_mm and grouped_mm set on the model the trainer
-    builds (the eager loop is the oracle: the same logits to float rounding); a kernel this trainer does not bundle
-    is named in one note, its GPU floor with it, and the experts run grouped_mm."""
+    builds (the eager loop is the oracle: the same logits to float rounding); an unknown value is one line."""
     logits = {}
     ids = torch.randint(3, 300, (2, 12), generator=torch.Generator().manual_seed(0))
     for impl in ("eager", "batched_mm", "grouped_mm"):
@@ -269,13 +268,60 @@ def test_experts_implementation_is_set_on_the_model_and_each_computes_the_same(t
             logits[impl] = model(input_ids=ids).logits
     for impl in ("batched_mm", "grouped_mm"):
         assert torch.allclose(logits[impl], logits["eager"], rtol=1e-5, atol=1e-6), impl
-    config = moe_config(tmp_path, tiny_mixtral, experts_implementation="sonicmoe")
-    assert main(["validate", str(config), "--gpu", "h100"]) == 0
-    out = capsys.readouterr().out
-    assert "experts_implementation: sonicmoe runs SonicMoE's CUTLASS kernels (Hopper sm_90 or newer" in out
     assert main(["validate", str(moe_config(tmp_path, tiny_mixtral, experts_implementation="fastest"))]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "experts_implementation: 'fastest' is not one of eager, batched_mm" in err[0], err
+
+
+@pytest.mark.parametrize("keys, gpu, said", [
+    ({"use_sonicmoe": True}, "h100", "use_sonicmoe: true: SonicMoE's CuTe DSL kernels (kernels-community/sonic-moe, "
+                                     "through transformers' sonicmoe experts forward) on NVIDIA H100"),
+    ({"expert_backend": "sonicmoe"}, "a100", "expert_backend: sonicmoe: SonicMoE not used: it needs compute "
+                                             "capability 9.0 or newer"),
+    ({"experts_implementation": "scattermoe"}, "h100", "experts_implementation: scattermoe: Axolotl's own triton "
+                                                       "kernels (its kernels plugin, libs/scattermoe_lora), which no "
+                                                       "package publishes"),
+    ({"experts_implementation": "deepgemm"}, "b200", "experts_implementation: deepgemm: DeepGEMM's kernels, which "
+                                                     "JIT-compile with a system CUDA toolkit's nvcc"),
+], ids=["sonicmoe-h100", "sonicmoe-a100", "scattermoe", "deepgemm"])
+def test_validate_says_which_experts_kernel_runs_on_the_gpu(tmp_path, tiny_mixtral, capsys, keys, gpu, said):
+    assert main(["validate", str(moe_config(tmp_path, tiny_mixtral, **keys)), "--gpu", gpu]) == 0
+    out = capsys.readouterr().out
+    assert said in out, out
+    if gpu != "h100" or "scattermoe" in str(keys):
+        assert "the experts run transformers' grouped_mm (the same matmuls; slower)" in out
+
+
+@pytest.mark.parametrize("keys, line", [
+    ({"use_sonicmoe": True, "use_scattermoe": True}, "use_scattermoe and use_sonicmoe are both true"),
+    ({"use_sonicmoe": True, "expert_backend": "scattermoe"}, "expert_backend: scattermoe conflicts with use_sonicmoe"),
+    ({"expert_backend": "fastest"}, "expert_backend"),
+])
+def test_expert_backend_rules_are_axolotls_in_one_line(tmp_path, tiny_mixtral, capsys, keys, line):
+    assert main(["validate", str(moe_config(tmp_path, tiny_mixtral, **keys))]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and line in err[0], err
+
+
+def test_sonicmoe_that_cannot_load_is_one_note_and_grouped_mm_before_training(tmp_path, tiny_mixtral):
+    """On a GPU whose floor admits SonicMoE, the trainer loads the kernel at model load (transformers' own
+    load_sonicmoe_kernel): where it cannot load (here: no `kernels` package, no CUDA; on a GPU: no Hub build for
+    this torch/CUDA) the run says so in one line and the experts run grouped_mm, the same logits as eager."""
+    from trainer.model import expert_kernels
+
+    config = moe_config(tmp_path, tiny_mixtral, adapter=None, load_in_4bit=None, bf16=None, use_sonicmoe=True)
+    cfg, _ = load_config(config)
+    model = loaded(config)
+    said = []
+    choice = expert_kernels.apply(cfg, model, gpu_from_name("h100"), said.append)
+    assert choice.runs == "grouped_mm" and model.config._experts_implementation == "grouped_mm"
+    assert len(said) == 1 and said[0].startswith("note: use_sonicmoe: true: SonicMoE not used: it cannot run here: "
+                                                 "sonic-moe requires the `kernels` package"), said
+    ids = torch.randint(3, 300, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        grouped = model(input_ids=ids).logits
+        model.set_experts_implementation("eager")
+        assert torch.allclose(model(input_ids=ids).logits, grouped, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("chunked", [True, False], ids=["chunked-head", "full-logits"])
