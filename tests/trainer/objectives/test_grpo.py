@@ -435,6 +435,11 @@ def test_validate_says_the_reference_is_synced(grpo_config, capsys):
     assert main(["validate", str(config)]) == 0
     out = capsys.readouterr().out
     assert ("the reference synced every 64 steps (alpha 0.9); off-policy sequences masked above KL 0.5" in out), out
+    from trainer.config.grpo import TrlConfig
+
+    # Axolotl's defaults 0.9 / 64 when not given; null: Axolotl passes nothing, so TRL's own 0.6 / 512
+    nulls = TrlConfig(reward_funcs=["rwd.f"], sync_ref_model=True, ref_model_mixup_alpha=None, ref_model_sync_steps=None)
+    assert (nulls.mixup_alpha, nulls.sync_steps) == (0.6, 512)
 
 
 # --- trl.off_policy_mask_threshold: TRL's off-policy sequence mask -----------------------------------------------
