@@ -135,6 +135,9 @@ FEATURES: list[Feature] = [
             "any", hook=_at("_sparsity_hook")),
     Feature("diffusion_samples", "diffusion samples written every N steps", ("diffusion",), (), (), "any",
             hook=_at("_diffusion_hook")),
+    Feature("grpo_ref_sync", "TR-DPO's reference sync for GRPO: the policy mixed into the reference every N steps "
+            "(TRL's SyncRefModelCallback)", ("trl.sync_ref_model",), (), (), "any",
+            hook=Ref("trainer.objectives.grpo_ref_sync:hook")),
     Feature("early_stopping", "stop after early_stopping_patience evaluations without a better eval_loss; end with "
             "the best checkpoint (with it, or load_best_model_at_end alone)",
             ("early_stopping_patience", "load_best_model_at_end"), (), (), "any", hook=_at("_early_stopping_hook"),

@@ -38,7 +38,8 @@ class TrlConfig(BaseModel):
     # apply_chat_template(prompt, add_generation_prompt=True, **chat_template_kwargs))
     chat_template_kwargs: dict[str, Any] | None = None
     # extra generation settings over the sampling keys (TRL's GRPOConfig.generation_kwargs: its generation_kwargs
-    # dict updated with them for model.generate); not yet passed to the vLLM server (refused with vllm_lora_sync)
+    # dict updated with them for model.generate; with the vLLM server, merged into the request body as TRL's
+    # VLLMClient.generate does)
     generation_kwargs: dict[str, Any] | None = None
     reward_weights: list[float] | None = None  # default 1.0 each
     num_generations: int | None = Field(None, ge=2)  # completions per prompt (a group); TRL's default 8
@@ -72,10 +73,14 @@ class TrlConfig(BaseModel):
     vllm_importance_sampling_cap: float | None = Field(None, gt=0)  # 3.0
     vllm_sync_interval: int | None = Field(None, ge=1)  # adapter synced every N steps; 1
     vllm_lora_sync: bool | None = None  # the LoRA adapter to the server through the filesystem
+    # TR-DPO's reference sync (TRL's SyncRefModelCallback: every ref_model_sync_steps optimizer steps the reference
+    # becomes alpha x policy + (1 - alpha) x reference); Axolotl passes alpha and steps on only with sync_ref_model
     sync_ref_model: bool | None = None
-    # TR-DPO's reference sync; Axolotl passes them on only with sync_ref_model (refused above), so not read without
-    ref_model_mixup_alpha: float | None = None
-    ref_model_sync_steps: int | None = None
+    ref_model_mixup_alpha: float | None = None  # Axolotl's default 0.9
+    ref_model_sync_steps: int | None = None  # Axolotl's default 64
+    # DeepSeek-V3.2's off-policy sequence mask (TRL's GRPOTrainer.get_off_policy_mask): a completion with a negative
+    # advantage whose mean per-token KL(sampling || policy) is above it gets no policy loss
+    off_policy_mask_threshold: float | None = None
     use_data_producer: bool = False  # Axolotl's data-producer trainer; synchronous here (async_prefetch false)
     async_prefetch: bool = False  # the next step's completions generated while this one trains (one step stale)
     prefetch_depth: int | None = None  # only 1 (Axolotl's default: one step ahead)
@@ -98,15 +103,10 @@ class TrlConfig(BaseModel):
 
     @model_validator(mode="after")
     def _supported(self) -> TrlConfig:
-        if self.sync_ref_model:
-            raise ValueError("sync_ref_model: not supported (the reference is the starting model)")
         lora_sync = self.use_vllm and self.vllm_lora_sync
         if (self.use_data_producer or self.async_prefetch) and not lora_sync:
             raise ValueError("use_data_producer/async_prefetch: Axolotl's asynchronous GRPO generates on a vLLM server; "
                              "here it needs use_vllm: true with vllm_lora_sync: true (and adapter: lora)")
-        if self.generation_kwargs and lora_sync:
-            raise ValueError("generation_kwargs: with use_vllm and vllm_lora_sync the completions come from the vLLM "
-                             "server, which is not given them here yet; remove them, or vllm_lora_sync")
         given = [k for k in ASYNC_ONLY if getattr(self, k) is not None]
         if given and (self.use_data_producer or self.async_prefetch):
             raise ValueError(f"{given[0]}: with async_prefetch / use_data_producer Axolotl's fast asynchronous GRPO "
@@ -123,6 +123,20 @@ class TrlConfig(BaseModel):
             raise ValueError(f"reward_weights: {len(self.reward_weights)} weights for {len(self.reward_funcs)} "
                              "reward_funcs")
         return self
+
+    @property
+    def mixup_alpha(self) -> float:
+        """Axolotl's default 0.9 when not given; TRL's 0.6 when given as null (Axolotl then passes nothing)."""
+        if self.ref_model_mixup_alpha is not None:
+            return self.ref_model_mixup_alpha
+        return 0.6 if "ref_model_mixup_alpha" in self.model_fields_set else 0.9
+
+    @property
+    def sync_steps(self) -> int:
+        """Axolotl's default 64 when not given; TRL's 512 when given as null."""
+        if self.ref_model_sync_steps is not None:
+            return self.ref_model_sync_steps
+        return 512 if "ref_model_sync_steps" in self.model_fields_set else 64
 
     # TRL 1.16 GRPOConfig defaults where Axolotl passes nothing
     @property
@@ -182,8 +196,17 @@ def check(cfg) -> list[str]:
             raise ValueError(f"datasets.{i}.type: {ds.type!r}; with rl: {cfg.rl} use a transform 'module.function' "
                              "(as Axolotl's rwd.gsm8k_transform) or no type (rows with a prompt column)")
     notes = []
+    if trl.sync_ref_model and trl.kl_beta == 0.0:
+        raise ValueError("trl.sync_ref_model: with trl.beta 0 (TRL's default) there is no reference model to sync "
+                         "(TRL's GRPOTrainer raises ValueError); set trl.beta above 0, or remove sync_ref_model")
+    if trl.sync_ref_model:
+        _check_sync(trl)
+    if trl.sync_ref_model and cfg.adapter:
+        raise ValueError(f"trl.sync_ref_model: with adapter: {cfg.adapter} the reference is the base with the adapter "
+                         "disabled, not a model of its own to sync (TRL's GRPOTrainer raises NotImplementedError with "
+                         "a PEFT model); train without an adapter, or remove sync_ref_model")
     sync = [f"trl.{k}" for k in ("ref_model_mixup_alpha", "ref_model_sync_steps") if getattr(trl, k) is not None]
-    if sync:
+    if sync and not trl.sync_ref_model:
         notes.append(f"{', '.join(sync)}: not read without trl.sync_ref_model (Axolotl passes them on only with it); "
                      "so here")
     given = [f"trl.{k}" for k in ASYNC_ONLY if getattr(trl, k) is not None]
@@ -203,6 +226,18 @@ def check(cfg) -> list[str]:
     elif any(getattr(trl, k) is not None for k in VLLM_KEYS):
         notes.append("trl.vllm_*: ignored, use_vllm is false (completions come from model.generate)")
     return notes
+
+
+def _check_sync(trl) -> None:
+    """sync_ref_model's alpha and steps as Axolotl passes them: only when truthy (`if trl.ref_model_mixup_alpha:`),
+    so a 0 would train with TRL's own 0.6 / 512 instead: refused, as is a step count below 1."""
+    if trl.ref_model_mixup_alpha == 0:
+        raise ValueError("trl.ref_model_mixup_alpha: 0 would keep the reference fixed, but Axolotl passes only a "
+                         "non-zero alpha to TRL, which then mixes with its own 0.6; to keep the reference fixed "
+                         "remove sync_ref_model")
+    if trl.ref_model_sync_steps is not None and trl.ref_model_sync_steps < 1:
+        raise ValueError(f"trl.ref_model_sync_steps: {trl.ref_model_sync_steps}; the reference is mixed after every "
+                         "that many optimizer steps: at least 1 (Axolotl's default 64)")
 
 
 def _zero3(cfg) -> bool:

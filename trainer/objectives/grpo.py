@@ -31,8 +31,14 @@ over HTTP instead, the adapter synced to it first (Axolotl's rule; async_prefetc
 Axolotl's importance-sampling correction (the trainer's over the server's probability of each sampled token:
 `importance_ratio`; on by default, token_truncate, cap 3).
 
+trl.off_policy_mask_threshold (TRL's off-policy sequence mask, `off_policy_mask`) zeroes the clipped term of a
+completion with a negative advantage whose mean KL from the sampling distribution (the server's log-probs; without a
+server the policy's own, so nothing is masked at a threshold >= 0) is above the threshold.
+
 The reference (beta > 0 only) is the starting model: with LoRA the base with the adapter disabled (no copy),
-for a full fine-tune a frozen copy taken before any step (and before a checkpoint's weights load).
+for a full fine-tune a frozen copy taken before any step (and before a checkpoint's weights load); with
+trl.sync_ref_model the policy is mixed into that copy every ref_model_sync_steps steps
+(trainer/objectives/grpo_ref_sync.py).
 """
 
 from __future__ import annotations
@@ -80,9 +86,22 @@ def importance_ratio(logps, sampling_logps, mask, mode: str, cap: float):
     return ratio.masked_fill(ratio > cap, 0.0).clamp(min=1.0 / cap)
 
 
-def grpo_per_token_loss(logps, old_logps, ref_logps, advantages, mask, settings: LossSettings, is_ratio=None):
+def off_policy_mask(advantages, logps, sampling_logps, mask, threshold: float):
+    """trl.off_policy_mask_threshold: DeepSeek-V3.2's off-policy sequence mask, as TRL 1.16's
+    GRPOTrainer.get_off_policy_mask: [B, 1], 0 where a completion's advantage is negative and its mean per-token
+    KL(sampling || policy) = mean(sampling_logp - logp) over its tokens is above the threshold, else 1. A token the
+    server gave no log-prob for (NaN) counts as KL 0, as TRL's. No gradient."""
+    adv = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
+    kl = torch.nan_to_num(sampling_logps - logps.detach(), nan=0.0)
+    mean_kl = (kl * mask).sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1.0)
+    return ((adv >= 0) | (mean_kl <= threshold)).to(dtype=mask.dtype)
+
+
+def grpo_per_token_loss(logps, old_logps, ref_logps, advantages, mask, settings: LossSettings, is_ratio=None,
+                        keep=None):
     """(per-token loss [B, T] (or [B, 1] at sequence level without KL), per-token KL or None, clipped [B, T]).
-    is_ratio (vLLM's importance-sampling correction) weighs the clipped term, before the KL is added (TRL's order)."""
+    keep (the off-policy sequence mask) and is_ratio (vLLM's importance-sampling correction) weigh the clipped
+    term, in that order, before the KL is added (TRL's order)."""
     beta, eps_low, eps_high = settings.beta, settings.eps_low, settings.eps_high
     level, bias_correction_kl = settings.level, settings.bias_correction_kl
     adv = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
@@ -92,6 +111,8 @@ def grpo_per_token_loss(logps, old_logps, ref_logps, advantages, mask, settings:
     coef_1 = torch.exp(log_ratio)
     coef_2 = torch.clamp(coef_1, 1 - eps_low, 1 + eps_high)
     per_token = -torch.min(coef_1 * adv, coef_2 * adv)
+    if keep is not None:
+        per_token = per_token * keep
     if is_ratio is not None:
         per_token = per_token * is_ratio
     kl = None
@@ -188,6 +209,10 @@ class GRPO(Objective):
 
             where = (f"; completions from the vLLM server at {base_url(trl)}, the adapter synced every "
                      f"{trl.vllm_sync_interval or 1} step(s){', the next step prefetched' if trl.async_prefetch else ''}")
+        if trl.sync_ref_model:
+            where += f"; the reference synced every {trl.sync_steps} steps (alpha {trl.mixup_alpha:g})"
+        if trl.off_policy_mask_threshold is not None:
+            where += f"; off-policy sequences masked above KL {trl.off_policy_mask_threshold:g}"
         return (f"{cfg.rl} ({trl.generations} completions per prompt, up to {trl.completion_length} tokens; "
                 f"beta {trl.kl_beta:g}; rewards {', '.join(trl.reward_funcs)}{where})")
 
@@ -458,13 +483,16 @@ class GRPO(Objective):
     def loss(self, model, batch, totals):
         trl, mask = self.trl, batch["completion_mask"]
         logps = self.token_logps(model, batch)
-        is_ratio = None
+        is_ratio = keep = None
         if self.correction is not None and "sampling_logps" in batch:
             is_ratio = importance_ratio(logps, batch["sampling_logps"], mask, *self.correction)
+        if trl.off_policy_mask_threshold is not None:  # TRL: the sampling log-probs (the server's), else the old ones
+            keep = off_policy_mask(batch["advantages"], logps, batch.get("sampling_logps", logps.detach()), mask,
+                                   trl.off_policy_mask_threshold)
         per_token, kl, clipped = grpo_per_token_loss(
             logps, logps.detach(), batch.get("ref_logps"), batch["advantages"], mask,
             LossSettings(self.beta, trl.eps_low, trl.eps_high, trl.importance_sampling_level or "token",
-                         trl.use_bias_correction_kl is not False), is_ratio)
+                         trl.use_bias_correction_kl is not False), is_ratio, keep)
         loss = aggregate(per_token, mask, self.loss_type, totals, trl.completion_length)
         rewards = batch["rewards"]
         weighted = (rewards * self.weights.double().unsqueeze(0)).nansum(dim=1)

@@ -2,7 +2,8 @@
 (`trl.use_vllm: true`, `vllm_mode: server`, `vllm_lora_sync: true`), as Axolotl 0.19's async GRPO trainer does it.
 
 The protocol is TRL 1.16's `trl.generation.vllm_client.VLLMClient` (generation: `POST /v1/completions` with token-id
-prompts, `n`, the sampling settings, `return_token_ids`; `GET /v1/models`; `POST /reset_prefix_cache`) -- the library's
+prompts, `n`, the sampling settings, `return_token_ids`, and trl.generation_kwargs merged into the body over them, as
+`VLLMClient.generate(generation_kwargs=...)` does: the request's seed is the user's where they give one; `GET /v1/models`; `POST /reset_prefix_cache`) -- the library's
 own methods are used -- plus the two adapter endpoints of Axolotl's `AsyncGRPOTrainer._sync_lora_adapter`
 (core/trainers/grpo/async_trainer.py): vLLM's `POST /v1/load_lora_adapter {lora_name, lora_path, load_inplace}`, and,
 when that does not answer 200, Axolotl's own server's `POST /set_lora_adapter/ {lora_name, lora_int_id, lora_path}`
@@ -256,7 +257,7 @@ class ServerGeneration:
                                         temperature=trl.temperature or 1.0, top_p=trl.top_p or 1.0,
                                         top_k=trl.top_k or 0, min_p=trl.min_p or 0.0, max_tokens=max_tokens,
                                         logprobs=0, structured_outputs_regex=trl.vllm_guided_decoding_regex,
-                                        generation_kwargs={"seed": seed})
+                                        generation_kwargs={"seed": seed, **(trl.generation_kwargs or {})})
         except Exception as err:  # requests' errors and TRL's "Request failed: <code>, <text>"
             raise ServerFailed(f"trl.use_vllm: generation on the vLLM server at {self.url} failed: "
                                f"{str(err).splitlines()[0][:300]}") from None

@@ -122,6 +122,13 @@ STRICTER: dict[str, str] = {
     "pose_max_context_len": "below sequence_len: a longer row draws from random.randint(0, a negative number), "
                             "which fails while preprocessing in Axolotl",
     "pose_num_chunks": "0: Axolotl divides the row's length by it (ZeroDivisionError while preprocessing)",
+    "trl.sync_ref_model": "with an adapter (TRL's GRPOTrainer raises NotImplementedError at its start: the reference "
+                          "is the base with the adapter disabled, no model to sync) or with trl.beta 0 (TRL raises "
+                          "ValueError: no reference model at all)",
+    "trl.ref_model_mixup_alpha": "0 with sync_ref_model: Axolotl passes only a non-zero alpha (`if "
+                                 "trl.ref_model_mixup_alpha:`), so TRL mixes with its own 0.6 without a word",
+    "trl.ref_model_sync_steps": "below 1 with sync_ref_model: Axolotl passes 0 on as nothing (TRL syncs every 512 "
+                                "steps instead) and a negative count as it is (TRL syncs every |n| steps)",
     "lr_scheduler_type": "transformers' name of lr_scheduler, which Axolotl's schema drops while lr_scheduler is "
                          "unset: Axolotl trains with the default schedule",
 }
@@ -139,11 +146,9 @@ AXOLOTL_REFUSES: dict[str, str] = {
 }
 
 GAPS: dict[str, str] = {
-    "trl.generation_kwargs": f"with use_vllm and vllm_lora_sync (completions from the vLLM server): {_NOT_YET}",
-    **dict.fromkeys(("trl.off_policy_mask_threshold", "trl.rollout_func"), f"GRPO option: {_NOT_YET}"),
-    "trl.sync_ref_model": f"true: TR-DPO's reference sync in GRPO: {_NOT_YET}",
+    "trl.rollout_func": f"GRPO option: {_NOT_YET}",
     **dict.fromkeys(("trl.replay_buffer_size", "trl.replay_recompute_logps", "trl.reroll_max_groups",
-                     "trl.reroll_start_fraction", "trl.skip_zero_advantage_batches", "trl.sync_ref_model"),
+                     "trl.reroll_start_fraction", "trl.skip_zero_advantage_batches"),
                     f"with async_prefetch / use_data_producer (Axolotl's fast asynchronous GRPO trainer): {_NOT_YET}"),
     **dict.fromkeys(("dsv4_fp4_grouped_mode", "dsv4_fp8_lora_kernel", "dsv4_fp8_nonexpert_mode",
                      "gemma4_fp8_nonexpert", "gemma4_nf4_nonexpert", "nonexpert_quantization", "quantize_moe_experts",
@@ -164,9 +169,9 @@ GAPS: dict[str, str] = {
 }
 # keys the table says are read (honoured) whose some values a rule refuses: named above for those values
 _REFUSED_BY_A_RULE = ("plugins", "fp8", "eval_causal_lm_metrics", "lora_target_parameters",
-                      "trl.generation_kwargs", "quantize_moe_experts", "liger_use_token_scaling",
+                      "quantize_moe_experts", "liger_use_token_scaling",
                       "trl.replay_buffer_size", "trl.replay_recompute_logps", "trl.reroll_max_groups",
-                      "trl.reroll_start_fraction", "trl.skip_zero_advantage_batches", "trl.sync_ref_model")  # (honoured; some values refused)
+                      "trl.reroll_start_fraction", "trl.skip_zero_advantage_batches")  # (honoured; some values refused)
 
 
 def _oracle(kind: str, payload=None):

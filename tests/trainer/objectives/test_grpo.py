@@ -144,7 +144,14 @@ def test_lora_reference_is_the_base_with_the_adapter_off(grpo_config, tmp_path, 
 
 
 @pytest.mark.parametrize("trl, message", [
-    ({"sync_ref_model": True}, "sync_ref_model: not supported"),
+    ({"sync_ref_model": True, "beta": 0.0}, "trl.sync_ref_model: with trl.beta 0 (TRL's default) there is no "
+                                             "reference model to sync"),
+    ({"sync_ref_model": True, "_lora": True}, "trl.sync_ref_model: with adapter: lora the reference is the base with "
+                                              "the adapter disabled"),
+    ({"sync_ref_model": True, "ref_model_mixup_alpha": 0}, "trl.ref_model_mixup_alpha: 0 would keep the reference "
+                                                           "fixed, but Axolotl passes only a non-zero alpha"),
+    ({"sync_ref_model": True, "ref_model_sync_steps": 0}, "trl.ref_model_sync_steps: 0; the reference is mixed "
+                                                          "after every that many optimizer steps: at least 1"),
     ({"reward_funcs": ["rwd.no_such_reward", "rwd.format_reward"]}, "has no function no_such_reward"),
     ({"reward_funcs": ["nomodule.reward", "rwd.format_reward"]}, "trl.reward_funcs: cannot import nomodule.reward: no module nomodule.py in"),
     ({"reward_weights": [1.0]}, "reward_weights: 1 weights for 2 reward_funcs"),
@@ -159,6 +166,8 @@ def test_bad_input_is_one_line_and_exit_2(grpo_config, tmp_path, capsys, trl, me
         extra = {"fsdp_version": 2, "fsdp_config": {"reshard_after_forward": True}}
     if trl.pop("_zero3", False):
         extra = {"deepspeed": "deepspeed_configs/zero3.json"}
+    if trl.pop("_lora", False):
+        extra = {"adapter": "lora", "lora_r": 4, "lora_alpha": 8, "lora_target_linear": True}
     config = grpo_config("bad.yml", trl=trl, output_dir=str(tmp_path / "bad"), **extra)
     assert main(["train", str(config)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -381,3 +390,129 @@ def test_tr_dpos_sync_keys_are_not_read_without_sync_ref_model(grpo_config):
     _, notes = load_config(grpo_config(trl={"ref_model_mixup_alpha": 0.6, "ref_model_sync_steps": 64}))
     assert any(n.startswith("trl.ref_model_mixup_alpha, trl.ref_model_sync_steps: not read without "
                             "trl.sync_ref_model") for n in notes), notes
+
+
+# --- trl.sync_ref_model: TR-DPO's reference sync, as TRL's SyncRefModelCallback ---------------------------------
+
+def _weights(path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+def test_sync_ref_model_mixes_the_policy_into_the_reference_every_n_steps_and_resumes_with_it(
+        grpo_config, tiny_llama, tmp_path, capsys):
+    """trl.sync_ref_model with ref_model_sync_steps 2, ref_model_mixup_alpha 0.5 over four steps: after steps 2 and 4
+    (TRL's on_step_end: global_step % 2 == 0) the reference each checkpoint keeps is 0.5 x that step's policy (the
+    checkpoint's weights) + 0.5 x the reference before, computed here by hand from the saved weights, and not
+    changed in between; a run resumed from checkpoint-3 trains step 4 against that reference (the same loss)."""
+    from trainer.objectives.grpo_ref_sync import REFERENCE_FILE
+
+    sync = {"sync_ref_model": True, "ref_model_sync_steps": 2, "ref_model_mixup_alpha": 0.5, "beta": 0.5}
+    full, _ = train_then_resume(main, lambda name, **kw: grpo_config(name, **kw), tmp_path, checkpoint=3,
+                                trl=sync, save_steps=1, learning_rate=3e-2)
+    err = capsys.readouterr().err
+    assert ("gdpo: trl.sync_ref_model: the reference becomes 0.5 x policy + 0.5 x reference every 2 steps (TR-DPO, "
+            "TRL's SyncRefModelCallback); checkpoints keep it") in err
+    start = _weights(tiny_llama / "model.safetensors")
+    policy = {k: _weights(full / f"checkpoint-{k}" / "model.safetensors") for k in (1, 2, 3, 4)}
+    ref = {k: _weights(full / f"checkpoint-{k}" / REFERENCE_FILE) for k in (1, 2, 3, 4)}
+    assert ref[1].keys() == start.keys() == policy[2].keys()
+    moved = [n for n in start if not torch.equal(policy[2][n], start[n])]
+    assert moved  # the policy trained
+    for name in start:
+        torch.testing.assert_close(ref[1][name], start[name], rtol=0, atol=0)  # no sync after step 1
+        mixed_2 = 0.5 * policy[2][name] + 0.5 * start[name]
+        torch.testing.assert_close(ref[2][name], mixed_2, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(ref[3][name], ref[2][name], rtol=0, atol=0)  # none after step 3
+        torch.testing.assert_close(ref[4][name], 0.5 * policy[4][name] + 0.5 * ref[2][name], rtol=1e-6, atol=1e-7)
+    resumed_ref = _weights(tmp_path / "resumed" / "checkpoint-4" / REFERENCE_FILE)
+    assert all(torch.equal(resumed_ref[n], ref[4][n]) for n in start)
+
+
+def test_validate_says_the_reference_is_synced(grpo_config, capsys):
+    config = grpo_config(trl={"sync_ref_model": True, "off_policy_mask_threshold": 0.5})
+    assert main(["validate", str(config)]) == 0
+    out = capsys.readouterr().out
+    assert ("the reference synced every 64 steps (alpha 0.9); off-policy sequences masked above KL 0.5" in out), out
+    from trainer.config.grpo import TrlConfig
+
+    # Axolotl's defaults 0.9 / 64 when not given; null: Axolotl passes nothing, so TRL's own 0.6 / 512
+    nulls = TrlConfig(reward_funcs=["rwd.f"], sync_ref_model=True, ref_model_mixup_alpha=None, ref_model_sync_steps=None)
+    assert (nulls.mixup_alpha, nulls.sync_steps) == (0.6, 512)
+
+
+# --- trl.off_policy_mask_threshold: TRL's off-policy sequence mask -----------------------------------------------
+
+def test_off_policy_mask_is_trls_on_a_hand_made_batch():
+    """Four completions, advantages +/-, sampling log-probs near and far from the policy's, padding and a token the
+    server gave no log-prob for (NaN): the same keep/drop as TRL's GRPOTrainer.get_off_policy_mask."""
+    from trl import GRPOTrainer
+
+    from trainer.objectives.grpo import off_policy_mask
+
+    logps = torch.tensor([[-1.0, -2.0, -0.5], [-1.0, -2.0, -0.5], [-0.3, -0.2, 0.0], [-1.5, -1.0, -2.0]])
+    sampling = torch.tensor([[-0.2, -1.0, -0.1], [-0.2, -1.0, -0.1], [-0.3, -0.9, 0.0], [float("nan"), -0.9, -1.9]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 1.0], [1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    advantages = torch.tensor([0.7, -0.7, -0.1, -1.2])
+    for threshold in (0.1, 0.5, 1.0, -0.01):
+        ours = off_policy_mask(advantages, logps, sampling, mask, threshold)
+        trl = GRPOTrainer.get_off_policy_mask(advantages.unsqueeze(1), logps, sampling, mask, threshold)
+        assert torch.equal(ours, trl), threshold
+    assert off_policy_mask(advantages, logps, sampling, mask, 0.5).squeeze(1).tolist() == [1.0, 0.0, 1.0, 1.0]
+
+
+def test_off_policy_mask_threshold_loss_matches_trls_grpo_trainer(trl_trainer, tiny_llama):
+    """TRL's _compute_loss with off_policy_mask_threshold and sampling log-probs apart from the policy's (as a
+    vLLM server's): the same loss and gradients as ours with the same log-probs in the batch, some completions
+    masked."""
+    from trainer.batch.collate import Collator
+    from trainer.config import parse_config
+    from trainer.objectives.grpo import GRPO, compute_advantages, off_policy_mask
+
+    trainer, batch, rwd = trl_trainer
+    trainer.multi_objective_aggregation, trainer.scale_rewards = "sum_then_normalize", "group"
+    trainer.loss_type, trainer.importance_sampling_level = "dapo", "token"
+    trainer.off_policy_mask_threshold = 0.05
+    torch.manual_seed(0)
+    trainer.model.train()
+    out = trainer._generate_and_score_completions(batch)
+    cfg, _ = parse_config({
+        "base_model": str(tiny_llama), "rl": "grpo", "datasets": [{"path": "x.jsonl"}], "micro_batch_size": 4,
+        "trl": {"beta": 0.1, "max_completion_length": 6, "num_generations": 2, "temperature": 0.7,
+                "reward_funcs": ["rwd.format_reward", "rwd.correctness_reward"], "reward_weights": [1.0, 2.0],
+                "off_policy_mask_threshold": 0.05}})
+    objective = GRPO(cfg, Collator(trainer.processing_class.pad_token_id, "sdpa"),
+                     [rwd.format_reward, rwd.correctness_reward], ["format_reward", "correctness_reward"])
+    objective.before_training(trainer.model, tokenizer=trainer.processing_class, dtype=None, rank=0, timeout=60.0,
+                              output_dir=None, say=lambda *_: None)
+    objective.ref_model = trainer.ref_model
+    samples = [{"example": {"prompt_ids": prompt.tolist(), "row": json.dumps(row)},
+                "completion_ids": ids[mask.bool()].tolist(), "truncated": False}
+               for prompt, ids, mask, row in zip(out["prompt_ids"], out["completion_ids"], out["completion_mask"], batch)]
+    advantages, _ = compute_advantages(objective.rewards(samples, 0), objective.weights, 2, objective.aggregation,
+                                       "group")
+    for s, a in zip(samples, advantages.tolist()):
+        s["advantage"], s["zero_std"] = a, False
+    ours = objective.tensors(samples, torch.device("cpu"))
+    ours["ref_logps"] = objective.reference_logps(trainer.model, ours)
+    mask = ours["completion_mask"]
+    with torch.no_grad():
+        logps = objective.token_logps(trainer.model, ours)
+    ours["sampling_logps"] = logps + 0.2 * torch.randn(logps.shape, generator=torch.Generator().manual_seed(3)).abs()
+    out["sampling_per_token_logps"] = torch.nn.functional.pad(ours["sampling_logps"],
+                                                             (0, out["completion_ids"].shape[1] - logps.shape[1]))
+    keep = off_policy_mask(ours["advantages"], logps, ours["sampling_logps"], mask, 0.05)
+    assert 0 < float(keep.sum()) < 4, keep  # some completions are masked, some kept
+    trainer.model.zero_grad()
+    trl_loss = trainer._compute_loss(trainer.model, out)
+    trl_loss.backward()
+    trl_grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
+    trainer.model.zero_grad()
+    totals = {"completions": 4, "completion_tokens": float(mask.sum()), "micro_batches": 1}
+    loss, _ = objective.loss(trainer.model, ours, totals)
+    assert float(loss.detach()) == pytest.approx(float(trl_loss.detach()), rel=1e-4, abs=1e-6)
+    loss.backward()
+    for name, p in trainer.model.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad, trl_grads[name], rtol=1e-3, atol=1e-6, msg=name)

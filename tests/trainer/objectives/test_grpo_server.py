@@ -82,6 +82,24 @@ def test_the_server_generates_from_the_adapter_the_trainer_had_at_each_sync(tiny
                     f"vllm: adapter v2 loaded by the server via {via} (after step 4)"]
 
 
+def test_trl_generation_kwargs_reach_the_server_in_the_request_as_trls_client_sends_them(tiny_llama):
+    """trl.generation_kwargs with the vLLM server: merged into the /v1/completions body over the sampling settings,
+    as TRL's VLLMClient.generate(generation_kwargs=...) does (Axolotl's async trainer passes them there); the user's
+    seed replaces the step's."""
+    from trainer.config.grpo import TrlConfig
+    from trainer.objectives.grpo_server import ServerGeneration
+
+    extra = {"frequency_penalty": 0.25, "stop_token_ids": [7], "top_k": 3}
+    with StandInVLLM(tiny_llama) as server:
+        for given, seed in ((extra, 11), ({**extra, "seed": 5}, 5)):
+            trl = TrlConfig(**SERVER, vllm_server_port=server.port, top_k=20, generation_kwargs=given)
+            generation = ServerGeneration(types.SimpleNamespace(trl=trl, lora_model_dir=None), 0, lambda *_: None)
+            generation.generate([[1, 5, 9]], n=2, max_tokens=3, seed=11)
+            body = [b for method, path, b in server.requests if path == "/v1/completions"][-1]
+            assert {k: body[k] for k in extra} == extra and body["seed"] == seed  # top_k 3 over trl.top_k 20
+            assert (body["n"], body["max_tokens"], body["prompt"]) == (2, 3, [[1, 5, 9]])
+
+
 def test_a_resumed_run_or_a_loaded_adapter_syncs_before_its_first_generation():
     from trainer.objectives.grpo_server import ServerGeneration
 
@@ -216,7 +234,9 @@ def test_envtool_trains_grpo_on_the_servers_completions(grpo_config, tiny_llama,
     with StandInVLLM(tiny_llama) as server:
         config = grpo_config("server.yml", rl="grpo", output_dir=str(tmp_path / "out"), max_steps=3, save_steps=2,
                              **LORA, trl={**SERVER, "vllm_server_port": server.port, "beta": 0.0, "top_p": 1.0,
-                                          "multi_objective_aggregation": None, "use_data_producer": True})
+                                          "multi_objective_aggregation": None, "use_data_producer": True,
+                                          "generation_kwargs": {"frequency_penalty": 0.1},
+                                          "off_policy_mask_threshold": 0.5})
         env = {k: v for k, v in os.environ.items() if k != "ENVTOOL_PLAN"}
         env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
         out = subprocess.run([sys.executable, "-m", "resolver", "train", str(config), "--gpu", "cpu"],
@@ -230,6 +250,8 @@ def test_envtool_trains_grpo_on_the_servers_completions(grpo_config, tiny_llama,
     assert saved.keys() == server.loads[1]["tensors"].keys()
     assert all(torch.equal(saved[k], server.loads[1]["tensors"][k]) for k in saved)
     assert [g["adapter_loads_before"] for g in server.generations] == [0, 1, 2]
+    bodies = [b for method, path, b in server.requests if path == "/v1/completions"]
+    assert len(bodies) == 3 and all(b["frequency_penalty"] == 0.1 for b in bodies)  # trl.generation_kwargs
     rows = [r for r in read_metrics(tmp_path / "out") if "loss" in r]
     assert [r["step"] for r in rows] == [1, 2, 3] and all(r["completions"] == 4 for r in rows)
     assert all(abs(r["sampling/importance_sampling_ratio/mean"] - 1) < 1e-3 for r in rows)  # on-policy
