@@ -198,6 +198,8 @@ class Package(NamedTuple):
     torch: str | None = None  # range; None: any
     extras: list[str] = []
     not_on: dict[str, str] = {}  # backend -> why it is left out
+    requires: dict[str, str] = {}  # a stack package -> the range this release requires of it (vllm: transformers)
+    cuda: str | None = None  # the CUDA major of the torch build it needs (vllm's kernels: "13"); None: any
 
 
 class Xformers(NamedTuple):
