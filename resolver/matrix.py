@@ -341,16 +341,20 @@ class Matrix(NamedTuple):
     def beta(self, backend: AttentionBackend) -> FlashAttnRelease | None:
         """The pre-release a backend waits on: for an `auto_when_final` backend whose implementation has no final
         release recorded, its newest (beta) release; None for every other backend."""
+        newest = self._newest_for(backend)
+        return newest if newest is not None and Version(newest.version).is_prerelease else None
+
+    def _newest_for(self, backend: AttentionBackend) -> FlashAttnRelease | None:
         if not backend.auto_when_final:
             return None
         impl = next((i for i in self.flash_attn_impls if i.attention == backend.name), None)
-        newest = self.newest_flash_attn(impl.name) if impl else None
-        return newest if newest is not None and Version(newest.version).is_prerelease else None
+        return self.newest_flash_attn(impl.name) if impl else None
 
     def is_auto(self, backend: AttentionBackend) -> bool:
         """Whether a plan picks the backend without being asked: `auto`, or `auto_when_final` once its
         implementation has a final release recorded."""
-        return backend.auto or (backend.auto_when_final and self.beta(backend) is None)
+        newest = self._newest_for(backend)
+        return backend.auto or (newest is not None and not Version(newest.version).is_prerelease)
 
     def runs_as(self, attention: str, packing: str, torch_version: str) -> str:
         """The attention the trainer runs for a plan's `attention` and `packing`, as the plan table, the docs'

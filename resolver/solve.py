@@ -881,13 +881,13 @@ def _fa_reason(gpu: GpuSpec, backend, best: Candidate) -> str:
 
 def beta_reasons(req: Request, m: Matrix, best: Candidate, chosen: Attention) -> list[str]:
     """For each beta backend (attention.toml `auto_when_final`, its implementation's releases all pre-releases) that
-    runs on this GPU and was not asked for: when a plan would pick it by default, one line. It ranks where its
+    runs on this GPU, in a plan that asked for no backend: when a plan would pick it by default, one line. It ranks where its
     attention.toml row stands: before the chosen backend, it would be chosen here once a final release is recorded
     (and its wheel fits this torch build); after it, it would not be."""
     lines = []
     for i, backend in enumerate(m.attention):
         rel = m.beta(backend)
-        if rel is None or req.attention == backend.name or req.gpu.is_cpu \
+        if rel is None or req.attention or req.gpu.is_cpu \
                 or not backend_runs_on(backend, req.gpu.compute_capability):
             continue
         impl = next(x for x in m.flash_attn_impls if x.attention == backend.name)
