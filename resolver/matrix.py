@@ -126,6 +126,7 @@ class FlashAttnImpl(NamedTuple):
     handles: list[str] = []  # what its varlen kernel does that torch's varlen_attn cannot (the trainer's words)
     owns: list[str] = []  # import paths its wheels install (flash_attn/cute): two owners never share an environment
     owns_source: str = ""
+    min_transformers: str | None = None  # the first transformers that runs its backend (flash_attention_4: 5.4.0)
 
 
 class FlashAttnRelease(NamedTuple):

@@ -350,6 +350,12 @@ def find_flash_attn(req: Request, m: Matrix, c: Candidate) -> None:
         if impl.min_cuda and Version(c.cuda) < Version(impl.min_cuda):
             c.fa_missing[impl.name] = f"{impl.package} needs CUDA >= {impl.min_cuda}, not {c.cuda}"
             continue
+        stack = stack_for(m, c.release.version, py) if impl.min_transformers else None
+        transformers = stack.packages.get("transformers") if stack else None
+        if impl.min_transformers and (transformers is None or _v(transformers) < _v(impl.min_transformers)):
+            c.fa_missing[impl.name] = (f"{impl.attention} needs transformers >= {impl.min_transformers}; torch "
+                                       f"{torch_mm} + Python {py} takes transformers {transformers or '(none)'}")
+            continue
         fits = [r for r in releases if wheel_fits(r, req, c)]
         found += [(_v(r.version), impl, r) for r in fits]
         if not fits:

@@ -116,6 +116,26 @@ def test_fa4_below_its_floor_is_refused_in_one_line():
     assert "flash_attention_4 needs sm_90 to sm_121" in out.stderr and "NVIDIA A100" in out.stderr
 
 
+def test_fa4_needs_a_transformers_that_runs_it():
+    """transformers runs flash_attention_4 from 5.4.0 on: a torch whose stack row takes 4.57.6 gets no FA4."""
+    out = run_envtool("resolve", "--gpu", "h100", "--python", "3.10", "--torch", "2.5", "--attention", "fa4")
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert "flash_attention_4 needs transformers >= 5.4.0; torch 2.5 + Python 3.10 takes transformers 4.57.6" \
+        in out.stderr
+
+
+def test_matrix_verify_checks_the_fa4_wheel_on_pypi():
+    from resolver.verify import checks, wheel_matches
+
+    found = [c for c in checks(load(), torch_index="https://torch.test/whl/{variant}", pypi="https://pypi.test")
+             if c.match and c.match[0] == "flash-attn-4"]
+    assert found and {c.kind for c in found} == {"pypi"}
+    assert {c.url for c in found} == {"https://pypi.test/pypi/flash-attn-4/json"}
+    assert {c.match[4] for c in found} == {"x86_64", "aarch64"}
+    filename = _fa4_info()["urls"][0]["filename"]
+    assert all(wheel_matches(filename, *c.match) for c in found), filename
+
+
 def test_default_plans_say_where_fa4_would_be_the_default():
     b200 = "\n".join(_plan("b200").reasons)
     assert _plan("b200").attention != "flash_attention_4"
