@@ -15,7 +15,8 @@ What is regenerated (everything else in matrices/ is hand-checked and kept as it
   transformers, Requires-Python, CUDA major of its kernels) among the releases from the oldest recorded one on,
   the newest release of each, read from its Linux wheel's METADATA;
 - flash_attn.toml release rows on PyPI (`index = "pypi"`, flash-attn-4): `version` (the newest release, pre-releases
-  included while there is no final one) and `min_python` (its Requires-Python).
+  included while there is no final one), `min_python` (its Requires-Python), `min_torch` (its Requires-Dist torch
+  floor, none where it pins no version) and `cuda` (a major per `Provides-Extra: cuNN`).
 What needs a human is reported as "needs review" and not written: new xformers releases and post-releases
 (their arch list),
 new flash-attn releases (their wheel matrix comes from the publish workflow), rows PyPI does not know.
@@ -441,6 +442,33 @@ def _flash_attn_pypi(data: dict, client: Client, report: Report) -> None:
             report.changes.append(Change("flash_attn.toml", "release", i, name, "min_python", row.get("min_python"),
                                          floor, f"{package} {newest.version}'s Requires-Python "
                                                 f"{newest.requires_python}"))
+        _pypi_wheel_floors(client, package, newest, i, row, report)
+
+
+def _pypi_wheel_floors(client: Client, package: str, release: Release, i: int, row: dict, report: Report) -> None:
+    """A PyPI release row's torch floor and CUDA extras, from its wheel's METADATA: `min_torch` from a
+    `Requires-Dist torch>=X.Y` (none where it pins no version), and `cuda` keeps the recorded majors and adds one
+    per `Provides-Extra: cuNN` (flash-attn-4[cu13])."""
+    wheel = any_wheel(release)
+    if wheel is None:
+        return
+    message = client.metadata(package, wheel)
+    name = f"{package} {row['version']}"
+    torch = requirement(message, "torch")
+    lower = re.search(r">=\s*(\d+\.\d+)", torch.specifier) if torch else None
+    min_torch = lower.group(1) if lower else None
+    if min_torch != row.get("min_torch"):
+        report.changes.append(Change("flash_attn.toml", "release", i, name, "min_torch", row.get("min_torch"),
+                                     min_torch, f"{package} {release.version}'s Requires-Dist torch"
+                                                f"{torch.specifier if torch else ' (none)'}"))
+    cuda = dict(row.get("cuda", {}))
+    for extra in message.get_all("Provides-Extra") or []:
+        m = re.fullmatch(r"cu(\d\d)", extra)
+        if m:
+            cuda[m.group(1)] = extra
+    if cuda != dict(row.get("cuda", {})):
+        report.changes.append(Change("flash_attn.toml", "release", i, name, "cuda", row.get("cuda"), cuda,
+                                     f"{package} {release.version}'s Provides-Extra (its CUDA builds)"))
 
 
 def _flash_attn_index(data: dict, client: Client, torch_index: str, report: Report) -> None:
@@ -829,6 +857,10 @@ def apply(directory: Path, report: Report, *, date: str) -> dict[str, tuple[str,
         parent, key = (row[c.field.split(".", 1)[0]], c.field.split(".", 1)[1]) if "." in c.field else (row, c.field)
         if c.new is None:
             parent.pop(key, None)
+        elif isinstance(c.new, dict):  # written as the hand-made rows are: cuda = { "12" = "", "13" = "cu13" }
+            inline = tomlkit.inline_table()
+            inline.update(c.new)
+            parent[key] = inline
         else:
             parent[key] = c.new
         touched.setdefault((c.file, c.table, c.index), []).append(c.field.split(".")[-1])

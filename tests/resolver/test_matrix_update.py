@@ -737,7 +737,8 @@ def test_vllm_and_flash_attn_4_rows_follow_pypi(world, copy, tmp_path):
         del rows[next(i for i, r in enumerate(rows) if r["name"] == "vllm" and r["version"] == "0.34.0")]
         (copy / "packages.toml").write_text(tomlkit.dumps(doc))
         text = (copy / "flash_attn.toml").read_text()
-        (copy / "flash_attn.toml").write_text(text.replace('version = "4.0.0b40"', 'version = "4.0.0b39"'))
+        (copy / "flash_attn.toml").write_text(text.replace('version = "4.0.0b40"', 'version = "4.0.0b39"')
+                                              .replace('cuda = { "12" = "", "13" = "cu13" }', 'cuda = { "12" = "" }'))
         check = update(url, copy, "--check", "--json", tmp=tmp_path)
         assert check.returncode == 1, check.stdout + check.stderr
         data = json.loads(check.stdout)
@@ -746,13 +747,16 @@ def test_vllm_and_flash_attn_4_rows_follow_pypi(world, copy, tmp_path):
         fields = added["vllm 0.34.0"]
         assert (fields["torch"], fields["requires"], fields["cuda"], fields["python"]) == (
             "==2.14.0", {"transformers": "<5.23.0,>=5.16.1"}, "13", "<3.15,>=3.11")
-        assert {(c["row"], c["field"], c["old"], c["new"]) for c in data["changes"]} == {
-            ("flash-attn-4 4.0.0b39", "version", "4.0.0b39", "4.0.0b40")}
+        assert [(c["row"], c["field"], c["old"], c["new"]) for c in data["changes"]] == [
+            ("flash-attn-4 4.0.0b39", "version", "4.0.0b39", "4.0.0b40"),
+            ("flash-attn-4 4.0.0b39", "cuda", {"12": ""}, {"12": "", "13": "cu13"})]  # its Provides-Extra: cu13
         assert update(url, copy, tmp=tmp_path).returncode == 0
         m = matrix_module._load(copy)
         row = next(p for p in m.packages if p.name == "vllm" and p.version == "0.34.0")
         assert "added by envtool matrix update from PyPI metadata on" in row.source and row.not_on["cpu"]
         assert m.newest_flash_attn("fa4").version == "4.0.0b40" and not m.is_auto(m.backend("flash_attention_4"))
+        assert m.newest_flash_attn("fa4").cuda == {"12": "", "13": "cu13"} and m.newest_flash_attn("fa4").min_torch is None
+        assert re.search(r'^cuda = \{.*"cu13" ?\}$', (copy / "flash_attn.toml").read_text(), flags=re.M)  # inline
 
         final = world.pypi["flash-attn-4"]["releases"]["4.0.0b40"]
         world.pypi["flash-attn-4"]["releases"]["4.0.0"] = [{**f, "filename": f["filename"].replace("4.0.0b40", "4.0.0")}
