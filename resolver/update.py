@@ -12,7 +12,7 @@ What is regenerated (everything else in matrices/ is hand-checked and kept as it
 - packages.toml: each [[stack]] row's package versions: the newest release whose Requires-Python admits the
   row's lowest Python;
 - packages.toml [[package]] rows of vllm (GRPO's generation server): one row per distinct (Requires-Dist torch,
-  transformers, Requires-Python, CUDA major of its kernels) among the releases from the oldest recorded one on,
+  transformers, Requires-Python, CUDA major of its kernels) among the releases from packages.toml `vllm_floor` on,
   the newest release of each, read from its Linux wheel's METADATA;
 - flash_attn.toml release rows on PyPI (`index = "pypi"`, flash-attn-4): `version` (the newest release, pre-releases
   included while there is no final one), `min_python` (its Requires-Python), `min_torch` (its Requires-Dist torch
@@ -613,7 +613,7 @@ def vllm_facts(client: Client, release: Release) -> VllmFacts | None:
 
 def _vllm(data: dict, client: Client, date: str, report: Report) -> None:
     """vLLM for GRPO configs with trl.use_vllm: the newest release of each distinct (torch pin, transformers range,
-    Requires-Python, CUDA major) from the oldest recorded release on becomes a [[package]] row (plans take the
+    Requires-Python, CUDA major) from `vllm_floor` on becomes a [[package]] row (plans take the
     first, newest first, that admits their torch, stack and Python: trainer/features.py `pin`)."""
     rows = [r for r in data.get("package", []) if r["name"] == "vllm"]
     recorded = {Version(r["version"]) for r in rows}
