@@ -95,7 +95,8 @@ FlashAttnOpt = Annotated[Optional[str], typer.Option("--flash-attn",
                                                      help="Require this flash-attn release's prebuilt wheel.")]
 NoFlashAttnOpt = Annotated[bool, typer.Option("--no-flash-attn", help="Never use flash-attn (SDPA instead).")]
 AttentionOpt = Annotated[Optional[str], typer.Option(
-    "--attention", help="Force the attention backend: flash_attention_2, flash_attention_3, sdpa, xformers or eager.")]
+    "--attention", help="Force the attention backend: flash_attention_2, flash_attention_3, flash_attention_4 (beta), "
+                        "sdpa, xformers or eager; fa2, fa3, fa4 name the flash-attn ones.")]
 PlatformOpt = Annotated[Optional[str], typer.Option("--platform", help="x86_64 or aarch64 (default: this machine).")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print the result as JSON.")]
 # how many processes on how many machines: train and doctor --multi-gpu

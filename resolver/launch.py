@@ -31,6 +31,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
+from packaging.version import Version
+
 from .errors import BadInput, EnvtoolError, Unsatisfiable
 from .files import one_writer
 from .files import write_atomic
@@ -97,6 +99,7 @@ def plan_for_config(cfg, load_notes: list[str], config: Path, opts: PlanOptions)
     """The plan for training `cfg` (read from `config`) with the command line's `opts`, checked by the trainer's own
     rule against that plan. Raises BadInput/Unsatisfiable, one line each, for what cannot run."""
     plan = _attention_plan(cfg, config, opts)
+    plan = _join_server(cfg, config, opts, plan)
     runtime = _trainer_call(config, _fit, cfg, plan)
     if runtime.precision != plan.precision:  # the config pins it (bf16: false, fp16: true): the plan says so too
         key = "fp16: true" if cfg.fp16 else f"bf16: {str(cfg.bf16).lower()}"
@@ -235,6 +238,52 @@ def _flash_kernels_plan(cfg, config: Path, opts: PlanOptions, m, key: str) -> Pl
     return _with_reason(plan, why)
 
 
+def _join_server(cfg, config: Path, opts: PlanOptions, plan: Plan) -> Plan:
+    """A package of a server the config runs beside training (vllm for trl.use_vllm; trainer/features.py step
+    "serve") pins its torch exactly (vLLM's Requires-Dist torch==X, its kernels built for PyPI's CUDA 13 torch):
+    where no recorded release fits the plan, the plan is made again on the newest torch (and CUDA major) a release
+    pins whose stack and Python fit, and says so; the plan as it was where none runs here or the command line pins
+    torch or CUDA (`_needs` then says which pins clash, in one line)."""
+    # start-up: trainer.setup imported only when this runs
+    from trainer.setup import needs, pin
+
+    wanted = [n for n in _trainer_call(config, needs, cfg, plan.to_dict()) if n.step == "serve"]
+    if not wanted or opts.torch or opts.cuda or not plan.on_gpu or plan.torch.backend != "cuda":
+        return plan
+    need = wanted[0]
+    found = pin(need.package, plan.to_dict())
+    if found is None or found.version is not None:
+        return plan
+    # start-up: trainer.facts imported only when this runs
+    from trainer import facts
+
+    rows = sorted((r for r in facts.rows("packages", "package") if r["name"] == need.package and r.get("torch")
+                   and "cuda" in r["backends"]), key=lambda r: Version(r["version"]), reverse=True)
+    tried = set()
+    for row in rows:
+        torch = row["torch"].lstrip("=")
+        key = (torch, row.get("cuda"))
+        if key in tried or not re.fullmatch(r"\d+(\.\d+)*", torch):
+            continue
+        tried.add(key)
+        try:
+            again = _attention_plan(cfg, config, opts._replace(torch=torch, cuda=row.get("cuda")))
+        except EnvtoolError:
+            continue
+        took = pin(need.package, again.to_dict())
+        if took is None or took.version is None:
+            continue
+        held = (f"torch {again.torch.version}+{again.torch.variant}: for {need.package} {took.version}, which "
+                f"{need.key} in {config} needs (its Requires-Dist pins torch{row['torch']}"
+                f"{', built for CUDA ' + row['cuda'] if row.get('cuda') else ''}); the plan without it takes torch "
+                f"{plan.torch.version}+{plan.torch.variant}, which no recorded {need.package} release fits")
+        mine = f"{need.package} {took.version}'s torch{row['torch']}"  # the pins were the package's, not the user's
+        reasons = [r.replace(f"--torch {torch}", mine).replace(f"--cuda {row.get('cuda')}", mine)
+                   for r in again.reasons]
+        return again._replace(pinned=plan.pinned, reasons=[*reasons, held])
+    return plan
+
+
 def _with_reason(plan: Plan, why: str) -> Plan:
     """The plan with `why` after its attention reason (or at the end)."""
     reasons = list(plan.reasons)
@@ -282,6 +331,10 @@ def _needs(cfg, config: Path, plan: Plan) -> tuple[Plan, list[str]]:
             continue
         row = pin(need.package, facts)
         if row is not None:  # a [[package]] row: the plan installs it for this config, where a release installs here
+            if row.version is None and need.step == "serve":  # a server beside training: the trainer runs without it
+                notes.append(f"{need.key}: {need.package} not in the plan for {target}: {row.why}; the trainer "
+                             f"talks to a server started elsewhere (its own environment)")
+                continue
             if row.version is None and need.step != "train":  # a command after training: not offered, not refused
                 notes.append(f"{need.key}: not offered, {need.package} does not install here: {row.why}")
                 continue

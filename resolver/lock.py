@@ -23,7 +23,7 @@ from .credentials import auth_for, given, lock_indexes, strip, uv_index_env
 from .errors import BadInput
 from .matrix import Matrix
 from .matrix import load as load_matrix
-from .plan import PLAN_FILE, Plan
+from .plan import PLAN_FILE, PYPI_SIMPLE, Plan
 from .uvrun import MissingWheel, run_uv, tls_verify, uv_env
 
 
@@ -70,11 +70,38 @@ def requirements(plan: Plan, m: Matrix | None = None) -> list[str]:
     dependencies only."""
     if m is None:
         m = load_matrix()
+    refuse_clashes(plan, m)
     extras = {p.name: p.extras for p in m.packages if p.extras}
+    extras.update(flash_attn_extras(plan, m))
     routed = torch_triton(plan)
     pins = [name if name == routed else f"{name}{_extras(extras.get(name))}=={version}"
             for name, version in plan.packages.items() if name != "triton"]
     return [f"{DISTRIBUTION}[train]", *pins]
+
+
+def refuse_clashes(plan: Plan, m: Matrix) -> None:
+    """BadInput where two flash-attn implementations the plan pins install the same import path (flash_attn.toml
+    [[impl]] `owns`): flash-attn 2 and flash-attn-4 both write flash_attn/cute, and whichever installs last wins."""
+    owners = [i for i in m.flash_attn_impls if i.package in plan.packages and i.owns]
+    for a, b in ((a, b) for n, a in enumerate(owners) for b in owners[n + 1:]):
+        shared = sorted(set(a.owns) & set(b.owns))
+        if shared:
+            raise BadInput(f"the plan pins both {a.package} {plan.packages[a.package]} and {b.package} "
+                           f"{plan.packages[b.package]}, which both install {shared[0]} (their wheels' file lists: "
+                           f"flash_attn.toml [[impl]] owns): one environment takes one of them; plan with "
+                           f"--attention {a.attention} or --attention {b.attention}")
+
+
+def flash_attn_extras(plan: Plan, m: Matrix) -> dict[str, list[str]]:
+    """The extra a PyPI-hosted flash-attn release names for the plan's CUDA major (flash-attn-4[cu13] on a
+    CUDA 13 torch: flash_attn.toml `cuda`)."""
+    fa = plan.flash_attn
+    if fa is None or not plan.torch.cuda:
+        return {}
+    rel = next((r for r in m.flash_attn_releases if r.version == fa.version and r.index == "pypi"
+                and m.flash_attn_impl(r.impl).package == fa.package), None)
+    extra = rel.cuda.get(plan.torch.cuda.split(".")[0]) if rel else None
+    return {fa.package: [extra]} if extra else {}
 
 
 def _extras(names: list[str] | None) -> str:
@@ -136,6 +163,8 @@ def pyproject_text(plan: Plan, sources: Sources, envtool_wheel: str, no_build: l
         indexes.append((f"pytorch-{plan.torch.variant}", torch_index, "explicit = true"))
     fa = plan.flash_attn
     fa_index = f"pytorch-{plan.torch.variant}"  # an index-hosted wheel (flash-attn-3) comes from the torch index
+    if fa is not None and fa.index_url == PYPI_SIMPLE:  # flash-attn-4: the environment's own index, like the stack
+        fa = None
     if fa is not None and fa.index_url and fa.index_url != torch_index:
         fa_index = f"{fa.package}-index"
         indexes.append((fa_index, fa.index_url, "explicit = true"))

@@ -114,6 +114,7 @@ class AttentionBackend(NamedTuple):
     max_cc: str | None = None
     note: str = ""
     packing: str = "bool_mask"  # how the trainer keeps packed sequences apart (see attention.toml's header)
+    auto_when_final: bool = False  # picked on its own once its [[impl]] has a final release recorded (beta before)
 
 
 class FlashAttnImpl(NamedTuple):
@@ -123,6 +124,9 @@ class FlashAttnImpl(NamedTuple):
     source: str
     min_cuda: str | None = None
     handles: list[str] = []  # what its varlen kernel does that torch's varlen_attn cannot (the trainer's words)
+    owns: list[str] = []  # import paths its wheels install (flash_attn/cute): two owners never share an environment
+    owns_source: str = ""
+    min_transformers: str | None = None  # the first transformers that runs its backend (flash_attention_4: 5.4.0)
 
 
 class FlashAttnRelease(NamedTuple):
@@ -142,7 +146,7 @@ class FlashAttnRelease(NamedTuple):
     exclude: list[str] = []  # "torch2.4-py3.13" combinations without a wheel
     min_torch: str | None = None  # every torch from this major.minor on (a libtorch-stable-ABI wheel)
     min_python: str | None = None  # every Python from this one on (an abi3 wheel)
-    index: str | None = None  # "torch": the wheel is on the PyTorch index of the torch build's variant
+    index: str | None = None  # "torch": on the PyTorch index of the torch build's variant; "pypi": on PyPI
     variants: list[str] = []  # index rows: the torch variants whose index folder holds the wheel
     platform_tags: dict[str, str] = {}  # platform -> the wheel's platform tag ({platform_tag})
 
@@ -195,6 +199,8 @@ class Package(NamedTuple):
     torch: str | None = None  # range; None: any
     extras: list[str] = []
     not_on: dict[str, str] = {}  # backend -> why it is left out
+    requires: dict[str, str] = {}  # a stack package -> the range this release requires of it (vllm: transformers)
+    cuda: str | None = None  # the CUDA major of the torch build it needs (vllm's kernels: "13"); None: any
 
 
 class Xformers(NamedTuple):
@@ -322,6 +328,34 @@ class Matrix(NamedTuple):
 
     def backend(self, name: str) -> AttentionBackend:
         return next(b for b in self.attention if b.name == name)
+
+    def attention_name(self, name: str | None) -> str | None:
+        """A backend as `--attention` names it: its attention.toml name, or its flash_attn.toml [[impl]] name
+        (fa2, fa3, fa4) for the backend that implementation's wheels provide."""
+        return next((i.attention for i in self.flash_attn_impls if i.name == name), name)
+
+    def newest_flash_attn(self, impl: str) -> FlashAttnRelease | None:
+        """The newest recorded release of a flash-attn implementation (pre-releases included)."""
+        rows = [r for r in self.flash_attn_releases if r.impl == impl]
+        return max(rows, key=lambda r: Version(r.version), default=None)
+
+    def beta(self, backend: AttentionBackend) -> FlashAttnRelease | None:
+        """The pre-release a backend waits on: for an `auto_when_final` backend whose implementation has no final
+        release recorded, its newest (beta) release; None for every other backend."""
+        newest = self._newest_for(backend)
+        return newest if newest is not None and Version(newest.version).is_prerelease else None
+
+    def _newest_for(self, backend: AttentionBackend) -> FlashAttnRelease | None:
+        if not backend.auto_when_final:
+            return None
+        impl = next((i for i in self.flash_attn_impls if i.attention == backend.name), None)
+        return self.newest_flash_attn(impl.name) if impl else None
+
+    def is_auto(self, backend: AttentionBackend) -> bool:
+        """Whether a plan picks the backend without being asked: `auto`, or `auto_when_final` once its
+        implementation has a final release recorded."""
+        newest = self._newest_for(backend)
+        return backend.auto or (newest is not None and not Version(newest.version).is_prerelease)
 
     def runs_as(self, attention: str, packing: str, torch_version: str) -> str:
         """The attention the trainer runs for a plan's `attention` and `packing`, as the plan table, the docs'
@@ -704,24 +738,27 @@ def _check_attention(m: Matrix, rule: _Rules) -> None:
     for i in m.flash_attn_impls:
         if i.attention not in backends:
             rule.fail(f"flash_attn.toml [[impl]] ({i.name}): attention {i.attention!r} has no attention.toml row")
+        if i.owns and not i.owns_source:
+            rule.fail(f"flash_attn.toml [[impl]] ({i.name}): `owns` needs `owns_source` (where the file list was read)")
     for fa in m.flash_attn_releases:
         where = f"flash_attn.toml [[release]] (version={fa.version})"
         rule.version(fa.version, where)
         if fa.impl not in impls:
             rule.fail(f"{where}: impl {fa.impl!r} has no [[impl]] row")
         rule.platforms(fa.platforms, where)
-        if bool(fa.torch) == bool(fa.min_torch):
+        if bool(fa.torch) == bool(fa.min_torch) and not (fa.index == "pypi" and not fa.torch):
             rule.fail(f"{where}: give either `torch` (the releases with a wheel) or `min_torch` (every one from it on)")
         if bool(fa.python) == bool(fa.min_python):
             rule.fail(f"{where}: give either `python` or `min_python`")
         for value in filter(None, (fa.min_torch, fa.min_python)):
             rule.version(value, where)
-        if fa.index is None:
+        if fa.index is None or fa.index == "pypi":
             if not fa.cuda or fa.variants:
-                rule.fail(f"{where}: a wheel at a URL needs `cuda` (CUDA major -> filename tag) and no `variants`")
+                rule.fail(f"{where}: a wheel at a URL or on PyPI needs `cuda` (CUDA major -> filename tag or extra) "
+                          "and no `variants`")
         else:
             if fa.index != "torch":
-                rule.fail(f"{where}: index {fa.index!r}: the only index a release row can name is \"torch\"")
+                rule.fail(f"{where}: index {fa.index!r}: a release row names index \"torch\" or \"pypi\"")
             if not fa.variants or fa.cuda:
                 rule.fail(f"{where}: a wheel on the PyTorch index needs `variants` (the index folders) and no `cuda`")
         if "{platform_tag}" in fa.filename:

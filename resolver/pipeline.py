@@ -66,7 +66,8 @@ def make_plans(opts: PlanOptions) -> list[Plan]:
             platform = "arm64"
         req = Request(gpu=t.gpu, driver=t.driver, python=opts.python or host_python(),
                       platform=platform, torch=opts.torch, cuda=opts.cuda,
-                      flash_attn=opts.flash_attn, no_flash_attn=opts.no_flash_attn, attention=opts.attention,
+                      flash_attn=opts.flash_attn, no_flash_attn=opts.no_flash_attn,
+                      attention=m.attention_name(opts.attention),
                       target=t.label, notes=notes)
         plans.append(solve(req, m))
     pins = command_line_pins(opts)

@@ -28,6 +28,10 @@ class TorchChoice(NamedTuple):
     rocm: str | None = None  # the ROCm release a ROCm build bundles ("7.2")
 
 
+PYPI_SIMPLE = "https://pypi.org/simple/"  # a FlashAttnChoice.index_url for a wheel on PyPI (flash-attn-4): the lock
+# takes it from the environment's package index, as the rest of the stack (PyPI, or the --index-url replacing it)
+
+
 class FlashAttnChoice(NamedTuple):
     version: str
     package: str

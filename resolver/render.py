@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from packaging.version import Version
 from rich.console import Console
 from rich.table import Table
 
 from .matrix import Matrix, load
-from .plan import Plan
+from .plan import PYPI_SIMPLE, Plan
 
 
 def plan_table(plan: Plan, explain: bool = False, console: Console | None = None) -> None:
@@ -42,6 +43,9 @@ def plan_table(plan: Plan, explain: bool = False, console: Console | None = None
     table.add_row("packing", packing)
     if plan.flash_attn:
         where = f"  (from the index {plan.flash_attn.index_url})" if plan.flash_attn.index_url else ""
+        if plan.flash_attn.index_url == PYPI_SIMPLE:
+            beta = ", beta: a pre-release" if Version(plan.flash_attn.version).is_prerelease else ""
+            where = f"  (from PyPI{beta})"
         table.add_row("flash-attn", f"{plan.flash_attn.wheel_url}{where}" if not where
                       else f"{plan.flash_attn.package}=={plan.flash_attn.version}{where}")
     table.add_row("precision", plan.precision)

@@ -12,6 +12,7 @@ import os
 from functools import lru_cache
 from typing import NamedTuple
 
+from packaging.utils import canonicalize_name
 from packaging.version import InvalidVersion, Version
 
 from .errors import BadInput, Unsatisfiable
@@ -23,7 +24,7 @@ from .matrix import (CudnnSdpa, FlashAttnImpl, FlashAttnRelease, KernelsRelease,
 from .credentials import strip
 from .matrix import FLASH_ATTN_URL_ENV, PYTHON_RE, TORCH_INDEX_ENV, stack_for  # noqa: F401 (also read from here)
 from .matrix import prefix_match as _prefix_match
-from .plan import FlashAttnChoice, Plan, Rejected, TorchChoice
+from .plan import PYPI_SIMPLE, FlashAttnChoice, Plan, Rejected, TorchChoice
 
 PLATFORMS = ("x86_64", "aarch64")
 
@@ -91,7 +92,8 @@ def check_request(req: Request, m: Matrix) -> None:
         raise BadInput(f"--platform {req.platform!r}: choose one of {', '.join(PLATFORMS)}")
     names = [b.name for b in m.attention]
     if req.attention and req.attention not in names:
-        raise BadInput(f"--attention {req.attention!r}: choose one of {', '.join(names)}")
+        aliases = ", ".join(f"{i.name} ({i.attention})" for i in m.flash_attn_impls)
+        raise BadInput(f"--attention {req.attention!r}: choose one of {', '.join(names)} (or {aliases})")
     for flag, value in (("--torch", req.torch), ("--cuda", req.cuda), ("--flash-attn", req.flash_attn)):
         if value is None:
             continue
@@ -299,14 +301,14 @@ def wheel_fits(rel: FlashAttnRelease, req: Request, c: Candidate) -> bool:
     if rel.min_torch:
         if _v(torch_mm) < _v(rel.min_torch):
             return False
-    elif torch_mm not in rel.torch:
+    elif rel.torch and torch_mm not in rel.torch:  # (a PyPI row without either: its Requires-Dist pins no torch)
         return False
     if rel.min_python:
         if _v(py) < _v(rel.min_python):
             return False
     elif py not in rel.python:
         return False
-    if rel.index is not None:
+    if rel.index == "torch":
         if c.variant not in rel.variants:
             return False
     elif c.cuda.split(".")[0] not in rel.cuda:
@@ -317,6 +319,9 @@ def wheel_fits(rel: FlashAttnRelease, req: Request, c: Candidate) -> bool:
 
 def _wheel_range(rel: FlashAttnRelease) -> str:
     """What a release publishes wheels for, for the reasons: 'torch 2.4-2.8, CUDA 12' / 'torch >= 2.9 in cu126, ...'."""
+    if rel.index == "pypi":
+        torch = f"torch >= {rel.min_torch}" if rel.min_torch else "any torch"
+        return f"{torch}, CUDA {'/'.join(rel.cuda)}, Python >= {rel.min_python}, {'/'.join(rel.platforms)} (PyPI)"
     if rel.index is not None:
         torch = f"torch >= {rel.min_torch}" if rel.min_torch else f"torch {rel.torch[0]}-{rel.torch[-1]}"
         return f"{torch} builds {', '.join(rel.variants)} on {'/'.join(rel.platforms)}"
@@ -326,8 +331,12 @@ def _wheel_range(rel: FlashAttnRelease) -> str:
 
 def find_flash_attn(req: Request, m: Matrix, c: Candidate) -> None:
     """Attach the newest prebuilt flash-attn wheel that exists for this candidate, or why there is none."""
-    usable = [i for i in m.flash_attn_impls if gpu_can_run(m, i, req.gpu)]
     pinned = {i.attention: i for i in m.flash_attn_impls}.get(req.attention or "")
+    if pinned is None and req.flash_attn:  # --flash-attn VERSION: that release's implementation
+        pinned = next((m.flash_attn_impl(r.impl) for r in m.flash_attn_releases if r.version == req.flash_attn), None)
+    # a beta implementation (flash-attn-4 while it has pre-releases only) only when asked for
+    usable = [i for i in m.flash_attn_impls if gpu_can_run(m, i, req.gpu)
+              and (i is pinned or m.is_auto(m.backend(i.attention)))]
     if pinned is not None:  # --attention flash_attention_N: only that implementation's wheels
         usable = [i for i in usable if i is pinned]
     if req.no_flash_attn or not usable or c.build is None:
@@ -340,6 +349,12 @@ def find_flash_attn(req: Request, m: Matrix, c: Candidate) -> None:
                     if r.impl == impl.name and (not req.flash_attn or r.version == req.flash_attn)]
         if impl.min_cuda and Version(c.cuda) < Version(impl.min_cuda):
             c.fa_missing[impl.name] = f"{impl.package} needs CUDA >= {impl.min_cuda}, not {c.cuda}"
+            continue
+        stack = stack_for(m, c.release.version, py) if impl.min_transformers else None
+        transformers = stack.packages.get("transformers") if stack else None
+        if impl.min_transformers and (transformers is None or _v(transformers) < _v(impl.min_transformers)):
+            c.fa_missing[impl.name] = (f"{impl.attention} needs transformers >= {impl.min_transformers}; torch "
+                                       f"{torch_mm} + Python {py} takes transformers {transformers or '(none)'}")
             continue
         fits = [r for r in releases if wheel_fits(r, req, c)]
         found += [(_v(r.version), impl, r) for r in fits]
@@ -356,8 +371,9 @@ def find_flash_attn(req: Request, m: Matrix, c: Candidate) -> None:
         if len(c.fa_missing) == 1 or pinned is not None:
             c.flash_attn_missing = next(iter(c.fa_missing.values()), c.flash_attn_missing)
         return
-    # FA3 before FA2 where both exist (Hopper), then the newest release.
-    _, impl, rel = max(found, key=lambda f: (f[1].name, f[0]))
+    # FA3 before FA2 where both exist (Hopper), then the newest release (attention.toml's order decides the rest).
+    first = min(_tier(m, f[1].attention) for f in found)
+    _, impl, rel = max((f for f in found if _tier(m, f[1].attention) == first), key=lambda f: f[0])
     c.flash_attn = flash_attn_choice(req, m, c, impl, rel)
     c.flash_attn_impl = impl
 
@@ -374,6 +390,10 @@ def flash_attn_choice(req: Request, m: Matrix, c: Candidate, impl: FlashAttnImpl
         index = torch_index_url(m, c.variant)
         return FlashAttnChoice(version=rel.version, package=impl.package, filename=filename,
                                wheel_url=f"{index.rstrip('/')}/{filename}", index_url=index)
+    if rel.index == "pypi":  # installed from the environment's package index like the stack (PyPI, or its mirror)
+        page = f"{PYPI_SIMPLE}{canonicalize_name(impl.package)}/"
+        return FlashAttnChoice(version=rel.version, package=impl.package, filename=filename, wheel_url=page,
+                               index_url=PYPI_SIMPLE)
     template = strip(os.environ.get(FLASH_ATTN_URL_ENV)) or m.flash_attn_url  # a plan never holds a credential
     return FlashAttnChoice(version=rel.version, package=impl.package, filename=filename,
                            wheel_url=template.format(version=rel.version, filename=filename))
@@ -473,7 +493,7 @@ def _attention_for(req: Request, m: Matrix, c: Candidate) -> Attention:
                          short=backend.transformers)
     passed_over = []
     for i, backend in enumerate(m.attention):
-        if not backend.auto:
+        if not m.is_auto(backend):
             continue
         if not backend_runs_on(backend, gpu.compute_capability):
             passed_over.append(f"{backend.name} (needs {'a CUDA GPU' if gpu.is_cpu else backend_range(backend)})")
@@ -684,6 +704,7 @@ def build_plan(req: Request, m: Matrix, best: Candidate, survivors: list[Candida
     chosen, why = choose_attention(req, m, best)
     attention = chosen.backend
     reasons.append(why)
+    reasons.extend(beta_reasons(req, m, best, chosen))
     reasons.extend(attention_alternatives(req, m, best, chosen, survivors))
     mask_without_cudnn, why = cudnn_reason(req, m, best, chosen)
     if why:
@@ -856,8 +877,41 @@ def _skipped(gpu: GpuSpec, choice: Attention) -> str:
 def _fa_reason(gpu: GpuSpec, backend, best: Candidate) -> str:
     fa = best.flash_attn
     where = f" from the PyTorch index {fa.index_url}" if fa.index_url else ""
-    return (f"{backend.name}: {gpu.describe()} runs it (needs {backend_range(backend)}); exact prebuilt wheel "
+    if fa.index_url == PYPI_SIMPLE:
+        where = " from PyPI (or the --index-url that replaces it)"
+    beta = (f" (beta: {fa.package} {fa.version} is a pre-release; plans take it only when asked)"
+            if Version(fa.version).is_prerelease else "")
+    return (f"{backend.name}{beta}: {gpu.describe()} runs it (needs {backend_range(backend)}); exact prebuilt wheel "
             f"{fa.filename}{where}")
+
+
+def beta_reasons(req: Request, m: Matrix, best: Candidate, chosen: Attention) -> list[str]:
+    """For each beta backend (attention.toml `auto_when_final`, its implementation's releases all pre-releases) that
+    runs on this GPU, in a plan that asked for no backend: when a plan would pick it by default, one line. It ranks where its
+    attention.toml row stands: before the chosen backend, it would be chosen here once a final release is recorded
+    (and its wheel fits this torch build); after it, it would not be."""
+    lines = []
+    for i, backend in enumerate(m.attention):
+        rel = m.beta(backend)
+        if rel is None or req.attention or req.gpu.is_cpu \
+                or not backend_runs_on(backend, req.gpu.compute_capability):
+            continue
+        impl = next(x for x in m.flash_attn_impls if x.attention == backend.name)
+        ask = f"--attention {backend.name} (or {impl.name}) takes it now"
+        head = (f"{backend.name} (beta): not picked on its own while {impl.package}'s newest release {rel.version} is "
+                f"a pre-release")
+        if i > chosen.tier:
+            lines.append(f"{head}; on {req.gpu.describe()} it would not be chosen by default even once final: it ranks "
+                         f"after {chosen.describe()} (attention.toml order); {ask}")
+        elif req.no_flash_attn:
+            lines.append(f"{head}; --no-flash-attn rules it out here; without it, {ask}")
+        elif best.build is None or not wheel_fits(rel, req, best):
+            lines.append(f"{head}; its wheel does not fit {best.label} + Python {req.python} ({_wheel_range(rel)}), "
+                         f"so it would not be chosen here either")
+        else:
+            lines.append(f"{head}; it would be chosen by default on {req.gpu.describe()}, before {chosen.describe()}, "
+                         f"once a final {impl.package} release is recorded (envtool matrix update reads PyPI); {ask}")
+    return lines
 
 
 def attention_alternatives(req: Request, m: Matrix, best: Candidate, chosen: Attention,

@@ -10,7 +10,13 @@ What is regenerated (everything else in matrices/ is hand-checked and kept as it
 - packages.toml [[triton_release]] (where the schema has it): `python` and `platforms` from triton's wheels,
   and a row for a triton a torch row newly pins;
 - packages.toml: each [[stack]] row's package versions: the newest release whose Requires-Python admits the
-  row's lowest Python.
+  row's lowest Python;
+- packages.toml [[package]] rows of vllm (GRPO's generation server): one row per distinct (Requires-Dist torch,
+  transformers, Requires-Python, CUDA major of its kernels) among the releases from packages.toml `vllm_floor` on,
+  the newest release of each, read from its Linux wheel's METADATA;
+- flash_attn.toml release rows on PyPI (`index = "pypi"`, flash-attn-4): `version` (the newest release, pre-releases
+  included while there is no final one), `min_python` (its Requires-Python), `min_torch` (its Requires-Dist torch
+  floor, none where it pins no version) and `cuda` (a major per `Provides-Extra: cuNN`).
 What needs a human is reported as "needs review" and not written: new xformers releases and post-releases
 (their arch list),
 new flash-attn releases (their wheel matrix comes from the publish workflow), rows PyPI does not know.
@@ -138,6 +144,7 @@ def regenerate(data: dict[str, dict], client: Client, *, date: str, torch_index:
         _triton_releases(data, client, date, report)
     step("flash-attn")
     _flash_attn(data["flash_attn"], client, report)
+    _flash_attn_pypi(data["flash_attn"], client, report)
     if torch_index:
         step("flash-attn-3 on the PyTorch index")
         try:
@@ -150,6 +157,9 @@ def regenerate(data: dict[str, dict], client: Client, *, date: str, torch_index:
     if "kernels_release" in data["packages"]:
         step("kernels")
         _kernels(data["packages"], client, date, report)
+    if "vllm_floor" in data["packages"]:
+        step("vllm")
+        _vllm(data["packages"], client, date, report)
     return report
 
 
@@ -407,6 +417,60 @@ def _flash_attn(data: dict, client: Client, report: Report) -> None:
                                          "GitHub release assets; `envtool matrix verify` checks the URLs once added"))
 
 
+def _flash_attn_pypi(data: dict, client: Client, report: Report) -> None:
+    """Release rows on PyPI (`index = "pypi"`: flash-attn-4, one py3-none-any wheel): the row follows the project's
+    newest release -- its final releases once it has one (which ends the backend's beta: attention.toml
+    `auto_when_final`), else its newest pre-release -- with its Requires-Python."""
+    packages = {i["name"]: i["package"] for i in data.get("impl", [])}
+    for i, row in enumerate(data.get("release", [])):
+        if row.get("index") != "pypi":
+            continue
+        package = packages[row["impl"]]
+        project = client.project(package)
+        wheels = sorted((r for r in project.releases.values() if r.files and not r.yanked), key=lambda r: r.version)
+        newest = project.final()[-1] if project.final() else (wheels[-1] if wheels else None)
+        name = f"{package} {row['version']}"
+        if newest is None:
+            report.reviews.append(Review("flash_attn.toml", name, "PyPI lists no wheel of it"))
+            continue
+        if newest.version > Version(row["version"]):
+            kind = "final release" if not newest.version.is_prerelease else "release (pre-releases only so far)"
+            report.changes.append(Change("flash_attn.toml", "release", i, name, "version", row["version"],
+                                         str(newest.version), f"{package}'s newest {kind} on PyPI"))
+        floor = _lowest_python(newest.requires_python) if newest.requires_python else None
+        if floor and floor != row.get("min_python"):
+            report.changes.append(Change("flash_attn.toml", "release", i, name, "min_python", row.get("min_python"),
+                                         floor, f"{package} {newest.version}'s Requires-Python "
+                                                f"{newest.requires_python}"))
+        _pypi_wheel_floors(client, package, newest, i, row, report)
+
+
+def _pypi_wheel_floors(client: Client, package: str, release: Release, i: int, row: dict, report: Report) -> None:
+    """A PyPI release row's torch floor and CUDA extras, from its wheel's METADATA: `min_torch` from a
+    `Requires-Dist torch>=X.Y` (none where it pins no version), and `cuda` keeps the recorded majors and adds one
+    per `Provides-Extra: cuNN` (flash-attn-4[cu13])."""
+    wheel = any_wheel(release)
+    if wheel is None:
+        return
+    message = client.metadata(package, wheel)
+    name = f"{package} {row['version']}"
+    torch = requirement(message, "torch")
+    lower = re.search(r">=\s*(\d+\.\d+)", torch.specifier) if torch else None
+    min_torch = lower.group(1) if lower else None
+    if min_torch != row.get("min_torch"):
+        report.changes.append(Change("flash_attn.toml", "release", i, name, "min_torch", row.get("min_torch"),
+                                     min_torch, f"{package} {release.version}'s Requires-Dist torch"
+                                                f"{torch.specifier if torch else ' (none)'}"))
+    cuda = dict(row.get("cuda", {}))
+    for extra in message.get_all("Provides-Extra") or []:
+        m = re.fullmatch(r"cu(\d\d)", extra)
+        if m:
+            cuda[m.group(1)] = extra
+    if cuda != dict(row.get("cuda", {})):
+        report.changes.append(Change("flash_attn.toml", "release", i, name, "cuda", row.get("cuda"), cuda,
+                                     f"{package} {release.version}'s Provides-Extra (its CUDA builds)"))
+
+
 def _flash_attn_index(data: dict, client: Client, torch_index: str, report: Report) -> None:
     """Release rows on the PyTorch index (`index = "torch"`): the index's own project page, across all variant
     folders (download.pytorch.org/whl/flash-attn-3/ links /whl/<variant>/<file>), says which folders and
@@ -499,6 +563,85 @@ def _kernels(data: dict, client: Client, date: str, report: Report) -> None:
         report.reviews.append(Review("packages.toml", f"transformers {version}",
                                      "no [[kernels_requirement]] row: Hub kernel plans with this stack are refused "
                                      "until its Requires-Dist kernels (extra 'kernels') is recorded"))
+
+
+VLLM_NOT_ON = {"cpu": "vLLM's PyPI wheels are CUDA builds; GRPO's trainer only talks to a vLLM server over HTTP "
+                      "(trl.vllm_server_host), which runs on a CUDA machine of its own",
+               "rocm": "vLLM's PyPI wheels are CUDA builds (its ROCm builds are not on PyPI)",
+               "xpu": "vLLM's PyPI wheels are CUDA builds", "mps": "vLLM's PyPI wheels are CUDA builds"}
+
+
+class VllmFacts(NamedTuple):
+    torch: str  # its Requires-Dist torch specifier ("==2.13.0")
+    transformers: str  # its Requires-Dist transformers specifier
+    python: str  # Requires-Python
+    cuda: str | None  # the CUDA major its kernels are built for (cu13 extras / -cu13 packages it requires)
+    evidence: str  # the requirements that say so
+
+
+def vllm_facts(client: Client, release: Release) -> VllmFacts | None:
+    """What a vLLM release's Linux x86_64 wheel METADATA says decides whether it installs beside a plan."""
+    # start-up: packaging imported only when this runs
+    from packaging.requirements import InvalidRequirement, Requirement
+
+    wheel = linux_wheel(release)
+    if wheel is None:
+        return None
+    message = client.metadata("vllm", wheel)
+    found = {}
+    cuda = set()
+    evidence = []
+    for line in message.get_all("Requires-Dist") or []:
+        try:
+            req = Requirement(line)
+        except InvalidRequirement:
+            continue
+        if req.marker is not None and "extra" in str(req.marker):
+            continue
+        found.setdefault(canonicalize_name(req.name), str(req.specifier))
+        for tag in [*req.extras, req.name]:
+            m = re.search(r"(?:^|-)cu(\d\d)\d?$", tag)
+            if m:
+                cuda.add(m.group(1))
+                evidence.append(str(req))
+    if "torch" not in found:
+        return None
+    major = next(iter(cuda)) if len(cuda) == 1 else None
+    return VllmFacts(found["torch"], found.get("transformers", ""), message.get("Requires-Python") or "",
+                     major, ", ".join(evidence[:3]))
+
+
+def _vllm(data: dict, client: Client, date: str, report: Report) -> None:
+    """vLLM for GRPO configs with trl.use_vllm: the newest release of each distinct (torch pin, transformers range,
+    Requires-Python, CUDA major) from `vllm_floor` on becomes a [[package]] row (plans take the
+    first, newest first, that admits their torch, stack and Python: trainer/features.py `pin`)."""
+    rows = [r for r in data.get("package", []) if r["name"] == "vllm"]
+    recorded = {Version(r["version"]) for r in rows}
+    floor = Version(data["vllm_floor"])
+    groups: dict[tuple, tuple[Release, VllmFacts]] = {}
+    for release in client.project("vllm").final():
+        if release.version < floor:
+            continue
+        facts = vllm_facts(client, release)
+        if facts is not None:
+            groups[facts[:4]] = (release, facts)  # oldest first: the newest of each group stays
+    for release, facts in sorted(groups.values(), key=lambda g: g[0].version, reverse=True):
+        if release.version in recorded:
+            continue
+        fields = {"name": "vllm", "version": str(release.version), "python": facts.python, "torch": facts.torch}
+        if facts.transformers:
+            fields["requires"] = {"transformers": facts.transformers}
+        if facts.cuda:
+            fields["cuda"] = facts.cuda
+        fields.update(backends=["cuda"], not_on=dict(VLLM_NOT_ON), source=(
+            f"added by envtool matrix update from PyPI metadata on {date} (vllm {release.version}'s "
+            f"{linux_wheel(release).filename} METADATA: Requires-Dist torch{facts.torch}"
+            f"{', transformers' + facts.transformers if facts.transformers else ''}, Requires-Python {facts.python}; "
+            f"CUDA {facts.cuda or 'unverified'}{' from ' + facts.evidence if facts.cuda else ''}; the newest "
+            f"release with these pins)"))
+        report.additions.append(Addition("packages.toml", "package", f"vllm {release.version}", fields,
+                                         "the newest vLLM release with its torch pin, transformers range, "
+                                         "Requires-Python and CUDA major"))
 
 
 # Packages whose wheel declares, beside Requires-Dist, the versions of other packages it checks at run time
@@ -714,6 +857,10 @@ def apply(directory: Path, report: Report, *, date: str) -> dict[str, tuple[str,
         parent, key = (row[c.field.split(".", 1)[0]], c.field.split(".", 1)[1]) if "." in c.field else (row, c.field)
         if c.new is None:
             parent.pop(key, None)
+        elif isinstance(c.new, dict):  # written as the hand-made rows are: cuda = { "12" = "", "13" = "cu13" }
+            inline = tomlkit.inline_table()
+            inline.update(c.new)
+            parent[key] = inline
         else:
             parent[key] = c.new
         touched.setdefault((c.file, c.table, c.index), []).append(c.field.split(".")[-1])
@@ -726,6 +873,10 @@ def apply(directory: Path, report: Report, *, date: str) -> dict[str, tuple[str,
     for a in report.additions:
         table = tomlkit.table()
         for key, value in a.fields.items():
+            if isinstance(value, dict):  # written as the hand-made rows are: not_on = { cpu = "..." }
+                inline = tomlkit.inline_table()
+                inline.update(value)
+                value = inline
             table[key] = value
         table.trivia.indent = "\n"
         if a.table == "release.build":  # after the row's last build, which ends with a blank line already

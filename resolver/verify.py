@@ -30,6 +30,7 @@ from packaging.version import Version
 from . import matrix as matrix_module
 from .errors import EnvtoolError
 from .matrix import Matrix, in_range, pythons
+from .plan import PYPI_SIMPLE
 from .upstream import Client, UpstreamError, parse_project
 from .upstream import pypi_url as resolve_pypi_url
 
@@ -61,6 +62,9 @@ def checks(m: Matrix, *, torch_index: str, pypi: str) -> list[Check]:
                                      page, ("torch", r.version, variant, py, machine)))
     # flash-attn: what the solver names
     for (url, match), what in flash_attn_wheels(m).items():
+        if match and url.startswith(PYPI_SIMPLE):  # on PyPI (flash-attn-4): its JSON project page, at --pypi-url
+            out.append(Check("pypi", what, f"{pypi}/pypi/{canonicalize_name(match[0])}/json", match))
+            continue
         out.append(Check("flash-attn index" if match else "flash-attn wheel", what, url, match))
     # PyPI: pinned versions
     pinned: dict[tuple[str, str], str] = {}
@@ -192,7 +196,8 @@ def wheel_matches(filename: str, name: str, version: str, local: str | None, pyt
         if not any(runs(t) for t in tags):
             return False
     if machine is not None:
-        if not any(t.platform.startswith(("manylinux", "linux")) and t.platform.endswith(machine) for t in tags):
+        if not any(t.platform == "any" or (t.platform.startswith(("manylinux", "linux")) and t.platform.endswith(machine))
+                   for t in tags):  # (a pure-Python wheel, flash-attn-4's, installs on every machine)
             return False
     return True
 

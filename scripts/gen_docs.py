@@ -81,12 +81,14 @@ PLAN_FIELDS: dict[str, tuple[str, str]] = {
                             "with `packing: varlen` runs as torch's own `varlen_attn` (what the plan table, the "
                             "docs' tables and the dry run's `trainer:` line name)"),
     "flash_attn": ("object or null", "the exact prebuilt flash-attn wheel; null when none is planned"),
-    "flash_attn.version": ("string", "\"2.8.3\", \"3.0.0\""),
-    "flash_attn.package": ("string", "`flash-attn`, `flash-attn-3`"),
+    "flash_attn.version": ("string", "\"2.8.3\", \"3.0.0\", \"4.0.0b40\" (a pre-release: flash-attn-4 is beta)"),
+    "flash_attn.package": ("string", "`flash-attn`, `flash-attn-3`, `flash-attn-4`"),
     "flash_attn.filename": ("string", "the wheel's file name"),
     "flash_attn.wheel_url": ("string", "where the wheel is"),
     "flash_attn.index_url": ("string or null", "the package index uv takes it from (flash-attn-3: the torch build's "
-                                               "PyTorch index); null for a wheel taken by its URL (1.1)"),
+                                               "PyTorch index; flash-attn-4: `https://pypi.org/simple/`, installed "
+                                               "from the environment's own index like the stack); null for a wheel "
+                                               "taken by its URL (1.1)"),
     "packing": ("string", "how packed rows are kept apart: `varlen` (cu_seqlens, no mask: flash-attn 2/3 or torch's "
                           "`varlen_attn`) or `mask` (a block-diagonal mask) (1.1)"),
     "mask_without_cudnn": ("bool", "true where this build puts cuDNN SDPA first on this GPU: masked SDPA calls "

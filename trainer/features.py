@@ -138,6 +138,14 @@ def _mistral(cfg, plan) -> list[Use]:
     return [Use("tokenizer_use_mistral_common: true")] if cfg.tokenizer_use_mistral_common else []
 
 
+def _vllm(cfg, plan) -> list[Use]:
+    """GRPO/GDPO with trl.use_vllm: true asks for a vLLM server; the plan carries vllm for it."""
+    # start-up: trainer.config.grpo imported only when this runs
+    from trainer.config.grpo import GENERATING_METHODS
+
+    return [Use("trl.use_vllm: true")] if cfg.rl in GENERATING_METHODS and cfg.trl and cfg.trl.use_vllm else []
+
+
 def _gguf(cfg, plan) -> list[Use]:
     """The export step `next_steps` offers after a run (trainer/setup.py): every model that generates, unless its
     local config.json names a family the exporter does not write (a hub model: offered, the exporter decides)."""
@@ -398,26 +406,42 @@ def backend_refusal(package: str, kind: str) -> str | None:
 
 
 def pin(package: str, plan: dict) -> Pin | None:
-    """The packages.toml [[package]] row a plan takes for `package`: the first (rows newest first) whose `torch`,
-    `python` and `backends` admit the plan's. None when the package has no [[package]] rows (a [[stack]] package:
-    the plan's stack row decides). Pin(None, why) when it has rows and none admits this plan: the one line the
-    dry-run refuses with."""
-    rows = [r for r in facts.rows("packages", "package") if r["name"] == package]
+    """The packages.toml [[package]] row a plan takes for `package`: the newest whose `torch`, `python`, `backends`,
+    `requires` (what it requires of the plan's stack: vllm's transformers range) and `cuda` (the torch build's
+    CUDA major) admit the plan's. None when the package has no [[package]] rows (a [[stack]] package: the plan's
+    stack row decides). Pin(None, why) when it has rows and none admits this plan: the one line the dry-run
+    refuses (or, for a package of a later step, notes) with."""
+    # start-up: packaging imported only when this runs
+    from packaging.version import Version
+
+    rows = sorted((r for r in facts.rows("packages", "package") if r["name"] == package),
+                  key=lambda r: Version(r["version"]), reverse=True)
     if not rows:
         return None
     torch = plan["torch"]
     backend = torch.get("backend") or ("cpu" if torch.get("cuda") is None else "cuda")
     version = str(torch["version"]).split("+")[0]
+    stack = plan.get("packages") or {}
+    cuda = str(torch.get("cuda") or "").split(".")[0] or None
     for row in rows:
         if (backend in row["backends"] and _admits(version, row.get("torch"))
-                and _admits(plan["python"], row.get("python"))):
+                and _admits(plan["python"], row.get("python"))
+                and all(name in stack and _admits(stack[name], spec) for name, spec in row.get("requires", {}).items())
+                and (row.get("cuda") is None or row["cuda"] == cuda)):
             return Pin(row["version"], row["source"], tuple(row.get("extras", ())))
-    where = {r["version"]: r for r in rows}
     newest = rows[0]
     if backend not in newest["backends"]:
         why = newest.get("not_on", {}).get(backend) or f"no recorded {package} release runs on {backend}"
         return Pin(None, f"{package} does not install on {backend} ({why})")
-    ranges = "; ".join(f"{v}: torch {r.get('torch') or 'any'}, Python {r.get('python') or 'any'}"
-                       for v, r in where.items())
-    return Pin(None, f"no recorded {package} release installs beside torch {version} and Python {plan['python']} "
+    ranges = "; ".join(_row_range(r) for r in rows[:4]) + (f"; {len(rows) - 4} older" if len(rows) > 4 else "")
+    needs = sorted({n for r in rows for n in r.get("requires", {})})
+    beside = ", ".join([f"torch {version}" + (f" (CUDA {torch.get('cuda')})" if torch.get("cuda") else ""),
+                        *(f"{n} {stack.get(n, '(none)')}" for n in needs)])
+    return Pin(None, f"no recorded {package} release installs beside {beside} and Python {plan['python']} "
                      f"({ranges})")
+
+
+def _row_range(row: dict) -> str:
+    parts = [f"torch {row.get('torch') or 'any'}", *(f"{n}{spec}" for n, spec in row.get("requires", {}).items()),
+             *([f"CUDA {row['cuda']}"] if row.get("cuda") else []), f"Python {row.get('python') or 'any'}"]
+    return f"{row['version']}: {', '.join(parts)}"

@@ -722,3 +722,45 @@ def test_the_train_extra_is_bounded_by_what_the_stack_installs_together(world):
         name, version = line.split()[:2]
         if name in extra:
             assert not extra[name].contains(Version(version)), f"the train extra admits {line}"
+
+
+@pytest.mark.slow
+def test_vllm_and_flash_attn_4_rows_follow_pypi(world, copy, tmp_path):
+    """A vLLM release with pins no row has yet becomes a [[package]] row read from its wheel's METADATA (torch pin,
+    transformers range, Requires-Python, CUDA 13 kernels); flash-attn-4's PyPI row follows its newest release, and a
+    final one ends its beta (attention.toml auto_when_final: plans then pick it where it ranks first)."""
+    trim_flash_attn(world, copy)
+    with serve(world) as url:
+        make_current(url, copy, tmp_path)
+        doc = tomlkit.parse((copy / "packages.toml").read_text())
+        rows = doc["package"]
+        del rows[next(i for i, r in enumerate(rows) if r["name"] == "vllm" and r["version"] == "0.34.0")]
+        (copy / "packages.toml").write_text(tomlkit.dumps(doc))
+        text = (copy / "flash_attn.toml").read_text()
+        (copy / "flash_attn.toml").write_text(text.replace('version = "4.0.0b40"', 'version = "4.0.0b39"')
+                                              .replace('cuda = { "12" = "", "13" = "cu13" }', 'cuda = { "12" = "" }'))
+        check = update(url, copy, "--check", "--json", tmp=tmp_path)
+        assert check.returncode == 1, check.stdout + check.stderr
+        data = json.loads(check.stdout)
+        added = {a["row"]: a["fields"] for a in data["added"]}
+        assert set(added) == {"vllm 0.34.0"}, added
+        fields = added["vllm 0.34.0"]
+        assert (fields["torch"], fields["requires"], fields["cuda"], fields["python"]) == (
+            "==2.14.0", {"transformers": "<5.23.0,>=5.16.1"}, "13", "<3.15,>=3.11")
+        assert [(c["row"], c["field"], c["old"], c["new"]) for c in data["changes"]] == [
+            ("flash-attn-4 4.0.0b39", "version", "4.0.0b39", "4.0.0b40"),
+            ("flash-attn-4 4.0.0b39", "cuda", {"12": ""}, {"12": "", "13": "cu13"})]  # its Provides-Extra: cu13
+        assert update(url, copy, tmp=tmp_path).returncode == 0
+        m = matrix_module._load(copy)
+        row = next(p for p in m.packages if p.name == "vllm" and p.version == "0.34.0")
+        assert "added by envtool matrix update from PyPI metadata on" in row.source and row.not_on["cpu"]
+        assert m.newest_flash_attn("fa4").version == "4.0.0b40" and not m.is_auto(m.backend("flash_attention_4"))
+        assert m.newest_flash_attn("fa4").cuda == {"12": "", "13": "cu13"} and m.newest_flash_attn("fa4").min_torch is None
+        assert re.search(r'^cuda = \{.*"cu13" ?\}$', (copy / "flash_attn.toml").read_text(), flags=re.M)  # inline
+
+        final = world.pypi["flash-attn-4"]["releases"]["4.0.0b40"]
+        world.pypi["flash-attn-4"]["releases"]["4.0.0"] = [{**f, "filename": f["filename"].replace("4.0.0b40", "4.0.0")}
+                                                           for f in final]
+        assert update(url, copy, tmp=tmp_path).returncode == 0
+    m = matrix_module._load(copy)
+    assert m.newest_flash_attn("fa4").version == "4.0.0" and m.is_auto(m.backend("flash_attention_4"))

@@ -81,7 +81,7 @@ def check(cfg) -> list[str]:
     if cfg.tokenizer_use_mistral_common:
         raise ConfigError("tokenizer_use_mistral_common: not with the diffusion plugin (its mask token is added to a "
                           "transformers tokenizer)")
-    if cfg.requested_attention in ("flash_attention_2", "flash_attention_3"):
+    if (cfg.requested_attention or "").startswith("flash_attention_"):  # FA2, FA3, FA4: causal kernels
         raise ConfigError("diffusion: needs a bidirectional attention mask, which flash-attention does not take; "
                           "set attn_implementation: sdpa (as Axolotl's diffusion examples do) or eager")
     if cfg.diffusion is None:  # the plugin alone: Axolotl's defaults

@@ -69,7 +69,8 @@ class Feature:
     imports: tuple[str, ...]  # the modules the trainer imports for it
     hardware: str  # where it runs (the floors themselves are [[feature]] / [[package]] rows)
     uses: Callable = _nothing  # (cfg, plan dict | None) -> list[Use]; [] when the config does not use it
-    step: str = "train"  # "train", or "export": imported only by `python -m trainer export --format gguf`
+    step: str = "train"  # "train"; "export": imported only by `python -m trainer export --format gguf`; "serve": by a
+    # server run beside training from the same environment (vllm), never by the trainer
     hook: Callable | None = None  # (training) -> Hook | None: its part in the training loop, where it has one
     notes: Callable | None = None  # (cfg, runtime, plan) -> list[str]: on this GPU; raises HardwareError
     line: Callable | None = None  # (cfg) -> "label: text" | None: validate's line about it
@@ -126,6 +127,11 @@ FEATURES: list[Feature] = [
                                           "may change")}),
     Feature("gguf_export", "`python -m trainer export --format gguf`, printed as a next step after training", (),
             ("gguf",), ("gguf",), "any (pure Python)", _at("_gguf"), step="export"),
+    # the trainer imports no vllm (it talks to the server over HTTP: trainer/objectives/grpo_server.py); the plan
+    # installs it for the server, run from the same environment (`vllm serve`), where a vLLM release fits the stack
+    Feature("vllm_server", "vLLM, the generation server GRPO's completions come from (`vllm serve` in this "
+            "environment)", ("trl.use_vllm",), ("vllm",), (), "CUDA GPUs: packages.toml [[package]] vllm rows",
+            _at("_vllm"), step="serve"),
     # the loop's features: no package beyond the training stack, a hook each (in the order the loop calls them)
     Feature("lisa", "LISA: a few randomly drawn layers trained at a time", ("lisa_n_layers",), (), (), "any",
             hook=_at("_lisa_hook")),

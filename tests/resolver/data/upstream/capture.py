@@ -35,12 +35,16 @@ from resolver.upstream import Client, linux_wheel, parse_project
 HERE = Path(__file__).parent
 FLOORS = {"torch": "2.4.0", "xformers": "0.0.28", "flash-attn": "2.7.4", "triton": "3.0.0",
           "transformers": "4.57.0", "peft": "0.17.0", "trl": "0.24.0", "accelerate": "1.10.0", "datasets": "4.4.0",
-          "deepspeed": "0.19.0", "bitsandbytes": "0.48.0", "kernels": "0.9.0"}
+          "deepspeed": "0.19.0", "bitsandbytes": "0.48.0", "kernels": "0.9.0", "vllm": "0.22.0",
+          "flash-attn-4": "4.0.0b39"}
 METADATA_OF = {"torch", "xformers"}
 # The training stack's packages: per release, the members of its wheel `envtool matrix update` reads (METADATA
 # without its long description, and the runtime version table of RUNTIME_TABLES) go to wheels/<filename>.json;
 # the stand-in server rebuilds a wheel of just those members (tests/support/upstream.py).
-WHEELS_OF = {"transformers", "peft", "trl", "accelerate", "datasets", "bitsandbytes"}
+WHEELS_OF = {"transformers", "peft", "trl", "accelerate", "datasets", "bitsandbytes", "vllm", "flash-attn-4"}
+# Projects with pre-releases only (flash-attn-4: 4.0.0b*): their wheels are captured from the pre-releases kept.
+# Their wheel's RECORD is kept too: the files it installs (flash_attn/cute/*) decide which packages clash.
+RECORD_OF = {"flash-attn-4"}
 
 
 def keep_file(name: str, f: dict) -> bool:
@@ -113,7 +117,8 @@ def capture_wheels(client: Client, name: str, project) -> None:
     from resolver.upstream import any_wheel
 
     (HERE / "wheels").mkdir(exist_ok=True)
-    for release in project.final():
+    releases = project.final() or sorted(project.releases.values(), key=lambda r: r.version)
+    for release in releases:
         wheel = any_wheel(release)
         if wheel is None:
             continue
@@ -121,6 +126,8 @@ def capture_wheels(client: Client, name: str, project) -> None:
         text = client.wheel_member(wheel.url, r"[^/]+\.dist-info/METADATA")
         info = f"{wheel.filename.split('-')[0]}-{release.version}.dist-info"
         members[f"{info}/METADATA"] = text.split("\n\n", 1)[0] + "\n\n"
+        if name in RECORD_OF:
+            members[f"{info}/RECORD"] = client.wheel_member(wheel.url, r"[^/]+\.dist-info/RECORD")
         if name in RUNTIME_TABLES:
             path = RUNTIME_TABLES[name].replace("\\", "")
             members[path] = client.wheel_member(wheel.url, RUNTIME_TABLES[name])
