@@ -106,8 +106,9 @@ class TrainingKeys(BaseModel):
     early_stopping_patience: int | None = Field(None, ge=1)  # stop after this many evals without a better eval_loss
     lr_quadratic_warmup: bool = False  # cosine schedule with a quadratic warmup (trainer.optim.schedule)
     do_causal_lm_eval: bool = False  # eval_causal_lm_metrics at every evaluation (trainer.objectives.causal_lm_eval)
-    eval_causal_lm_metrics: list[str] | None = None  # Axolotl's default: sacrebleu, comet, ter, chrf
-    eval_max_new_tokens: int = Field(128, ge=1)  # Axolotl's default; perplexity's window length
+    # sacrebleu, ter, chrf, perplexity (comet refused); unset: sacrebleu, ter, chrf (Axolotl's default less comet)
+    eval_causal_lm_metrics: list[str] | None = None
+    eval_max_new_tokens: int = Field(128, ge=1)  # Axolotl's default; the generations' length, perplexity's window
     # NEFTune: uniform noise of alpha / sqrt(sequence length x hidden size) on the input embeddings while training,
     # transformers' own neftune_noise_alpha (trainer/model/neftune.py)
     # 0 is off: Axolotl passes it to transformers, whose noise alpha / sqrt(L * d) is then 0 (and its deprecated
