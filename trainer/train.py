@@ -313,8 +313,9 @@ class Training:
         self.sync_every = sync_each_batch(cfg)  # accelerator_config: reduce after every micro-batch
         from trainer.objectives.causal_lm_eval import metrics as causal_lm_metrics
 
-        # do_causal_lm_eval's metrics at every evaluation (the main rank writes the generations they score)
-        self.eval_extra = causal_lm_metrics(cfg, tokenizer, self.output_dir if self.main else None, self.step == 0)
+        # do_causal_lm_eval's metrics at every evaluation; the generations they score in a log like metrics.jsonl
+        self.eval_extra = causal_lm_metrics(cfg, tokenizer, lambda name: loggers.MetricsLog(
+            self.output_dir / name, self.main, fresh=self.step == 0, resumed_at=self.step if resume else None))
         self.metrics = loggers.Trackers(loggers.MetricsLog(self.output_dir / "metrics.jsonl", self.main,
                                                            fresh=self.step == 0,
                                                            resumed_at=self.step if resume else None),

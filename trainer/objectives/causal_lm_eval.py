@@ -22,7 +22,8 @@ eval_batch_size at a time and LEFT-padded with an attention mask (Axolotl pads w
 for most, and generates after the padding), and the prediction is exactly the new tokens (Axolotl cuts each row at
 the length of its prompt's original tokens, which keeps pieces of the prompt or drops generated tokens wherever
 decoding, re-tokenizing and padding changed that length). Each evaluation's generations are appended to
-output_dir/eval_generations.jsonl ({step, prompt, prediction, reference}; Axolotl shows none).
+output_dir/eval_generations.jsonl ({step, prompt, prediction, reference}; Axolotl shows none), kept as
+metrics.jsonl is: a new run starts it empty, a resumed one cuts it back to its checkpoint's step.
 
 comet (Unbabel's unbabel-comet package and its Unbabel/wmt22-comet-da model, downloaded from the Hugging Face
 Hub when evaluate loads it) is not computed: listed, it is refused by the config; in the default list
@@ -35,17 +36,18 @@ across ranks with synced_gpus, so sharded weights are safe); the main rank write
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
+from typing import Callable
 
 import torch
 from trainer.batch.labels import IGNORE
 from trainer.config.training import CAUSAL_LM_DEFAULT as DEFAULT
 from trainer.config.training import SACREBLEU_METRICS as GENERATED  # scored on greedy generations
+from trainer.errors import ConfigError
 
 STRIDE = 512
 SUPPORTED = ("perplexity", *GENERATED)
 GENERATIONS = "eval_generations.jsonl"
+INSTALL_HINT = "pip install 'envtool-llm[eval]' (sacrebleu)"
 
 
 def references(validation, tokenizer) -> list[str]:
@@ -135,14 +137,21 @@ def score(metric: str, predictions: list[str], refs: list[str]) -> float:
 
 
 class CausalLMMetrics:
-    def __init__(self, cfg, tokenizer, output_dir: Path | None, fresh: bool):
-        """output_dir: where the generations are written (None: not on this rank); fresh: a new run (not a resume)."""
+    def __init__(self, cfg, tokenizer, open_log: Callable | None):
+        """open_log(file name): the JSON-lines log the generations are appended to (the run's own kind: a new run
+        starts it empty, a resumed one cuts it back to its checkpoint's step; written by the main rank)."""
         self.metrics = list(cfg.eval_causal_lm_metrics or DEFAULT)
         self.max_new_tokens, self.tokenizer = cfg.eval_max_new_tokens, tokenizer
         self.batch_size = cfg.eval_batch_size or cfg.micro_batch_size
-        self.path = Path(output_dir) / GENERATIONS if output_dir is not None else None
-        if self.path is not None and fresh and any(m in GENERATED for m in self.metrics):
-            self.path.unlink(missing_ok=True)
+        scored = [m for m in self.metrics if m in GENERATED]
+        if scored:  # before the first step, not at the first evaluation
+            try:
+                # optional: sacrebleu is installed where the plan asks for it (the causal_lm_eval feature)
+                import sacrebleu  # noqa: F401
+            except ImportError:
+                raise ConfigError(f"eval_causal_lm_metrics: {', '.join(scored)} need the sacrebleu package, which is "
+                                  f"not installed in this environment; install the eval extra: {INSTALL_HINT}") from None
+        self.log = open_log(GENERATIONS) if open_log is not None and scored else None
 
     def __call__(self, model, validation, device, step: int) -> dict:
         prompts, refs = prompts_and_references(validation, self.tokenizer)
@@ -154,14 +163,11 @@ class CausalLMMetrics:
                 if m == "perplexity" else score(m, predictions, refs) for m in self.metrics}
 
     def write(self, step: int, prompts: list[str], predictions: list[str], refs: list[str]) -> None:
-        if self.path is None:
-            return
-        with open(self.path, "a") as f:
+        if self.log is not None:
             for prompt, prediction, reference in zip(prompts, predictions, refs):
-                f.write(json.dumps({"step": step, "prompt": prompt, "prediction": prediction,
-                                    "reference": reference}) + "\n")
+                self.log.write({"step": step, "prompt": prompt, "prediction": prediction, "reference": reference})
 
 
-def metrics(cfg, tokenizer, output_dir: Path | None = None, fresh: bool = True) -> CausalLMMetrics | None:
+def metrics(cfg, tokenizer, open_log: Callable | None = None) -> CausalLMMetrics | None:
     """do_causal_lm_eval: more metrics at every evaluation (None without it)."""
-    return CausalLMMetrics(cfg, tokenizer, output_dir, fresh) if cfg.do_causal_lm_eval else None
+    return CausalLMMetrics(cfg, tokenizer, open_log) if cfg.do_causal_lm_eval else None

@@ -11,6 +11,7 @@ final model's own greedy continuations."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -86,10 +87,11 @@ def test_training_logs_sacrebleu_ter_chrf_of_its_generations(make_config, tmp_pa
 
     from trainer.data.prepare import load_tokenizer, prepare
 
-    config = make_config(datasets=[{"path": str(answers_file(tmp_path / "answers.jsonl")), "type": "alpaca"}],
-                         val_set_size=8, eval_steps=6, max_steps=12, learning_rate=1e-2, micro_batch_size=4,
-                         eval_batch_size=3, do_causal_lm_eval=True, eval_max_new_tokens=10,
-                         eval_causal_lm_metrics=["sacrebleu", "ter", "chrf", "perplexity"])
+    common = dict(datasets=[{"path": str(answers_file(tmp_path / "answers.jsonl")), "type": "alpaca"}],
+                  val_set_size=8, eval_steps=6, save_steps=6, max_steps=12, learning_rate=1e-2, micro_batch_size=4,
+                  eval_batch_size=3, do_causal_lm_eval=True, eval_max_new_tokens=10,
+                  eval_causal_lm_metrics=["sacrebleu", "ter", "chrf", "perplexity"])
+    config = make_config(**common)
     assert main(["train", str(config)]) == 0
     cfg, _ = load_config(config)
     rows = [r for r in read_metrics(cfg.output_dir) if "eval_loss" in r]
@@ -114,13 +116,19 @@ def test_training_logs_sacrebleu_ter_chrf_of_its_generations(make_config, tmp_pa
                                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
         assert tokenizer.decode(out[0, prompt.shape[1]:], skip_special_tokens=True) == w["prediction"]
     assert "Response:" in written[0]["prompt"] and "Response:" not in written[0]["reference"]
+    # resumed from checkpoint-6, the run cuts its generations back to step 6, as metrics.jsonl: each evaluation once
+    assert main(["train", str(make_config("resumed.yml", resume_from_checkpoint=f"{cfg.output_dir}/checkpoint-6",
+                                          **common))]) == 0
+    again = [json.loads(line) for line in (Path(cfg.output_dir) / "eval_generations.jsonl").read_text().splitlines()]
+    assert [w["step"] for w in again] == [6] * 8 + [12] * 8 and again[:8] == written[:8]
 
 
 BASE = {"base_model": "x", "datasets": [{"path": "x", "type": "alpaca"}]}
 
 
 def test_comet_is_refused_and_left_out_of_the_default_list(make_config, capsys):
-    assert main(["validate", str(make_config(do_causal_lm_eval=True, eval_causal_lm_metrics=["sacrebleu", "comet"]))]) == 2
+    config = make_config(do_causal_lm_eval=True, eval_causal_lm_metrics=["sacrebleu", "comet"])
+    assert main(["validate", str(config)]) == 2
     err = capsys.readouterr().err
     assert ("eval_causal_lm_metrics: comet not supported (it needs the unbabel-comet package and the "
             "Unbabel/wmt22-comet-da model from the Hugging Face Hub, which this trainer does not fetch)") in err
@@ -128,7 +136,8 @@ def test_comet_is_refused_and_left_out_of_the_default_list(make_config, capsys):
     # unset: Axolotl's default list (sacrebleu, comet, ter, chrf) less comet, said in one note
     assert main(["validate", str(make_config(val_set_size=4, do_causal_lm_eval=True))]) == 0
     out = capsys.readouterr()
-    assert "eval_causal_lm_metrics: unset, so sacrebleu, ter and chrf (Axolotl's default list without comet" in out.out + out.err
+    assert ("eval_causal_lm_metrics: unset, so sacrebleu, ter and chrf (Axolotl's default list without comet"
+            in out.out + out.err)
     assert "sacrebleu (do_causal_lm_eval: sacrebleu, ter, chrf)" in out.out  # the package the plan installs
     cfg, _ = parse_config({**BASE, "do_causal_lm_eval": True})
     assert metrics(cfg, None).metrics == ["sacrebleu", "ter", "chrf"]
@@ -137,6 +146,17 @@ def test_comet_is_refused_and_left_out_of_the_default_list(make_config, capsys):
                                              eval_causal_lm_metrics=["perplexity"]))]) == 0
     assert "sacrebleu" not in capsys.readouterr().out
     parse_config({**BASE, "eval_causal_lm_metrics": ["comet"]})
+
+
+def test_a_run_without_sacrebleu_stops_before_training_in_one_line(monkeypatch):
+    monkeypatch.setitem(sys.modules, "sacrebleu", None)  # not installed: `import sacrebleu` raises ImportError
+    cfg, _ = parse_config({**BASE, "do_causal_lm_eval": True, "eval_causal_lm_metrics": ["perplexity", "chrf"]})
+    with pytest.raises(ConfigError, match=r"^eval_causal_lm_metrics: chrf need the sacrebleu package, which is not "
+                                          r"installed in this environment; install the eval extra: pip install "
+                                          r"'envtool-llm\[eval\]' \(sacrebleu\)$"):
+        metrics(cfg, None)
+    assert metrics(parse_config({**BASE, "do_causal_lm_eval": True, "eval_causal_lm_metrics": ["perplexity"]})[0],
+                   None).metrics == ["perplexity"]  # perplexity alone does not need it
 
 
 def test_table_logging_is_a_note():
