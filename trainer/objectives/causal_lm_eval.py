@@ -11,8 +11,9 @@ the prompt is its tokens without loss (padding dropped), the reference its token
 special tokens skipped; the prompt text is tokenized again (the tokenizer's special tokens added) and generated
 from with GenerationConfig(max_new_tokens=eval_max_new_tokens, do_sample=False, use_cache=True and the tokenizer's
 bos/eos/pad ids); the prediction is the generated tokens decoded with special tokens skipped. It scores them with
-`evaluate.load(metric)`, whose scripts (huggingface/evaluate metrics/{sacrebleu,ter,chrf}, the copies on GitHub;
-the Hub's were not reachable) call the sacrebleu package with one reference per prediction and their defaults:
+`evaluate.load(metric)`, whose scripts (huggingface/evaluate metrics/sacrebleu/sacrebleu.py at 4404a7c, ter/ter.py
+and chrf/chrf.py at 2250e67: the copies on GitHub; the Hub's, which evaluate loads, were not reachable) call the
+sacrebleu package with one reference per prediction and their defaults:
 `sacrebleu.corpus_bleu(predictions, [references])` (tokenize 13a, smooth_method exp), `TER().corpus_score(...)`
 (case-insensitive, as evaluate's default case_sensitive=False), `CHRF().corpus_score(...)` (char order 6, word
 order 0, beta 2); Axolotl logs each result's "score". The same calls are made here, on the sacrebleu package.
@@ -108,7 +109,8 @@ def generate(model, tokenizer, prompts: list[str], max_new_tokens: int, batch_si
     config = GenerationConfig(max_new_tokens=max_new_tokens, bos_token_id=tokenizer.bos_token_id,
                               eos_token_id=tokenizer.eos_token_id, pad_token_id=pad, do_sample=False, use_cache=True)
     start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else pad
-    synced = torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+    dist = torch.distributed
+    synced = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1  # every rank, every step
     was_training, out = model.training, []
     model.eval()
     try:
@@ -150,7 +152,8 @@ class CausalLMMetrics:
                 import sacrebleu  # noqa: F401
             except ImportError:
                 raise ConfigError(f"eval_causal_lm_metrics: {', '.join(scored)} need the sacrebleu package, which is "
-                                  f"not installed in this environment; install the eval extra: {INSTALL_HINT}") from None
+                                  "not installed in this environment; install the eval extra: "
+                                  f"{INSTALL_HINT}") from None
         self.log = open_log(GENERATIONS) if open_log is not None and scored else None
 
     def __call__(self, model, validation, device, step: int) -> dict:
