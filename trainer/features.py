@@ -146,6 +146,14 @@ def _vllm(cfg, plan) -> list[Use]:
     return [Use("trl.use_vllm: true")] if cfg.rl in GENERATING_METHODS and cfg.trl and cfg.trl.use_vllm else []
 
 
+def _causal_lm_eval(cfg, plan) -> list[Use]:
+    # start-up: trainer.config.training imported only when this runs
+    from trainer.config.training import CAUSAL_LM_DEFAULT, SACREBLEU_METRICS
+
+    scored = [m for m in cfg.eval_causal_lm_metrics or CAUSAL_LM_DEFAULT if m in SACREBLEU_METRICS]
+    return [Use(f"do_causal_lm_eval: {', '.join(scored)}")] if cfg.do_causal_lm_eval and scored else []
+
+
 def _gguf(cfg, plan) -> list[Use]:
     """The export step `next_steps` offers after a run (trainer/setup.py): every model that generates, unless its
     local config.json names a family the exporter does not write (a hub model: offered, the exporter decides)."""

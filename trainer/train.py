@@ -313,7 +313,9 @@ class Training:
         self.sync_every = sync_each_batch(cfg)  # accelerator_config: reduce after every micro-batch
         from trainer.objectives.causal_lm_eval import metrics as causal_lm_metrics
 
-        self.eval_extra = causal_lm_metrics(cfg, tokenizer)  # do_causal_lm_eval's perplexity, at every evaluation
+        # do_causal_lm_eval's metrics at every evaluation; the generations they score in a log like metrics.jsonl
+        self.eval_extra = causal_lm_metrics(cfg, tokenizer, lambda name: loggers.MetricsLog(
+            self.output_dir / name, self.main, fresh=self.step == 0, resumed_at=self.step if resume else None))
         self.metrics = loggers.Trackers(loggers.MetricsLog(self.output_dir / "metrics.jsonl", self.main,
                                                            fresh=self.step == 0,
                                                            resumed_at=self.step if resume else None),
@@ -733,9 +735,11 @@ class Training:
                                          objectives.capacity(cfg, cfg.packing_for_eval), self.context, **kwargs)
         if self.tp * self.cp > 1:  # SFT only (rl: is refused with tensor parallelism): each batch was summed on tp ranks
             result["eval_tokens"] //= self.tp * self.cp
-        if self.eval_extra is not None:
-            result.update(self.eval_extra(self.unwrapped, self.data.validation, self.device))
-        self.say(f"step {self.step}: {self.objective.describe_eval(result)}")
+        extra = {} if self.eval_extra is None else self.eval_extra(self.unwrapped, self.data.validation, self.device,
+                                                                   self.step)
+        result.update(extra)
+        self.say(f"step {self.step}: {self.objective.describe_eval(result)}"
+                 + "".join(f", {name} {value:.4f}" for name, value in extra.items()))
         self.metrics.write({"step": self.step, **result})
         return result
 

@@ -180,11 +180,12 @@ def _dry_run(path: Path, gpu: str) -> subprocess.CompletedProcess:
                        "--json", "--isolated", env={**os.environ, **OFFLINE})
 
 
-@pytest.mark.slow  # three `envtool train --dry-run` runs
+@pytest.mark.slow  # four `envtool train --dry-run` runs
 @pytest.mark.parametrize("keys, gpu, package", [
     ({"wandb_project": "demo"}, "t4", "wandb"),
     ({"liger_rms_norm": True, "liger_rope": True}, "t4", "liger-kernel"),
     ({"optimizer": "adamw_torch_8bit"}, "mi300x", "torchao"),
+    ({"do_causal_lm_eval": True, "val_set_size": 0.1}, "cpu", "sacrebleu"),  # unset metrics: sacrebleu, ter, chrf
 ])
 def test_the_dry_run_plans_the_package_a_config_feature_imports(keys, gpu, package, tmp_path):
     out = _dry_run(_write(tmp_path, **keys), gpu)

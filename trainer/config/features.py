@@ -125,6 +125,9 @@ FEATURES: list[Feature] = [
                     "use_scattermoe": Key(bool | None, None, "may change"),
                     "expert_backend": Key(Literal["scattermoe", "sonicmoe", "eager", "builtin"] | None, None,
                                           "may change")}),
+    Feature("causal_lm_eval", "do_causal_lm_eval's sacrebleu, ter and chrf: greedy generations on the validation "
+            "split, scored by the sacrebleu package", ("do_causal_lm_eval", "eval_causal_lm_metrics"), ("sacrebleu",),
+            ("sacrebleu",), "any (pure Python)", _at("_causal_lm_eval")),
     Feature("gguf_export", "`python -m trainer export --format gguf`, printed as a next step after training", (),
             ("gguf",), ("gguf",), "any (pure Python)", _at("_gguf"), step="export"),
     # the trainer imports no vllm (it talks to the server over HTTP: trainer/objectives/grpo_server.py); the plan

@@ -295,7 +295,7 @@ def _named_choices(cfg: Config, notes: list[str], lenient: bool = False) -> list
     checks += [lambda: notes.extend(vision.check(cfg))]  # processor_type (vision-language)
     checks += [lambda: notes.extend(parallel.check_sizes(cfg, parallel.fsdp_enabled(cfg)))]
     checks += [lambda: notes.extend(training.ordering_notes(cfg) + training.eval_table_notes(cfg)
-                                    + training.schedule_notes(cfg))]
+                                    + training.causal_lm_notes(cfg) + training.schedule_notes(cfg))]
     checks += [lambda: training.check_relora_optimizer(cfg)]
     checks += [lambda: training.check_schedule(cfg), lambda: training.check_epochs(cfg)]
     for check in checks:

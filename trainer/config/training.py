@@ -17,6 +17,11 @@ from trainer.errors import ConfigError
 
 # Axolotl's SUPPORTED_METRICS (axolotl/utils/schemas/validation.py)
 CAUSAL_LM_METRICS = ("sacrebleu", "comet", "ter", "chrf", "perplexity")
+# do_causal_lm_eval without eval_causal_lm_metrics: Axolotl's default list (sacrebleu, comet, ter, chrf) without comet
+CAUSAL_LM_DEFAULT = ("sacrebleu", "ter", "chrf")
+SACREBLEU_METRICS = ("sacrebleu", "ter", "chrf")  # scored on generations by the sacrebleu package
+COMET_WHY = ("it needs the unbabel-comet package and the Unbabel/wmt22-comet-da model from the Hugging Face Hub, "
+             "which this trainer does not fetch")
 
 
 class LrGroup(BaseModel):
@@ -101,8 +106,9 @@ class TrainingKeys(BaseModel):
     early_stopping_patience: int | None = Field(None, ge=1)  # stop after this many evals without a better eval_loss
     lr_quadratic_warmup: bool = False  # cosine schedule with a quadratic warmup (trainer.optim.schedule)
     do_causal_lm_eval: bool = False  # eval_causal_lm_metrics at every evaluation (trainer.objectives.causal_lm_eval)
-    eval_causal_lm_metrics: list[str] | None = None  # Axolotl's default: sacrebleu, comet, ter, chrf
-    eval_max_new_tokens: int = Field(128, ge=1)  # Axolotl's default; perplexity's window length
+    # sacrebleu, ter, chrf, perplexity (comet refused); unset: sacrebleu, ter, chrf (Axolotl's default less comet)
+    eval_causal_lm_metrics: list[str] | None = None
+    eval_max_new_tokens: int = Field(128, ge=1)  # Axolotl's default; the generations' length, perplexity's window
     # NEFTune: uniform noise of alpha / sqrt(sequence length x hidden size) on the input embeddings while training,
     # transformers' own neftune_noise_alpha (trainer/model/neftune.py)
     # 0 is off: Axolotl passes it to transformers, whose noise alpha / sqrt(L * d) is then 0 (and its deprecated
@@ -195,12 +201,9 @@ class TrainingKeys(BaseModel):
             raise ValueError(f"eval_causal_lm_metrics: {', '.join(sorted(named))} is not one of Axolotl's metrics "
                              f"({', '.join(CAUSAL_LM_METRICS)})")
         if self.do_causal_lm_eval:
-            metrics = self.eval_causal_lm_metrics or ["sacrebleu", "comet", "ter", "chrf"]
-            other = [m for m in metrics if m != "perplexity"]
-            if other:
-                raise ValueError(f"eval_causal_lm_metrics: {', '.join(other)} not supported (Axolotl scores "
-                                 "generations with the evaluate package's metric scripts, fetched from the Hugging "
-                                 "Face Hub); only perplexity is computed here")
+            if "comet" in (self.eval_causal_lm_metrics or []):
+                raise ValueError(f"eval_causal_lm_metrics: comet not supported ({COMET_WHY}); list the others you want "
+                                 "(sacrebleu, ter, chrf, perplexity)")
             if self.rl:
                 raise ValueError("do_causal_lm_eval: for SFT only (no preference training)")
 
@@ -362,6 +365,14 @@ def schedule_notes(cfg) -> list[str]:
         return [f"cosine_constant_lr_ratio: no effect with lr_scheduler: {cfg.lr_scheduler} (cosine only, as in Axolotl)"]
     if cfg.cosine_constant_lr_ratio and not cfg.cosine_min_lr_ratio:
         return ["cosine_constant_lr_ratio: no effect without a non-zero cosine_min_lr_ratio (as in Axolotl)"]
+    return []
+
+
+def causal_lm_notes(cfg) -> list[str]:
+    """do_causal_lm_eval without eval_causal_lm_metrics: Axolotl's default list, comet left out."""
+    if cfg.do_causal_lm_eval and not cfg.eval_causal_lm_metrics:
+        return [f"eval_causal_lm_metrics: unset, so sacrebleu, ter and chrf (Axolotl's default list without comet: "
+                f"{COMET_WHY}; Axolotl too skips it where unbabel-comet is not installed); list the metrics to choose"]
     return []
 
 

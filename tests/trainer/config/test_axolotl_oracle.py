@@ -163,8 +163,9 @@ GAPS: dict[str, str] = {
     "expert_parallel_token_capacity": f"DeepEP's per-expert token cap, which drops the routes past it (the "
                                       f"all-to-all here drops none): {_NOT_YET}",
     "gptq": "GPTQ checkpoints: gptqmodel does not install beside the tested torch stack (a dependency conflict)",
-    "eval_causal_lm_metrics": "sacrebleu/comet/ter/chrf: Axolotl fetches the metric scripts from the Hub; only "
-                              "perplexity is computed here",
+    "eval_causal_lm_metrics": "comet listed with do_causal_lm_eval: it needs the unbabel-comet package and the "
+                              "Unbabel/wmt22-comet-da model from the Hub (sacrebleu, ter, chrf and perplexity are "
+                              "computed; unset, the default list less comet, with a note)",
     "lora_target_parameters": "one string (not a list): Axolotl passes it to peft as given; refused here",
 }
 # keys the table says are read (honoured) whose some values a rule refuses: named above for those values
