@@ -1,6 +1,6 @@
 """The loss path chosen by cost (trainer/runtime/loss_chunks.py choose_path) against the other path, on full train steps.
 
-    PYTHONPATH=. python bench/bench_loss_path.py [--pairs 5] [--layers 16] [--hidden 512] [--vocab 32000]
+    PYTHONPATH=. python bench/bench_loss_path.py [--pairs 5] [--layers 16] [--hidden 256] [--vocab 16000]
 
 A llama-shaped model built from transformers' LlamaConfig (random weights, fp32, CPU, one thread), at a real model's
 proportions: the output head's share of the step's matmul FLOPs is printed beside Qwen2.5-0.5B's and Llama-3-8B's
@@ -60,11 +60,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", type=int, default=5)
     parser.add_argument("--layers", type=int, default=16)
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--vocab", type=int, default=16000)
     parser.add_argument("--rows", type=int, default=2)
     parser.add_argument("--row-len", type=int, default=512)
-    parser.add_argument("--chunk-mib", type=int, default=32)
+    parser.add_argument("--chunk-mib", type=int, default=16)
     args = parser.parse_args()
     if args.pairs < 3:
         parser.error("--pairs: at least 3")
@@ -137,7 +137,7 @@ def main() -> int:
                   f"wall median {statistics.median(wall):6.2f} s (min {min(wall):.2f}, max {max(wall):.2f})")
         print(f"  chunked / full, CPU medians: {med['chunked'] / med['full']:.2f}x; losses {losses['full']:.4f} / "
               f"{losses['chunked']:.4f}")
-        print(f"  unset chunked_cross_entropy chooses: {chosen.path} ({chosen.rule}: {chosen.reason})")
+        print(f"  unset chunked_cross_entropy chooses: {chosen.path} (rule {chosen.rule}) - {chosen.reason}")
         print(f"  the chosen path is {'not the slower one' if ok else 'THE SLOWER ONE'} "
               f"({med[chosen.path]:.2f} vs {med[other]:.2f} s CPU)")
     return 1 if failed else 0

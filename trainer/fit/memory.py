@@ -870,6 +870,13 @@ def pair_factor(s: Setup) -> int:
     return 2 if s.objective in ("dpo", "ipo", "orpo", "simpo") else 1
 
 
+def loss_line(cfg) -> str:
+    """How the config's loss runs, as validate and the dry run print it (trainer/runtime/loss_chunks.py describe):
+    the path chunked_cross_entropy asks for, or how each step's is chosen by cost."""
+    every_token = bool(cfg.train_on_inputs or cfg.pretraining_dataset)  # train_on_inputs, pretraining: all targets
+    return loss_chunks.describe(cfg.chunked_cross_entropy, cfg.chunked_cross_entropy_num_chunks, every_token)
+
+
 def chunked(shape, s: Setup) -> bool:
     """Whether the chunked loss runs: the setup allows it and the model keeps its logits as the head gives them."""
     return (s.chunked_loss and not getattr(shape, "final_softcap", False)
