@@ -22,6 +22,7 @@ from . import __version__
 from . import quick
 from .errors import BadInput
 from .errors import EnvtoolError
+from .quick import RESOLVE_FORMATS  # noqa: F401 (`envtool resolve --format`; read by tests/test_docs.py)
 from .quick import error_lines
 
 APP_SETTINGS = dict(
