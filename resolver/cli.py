@@ -19,8 +19,11 @@ from urllib.parse import urlsplit
 import typer
 
 from . import __version__
+from . import quick
 from .errors import BadInput
 from .errors import EnvtoolError
+from .quick import RESOLVE_FORMATS  # noqa: F401 (`envtool resolve --format`; read by tests/test_docs.py)
+from .quick import error_lines
 
 APP_SETTINGS = dict(
     name="envtool",
@@ -61,13 +64,8 @@ def reported(command):
         except EnvtoolError as e:
             if _debug:
                 raise
-            # start-up: trainer.errors, resolver.credentials imported only when this runs
-            from trainer.errors import readable  # one line, cut to a readable size
-
-            from .credentials import redact  # no index credential in an error line
-
-            for line in getattr(e, "lines", None) or [str(e)]:  # several problems found at once: one line each
-                print(readable(redact(f"envtool: error: {line}")), file=sys.stderr)
+            for line in error_lines(e):  # several problems found at once: one line each
+                print(line, file=sys.stderr)
             raise typer.Exit(e.exit_code) from None
         except KeyboardInterrupt:
             print("envtool: interrupted", file=sys.stderr)
@@ -165,20 +163,8 @@ def _with_options(options, into: str, build, overrides: dict | None = None):
     return decorate
 
 
-def _plan_options(values: dict):
-    # start-up: resolver.hardware, resolver.pipeline imported only when this runs
-    from .hardware import check_target_text
-    from .pipeline import PlanOptions
-
-    check_target_text(values.get("gpu"))  # `--gpu ''` or `--gpu None` is an error, not a CPU plan
-    for name, value in values.items():  # `--python ''` (a script's empty variable) is an error, not the default
-        if name != "gpu" and isinstance(value, str) and not value.strip():
-            raise BadInput(f"--{name.replace('_', '-')} is empty: give a value, or leave the option out for the default")
-    return PlanOptions(**values)
-
-
 def plan_options(**overrides):
-    return _with_options(PLAN_OPTIONS, "opts", _plan_options, overrides)
+    return _with_options(PLAN_OPTIONS, "opts", quick.plan_options, overrides)
 
 
 def _sources(values: dict):
@@ -216,9 +202,6 @@ def say(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-RESOLVE_FORMATS = ("table", "json", "github", "markdown")  # `envtool resolve --format`
-
-
 @app.command()
 @reported
 @plan_options(gpu=(GpuListOpt, "auto"))
@@ -241,30 +224,7 @@ def resolve(
 
       envtool resolve --gpu t4,v100,a100 --format github
     """
-    # start-up: resolver.pipeline, resolver.ci imported only when this runs
-    from .pipeline import make_plans
-
-    fmt = "json" if json_out else fmt
-    if fmt not in RESOLVE_FORMATS:
-        raise BadInput(f"--format {fmt!r}: choose table, json, github or markdown")
-    plans = make_plans(opts)
-    if fmt == "json":
-        data = [p.to_dict(explain) for p in plans]
-        print(json.dumps(data[0] if len(data) == 1 else data, indent=2))
-    elif fmt == "github":
-        from .ci import github_matrix
-
-        print(github_matrix(plans))
-    elif fmt == "markdown":
-        from .markdown import plans_markdown
-        from .matrix import load
-
-        print(plans_markdown(plans, load()))
-    else:
-        from .render import plan_table
-
-        for plan in plans:
-            plan_table(plan, explain)
+    quick.show_plans(opts, fmt, json_out, explain)
 
 
 @app.command()

@@ -110,6 +110,14 @@ def on_plan(cfg, runtime, config: Path, plan, processes: int):
         return memory.Report(memory.unknown(gpu, reason), cfg.base_model, [reason], None, reason)
 
 
+def loss_line(cfg) -> str:
+    """`envtool train --dry-run`'s loss line: the trainer's own words (trainer/fit/memory.py loss_line)."""
+    # start-up: trainer.fit.memory imported only when this runs
+    from trainer.fit.memory import loss_line as trainer_loss_line
+
+    return trainer_loss_line(cfg)
+
+
 def lines(found) -> list[str]:
     """`envtool train --dry-run`'s fit lines."""
     # start-up: trainer.fit.memory imported only when this runs

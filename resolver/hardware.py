@@ -10,8 +10,6 @@ A GpuSpec names its vendor and what a torch build must carry code for: NVIDIA's 
 target, Intel's AOT family, or "mps"; `backend` is torch's (cuda, rocm, xpu, mps, cpu).
 """
 
-from __future__ import annotations
-
 import os
 import re
 from typing import NamedTuple
@@ -214,11 +212,13 @@ def _catalog_names(m: Matrix) -> set[str]:
 
 def _counted(text: str, m: Matrix, source: str) -> tuple[GpuSpec, int] | None:
     """(the GPU, the count) for a name with a count (see COUNTED); None for a plain name."""
-    # start-up: resolver.vendors imported only when this runs
+    key = normalize_name(text)
+    if key in _catalog_names(m) or catalog.cc_from_text(key):
+        return None
+    # start-up: resolver.vendors imported only when this runs (not for a name the catalog knows)
     from . import vendors
 
-    key = normalize_name(text)
-    if key in _catalog_names(m) or key in {normalize_name(n) for n in vendors.names()} or catalog.cc_from_text(key):
+    if key in {normalize_name(n) for n in vendors.names()}:
         return None
     for pattern in COUNTED:
         found = pattern.match(text.strip())

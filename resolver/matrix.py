@@ -5,8 +5,6 @@ and values of the annotated types. `load()` then checks the facts hang together 
 build's CUDA toolkit is known, ...). Code elsewhere only queries the result; facts never live in `if`s.
 """
 
-from __future__ import annotations
-
 import json
 import operator
 import os
@@ -25,11 +23,6 @@ from matrices.catalog import MATRIX_DIR_ENV, cc_tuple, matrix_dir, normalize_nam
 
 from . import __version__
 from .errors import MatrixError
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - exercised on 3.10 only
-    import tomli as tomllib
 
 PLATFORMS = ("x86_64", "aarch64")
 CC_RE = re.compile(r"^\d+\.\d$")
@@ -406,12 +399,20 @@ def in_range(version: str, spec: str) -> bool:
     packaging.specifiers.SpecifierSet on them; importing that module costs ~15 ms of `envtool resolve`'s
     start-up, which must stay fast.
     """
-    v = Version(version)
-    for clause in spec.split(","):
-        op, bound = RANGE_RE.match(clause.strip()).groups()
-        if not RANGE_OPS[op](v, Version(bound)):
-            return False
-    return True
+    v = _version(version)
+    return all(compare(v, bound) for compare, bound in _clauses(spec))
+
+
+# A plan asks ~300 ranges about a few dozen versions: each text is parsed once.
+@lru_cache(maxsize=1024)
+def _version(text: str) -> Version:
+    return Version(text)
+
+
+@lru_cache(maxsize=1024)
+def _clauses(spec: str) -> tuple:
+    return tuple((RANGE_OPS[op], _version(bound))
+                 for op, bound in (RANGE_RE.match(clause.strip()).groups() for clause in spec.split(",")))
 
 
 # ---------------------------------------------------------------------------- loading
@@ -423,34 +424,50 @@ FILES = ("meta", "attention", "archs", "gpus", "cuda", "torch", "flash_attn", "x
 @lru_cache(maxsize=4)
 def load(directory: Path | None = None) -> Matrix:
     """The checked matrix. Parsing and checking every row costs ~10 ms of `resolve`'s start-up, so the result
-    is kept as JSON under ~/.cache/envtool, keyed by the files' paths, sizes and mtimes. The cache is data, never
-    code (no pickle): it is read back through the same typed rows as the TOML (`_build`), so a cache that does
-    not have their shape, whatever it holds, is ignored and rebuilt."""
+    is kept as JSON under ~/.cache/envtool (`cached`)."""
     directory = Path(directory) if directory else matrix_dir()
-    cache = _cache_path(directory)
+    return cached("matrix", Matrix, directory, FILES, (__file__,), lambda: _load(directory))
+
+
+def cached(kind: str, cls: type, directory: Path, files: tuple, code: tuple, make):
+    """`make()` (a row of type `cls` read from `directory`'s TOML files), kept as JSON under ~/.cache/envtool,
+    keyed by the files' paths, sizes and mtimes, the code that reads them and envtool's version. The cache is
+    data, never code (no pickle): it is read back through the same typed rows as the TOML (`_build`), so a
+    cache that does not have their shape, whatever it holds, is ignored and rebuilt."""
+    key = _cache_key(directory, files, code)
+    cache = _cache_path(directory, key, kind)
     if cache is not None and cache.is_file():
-        m = _read_cache(cache)
-        if m is not None:
-            return m
-    m = _load(directory)
+        value = _read_cache(cache, key, cls)
+        if value is not None:
+            return value
+    value = make()
     if cache is not None:
-        _write_cache(cache, m)
-    return m
+        _write_cache(cache, value, key)
+    return value
 
 
-def _cache_path(directory: Path) -> Path | None:
-    # start-up: hashlib imported only when this runs
-    import hashlib
-
+def _cache_key(directory: Path, files: tuple = FILES, code: tuple = (__file__,)) -> str | None:
+    """What a cached reading depends on: the files' paths, sizes and mtimes, the code and envtool's version."""
     try:
-        stats = [(name, (directory / f"{name}.toml").stat()) for name in FILES]
+        stats = [(name, (directory / f"{name}.toml").stat()) for name in files]
     except OSError:
         return None  # a missing file: _load names it
-    code = Path(__file__).stat()  # the row classes' definitions are part of what the cache holds
-    key = repr((str(directory.resolve()), __version__, code.st_size, code.st_mtime_ns,
-                [(n, s.st_size, s.st_mtime_ns) for n, s in stats]))
+    codes = [(c.st_size, c.st_mtime_ns) for c in map(os.stat, code)]  # the row classes are part of what it holds
+    return repr((str(directory.resolve()), __version__, codes, [(n, s.st_size, s.st_mtime_ns) for n, s in stats]))
+
+
+def _cache_path(directory: Path, key: str | None = None, kind: str = "matrix") -> Path | None:
+    """The cache file for `directory`'s matrix (or another `kind` of reading): named by a 64-bit FNV-1a hash of
+    its key (hashlib's import alone cost `resolve` ~3 ms); the key itself is stored in the file and compared on
+    reading, so two keys of one name only take turns."""
+    key = key or _cache_key(directory)
+    if key is None:
+        return None
+    digest = 0xCBF29CE484222325
+    for byte in key.encode():
+        digest = ((digest ^ byte) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "envtool"
-    return base / f"matrix-{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
+    return base / f"{kind}-{digest:016x}.json"
 
 
 def _plain(value):
@@ -461,23 +478,27 @@ def _plain(value):
     return value
 
 
-def _read_cache(cache: Path) -> Matrix | None:
-    """The cached matrix, or None when the file is not a matrix in this envtool's shape (another version,
-    truncated, or written by something else): then it is rebuilt from the TOML."""
+CACHE_KEY = "_cache_key"  # the cache file's entry holding its key
+
+
+def _read_cache(cache: Path, key: str, cls: type = None):
+    """The cached reading, or None when the file is not one in this envtool's shape (another version, another
+    key, truncated, or written by something else): then it is rebuilt from the TOML."""
+    cls = cls or Matrix
     try:
         data = json.loads(cache.read_text())
-        if not isinstance(data, dict) or set(data) - set(Matrix._fields):
+        if not isinstance(data, dict) or data.pop(CACHE_KEY, None) != key or set(data) - set(cls._fields):
             return None
-        return _build(Matrix, data, cache.name, cache)
+        return _build(cls, data, cache.name, cache)
     except (OSError, ValueError, MatrixError, TypeError, RecursionError):
         return None
 
 
-def _write_cache(cache: Path, m: Matrix) -> None:
+def _write_cache(cache: Path, value, key: str) -> None:
     try:
         cache.parent.mkdir(parents=True, exist_ok=True)
         tmp = cache.with_name(f".{cache.name}.tmp-{os.getpid()}")
-        tmp.write_text(json.dumps(_plain(m), separators=(",", ":")))
+        tmp.write_text(json.dumps({CACHE_KEY: key, **_plain(value)}, separators=(",", ":")))
         tmp.replace(cache)
     except OSError:
         pass  # a read-only home: no cache, same answers
@@ -528,6 +549,11 @@ def _load(directory: Path) -> Matrix:
 
 
 def _read(path: Path) -> dict:
+    # start-up: tomllib imported only when this runs (a cached matrix is read without it)
+    if sys.version_info >= (3, 11):
+        import tomllib  # start-up
+    else:  # pragma: no cover - exercised on 3.10 only
+        import tomli as tomllib  # start-up
     try:
         with open(path, "rb") as f:
             return tomllib.load(f)
@@ -565,48 +591,73 @@ def _label(row: object) -> str:
 
 
 @lru_cache(maxsize=None)
-def _schema(cls: type) -> tuple[dict, dict]:
-    return typing.get_type_hints(cls), cls._field_defaults
+def _schema(cls: type) -> tuple[dict, dict, frozenset]:
+    hints = cls.__annotations__  # the types themselves (this module has no `from __future__ import annotations`)
+    if any(isinstance(h, str) for h in hints.values()):
+        hints = typing.get_type_hints(cls)  # annotations kept as text: evaluated (~0.3 ms a class)
+    return hints, cls._field_defaults, frozenset(cls._fields)
 
 
-def _build(cls: type, row: object, where: str, path: Path):
+@lru_cache(maxsize=None)
+def _shape(hint) -> tuple:
+    return typing.get_origin(hint), typing.get_args(hint)
+
+
+def _text(where) -> str:
+    """A row's location: its text, or a function that gives it. Reading the cached matrix checks ~2,500 values;
+    building each one's location up front (a path and an f-string) cost more than the checks, so it is built
+    only for an error message."""
+    return where() if callable(where) else where
+
+
+def _build(cls: type, row: object, where, path: Path):
     if not isinstance(row, dict):
-        raise MatrixError(f"{path.parent / where}: a row must be a table")
-    hints, defaults = _schema(cls)
-    unknown = sorted(set(row) - set(cls._fields))
+        raise MatrixError(f"{path.parent / _text(where)}: a row must be a table")
+    hints, defaults, fields = _schema(cls)
+    unknown = sorted(row.keys() - fields)
     if unknown:
-        raise MatrixError(f"{path.parent / where}: unknown field {unknown[0]!r}")
+        raise MatrixError(f"{path.parent / _text(where)}: unknown field {unknown[0]!r}")
     values = {}
     for name in cls._fields:
         if name not in row:
             if name not in defaults:
-                raise MatrixError(f"{path.parent / where}: missing field {name!r}")
+                raise MatrixError(f"{path.parent / _text(where)}: missing field {name!r}")
             continue
-        values[name] = _typed(hints[name], row[name], f"{path.parent / where}: field {name!r}", path)
+        if type(row[name]) is hints[name]:  # most fields: a str, bool or float of its own type, nothing to build
+            values[name] = row[name]
+            continue
+        values[name] = _typed(hints[name], row[name], lambda n=name: f"{path.parent / _text(where)}: field {n!r}",
+                              path)
     return cls(**values)
 
 
-def _typed(hint, value, where: str, path: Path):
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
+def _typed(hint, value, where, path: Path):
+    origin, args = _shape(hint)
     if origin in (typing.Union, types.UnionType):
         if value is None:
             return None
-        return _typed(next(a for a in args if a is not type(None)), value, where, path)
+        inner = next(a for a in args if a is not type(None))
+        return value if type(value) is inner else _typed(inner, value, where, path)
     if origin is list:
         if not isinstance(value, list):
-            raise MatrixError(f"{where} must be a list")
+            raise MatrixError(f"{_text(where)} must be a list")
         (item,) = args
         if hasattr(item, "_fields"):
-            return [_build(item, v, f"{where.split(': ')[0]}.{i + 1}", path) for i, v in enumerate(value)]
-        return [_typed(item, v, f"{where}[{i}]", path) for i, v in enumerate(value)]
+            return [_build(item, v, lambda i=i: f"{_text(where).split(': ')[0]}.{i + 1}", path)
+                    for i, v in enumerate(value)]
+        if all(type(v) is item for v in value):  # a list of strings: nothing to build
+            return list(value)
+        return [_typed(item, v, lambda i=i: f"{_text(where)}[{i}]", path) for i, v in enumerate(value)]
+    if hasattr(hint, "_fields"):  # a row of its own (vendors' [container] table)
+        return _build(hint, value, lambda: _text(where).split(": ")[0], path)
     if origin is dict:
         if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
-            raise MatrixError(f"{where} must be a table of strings")
+            raise MatrixError(f"{_text(where)} must be a table of strings")
         return dict(value)
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if hint is int and isinstance(value, bool) or not isinstance(value, hint):
-        raise MatrixError(f"{where} must be {hint.__name__}, not {type(value).__name__} ({value!r})")
+        raise MatrixError(f"{_text(where)} must be {hint.__name__}, not {type(value).__name__} ({value!r})")
     return value
 
 

@@ -7,8 +7,6 @@ It is written as `plan.json` everywhere: beside a lock, into every environment's
 NamedTuples rather than dataclasses: they cost a tenth as much to define, and `resolve` must start fast.
 """
 
-from __future__ import annotations
-
 import json
 from pathlib import Path
 from typing import NamedTuple

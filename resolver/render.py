@@ -170,7 +170,7 @@ def train_dry_run(training, opts) -> None:
     # start-up: shlex, resolver.fit imported only when this runs
     import shlex
 
-    from .fit import lines
+    from .fit import lines, loss_line
     from .launch import image_line
 
     plan_table(training.plan)
@@ -180,6 +180,7 @@ def train_dry_run(training, opts) -> None:
     print(f"trainer: attention {trainer['attention']}, precision {trainer['precision']}"
           f"{' + tf32' if trainer['tf32'] else ''}")
     print(f"trainer: packing {trainer['isolation']}")
+    print(f"trainer: loss {loss_line(training.cfg)}")
     if training.fit is not None:
         print("\n".join(lines(training.fit)))
     for note in trainer["notes"]:

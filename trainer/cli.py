@@ -82,6 +82,7 @@ def cmd_validate(args) -> int:
 
     if described := objectives.describe(cfg):  # trainer/objectives/__init__.py OBJECTIVES: each class's describe
         print(f"  objective:  {described}")
+    print(f"  loss:       {memory.loss_line(cfg)}")  # the path chunked_cross_entropy asks for, or by cost
     if wanted:  # trainer/features.py: what the plan for this config installs beside torch and transformers
         print(f"  packages:   {'; '.join(f'{n.package} ({n.key})' for n in wanted)}")
     if experts := (fit.experts if fit else memory.experts_line(cfg, runtime)):  # a k-bit MoE's experts, one line

@@ -537,9 +537,8 @@ class Training:
                         progress.total = self.total_steps
                         break  # the epoch again, from its first batch, in the smaller micro-batches
                     self.step += 1
-                    if self.step == 1:  # how the loss ran (decided at the first forward): once, here
-                        for note in chunked_loss.notes():
-                            self.say(note)
+                    for note in chunked_loss.notes():  # how the loss ran: a path's first use, once each
+                        self.say(note)
                     progress.update(1)
                     self.log_step(report, extra, time.perf_counter() - started, consumed, progress)
                     self.hooks.after_step(self.step)

@@ -10,8 +10,6 @@ family, "mps"), and what the facts say about it (bf16, fp8). resolver/hardware.p
 GpuSpec (from_accelerator); vendors/solve.py plans for it.
 """
 
-from __future__ import annotations
-
 from typing import NamedTuple
 
 from matrices import catalog

@@ -10,8 +10,6 @@ for people, the memory for sizing. Sources that report only a name or a PCI devi
 catalog (matrices/amd.toml).
 """
 
-from __future__ import annotations
-
 import io
 import json
 import os

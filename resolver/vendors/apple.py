@@ -3,8 +3,6 @@ the chip's name from `sysctl -n machdep.cpu.brand_string` ("Apple M2 Max"), its 
 CPU) from `sysctl -n hw.memsize`, and the macOS version, which decides MPS (14+) and bf16 (14+).
 """
 
-from __future__ import annotations
-
 import re
 from typing import NamedTuple
 

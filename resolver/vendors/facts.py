@@ -6,8 +6,6 @@ gfx names, every GPU's target has a [[target]] row, every build names a torch re
 alias names two GPUs across vendors (NVIDIA's gpus.toml included).
 """
 
-from __future__ import annotations
-
 from functools import lru_cache
 from pathlib import Path
 from typing import NamedTuple
@@ -18,6 +16,7 @@ from matrices import catalog
 from matrices.catalog import matrix_dir, normalize_name
 
 from ..errors import MatrixError
+from .. import matrix
 from ..matrix import _build, _read, _rows, _scalar, load as load_matrix
 from ..matrix import in_range
 
@@ -193,7 +192,15 @@ class Vendors(NamedTuple):
 
 @lru_cache(maxsize=4)
 def load(directory: Path | None = None) -> Vendors:
+    """The checked vendor facts, kept as JSON under ~/.cache/envtool like the matrix (matrix.cached): reading the
+    four TOML files cost `resolve --gpu auto` ~15 ms. The checks also read torch.toml, so the key covers the
+    matrix's files too."""
     directory = Path(directory) if directory else matrix_dir()
+    return matrix.cached("vendors", Vendors, directory, FILES + matrix.FILES, (__file__, matrix.__file__),
+                         lambda: _load(directory))
+
+
+def _load(directory: Path) -> Vendors:
     files = {name: _read(directory / f"{name}.toml") for name in FILES}
     amd, rocm, intel, apple = (files[n] for n in FILES)
     v = Vendors(

@@ -7,8 +7,6 @@ which the Max series reports) plans for XPU from sysfs alone, and an Intel VGA c
 in a note: integrated graphics train no model worth an XPU plan unless asked for with `--gpu xpu`.
 """
 
-from __future__ import annotations
-
 import json
 import os
 import re

@@ -106,6 +106,7 @@ def test_the_readme_command_from_the_repository(env, tmp_path):
     out = train("examples/tiny-cpu.yml", *CPU, "--dry-run", env=env, cwd=REPO)
     assert out.returncode == 0, out.stderr
     assert "environment: active" in out.stdout
+    assert "trainer: loss chosen each step by cost: " in out.stdout  # chunked_cross_entropy unset
     assert "-m trainer train examples/tiny-cpu.yml" in out.stdout.splitlines()[-1]
     assert out.stdout.splitlines()[-1].startswith("command: ENVTOOL_PLAN=")
 

@@ -104,8 +104,9 @@ class HardwareKeys(BaseModel):
     # plugin and liger_fused_linear_cross_entropy, as Axolotl (trainer/objectives/chunked_loss.py)
     liger_use_token_scaling: bool = False
     cut_cross_entropy: bool = False
-    # Axolotl's chunked loss: the trainer's loss is chunked wherever the model allows it, at its own chunk size (the
-    # same loss and gradients either way; matrices/axolotl_keys.toml), so the values are read and change nothing
+    # Axolotl's chunked loss: true/false take that path (the same loss and gradients either way); unset, each step's
+    # path is chosen by cost (trainer/runtime/loss_chunks.py choose_path: the chunked loss where it saves time or
+    # memory, the full logits where they are cheaper)
     chunked_cross_entropy: bool | None = None
     # Axolotl's: the target tokens in that many chunks; 0 = unset, as Axolotl reads it
     chunked_cross_entropy_num_chunks: int | None = Field(None, ge=0)

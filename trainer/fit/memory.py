@@ -120,6 +120,9 @@ class Setup:
     freeze_mm: bool = False  # freeze_mm_modules: the vision tower and projector are not trained (shape.vision_params)
     moe_quant: bool = False  # quantize_moe_experts: the 3-D experts quantized as they load (trainer/model/experts.py)
     loss_chunks: int | None = None  # chunked_cross_entropy_num_chunks: the target tokens in that many chunks
+    loss_setting: bool | None = None  # chunked_cross_entropy (None: each step's loss path chosen by cost)
+    every_target: bool = False  # train_on_inputs / pretraining: every token a target (the full logits where they fit)
+    loss_room: float | None = None  # bytes free for the loss as a step starts (the GPU less the static terms)
 
     @property
     def e(self) -> int:
@@ -219,7 +222,8 @@ def setup_from(cfg, runtime, world: int) -> Setup:
                       and not cfg.processor_type),  # vision-language SFT: full logits (trainer/objectives/vision.py)
         freeze_mm=cfg.freeze_mm_modules,
         moe_quant=bool(getattr(cfg, "quantize_moe_experts", False)) and quant is not None,
-        loss_chunks=cfg.chunked_cross_entropy_num_chunks,
+        loss_chunks=cfg.chunked_cross_entropy_num_chunks, loss_setting=cfg.chunked_cross_entropy,
+        every_target=bool(cfg.train_on_inputs or cfg.pretraining_dataset),
         liger_norm=kernels_on and bool(cfg.liger_rms_norm or cfg.liger_layer_norm),
         liger_glu=kernels_on and bool(cfg.liger_glu_activation or cfg.liger_swiglu),
         objective=cfg.objective, world=world, shard=shard, zero=zero, fsdp=fsdp, offload_optimizer=offload_opt,
@@ -870,10 +874,26 @@ def pair_factor(s: Setup) -> int:
     return 2 if s.objective in ("dpo", "ipo", "orpo", "simpo") else 1
 
 
+def loss_line(cfg) -> str:
+    """How the config's loss runs, as validate and the dry run print it (trainer/runtime/loss_chunks.py describe):
+    the path chunked_cross_entropy asks for, or how each step's is chosen by cost."""
+    every_token = bool(cfg.train_on_inputs or cfg.pretraining_dataset)  # train_on_inputs, pretraining: all targets
+    return loss_chunks.describe(cfg.chunked_cross_entropy, cfg.chunked_cross_entropy_num_chunks, every_token)
+
+
 def chunked(shape, s: Setup) -> bool:
-    """Whether the chunked loss runs: the setup allows it and the model keeps its logits as the head gives them."""
-    return (s.chunked_loss and not getattr(shape, "final_softcap", False)
-            and not loss_chunks.after_head(getattr(shape, "config", None) or {}))
+    """Whether the chunked loss runs: the setup allows it, the model keeps its logits as the head gives them, and the
+    step's path chosen by cost is it (trainer/runtime/loss_chunks.py choose_path, as the run chooses: with every token a
+    target, the full logits where they fit in a quarter of what the static terms leave free)."""
+    if not (s.chunked_loss and not getattr(shape, "final_softcap", False)
+            and not loss_chunks.after_head(getattr(shape, "config", None) or {})):
+        return False
+    if s.loss_setting is not None or not s.every_target:
+        return True  # the config's true (false never allows it), or prompts that make it the cheaper path
+    tokens = int(s.micro_batch * s.sequence_len * pair_factor(s) / s.cp)
+    path = loss_chunks.choose_path(tokens, tokens, (int(shape.vocab_size / s.tp), shape.hidden_size),
+                                   head_trains=s.full, num_chunks=s.loss_chunks, free_bytes=s.loss_room)
+    return path.path == "chunked"
 
 
 def logits_bytes(shape, s: Setup, tokens: float) -> float:
@@ -972,10 +992,12 @@ def estimate(shape, s: Setup, gpu: Gpu, suggest: bool = True) -> Estimate:
     st = static_terms(shape, s)
     acts = activation_terms(shape, s)
     tokens = s.micro_batch * s.sequence_len * pair_factor(s)
-    logits = logits_bytes(shape, s, tokens)
     persist_grads = st.gradients if s.grad_accum > 1 else 0.0
     if s.zero >= 2 or s.fsdp:
         persist_grads = st.gradients  # sharded gradients are allocated once and kept
+    if gpu.memory_gb is not None and s.loss_room is None:  # what the run's loss path choice sees free (chunked)
+        s = replace(s, loss_room=gpu.memory_gb * GB - (st.weights + st.optimizer + st.buffers + persist_grads))
+    logits = logits_bytes(shape, s, tokens)
     base = {"weights": st.weights, "optimizer": st.optimizer, "buffers": st.buffers}
     transient_kbit = 0.0
     if s.quant:

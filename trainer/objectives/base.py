@@ -238,6 +238,10 @@ def sequence_logps(model, batch: dict, with_all: bool = False, with_wpo: bool = 
     inside = (nxt >= 0) & (nxt == seq[:, :-1])
     completion = inside & (batch["labels"][:, 1:] != IGNORE)
     slot = chunked_loss.decide(model, inputs)
+    if slot is not None:  # both paths run here: this step's by cost (or the config's chunked_cross_entropy)
+        scored = int((inside if with_all else completion).sum())
+        if chunked_loss.choose(slot, batch["input_ids"].numel(), scored).path == "full":
+            slot = None
     sum_sq = None
     if slot is not None:  # the head over the counted positions only, a chunk at a time (the logits never whole)
         hidden, head, seen = chunked_loss.forward_hidden(model, *slot, inputs)

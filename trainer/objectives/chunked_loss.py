@@ -16,11 +16,18 @@ probe on a few tokens compares the head's output with the model's own logits in 
 numbers drawn); a difference or an error falls back to the full logits, with one note.
 
 Chunk size: as many tokens as keep one chunk's fp32 logits within 256 MiB (trainer/runtime/loss_chunks.py, which
-the memory estimate reads too).
+the memory estimate reads too). A step whose target logits fit one chunk runs it without checkpointing: nothing is
+recomputed.
+
+Which path a step takes, where the model allows both (`choose`): the config's `chunked_cross_entropy: true/false`
+as Axolotl reads it; unset, the cheaper by the head's FLOPs (the chunked loss skips the prompt tokens but recomputes
+its chunks when there are several), and the chunked loss wherever the full logits would take much of the free
+memory (loss_chunks.choose_path: the rules and their reasons, as data). One note when a path is first taken.
 """
 
 from __future__ import annotations
 
+import os
 import weakref
 
 import torch
@@ -34,17 +41,21 @@ PROBE_TOKENS = 16
 CHUNK_LOGITS_BYTES = loss_chunks.CHUNK_LOGITS_BYTES  # (tests make it small to run many chunks)
 _decided: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (owner, name) or None
 _notes: list[str] = []  # why a model fell back (read once by the loop's notes)
-_chosen: dict = {"off": False, "num_chunks": None, "token_scaling": False}  # what the run's config says (configure)
+_chosen: dict = {"off": False, "setting": None, "num_chunks": None,  # what the run's config says (configure)
+                 "token_scaling": False}
+_taken: set = set()  # (path, rule) pairs already noted
 
 
 def configure(cfg) -> None:
     """The config's say on the loss path, read once as a run starts: `chunked_cross_entropy: false` asks for the full
     logits (Axolotl's default path), `chunked_cross_entropy_num_chunks` for that many chunks of target tokens instead
-    of the memory budget's size. Unset: chunked wherever the model allows it (same loss and gradients)."""
-    _chosen.update(off=getattr(cfg, "chunked_cross_entropy", None) is False,
+    of the memory budget's size. Unset: each step's path chosen by cost (`choose`; the same loss and gradients)."""
+    setting = getattr(cfg, "chunked_cross_entropy", None)
+    _chosen.update(off=setting is False, setting=setting,
                    num_chunks=getattr(cfg, "chunked_cross_entropy_num_chunks", None),
                    token_scaling=bool(getattr(cfg, "token_scaling", False)))
     _decided.clear()
+    _taken.clear()
 
 
 class _HiddenOut(torch.nn.Module):
@@ -154,9 +165,10 @@ def loss_sum_from_hidden(hidden, head, seen, labels) -> torch.Tensor:
     vocab = head.out_features if hasattr(head, "out_features") else head.weight.shape[0]
     size = loss_chunks.chunk_tokens(y.numel(), vocab, CHUNK_LOGITS_BYTES, _chosen["num_chunks"])
     run = _chunk_loss(head, seen)
+    recompute = torch.is_grad_enabled() and size < y.numel()  # one chunk: its logits kept, nothing recomputed
     total = None
     for i in range(0, y.numel(), size):
-        part = (checkpoint(run, h[i:i + size], y[i:i + size], use_reentrant=False) if torch.is_grad_enabled()
+        part = (checkpoint(run, h[i:i + size], y[i:i + size], use_reentrant=False) if recompute
                 else run(h[i:i + size], y[i:i + size]))
         total = part if total is None else total + part
     return total
@@ -178,7 +190,8 @@ def token_logps_from_hidden(hidden, head, seen, ids, where) -> torch.Tensor:
     vocab = head.out_features if hasattr(head, "out_features") else head.weight.shape[0]
     size = loss_chunks.chunk_tokens(y.numel(), vocab, CHUNK_LOGITS_BYTES, _chosen["num_chunks"])
     run = _chunk_logps(head, seen)
-    parts = [checkpoint(run, h[i:i + size], y[i:i + size], use_reentrant=False) if torch.is_grad_enabled()
+    recompute = torch.is_grad_enabled() and size < y.numel()  # one chunk: its logits kept, nothing recomputed
+    parts = [checkpoint(run, h[i:i + size], y[i:i + size], use_reentrant=False) if recompute
              else run(h[i:i + size], y[i:i + size]) for i in range(0, y.numel(), size)]
     return out.masked_scatter(where, torch.cat(parts))
 
@@ -256,14 +269,46 @@ def decide(model, inputs):
         transform = _after_head(getattr(slot[0], "config", None))
         why = f"the model changes its logits after the head ({transform})" if transform else _probe(model, slot, inputs)
     _decided[model] = slot if not why else None
-    _notes.append(f"loss: full logits (the chunked cross-entropy does not run here: {why})" if why else
-                  "loss: chunked cross-entropy (the head applied to the target tokens a chunk at a time; the logits "
-                  "are never whole)")
+    if why:  # where it runs, `choose` says which path each step takes
+        _notes.append(f"loss: full logits (the chunked cross-entropy does not run here: {why})")
     return _decided[model]
 
 
+def choose(slot, positions: int, targets: int) -> loss_chunks.LossPath:
+    """This step's loss path on a model where both run (`decide` gave `slot`): `positions` tokens in the micro-batch,
+    `targets` of them scored (loss_chunks.choose_path). A path's first use is noted with its reason."""
+    head = getattr(*slot)
+    params = list(head.parameters())  # a LoRA on the head: its adapter trains, its base weight does not
+    vocab = head.out_features if hasattr(head, "out_features") else head.weight.shape[0]
+    hidden = head.in_features if hasattr(head, "in_features") else head.weight.shape[1]
+    path = loss_chunks.choose_path(positions, targets, (vocab, hidden),
+                                   head_trains=any(p.requires_grad for p in params), setting=_chosen["setting"],
+                                   num_chunks=_chosen["num_chunks"], free_bytes=free_bytes(params[0].device),
+                                   budget=CHUNK_LOGITS_BYTES)
+    if (path.path, path.rule) not in _taken:
+        _taken.add((path.path, path.rule))
+        what = "chunked cross-entropy" if path.path == "chunked" else "full logits"
+        _notes.append(f"loss: {what}: {path.reason}")
+    return path
+
+
+def free_bytes(device: torch.device) -> float | None:
+    """Memory free on `device` now: the GPU's (torch.cuda.mem_get_info), the host's MemAvailable on the CPU; None where
+    neither says."""
+    try:
+        if device.type == "cuda":
+            return float(torch.cuda.mem_get_info(device)[0])
+        if device.type == "cpu" and os.path.exists("/proc/meminfo"):
+            with open("/proc/meminfo") as f:
+                line = next((x for x in f if x.startswith("MemAvailable:")), None)
+            return float(line.split()[1]) * 1024 if line else None
+    except (RuntimeError, OSError, ValueError):
+        return None
+    return None
+
+
 def notes() -> list[str]:
-    """Fall-back notes not yet shown (each shown once)."""
+    """The loss path's notes not yet shown (each shown once)."""
     out = list(_notes)
     _notes.clear()
     return out

@@ -2,8 +2,9 @@
 optimizer step (all micro-batches, all ranks), so micro-batch size, gradient accumulation, packing and
 the number of processes do not change what is trained.
 
-The sum is computed without the whole logits tensor wherever the model allows it (trainer/objectives/chunked_loss.py:
-the head applied to the target tokens a chunk at a time); elsewhere over the full logits, with the same result."""
+The sum is computed without the whole logits tensor wherever the model allows it and that is cheaper or saves memory
+(trainer/objectives/chunked_loss.py: the head applied to the target tokens a chunk at a time); elsewhere over the
+full logits, with the same result."""
 
 from __future__ import annotations
 
@@ -17,6 +18,10 @@ MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
 def token_loss_sum(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
     slot = chunked_loss.decide(model, inputs)
+    if slot is not None:  # both paths run here: this step's by cost (or the config's chunked_cross_entropy)
+        targets = int((batch["labels"][:, 1:] != chunked_loss.IGNORE).sum())
+        if chunked_loss.choose(slot, batch["input_ids"].numel(), targets).path == "full":
+            slot = None
     if slot is None:
         total = chunked_loss.full_loss_sum(model, inputs, batch["labels"])
     else:

@@ -21,6 +21,9 @@ SMALL = 4096  # bytes of fp32 logits per chunk in these tests: 16 tokens a chunk
 @pytest.fixture(autouse=True)
 def small_chunks(monkeypatch):
     monkeypatch.setattr(chunked_loss, "CHUNK_LOGITS_BYTES", SMALL)
+    # the chunked path on every step (chunked_cross_entropy: true), whatever the cost choice would take: these tests
+    # are its oracle (tests/trainer/objectives/test_loss_path.py tests the choice)
+    monkeypatch.setitem(chunked_loss._chosen, "setting", True)
 
 
 FP32 = {"rtol": 1e-4, "atol": 1e-5}  # fp32: only the order of the sums differs (seen: 3e-6 absolute)
@@ -202,7 +205,7 @@ def test_the_configs_chunked_cross_entropy_keys_are_read(monkeypatch):
     monkeypatch.setattr(loss_chunks, "chunk_tokens", lambda *a: calls.append(a) or real(*a))
     model, batch = model_of("llama", 400, 16, tied=False), batch_of(400, 2, 40, 0.0)
     try:
-        chunked_loss.configure(SimpleNamespace(chunked_cross_entropy=None, chunked_cross_entropy_num_chunks=3))
+        chunked_loss.configure(SimpleNamespace(chunked_cross_entropy=True, chunked_cross_entropy_num_chunks=3))
         assert_same(model, batch, **FP32)
         assert calls and calls[-1][-1] == 3 and real(78, 400, SMALL, 3) == 26  # 78 targets in 3 chunks
         chunked_loss.configure(SimpleNamespace(chunked_cross_entropy=False, chunked_cross_entropy_num_chunks=None))
