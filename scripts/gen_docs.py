@@ -13,6 +13,8 @@ What is generated, and from what:
                                   each with its meaning from PLAN_FIELDS below (a field without one fails here)
 - docs/reference/exit-codes.md    the exception families of resolver/errors.py and trainer/errors.py, and the
                                   stop codes of trainer/runtime/stop.py
+- docs/reference/environment.md   every ENVTOOL_* variable the code reads, with its meaning from ENVIRONMENT below
+                                  (a variable the code reads without an entry, or an entry nothing reads, fails here)
 - the plan tables between `<!-- plans:begin -->` and `<!-- plans:end -->` in README.md and docs/: the output of
   the last `envtool resolve --gpu ... --format markdown` named before each table
 - the blocks between `<!-- output: envtool ARGS -->` and `<!-- output:end -->`: what `envtool ARGS` prints
@@ -349,6 +351,89 @@ def exit_codes_page() -> str:
     return "\n".join(out) + "\n"
 
 
+# Every ENVTOOL_* environment variable: who sets it and what it does. The names come from the code (ENV_SOURCES):
+# one read there without an entry here stops this script (and so fails tests/test_docs.py), and so does an entry
+# that nothing reads any more.
+ENV_SOURCES = ("resolver", "trainer", "matrices", "bench", "scripts", "dockerfiles", ".ci", "tests/support")
+ENVIRONMENT: dict[str, tuple[str, str]] = {
+    # (who sets it, what it does)
+    "ENVTOOL_GPU": ("you", "what detection (`--gpu auto`, the default) reports instead of this machine's GPU, "
+                    "written as `--gpu` takes it (`a100`, `sm_90`, `cpu`)"),
+    "ENVTOOL_DRIVER_VERSION": ("you", "the NVIDIA driver version detection reports instead of this "
+                               "machine's (`570.172.08`)"),
+    "ENVTOOL_MATRIX_DIR": ("you", "a matrices/ directory to read instead of the installed one (the resolver and the "
+                           "trainer's facts; the `matrix` commands' `--matrix-dir` wins over it)"),
+    "ENVTOOL_CACHE_DIR": ("you", "where envtool keeps plans and environments (default: `$XDG_CACHE_HOME/envtool`, "
+                          "else `~/.cache/envtool`)"),
+    "ENVTOOL_PYPI_URL": ("you", "a PyPI-compatible index for `matrix update` and `matrix verify` (default "
+                         "https://pypi.org); `--pypi-url` wins over it"),
+    "ENVTOOL_TORCH_INDEX_URL": ("you", "a mirror of PyTorch's wheel index, a template with `{variant}` (`cu126`, "
+                                "`rocm6.4`, `cpu`) for plans, locks and images; the `matrix` commands' `--torch-index-url` wins over it"),
+    "ENVTOOL_FLASH_ATTN_URL": ("you", "a mirror for the flash-attn 2 wheels (default: flash_attn.toml's wheel_url)"),
+    "ENVTOOL_PYTORCH_SOURCE_URL": ("you", "where `matrix update` reads PyTorch's release build matrix, a template with "
+                                   "`{ref}` and `{path}` (default: GitHub's raw files); `--pytorch-source-url` wins over it"),
+    "ENVTOOL_UV": ("you", "the uv binary to run (default: the `uv` Python package's, else `uv` on PATH)"),
+    "ENVTOOL_PLAN": ("envtool train", "the plan.json the trainer runs by (set by `envtool train` and in images; set "
+                     "it yourself to run `python -m trainer` under a plan)"),
+    "ENVTOOL_TARGET": ("images", "the build target an image was made for (`sm90-cu126-torch2.14-py3.11`), set in "
+                       "the Dockerfile"),
+    "ENVTOOL_ERROR_DIR": ("envtool train", "with several processes: where each rank leaves its error line and exit "
+                          "code, so `envtool train` reports the first cause, not a peer's hang-up"),
+    "ENVTOOL_RAY_WORKER": ("envtool train", "set inside Ray Train's workers (`use_ray`): `train` there runs the loop, "
+                           "never Ray again"),
+    "ENVTOOL_PAUSE_AT": ("tests", "a named point where the trainer prints one line and waits (at most 10 minutes): "
+                         "the kill-at-every-point tests stop it there"),
+    "ENVTOOL_PREFLIGHT_STALL_RANKS": ("tests", "`1` or `1:all-reduce`: those ranks stall in the multi-process "
+                                      "preflight, a rehearsal of a hung rank"),
+    "ENVTOOL_PREFLIGHT_SHM_DF": ("tests", "a file holding a captured `df` output read as /dev/shm's size by the "
+                                 "preflight"),
+    "ENVTOOL_CP_MASK_ELEMENTS": ("you", "context parallelism: the most elements of an attention mask built at once "
+                                 "(default 2^26; memory only, the attention is the same)"),
+    "ENVTOOL_KFD_NODES": ("tests", "the directory read as /sys/class/kfd/kfd/topology/nodes when detecting AMD GPUs"),
+    "ENVTOOL_PCI_DEVICES": ("tests", "the directory read as /sys/bus/pci/devices when detecting GPUs by PCI id"),
+    "ENVTOOL_DOCKER_STATE": ("developers", "where `.ci/docker-up` keeps its private Docker engine (default "
+                             "/var/lib/envtool-ci-docker)"),
+    "ENVTOOL_EXTENDED_SLICE": ("CI", "which quarter (0-3) of the extended tests `.ci/run` runs (the commit count "
+                               "modulo 4)"),
+}
+ENV_NAME = re.compile(r"ENVTOOL_[A-Z0-9_]*[A-Z0-9]")
+
+
+def _env_read() -> dict[str, list[str]]:
+    """Each ENVTOOL_* name the code mentions -> the files that do (this script and the tests' own files aside)."""
+    found: dict[str, list[str]] = {}
+    for top in ENV_SOURCES:
+        for path in sorted((ROOT / top).rglob("*")):
+            if not path.is_file() or path.suffix not in ("", ".py", ".sh", ".j2", ".toml") or "__pycache__" in path.parts:
+                continue
+            if path.name == "gen_docs.py":
+                continue
+            for name in set(ENV_NAME.findall(path.read_text(errors="replace"))):
+                found.setdefault(name, []).append(str(path.relative_to(ROOT)))
+    return found
+
+
+def environment_page() -> str:
+    read = _env_read()
+    missing, stale = sorted(set(read) - set(ENVIRONMENT)), sorted(set(ENVIRONMENT) - set(read))
+    if missing or stale:
+        raise SystemExit(f"scripts/gen_docs.py ENVIRONMENT: {'no entry for ' + ', '.join(missing) if missing else ''}"
+                         f"{'; ' if missing and stale else ''}{'nothing reads ' + ', '.join(stale) if stale else ''}")
+    out = [GENERATED.format(what="the ENVTOOL_* names in the code and ENVIRONMENT in scripts/gen_docs.py"), "",
+           "# Environment variables", "",
+           "Every `ENVTOOL_*` variable envtool, its trainer, its images and its CI read. Every URL envtool reads "
+           "can be replaced this way (or by an option), so a mirror, or the tests' servers on 127.0.0.1, can stand in "
+           "for it.", ""]
+    for who in dict.fromkeys(w for w, _ in ENVIRONMENT.values()):
+        out += [f"## Set by {who}" if who not in ("you",) else "## Yours to set", "", "| variable | what it does | read in |",
+                "|---|---|---|"]
+        out += [f"| `{name}` | {_cell(what)} | {', '.join(f'`{f}`' for f in read[name][:3])}"
+                f"{' ...' if len(read[name]) > 3 else ''} |"
+                for name, (w, what) in ENVIRONMENT.items() if w == who]
+        out.append("")
+    return "\n".join(out)
+
+
 def refresh_plan_tables(text: str) -> str:
     """Each `<!-- plans:begin -->` block replaced by the output of the last resolve command named before it."""
     def replace(match: re.Match) -> str:
@@ -376,6 +461,7 @@ def pages() -> dict[Path, str]:
         ROOT / "docs/reference/config-keys.md": config_keys_page(),
         ROOT / "docs/reference/plan-json.md": plan_json_page(),
         ROOT / "docs/reference/exit-codes.md": exit_codes_page(),
+        ROOT / "docs/reference/environment.md": environment_page(),
     }
     for path in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
         if path in out:

@@ -61,6 +61,21 @@ def test_generator_refuses_an_undocumented_plan_field(monkeypatch):
         module.plan_json_page()
 
 
+def test_every_environment_variable_the_code_reads_has_a_line_and_every_line_is_read(monkeypatch):
+    """docs/reference/environment.md: the names come from the code; one the code reads without an entry, or an entry
+    nothing reads, stops the generator naming it."""
+    module = gen_docs()
+    page = module.environment_page()
+    assert "| `ENVTOOL_TORCH_INDEX_URL` |" in page and "resolver/" in page.split("`ENVTOOL_TORCH_INDEX_URL`", 1)[1]
+    monkeypatch.delitem(module.ENVIRONMENT, "ENVTOOL_UV")
+    with pytest.raises(SystemExit, match="no entry for ENVTOOL_UV"):
+        module.environment_page()
+    monkeypatch.setitem(module.ENVIRONMENT, "ENVTOOL_UV", ("you", "the uv binary"))
+    monkeypatch.setitem(module.ENVIRONMENT, "ENVTOOL_GONE", ("you", "read by nothing"))
+    with pytest.raises(SystemExit, match="nothing reads ENVTOOL_GONE"):
+        module.environment_page()
+
+
 def test_readme_is_a_readme():
     assert len(README.read_bytes()) <= 15 * 1024, "README.md is over 15 KB: move the detail into docs/"
 
