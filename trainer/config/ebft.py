@@ -58,8 +58,8 @@ def check(cfg) -> list[str]:
     if e.mode == "structured":
         return ebft_structured.check(cfg)
     if cfg.trl is not None and cfg.trl.model_dump(exclude_defaults=True):
-        raise ConfigError("trl: not read with ebft.mode: strided (Axolotl's strided trainer samples with ebft.temperature, "
-                          "ebft.top_p, ebft.n_samples_per_prompt and ebft.generate_max_len); remove the trl: block")
+        raise ConfigError("trl: not read with ebft.mode: strided (Axolotl's strided trainer samples with "
+                          "ebft.temperature, ebft.top_p, ebft.n_samples_per_prompt and ebft.generate_max_len); remove the trl: block")
     if e.embed_method in ("completion_mean", "concat"):
         raise ConfigError(f"ebft.embed_method: {e.embed_method} is a structured-mode pooling; Axolotl's strided trainer "
                           "pools last_token or mean_pooling only (and silently uses last_token otherwise); choose one")

@@ -168,7 +168,7 @@ class TrlConfig(BaseModel):
 def check(cfg) -> list[str]:
     """Config-level rules for rl: grpo / gdpo (raises ValueError; returns notes)."""
     trl = cfg.trl
-    if cfg.rl == "ebft":  # its structured mode reads the trl: block as Axolotl's EBFT builder passes it (config/ebft.py)
+    if cfg.rl == "ebft":  # structured mode reads trl: as Axolotl's EBFT builder passes it (config/ebft_structured.py)
         return []
     if cfg.rl not in GENERATING_METHODS:
         if trl is not None and trl.model_dump(exclude_defaults=True):
@@ -177,8 +177,8 @@ def check(cfg) -> list[str]:
     if trl is None or not trl.reward_funcs:
         raise ValueError(f"rl: {cfg.rl} needs trl.reward_funcs (at least one 'module.function')")
     if (trl.use_data_producer or trl.async_prefetch) and not (trl.use_vllm and trl.vllm_lora_sync):
-        raise ValueError("trl: use_data_producer/async_prefetch: Axolotl's asynchronous GRPO generates on a vLLM server; "
-                         "here it needs use_vllm: true with vllm_lora_sync: true (and adapter: lora)")
+        raise ValueError("trl: use_data_producer/async_prefetch: Axolotl's asynchronous GRPO generates on a vLLM "
+                         "server; here it needs use_vllm: true with vllm_lora_sync: true (and adapter: lora)")
     if cfg.rl == "gdpo" and trl.multi_objective_aggregation == "sum_then_normalize":
         raise ValueError("trl.multi_objective_aggregation: sum_then_normalize is GRPO, but rl: gdpo was selected")
     if trl.generation_batch_size is not None and trl.generation_batch_size != cfg.micro_batch_size * cfg.gradient_accumulation_steps:

@@ -8,8 +8,8 @@ Axolotl's EBFT builder passes it (trainer/config/ebft_structured.py). The reward
 
 1. the prompt rendered as text (chat messages: the chat template with a generation prompt and no
    chat_template_kwargs, as Axolotl's reward renders it), plus the decoded completion -- and once per group plus
-   the ground truth -- tokenized without special tokens (truncated at 2048 tokens: Axolotl's fallback, its
-   GRPOConfig has no max_length);
+   the ground truth -- tokenized without special tokens (truncated at 2048 tokens: Axolotl truncates at its
+   training args' max_seq_length, which its RL builder leaves at the default 2048);
 2. the frozen feature network (the base with the LoRA adapter disabled, or a frozen copy of the starting model)
    gives the hidden states at layers int(f x num_hidden_layers) for f in ebft.feature_layers (index 0: the
    embeddings), concatenated along the features;
@@ -41,7 +41,8 @@ from trainer.objectives.grpo import GRPO, server_mode
 # the reward columns: the feature-matching reward (weight 1: the advantages come from it alone) and, for the logs,
 # its parts (weight 0)
 COLUMNS = ("feature_matching", "alignment", "diversity", "cfm_loss")
-MAX_FEATURE_TOKENS = 2048  # Axolotl's tokenization cap for the feature forward (its args have no max_length)
+# Axolotl's cap on the feature forward's tokens: its args' max_seq_length, which its RL builder leaves at 2048
+MAX_FEATURE_TOKENS = 2048
 
 
 def pool(hidden, mask, prompt_lengths, method: str):

@@ -202,6 +202,7 @@ def test_lora_uses_the_base_as_feature_network_and_validate_says_so(structured_c
     ({"ebft": {"feature_layers": [1.5]}}, "ebft.feature_layers"),
     ({"val_set_size": 0.25}, "val_set_size: no evaluation for rl: ebft"),
     ({"ebft": None}, "rl: ebft needs an ebft: block"),
+    ({"ebft": {"mode": "strided"}}, "trl: not read with ebft.mode: strided"),
 ])
 def test_unimplemented_options_are_one_line_refusals(structured_config, extra, message, capsys):
     extra = dict(extra)
@@ -214,6 +215,24 @@ def test_unimplemented_options_are_one_line_refusals(structured_config, extra, m
     err = capsys.readouterr().err
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and message in errors[0], err
+
+
+@pytest.mark.slow
+def test_adaptive_max_tokens_caps_asynchronous_completions(structured_config, tmp_path, capsys):
+    """With async_prefetch and use_vllm (Axolotl's asynchronous EBFT trainer), each batch's completions are capped
+    at max(64, min(int(1.5 x ground-truth tokens), max_completion_length)): the ground truths here are a few tokens,
+    so 64 of the 80 allowed (min_new_tokens, through trl.generation_kwargs, keeps every completion to its cap)."""
+    long = {"max_completion_length": 80, "use_vllm": True, "generation_kwargs": {"min_new_tokens": 80}}
+    config = structured_config(max_steps=1, trl={**long, "async_prefetch": True})
+    assert main(["train", str(config)]) == 0
+    captured = capsys.readouterr()
+    assert "ebft.adaptive_max_tokens: each step's completions are capped at max(64" in captured.out + captured.err
+    rows = [r for r in read_metrics(tmp_path / "out") if "loss" in r]
+    assert rows[0]["completions/mean_length"] == 64
+    plain = structured_config("plain.yml", max_steps=1, output_dir=str(tmp_path / "plain"),
+                              trl=long)
+    assert main(["train", str(plain)]) == 0
+    assert [r for r in read_metrics(tmp_path / "plain") if "loss" in r][0]["completions/mean_length"] == 80
 
 
 def test_a_row_without_a_ground_truth_is_one_line(structured_config, tmp_path, capsys):
