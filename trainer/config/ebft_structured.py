@@ -28,7 +28,12 @@ STRIDED_ONLY = ("stride", "context_length", "generate_max_len", "n_samples_per_p
 def effective_trl(trl: TrlConfig | None) -> TrlConfig:
     """The trl: block as Axolotl's EBFT trainer sees it: the keys it is not passed at TRL's defaults."""
     trl = trl or TrlConfig()
-    return trl.model_copy(update={k: TrlConfig.model_fields[k].default for k in UNREAD_TRL})
+    return trl.model_copy(update={k: TrlConfig.model_fields[k].default for k in unread(trl)})
+
+
+def unread(trl: TrlConfig) -> tuple[str, ...]:
+    """UNREAD_TRL, and vllm_sync_interval without async_prefetch (Axolotl passes it only with async_prefetch)."""
+    return UNREAD_TRL + (() if trl.async_prefetch else ("vllm_sync_interval",))
 
 
 def asynchronous(trl: TrlConfig) -> bool:
@@ -64,9 +69,9 @@ def check(cfg) -> list[str]:
         notes = generating_rules(cfg, trl)
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    unread = [f"trl.{k}" for k in UNREAD_TRL if getattr(trl, k) is not None]
-    if unread:
-        notes.append(f"{', '.join(unread)}: not read with rl: ebft (Axolotl's EBFT builder does not pass them to its "
+    ignored = [f"trl.{k}" for k in unread(trl) if getattr(trl, k) is not None]
+    if ignored:
+        notes.append(f"{', '.join(ignored)}: not read with rl: ebft (Axolotl's EBFT builder does not pass them to its "
                      "trainer, which scores with its own feature-matching reward); so here")
     strided = [f"ebft.{k}" for k in STRIDED_ONLY if k in e.model_fields_set]
     if e.ce_coef:

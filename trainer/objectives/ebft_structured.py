@@ -101,8 +101,7 @@ class EBFTStructured(GRPO):
         from trainer.objectives.grpo_data import prepare as prepare_prompts
 
         prepared = prepare_prompts(cfg, tokenizer, log, builtin=STRUCTURED, columns=("prompt", "ground_truth"))
-        first = json.loads(prepared.train[0]["row"])
-        if first.get("remaining_turns"):
+        if any(json.loads(row).get("remaining_turns") for row in prepared.train["row"]):
             raise DataError("datasets: rows with remaining_turns ask for Axolotl's sequential multi-turn rollouts "
                             "(vLLM), not implemented here; use ebft_chat_multiturn.transform_last_turn")
         return prepared
@@ -116,10 +115,12 @@ class EBFTStructured(GRPO):
         self.layers: list[int] = []
 
     def before_training(self, model, *, dtype=None, **kwargs) -> None:
-        """GRPO's set-up, then the feature network (Axolotl's: the base with the adapter disabled, else a frozen
-        deep copy) and its layers."""
+        """GRPO's set-up, then the feature network (as Axolotl's: the base with the adapter disabled, else a frozen
+        copy of the starting model) and its layers."""
         super().before_training(model, **kwargs)
-        self.policy, self.feature = model, frozen_copy(model, dtype)
+        # a full fine-tune with beta > 0 already holds a frozen copy of the starting model (the reference): shared
+        self.policy = model
+        self.feature = self.ref_model if self.ref_model is not None else frozen_copy(model, dtype)
         config = model.config
         config = getattr(config, "text_config", None) or config
         self.layers = self.e.layer_indices(config.num_hidden_layers)
@@ -177,7 +178,7 @@ class EBFTStructured(GRPO):
         texts = self.tokenizer.batch_decode([s["completion_ids"] for s in samples], skip_special_tokens=True)
         G = self.G
         gen = self.embed([p + t for p, t in zip(prompts, texts)], prompts)
-        gt = self.embed([prompts[k] + str(rows[k]["ground_truth"]) for k in range(0, len(rows), G)], prompts[::G])
+        gt = self.embed([prompts[k] + (rows[k]["ground_truth"] or "") for k in range(0, len(rows), G)], prompts[::G])
         r = feature_rewards(gen.view(-1, G, gen.shape[-1]), gt, self.e)
         out = torch.stack([r["reward"], r["alignment"], r["diversity"], r["cfm"][:, None].expand(-1, G)], dim=-1)
         out = out.reshape(len(samples), len(COLUMNS)).float().cpu()

@@ -132,12 +132,16 @@ def logged_completions(output_dir: Path, data: Path) -> list[dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ebft", [{}, {"embed_method": "completion_mean", "use_whitening": True,
-                                       "alignment_coef": 0.7, "diversity_coef": 1.3}], ids=["last_token", "whitened"])
-def test_rewards_are_ebfts_formulas_and_the_loss_is_grpos(structured_config, tmp_path, ebft):
+@pytest.mark.parametrize("ebft,trl", [
+    ({}, {}),
+    # beta > 0 with a full fine-tune: the reference copy is also the feature network (the starting model)
+    ({"embed_method": "completion_mean", "use_whitening": True, "alignment_coef": 0.7, "diversity_coef": 1.3},
+     {"beta": 0.05, "loss_type": "dapo"}),
+], ids=["last_token", "whitened-beta"])
+def test_rewards_are_ebfts_formulas_and_the_loss_is_grpos(structured_config, tmp_path, ebft, trl):
     from trainer.config import load_config
 
-    config = structured_config(ebft=ebft)
+    config = structured_config(ebft=ebft, trl=trl)
     assert main(["train", str(config)]) == 0
     cfg, _ = load_config(config)
     logged = logged_completions(tmp_path / "out", tmp_path / "opencode.jsonl")
@@ -164,7 +168,7 @@ def test_rewards_are_ebfts_formulas_and_the_loss_is_grpos(structured_config, tmp
     (tmp_path / "rwd.py").write_text(f"PATH = {str(tmp_path / 'out' / 'completions.jsonl')!r}\n" + LOOKUP)
     sys.modules.pop("rwd", None)
     grpo = structured_config("grpo.yml", rl="grpo", ebft=None, output_dir=str(tmp_path / "grpo"),
-                             trl={"reward_funcs": ["rwd.logged"]},
+                             trl={**trl, "reward_funcs": ["rwd.logged"]},
                              datasets=[{"path": str(tmp_path / "opencode.jsonl"), "type": "rwd.opencode"}])
     raw = yaml.safe_load(grpo.read_text())
     raw.pop("ebft")
