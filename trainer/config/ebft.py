@@ -1,5 +1,6 @@
-"""The `ebft:` block of rl: ebft (Energy-Based Fine-Tuning, strided mode) and its rules; the method and its
-tensor math are trainer/objectives/ebft_strided.py."""
+"""The `ebft:` block of rl: ebft (Energy-Based Fine-Tuning) and the strided mode's rules; the method and its
+tensor math are trainer/objectives/ebft_strided.py. The structured mode's rules (with the trl: block) are
+trainer/config/ebft_structured.py, its objective trainer/objectives/ebft_structured.py."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from trainer.config import ebft_structured
 from trainer.errors import ConfigError
 
 
@@ -15,7 +17,7 @@ class EbftConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    mode: Literal["structured", "strided"] = "structured"  # Axolotl's default; only strided is implemented here
+    mode: Literal["structured", "strided"] = "structured"  # Axolotl's default
     feature_layers: list[float] = [0.25, 0.5, 0.75]  # fractions of depth: hidden_states[int(f * num_layers)]
     embed_method: Literal["last_token", "mean_pooling", "completion_mean", "concat"] = "last_token"
     use_whitening: bool = False
@@ -50,9 +52,14 @@ def check(cfg) -> list[str]:
         if e is not None:
             raise ConfigError("ebft: only with rl: ebft")
         return []
-    if e is None or e.mode == "structured":
-        raise ConfigError("rl: ebft with ebft.mode: structured (Axolotl's default) needs GRPO-style vLLM generation, "
-                          "which this trainer does not implement; set ebft.mode: strided")
+    if e is None:
+        raise ConfigError("rl: ebft needs an ebft: block (Axolotl's rule), with mode: structured (prompts and a "
+                          "ground_truth, GRPO-style generation) or mode: strided (documents)")
+    if e.mode == "structured":
+        return ebft_structured.check(cfg)
+    if cfg.trl is not None and cfg.trl.model_dump(exclude_defaults=True):
+        raise ConfigError("trl: not read with ebft.mode: strided (Axolotl's strided trainer samples with "
+                          "ebft.temperature, ebft.top_p, ebft.n_samples_per_prompt and ebft.generate_max_len); remove the trl: block")
     if e.embed_method in ("completion_mean", "concat"):
         raise ConfigError(f"ebft.embed_method: {e.embed_method} is a structured-mode pooling; Axolotl's strided trainer "
                           "pools last_token or mean_pooling only (and silently uses last_token otherwise); choose one")
@@ -87,4 +94,4 @@ def num_blocks(seq_len: int, gen_len: int, anchor: int, stride: int) -> int:
 
 
 class EbftKeys(BaseModel):
-    ebft: EbftConfig | None = None  # Axolotl's ebft: block (rl: ebft, strided mode; checked by check below)
+    ebft: EbftConfig | None = None  # Axolotl's ebft: block (rl: ebft; checked by check above)

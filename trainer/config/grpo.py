@@ -104,9 +104,6 @@ class TrlConfig(BaseModel):
     @model_validator(mode="after")
     def _supported(self) -> TrlConfig:
         lora_sync = self.use_vllm and self.vllm_lora_sync
-        if (self.use_data_producer or self.async_prefetch) and not lora_sync:
-            raise ValueError("use_data_producer/async_prefetch: Axolotl's asynchronous GRPO generates on a vLLM server; "
-                             "here it needs use_vllm: true with vllm_lora_sync: true (and adapter: lora)")
         given = [k for k in ASYNC_ONLY if getattr(self, k) is not None]
         if given and (self.use_data_producer or self.async_prefetch):
             raise ValueError(f"{given[0]}: with async_prefetch / use_data_producer Axolotl's fast asynchronous GRPO "
@@ -171,31 +168,27 @@ class TrlConfig(BaseModel):
 def check(cfg) -> list[str]:
     """Config-level rules for rl: grpo / gdpo (raises ValueError; returns notes)."""
     trl = cfg.trl
+    if cfg.rl == "ebft":  # structured mode reads trl: as Axolotl's EBFT builder passes it (config/ebft_structured.py)
+        return []
     if cfg.rl not in GENERATING_METHODS:
         if trl is not None and trl.model_dump(exclude_defaults=True):
-            raise ValueError(f"trl: configures rl: grpo or gdpo, not rl: {cfg.rl or '(SFT)'}")
+            raise ValueError(f"trl: configures rl: grpo, gdpo or ebft, not rl: {cfg.rl or '(SFT)'}")
         return []
     if trl is None or not trl.reward_funcs:
         raise ValueError(f"rl: {cfg.rl} needs trl.reward_funcs (at least one 'module.function')")
+    if (trl.use_data_producer or trl.async_prefetch) and not (trl.use_vllm and trl.vllm_lora_sync):
+        raise ValueError("trl: use_data_producer/async_prefetch: Axolotl's asynchronous GRPO generates on a vLLM "
+                         "server; here it needs use_vllm: true with vllm_lora_sync: true (and adapter: lora)")
     if cfg.rl == "gdpo" and trl.multi_objective_aggregation == "sum_then_normalize":
         raise ValueError("trl.multi_objective_aggregation: sum_then_normalize is GRPO, but rl: gdpo was selected")
     if trl.generation_batch_size is not None and trl.generation_batch_size != cfg.micro_batch_size * cfg.gradient_accumulation_steps:
         raise ValueError("trl.generation_batch_size: only micro_batch_size x gradient_accumulation_steps (one "
                          "generation batch per optimizer step, TRL's default) is supported")
-    if (cfg.micro_batch_size * cfg.gradient_accumulation_steps) % trl.generations:
-        raise ValueError(f"micro_batch_size x gradient_accumulation_steps ({cfg.micro_batch_size} x "
-                         f"{cfg.gradient_accumulation_steps}) completions per process and step must be a multiple of "
-                         f"trl.num_generations ({trl.generations}): each process generates whole groups")
-    if cfg.fsdp or cfg.fsdp_config or cfg.fsdp_version or _zero3(cfg):
-        raise ValueError(f"rl: {cfg.rl} with FSDP or DeepSpeed ZeRO-3 is not supported (generation would gather the "
-                         "sharded weights for every new token); use DDP or ZeRO-2")
-    if cfg.sample_packing:
-        raise ValueError(f"sample_packing: not with rl: {cfg.rl} (completions are generated, one per row)")
+    notes = generating_rules(cfg, trl)
     for i, ds in enumerate(cfg.datasets):
         if ds.type is not None and (not isinstance(ds.type, str) or "." not in ds.type):
             raise ValueError(f"datasets.{i}.type: {ds.type!r}; with rl: {cfg.rl} use a transform 'module.function' "
                              "(as Axolotl's rwd.gsm8k_transform) or no type (rows with a prompt column)")
-    notes = []
     if trl.sync_ref_model and trl.kl_beta == 0.0:
         raise ValueError("trl.sync_ref_model: with trl.beta 0 (TRL's default) there is no reference model to sync "
                          "(TRL's GRPOTrainer raises ValueError); set trl.beta above 0, or remove sync_ref_model")
@@ -213,6 +206,22 @@ def check(cfg) -> list[str]:
     if given:
         notes.append(f"{', '.join(given)}: not read without async_prefetch / use_data_producer (options of Axolotl's "
                      "fast asynchronous GRPO trainer, which its builder passes on only in that mode); so here")
+    return notes
+
+
+def generating_rules(cfg, trl) -> list[str]:
+    """What every generating method (rl: grpo, gdpo, ebft structured) asks of the config: whole groups per process
+    and step, no sharded weights, no packing, and where completions come from (model.generate or the vLLM server)."""
+    if (cfg.micro_batch_size * cfg.gradient_accumulation_steps) % trl.generations:
+        raise ValueError(f"micro_batch_size x gradient_accumulation_steps ({cfg.micro_batch_size} x "
+                         f"{cfg.gradient_accumulation_steps}) completions per process and step must be a multiple of "
+                         f"trl.num_generations ({trl.generations}): each process generates whole groups")
+    if cfg.fsdp or cfg.fsdp_config or cfg.fsdp_version or _zero3(cfg):
+        raise ValueError(f"rl: {cfg.rl} with FSDP or DeepSpeed ZeRO-3 is not supported (generation would gather the "
+                         "sharded weights for every new token); use DDP or ZeRO-2")
+    if cfg.sample_packing:
+        raise ValueError(f"sample_packing: not with rl: {cfg.rl} (completions are generated, one per row)")
+    notes = []
     if trl.use_vllm and trl.vllm_lora_sync:
         if cfg.adapter not in ("lora", "qlora"):
             raise ValueError("trl.vllm_lora_sync: needs adapter: lora or qlora (it sends the LoRA adapter to the vLLM "

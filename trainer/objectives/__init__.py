@@ -1,7 +1,7 @@
 """Objectives: what the one training loop trains (see base.py for the interface).
 
 sft (the default), reward and prm (reward_model / process_reward_model), and with `rl:` the preference methods
-dpo, ipo, orpo, kto and simpo, ebft (strided), and grpo / gdpo (generating). Everything one method needs sits
+dpo, ipo, orpo, kto and simpo, ebft (strided; structured: generating), and grpo / gdpo (generating). Everything one method needs sits
 with it: its data (the class's prepare_data hook: its own builder, e.g. preference_data.py), its loss, its
 evaluation and its packing capacity. The loop and the CLI reach a method only through this module.
 """
@@ -31,6 +31,7 @@ OBJECTIVES: dict[str, str] = {
     "dpo": "dpo:DPO",
     "ipo": "dpo:DPO",
     "ebft": "ebft:EBFT",  # strided EBFT (trainer/objectives/ebft_strided.py)
+    "ebft_structured": "ebft_structured:EBFTStructured",  # ebft.mode: structured, GRPO with feature-matching rewards
     "orpo": "orpo:ORPO",
     "simpo": "simpo:SimPO",
     "kto": "kto:KTO",
@@ -42,6 +43,8 @@ def objective_class(cfg: Config) -> type[Objective]:
     kind = "diffusion" if cfg.objective == "sft" and diffusion_enabled(cfg) else cfg.objective
     if kind == "sft" and cfg.processor_type:
         kind = "vision"
+    if kind == "ebft" and cfg.ebft is not None and cfg.ebft.mode == "structured":
+        kind = "ebft_structured"
     module, name = OBJECTIVES[kind].split(":")
     return getattr(importlib.import_module(f"trainer.objectives.{module}"), name)
 

@@ -1,7 +1,9 @@
 """rl: ebft datasets: each dataset's `type: module.function` is a transform, resolved as Axolotl does
 (prompt_strategies/base.py load, utils/data/rl.py _load_split): a module of that name importable from the
 config's directory or the working directory (e.g. the examples' ebft_pretrain.py next to the config) first,
-else the built-in strategy of that name (Axolotl's prompt_strategies/ebft: here ebft_strided_structured).
+else the built-in strategy of that name (Axolotl's prompt_strategies/ebft: here ebft_strided_structured; structured
+mode's ebft_opencode, ebft_chat_multiturn.transform_last_turn, ebft_reasoning.transform / transform_answer_only,
+whose rows are prompts for trainer/objectives/grpo_data.py).
 `function(cfg)` returns a row function (given tokenizer= when it takes one) or (function, map kwargs), with
 remove_columns "__all__" meaning every original column. Rows give input_ids, labels (default: input_ids) and
 optionally prompt_length.
@@ -10,6 +12,7 @@ optionally prompt_length.
 from __future__ import annotations
 
 import hashlib
+import re
 from pathlib import Path
 
 from trainer.batch.labels import IGNORE
@@ -45,6 +48,47 @@ def strided_structured(cfg, **_):
 
 
 BUILTIN = {"ebft_strided_structured.transform": strided_structured}
+
+
+# --- structured mode: rows {prompt (chat messages), ground_truth (the reference completion's text)} ------------------
+# Axolotl's prompt_strategies/ebft strategies of that mode, by behaviour (the multi-turn `transform`, whose
+# remaining_turns ask for sequential rollouts on a vLLM server, is not here).
+
+def opencode(cfg, **_):
+    """ebft_opencode.transform: OpenCodeInstruct's input as one user message, its output the ground truth."""
+    return (lambda example: {"prompt": [{"role": "user", "content": example["input"]}],
+                             "ground_truth": example["output"]}), {"remove_columns": "__all__"}
+
+
+def _messages(example) -> list[dict]:
+    return example.get("messages", example.get("conversations", [])) or []
+
+
+def _last_assistant(example, answer=lambda text: text) -> dict:
+    """The conversation before its last assistant turn as the prompt, that turn (through `answer`) the ground truth
+    (no assistant turn: every message but the last, and an empty ground truth)."""
+    messages = _messages(example)
+    last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
+    if last is None:
+        return {"prompt": list(messages[:-1]), "ground_truth": ""}
+    return {"prompt": list(messages[:last]), "ground_truth": answer(messages[last]["content"])}
+
+
+def last_turn(cfg, **_):
+    """ebft_chat_multiturn.transform_last_turn and ebft_reasoning.transform (the same split; thinking kept)."""
+    return _last_assistant, {"remove_columns": "__all__"}
+
+
+def answer_only(cfg, **_):
+    """ebft_reasoning.transform_answer_only: as last_turn, <think>...</think> blocks cut from the ground truth."""
+    def strip(text: str) -> str:
+        return re.sub(r"<think>.*?</think>\s*", "", text, flags=re.DOTALL).strip()
+
+    return (lambda example: _last_assistant(example, strip)), {"remove_columns": "__all__"}
+
+
+STRUCTURED = {"ebft_opencode.transform": opencode, "ebft_chat_multiturn.transform_last_turn": last_turn,
+              "ebft_reasoning.transform": last_turn, "ebft_reasoning.transform_answer_only": answer_only}
 
 
 def resolve(cfg, type_: str, key: str = "datasets.type"):

@@ -314,6 +314,10 @@ class GRPO(Objective):
         # trl.generation_kwargs over them, as TRL's GRPOTrainer updates its generation_kwargs
         return GenerationConfig(**{**settings, **(trl.generation_kwargs or {})}, num_return_sequences=self.G)
 
+    def completion_budget(self, examples: list[dict]) -> int:
+        """New tokens allowed to this generation batch's completions (structured EBFT narrows it per batch)."""
+        return self.trl.completion_length
+
     def trim(self, ids: list[int]) -> tuple[list[int], bool]:
         """(ids up to and with the first end-of-sequence token, truncated: no such token)."""
         end = next((i for i, t in enumerate(ids) if t in self.eos_ids), None)
@@ -325,7 +329,7 @@ class GRPO(Objective):
         if not examples:
             return []
         seed = ((self.seed * 1_000_003 + step) * 1_000_033 + examples[0]["index"]) % 2**31
-        got = self.server.generate([e["prompt_ids"] for e in examples], self.G, self.trl.completion_length, seed)
+        got = self.server.generate([e["prompt_ids"] for e in examples], self.G, self.completion_budget(examples), seed)
         ids, logprobs = got["completion_ids"], got.get("logprobs")
         if len(ids) != len(examples) * self.G:
             raise TrainingError(f"trl.use_vllm: the vLLM server returned {len(ids)} completions for {len(examples)} "
@@ -362,6 +366,8 @@ class GRPO(Objective):
             return self.generate_on_server(examples, step)
         device = next(model.parameters()).device
         config = self.generation_config()
+        if "max_new_tokens" not in (self.trl.generation_kwargs or {}):
+            config.max_new_tokens = self.completion_budget(examples)
         out = []
         devices = [device] if device.type == "cuda" else []
         was_training = model.training

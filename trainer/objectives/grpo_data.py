@@ -37,9 +37,9 @@ def reward_functions(cfg) -> list:
     return funcs
 
 
-def _transformed(cfg, i: int, ds, raw, tokenizer):
+def _transformed(cfg, i: int, ds, raw, tokenizer, builtin: dict | None = None):
     key = f"datasets.{i}.type"
-    factory, _ = user_code.find(ds.type, key, cfg._config_dir)
+    factory, _ = user_code.find(ds.type, key, cfg._config_dir, builtin)
     return user_code.transform(factory(cfg, dataset_idx=i), raw, tokenizer, key, desc=f"transforming {ds.path}")
 
 
@@ -53,18 +53,20 @@ def prompt_ids(prompt, tokenizer, template_kwargs: dict | None = None) -> list[i
     return list(tokenizer(prompt)["input_ids"])
 
 
-def prepare(cfg, tokenizer, log=print):
-    """Prepared(train rows {prompt_ids, length, row, index}, validation rows (val_set_size) or None, stats)."""
+def prepare(cfg, tokenizer, log=print, builtin: dict | None = None, columns: tuple[str, ...] = ("prompt",)):
+    """Prepared(train rows {prompt_ids, length, row, index}, validation rows (val_set_size) or None, stats).
+    builtin: transforms known by name (structured EBFT's strategies); columns: what each row must have after them."""
     # heavy: datasets loads only when this runs
     import datasets
 
     parts = []
     for i, ds in enumerate(cfg.datasets):
         raw = load_raw(ds, cfg.seed)
-        data = _transformed(cfg, i, ds, raw, tokenizer) if ds.type else raw
-        if "prompt" not in data.column_names:
-            raise DataError(f"datasets.{i}: rows have no 'prompt' column after {ds.type or 'loading'} "
-                            f"(columns: {', '.join(data.column_names)})")
+        data = _transformed(cfg, i, ds, raw, tokenizer, builtin) if ds.type else raw
+        for column in columns:
+            if column not in data.column_names:
+                raise DataError(f"datasets.{i}: rows have no {column!r} column after {ds.type or 'loading'} "
+                                f"(columns: {', '.join(data.column_names)})")
         parts.append(data)
     rows = [row for part in parts for row in part]
     kept, too_long = [], 0

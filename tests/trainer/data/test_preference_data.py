@@ -153,7 +153,7 @@ def test_rl_keys_with_axolotls_names_validate():
     ({**BASE, "rl": "kto"}, "not a KTO dataset type"),
     ({**BASE, "rl": "orpo", "dpo_loss_type": ["ipo"]}, "dpo_loss_type / dpo_loss_weights: only with rl: dpo"),
     ({**BASE, "rl": "dpo", "precompute_ref_log_probs": False}, "always computed once before training"),
-    ({**BASE, "rl": "dpo", "trl": {"beta": 0.1}}, "trl: configures rl: grpo or gdpo, not rl: dpo"),
+    ({**BASE, "rl": "dpo", "trl": {"beta": 0.1}}, "trl: configures rl: grpo, gdpo or ebft, not rl: dpo"),
 ])
 def test_bad_preference_configs_are_one_clear_error(raw, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):

@@ -275,7 +275,7 @@ def test_structured_rows_anchor_after_the_prompt_and_train_ce(ebft_config, tmp_p
 
 @pytest.mark.slow
 @pytest.mark.parametrize("block,message", [
-    ({"mode": "structured"}, "ebft.mode: structured"),
+    ({"feature_layers": [0.5, 2.0]}, "ebft.feature_layers"),
     ({"embed_method": "nonsense"}, "ebft.embed_method"),
     ({"embed_method": "concat"}, "ebft.embed_method: concat"),
     ({"context_length": 30}, "leaves no anchor"),
