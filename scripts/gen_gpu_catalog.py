@@ -204,7 +204,10 @@ def render(gpus_text: str, capture_text: str, pci_text: str) -> str:
     hand = gpus_text.split(BEGIN)[0].rstrip("\n") + "\n"
     made = generate(tomllib.loads(hand)["gpu"], read_tables(capture_text), pci_text)
     block = "\n\n".join(_toml(r) for r in made)
-    return f"{hand}\n{BEGIN}\n# {len(made)} rows; the tables as read: {CAPTURE.relative_to(ROOT)}\n\n{block}\n\n{END}\n"
+    about = (f"# {len(made)} rows; the tables as read: {CAPTURE.relative_to(ROOT)}. memory_gb only where the name states\n"
+             "# it (NVIDIA's tables give none). Jetson modules before Thor (compute capability < 11.0) run L4T: l4t,\n"
+             "# refused with l4t_note; Thor's Jetson T5000/T4000 run JetPack 7 (SBSA) and are planned as the AGX Thor\n")
+    return f"{hand}\n{BEGIN}\n{about}\n{block}\n\n{END}\n"
 
 
 def main(argv: list[str] | None = None) -> int:
