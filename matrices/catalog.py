@@ -40,7 +40,7 @@ def cc_tuple(cc: str) -> tuple[int, int]:
 
 # A plan's gpu.source when the GPU was named (--gpu, ENVTOOL_GPU) rather than found on the machine: such a plan is
 # for another machine, and what it says of "this machine" it says of the GPU named.
-NAMED_GPU_SOURCES = ("catalog", "compute-capability", "gfx-target", "ENVTOOL_GPU")
+NAMED_GPU_SOURCES = ("catalog", "catalog-family", "compute-capability", "gfx-target", "ENVTOOL_GPU")
 
 
 def cc_from_text(text: str) -> str | None:
@@ -126,6 +126,59 @@ def gpu_family(text: str, gpus: Iterable[Any]):
     other_size = stated is not None and own is not None and abs(stated - own) > max(1.0, 0.05 * own)
     same = not variant and not other_size
     return best, (stated if stated is not None else (own if same else None)), same
+
+
+# ---------------------------------------------------------------------------- families of NVIDIA names
+
+MODEL_TOKEN = re.compile(r"([a-z]*)(\d+)[a-z]*")
+
+
+def _family_keys(text: str) -> tuple[tuple, tuple] | None:
+    """(narrow, wide) family keys of a GPU's name, from its first word with a digit (its model number) and the words
+    before it (less "nvidia"): "GeForce RTX 5050" -> ((geforce, rtx), "", 4, "50") and ((geforce, rtx), "", 4);
+    "NVIDIA L40S" -> ((), "l", 2, "") and ((), "l", 2). None when the name has no model number."""
+    words = [w for w in re.split(r"[\s_\-/,()]+", text.strip().lower()) if w]
+    at = next((i for i, w in enumerate(words) if any(c.isdigit() for c in w)), None)
+    found = MODEL_TOKEN.fullmatch(words[at]) if at is not None else None
+    if found is None:
+        return None
+    letters, digits = found.groups()
+    wide = (tuple(w for w in words[:at] if w != "nvidia"), letters, len(digits))
+    return (*wide, digits[:-2] if len(digits) >= 3 else ""), wide
+
+
+def family_cc(text: str, gpus: Iterable[Any]) -> tuple[str, list[str]] | None:
+    """(compute capability, the catalog names it comes from) for an NVIDIA name the catalog lacks whose family the
+    catalog knows, else None. A family is the rows whose names share the words before the model number and the
+    model number's letters, length and leading digits ("GeForce RTX 50xx": every one is 12.0, so "GeForce RTX 5055"
+    is); where those leading digits match no row, a model number with letters is taken by letters and length alone
+    ("NVIDIA A800" -> the A100s' 8.0, "NVIDIA L20" -> the L40s' 8.9; not "GeForce GTX 1650", whose 16xx the catalog
+    lacks and whose 10xx are another architecture). Only when the family has two rows or more, all of one compute
+    capability (the B200 and B300 differ: "NVIDIA B100" is no family), and the model number two digits or more
+    ("Tesla T5" is no family of the T4); a bare model number ("A800") needs "NVIDIA" or the
+    family's series words, so another vendor's name is never taken. The families are the catalog's rows, which
+    scripts/gen_gpu_catalog.py keeps to NVIDIA's CUDA GPU tables: no family is typed."""
+    keys = _family_keys(text) if isinstance(text, str) else None
+    if keys is None or keys[1][2] < 2 or not (keys[1][0] or "nvidia" in text.lower().split()):
+        return None  # "Tesla T5": a one-digit model number is a product, not a line of them
+    rows = [(row, _family_keys(_get(row, "name"))) for row in gpus]
+    for level in (0, 1):
+        if level == 1 and not keys[1][1]:
+            break
+        members = [row for row, k in rows if k is not None and k[level] == keys[level]]
+        if members:
+            ccs = {_get(row, "compute_capability") for row in members}
+            return (ccs.pop(), [_get(row, "name") for row in members]) if len(ccs) == 1 and len(members) > 1 \
+                else None
+    return None
+
+
+def family_note(text: str, cc: str, members: list[str]) -> str:
+    """What a plan says of a GPU planned by its family."""
+    shown = ", ".join(members[:3]) + (f" and {len(members) - 3} more" if len(members) > 3 else "")
+    memory = "its memory as its name states it" if memory_in_name(text) is not None else "its memory is unknown"
+    return (f"{text.strip()!r} is not in the catalog: planned as compute capability {cc}, that of every catalog GPU "
+            f"of its family ({shown}); {memory}")
 
 
 def arch_for(cc: str, archs: Iterable[Any]):

@@ -33,7 +33,7 @@ class GpuSpec(NamedTuple):
     compute_capability: str | None
     arch: str  # NVIDIA: turing, ampere, ...; AMD: CDNA3, RDNA3, ...; Intel: its family; "cpu"
     memory_gb: float | None
-    source: str  # catalog | compute-capability | nvml | nvidia-smi | ENVTOOL_GPU | none | gfx-target | amd-smi ...
+    source: str  # catalog | catalog-family | compute-capability | nvml | nvidia-smi | ENVTOOL_GPU | none | gfx-target | amd-smi ...
     bf16: bool | None = False  # None: decided at run time (Intel XPU)
     fp8: bool = False
     count: int = 1
@@ -43,6 +43,7 @@ class GpuSpec(NamedTuple):
     fp8_format: str = ""  # AMD: "fnuz" (CDNA3) | "ocp"
     macos: str | None = None  # Apple: the macOS version detected (None: a named Mac)
     also: tuple[str, ...] = ()  # other GPUs detection found and the plan is not for (said in the reasons)
+    note: str = ""  # said after the target (a GPU planned by its family's compute capability)
 
     @property
     def is_cpu(self) -> bool:
@@ -76,8 +77,9 @@ class GpuSpec(NamedTuple):
         if not self.is_nvidia:
             device = {"rocm": "torch device 'cuda' under HIP", "xpu": "torch device 'xpu'", "mps": "torch device 'mps'"}
             return f"target: {count}{self.describe()}{memory}, {device[self.backend]} (from {self.source})"
+        note = f"; {self.note}" if self.note else ""
         return (f"target: {count}{self.describe()}, compute capability {self.compute_capability}{memory} "
-                f"(from {self.source})")
+                f"(from {self.source}){note}")
 
     def describe(self) -> str:
         if self.is_cpu:
@@ -174,6 +176,12 @@ def lookup(text: str, m: Matrix, source: str = "catalog", *, counts: bool = True
     other = vendors.lookup(text)
     if other is not None:
         return from_accelerator(other, source=source if source == GPU_ENV else None)
+    by_family = catalog.family_cc(text, m.gpus)
+    if by_family is not None:  # "NVIDIA L20": not a row, but every L4x row is 8.9
+        cc, members = by_family
+        gpu = from_cc(cc, m, name=text.strip(), memory_gb=catalog.memory_in_name(text),
+                      source="catalog-family" if source == "catalog" else source)
+        return gpu._replace(note=catalog.family_note(text, cc, members))
     hint = vendors.backend_hint(text)
     if hint:
         raise BadInput(hint)

@@ -47,8 +47,8 @@ class Gpu(NamedTuple):
     name: str
     aliases: list[str]
     compute_capability: str
-    memory_gb: float
     source: str
+    memory_gb: float | None = None  # None: no source gives it (NVIDIA's tables do not): detection reports it
     platforms: list[str] = ["x86_64", "aarch64"]  # host CPUs it comes with (GH200/GB200: aarch64)
     p2p: str | None = None  # "none": no GPU peer-to-peer (NCCL goes through host memory); None: not recorded
     p2p_hang_below_driver: str | None = None  # older drivers claim P2P the card does not have: NCCL hangs

@@ -90,7 +90,8 @@ def gpus_table(m: Matrix, console: Console | None = None) -> None:
         table.add_column(column)
     for g in m.gpus:
         arch = m.arch_for(g.compute_capability)
-        table.add_row(g.name, ", ".join(g.aliases), g.compute_capability, arch.name, f"{g.memory_gb:g} GB",
+        table.add_row(g.name, ", ".join(g.aliases), g.compute_capability, arch.name,
+                      f"{g.memory_gb:g} GB" if g.memory_gb else "unverified",
                       "yes" if arch.bf16 else "no", "yes" if arch.fp8 else "no")
     console.print(table)
     # start-up: resolver.vendors imported only when this runs

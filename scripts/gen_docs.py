@@ -59,7 +59,7 @@ PLAN_FIELDS: dict[str, tuple[str, str]] = {
     "gpu.arch": ("string", "\"turing\", \"CDNA3\", \"cpu\""),
     "gpu.count": ("integer", "GPUs of this kind"),
     "gpu.memory_gb": ("number or null", "memory per GPU"),
-    "gpu.source": ("string", "where the GPU was learnt: catalog, compute-capability, nvml, nvidia-smi, ENVTOOL_GPU, "
+    "gpu.source": ("string", "where the GPU was learnt: catalog, catalog-family, compute-capability, nvml, nvidia-smi, ENVTOOL_GPU, "
                              "none; gfx-target, amd-smi, rocminfo, kfd, rocm-smi, xpu-smi, pci, platform"),
     "gpu.bf16": ("bool or null", "native bf16; null: decided at run time (Intel)"),
     "gpu.vendor": ("string", "`nvidia`, `amd`, `intel`, `apple`, `cpu` (1.2)"),

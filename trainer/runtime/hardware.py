@@ -159,6 +159,10 @@ def gpu_from_name(name: str) -> Gpu:
         vendor, found, target = other
         return Gpu(name=found, compute_capability=None, source="--gpu", vendor=vendor, target=target,
                    bf16_native=vendors.bf16(vendor, target))
+    by_family = catalog.family_cc(name, facts.rows("gpus", "gpu"))
+    if by_family is not None:  # "NVIDIA L20": not a row, but every L4x row is 8.9 (the resolver's rule)
+        return Gpu(name=name.strip(), compute_capability=by_family[0], source="--gpu",
+                   memory_gb=catalog.memory_in_name(name))
 
     aliases = sorted({catalog.normalize_name(a) for g in facts.rows("gpus", "gpu") for a in g["aliases"]})
     close = difflib.get_close_matches(catalog.normalize_name(name), aliases, n=3, cutoff=0.5)
