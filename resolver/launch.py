@@ -923,8 +923,8 @@ def next_commands(training: Training) -> list[dict]:
     steps = [step for step in steps if step.args[0] not in lacking]
     if launch.kind == "active":  # the active environment was judged on training's packages only: say what to add
         missing = {}
-        for n in after:
-            if not _installed(n.package):
+        for n in after:  # (a package the plan leaves out: its step is not printed, above; vllm's server is no step)
+            if n.package in training.plan.packages and not _installed(n.package):
                 missing.setdefault(n.step, []).append(f"{n.package}=={training.plan.packages[n.package]}")
         steps = [step._replace(what=f"{step.what} (this environment lacks {', '.join(missing[step.args[0]])}: "
                                     f"pip install {' '.join(missing[step.args[0]])} first)")

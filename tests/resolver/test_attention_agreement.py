@@ -76,7 +76,7 @@ def test_train_dry_run_plans_what_resolve_plans_unless_the_config_pins_it_and_th
     targets = table_targets()
     assert {t.gpu for t in targets} >= {"t4", "a100", "h100", "cpu"} and any(t.driver for t in targets), targets
     resolved = {t: one_plan(t) for t in targets}
-    pairs, agree, pinned, model, refused, unread = 0, 0, 0, 0, 0, 0
+    pairs, agree, pinned, model, served, refused, unread = 0, 0, 0, 0, 0, 0, 0
     disagreements = []
     generic = 0  # flash_attention: true pairs (they must agree: nothing is pinned)
     for path in CONFIGS:
@@ -100,13 +100,15 @@ def test_train_dry_run_plans_what_resolve_plans_unless_the_config_pins_it_and_th
                 pinned += 1
             elif cfg.asks_flash_kernels and any(f"base_model {cfg.base_model}" in r for r in plan.reasons):
                 model += 1
+            elif any(f"trl.use_vllm: true in {path} needs (its Requires-Dist pins torch" in r for r in plan.reasons):
+                served += 1  # GRPO's vLLM server: its wheel pins the torch the plan takes, and the plan says so
             else:
                 disagreements.append(f"{path.relative_to(REPO)} --gpu {target.gpu} --driver {target.driver}: "
                                      f"{family(plan)} vs resolve's {family(resolved[target])} ({key or 'no key'})")
     print(f"\n{len(CONFIGS)} configs ({unread} refused by the reader) x {len(targets)} targets: {pairs} pairs planned "
           f"({refused} refused by the dry-run): {agree} agree, {pinned} differ by a pinned key the plan names, {model} "
-          f"by the model's needs the plan names; {len(disagreements)} unexplained; {generic} pairs of "
-          f"flash_attention: true")
+          f"by the model's needs the plan names, {served} by vLLM's torch pin; {len(disagreements)} unexplained; "
+          f"{generic} pairs of flash_attention: true")
     assert not disagreements, "\n".join(disagreements)
     assert pairs >= 500 and generic >= 100 and pinned > 0  # the corpus exercises all three ways
 

@@ -249,8 +249,9 @@ def test_sonicmoe_is_planned_exactly_where_the_trainer_runs_it(tmp_path):
     cfg, notes = read_config(path)
     m = load()
     seen = set()
-    for gpu in ("h100", "b200", "gh200", "a100", "l4", "cpu"):
-        plan = plan_for_config(cfg, notes, path, PlanOptions(gpu=gpu, python="3.11", platform="x86_64")).plan
+    for gpu, platform in (("h100", "x86_64"), ("b200", "x86_64"), ("gh200", "aarch64"), ("a100", "x86_64"),
+                          ("l4", "x86_64"), ("cpu", "x86_64")):
+        plan = plan_for_config(cfg, notes, path, PlanOptions(gpu=gpu, python="3.11", platform=platform)).plan
         runs = expert_kernels.choose(cfg, gpu_from_name(gpu)).runs == "sonicmoe"
         planned = {"kernels", "nvidia-cutlass-dsl", "apache-tvm-ffi"} & set(plan.packages)
         assert planned == ({"kernels", "nvidia-cutlass-dsl", "apache-tvm-ffi"} if runs else set()), (gpu, planned)

@@ -268,6 +268,7 @@ def test_experts_implementation_is_set_on_the_model_and_each_computes_the_same(t
             logits[impl] = model(input_ids=ids).logits
     for impl in ("batched_mm", "grouped_mm"):
         assert torch.allclose(logits[impl], logits["eager"], rtol=1e-5, atol=1e-6), impl
+    capsys.readouterr()  # (the loads' progress bars)
     assert main(["validate", str(moe_config(tmp_path, tiny_mixtral, experts_implementation="fastest"))]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "experts_implementation: 'fastest' is not one of eager, batched_mm" in err[0], err
